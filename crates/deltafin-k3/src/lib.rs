@@ -1,0 +1,6 @@
+//! `deltafin-k3`: the Kimi K3 text model.
+//!
+//! Configuration (`config.json`), the expected tensor inventory and checkpoint reading,
+//! the model blocks one per file (KDA, gated MLA, Attention Residuals, router, latent MoE,
+//! SiTU-GLU), the tiktoken-based tokenizer, the XTML chat template, and greedy generation.
+//! All sizes come from `config.json`; nothing is hard-coded to the released dimensions.

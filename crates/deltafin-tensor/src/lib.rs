@@ -1,0 +1,22 @@
+//! `deltafin-tensor`: the bottom of the deltafin stack.
+//!
+//! It knows how weights are laid out in bytes and nothing about any model:
+//! element types ([`DType`], bf16, f32, MXFP4 E2M1/E8M0, row-int8), reference-counted
+//! byte ranges over memory-mapped files or owned buffers ([`Bytes`]), typed matrix views
+//! that kernels consume ([`Bf16Matrix`], [`Mxfp4Matrix`]), and the safetensors
+//! container format (header parsing and validation of sharded checkpoints).
+//!
+//! Everything that reads file data returns a [`TensorError`] naming the file and tensor
+//! at fault; nothing here panics on malformed input.
+
+pub mod dtype;
+pub mod error;
+pub mod matrix;
+pub mod mxfp4;
+pub mod storage;
+
+pub use dtype::DType;
+pub use error::TensorError;
+pub use half::bf16;
+pub use matrix::{Bf16Matrix, Mxfp4Matrix};
+pub use storage::Bytes;

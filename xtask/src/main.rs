@@ -1,0 +1,3 @@
+//! `cargo xtask`: developer tasks (checkpoint synthesis, conversions).
+
+fn main() {}
