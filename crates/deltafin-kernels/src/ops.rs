@@ -1,0 +1,181 @@
+//! Element-wise operations in f32 (k3-model.md §4.0, §4.8).
+
+/// Sum of squares with independent accumulators (fixed order).
+#[inline]
+fn sum_sq(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let main = x.len() - x.len() % 8;
+    for c in (0..main).step_by(8) {
+        for k in 0..8 {
+            acc[k] += x[c + k] * x[c + k];
+        }
+    }
+    let tail: f32 = x[main..].iter().map(|v| v * v).sum();
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `out = w ⊙ x / √(mean(x²) + eps)`.
+///
+/// # Panics
+/// If `x`, `w`, `out` differ in length.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), w.len(), "rms_norm: weight length");
+    assert_eq!(x.len(), out.len(), "rms_norm: output length");
+    let inv = 1.0 / (sum_sq(x) / x.len() as f32 + eps).sqrt();
+    for ((o, &v), &wi) in out.iter_mut().zip(x).zip(w) {
+        *o = wi * (v * inv);
+    }
+}
+
+/// In-place [`rms_norm`].
+///
+/// # Panics
+/// If `x` and `w` differ in length.
+pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    assert_eq!(x.len(), w.len(), "rms_norm_inplace: weight length");
+    let inv = 1.0 / (sum_sq(x) / x.len() as f32 + eps).sqrt();
+    for (v, &wi) in x.iter_mut().zip(w) {
+        *v = wi * (*v * inv);
+    }
+}
+
+/// `σ(x) = 1 / (1 + e^(−x))`.
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `SiLU(x) = x · σ(x)`.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// Numerically stable softmax in place (max subtracted). An empty slice is left as is.
+pub fn softmax_inplace(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        // All −∞ (or empty / NaN): nothing sensible to normalise; leave NaN to propagate.
+        if x.is_empty() || max.is_nan() {
+            return;
+        }
+    }
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// SiTU-GLU (k3-model.md §4.8): `out = [β₁·tanh(g/β₁)·σ(g)] · [β₂·tanh(u/β₂)]`; σ takes the
+/// raw `g`.
+///
+/// # Panics
+/// If `g`, `u`, `out` differ in length.
+pub fn situ_glu(g: &[f32], u: &[f32], beta1: f32, beta2: f32, out: &mut [f32]) {
+    assert_eq!(g.len(), u.len(), "situ_glu: up length");
+    assert_eq!(g.len(), out.len(), "situ_glu: output length");
+    for ((o, &gi), &ui) in out.iter_mut().zip(g).zip(u) {
+        let gate = beta1 * (gi / beta1).tanh() * sigmoid(gi);
+        let up = beta2 * (ui / beta2).tanh();
+        *o = gate * up;
+    }
+}
+
+/// `x ← x / √(Σ x² + eps)` (FLA `l2norm`: the epsilon is inside the root).
+pub fn l2_normalize(x: &mut [f32], eps: f32) {
+    let inv = 1.0 / (sum_sq(x) + eps).sqrt();
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// Index of the first maximum (torch `argmax` semantics; a NaN counts as the maximum).
+/// `None` for an empty slice.
+pub fn argmax(x: &[f32]) -> Option<usize> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in x.iter().enumerate() {
+        if v.is_nan() {
+            return Some(i);
+        }
+        match best {
+            Some((_, b)) if v <= b => {}
+            _ => best = Some((i, v)),
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f32, b: f64, rel: f64) {
+        assert!(
+            (a as f64 - b).abs() <= rel * b.abs().max(1e-30) + 1e-12,
+            "{a} vs {b}"
+        );
+    }
+
+    #[test]
+    fn rms_norm_matches_f64() {
+        let x: Vec<f32> = (0..37).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.3).collect();
+        let w: Vec<f32> = (0..37).map(|i| 0.5 + i as f32 * 0.01).collect();
+        let mut out = vec![0f32; 37];
+        rms_norm(&x, &w, 1e-5, &mut out);
+        let ms: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / 37.0;
+        for i in 0..37 {
+            close(out[i], w[i] as f64 * x[i] as f64 / (ms + 1e-5).sqrt(), 1e-6);
+        }
+        let mut y = x.clone();
+        rms_norm_inplace(&mut y, &w, 1e-5);
+        assert_eq!(y, out);
+    }
+
+    #[test]
+    fn softmax_and_argmax() {
+        let mut x = vec![1.0f32, 3.0, 3.0, -2.0, 1000.0];
+        assert_eq!(argmax(&x), Some(4));
+        x[4] = 0.0;
+        assert_eq!(argmax(&x), Some(1), "first index of the maximum");
+        assert_eq!(argmax(&[]), None);
+        softmax_inplace(&mut x);
+        let e: Vec<f64> = [1.0f64, 3.0, 3.0, -2.0, 0.0].iter().map(|v| v.exp()).collect();
+        let s: f64 = e.iter().sum();
+        for i in 0..5 {
+            close(x[i], e[i] / s, 1e-6);
+        }
+        let mut big = vec![1000.0f32, 1001.0];
+        softmax_inplace(&mut big);
+        close(big[1], 1.0 / (1.0 + (-1.0f64).exp()), 1e-6);
+    }
+
+    #[test]
+    fn situ_matches_definition() {
+        let g = [-30.0f32, -1.0, 0.0, 0.3, 2.0, 9.0];
+        let u = [100.0f32, -0.5, 3.0, -40.0, 0.1, 25.0];
+        let mut out = [0f32; 6];
+        situ_glu(&g, &u, 4.0, 25.0, &mut out);
+        for i in 0..6 {
+            let (gd, ud) = (g[i] as f64, u[i] as f64);
+            let want =
+                4.0 * (gd / 4.0).tanh() / (1.0 + (-gd).exp()) * (25.0 * (ud / 25.0).tanh());
+            close(out[i], want, 1e-6);
+        }
+        close(silu(2.0), 2.0 / (1.0 + (-2.0f64).exp()), 1e-6);
+    }
+
+    #[test]
+    fn l2_eps_inside_root() {
+        let mut x = vec![3.0f32, 4.0];
+        l2_normalize(&mut x, 1e-6);
+        close(x[0], 3.0 / (25.0f64 + 1e-6).sqrt(), 1e-7);
+        let mut z = vec![0f32; 3];
+        l2_normalize(&mut z, 1e-6);
+        assert_eq!(z, vec![0.0; 3]);
+    }
+}
