@@ -4,3 +4,16 @@
 //! the model blocks one per file (KDA, gated MLA, Attention Residuals, router, latent MoE,
 //! SiTU-GLU), the tiktoken-based tokenizer, the XTML chat template, and greedy generation.
 //! All sizes come from `config.json`; nothing is hard-coded to the released dimensions.
+
+pub mod attn_res;
+pub mod dims;
+pub mod kda;
+pub mod mla;
+pub mod model;
+pub mod moe;
+pub mod norm;
+pub mod router;
+pub mod situ;
+pub mod state;
+#[cfg(test)]
+mod test_util;

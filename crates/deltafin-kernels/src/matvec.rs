@@ -323,8 +323,13 @@ mod tests {
     #[test]
     fn bf16_matches_f64_on_odd_sizes() {
         let mut rng = Rng(0x9e3779b97f4a7c15);
-        for &(rows, cols, n) in &[(1, 1, 1), (7, 13, 3), (33, 65, 5), (300, 517, 9), (1024, 96, 4)]
-        {
+        for &(rows, cols, n) in &[
+            (1, 1, 1),
+            (7, 13, 3),
+            (33, 65, 5),
+            (300, 517, 9),
+            (1024, 96, 4),
+        ] {
             let w = rand_bf16(&mut rng, rows, cols);
             let xs: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
             let mut ys = vec![0f32; n * rows];
@@ -334,8 +339,8 @@ mod tests {
                 let mut want = vec![0f64; rows];
                 let mut mag = vec![0f64; rows];
                 for r in 0..rows {
-                    for c in 0..cols {
-                        let p = w.row(r)[c].to_f64() * x[c] as f64;
+                    for (wv, &xv) in w.row(r).iter().zip(x) {
+                        let p = wv.to_f64() * xv as f64;
                         want[r] += p;
                         mag[r] += p.abs();
                     }
@@ -343,7 +348,11 @@ mod tests {
                 let mut y = vec![0f32; rows];
                 matvec_bf16(&w, x, &mut y);
                 check(&y, &want, &mag);
-                assert_eq!(&ys[b * rows..(b + 1) * rows], &y[..], "batched row {b} differs");
+                assert_eq!(
+                    &ys[b * rows..(b + 1) * rows],
+                    &y[..],
+                    "batched row {b} differs"
+                );
             }
         }
     }
@@ -372,7 +381,11 @@ mod tests {
                 let mut y = vec![0f32; rows];
                 matvec_mxfp4(&w, x, &mut y);
                 check(&y, &want, &mag);
-                assert_eq!(&ys[b * rows..(b + 1) * rows], &y[..], "batched row {b} differs");
+                assert_eq!(
+                    &ys[b * rows..(b + 1) * rows],
+                    &y[..],
+                    "batched row {b} differs"
+                );
             }
         }
     }

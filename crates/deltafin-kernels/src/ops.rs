@@ -144,7 +144,10 @@ mod tests {
         assert_eq!(argmax(&x), Some(1), "first index of the maximum");
         assert_eq!(argmax(&[]), None);
         softmax_inplace(&mut x);
-        let e: Vec<f64> = [1.0f64, 3.0, 3.0, -2.0, 0.0].iter().map(|v| v.exp()).collect();
+        let e: Vec<f64> = [1.0f64, 3.0, 3.0, -2.0, 0.0]
+            .iter()
+            .map(|v| v.exp())
+            .collect();
         let s: f64 = e.iter().sum();
         for i in 0..5 {
             close(x[i], e[i] / s, 1e-6);
@@ -162,8 +165,7 @@ mod tests {
         situ_glu(&g, &u, 4.0, 25.0, &mut out);
         for i in 0..6 {
             let (gd, ud) = (g[i] as f64, u[i] as f64);
-            let want =
-                4.0 * (gd / 4.0).tanh() / (1.0 + (-gd).exp()) * (25.0 * (ud / 25.0).tanh());
+            let want = 4.0 * (gd / 4.0).tanh() / (1.0 + (-gd).exp()) * (25.0 * (ud / 25.0).tanh());
             close(out[i], want, 1e-6);
         }
         close(silu(2.0), 2.0 / (1.0 + (-2.0f64).exp()), 1e-6);

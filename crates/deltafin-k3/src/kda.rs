@@ -1,0 +1,640 @@
+//! Kimi Delta Attention (k3-model.md §4.3).
+//!
+//! Per token `y` (already normalised by `input_layernorm`), heads `h`, channel `c = d·h + i`:
+//!
+//! 1. `q̃, k̃, ṽ = W_q y, W_k y, W_v y`;
+//! 2. causal depthwise conv (kernel K, f32 taps, tap K−1 on the current token), then SiLU;
+//! 3. `g_c = lower_bound · σ(e^{A_log[h]} · ((W_fb W_fa y)_c + dt_bias_c))`, decay `α = e^g`;
+//! 4. `β_h = σ((W_b y)_h)`;
+//! 5. `q̂_h = q_h / √(Σq_h² + ε) · d^(−1/2)`, `k̂_h = k_h / √(Σk_h² + ε)`;
+//! 6. `S′ = diag(α) S`, `u = β (v − S′ᵀ k̂)`, `S = S′ + k̂ uᵀ`, `o = Sᵀ q̂`;
+//! 7. `o′_h = w_onorm ⊙ o_h / √(mean(o_h²) + ε) ⊙ σ((W_g y)_h)`;
+//! 8. `out = W_o concat_h(o′_h)`.
+//!
+//! Two equivalent evaluations of step 6: [`KdaWeights::decode_step`] runs the recurrence, and
+//! [`KdaWeights::prefill`] runs the chunked form (chunk length `kda_chunk`), in which every
+//! exponent is a partial sum of `g ≤ 0` over a range of positions — `Γ_i − Γ_j` is formed as
+//! the sum of the `g` between `j` and `i` before exponentiating, so nothing ever overflows and
+//! `e^{Γ}` of a long range underflows only towards its true, negligible value.
+
+use crate::dims::ModelDims;
+use deltafin_kernels::{l2_normalize, matmul_bf16, sigmoid, silu};
+use deltafin_tensor::Bf16Matrix;
+use rayon::prelude::*;
+
+/// Weights of one KDA layer (`model.layers.N.self_attn.*`), bf16 matrices and f32 vectors.
+#[derive(Clone, Debug)]
+pub struct KdaWeights {
+    /// `q_proj.weight` `[H·d, D]`.
+    pub q_proj: Bf16Matrix,
+    /// `k_proj.weight` `[H·d, D]`.
+    pub k_proj: Bf16Matrix,
+    /// `v_proj.weight` `[H·d, D]`.
+    pub v_proj: Bf16Matrix,
+    /// `q_conv1d.weight` `[H·d, 1, K]` flattened: tap `j` of channel `c` at `c·K + j`.
+    pub q_conv: Vec<f32>,
+    /// `k_conv1d.weight`, layout as `q_conv`.
+    pub k_conv: Vec<f32>,
+    /// `v_conv1d.weight`, layout as `q_conv`.
+    pub v_conv: Vec<f32>,
+    /// `f_a_proj.weight` `[r, D]` (gate low-rank down).
+    pub f_a_proj: Bf16Matrix,
+    /// `f_b_proj.weight` `[H·d, r]` (gate low-rank up).
+    pub f_b_proj: Bf16Matrix,
+    /// `b_proj.weight` `[H, D]` (write strength β).
+    pub b_proj: Bf16Matrix,
+    /// `A_log`: one scalar per head in entries `0..H` (the checkpoint pads to 128 with zeros;
+    /// entries past `H` are not read).
+    pub a_log: Vec<f32>,
+    /// `dt_bias` `[H·d]`.
+    pub dt_bias: Vec<f32>,
+    /// `g_proj.weight` `[H·d, D]` (full-rank output gate).
+    pub g_proj: Bf16Matrix,
+    /// `o_norm.weight` `[d]`, shared by all heads.
+    pub o_norm: Vec<f32>,
+    /// `o_proj.weight` `[D, H·d]`.
+    pub o_proj: Bf16Matrix,
+}
+
+/// Per-sequence state of one KDA layer (f32).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KdaState {
+    /// Recurrent states `S_h`, `[H, d (key), d (value)]`, row = key channel.
+    pub recurrent: Vec<f32>,
+    /// Pre-convolution inputs of the last `K − 1` tokens: `[3 (q,k,v), K − 1, H·d]`, oldest
+    /// first; zero before the start of the sequence.
+    pub conv: Vec<f32>,
+}
+
+impl KdaState {
+    /// Zero state for a new sequence.
+    pub fn new(dims: &ModelDims) -> KdaState {
+        KdaState {
+            recurrent: vec![0.0; dims.kda_recurrent_values()],
+            conv: vec![0.0; dims.kda_conv_values()],
+        }
+    }
+}
+
+/// Per-token inputs of the recurrence, rows of `H·d` (β: rows of `H`).
+struct Prepared {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+    gate: Vec<f32>,
+}
+
+/// Causal depthwise conv + SiLU over `t` new rows of width `p`, continuing from `hist`
+/// (`K − 1` rows) and leaving the last `K − 1` inputs in `hist`.
+fn conv_silu(
+    pre: &[f32],
+    taps: &[f32],
+    hist: &mut [f32],
+    t: usize,
+    p: usize,
+    k: usize,
+) -> Vec<f32> {
+    let km1 = k - 1;
+    let row = |tau: usize| -> &[f32] {
+        if tau < km1 {
+            &hist[tau * p..(tau + 1) * p]
+        } else {
+            &pre[(tau - km1) * p..(tau - km1 + 1) * p]
+        }
+    };
+    let mut out = vec![0f32; t * p];
+    for (ti, o) in out.chunks_exact_mut(p).enumerate() {
+        for j in 0..k {
+            // Input at time ti − (K−1) + j is concatenated row ti + j.
+            let x = row(ti + j);
+            for c in 0..p {
+                o[c] += taps[c * k + j] * x[c];
+            }
+        }
+        for v in o.iter_mut() {
+            *v = silu(*v);
+        }
+    }
+    let mut new_hist = vec![0f32; km1 * p];
+    for r in 0..km1 {
+        new_hist[r * p..(r + 1) * p].copy_from_slice(row(t + r));
+    }
+    hist.copy_from_slice(&new_hist);
+    out
+}
+
+impl KdaWeights {
+    /// Steps 1–5 and the gate projection of step 7 for `t` rows.
+    fn prepare(&self, dims: &ModelDims, y: &[f32], t: usize, state: &mut KdaState) -> Prepared {
+        let (h, d) = (dims.kda_heads, dims.kda_head_dim);
+        let p = h * d;
+        let km1 = dims.conv_kernel - 1;
+        let proj = |w: &Bf16Matrix| {
+            let mut out = vec![0f32; t * w.rows()];
+            matmul_bf16(w, y, t, &mut out);
+            out
+        };
+        let (qt, kt, vt) = (proj(&self.q_proj), proj(&self.k_proj), proj(&self.v_proj));
+        let (hq, rest) = state.conv.split_at_mut(km1 * p);
+        let (hk, hv) = rest.split_at_mut(km1 * p);
+        let kk = dims.conv_kernel;
+        let mut q = conv_silu(&qt, &self.q_conv, hq, t, p, kk);
+        let mut k = conv_silu(&kt, &self.k_conv, hk, t, p, kk);
+        let v = conv_silu(&vt, &self.v_conv, hv, t, p, kk);
+
+        let fa = proj(&self.f_a_proj);
+        let mut g = vec![0f32; t * p];
+        matmul_bf16(&self.f_b_proj, &fa, t, &mut g);
+        for row in g.chunks_exact_mut(p) {
+            for (c, gc) in row.iter_mut().enumerate() {
+                let a = self.a_log[c / d].exp();
+                *gc = dims.gate_lower_bound * sigmoid(a * (*gc + self.dt_bias[c]));
+            }
+        }
+        let mut beta = proj(&self.b_proj);
+        for b in beta.iter_mut() {
+            *b = sigmoid(*b);
+        }
+        let qscale = 1.0 / (d as f32).sqrt();
+        for head in q.chunks_exact_mut(d) {
+            l2_normalize(head, dims.kda_l2_eps);
+            for x in head.iter_mut() {
+                *x *= qscale;
+            }
+        }
+        for head in k.chunks_exact_mut(d) {
+            l2_normalize(head, dims.kda_l2_eps);
+        }
+        let gate = proj(&self.g_proj);
+        Prepared {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            gate,
+        }
+    }
+
+    /// Steps 7–8: gated output norm per head, then `o_proj`.
+    fn finish(&self, dims: &ModelDims, mut o: Vec<f32>, gate: &[f32], t: usize) -> Vec<f32> {
+        let d = dims.kda_head_dim;
+        for (oh, gh) in o.chunks_exact_mut(d).zip(gate.chunks_exact(d)) {
+            let ms = oh.iter().map(|x| x * x).sum::<f32>() / d as f32;
+            let inv = 1.0 / (ms + dims.kda_o_norm_eps).sqrt();
+            for i in 0..d {
+                oh[i] = self.o_norm[i] * (oh[i] * inv) * sigmoid(gh[i]);
+            }
+        }
+        let mut out = vec![0f32; t * self.o_proj.rows()];
+        matmul_bf16(&self.o_proj, &o, t, &mut out);
+        out
+    }
+
+    /// Run every head (in parallel) and gather the per-head outputs into rows of `H·d`.
+    fn run_heads(
+        &self,
+        dims: &ModelDims,
+        prep: &Prepared,
+        t: usize,
+        state: &mut KdaState,
+        chunked: bool,
+    ) -> Vec<f32> {
+        let (h, d) = (dims.kda_heads, dims.kda_head_dim);
+        let p = h * d;
+        let per_head: Vec<Vec<f32>> = state
+            .recurrent
+            .par_chunks_mut(d * d)
+            .enumerate()
+            .map(|(hi, s)| {
+                let io = HeadIo {
+                    prep,
+                    off: hi * d,
+                    head: hi,
+                    heads: h,
+                    p,
+                    d,
+                };
+                if chunked {
+                    io.chunked(s, t, dims.kda_chunk)
+                } else {
+                    io.recurrent(s, t)
+                }
+            })
+            .collect();
+        let mut o = vec![0f32; t * p];
+        for (hi, oh) in per_head.iter().enumerate() {
+            for ti in 0..t {
+                o[ti * p + hi * d..ti * p + (hi + 1) * d]
+                    .copy_from_slice(&oh[ti * d..(ti + 1) * d]);
+            }
+        }
+        o
+    }
+
+    /// One token through the layer with the recurrent form (decode). `y` has width D.
+    pub fn decode_step(&self, dims: &ModelDims, y: &[f32], state: &mut KdaState) -> Vec<f32> {
+        let prep = self.prepare(dims, y, 1, state);
+        let o = self.run_heads(dims, &prep, 1, state, false);
+        self.finish(dims, o, &prep.gate, 1)
+    }
+
+    /// `t` tokens through the layer with the chunked form (prefill). `y` holds `t` rows of D.
+    pub fn prefill(&self, dims: &ModelDims, y: &[f32], t: usize, state: &mut KdaState) -> Vec<f32> {
+        let prep = self.prepare(dims, y, t, state);
+        let o = self.run_heads(dims, &prep, t, state, true);
+        self.finish(dims, o, &prep.gate, t)
+    }
+
+    /// [`Self::decode_step`] for one row, [`Self::prefill`] otherwise (the reference's mode
+    /// selection).
+    pub fn forward(&self, dims: &ModelDims, y: &[f32], t: usize, state: &mut KdaState) -> Vec<f32> {
+        if t == 1 {
+            self.decode_step(dims, y, state)
+        } else {
+            self.prefill(dims, y, t, state)
+        }
+    }
+}
+
+/// Accessors for one head's slice of the prepared rows.
+struct HeadIo<'a> {
+    prep: &'a Prepared,
+    off: usize,
+    head: usize,
+    heads: usize,
+    p: usize,
+    d: usize,
+}
+
+impl HeadIo<'_> {
+    fn q(&self, i: usize) -> &[f32] {
+        &self.prep.q[i * self.p + self.off..i * self.p + self.off + self.d]
+    }
+    fn k(&self, i: usize) -> &[f32] {
+        &self.prep.k[i * self.p + self.off..i * self.p + self.off + self.d]
+    }
+    fn v(&self, i: usize) -> &[f32] {
+        &self.prep.v[i * self.p + self.off..i * self.p + self.off + self.d]
+    }
+    fn g(&self, i: usize) -> &[f32] {
+        &self.prep.g[i * self.p + self.off..i * self.p + self.off + self.d]
+    }
+    fn beta(&self, i: usize) -> f32 {
+        self.prep.beta[i * self.heads + self.head]
+    }
+
+    /// The delta rule token by token; returns `t` rows of `d`.
+    fn recurrent(&self, s: &mut [f32], t: usize) -> Vec<f32> {
+        let d = self.d;
+        let mut o = vec![0f32; t * d];
+        let mut u = vec![0f32; d];
+        for ti in 0..t {
+            let (q, k, v, g, beta) = (
+                self.q(ti),
+                self.k(ti),
+                self.v(ti),
+                self.g(ti),
+                self.beta(ti),
+            );
+            // S′ = diag(α) S;  u = β (v − S′ᵀ k̂)
+            u.copy_from_slice(v);
+            for r in 0..d {
+                let alpha = g[r].exp();
+                let row = &mut s[r * d..(r + 1) * d];
+                for (x, ui) in row.iter_mut().zip(u.iter_mut()) {
+                    *x *= alpha;
+                    *ui -= k[r] * *x;
+                }
+            }
+            for ui in u.iter_mut() {
+                *ui *= beta;
+            }
+            // S = S′ + k̂ uᵀ;  o = Sᵀ q̂
+            let oi = &mut o[ti * d..(ti + 1) * d];
+            for r in 0..d {
+                let row = &mut s[r * d..(r + 1) * d];
+                for ((x, &ui), oc) in row.iter_mut().zip(u.iter()).zip(oi.iter_mut()) {
+                    *x += k[r] * ui;
+                    *oc += q[r] * *x;
+                }
+            }
+        }
+        o
+    }
+
+    /// The chunked form; returns `t` rows of `d`. See the module docs for the exponents.
+    fn chunked(&self, s: &mut [f32], t: usize, chunk: usize) -> Vec<f32> {
+        let d = self.d;
+        let mut o = vec![0f32; t * d];
+        let mut u = vec![0f32; chunk * d]; // pseudo values Ṽ of the current chunk
+        let mut eg = vec![0f32; chunk * d]; // e^{Γ_i}, Γ measured from the chunk start
+        let mut gam = vec![0f32; d];
+        let mut dsum = vec![0f32; d];
+        let mut arow = vec![0f32; chunk];
+        let mut brow = vec![0f32; chunk];
+        let mut x = vec![0f32; d];
+        let mut acc = vec![0f32; d];
+        for c0 in (0..t).step_by(chunk) {
+            let cl = chunk.min(t - c0);
+            gam.fill(0.0);
+            for i in 0..cl {
+                let gi = self.g(c0 + i);
+                for c in 0..d {
+                    gam[c] += gi[c];
+                    eg[i * d + c] = gam[c].exp();
+                }
+            }
+            for i in 0..cl {
+                let (qi, ki) = (self.q(c0 + i), self.k(c0 + i));
+                // A_ij = Σ_c k̂_i k̂_j e^{Γ_i − Γ_j},  B_ij = Σ_c q̂_i k̂_j e^{Γ_i − Γ_j}  (j < i),
+                // with Γ_i − Γ_j = Σ_{j < s ≤ i} g_s accumulated directly.
+                dsum.fill(0.0);
+                for j in (0..i).rev() {
+                    let gs = self.g(c0 + j + 1);
+                    let kj = self.k(c0 + j);
+                    let (mut a, mut b) = (0f32, 0f32);
+                    for c in 0..d {
+                        dsum[c] += gs[c];
+                        let ke = kj[c] * dsum[c].exp();
+                        a += ki[c] * ke;
+                        b += qi[c] * ke;
+                    }
+                    arow[j] = a;
+                    brow[j] = b;
+                }
+                brow[i] = qi.iter().zip(ki).map(|(a, b)| a * b).sum();
+                // u_i = β_i (v_i − S₀ᵀ(e^{Γ_i} ⊙ k̂_i) − Σ_{j<i} A_ij u_j)   (forward substitution)
+                let egi = &eg[i * d..(i + 1) * d];
+                for c in 0..d {
+                    x[c] = egi[c] * ki[c];
+                }
+                st_times(s, &x, &mut acc, d);
+                let vi = self.v(c0 + i);
+                let beta = self.beta(c0 + i);
+                let (done, rest) = u.split_at_mut(i * d);
+                let ui = &mut rest[..d];
+                for c in 0..d {
+                    ui[c] = vi[c] - acc[c];
+                }
+                for (j, uj) in done.chunks_exact(d).enumerate() {
+                    for c in 0..d {
+                        ui[c] -= arow[j] * uj[c];
+                    }
+                }
+                for v in ui.iter_mut() {
+                    *v *= beta;
+                }
+                // O_i = S₀ᵀ(e^{Γ_i} ⊙ q̂_i) + Σ_{j ≤ i} B_ij u_j
+                for c in 0..d {
+                    x[c] = egi[c] * qi[c];
+                }
+                st_times(s, &x, &mut acc, d);
+                let oi = &mut o[(c0 + i) * d..(c0 + i + 1) * d];
+                oi.copy_from_slice(&acc);
+                for (j, uj) in u[..(i + 1) * d].chunks_exact(d).enumerate() {
+                    for c in 0..d {
+                        oi[c] += brow[j] * uj[c];
+                    }
+                }
+            }
+            // S_C = diag(e^{Γ_C}) S₀ + Σ_j (e^{Γ_C − Γ_j} ⊙ k̂_j) u_jᵀ
+            let eg_last = &eg[(cl - 1) * d..cl * d];
+            for r in 0..d {
+                for v in s[r * d..(r + 1) * d].iter_mut() {
+                    *v *= eg_last[r];
+                }
+            }
+            dsum.fill(0.0);
+            for j in (0..cl).rev() {
+                if j + 1 < cl {
+                    let gs = self.g(c0 + j + 1);
+                    for c in 0..d {
+                        dsum[c] += gs[c];
+                    }
+                }
+                let kj = self.k(c0 + j);
+                let uj = &u[j * d..(j + 1) * d];
+                for r in 0..d {
+                    let w = kj[r] * dsum[r].exp();
+                    for (v, &uc) in s[r * d..(r + 1) * d].iter_mut().zip(uj) {
+                        *v += w * uc;
+                    }
+                }
+            }
+        }
+        o
+    }
+}
+
+/// `acc = Sᵀ x` for a `d × d` state (row = key channel).
+fn st_times(s: &[f32], x: &[f32], acc: &mut [f32], d: usize) {
+    acc.fill(0.0);
+    for r in 0..d {
+        let xr = x[r];
+        for (a, &v) in acc.iter_mut().zip(&s[r * d..(r + 1) * d]) {
+            *a += xr * v;
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::test_util::{Rng, mv64, rel_l2, rel_l2_32, sig64, to64};
+
+    /// A random KDA layer for `dims` with O(1) activations.
+    pub(crate) fn random_kda(rng: &mut Rng, dims: &ModelDims) -> KdaWeights {
+        let (dm, h, d) = (dims.hidden_size, dims.kda_heads, dims.kda_head_dim);
+        let p = h * d;
+        let k = dims.conv_kernel;
+        let taps = |rng: &mut Rng| rng.vec(p * k, 0.8);
+        let mut a_log = rng.vec(h, 1.0);
+        a_log.extend(std::iter::repeat_n(0.0, 3)); // padding entries are never read
+        KdaWeights {
+            q_proj: rng.bf16_matrix(p, dm),
+            k_proj: rng.bf16_matrix(p, dm),
+            v_proj: rng.bf16_matrix(p, dm),
+            q_conv: taps(rng),
+            k_conv: taps(rng),
+            v_conv: taps(rng),
+            f_a_proj: rng.bf16_matrix(4, dm),
+            f_b_proj: rng.bf16_matrix(p, 4),
+            b_proj: rng.bf16_matrix(h, dm),
+            a_log,
+            dt_bias: rng.vec(p, 1.0),
+            g_proj: rng.bf16_matrix(p, dm),
+            o_norm: rng.around_one(d, 0.2),
+            o_proj: rng.bf16_matrix(dm, p),
+        }
+    }
+
+    /// f64 state of the naive recurrent reference (FLA `naive_recurrent_kda`).
+    pub(crate) struct Kda64 {
+        s: Vec<f64>,
+        hist: [Vec<Vec<f64>>; 3],
+    }
+
+    impl Kda64 {
+        pub(crate) fn new(dims: &ModelDims) -> Kda64 {
+            let p = dims.kda_width();
+            let z = vec![vec![0f64; p]; dims.conv_kernel - 1];
+            Kda64 {
+                s: vec![0.0; dims.kda_recurrent_values()],
+                hist: [z.clone(), z.clone(), z],
+            }
+        }
+    }
+
+    /// One token of the §4.3 equations in f64, written out directly.
+    pub(crate) fn kda64_step(
+        w: &KdaWeights,
+        dims: &ModelDims,
+        y: &[f64],
+        st: &mut Kda64,
+    ) -> Vec<f64> {
+        let (h, d, kk) = (dims.kda_heads, dims.kda_head_dim, dims.conv_kernel);
+        let p = h * d;
+        let conv = |pre: Vec<f64>, taps: &[f32], hist: &mut Vec<Vec<f64>>| -> Vec<f64> {
+            hist.push(pre);
+            let out = (0..p)
+                .map(|c| {
+                    let z: f64 = (0..kk).map(|j| taps[c * kk + j] as f64 * hist[j][c]).sum();
+                    z * sig64(z)
+                })
+                .collect();
+            hist.remove(0);
+            out
+        };
+        let [hq, hk, hv] = &mut st.hist;
+        let q = conv(mv64(&w.q_proj, y), &w.q_conv, hq);
+        let k = conv(mv64(&w.k_proj, y), &w.k_conv, hk);
+        let v = conv(mv64(&w.v_proj, y), &w.v_conv, hv);
+        let z = mv64(&w.f_b_proj, &mv64(&w.f_a_proj, y));
+        let bl = mv64(&w.b_proj, y);
+        let r = mv64(&w.g_proj, y);
+        let mut o = vec![0f64; p];
+        for hh in 0..h {
+            let sl = hh * d..(hh + 1) * d;
+            let a = (w.a_log[hh] as f64).exp();
+            let g: Vec<f64> = sl
+                .clone()
+                .map(|c| dims.gate_lower_bound as f64 * sig64(a * (z[c] + w.dt_bias[c] as f64)))
+                .collect();
+            let beta = sig64(bl[hh]);
+            let l2 = |x: &[f64]| {
+                let n = (x.iter().map(|v| v * v).sum::<f64>() + dims.kda_l2_eps as f64).sqrt();
+                x.iter().map(|v| v / n).collect::<Vec<f64>>()
+            };
+            let qh: Vec<f64> = l2(&q[sl.clone()])
+                .iter()
+                .map(|v| v / (d as f64).sqrt())
+                .collect();
+            let kh = l2(&k[sl.clone()]);
+            let vh = &v[sl.clone()];
+            let s = &mut st.s[hh * d * d..(hh + 1) * d * d];
+            for i in 0..d {
+                for j in 0..d {
+                    s[i * d + j] *= g[i].exp();
+                }
+            }
+            let u: Vec<f64> = (0..d)
+                .map(|j| beta * (vh[j] - (0..d).map(|i| s[i * d + j] * kh[i]).sum::<f64>()))
+                .collect();
+            for i in 0..d {
+                for j in 0..d {
+                    s[i * d + j] += kh[i] * u[j];
+                }
+            }
+            let oh: Vec<f64> = (0..d)
+                .map(|j| (0..d).map(|i| s[i * d + j] * qh[i]).sum())
+                .collect();
+            let ms = oh.iter().map(|v| v * v).sum::<f64>() / d as f64;
+            let inv = 1.0 / (ms + dims.kda_o_norm_eps as f64).sqrt();
+            for j in 0..d {
+                o[hh * d + j] = w.o_norm[j] as f64 * oh[j] * inv * sig64(r[hh * d + j]);
+            }
+        }
+        mv64(&w.o_proj, &o)
+    }
+
+    fn setup(seed: u64) -> (ModelDims, KdaWeights) {
+        let mut rng = Rng(seed);
+        let dims = ModelDims {
+            kda_heads: 3,
+            kda_head_dim: 8,
+            kda_chunk: 64,
+            ..crate::model::tests::tiny_dims()
+        };
+        let w = random_kda(&mut rng, &dims);
+        (dims, w)
+    }
+
+    #[test]
+    fn chunked_prefill_matches_stepwise_decode_and_f64() {
+        let (dims, w) = setup(21);
+        let dm = dims.hidden_size;
+        let mut rng = Rng(99);
+        for &t in &[1usize, 5, 64, 65, 150] {
+            let y = rng.vec(t * dm, 1.0);
+            let mut st_p = KdaState::new(&dims);
+            let pre = w.prefill(&dims, &y, t, &mut st_p);
+            let mut st_d = KdaState::new(&dims);
+            let mut st_64 = Kda64::new(&dims);
+            let mut dec = Vec::new();
+            let mut ref64 = Vec::new();
+            for ti in 0..t {
+                let row = &y[ti * dm..(ti + 1) * dm];
+                dec.extend(w.decode_step(&dims, row, &mut st_d));
+                ref64.extend(kda64_step(&w, &dims, &to64(row), &mut st_64));
+            }
+            let e_pd = rel_l2_32(&pre, &dec);
+            let e_p64 = rel_l2(&pre, &ref64);
+            let e_d64 = rel_l2(&dec, &ref64);
+            let e_state = rel_l2_32(&st_p.recurrent, &st_d.recurrent);
+            // Bound: f32 rounding of two different summation orders, ≤ 1e-5 relative L2.
+            assert!(e_pd < 1e-5, "T={t}: prefill vs decode {e_pd}");
+            assert!(
+                e_p64 < 1e-5 && e_d64 < 1e-5,
+                "T={t}: vs f64 {e_p64} {e_d64}"
+            );
+            assert!(e_state < 1e-5, "T={t}: state {e_state}");
+            assert_eq!(st_p.conv, st_d.conv, "T={t}: conv windows");
+            let e_s64 = rel_l2(&st_p.recurrent, &st_64.s);
+            assert!(e_s64 < 1e-5, "T={t}: state vs f64 {e_s64}");
+        }
+    }
+
+    #[test]
+    fn prefill_continues_from_state() {
+        // Two prefills of 40 + 70 tokens equal one of 110 (chunk boundaries differ).
+        let (dims, w) = setup(5);
+        let dm = dims.hidden_size;
+        let y = Rng(8).vec(110 * dm, 1.0);
+        let mut a = KdaState::new(&dims);
+        let whole = w.prefill(&dims, &y, 110, &mut a);
+        let mut b = KdaState::new(&dims);
+        let mut parts = w.prefill(&dims, &y[..40 * dm], 40, &mut b);
+        parts.extend(w.prefill(&dims, &y[40 * dm..], 70, &mut b));
+        assert!(rel_l2_32(&parts, &whole) < 1e-5);
+        assert!(rel_l2_32(&b.recurrent, &a.recurrent) < 1e-5);
+    }
+
+    #[test]
+    fn a_log_is_per_head() {
+        // Changing head 1's A_log must change only head 1's gate, hence its channels of `g`.
+        let (dims, w) = setup(13);
+        let y = Rng(1).vec(dims.hidden_size, 1.0);
+        let mut w2 = w.clone();
+        w2.a_log[1] += 0.5;
+        let p1 = w.prepare(&dims, &y, 1, &mut KdaState::new(&dims));
+        let p2 = w2.prepare(&dims, &y, 1, &mut KdaState::new(&dims));
+        let d = dims.kda_head_dim;
+        for c in 0..dims.kda_width() {
+            assert_eq!(p1.g[c] == p2.g[c], c / d != 1, "channel {c}");
+            assert!(p1.g[c] > dims.gate_lower_bound && p1.g[c] < 0.0);
+        }
+    }
+}

@@ -1,0 +1,407 @@
+//! Gated MLA without positional encoding (k3-model.md §4.4), evaluated in the absorbed form.
+//!
+//! ```text
+//! c_q  = RMS_ε(W_qa y; q_a_layernorm);   q_h = (W_qb c_q)_h = [qn_h | qt_h]
+//! [c_kv | kt] = W_kva y;                 ĉ = RMS_ε(c_kv; kv_a_layernorm)
+//! score_h(t, s) = [ (B_h^Kᵀ qn_h(t)) · ĉ(s) + qt_h(t) · kt(s) ] / √(nope + rope),  s ≤ t
+//! p_h = softmax_s(score_h);   o_h(t) = B_h^V (Σ_s p_h(t, s) ĉ(s))
+//! out = W_o (concat_h o_h ⊙ σ(W_g y))
+//! ```
+//!
+//! `B_h^K` / `B_h^V` are head `h`'s key / value rows of `kv_b_proj`. Only `ĉ` and `kt` are
+//! cached per token, stored as bf16 (576 values = 1,152 B per token per layer for K3).
+
+use crate::dims::{CacheDtype, ModelDims};
+use crate::norm::rms_norm_rows;
+use deltafin_kernels::{matmul_bf16, sigmoid, softmax_inplace};
+use deltafin_tensor::{Bf16Matrix, bf16};
+use rayon::prelude::*;
+
+/// Weights of one gated MLA layer (`model.layers.N.self_attn.*`).
+#[derive(Clone, Debug)]
+pub struct MlaWeights {
+    /// `q_a_proj.weight` `[q_lora, D]`.
+    pub q_a_proj: Bf16Matrix,
+    /// `q_a_layernorm.weight` `[q_lora]`.
+    pub q_a_layernorm: Vec<f32>,
+    /// `q_b_proj.weight` `[H·(nope+rope), q_lora]`; head `h` owns rows `(nope+rope)·h ..`:
+    /// `nope` rows, then `rope` tail rows.
+    pub q_b_proj: Bf16Matrix,
+    /// `kv_a_proj_with_mqa.weight` `[kv_lora + rope, D]`: latent rows, then the shared tail.
+    pub kv_a_proj: Bf16Matrix,
+    /// `kv_a_layernorm.weight` `[kv_lora]`.
+    pub kv_a_layernorm: Vec<f32>,
+    /// `kv_b_proj.weight` `[H·(nope+v), kv_lora]`; head `h` owns rows `(nope+v)·h ..`: `nope`
+    /// key rows, then `v` value rows.
+    pub kv_b_proj: Bf16Matrix,
+    /// `g_proj.weight` `[H·v, D]` (output gate).
+    pub g_proj: Bf16Matrix,
+    /// `o_proj.weight` `[D, H·v]`.
+    pub o_proj: Bf16Matrix,
+}
+
+/// A value type the MLA cache can hold.
+pub trait CacheElem: Copy + Send + Sync + PartialEq + std::fmt::Debug + 'static {
+    /// Round an f32 for storage.
+    fn store(v: f32) -> Self;
+    /// Widen for compute.
+    fn load(self) -> f32;
+}
+
+impl CacheElem for bf16 {
+    #[inline]
+    fn store(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    #[inline]
+    fn load(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+impl CacheElem for f32 {
+    #[inline]
+    fn store(v: f32) -> Self {
+        v
+    }
+    #[inline]
+    fn load(self) -> f32 {
+        self
+    }
+}
+
+/// Cached rows of one MLA layer: `ĉ` (`kv_lora` per token) and `kt` (`rope` per token).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CacheRows<E> {
+    /// `ĉ` rows, oldest first.
+    pub latent: Vec<E>,
+    /// `kt` rows, oldest first.
+    pub tail: Vec<E>,
+}
+
+/// The growable per-sequence cache of one MLA layer, in the storage type chosen by
+/// [`ModelDims::mla_cache_dtype`] (bf16 by default).
+#[derive(Clone, Debug, PartialEq)]
+pub enum MlaCache {
+    /// bf16 storage (1,152 B per token per layer for K3).
+    Bf16(CacheRows<bf16>),
+    /// f32 storage (for verification runs that must not depend on bf16 rounding).
+    F32(CacheRows<f32>),
+}
+
+impl MlaCache {
+    /// Empty cache of the configured storage type.
+    pub fn new(dims: &ModelDims) -> MlaCache {
+        match dims.mla_cache_dtype {
+            CacheDtype::Bf16 => MlaCache::Bf16(CacheRows::default()),
+            CacheDtype::F32 => MlaCache::F32(CacheRows::default()),
+        }
+    }
+    /// Cached tokens.
+    pub fn len(&self, dims: &ModelDims) -> usize {
+        let n = match self {
+            MlaCache::Bf16(c) => c.latent.len(),
+            MlaCache::F32(c) => c.latent.len(),
+        };
+        n / dims.kv_lora_rank.max(1)
+    }
+    /// Number of stored `ĉ` and `kt` values.
+    pub fn values(&self) -> (usize, usize) {
+        match self {
+            MlaCache::Bf16(c) => (c.latent.len(), c.tail.len()),
+            MlaCache::F32(c) => (c.latent.len(), c.tail.len()),
+        }
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            MlaCache::Bf16(c) => (c.latent.len() + c.tail.len()) * 2,
+            MlaCache::F32(c) => (c.latent.len() + c.tail.len()) * 4,
+        }
+    }
+    /// Drop every token at position `len` and later.
+    pub fn truncate(&mut self, len: usize, dims: &ModelDims) {
+        let (a, b) = (len * dims.kv_lora_rank, len * dims.qk_rope_head_dim);
+        match self {
+            MlaCache::Bf16(c) => {
+                c.latent.truncate(a);
+                c.tail.truncate(b);
+            }
+            MlaCache::F32(c) => {
+                c.latent.truncate(a);
+                c.tail.truncate(b);
+            }
+        }
+    }
+}
+
+impl MlaWeights {
+    /// `t` new tokens (rows of D in `y`), appended to `cache`, each attending causally to the
+    /// cache and to the new tokens up to itself. Returns `t` rows of D.
+    pub fn forward(&self, dims: &ModelDims, y: &[f32], t: usize, cache: &mut MlaCache) -> Vec<f32> {
+        let proj = |w: &Bf16Matrix, x: &[f32]| {
+            let mut out = vec![0f32; t * w.rows()];
+            matmul_bf16(w, x, t, &mut out);
+            out
+        };
+        // Queries.
+        let cq_raw = proj(&self.q_a_proj, y);
+        let mut cq = vec![0f32; cq_raw.len()];
+        rms_norm_rows(&cq_raw, &self.q_a_layernorm, dims.mla_norm_eps, &mut cq);
+        let q = proj(&self.q_b_proj, &cq);
+        let kv = proj(&self.kv_a_proj, y);
+        let gate = proj(&self.g_proj, y);
+        let o = match cache {
+            MlaCache::Bf16(c) => self.attend(dims, &q, &kv, &gate, t, c),
+            MlaCache::F32(c) => self.attend(dims, &q, &kv, &gate, t, c),
+        };
+        let mut out = vec![0f32; t * self.o_proj.rows()];
+        matmul_bf16(&self.o_proj, &o, t, &mut out);
+        out
+    }
+
+    /// Append the new `ĉ` (normalised latent) and `kt` rows to the cache, then run the
+    /// absorbed attention for `t` new queries; returns the gated head outputs, `t` rows of
+    /// `H·v`.
+    fn attend<E: CacheElem>(
+        &self,
+        dims: &ModelDims,
+        q: &[f32],
+        kv: &[f32],
+        gate: &[f32],
+        t: usize,
+        cache: &mut CacheRows<E>,
+    ) -> Vec<f32> {
+        let (h, dn, dr, dv, kvl) = (
+            dims.mla_heads,
+            dims.qk_nope_head_dim,
+            dims.qk_rope_head_dim,
+            dims.v_head_dim,
+            dims.kv_lora_rank,
+        );
+        let dq = dn + dr;
+        let mut chat = vec![0f32; kvl];
+        for row in kv.chunks_exact(kvl + dr) {
+            rms_norm_rows(
+                &row[..kvl],
+                &self.kv_a_layernorm,
+                dims.mla_norm_eps,
+                &mut chat,
+            );
+            cache.latent.extend(chat.iter().map(|&v| E::store(v)));
+            cache.tail.extend(row[kvl..].iter().map(|&v| E::store(v)));
+        }
+        let total = cache.latent.len() / kvl;
+        let base = total - t;
+        let scale = 1.0 / (dq as f32).sqrt();
+        let kvb = self.kv_b_proj.data();
+        let cache_ref = &*cache;
+
+        // One task per (new token, head): o[t·H + h] has v_head_dim values.
+        let mut o = vec![0f32; t * h * dv];
+        o.par_chunks_mut(dv).enumerate().for_each(|(idx, oh)| {
+            let (ti, hh) = (idx / h, idx % h);
+            let qh = &q[ti * h * dq + hh * dq..ti * h * dq + (hh + 1) * dq];
+            let (qn, qt) = qh.split_at(dn);
+            let rows = hh * (dn + dv);
+            // q_lat = B_h^Kᵀ qn
+            let mut q_lat = vec![0f32; kvl];
+            for (i, &qi) in qn.iter().enumerate() {
+                let r = &kvb[(rows + i) * kvl..(rows + i + 1) * kvl];
+                for (a, &b) in q_lat.iter_mut().zip(r) {
+                    *a += qi * b.load();
+                }
+            }
+            let n = base + ti + 1;
+            let mut p = vec![0f32; n];
+            for (s, ps) in p.iter_mut().enumerate() {
+                let c = &cache_ref.latent[s * kvl..(s + 1) * kvl];
+                let kt = &cache_ref.tail[s * dr..(s + 1) * dr];
+                let mut acc = 0f32;
+                for (a, &b) in q_lat.iter().zip(c) {
+                    acc += a * b.load();
+                }
+                let mut acc_t = 0f32;
+                for (a, &b) in qt.iter().zip(kt) {
+                    acc_t += a * b.load();
+                }
+                *ps = (acc + acc_t) * scale;
+            }
+            softmax_inplace(&mut p);
+            // ctx = Σ_s p_s ĉ(s);  o_h = B_h^V ctx, gated.
+            let ctx = &mut q_lat;
+            ctx.fill(0.0);
+            for (s, &ps) in p.iter().enumerate() {
+                let c = &cache_ref.latent[s * kvl..(s + 1) * kvl];
+                for (a, &b) in ctx.iter_mut().zip(c) {
+                    *a += ps * b.load();
+                }
+            }
+            let g = &gate[ti * h * dv + hh * dv..ti * h * dv + (hh + 1) * dv];
+            for (j, oj) in oh.iter_mut().enumerate() {
+                let r = &kvb[(rows + dn + j) * kvl..(rows + dn + j + 1) * kvl];
+                let v: f32 = r.iter().zip(ctx.iter()).map(|(&b, &c)| b.load() * c).sum();
+                *oj = v * sigmoid(g[j]);
+            }
+        });
+        o
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::test_util::{Rng, mv64, rel_l2, rel_l2_32, rms64, sig64, to64};
+
+    pub(crate) fn random_mla(rng: &mut Rng, dims: &ModelDims) -> MlaWeights {
+        let (dm, h) = (dims.hidden_size, dims.mla_heads);
+        let (dn, dr, dv) = (
+            dims.qk_nope_head_dim,
+            dims.qk_rope_head_dim,
+            dims.v_head_dim,
+        );
+        let (ql, kvl) = (dims.q_lora_rank, dims.kv_lora_rank);
+        MlaWeights {
+            q_a_proj: rng.bf16_matrix(ql, dm),
+            q_a_layernorm: rng.around_one(ql, 0.2),
+            q_b_proj: rng.bf16_matrix_scaled(h * (dn + dr), ql, 2.0),
+            kv_a_proj: rng.bf16_matrix(kvl + dr, dm),
+            kv_a_layernorm: rng.around_one(kvl, 0.2),
+            kv_b_proj: rng.bf16_matrix(h * (dn + dv), kvl),
+            g_proj: rng.bf16_matrix(h * dv, dm),
+            o_proj: rng.bf16_matrix(dm, h * dv),
+        }
+    }
+
+    /// f64 expanded-form reference state: per cached token, every head's full key and value.
+    #[derive(Default)]
+    pub(crate) struct Mla64 {
+        keys: Vec<Vec<Vec<f64>>>,   // [token][head] (nope + rope)
+        values: Vec<Vec<Vec<f64>>>, // [token][head] (v)
+    }
+
+    /// One token of §4.4 in the expanded form: `k_h = [kn_h | kt]`, `v_h`, explicit softmax.
+    /// The cache stores `ĉ` and `kt` in bf16 (the engine's storage choice), so the reference
+    /// rounds them at the same point before expanding.
+    pub(crate) fn mla64_step(
+        w: &MlaWeights,
+        dims: &ModelDims,
+        y: &[f64],
+        st: &mut Mla64,
+    ) -> Vec<f64> {
+        let (h, dn, dr, dv, kvl) = (
+            dims.mla_heads,
+            dims.qk_nope_head_dim,
+            dims.qk_rope_head_dim,
+            dims.v_head_dim,
+            dims.kv_lora_rank,
+        );
+        let eps = dims.mla_norm_eps as f64;
+        let cq = rms64(&mv64(&w.q_a_proj, y), &w.q_a_layernorm, eps);
+        let q = mv64(&w.q_b_proj, &cq);
+        let kv = mv64(&w.kv_a_proj, y);
+        let round = |v: f64| match dims.mla_cache_dtype {
+            CacheDtype::Bf16 => bf16::from_f64(v).to_f64(),
+            CacheDtype::F32 => v as f32 as f64,
+        };
+        let c: Vec<f64> = rms64(&kv[..kvl], &w.kv_a_layernorm, eps)
+            .into_iter()
+            .map(round)
+            .collect();
+        let kt: Vec<f64> = kv[kvl..].iter().map(|&v| round(v)).collect();
+        let kvb = mv64(&w.kv_b_proj, &c);
+        let mut keys = Vec::new();
+        let mut vals = Vec::new();
+        for hh in 0..h {
+            let b = hh * (dn + dv);
+            let mut k = kvb[b..b + dn].to_vec();
+            k.extend_from_slice(&kt);
+            keys.push(k);
+            vals.push(kvb[b + dn..b + dn + dv].to_vec());
+        }
+        st.keys.push(keys);
+        st.values.push(vals);
+        let g = mv64(&w.g_proj, y);
+        let mut o = vec![0f64; h * dv];
+        for hh in 0..h {
+            let qh = &q[hh * (dn + dr)..(hh + 1) * (dn + dr)];
+            let s: Vec<f64> = st
+                .keys
+                .iter()
+                .map(|k| {
+                    qh.iter().zip(&k[hh]).map(|(a, b)| a * b).sum::<f64>()
+                        / ((dn + dr) as f64).sqrt()
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for j in 0..dv {
+                let v: f64 = st
+                    .values
+                    .iter()
+                    .zip(&e)
+                    .map(|(vv, p)| p / z * vv[hh][j])
+                    .sum();
+                o[hh * dv + j] = v * sig64(g[hh * dv + j]);
+            }
+        }
+        mv64(&w.o_proj, &o)
+    }
+
+    #[test]
+    fn absorbed_matches_expanded_f64_and_stepwise() {
+        let mut rng = Rng(31);
+        let dims = crate::model::tests::tiny_dims();
+        let w = random_mla(&mut rng, &dims);
+        let dm = dims.hidden_size;
+        let t = 37;
+        let y = rng.vec(t * dm, 1.0);
+        // Prefill 30, then 7 one by one.
+        let mut cache = MlaCache::new(&dims);
+        let mut out = w.forward(&dims, &y[..30 * dm], 30, &mut cache);
+        for ti in 30..t {
+            out.extend(w.forward(&dims, &y[ti * dm..(ti + 1) * dm], 1, &mut cache));
+        }
+        assert_eq!(cache.len(&dims), t);
+        assert_eq!(
+            cache.bytes(),
+            t * dims.mla_cache_values_per_token_layer() * 2
+        );
+        let mut st = Mla64::default();
+        let mut want = Vec::new();
+        for ti in 0..t {
+            want.extend(mla64_step(
+                &w,
+                &dims,
+                &to64(&y[ti * dm..(ti + 1) * dm]),
+                &mut st,
+            ));
+        }
+        let e = rel_l2(&out, &want);
+        assert!(e < 1e-5, "absorbed vs expanded f64: {e}");
+        // All stepwise.
+        let mut c2 = MlaCache::new(&dims);
+        let mut step = Vec::new();
+        for ti in 0..t {
+            step.extend(w.forward(&dims, &y[ti * dm..(ti + 1) * dm], 1, &mut c2));
+        }
+        assert_eq!(c2, cache, "cache contents must not depend on batching");
+        let e = rel_l2_32(&out, &step);
+        assert!(e < 1e-6, "prefill vs stepwise: {e}");
+    }
+
+    #[test]
+    fn truncate_then_replay_is_identical() {
+        let mut rng = Rng(4);
+        let dims = crate::model::tests::tiny_dims();
+        let w = random_mla(&mut rng, &dims);
+        let dm = dims.hidden_size;
+        let y = rng.vec(12 * dm, 1.0);
+        let mut cache = MlaCache::new(&dims);
+        let full = w.forward(&dims, &y, 12, &mut cache);
+        cache.truncate(9, &dims);
+        let tail = w.forward(&dims, &y[9 * dm..], 3, &mut cache);
+        assert_eq!(&full[9 * dm..], &tail[..]);
+    }
+}

@@ -1,0 +1,282 @@
+//! Latent MoE (k3-model.md §4.6) and the expert-weight source.
+//!
+//! ```text
+//! x_L = W_down y                                           D → Lr
+//! h_e = W2_e · SiTU(W1_e x_L, W3_e x_L)   e ∈ I            MXFP4 experts, Lr → F → Lr
+//! r   = Σ_{e ∈ I} w_e h_e                                  f32, in route order
+//! R   = W_up · RMS_ε(r; routed_expert_norm)                Lr → D
+//! Sh  = W_sd · SiTU(W_sg y, W_su y)                        fused shared experts
+//! FFN(y) = R + Sh
+//! ```
+
+use crate::dims::ModelDims;
+use crate::model::ModelError;
+use crate::router::RouterWeights;
+use crate::situ::SituMlp;
+use deltafin_kernels::{matmul_bf16, matmul_mxfp4, rms_norm_inplace, situ_glu};
+use deltafin_tensor::{Bf16Matrix, Mxfp4Matrix};
+use std::collections::BTreeMap;
+
+/// One routed expert's three MXFP4 matrices (cheap to clone: the bytes are shared).
+#[derive(Clone, Debug)]
+pub struct ExpertWeights {
+    /// `w1` gate `[F, Lr]`.
+    pub w1: Mxfp4Matrix,
+    /// `w2` down `[Lr, F]`.
+    pub w2: Mxfp4Matrix,
+    /// `w3` up `[F, Lr]`.
+    pub w3: Mxfp4Matrix,
+}
+
+impl ExpertWeights {
+    /// Check the three shapes against the dimensions.
+    pub fn validate(
+        &self,
+        dims: &ModelDims,
+        layer: usize,
+        expert: usize,
+    ) -> Result<(), ModelError> {
+        let (f, lr) = (dims.moe_intermediate, dims.latent_size);
+        for (name, m, rows, cols) in [
+            ("w1", &self.w1, f, lr),
+            ("w2", &self.w2, lr, f),
+            ("w3", &self.w3, f, lr),
+        ] {
+            if m.rows() != rows || m.cols() != cols {
+                return Err(ModelError::Shape {
+                    tensor: format!(
+                        "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}"
+                    ),
+                    expected: format!("[{rows}, {cols}]"),
+                    found: format!("[{}, {}]", m.rows(), m.cols()),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where routed-expert weights come from (memory, a page cache, a disk stream, ...).
+pub trait ExpertSource: Send + Sync {
+    /// Expert `expert` of MoE layer `layer`.
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ModelError>;
+}
+
+/// All experts held in memory: `layers[l][e]` (dense layers hold an empty list).
+#[derive(Clone, Debug, Default)]
+pub struct InMemoryExperts {
+    /// Per layer, per expert id.
+    pub layers: Vec<Vec<ExpertWeights>>,
+}
+
+impl ExpertSource for InMemoryExperts {
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ModelError> {
+        self.layers
+            .get(layer)
+            .and_then(|l| l.get(expert))
+            .cloned()
+            .ok_or_else(|| ModelError::Expert {
+                layer,
+                expert,
+                message: "not present in the in-memory expert set".into(),
+            })
+    }
+}
+
+/// The non-expert weights of one MoE layer (`model.layers.N.block_sparse_moe.*`).
+#[derive(Clone, Debug)]
+pub struct MoeWeights {
+    /// `gate.weight` and `gate.e_score_correction_bias`.
+    pub router: RouterWeights,
+    /// `routed_expert_down_proj.weight` `[Lr, D]`.
+    pub latent_down: Bf16Matrix,
+    /// `routed_expert_up_proj.weight` `[D, Lr]`.
+    pub latent_up: Bf16Matrix,
+    /// `routed_expert_norm.weight` `[Lr]`.
+    pub latent_norm: Vec<f32>,
+    /// `shared_experts.{gate,up,down}_proj` (two experts fused, width Fs).
+    pub shared: SituMlp,
+}
+
+impl MoeWeights {
+    /// `t` rows of `y` (already normalised by `post_attention_layernorm`) through the MoE of
+    /// layer `layer`. Tokens routed to the same expert are batched; each token's weighted sum
+    /// runs in its route order, so a row's result does not depend on the batch.
+    pub fn forward(
+        &self,
+        dims: &ModelDims,
+        layer: usize,
+        experts: &dyn ExpertSource,
+        y: &[f32],
+        t: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let (lr, k) = (dims.latent_size, dims.experts_per_token);
+        let routes = self.router.route(dims, y, t);
+        let mut xl = vec![0f32; t * lr];
+        matmul_bf16(&self.latent_down, y, t, &mut xl);
+
+        // (token, slot) pairs per expert, experts visited in id order.
+        let mut users: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
+        for (ti, r) in routes.iter().enumerate() {
+            for (slot, &e) in r.ids.iter().enumerate() {
+                users.entry(e).or_default().push((ti, slot));
+            }
+        }
+        let mut h = vec![0f32; t * k * lr];
+        for (&e, list) in &users {
+            let w = experts.expert(layer, e)?;
+            w.validate(dims, layer, e)?;
+            let n = list.len();
+            let f = w.w1.rows();
+            let mut x = Vec::with_capacity(n * lr);
+            for &(ti, _) in list {
+                x.extend_from_slice(&xl[ti * lr..(ti + 1) * lr]);
+            }
+            let mut g = vec![0f32; n * f];
+            let mut u = vec![0f32; n * f];
+            matmul_mxfp4(&w.w1, &x, n, &mut g);
+            matmul_mxfp4(&w.w3, &x, n, &mut u);
+            let mut a = vec![0f32; n * f];
+            situ_glu(&g, &u, dims.situ_beta, dims.situ_linear_beta, &mut a);
+            let mut he = vec![0f32; n * lr];
+            matmul_mxfp4(&w.w2, &a, n, &mut he);
+            for (i, &(ti, slot)) in list.iter().enumerate() {
+                let at = (ti * k + slot) * lr;
+                h[at..at + lr].copy_from_slice(&he[i * lr..(i + 1) * lr]);
+            }
+        }
+        // r = Σ w_e h_e in route order, then the latent norm.
+        let mut r = vec![0f32; t * lr];
+        for (ti, route) in routes.iter().enumerate() {
+            let rt = &mut r[ti * lr..(ti + 1) * lr];
+            for (slot, &we) in route.weights.iter().enumerate() {
+                let he = &h[(ti * k + slot) * lr..(ti * k + slot + 1) * lr];
+                for (a, &b) in rt.iter_mut().zip(he) {
+                    *a += we * b;
+                }
+            }
+            rms_norm_inplace(rt, &self.latent_norm, dims.routed_expert_norm_eps);
+        }
+        let mut out = vec![0f32; t * dims.hidden_size];
+        matmul_bf16(&self.latent_up, &r, t, &mut out);
+        let sh = self.shared.forward(dims, y, t);
+        for (o, s) in out.iter_mut().zip(&sh) {
+            *o += s;
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::router::tests::route64;
+    use crate::situ::tests::situ_mlp64;
+    use crate::test_util::{Rng, mv64, mv64_mx, rel_l2, rel_l2_32, rms64, situ64, to64};
+
+    pub(crate) fn random_moe(rng: &mut Rng, dims: &ModelDims) -> MoeWeights {
+        let (dm, lr, fs) = (dims.hidden_size, dims.latent_size, dims.shared_intermediate);
+        MoeWeights {
+            router: RouterWeights {
+                weight: rng.bf16_matrix_scaled(dims.num_experts, dm, 2.0),
+                bias: rng.vec(dims.num_experts, 0.2),
+            },
+            latent_down: rng.bf16_matrix(lr, dm),
+            latent_up: rng.bf16_matrix(dm, lr),
+            latent_norm: rng.around_one(lr, 0.2),
+            shared: SituMlp {
+                gate_proj: rng.bf16_matrix_scaled(fs, dm, 2.0),
+                up_proj: rng.bf16_matrix_scaled(fs, dm, 2.0),
+                down_proj: rng.bf16_matrix(dm, fs),
+            },
+        }
+    }
+
+    pub(crate) fn random_experts(
+        rng: &mut Rng,
+        dims: &ModelDims,
+        layers: usize,
+    ) -> InMemoryExperts {
+        let (f, lr) = (dims.moe_intermediate, dims.latent_size);
+        InMemoryExperts {
+            layers: (0..layers)
+                .map(|l| {
+                    if dims.ffn_kind(l) == crate::dims::FfnKind::Dense {
+                        return Vec::new();
+                    }
+                    (0..dims.num_experts)
+                        .map(|_| ExpertWeights {
+                            w1: rng.mxfp4_matrix(f, lr),
+                            w2: rng.mxfp4_matrix(lr, f),
+                            w3: rng.mxfp4_matrix(f, lr),
+                        })
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
+    /// f64 reference of the latent MoE for one row.
+    pub(crate) fn moe64(
+        m: &MoeWeights,
+        dims: &ModelDims,
+        layer: usize,
+        experts: &InMemoryExperts,
+        y: &[f64],
+    ) -> Vec<f64> {
+        let (b1, b2) = (dims.situ_beta as f64, dims.situ_linear_beta as f64);
+        let (ids, w) = route64(&m.router, dims, y);
+        let xl = mv64(&m.latent_down, y);
+        let mut r = vec![0f64; dims.latent_size];
+        for (&e, &we) in ids.iter().zip(&w) {
+            let ex = &experts.layers[layer][e];
+            let a = situ64(&mv64_mx(&ex.w1, &xl), &mv64_mx(&ex.w3, &xl), b1, b2);
+            for (ri, hi) in r.iter_mut().zip(mv64_mx(&ex.w2, &a)) {
+                *ri += we * hi;
+            }
+        }
+        let rn = rms64(&r, &m.latent_norm, dims.routed_expert_norm_eps as f64);
+        let mut out = mv64(&m.latent_up, &rn);
+        for (o, s) in out.iter_mut().zip(situ_mlp64(&m.shared, y, b1, b2)) {
+            *o += s;
+        }
+        out
+    }
+
+    #[test]
+    fn matches_f64_and_is_batch_invariant() {
+        let mut rng = Rng(23);
+        let dims = crate::model::tests::tiny_dims();
+        let m = random_moe(&mut rng, &dims);
+        let ex = random_experts(&mut rng, &dims, 2);
+        let dm = dims.hidden_size;
+        let t = 9;
+        let y = rng.vec(t * dm, 1.0);
+        let out = m.forward(&dims, 1, &ex, &y, t).unwrap();
+        for ti in 0..t {
+            let row = &y[ti * dm..(ti + 1) * dm];
+            let want = moe64(&m, &dims, 1, &ex, &to64(row));
+            let e = rel_l2(&out[ti * dm..(ti + 1) * dm], &want);
+            assert!(e < 1e-5, "row {ti}: {e}");
+            let single = m.forward(&dims, 1, &ex, row, 1).unwrap();
+            assert_eq!(rel_l2_32(&single, &out[ti * dm..(ti + 1) * dm]), 0.0);
+        }
+    }
+
+    #[test]
+    fn missing_or_misshapen_expert_is_an_error() {
+        let mut rng = Rng(2);
+        let dims = crate::model::tests::tiny_dims();
+        let m = random_moe(&mut rng, &dims);
+        let y = rng.vec(dims.hidden_size, 1.0);
+        let empty = InMemoryExperts::default();
+        let e = m.forward(&dims, 1, &empty, &y, 1).unwrap_err().to_string();
+        assert!(e.contains("layer 1"), "{e}");
+        let mut ex = random_experts(&mut rng, &dims, 2);
+        for x in ex.layers[1].iter_mut() {
+            x.w2 = x.w1.clone();
+        }
+        let e = m.forward(&dims, 1, &ex, &y, 1).unwrap_err().to_string();
+        assert!(e.contains("experts.") && e.contains(".w2"), "{e}");
+    }
+}

@@ -1,0 +1,77 @@
+//! SiTU-GLU MLP (k3-model.md §4.8): the dense layer-0 MLP (§4.7) and the fused shared experts
+//! of every MoE layer (§4.6) share this form: `down · SiTU(gate·y, up·y)`.
+
+use crate::dims::ModelDims;
+use deltafin_kernels::{matmul_bf16, situ_glu};
+use deltafin_tensor::Bf16Matrix;
+
+/// A SiTU-GLU MLP with bf16 weights: `gate_proj`, `up_proj` `[F, D]`, `down_proj` `[D, F]`.
+#[derive(Clone, Debug)]
+pub struct SituMlp {
+    /// `gate_proj.weight` `[F, D]`.
+    pub gate_proj: Bf16Matrix,
+    /// `up_proj.weight` `[F, D]`.
+    pub up_proj: Bf16Matrix,
+    /// `down_proj.weight` `[D, F]`.
+    pub down_proj: Bf16Matrix,
+}
+
+/// Layer 0's dense MLP (`mlp.{gate,up,down}_proj`).
+pub type DenseMlp = SituMlp;
+
+impl SituMlp {
+    /// Intermediate width F.
+    pub fn intermediate(&self) -> usize {
+        self.gate_proj.rows()
+    }
+
+    /// `out[t] = W_down · SiTU(W_gate y_t, W_up y_t)` for `n` rows of `ys`.
+    pub fn forward(&self, dims: &ModelDims, ys: &[f32], n: usize) -> Vec<f32> {
+        let f = self.intermediate();
+        let mut g = vec![0f32; n * f];
+        let mut u = vec![0f32; n * f];
+        matmul_bf16(&self.gate_proj, ys, n, &mut g);
+        matmul_bf16(&self.up_proj, ys, n, &mut u);
+        let mut a = vec![0f32; n * f];
+        situ_glu(&g, &u, dims.situ_beta, dims.situ_linear_beta, &mut a);
+        let mut out = vec![0f32; n * self.down_proj.rows()];
+        matmul_bf16(&self.down_proj, &a, n, &mut out);
+        out
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::test_util::{Rng, mv64, rel_l2, situ64, to64};
+
+    /// f64 reference of the SiTU-GLU MLP for one row.
+    pub(crate) fn situ_mlp64(m: &SituMlp, y: &[f64], b1: f64, b2: f64) -> Vec<f64> {
+        let g = mv64(&m.gate_proj, y);
+        let u = mv64(&m.up_proj, y);
+        mv64(&m.down_proj, &situ64(&g, &u, b1, b2))
+    }
+
+    #[test]
+    fn matches_f64_reference() {
+        let mut rng = Rng(11);
+        let (d, f, n) = (40, 72, 3);
+        let m = SituMlp {
+            gate_proj: rng.bf16_matrix_scaled(f, d, 3.0),
+            up_proj: rng.bf16_matrix_scaled(f, d, 20.0),
+            down_proj: rng.bf16_matrix(d, f),
+        };
+        let dims = ModelDims {
+            situ_beta: 4.0,
+            situ_linear_beta: 25.0,
+            ..crate::model::tests::tiny_dims()
+        };
+        let ys = rng.vec(n * d, 1.5);
+        let out = m.forward(&dims, &ys, n);
+        for t in 0..n {
+            let want = situ_mlp64(&m, &to64(&ys[t * d..(t + 1) * d]), 4.0, 25.0);
+            let e = rel_l2(&out[t * d..(t + 1) * d], &want);
+            assert!(e < 1e-5, "row {t}: rel L2 {e}");
+        }
+    }
+}
