@@ -29,7 +29,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use deltafin_tensor::{DType, SafetensorsWriter, TensorEntry, TensorError, bf16, mxfp4};
+use deltafin_tensor::{DType, SafetensorsWriter, TensorEntry, TensorError, bf16};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -807,6 +807,7 @@ pub fn synthesize_qwen3(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use deltafin_tensor::mxfp4;
 
     #[test]
     fn scaled_config_pattern() {
