@@ -51,7 +51,7 @@ fn edit_header(path: &Path, edit: impl FnOnce(&mut serde_json::Map<String, Value
     let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     edit(header.as_object_mut().unwrap());
     let mut h = header.to_string().into_bytes();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();

@@ -469,7 +469,7 @@ impl K3Config {
                 ),
             ));
         }
-        if !(la.gate_lower_bound < 0.0) {
+        if la.gate_lower_bound >= 0.0 {
             return Err(invalid(
                 "text_config.linear_attn_config.gate_lower_bound",
                 format!("{} must be negative", la.gate_lower_bound),
@@ -543,16 +543,16 @@ impl K3Config {
                 ));
             }
         }
-        if let Some(v) = &self.vision {
-            if v.text_hidden_size != t.hidden_size {
-                return Err(invalid(
-                    "vision_config.text_hidden_size",
-                    format!(
-                        "{} differs from text_config.hidden_size = {}",
-                        v.text_hidden_size, t.hidden_size
-                    ),
-                ));
-            }
+        if let Some(v) = &self.vision
+            && v.text_hidden_size != t.hidden_size
+        {
+            return Err(invalid(
+                "vision_config.text_hidden_size",
+                format!(
+                    "{} differs from text_config.hidden_size = {}",
+                    v.text_hidden_size, t.hidden_size
+                ),
+            ));
         }
         Ok(())
     }

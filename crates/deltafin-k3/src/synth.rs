@@ -150,11 +150,17 @@ impl SynthDims {
         d.layers = 16;
         d.latent = 1024;
         d.moe_inter = 1024;
-        let per_expert = d.expert_bytes() as u64;
-        let moe_layers = (d.layers - 1) as u64;
-        let need = (ram_bytes as f64 * 1.25 / (moe_layers * per_expert) as f64).ceil() as usize;
-        d.experts = need.max(d.top_k).div_ceil(8) * 8;
-        d
+        d.with_experts_exceeding(ram_bytes)
+    }
+
+    /// Set the expert count (a multiple of 8, at least `top_k`) so that the routed-expert
+    /// bytes of all MoE layers exceed `ram_bytes` by 25 %.
+    pub fn with_experts_exceeding(mut self, ram_bytes: u64) -> SynthDims {
+        let per_expert = self.expert_bytes().max(1) as f64;
+        let moe_layers = self.layers.saturating_sub(1).max(1) as f64;
+        let need = (ram_bytes as f64 * 1.25 / (moe_layers * per_expert)).ceil() as usize;
+        self.experts = need.max(self.top_k).div_ceil(8) * 8;
+        self
     }
 
     /// Bytes of one routed expert (three MXFP4 matrices).
@@ -422,6 +428,7 @@ fn write_values(
         Vec::new()
     };
     let mut i = 0;
+    #[allow(clippy::needless_range_loop)] // `k` is the element index the initialisers use
     while i < numel {
         let n = CHUNK.min(numel - i);
         buf.clear();
@@ -847,7 +854,7 @@ mod tests {
         let d = SynthDims::stream(ram);
         let experts = (d.layers - 1) as u64 * d.experts as u64 * d.expert_bytes() as u64;
         assert!(experts > ram, "{experts}");
-        assert!(d.experts % 8 == 0);
+        assert!(d.experts.is_multiple_of(8));
     }
 
     #[test]

@@ -88,7 +88,7 @@ impl Mxfp4Matrix {
         rows: usize,
         cols: usize,
     ) -> Result<Self, TensorError> {
-        if cols % mxfp4::GROUP != 0 {
+        if !cols.is_multiple_of(mxfp4::GROUP) {
             return Err(TensorError::tensor(
                 name,
                 format!("MXFP4 input width {cols} is not a multiple of 32"),
