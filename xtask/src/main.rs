@@ -22,7 +22,7 @@ struct Cli {
 enum Preset {
     /// ≈ 36 MB, 14 layers, hidden 48, real vocabulary (tests).
     Tiny,
-    /// ≈ 1.8 GB, 24 layers, hidden 1024, 64 experts (benchmarks).
+    /// ≈ 1.7 GB, 24 layers, hidden 1024, 64 experts (benchmarks).
     Mini,
     /// Routed experts exceed `--ram-gb` (streaming benchmarks).
     Stream,

@@ -117,7 +117,7 @@ impl SynthDims {
         }
     }
 
-    /// ≈ 1.8 GB, for benchmarks: hidden 1024, 24 layers, 64 experts top-8, latent and
+    /// ≈ 1.7 GB, for benchmarks: hidden 1024, 24 layers, 64 experts top-8, latent and
     /// expert width 512, KDA 8×128, MLA 8 heads.
     pub fn mini() -> SynthDims {
         SynthDims {
