@@ -1,3 +1,186 @@
 //! `cargo xtask`: developer tasks (checkpoint synthesis, conversions).
+//!
+//! - `cargo xtask synth --preset tiny|mini|stream [--ram-gb N] [--seed N] --out DIR [dims]`
+//! - `cargo xtask synth-dspark --target DIR --out DIR [--seed N]`
+//! - `cargo xtask synth-qwen3 --size 0.6b|1.7b --out DIR [--seed N]`
 
-fn main() {}
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use deltafin_k3::config::K3Config;
+use deltafin_k3::synth::{self, QwenSize, REAL_VOCAB, SynthDims, SynthReport, SynthSpec};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "deltafin developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Preset {
+    /// ≈ 36 MB, 14 layers, hidden 48, real vocabulary (tests).
+    Tiny,
+    /// ≈ 1.7 GB, 24 layers, hidden 1024, 64 experts (benchmarks).
+    Mini,
+    /// Routed experts exceed `--ram-gb` (streaming benchmarks).
+    Stream,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum QwenArg {
+    #[value(name = "0.6b")]
+    Small,
+    #[value(name = "1.7b")]
+    Large,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Write a synthetic K3 checkpoint in the release layout.
+    Synth {
+        #[arg(long, value_enum, default_value = "tiny")]
+        preset: Preset,
+        /// RAM size the `stream` preset's experts must exceed.
+        #[arg(long)]
+        ram_gb: Option<f64>,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        hidden: Option<usize>,
+        #[arg(long)]
+        layers: Option<usize>,
+        #[arg(long)]
+        experts: Option<usize>,
+        #[arg(long)]
+        top_k: Option<usize>,
+        #[arg(long)]
+        latent: Option<usize>,
+        #[arg(long)]
+        moe_inter: Option<usize>,
+        #[arg(long)]
+        kda_heads: Option<usize>,
+        #[arg(long)]
+        head_dim: Option<usize>,
+        /// Vocabulary size; below 163840 only with `--small-vocab`.
+        #[arg(long)]
+        vocab: Option<usize>,
+        /// Allow a vocabulary smaller than the real one (the tokenizer then does not fit).
+        #[arg(long)]
+        small_vocab: bool,
+    },
+    /// Write a synthetic DSpark draft sized for a (synthetic) K3 checkpoint.
+    SynthDspark {
+        /// Directory with the target's config.json.
+        #[arg(long)]
+        target: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Write a synthetic Qwen3 Base draft.
+    SynthQwen3 {
+        #[arg(long, value_enum)]
+        size: QwenArg,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+fn summary(r: &SynthReport) {
+    println!(
+        "wrote {} files, {} bytes ({} tensor bytes); config.json sha256 {}",
+        r.files.len(),
+        r.total_bytes,
+        r.tensor_bytes,
+        r.config_sha256
+    );
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Synth {
+            preset,
+            ram_gb,
+            seed,
+            out,
+            hidden,
+            layers,
+            experts,
+            top_k,
+            latent,
+            moe_inter,
+            kda_heads,
+            head_dim,
+            vocab,
+            small_vocab,
+        } => {
+            let ram_bytes = match preset {
+                Preset::Stream => {
+                    let gb = ram_gb.context("--preset stream needs --ram-gb")?;
+                    if gb.is_nan() || gb <= 0.0 {
+                        bail!("--ram-gb must be positive");
+                    }
+                    Some((gb * (1u64 << 30) as f64) as u64)
+                }
+                _ => None,
+            };
+            let mut d = match preset {
+                Preset::Tiny => SynthDims::tiny(),
+                Preset::Mini => SynthDims::mini(),
+                Preset::Stream => SynthDims::stream(ram_bytes.unwrap_or(0)),
+            };
+            for (v, slot) in [
+                (hidden, &mut d.hidden),
+                (layers, &mut d.layers),
+                (experts, &mut d.experts),
+                (top_k, &mut d.top_k),
+                (latent, &mut d.latent),
+                (moe_inter, &mut d.moe_inter),
+                (kda_heads, &mut d.kda_heads),
+                (head_dim, &mut d.kda_head_dim),
+            ] {
+                if let Some(v) = v {
+                    *slot = v;
+                }
+            }
+            // Re-fit the stream preset's expert count to the overridden dims.
+            if let (Some(ram), None) = (ram_bytes, experts) {
+                d = d.with_experts_exceeding(ram);
+            }
+            if let Some(v) = vocab {
+                if v < REAL_VOCAB && !small_vocab {
+                    bail!(
+                        "--vocab {v} is below the real {REAL_VOCAB}; pass --small-vocab to allow it"
+                    );
+                }
+                d.vocab = v;
+            }
+            println!("synthesising {d:?} (seed {seed}) into {}", out.display());
+            let r = synth::synthesize_with_progress(&out, &SynthSpec::new(d, seed), &mut |line| {
+                println!("  {line}")
+            })?;
+            summary(&r);
+        }
+        Cmd::SynthDspark { target, out, seed } => {
+            let cfg = K3Config::from_file(target.join("config.json"))?;
+            let r = synth::synthesize_dspark(&out, seed, &cfg)?;
+            summary(&r);
+        }
+        Cmd::SynthQwen3 { size, out, seed } => {
+            let size = match size {
+                QwenArg::Small => QwenSize::Small,
+                QwenArg::Large => QwenSize::Large,
+            };
+            let r = synth::synthesize_qwen3(&out, seed, size)?;
+            summary(&r);
+        }
+    }
+    Ok(())
+}

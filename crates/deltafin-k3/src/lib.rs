@@ -6,7 +6,10 @@
 //! All sizes come from `config.json`; nothing is hard-coded to the released dimensions.
 
 pub mod attn_res;
+pub mod checkpoint;
+pub mod config;
 pub mod dims;
+pub mod inventory;
 pub mod kda;
 pub mod mla;
 pub mod model;
@@ -15,5 +18,6 @@ pub mod norm;
 pub mod router;
 pub mod situ;
 pub mod state;
+pub mod synth;
 #[cfg(test)]
 mod test_util;

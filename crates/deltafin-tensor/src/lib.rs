@@ -13,10 +13,12 @@ pub mod dtype;
 pub mod error;
 pub mod matrix;
 pub mod mxfp4;
+pub mod safetensors;
 pub mod storage;
 
 pub use dtype::DType;
 pub use error::TensorError;
 pub use half::bf16;
 pub use matrix::{Bf16Matrix, Mxfp4Matrix};
+pub use safetensors::{SafetensorsFile, SafetensorsWriter, TensorEntry, TensorInfo};
 pub use storage::Bytes;

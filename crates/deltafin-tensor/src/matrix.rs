@@ -57,7 +57,9 @@ impl Bf16Matrix {
             return None;
         }
         Some(Bf16Matrix {
-            bytes: self.bytes.slice(start * self.cols * 2..end * self.cols * 2)?,
+            bytes: self
+                .bytes
+                .slice(start * self.cols * 2..end * self.cols * 2)?,
             rows: end - start,
             cols: self.cols,
         })
@@ -86,7 +88,7 @@ impl Mxfp4Matrix {
         rows: usize,
         cols: usize,
     ) -> Result<Self, TensorError> {
-        if cols % mxfp4::GROUP != 0 {
+        if !cols.is_multiple_of(mxfp4::GROUP) {
             return Err(TensorError::tensor(
                 name,
                 format!("MXFP4 input width {cols} is not a multiple of 32"),

@@ -28,7 +28,7 @@ pub fn e8m0_scale(e: u8) -> Option<f32> {
 /// Returns `None` if a scale byte is the NaN code 255 or lengths disagree.
 pub fn dequantize_row(packed: &[u8], scales: &[u8], out: &mut [f32]) -> Option<()> {
     let cols = out.len();
-    if cols % GROUP != 0 || packed.len() * 2 != cols || scales.len() * GROUP != cols {
+    if !cols.is_multiple_of(GROUP) || packed.len() * 2 != cols || scales.len() * GROUP != cols {
         return None;
     }
     for (b, &e) in scales.iter().enumerate() {

@@ -136,6 +136,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::reversed_empty_ranges)] // the reversed range is the case under test
     fn slices_and_alignment() {
         let b = Bytes::from_vec((0u8..16).collect());
         let s = b.slice(1..5).unwrap();

@@ -1,0 +1,481 @@
+//! Opening and validating a sharded K3 checkpoint (k3-model.md §3).
+//!
+//! [`Checkpoint::open`] reads `config.json` and `model.safetensors.index.json`, maps every shard
+//! the index names once, and checks **every** tensor of the expected inventory (present in the
+//! index, present in that shard's header, right dtype and shape) before any inference. Vision
+//! and projector tensors are allowed and counted but never read.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use deltafin_tensor::{Bf16Matrix, Bytes, DType, Mxfp4Matrix, SafetensorsFile, TensorError, bf16};
+use serde_json::Value;
+
+use crate::config::{ConfigError, K3Config};
+use crate::inventory::{self, PREFIX, TensorSpec};
+
+/// Name of the config file under the model root.
+pub const CONFIG_FILE: &str = "config.json";
+/// Name of the weight-map file under the model root.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// A checkpoint error; each names the file and tensor (or field) at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{file} is missing under {root}")]
+    MissingFile { root: PathBuf, file: &'static str },
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("tensor `{name}`: {message}")]
+    Request { name: String, message: String },
+}
+
+fn file_err(path: &Path, message: impl Into<String>) -> CheckpointError {
+    CheckpointError::File {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+/// The matrices of one routed expert (logical shapes: `w1`, `w3` `[F, Lr]`, `w2` `[Lr, F]`).
+#[derive(Clone, Debug)]
+pub struct ExpertMatrices {
+    /// Gate.
+    pub w1: Mxfp4Matrix,
+    /// Down.
+    pub w2: Mxfp4Matrix,
+    /// Up.
+    pub w3: Mxfp4Matrix,
+}
+
+/// Where one expert's six tensors lie in its shard file, in the §3.4 order (w1 packed, w1
+/// scale, w2 packed, w2 scale, w3 packed, w3 scale), as absolute `(offset, len)` pairs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertSpan {
+    pub shard_path: PathBuf,
+    pub ranges: [(u64, u64); 6],
+    /// True when the six ranges follow each other without gaps (one read covers the expert).
+    pub contiguous: bool,
+}
+
+impl ExpertSpan {
+    /// Total bytes of the six ranges.
+    pub fn total_bytes(&self) -> u64 {
+        self.ranges.iter().map(|r| r.1).sum()
+    }
+}
+
+/// A validated checkpoint.
+pub struct Checkpoint {
+    root: PathBuf,
+    config: K3Config,
+    shards: Vec<SafetensorsFile>,
+    /// Full text tensor name → index into `shards`.
+    locate: HashMap<String, usize>,
+    vision_tensors: usize,
+    projector_tensors: usize,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("root", &self.root)
+            .field("shards", &self.shards.len())
+            .field("text_tensors", &self.locate.len())
+            .finish()
+    }
+}
+
+impl Checkpoint {
+    /// Open and fully validate the checkpoint under `model_root`.
+    pub fn open(model_root: &Path) -> Result<Checkpoint, CheckpointError> {
+        let root = model_root.to_path_buf();
+        let config_path = root.join(CONFIG_FILE);
+        if !config_path.is_file() {
+            return Err(CheckpointError::MissingFile {
+                root,
+                file: CONFIG_FILE,
+            });
+        }
+        let config = K3Config::from_file(&config_path)?;
+        let index_path = root.join(INDEX_FILE);
+        if !index_path.is_file() {
+            return Err(CheckpointError::MissingFile {
+                root,
+                file: INDEX_FILE,
+            });
+        }
+        let (weight_map, total_size) = read_index(&index_path)?;
+
+        // Classify the index entries.
+        let expected = inventory::text_inventory(&config);
+        let expected_names: HashMap<&str, &TensorSpec> =
+            expected.iter().map(|t| (t.name.as_str(), t)).collect();
+        let (mut vision_tensors, mut projector_tensors) = (0, 0);
+        for name in weight_map.keys() {
+            if name.starts_with(PREFIX) {
+                if !expected_names.contains_key(name.as_str()) {
+                    return Err(file_err(
+                        &index_path,
+                        format!(
+                            "unknown text tensor `{name}` (not part of the K3 inventory for this config.json)"
+                        ),
+                    ));
+                }
+            } else if name.starts_with("vision_tower.") {
+                vision_tensors += 1;
+            } else if name.starts_with("mm_projector.") {
+                projector_tensors += 1;
+            } else {
+                return Err(file_err(
+                    &index_path,
+                    format!(
+                        "unexpected tensor `{name}` (neither `language_model.`, `vision_tower.` nor `mm_projector.`)"
+                    ),
+                ));
+            }
+        }
+
+        // Open every shard the index names, once.
+        let files: BTreeSet<&str> = weight_map.values().map(String::as_str).collect();
+        let mut shards = Vec::with_capacity(files.len());
+        let mut shard_of_file: HashMap<&str, usize> = HashMap::new();
+        for f in files {
+            if f.is_empty() || f.contains('/') || f.contains('\\') || f == "." || f == ".." {
+                return Err(file_err(
+                    &index_path,
+                    format!("shard name {f:?} is not a plain file name"),
+                ));
+            }
+            let path = root.join(f);
+            if !path.is_file() {
+                let example = weight_map
+                    .iter()
+                    .find(|(_, v)| v.as_str() == f)
+                    .map(|(k, _)| k.as_str())
+                    .unwrap_or("");
+                return Err(file_err(
+                    &index_path,
+                    format!(
+                        "weight_map names shard `{f}` (e.g. for `{example}`), which does not exist under {}",
+                        root.display()
+                    ),
+                ));
+            }
+            shard_of_file.insert(f, shards.len());
+            shards.push(SafetensorsFile::open(&path)?);
+        }
+
+        // Every expected tensor: in the index, in that shard, right dtype and shape.
+        let mut locate = HashMap::with_capacity(expected.len());
+        for spec in &expected {
+            let Some(file) = weight_map.get(&spec.name) else {
+                return Err(file_err(
+                    &index_path,
+                    format!("tensor `{}` is missing from weight_map", spec.name),
+                ));
+            };
+            let si = shard_of_file[file.as_str()];
+            let shard = &shards[si];
+            let Some(info) = shard.info(&spec.name) else {
+                return Err(file_err(
+                    shard.path(),
+                    format!(
+                        "tensor `{}` is listed in {INDEX_FILE} but missing from this shard",
+                        spec.name
+                    ),
+                ));
+            };
+            if info.dtype != spec.dtype {
+                return Err(file_err(
+                    shard.path(),
+                    format!(
+                        "tensor `{}` has dtype {}, expected {}",
+                        spec.name, info.dtype, spec.dtype
+                    ),
+                ));
+            }
+            if info.shape != spec.shape {
+                return Err(file_err(
+                    shard.path(),
+                    format!(
+                        "tensor `{}` has shape {:?}, expected {:?}",
+                        spec.name, info.shape, spec.shape
+                    ),
+                ));
+            }
+            locate.insert(spec.name.clone(), si);
+        }
+        // Shard headers must agree with the index (no stale or unlisted tensors).
+        let mut total = 0u64;
+        for shard in &shards {
+            let fname = shard
+                .path()
+                .file_name()
+                .and_then(|s| s.to_str())
+                .unwrap_or("");
+            for t in shard.tensors() {
+                match weight_map.get(&t.name) {
+                    Some(f) if f == fname => total += t.byte_len() as u64,
+                    Some(f) => {
+                        return Err(file_err(
+                            shard.path(),
+                            format!(
+                                "tensor `{}` is also in this shard but {INDEX_FILE} maps it to `{f}`",
+                                t.name
+                            ),
+                        ));
+                    }
+                    None => {
+                        return Err(file_err(
+                            shard.path(),
+                            format!("tensor `{}` is not listed in {INDEX_FILE}", t.name),
+                        ));
+                    }
+                }
+            }
+        }
+        for (name, f) in &weight_map {
+            if !name.starts_with(PREFIX) && shards[shard_of_file[f.as_str()]].info(name).is_none() {
+                return Err(file_err(
+                    &root.join(f),
+                    format!(
+                        "tensor `{name}` is listed in {INDEX_FILE} but missing from this shard"
+                    ),
+                ));
+            }
+        }
+        if let Some(ts) = total_size
+            && ts != total
+        {
+            return Err(file_err(
+                &index_path,
+                format!("metadata.total_size is {ts} but the shards hold {total} tensor bytes"),
+            ));
+        }
+        Ok(Checkpoint {
+            root,
+            config,
+            shards,
+            locate,
+            vision_tensors,
+            projector_tensors,
+        })
+    }
+
+    /// The parsed `config.json`.
+    pub fn config(&self) -> &K3Config {
+        &self.config
+    }
+
+    /// The model root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Number of `vision_tower.*` tensors present (ignored).
+    pub fn vision_tensor_count(&self) -> usize {
+        self.vision_tensors
+    }
+
+    /// Number of `mm_projector.*` tensors present (ignored).
+    pub fn projector_tensor_count(&self) -> usize {
+        self.projector_tensors
+    }
+
+    /// Paths of the opened shard files.
+    pub fn shard_paths(&self) -> Vec<&Path> {
+        self.shards.iter().map(|s| s.path()).collect()
+    }
+
+    fn find(&self, name: &str) -> Result<(&SafetensorsFile, String), CheckpointError> {
+        let full = if name.starts_with(PREFIX) {
+            name.to_string()
+        } else {
+            format!("{PREFIX}{name}")
+        };
+        match self.locate.get(&full) {
+            Some(&i) => Ok((&self.shards[i], full)),
+            None => Err(CheckpointError::Request {
+                name: full,
+                message: "not a text tensor of this checkpoint".into(),
+            }),
+        }
+    }
+
+    /// Zero-copy bytes of a text tensor (name with or without the `language_model.` prefix).
+    pub fn tensor_bytes(&self, name: &str) -> Result<Bytes, CheckpointError> {
+        let (shard, full) = self.find(name)?;
+        Ok(shard.bytes(&full)?)
+    }
+
+    /// Dtype and shape of a text tensor.
+    pub fn tensor_info(&self, name: &str) -> Result<(DType, Vec<usize>), CheckpointError> {
+        let (shard, full) = self.find(name)?;
+        let info = shard
+            .info(&full)
+            .ok_or_else(|| file_err(shard.path(), format!("tensor `{full}` vanished")))?;
+        Ok((info.dtype, info.shape.clone()))
+    }
+
+    /// A 2-D BF16 tensor as a matrix (`[1, D]` vectors included).
+    pub fn bf16_matrix(&self, name: &str) -> Result<Bf16Matrix, CheckpointError> {
+        let (shard, full) = self.find(name)?;
+        let info = shard
+            .info(&full)
+            .ok_or_else(|| file_err(shard.path(), format!("tensor `{full}` vanished")))?;
+        let (rows, cols) = match (info.dtype, info.shape.as_slice()) {
+            (DType::BF16, &[r, c]) => (r, c),
+            _ => {
+                return Err(CheckpointError::Request {
+                    name: full,
+                    message: format!("is {} {:?}, not a 2-D BF16 matrix", info.dtype, info.shape),
+                });
+            }
+        };
+        Ok(Bf16Matrix::new(&full, shard.bytes(&full)?, rows, cols)?)
+    }
+
+    /// A BF16 or F32 tensor of any rank (norms, biases, conv taps, `res_proj`) widened to f32.
+    pub fn f32_vector(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
+        let (shard, full) = self.find(name)?;
+        let bytes = shard.bytes(&full)?;
+        let dtype = shard.info(&full).map(|i| i.dtype);
+        match dtype {
+            Some(DType::F32) => Ok(bytes
+                .as_slice()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()),
+            Some(DType::BF16) => Ok(bytes
+                .as_slice()
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect()),
+            other => Err(CheckpointError::Request {
+                name: full,
+                message: format!("is {other:?}, not BF16 or F32"),
+            }),
+        }
+    }
+
+    fn check_expert(&self, layer: usize, expert: usize) -> Result<(), CheckpointError> {
+        let cfg = &self.config;
+        let name = format!("{PREFIX}model.layers.{layer}.block_sparse_moe.experts.{expert}");
+        if layer >= cfg.n_layers() || cfg.is_dense(layer) {
+            return Err(CheckpointError::Request {
+                name,
+                message: format!("layer {layer} is not a MoE layer"),
+            });
+        }
+        if expert >= cfg.text.num_experts {
+            return Err(CheckpointError::Request {
+                name,
+                message: format!(
+                    "expert {expert} is out of range (num_experts = {})",
+                    cfg.text.num_experts
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The three MXFP4 matrices of `expert` in MoE layer `layer` (scales checked for NaN).
+    pub fn expert_matrices(
+        &self,
+        layer: usize,
+        expert: usize,
+    ) -> Result<ExpertMatrices, CheckpointError> {
+        self.check_expert(layer, expert)?;
+        let lay = inventory::expert_layout(&self.config, layer, expert);
+        let mut mats = Vec::with_capacity(3);
+        for pair in lay.tensors.chunks_exact(2) {
+            let (p, s) = (&pair[0], &pair[1]);
+            let [rows, cols] = inventory::ExpertLayout::logical_shape(&self.config, p.matrix);
+            let name = p.name.trim_end_matches(".weight_packed");
+            mats.push(Mxfp4Matrix::new(
+                name,
+                self.tensor_bytes(&p.name)?,
+                self.tensor_bytes(&s.name)?,
+                rows,
+                cols,
+            )?);
+        }
+        let mut it = mats.into_iter();
+        match (it.next(), it.next(), it.next()) {
+            (Some(w1), Some(w2), Some(w3)) => Ok(ExpertMatrices { w1, w2, w3 }),
+            _ => Err(CheckpointError::Request {
+                name: format!("layer {layer} expert {expert}"),
+                message: "internal: expected three matrices".into(),
+            }),
+        }
+    }
+
+    /// Absolute file ranges of one expert's six tensors, for direct span reads.
+    pub fn expert_span(&self, layer: usize, expert: usize) -> Result<ExpertSpan, CheckpointError> {
+        self.check_expert(layer, expert)?;
+        let lay = inventory::expert_layout(&self.config, layer, expert);
+        let mut ranges = [(0u64, 0u64); 6];
+        let mut shard_path: Option<&Path> = None;
+        for (k, t) in lay.tensors.iter().enumerate() {
+            let (shard, full) = self.find(&t.name)?;
+            match shard_path {
+                None => shard_path = Some(shard.path()),
+                Some(p) if p != shard.path() => {
+                    return Err(CheckpointError::Request {
+                        name: full,
+                        message: format!(
+                            "lies in {} but the expert's first tensor lies in {}: the expert spans shards",
+                            shard.path().display(),
+                            p.display()
+                        ),
+                    });
+                }
+                Some(_) => {}
+            }
+            ranges[k] = shard.absolute_range(&full)?;
+        }
+        let contiguous = ranges.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0);
+        Ok(ExpertSpan {
+            shard_path: shard_path.map(Path::to_path_buf).unwrap_or_default(),
+            ranges,
+            contiguous,
+        })
+    }
+}
+
+/// Parse `model.safetensors.index.json`: `weight_map` (name → shard file) and the optional
+/// `metadata.total_size`.
+fn read_index(path: &Path) -> Result<(HashMap<String, String>, Option<u64>), CheckpointError> {
+    let text = std::fs::read_to_string(path).map_err(|source| {
+        CheckpointError::Tensor(TensorError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    })?;
+    let v: Value =
+        serde_json::from_str(&text).map_err(|e| file_err(path, format!("not valid JSON: {e}")))?;
+    let wm = v
+        .get("weight_map")
+        .ok_or_else(|| file_err(path, "missing field `weight_map`"))?
+        .as_object()
+        .ok_or_else(|| file_err(path, "`weight_map` is not an object"))?;
+    let mut map = HashMap::with_capacity(wm.len());
+    for (k, f) in wm {
+        let f = f
+            .as_str()
+            .ok_or_else(|| file_err(path, format!("weight_map entry `{k}` is not a file name")))?;
+        map.insert(k.clone(), f.to_string());
+    }
+    let total_size = match v.get("metadata").and_then(|m| m.get("total_size")) {
+        None => None,
+        Some(t) => Some(t.as_u64().ok_or_else(|| {
+            file_err(path, "`metadata.total_size` is not a non-negative integer")
+        })?),
+    };
+    Ok((map, total_size))
+}
