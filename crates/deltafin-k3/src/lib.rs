@@ -4,3 +4,6 @@
 //! the model blocks one per file (KDA, gated MLA, Attention Residuals, router, latent MoE,
 //! SiTU-GLU), the tiktoken-based tokenizer, the XTML chat template, and greedy generation.
 //! All sizes come from `config.json`; nothing is hard-coded to the released dimensions.
+
+pub mod chat;
+pub mod tokenizer;

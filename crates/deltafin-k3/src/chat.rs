@@ -1,0 +1,1 @@
+//! XTML chat format (spec §8).
