@@ -187,10 +187,10 @@ fn parse_tool_call(call: &Value) -> Result<ToolCall, String> {
             return Err(format!("unknown field `{key}`"));
         }
     }
-    if let Some(t) = obj.get("type") {
-        if t != "function" {
-            return Err(format!("`type` must be \"function\", found {t}"));
-        }
+    if let Some(t) = obj.get("type")
+        && t != "function"
+    {
+        return Err(format!("`type` must be \"function\", found {t}"));
     }
     let id = match obj.get("id") {
         None | Some(Value::Null) => None,
@@ -533,10 +533,10 @@ pub fn render_segments(
                 b.open("message", &with_name("assistant"));
                 if opts.thinking {
                     b.open("think", &[]);
-                    if let Some(r) = &msg.reasoning_content {
-                        if !r.trim_matches(is_py_space).is_empty() {
-                            b.text(r);
-                        }
+                    if let Some(r) = &msg.reasoning_content
+                        && !r.trim_matches(is_py_space).is_empty()
+                    {
+                        b.text(r);
                     }
                     b.close("think");
                 }

@@ -361,12 +361,13 @@ impl Tokenizer {
             };
             let mut end = m.end();
             let s = m.as_str();
-            if end < text.len() && s.chars().all(char::is_whitespace) && !s.contains(['\r', '\n']) {
-                if let Some((last, _)) = s.char_indices().next_back() {
-                    if last > 0 {
-                        end = m.start() + last;
-                    }
-                }
+            if end < text.len()
+                && s.chars().all(char::is_whitespace)
+                && !s.contains(['\r', '\n'])
+                && let Some((last, _)) = s.char_indices().next_back()
+                && last > 0
+            {
+                end = m.start() + last;
             }
             if m.start() > pos {
                 // The regex covers every character (`\s+` or one of the classes), so gaps
