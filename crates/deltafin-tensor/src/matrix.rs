@@ -57,9 +57,7 @@ impl Bf16Matrix {
             return None;
         }
         Some(Bf16Matrix {
-            bytes: self
-                .bytes
-                .slice(start * self.cols * 2..end * self.cols * 2)?,
+            bytes: self.bytes.slice(start * self.cols * 2..end * self.cols * 2)?,
             rows: end - start,
             cols: self.cols,
         })
