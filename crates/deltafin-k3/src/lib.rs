@@ -5,7 +5,9 @@
 //! SiTU-GLU), the tiktoken-based tokenizer, the XTML chat template, and greedy generation.
 //! All sizes come from `config.json`; nothing is hard-coded to the released dimensions.
 
+<<<<<<< HEAD
 pub mod attn_res;
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod dims;
@@ -19,5 +21,6 @@ pub mod router;
 pub mod situ;
 pub mod state;
 pub mod synth;
+pub mod tokenizer;
 #[cfg(test)]
 mod test_util;
