@@ -5,7 +5,6 @@
 //! SiTU-GLU), the tiktoken-based tokenizer, the XTML chat template, and greedy generation.
 //! All sizes come from `config.json`; nothing is hard-coded to the released dimensions.
 
-<<<<<<< HEAD
 pub mod attn_res;
 pub mod chat;
 pub mod checkpoint;
