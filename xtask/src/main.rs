@@ -38,6 +38,19 @@ enum QwenArg {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The README's main job: build `deltafin` (release), synthesize the tiny demo K3
+    /// checkpoint if it is absent, and run `deltafin run` on it.
+    Demo {
+        /// Where the demo checkpoint lives (created if absent).
+        #[arg(long, default_value = "demo-k3")]
+        out: PathBuf,
+        /// Tokens to generate.
+        #[arg(long, default_value_t = 32)]
+        max_new: usize,
+        /// Extra arguments passed to `deltafin run` (after `--`).
+        #[arg(last = true)]
+        run_args: Vec<String>,
+    },
     /// Write a synthetic K3 checkpoint in the release layout.
     Synth {
         #[arg(long, value_enum, default_value = "tiny")]
@@ -105,6 +118,11 @@ fn summary(r: &SynthReport) {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::Demo {
+            out,
+            max_new,
+            run_args,
+        } => demo(&out, max_new, &run_args)?,
         Cmd::Synth {
             preset,
             ram_gb,
@@ -181,6 +199,63 @@ fn main() -> Result<()> {
             let r = synth::synthesize_qwen3(&out, seed, size)?;
             summary(&r);
         }
+    }
+    Ok(())
+}
+
+/// Build the release binary, synthesize the demo checkpoint when absent, run it.
+fn demo(out: &std::path::Path, max_new: usize, run_args: &[String]) -> Result<()> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("xtask has no parent directory")?
+        .to_path_buf();
+    let out = if out.is_absolute() {
+        out.to_path_buf()
+    } else {
+        root.join(out)
+    };
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = std::process::Command::new(&cargo)
+        .current_dir(&root)
+        .args(["build", "--locked", "--release", "-p", "deltafin-cli"])
+        .status()
+        .with_context(|| format!("cannot run {cargo}"))?;
+    if !status.success() {
+        bail!("cargo build --release -p deltafin-cli failed ({status})");
+    }
+    if out.join("config.json").is_file() {
+        println!("demo checkpoint present at {}", out.display());
+    } else {
+        println!(
+            "synthesising the tiny demo K3 checkpoint (seed 0) into {}",
+            out.display()
+        );
+        let r = synth::synthesize_with_progress(
+            &out,
+            &SynthSpec::new(SynthDims::tiny(), 0),
+            &mut |line| println!("  {line}"),
+        )?;
+        summary(&r);
+    }
+    let exe = root.join("target/release/deltafin");
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.arg("run")
+        .arg("--model-root")
+        .arg(&out)
+        .arg("--max-new")
+        .arg(max_new.to_string())
+        .args(run_args);
+    println!(
+        "running {} run --model-root {} --max-new {max_new} {}",
+        exe.display(),
+        out.display(),
+        run_args.join(" ")
+    );
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot run {}", exe.display()))?;
+    if !status.success() {
+        bail!("deltafin run failed ({status})");
     }
     Ok(())
 }

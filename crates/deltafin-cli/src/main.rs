@@ -1,5 +1,110 @@
 //! `deltafin`: run Kimi K3 on one machine.
+//!
+//! `deltafin [run] [OPTIONS]` prefills a prompt and decodes greedily; `deltafin perplexity`
+//! scores a text teacher-forced. See `docs/CLI.md` for every flag and environment variable.
 
-fn main() {
-    println!("deltafin {}", env!("CARGO_PKG_VERSION"));
+mod events;
+mod perplexity;
+mod run;
+mod session;
+
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Deltafin native runtime
+#[derive(Parser, Debug)]
+#[command(
+    name = "deltafin",
+    version,
+    about = "Deltafin native runtime",
+    long_about = "Deltafin native runtime\n\nRuns Moonshot AI's Kimi K3 on one machine, greedily: every emitted token is K3's own argmax.\nWith no subcommand, `deltafin` is `deltafin run`.",
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Prefill one prompt, then decode greedily and stream the completion (the default).
+    Run(RunArgs),
+    /// Score a text teacher-forced through the prefill path: mean NLL and perplexity.
+    Perplexity(PerplexityArgs),
+}
+
+/// Options shared by the commands that load the model.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Install root holding config.json, model.safetensors.index.json, the shards and the
+    /// tokenizer files.
+    #[arg(long, value_name = "PATH", default_value = ".")]
+    pub model_root: PathBuf,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Text to continue (raw completion) or the user message (with --chat).
+    #[arg(long, value_name = "TEXT", default_value = "The capital of France is")]
+    pub prompt: String,
+    /// Wrap the prompt in K3's XTML chat template (thinking on).
+    #[arg(long)]
+    pub chat: bool,
+    /// Stop after at most N generated tokens (default: until end of message or a full
+    /// context).
+    #[arg(long, value_name = "N")]
+    pub max_new: Option<usize>,
+    /// Thinking effort for --chat: low, medium, high or max [env: K3_REASONING_EFFORT;
+    /// default: max].
+    #[arg(long, value_name = "LEVEL")]
+    pub reasoning_effort: Option<String>,
+    /// Print a live cumulative speed line per token instead of the text.
+    #[arg(long)]
+    pub stats: bool,
+    /// Write one JSON object per line (schema deltafin.run_event.v1) to PATH.
+    #[arg(long, value_name = "PATH")]
+    pub events_jsonl: Option<PathBuf>,
+    /// Add the N largest logits (N ≤ 100) and the log-sum-exp of every distribution to the
+    /// events file.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=100))]
+    pub top_logits: Option<u16>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct PerplexityArgs {
+    /// UTF-8 text file to score (encoded as raw text, specials off, no BOS).
+    #[arg(long, value_name = "PATH")]
+    pub file: PathBuf,
+    /// Score at most the first N tokens of the file.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(2..))]
+    pub max_tokens: Option<u64>,
+    /// Positions per forward pass.
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub chunk: u64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Some(Command::Run(args)) => run::run(&args),
+        Some(Command::Perplexity(args)) => perplexity::perplexity(&args),
+        None => run::run(&cli.run),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("deltafin: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
 }

@@ -10,8 +10,10 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod dims;
+pub mod generate;
 pub mod inventory;
 pub mod kda;
+pub mod loader;
 pub mod mla;
 pub mod model;
 pub mod moe;
@@ -20,6 +22,6 @@ pub mod router;
 pub mod situ;
 pub mod state;
 pub mod synth;
-pub mod tokenizer;
 #[cfg(test)]
 mod test_util;
+pub mod tokenizer;

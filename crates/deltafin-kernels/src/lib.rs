@@ -15,3 +15,8 @@ pub use matvec::{matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
 pub use ops::{
     argmax, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, situ_glu, softmax_inplace,
 };
+
+/// Name of the kernel implementation in use, for logs and `--stats`.
+pub fn kernel_backend() -> &'static str {
+    "portable"
+}

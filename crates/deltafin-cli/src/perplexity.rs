@@ -1,0 +1,100 @@
+//! `deltafin perplexity`: teacher-forced scoring of a text through the batched prefill path.
+
+use crate::PerplexityArgs;
+use crate::session;
+use anyhow::{Context, Result, bail};
+use deltafin_k3::generate::score;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use std::process::ExitCode;
+use std::time::Instant;
+
+pub fn perplexity(args: &PerplexityArgs) -> Result<ExitCode> {
+    let bytes = std::fs::read(&args.file)
+        .with_context(|| format!("cannot read {}", args.file.display()))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|e| anyhow::anyhow!("{} is not valid UTF-8: {e}", args.file.display()))?;
+    let interrupt = session::interrupt_flag();
+    let s = session::load(&args.model.model_root)?;
+    let mut tokens = s.tokenizer.encode_ordinary(&text);
+    if let Some(m) = args.max_tokens {
+        tokens.truncate(usize::try_from(m).unwrap_or(usize::MAX));
+    }
+    if tokens.len() < 2 {
+        bail!(
+            "{} encodes to {} token(s); perplexity needs at least 2",
+            args.file.display(),
+            tokens.len()
+        );
+    }
+    let max_context = s.checkpoint.config().text.max_position_embeddings;
+    if tokens.len() > max_context {
+        bail!(
+            "{} tokens exceed the model context of {max_context}; pass --max-tokens",
+            tokens.len()
+        );
+    }
+    let chunk = usize::try_from(args.chunk).unwrap_or(512);
+    eprintln!(
+        "[deltafin] perplexity {} spine=bf16 model_root={} tokens={} chunk={chunk}",
+        session::backend_description(),
+        args.model.model_root.display(),
+        tokens.len()
+    );
+    let bar = if tokens.len() > chunk && !args.json {
+        let b = ProgressBar::new((tokens.len() - 1) as u64);
+        b.set_style(
+            ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} tokens [{elapsed_precise} < {eta_precise}] {per_sec}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        Some(b)
+    } else {
+        None
+    };
+    let t = Instant::now();
+    let result = score(&s.model, &tokens, chunk, false, &interrupt, |done, _| {
+        if let Some(b) = &bar {
+            b.set_position(done as u64);
+        }
+    })?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let interrupted = result.tokens_scored + 1 < tokens.len();
+    let rate = result.tokens_scored as f64 / secs.max(1e-9);
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "file": args.file.display().to_string(),
+                "tokens": tokens.len(),
+                "tokens_scored": result.tokens_scored,
+                "mean_nll": result.mean_nll(),
+                "perplexity": result.perplexity(),
+                "seconds": secs,
+                "tokens_per_second": rate,
+                "chunk": chunk,
+                "interrupted": interrupted,
+            })
+        );
+    } else {
+        println!("tokens scored: {}", result.tokens_scored);
+        println!("mean NLL:      {:.6} nats/token", result.mean_nll());
+        println!("perplexity:    {:.4}", result.perplexity());
+        println!("rate:          {rate:.1} tokens/s ({secs:.2} s)");
+        if interrupted {
+            println!(
+                "(interrupted: only the first {} positions were scored)",
+                result.tokens_scored
+            );
+        }
+    }
+    Ok(if interrupted {
+        ExitCode::from(130)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
