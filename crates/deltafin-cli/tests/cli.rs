@@ -1,0 +1,320 @@
+//! End-to-end tests of the `deltafin` binary on a synthesized tiny K3 checkpoint.
+
+use deltafin_k3::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
+use deltafin_k3::generate::{greedy, logsumexp};
+use deltafin_k3::loader::{EngineOptions, open_model};
+use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::tokenizer::Tokenizer;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// One tiny checkpoint shared by every test of this binary.
+fn model_root() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = tempfile::tempdir().unwrap();
+        synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), 11)).unwrap();
+        d
+    })
+    .path()
+}
+
+fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+    cmd.args(args).env_remove("K3_REASONING_EFFORT");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+fn events(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn top(v: &Value) -> Vec<(u32, f32)> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_u64().unwrap() as u32, p[1].as_f64().unwrap() as f32))
+        .collect()
+}
+
+fn root_arg() -> String {
+    model_root().display().to_string()
+}
+
+#[test]
+fn run_events_carry_ids_and_the_engines_own_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev_path: PathBuf = tmp.path().join("events.jsonl");
+    let out = deltafin(
+        &[
+            "run",
+            "--model-root",
+            &root_arg(),
+            "--max-new",
+            "6",
+            "--events-jsonl",
+            ev_path.to_str().unwrap(),
+            "--top-logits",
+            "8",
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ev = events(&ev_path);
+    let kinds: Vec<&str> = ev.iter().map(|e| e["event"].as_str().unwrap()).collect();
+    assert_eq!(kinds[..2], ["run_start", "prefill_done"]);
+    assert_eq!(kinds.last(), Some(&"run_end"));
+    for e in &ev {
+        assert_eq!(e["schema"], "deltafin.run_event.v1");
+    }
+
+    // The prompt ids are the raw encoding of the default prompt (no BOS).
+    let tok = Tokenizer::from_dir(model_root()).unwrap();
+    let prompt = tok.encode_ordinary("The capital of France is");
+    assert_eq!(prompt, [1008, 10484, 318, 15383, 387]);
+    assert_eq!(ids(&ev[0]["prompt_token_ids"]), prompt);
+
+    // Recompute every distribution in-process: the events carry exactly these values.
+    let model = open_model(model_root(), &EngineOptions::default()).unwrap();
+    let mut state = model.new_state();
+    let mut logits = model.prefill(&mut state, &prompt).unwrap();
+    let steps: Vec<&Value> = ev.iter().filter(|e| e["event"] == "decode_step").collect();
+    assert_eq!(steps.len(), 6);
+    let want_top = |l: &[f32]| deltafin_k3::generate::top_logits(l, 8);
+    assert_eq!(top(&ev[0]["last_prompt_top_logits"]), want_top(&logits));
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs().max(1.0);
+    assert!(close(
+        ev[0]["last_prompt_logsumexp"].as_f64().unwrap(),
+        logsumexp(&logits)
+    ));
+    let mut emitted = Vec::new();
+    for (i, s) in steps.iter().enumerate() {
+        assert_eq!(s["step"].as_u64().unwrap() as usize, i);
+        let id = s["token_id"].as_u64().unwrap() as u32;
+        assert_eq!(id, greedy(&logits), "step {i} is not the greedy choice");
+        assert_eq!(ids(&s["emitted_token_ids"]), vec![id]);
+        let t = top(&s["top_logits"]);
+        assert_eq!(t, want_top(&logits), "step {i} top logits");
+        assert_eq!(t[0].0, id);
+        let lse = s["logsumexp"].as_f64().unwrap();
+        assert!(close(lse, logsumexp(&logits)));
+        assert!(lse >= t[0].1 as f64, "logsumexp below the top logit");
+        assert!(t.windows(2).all(|w| w[0].1 >= w[1].1), "not descending");
+        emitted.push(id);
+        logits = model.decode(&mut state, id).unwrap();
+    }
+    let end = ev.last().unwrap();
+    assert_eq!(ids(&end["emitted_token_ids"]), emitted);
+    assert_eq!(ids(&end["prompt_token_ids"]), prompt);
+    assert_eq!(end["stop_reason"], "max_new");
+
+    // stdout is exactly the decoded completion.
+    let text = tok.decode(&emitted).unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{text}\n"));
+    assert_eq!(end["completion_text"].as_str().unwrap(), text);
+    // The startup echo names the resolved settings.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("surface=raw") && err.contains("max_new=6"),
+        "{err}"
+    );
+}
+
+#[test]
+fn default_subcommand_is_run_and_chat_uses_the_env_effort() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev_path = tmp.path().join("e.jsonl");
+    let out = deltafin(
+        &[
+            "--model-root",
+            &root_arg(),
+            "--chat",
+            "--prompt",
+            "Hello <|open|>",
+            "--max-new",
+            "2",
+            "--events-jsonl",
+            ev_path.to_str().unwrap(),
+        ],
+        &[("K3_REASONING_EFFORT", "low")],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ev = events(&ev_path);
+    let tok = Tokenizer::from_dir(model_root()).unwrap();
+    let opts = ChatOptions {
+        effort: Some(ReasoningEffort::Low),
+        ..Default::default()
+    };
+    let want = encode_chat(&tok, &[ChatMessage::new("user", "Hello <|open|>")], &opts).unwrap();
+    assert_eq!(ids(&ev[0]["prompt_token_ids"]), want);
+    // The flag wins over the environment.
+    let out = deltafin(
+        &[
+            "run",
+            "--model-root",
+            &root_arg(),
+            "--chat",
+            "--reasoning-effort",
+            "max",
+            "--max-new",
+            "1",
+        ],
+        &[("K3_REASONING_EFFORT", "low")],
+    );
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("reasoning_effort=max (flag)"));
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let empty = tempfile::tempdir().unwrap();
+    let out = deltafin(
+        &["run", "--model-root", empty.path().to_str().unwrap()],
+        &[],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("config.json is missing") && err.contains("deltafin setup"),
+        "{err}"
+    );
+
+    let out = deltafin(
+        &["run", "--model-root", &root_arg()],
+        &[("K3_REASONING_EFFORT", "extreme")],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("K3_REASONING_EFFORT") && err.contains("extreme"),
+        "{err}"
+    );
+
+    let out = deltafin(
+        &["run", "--model-root", &root_arg(), "--top-logits", "5"],
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--events-jsonl"));
+
+    let out = deltafin(&["run", "--top-logits", "101", "--events-jsonl", "x"], &[]);
+    assert!(!out.status.success());
+    let out = deltafin(&["run", "--max-new", "-3"], &[]);
+    assert!(!out.status.success());
+    let out = deltafin(&["run", "--no-such-flag"], &[]);
+    assert!(!out.status.success());
+}
+
+#[test]
+fn version_and_help() {
+    let out = deltafin(&["--version"], &[]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "deltafin 0.1.0"
+    );
+    let out = deltafin(&["--help"], &[]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("Deltafin native runtime"));
+}
+
+#[test]
+fn stats_lines_replace_the_text() {
+    let out = deltafin(
+        &[
+            "run",
+            "--model-root",
+            &root_arg(),
+            "--max-new",
+            "3",
+            "--stats",
+        ],
+        &[],
+    );
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{stdout}");
+    for (i, l) in lines.iter().enumerate() {
+        assert!(
+            l.starts_with(&format!("[stats] generated={} ", i + 1)),
+            "{l}"
+        );
+        assert!(l.contains("token/s") && l.contains("s/token"));
+    }
+}
+
+#[test]
+fn perplexity_json_matches_the_library_score() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("text.txt");
+    let text =
+        "Kimi K3 keeps every routed expert. The spine stays resident; experts stream from disk.\n";
+    std::fs::write(&file, text.repeat(3)).unwrap();
+    let out = deltafin(
+        &[
+            "perplexity",
+            "--model-root",
+            &root_arg(),
+            "--file",
+            file.to_str().unwrap(),
+            "--chunk",
+            "16",
+            "--json",
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let model = open_model(model_root(), &EngineOptions::default()).unwrap();
+    let tok = Tokenizer::from_dir(model_root()).unwrap();
+    let ids = tok.encode_ordinary(&text.repeat(3));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let want = deltafin_k3::generate::score(&model, &ids, 16, false, &stop, |_, _| {}).unwrap();
+    assert_eq!(v["tokens_scored"].as_u64().unwrap() as usize, ids.len() - 1);
+    // serde_json's default float parser may be one ULP off, so compare at 1e-12.
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
+    assert!(close(v["mean_nll"].as_f64().unwrap(), want.mean_nll()));
+    assert!(close(v["perplexity"].as_f64().unwrap(), want.perplexity()));
+
+    let missing = deltafin(
+        &[
+            "perplexity",
+            "--model-root",
+            &root_arg(),
+            "--file",
+            "/no/such/file",
+        ],
+        &[],
+    );
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("/no/such/file"));
+}
