@@ -146,8 +146,11 @@ class K3Ref:
                   b1, b2) @ self.w(p + "shared_experts.down_proj.weight").T
         return R + sh
 
-    def forward(self, ids: list[int], eps_mla=1e-6, eps_l2=1e-6, router_clamp=False) -> np.ndarray:
-        """Logits [T, vocab] (float64) for every position."""
+    def forward(self, ids: list[int], eps_mla=1e-6, eps_l2=1e-6, router_clamp=False,
+                trace: dict | None = None) -> np.ndarray:
+        """Logits [T, vocab] (float64) for every position. If `trace` is a dict, it receives the
+        partial sum P after each attention (`prefix_sum_attn-L`) and after each layer
+        (`l_out-L`), and the normed final state (`result_norm`), each [T, D] (llama.cpp names)."""
         c = self.c
         eps = c["rms_norm_eps"]
         bs = c["attn_res_block_size"]
@@ -164,6 +167,8 @@ class K3Ref:
             y = rms(a, self.w(p + "input_layernorm.weight"), eps)
             o = self.mla(l, y, eps_mla) if l in self.full else self.kda(l, y, eps_l2)
             P = o if restart else P + o
+            if trace is not None:
+                trace[f"prefix_sum_attn-{l}"] = P.copy()
             m = self.attn_res(P, S, self.w(p + "mlp_res_norm.weight"), self.w(p + "mlp_res_proj.weight"))
             y = rms(m, self.w(p + "post_attention_layernorm.weight"), eps)
             if l < c["first_k_dense_replace"]:
@@ -172,6 +177,10 @@ class K3Ref:
             else:
                 f = self.moe(l, y, router_clamp)
             P = P + f
+            if trace is not None:
+                trace[f"l_out-{l}"] = P.copy()
         x = self.attn_res(P, S, self.w("model.output_attn_res_norm.weight"), self.w("model.output_attn_res_proj.weight"))
         x = rms(x, self.w("model.norm.weight"), eps)
+        if trace is not None:
+            trace["result_norm"] = x.copy()
         return x @ self.t["lm_head.weight"].load().astype(np.float64).T

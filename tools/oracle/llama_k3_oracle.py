@@ -33,6 +33,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import k3_gguf_convert as conv  # noqa: E402
 from k3_numpy_ref import K3Ref  # noqa: E402
+import llama_layer_dump  # noqa: E402
 
 FRANCE = [1008, 10484, 318, 15383, 387]
 # k3-model.md §8.1 golden: one user turn "Hello", thinking off, generation prompt (specials)
@@ -131,6 +132,14 @@ class Runner:
         return {"all_logits": all_logits, "last": last, "steps": steps}
 
 
+DUMP_PATTERN = r"(prefix_sum_attn|l_out)-\d+|result_norm"
+
+
+def dump_order(name: str) -> tuple:
+    base, _, layer = name.rpartition("-")
+    return (int(layer), base != "prefix_sum_attn") if layer.isdigit() else (1 << 30, False)
+
+
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b.astype(np.float64)))
 
@@ -188,7 +197,14 @@ def main() -> None:
         m = second.run(p["ids"], N_GREEDY)
         greedy = [s["id"] for s in r["steps"]]
         # independent float64 numpy forward (k3_numpy_ref.py) on the checkpoint itself
-        ref_lcpp = ref.forward(p["ids"], eps_mla=1e-5, eps_l2=1e-5, router_clamp=True)
+        trace: dict = {}
+        ref_lcpp = ref.forward(p["ids"], eps_mla=1e-5, eps_l2=1e-5, router_clamp=True, trace=trace)
+        dumps = llama_layer_dump.capture(g_primary, p["ids"], DUMP_PATTERN, args.threads)
+        layers = []
+        for key in sorted(dumps, key=dump_order):
+            v = dumps[key].reshape(len(p["ids"]), -1)
+            layers.append({"name": key, "last": [float(x) for x in v[-1]],
+                           "rel_l2_vs_numpy_all_positions": rel_l2(v, trace[key])})
         ref_eps = ref.forward(p["ids"] + greedy[:-1], eps_mla=1e-6, eps_l2=1e-6, router_clamp=False)
         n = len(p["ids"])
         ref_greedy = [int(np.argmax(row)) for row in ref_eps[n - 1:]]
@@ -219,6 +235,12 @@ def main() -> None:
                 "reference_eps_greedy_ids_teacher_forced": ref_greedy,
                 "reference_eps_same_greedy": ref_greedy == greedy,
             },
+            "llama_intermediates": {
+                "what": "llama.cpp graph nodes (cb_eval) for the prompt batch, primary GGUF: prefix_sum_attn-L = AttnRes "
+                        "partial sum P after layer L's attention, l_out-L = P after layer L, result_norm = final "
+                        "RMS-normed mixed state; 'last' is the last prompt position",
+                "nodes": layers,
+            },
             "mxfp4_gguf": {
                 "greedy_ids": [s["id"] for s in m["steps"]],
                 "same_greedy": [s["id"] for s in m["steps"]] == [s["id"] for s in r["steps"]],
@@ -231,6 +253,7 @@ def main() -> None:
               f"numpy rel_l2 {out_prompts[-1]['numpy_crosscheck']['last_logits_rel_l2_llama_eps']:.3e} / "
               f"ref-eps {out_prompts[-1]['numpy_crosscheck']['last_logits_rel_l2_reference_eps_vs_llama']:.3e} "
               f"same greedy {out_prompts[-1]['numpy_crosscheck']['reference_eps_same_greedy']}, "
+              f"max node rel_l2 {max(x['rel_l2_vs_numpy_all_positions'] for x in layers):.3e}, "
               f"mxfp4 rel_l2 {out_prompts[-1]['mxfp4_gguf']['last_logits_rel_l2']:.3e}")
 
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -261,6 +284,12 @@ def main() -> None:
                 "last_logits_rel_l2_reference_eps_vs_llama": rel_l2(last, ref_eps[n - 1]),
                 "reference_eps_greedy_ids_teacher_forced": ref_greedy,
                 "reference_eps_same_greedy": ref_greedy == greedy,
+            },
+            "llama_intermediates": {
+                "what": "llama.cpp graph nodes (cb_eval) for the prompt batch, primary GGUF: prefix_sum_attn-L = AttnRes "
+                        "partial sum P after layer L's attention, l_out-L = P after layer L, result_norm = final "
+                        "RMS-normed mixed state; 'last' is the last prompt position",
+                "nodes": layers,
             },
             "mxfp4_gguf": {"spine": "F32", "routed_experts": "MXFP4 (lossless repack)", "sha256": sha256_file(g_mxfp4)},
             "runtime": {"device": "CPU", "n_threads": args.threads, "n_ctx": n_ctx, "n_batch": n_ctx,
