@@ -41,7 +41,7 @@ import re
 import struct
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -428,7 +428,7 @@ class K3Converter:
         import tiktoken
         ranks_file = self.dir_model / "tiktoken.model"
         mergeable_ranks: dict[bytes, int] = {}
-        for ln, line in enumerate(ranks_file.read_text().splitlines()):
+        for line in ranks_file.read_text().splitlines():
             if not line:
                 continue
             tok, rank = line.split()
