@@ -172,10 +172,14 @@ def main() -> None:
     args = ap.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
+    synth_commit = None
     if args.ckpt:
         ckpt, gen_cmd = args.ckpt, args.ckpt_command or f"(given checkpoint {args.ckpt})"
     else:
         ckpt, gen_cmd = synthesize(args)
+        if args.synth == "rust":
+            r = subprocess.run(["git", "-C", str(args.synth_repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+            synth_commit = r.stdout.strip() or None
     conv.load_gguf(args.llama_src)
 
     g_primary = args.work / f"{args.name}.f32experts.gguf"
@@ -265,6 +269,8 @@ def main() -> None:
             "seed": args.seed if not args.ckpt else None,
             "config_sha256": sha256_file(ckpt / "config.json"),
             "index_sha256": sha256_file(ckpt / "model.safetensors.index.json"),
+            "safetensors_sha256": {f.name: sha256_file(f) for f in sorted(ckpt.glob("*.safetensors"))},
+            "synth_repo_commit": synth_commit,
             "hidden_size": cfg["text_config"]["hidden_size"],
             "num_hidden_layers": cfg["text_config"]["num_hidden_layers"],
             "vocab_size": cfg["text_config"]["vocab_size"],
