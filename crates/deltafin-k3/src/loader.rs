@@ -257,3 +257,36 @@ pub fn open_model(root: &Path, opts: &EngineOptions) -> Result<K3Model, LoadErro
     let ckpt = Arc::new(Checkpoint::open(root)?);
     load_model(ckpt, opts)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::REAL_CONFIG_JSON;
+
+    #[test]
+    fn real_config_maps_to_the_k3_dims_and_state_sizes() {
+        let cfg = K3Config::from_json_str(REAL_CONFIG_JSON).unwrap();
+        let d = dims_from_config(&cfg, &EngineOptions::default());
+        d.validate().unwrap();
+        assert_eq!(d.num_layers(), 93);
+        assert_eq!(d.num_mla_layers(), 24);
+        assert_eq!(d.num_kda_layers(), 69);
+        assert_eq!(d.attn_kind(0), AttnKind::Kda);
+        assert_eq!(d.attn_kind(91), AttnKind::Mla);
+        assert_eq!(d.attn_kind(92), AttnKind::Mla);
+        assert_eq!(d.shared_intermediate, 6144);
+        assert_eq!(d.gate_lower_bound, -5.0);
+        assert_eq!((d.mla_norm_eps, d.kda_l2_eps, d.rms_norm_eps), (1e-6, 1e-6, 1e-5));
+        // §6: 576 bf16 values per token per MLA layer, 24 layers; 443.1 MiB of KDA state.
+        assert_eq!(d.mla_cache_bytes_per_token(), 27_648);
+        assert_eq!(d.kda_state_bytes(), 464_633_856);
+        let f32_cache = dims_from_config(
+            &cfg,
+            &EngineOptions {
+                mla_cache_dtype: CacheDtype::F32,
+                ..Default::default()
+            },
+        );
+        assert_eq!(f32_cache.mla_cache_bytes_per_token(), 55_296);
+    }
+}
