@@ -533,7 +533,8 @@ mod tests {
         let (deltas, _, _) = run(&tok, false, &["bcdx"], &ids);
         assert_eq!(deltas[0].content, "a");
         assert_eq!(deltas[1].content, "");
-        assert_eq!(deltas[3].content, "bcd");
+        assert_eq!(deltas[3].content, "");
+        assert_eq!(deltas[4].content, "bcde");
     }
 
     #[test]

@@ -225,7 +225,16 @@ impl Server {
         let (started_tx, mut started_rx) = watch::channel(false);
         let signal_state = state.clone();
         let signal = async move {
-            let load_failed = engine_rx.wait_for(|s| matches!(s, EngineState::Failed(_)));
+            // The loader drops its sender once done: only a failure ends the wait.
+            let load_failed = async move {
+                if engine_rx
+                    .wait_for(|s| matches!(s, EngineState::Failed(_)))
+                    .await
+                    .is_err()
+                {
+                    std::future::pending::<()>().await;
+                }
+            };
             tokio::select! {
                 _ = shutdown => eprintln!("[deltafin serve] shutting down: no new connections, cancelling the running generation"),
                 _ = load_failed => {}
