@@ -160,8 +160,19 @@ pub enum Cancelled {
     Shutdown,
 }
 
-/// Runs one greedy generation, sending events to `send`; stops within one token once
-/// `interrupt` is raised or `send` fails. Returns `Some(reason)` when it was cancelled.
+/// How a generation ended: the closing event to send (after the slot is released, so a
+/// client that saw its answer can never find its own slot still taken), or why nothing
+/// more is sent.
+#[derive(Debug)]
+pub enum Ending {
+    /// Send this `Done` or `Failed` event.
+    Event(GenEvent),
+    /// The generation was cancelled; send nothing more.
+    Cancelled(Cancelled),
+}
+
+/// Runs one greedy generation, sending deltas to `send`; stops within one token once
+/// `interrupt` is raised or `send` fails. Returns the closing event, or why it was cancelled.
 pub fn run_generation(
     engine: &Engine,
     req: &GenRequest,
@@ -169,7 +180,7 @@ pub fn run_generation(
     interrupt: &AtomicBool,
     shutdown: &AtomicBool,
     mut send: impl FnMut(GenEvent) -> bool,
-) -> Option<Cancelled> {
+) -> Ending {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     let opts = GenerateOptions {
         max_new: Some(req.max_new),
@@ -231,8 +242,7 @@ pub fn run_generation(
         Err(e) => {
             let err =
                 sink_error.unwrap_or_else(|| ApiError::server(format!("generation failed: {e}")));
-            send(GenEvent::Failed(err));
-            return None;
+            return Ending::Event(GenEvent::Failed(err));
         }
     };
     let finish = match outcome.stop {
@@ -240,25 +250,23 @@ pub fn run_generation(
         StopReason::Eos => FinishReason::Stop,
         StopReason::MaxNew | StopReason::ContextFull => FinishReason::Length,
         StopReason::Interrupted => {
-            return Some(if client_gone || !shutdown.load(Ordering::Relaxed) {
-                Cancelled::Client
+            return if client_gone || !shutdown.load(Ordering::Relaxed) {
+                Ending::Cancelled(Cancelled::Client)
             } else {
-                send(GenEvent::Failed(ApiError::shutting_down()));
-                Cancelled::Shutdown
-            });
+                Ending::Event(GenEvent::Failed(ApiError::shutting_down()))
+            };
         }
     };
     match asm.finish() {
         Ok(delta) => {
             if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
-                return Some(Cancelled::Client);
+                return Ending::Cancelled(Cancelled::Client);
             }
         }
         Err(e) => {
-            send(GenEvent::Failed(ApiError::server(format!(
+            return Ending::Event(GenEvent::Failed(ApiError::server(format!(
                 "cannot decode the output: {e}"
             ))));
-            return None;
         }
     }
     let completion_tokens = match outcome.stop {
@@ -270,9 +278,5 @@ pub fn run_generation(
         completion_tokens,
         reasoning_tokens: asm.reasoning_tokens().min(completion_tokens),
     };
-    if send(GenEvent::Done { finish, usage }) {
-        None
-    } else {
-        Some(Cancelled::Client)
-    }
+    Ending::Event(GenEvent::Done { finish, usage })
 }

@@ -1,7 +1,7 @@
 //! The HTTP side: routing, admission (one generation plus a bounded FIFO queue), body limits,
 //! JSON and SSE responses, disconnect cancellation and graceful shutdown.
 
-use crate::engine::{Cancelled, Engine, FinishReason, GenEvent, Usage, run_generation};
+use crate::engine::{Ending, Engine, FinishReason, GenEvent, Usage, run_generation};
 use crate::error::{ApiError, json_response};
 use crate::output::{Delta, chat_logprob_entries, completions_logprobs};
 use crate::request::{self, Limits, Surface};
@@ -104,6 +104,89 @@ impl Drop for CancelOnDrop {
             self.flag.store(true, Ordering::SeqCst);
         }
     }
+}
+
+/// The client's socket, duplicated when the connection is accepted, so that a handler can
+/// see the client leave while it waits (hyper does not poll a connection whose request said
+/// `Connection: close`).
+#[derive(Clone)]
+struct ClientConn {
+    #[cfg(unix)]
+    sock: Option<Arc<std::net::TcpStream>>,
+}
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TcpListener>>
+    for ClientConn
+{
+    fn connect_info(stream: axum::serve::IncomingStream<'_, TcpListener>) -> Self {
+        #[cfg(unix)]
+        {
+            use std::os::fd::AsFd;
+            // The duplicate shares the socket's non-blocking mode with tokio's descriptor.
+            let sock = stream
+                .io()
+                .as_fd()
+                .try_clone_to_owned()
+                .ok()
+                .map(|fd| Arc::new(std::net::TcpStream::from(fd)));
+            ClientConn { sock }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = stream;
+            ClientConn {}
+        }
+    }
+}
+
+/// How often a waiting handler checks its client.
+const CLIENT_CHECK_INTERVAL: Duration = Duration::from_millis(50);
+
+impl ClientConn {
+    /// Whether the client closed or reset its connection (a peek reads end-of-stream or
+    /// fails). Unknown (no socket) counts as present.
+    fn is_gone(&self) -> bool {
+        #[cfg(unix)]
+        if let Some(sock) = &self.sock {
+            let mut b = [0u8; 1];
+            return match sock.peek(&mut b) {
+                Ok(0) => true,
+                Ok(_) => false,
+                Err(e) => !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ),
+            };
+        }
+        false
+    }
+
+    /// Completes once the client is gone.
+    async fn gone(&self) {
+        loop {
+            tokio::time::sleep(CLIENT_CHECK_INTERVAL).await;
+            if self.is_gone() {
+                return;
+            }
+        }
+    }
+}
+
+/// `fut`, or `None` if the client leaves first.
+async fn unless_gone<T>(conn: &ClientConn, fut: impl Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        v = fut => Some(v),
+        _ = conn.gone() => None,
+    }
+}
+
+/// An answer nobody will read (the client is gone).
+fn abandoned() -> Response {
+    let mut r = Response::new(Body::empty());
+    *r.status_mut() = StatusCode::NO_CONTENT;
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
 }
 
 fn unix_now() -> u64 {
@@ -243,7 +326,11 @@ impl Server {
             let _ = started_tx.send(true);
         };
         let app = Router::new().fallback(route).with_state(state.clone());
-        let serve = axum::serve(self.listener, app).with_graceful_shutdown(signal);
+        let serve = axum::serve(
+            self.listener,
+            app.into_make_service_with_connect_info::<ClientConn>(),
+        )
+        .with_graceful_shutdown(signal);
         let grace = async move {
             let _ = started_rx.wait_for(|s| *s).await;
             tokio::time::sleep(SHUTDOWN_GRACE).await;
@@ -295,7 +382,15 @@ async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
     if method != Method::POST {
         return ApiError::method_not_allowed().into_response();
     }
-    match generate(state, surface, req).await {
+    let conn = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<ClientConn>>()
+        .map(|c| c.0.clone())
+        .unwrap_or(ClientConn {
+            #[cfg(unix)]
+            sock: None,
+        });
+    match generate(state, surface, req, conn).await {
         Ok(resp) => resp,
         Err(e) => e.into_response(),
     }
@@ -335,6 +430,7 @@ async fn generate(
     state: Arc<AppState>,
     surface: Surface,
     req: Request,
+    conn: ClientConn,
 ) -> Result<Response, ApiError> {
     if state.shutdown.load(Ordering::SeqCst) {
         return Err(ApiError::shutting_down());
@@ -371,12 +467,10 @@ async fn generate(
         .map_err(|e| ApiError::server(format!("prompt encoding failed: {e}")))??
     };
     // Wait for the slot in arrival order; a client that leaves drops this future.
-    let permit = state
-        .slot
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(|_| ApiError::shutting_down())?;
+    let Some(permit) = unless_gone(&conn, state.slot.clone().acquire_owned()).await else {
+        return Ok(abandoned());
+    };
+    let permit = permit.map_err(|_| ApiError::shutting_down())?;
     if state.shutdown.load(Ordering::SeqCst) {
         return Err(ApiError::shutting_down());
     }
@@ -389,8 +483,8 @@ async fn generate(
     let worker_state = state.clone();
     let gen_for_worker = gen_req.clone();
     tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        let _ticket = ticket;
+        let slot_permit = permit;
+        let reservation = ticket;
         let st = worker_state;
         st.stats.generations_started.fetch_add(1, Ordering::SeqCst);
         if let Ok(mut cur) = st.current.lock() {
@@ -399,7 +493,7 @@ async fn generate(
         if st.shutdown.load(Ordering::SeqCst) {
             interrupt.store(true, Ordering::SeqCst);
         }
-        let cancelled = run_generation(
+        let ending = run_generation(
             &engine,
             &gen_for_worker,
             &prompt,
@@ -410,11 +504,21 @@ async fn generate(
         if let Ok(mut cur) = st.current.lock() {
             *cur = None;
         }
-        let counter = match cancelled {
-            Some(Cancelled::Client | Cancelled::Shutdown) => &st.stats.generations_cancelled,
-            None => &st.stats.generations_finished,
+        // Free the slot before the answer is complete on the client's side.
+        drop(slot_permit);
+        drop(reservation);
+        let counter = match &ending {
+            Ending::Cancelled(_)
+            | Ending::Event(GenEvent::Failed(ApiError {
+                kind: "server_shutting_down",
+                ..
+            })) => &st.stats.generations_cancelled,
+            Ending::Event(_) => &st.stats.generations_finished,
         };
         counter.fetch_add(1, Ordering::SeqCst);
+        if let Ending::Event(ev) = ending {
+            let _ = tx.send(ev);
+        }
     });
     let tok_engine = state.engine.borrow().clone();
     let EngineState::Ready(tok_engine) = tok_engine else {
@@ -432,9 +536,12 @@ async fn generate(
         include_usage: gen_req.include_usage,
     };
     if gen_req.stream {
-        Ok(sse_response(shape, rx, guard))
+        Ok(sse_response(shape, rx, guard, conn))
     } else {
-        collect_response(shape, rx, guard).await
+        match unless_gone(&conn, collect_response(shape, rx, guard)).await {
+            Some(r) => r,
+            None => Ok(abandoned()),
+        }
     }
 }
 
@@ -579,6 +686,7 @@ async fn collect_response(
 }
 
 struct SseState {
+    conn: ClientConn,
     shape: Shape,
     rx: mpsc::UnboundedReceiver<GenEvent>,
     guard: CancelOnDrop,
@@ -630,6 +738,7 @@ fn sse_response(
     shape: Shape,
     rx: mpsc::UnboundedReceiver<GenEvent>,
     guard: CancelOnDrop,
+    conn: ClientConn,
 ) -> Response {
     let mut pending = VecDeque::new();
     if shape.surface == Surface::Chat {
@@ -639,6 +748,7 @@ fn sse_response(
         pending.push_back(SseState::frame(&opening));
     }
     let st = SseState {
+        conn,
         shape,
         rx,
         guard,
@@ -653,7 +763,10 @@ fn sse_response(
             if st.ended {
                 return None;
             }
-            let ev = st.rx.recv().await;
+            // A client that leaves while nothing is written (prefill) is noticed too.
+            let Some(ev) = unless_gone(&st.conn, st.rx.recv()).await else {
+                return None;
+            };
             st.on_event(ev);
         }
     });

@@ -111,6 +111,7 @@ fn sixty_four_clients_with_queue_0_get_429_while_busy() {
 #[test]
 fn sixty_four_clients_with_queue_8_queue_eight_in_order_and_refuse_the_rest() {
     let s = start(8, 1 << 20);
+    let base = started(&s.stats);
     let holder = hold_slot(&s);
     let handles = fire(&s, 64);
     wait_until(
@@ -119,7 +120,7 @@ fn sixty_four_clients_with_queue_8_queue_eight_in_order_and_refuse_the_rest() {
         "56 refusals and 8 waiters",
     );
     // The waiters do not run while the slot is held.
-    assert_eq!(started(&s.stats), 1);
+    assert_eq!(started(&s.stats), base + 1);
     drop(holder);
     let results: Vec<Resp> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     let served: Vec<&Resp> = results.iter().filter(|r| r.status == 200).collect();
@@ -131,7 +132,7 @@ fn sixty_four_clients_with_queue_8_queue_eight_in_order_and_refuse_the_rest() {
         assert_busy(r);
     }
     s.wait_idle();
-    assert_eq!(started(&s.stats), 9);
+    assert_eq!(started(&s.stats), base + 9);
     short_ok(&s);
 }
 
@@ -212,6 +213,7 @@ fn slow_client_is_served_and_holds_its_reservation_meanwhile() {
 #[test]
 fn disconnects_cancel_the_generation_and_free_the_slot() {
     let s = start(0, 1 << 20);
+    let base = started(&s.stats);
     // Streaming: the client leaves after the first frame.
     let holder = hold_slot(&s);
     drop(holder);
@@ -233,7 +235,7 @@ fn disconnects_cancel_the_generation_and_free_the_slot() {
     .unwrap();
     wait_until(
         Duration::from_secs(10),
-        || started(&s.stats) == 2,
+        || started(&s.stats) == base + 2,
         "second generation started",
     );
     drop(c);
@@ -249,6 +251,7 @@ fn disconnects_cancel_the_generation_and_free_the_slot() {
 #[test]
 fn disconnect_storm_leaves_no_leaked_slot() {
     let s = start(8, 1 << 20);
+    let base = started(&s.stats);
     let holder = hold_slot(&s);
     // Eight waiters queue, then all leave: they are dropped without generating.
     let mut waiters = Vec::new();
@@ -271,7 +274,7 @@ fn disconnect_storm_leaves_no_leaked_slot() {
         || s.reserved() == 1,
         "waiters dropped",
     );
-    assert_eq!(started(&s.stats), 1);
+    assert_eq!(started(&s.stats), base + 1);
     drop(holder);
     s.wait_idle();
     // Twenty clients open streams and vanish at once.
