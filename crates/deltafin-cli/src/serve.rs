@@ -80,7 +80,7 @@ async fn shutdown_signal() {
                 }
             }
             Err(e) => {
-                eprintln!("deltafin: warning: SIGTERM handler not installed: {e}");
+                deltafin_openai::log_line!("deltafin: warning: SIGTERM handler not installed: {e}");
                 let _ = ctrl_c.await;
             }
         }
@@ -117,7 +117,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     runtime.block_on(async {
         let server = Server::bind(cfg.clone(), args.model.model_root.clone()).await?;
         let addr = server.local_addr()?;
-        eprintln!(
+        deltafin_openai::log_line!(
             "[deltafin serve] surface=server {} spine=bf16 model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={effort} ({effort_source})",
             session::backend_description(),
             args.model.model_root.display(),
@@ -127,13 +127,13 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
             cfg.max_request_bytes,
         );
         if !addr.ip().is_loopback() {
-            eprintln!(
+            deltafin_openai::log_line!(
                 "deltafin: warning: listening on non-loopback address {addr}; the server has no authentication"
             );
         }
-        eprintln!("[deltafin serve] listening on http://{addr} (model loading in the background)");
+        deltafin_openai::log_line!("[deltafin serve] listening on http://{addr} (model loading in the background)");
         server.run(shutdown_signal()).await?;
-        eprintln!("[deltafin serve] stopped");
+        deltafin_openai::log_line!("[deltafin serve] stopped");
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)

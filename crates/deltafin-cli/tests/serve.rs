@@ -265,6 +265,7 @@ fn environment_queue_and_a_missing_model() {
                 break;
             }
         }
+        std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
         (child, (), lines)
     };
     assert!(

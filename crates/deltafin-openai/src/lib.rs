@@ -16,6 +16,15 @@ pub use server::{ServeError, Server, ServerStats};
 
 use deltafin_k3::chat::ReasoningEffort;
 
+/// Writes one line to stderr, ignoring a closed stderr (a server must not die for its log).
+#[macro_export]
+macro_rules! log_line {
+    ($($arg:tt)*) => {{
+        use ::std::io::Write as _;
+        let _ = ::std::writeln!(::std::io::stderr(), $($arg)*);
+    }};
+}
+
 /// The one model id the server advertises and accepts.
 pub const MODEL_ID: &str = "deltafin-kimi-k3";
 /// Default `--port`.

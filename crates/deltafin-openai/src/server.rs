@@ -260,7 +260,7 @@ impl Server {
             let t = std::time::Instant::now();
             let state = match loader() {
                 Ok(engine) => {
-                    eprintln!(
+                    crate::log_line!(
                         "[deltafin serve] model ready in {:.2}s (context {} positions)",
                         t.elapsed().as_secs_f64(),
                         engine.max_context
@@ -319,7 +319,7 @@ impl Server {
                 }
             };
             tokio::select! {
-                _ = shutdown => eprintln!("[deltafin serve] shutting down: no new connections, cancelling the running generation"),
+                _ = shutdown => crate::log_line!("[deltafin serve] shutting down: no new connections, cancelling the running generation"),
                 _ = load_failed => {}
             }
             signal_state.begin_shutdown();
@@ -337,7 +337,7 @@ impl Server {
         };
         tokio::select! {
             r = serve => r?,
-            _ = grace => eprintln!("[deltafin serve] connections still open after {}s; exiting", SHUTDOWN_GRACE.as_secs()),
+            _ = grace => crate::log_line!("[deltafin serve] connections still open after {}s; exiting", SHUTDOWN_GRACE.as_secs()),
         }
         if let EngineState::Failed(e) = &*state.engine.borrow() {
             return Err(ServeError::Load(e.clone()));
