@@ -2,7 +2,6 @@
 //! a clear error without a model, graceful exit 0 on SIGTERM.
 
 #[path = "../../deltafin-openai/tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use common::{get, model_root, post_json, wait_until};

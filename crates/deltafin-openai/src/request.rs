@@ -260,7 +260,7 @@ pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenReque
     // temperature / top_p: only values for which greedy decoding is exactly what is asked.
     if let Some(v) = get("temperature") {
         match finite_number(v) {
-            Some(t) if t == 0.0 => {}
+            Some(0.0) => {}
             Some(t) if (0.0..=2.0).contains(&t) => {
                 return Err(ApiError::invalid_param(
                     "temperature",

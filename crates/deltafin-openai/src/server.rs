@@ -764,9 +764,7 @@ fn sse_response(
                 return None;
             }
             // A client that leaves while nothing is written (prefill) is noticed too.
-            let Some(ev) = unless_gone(&st.conn, st.rx.recv()).await else {
-                return None;
-            };
+            let ev = unless_gone(&st.conn, st.rx.recv()).await?;
             st.on_event(ev);
         }
     });

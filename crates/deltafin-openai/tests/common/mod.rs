@@ -250,10 +250,7 @@ pub fn parse_response(raw: &[u8]) -> Resp {
 
 fn dechunk(mut data: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(eol) = data.windows(2).position(|w| w == b"\r\n") else {
-            break;
-        };
+    while let Some(eol) = data.windows(2).position(|w| w == b"\r\n") {
         let size_str = std::str::from_utf8(&data[..eol]).unwrap();
         let size = usize::from_str_radix(size_str.split(';').next().unwrap().trim(), 16).unwrap();
         if size == 0 {
