@@ -489,6 +489,18 @@ mod tests {
     }
 
     #[test]
+    fn overlong_marker_is_text_and_specials_are_not() {
+        let tok = kimi();
+        let mut ids = vec![CLOSE];
+        let words = tok.encode_ordinary(&"x ".repeat(MAX_MARKER_TOKENS + 4));
+        ids.extend(&words);
+        ids.push(EOS);
+        let (_, all, _) = run(&tok, true, &[], &ids);
+        assert_eq!(all.reasoning, tok.decode(&words).unwrap());
+        assert_eq!(all.reasoning_logprobs.len(), words.len());
+    }
+
+    #[test]
     fn unfinished_marker_is_text() {
         let tok = kimi();
         let mut ids = tok.encode_ordinary("a");
