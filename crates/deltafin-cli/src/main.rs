@@ -6,6 +6,7 @@
 mod events;
 mod perplexity;
 mod run;
+mod serve;
 mod session;
 
 use clap::{Args, Parser, Subcommand};
@@ -34,6 +35,8 @@ enum Command {
     Run(RunArgs),
     /// Score a text teacher-forced through the prefill path: mean NLL and perplexity.
     Perplexity(PerplexityArgs),
+    /// OpenAI-compatible HTTP server (docs/SERVER.md).
+    Serve(serve::ServeArgs),
 }
 
 /// Options shared by the commands that load the model.
@@ -98,6 +101,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Run(args)) => run::run(&args),
         Some(Command::Perplexity(args)) => perplexity::perplexity(&args),
+        Some(Command::Serve(args)) => serve::serve(&args),
         None => run::run(&cli.run),
     };
     match result {
