@@ -68,26 +68,39 @@ fn resolve_effort() -> Result<(ReasoningEffort, &'static str)> {
     }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Register the SIGINT/SIGTERM handlers now (before the server says it is listening, so a
+/// signal sent right after that line is never missed) and return the future that resolves
+/// on the first of them.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
+        use tokio::signal::unix::{SignalKind, signal};
+        let int = signal(SignalKind::interrupt());
+        let term = signal(SignalKind::terminate());
+        async move {
+            match (int, term) {
+                (Ok(mut int), Ok(mut term)) => {
+                    tokio::select! {
+                        _ = int.recv() => {}
+                        _ = term.recv() => {}
+                    }
                 }
-            }
-            Err(e) => {
-                deltafin_openai::log_line!("deltafin: warning: SIGTERM handler not installed: {e}");
-                let _ = ctrl_c.await;
+                (int, term) => {
+                    for e in [int.err(), term.err()].into_iter().flatten() {
+                        deltafin_openai::log_line!(
+                            "deltafin: warning: signal handler not installed: {e}"
+                        );
+                    }
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
@@ -115,6 +128,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(async {
+        let shutdown = shutdown_signal();
         let server = Server::bind(cfg.clone(), args.model.model_root.clone()).await?;
         let addr = server.local_addr()?;
         deltafin_openai::log_line!(
@@ -132,7 +146,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
             );
         }
         deltafin_openai::log_line!("[deltafin serve] listening on http://{addr} (model loading in the background)");
-        server.run(shutdown_signal()).await?;
+        server.run(shutdown).await?;
         deltafin_openai::log_line!("[deltafin serve] stopped");
         Ok::<_, anyhow::Error>(())
     })?;
