@@ -1,0 +1,328 @@
+//! x86-64 row dot products: AVX2+FMA (8 f32 lanes) and AVX-512 F/BW/VL (16 f32 lanes).
+//!
+//! Every function handles `NB` activation rows against one weight row, which is loaded and
+//! widened once; each activation row has its own accumulators and sees exactly the same
+//! instruction sequence whatever `NB` is, so a row's result does not depend on the batch.
+//! Reductions use a fixed order (accumulator tree, then a fixed horizontal sum).
+//!
+//! MXFP4 activations are expected in the *paired* layout of [`crate::matvec`]: each
+//! 32-column block as `[x0, x2, …, x30, x1, x3, …, x31]`, so low nibbles (even columns) and
+//! high nibbles (odd columns) of 16 packed bytes meet contiguous activations.
+//!
+//! # Safety
+//! All functions require the CPU features named in their `target_feature` attribute, and
+//! every activation row must be at least as long as the weight row.
+
+use deltafin_tensor::bf16;
+use deltafin_tensor::mxfp4::E2M1;
+use std::arch::x86_64::*;
+
+/// AVX-512 F/BW/VL kernels.
+pub(crate) mod avx512 {
+    use super::*;
+
+    const L: usize = 16;
+    const U: usize = 4;
+
+    #[inline(always)]
+    fn mask(cnt: usize) -> __mmask16 {
+        ((1u32 << cnt) - 1) as __mmask16
+    }
+
+    /// `((a0 + a1) + (a2 + a3))`, then the horizontal sum.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    fn hsum(acc: [__m512; U]) -> f32 {
+        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        _mm512_reduce_add_ps(s)
+    }
+
+    macro_rules! dense_dot {
+        ($(#[$m:meta])* $name:ident, $T:ty, |$p:ident| $load:expr, |$pm:ident, $k:ident| $mload:expr) => {
+            $(#[$m])*
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+            pub(crate) unsafe fn $name<const NB: usize>(w: &[$T], xs: [&[f32]; NB]) -> [f32; NB] {
+                let n = w.len();
+                let wp = w.as_ptr();
+                let main = n - n % (L * U);
+                let mut acc = [[_mm512_setzero_ps(); U]; NB];
+                let mut c = 0;
+                // SAFETY: c + L * U <= n for the full steps; the tail uses masked loads that
+                // touch only columns < n; activation rows hold at least n values.
+                unsafe {
+                    while c < main {
+                        for u in 0..U {
+                            let $p = wp.add(c + u * L);
+                            let wv: __m512 = $load;
+                            for b in 0..NB {
+                                let xv = _mm512_loadu_ps(xs[b].as_ptr().add(c + u * L));
+                                acc[b][u] = _mm512_fmadd_ps(wv, xv, acc[b][u]);
+                            }
+                        }
+                        c += L * U;
+                    }
+                    // At most four remaining chunks (the last one partial) go to accumulators 0..3.
+                    let mut u = 0;
+                    while c < n {
+                        let $k = mask((n - c).min(L));
+                        let $pm = wp.add(c);
+                        let wv: __m512 = $mload;
+                        for b in 0..NB {
+                            let xv = _mm512_maskz_loadu_ps($k, xs[b].as_ptr().add(c));
+                            acc[b][u] = _mm512_fmadd_ps(wv, xv, acc[b][u]);
+                        }
+                        u += 1;
+                        c += L;
+                    }
+                }
+                let mut out = [0f32; NB];
+                for b in 0..NB {
+                    out[b] = hsum(acc[b]);
+                }
+                out
+            }
+        };
+    }
+
+    dense_dot!(
+        /// `Σ w·x` over an f32 row.
+        dot_f32, f32,
+        |p| _mm512_loadu_ps(p),
+        |p, k| _mm512_maskz_loadu_ps(k, p)
+    );
+    dense_dot!(
+        /// `Σ w·x` over a bf16 row (bf16 → f32 is a 16-bit left shift).
+        dot_bf16, bf16,
+        |p| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(p as *const __m256i)
+        ))),
+        |p, k| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(k, p as *const i16)
+        )))
+    );
+    dense_dot!(
+        /// `Σ q·x` over an int8 row (unscaled).
+        dot_i8, i8,
+        |p| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))),
+        |p, k| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)))
+    );
+
+    /// One 32-column block: `acc += scale · Σ (E2M1(even)·x_even + E2M1(odd)·x_odd)`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn block<const NB: usize>(
+        codes: *const u8,
+        scale: f32,
+        lut: __m512,
+        xs: &[*const f32; NB],
+        acc: &mut [__m512; NB],
+    ) {
+        // SAFETY: the caller guarantees 16 code bytes and 32 activations per row.
+        unsafe {
+            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes as *const __m128i));
+            let we = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xf)), lut);
+            let wo = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), lut);
+            let s = _mm512_set1_ps(scale);
+            for b in 0..NB {
+                let t = _mm512_mul_ps(we, _mm512_loadu_ps(xs[b]));
+                let t = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xs[b].add(16)), t);
+                acc[b] = _mm512_fmadd_ps(t, s, acc[b]);
+            }
+        }
+    }
+
+    /// `Σ_blk 2^(e−127) · Σ E2M1(code)·x` over one MXFP4 row, activations in paired layout.
+    /// Even blocks accumulate into one register, odd blocks into another.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    pub(crate) unsafe fn dot_mxfp4<const NB: usize>(
+        packed: &[u8],
+        scales: &[u8],
+        xs: [&[f32]; NB],
+    ) -> [f32; NB] {
+        let nblk = scales.len();
+        let mut acc0 = [_mm512_setzero_ps(); NB];
+        let mut acc1 = [_mm512_setzero_ps(); NB];
+        let mut sbuf = [0f32; L];
+        // SAFETY: packed holds 16 bytes per block, activation rows 32 values per block; the
+        // scale load is masked to the remaining blocks.
+        unsafe {
+            let lut = _mm512_loadu_ps(E2M1.as_ptr());
+            let mut g = 0;
+            while g < nblk {
+                let cnt = (nblk - g).min(L);
+                // 2^(e−127): the exponent field e, except e = 0 → the subnormal 2^−127.
+                let e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(
+                    mask(cnt),
+                    scales.as_ptr().add(g) as *const i8,
+                ));
+                let zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+                let bits = _mm512_mask_mov_epi32(
+                    _mm512_slli_epi32::<23>(e),
+                    zero,
+                    _mm512_set1_epi32(1 << 22),
+                );
+                _mm512_storeu_ps(sbuf.as_mut_ptr(), _mm512_castsi512_ps(bits));
+                let mut i = 0;
+                while i < cnt {
+                    let blk = g + i;
+                    let xp: [*const f32; NB] =
+                        std::array::from_fn(|b| xs[b].as_ptr().add(blk * 32));
+                    let codes = packed.as_ptr().add(blk * 16);
+                    if i % 2 == 0 {
+                        block(codes, sbuf[i], lut, &xp, &mut acc0);
+                    } else {
+                        block(codes, sbuf[i], lut, &xp, &mut acc1);
+                    }
+                    i += 1;
+                }
+                g += L;
+            }
+        }
+        let mut out = [0f32; NB];
+        for b in 0..NB {
+            out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[b], acc1[b]));
+        }
+        out
+    }
+}
+
+/// AVX2 + FMA kernels.
+pub(crate) mod avx2 {
+    use super::*;
+
+    const L: usize = 8;
+    const U: usize = 4;
+
+    /// Fixed-order horizontal sum of one register.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    macro_rules! dense_dot {
+        ($(#[$m:meta])* $name:ident, $T:ty, |$p:ident| $load:expr, |$s:ident| $widen:expr) => {
+            $(#[$m])*
+            #[target_feature(enable = "avx2,fma")]
+            pub(crate) unsafe fn $name<const NB: usize>(w: &[$T], xs: [&[f32]; NB]) -> [f32; NB] {
+                let n = w.len();
+                let wp = w.as_ptr();
+                let main = n - n % (L * U);
+                let vec_end = n - n % L;
+                let mut acc = [[_mm256_setzero_ps(); U]; NB];
+                let mut c = 0;
+                // SAFETY: every vector load covers columns < vec_end <= n; activation rows
+                // hold at least n values.
+                unsafe {
+                    while c < main {
+                        for u in 0..U {
+                            let $p = wp.add(c + u * L);
+                            let wv: __m256 = $load;
+                            for b in 0..NB {
+                                let xv = _mm256_loadu_ps(xs[b].as_ptr().add(c + u * L));
+                                acc[b][u] = _mm256_fmadd_ps(wv, xv, acc[b][u]);
+                            }
+                        }
+                        c += L * U;
+                    }
+                    let mut u = 0;
+                    while c < vec_end {
+                        let $p = wp.add(c);
+                        let wv: __m256 = $load;
+                        for b in 0..NB {
+                            let xv = _mm256_loadu_ps(xs[b].as_ptr().add(c));
+                            acc[b][u] = _mm256_fmadd_ps(wv, xv, acc[b][u]);
+                        }
+                        u += 1;
+                        c += L;
+                    }
+                }
+                let mut out = [0f32; NB];
+                for b in 0..NB {
+                    let a = &acc[b];
+                    let s = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+                    let mut tail = 0f32;
+                    for i in vec_end..n {
+                        let $s = w[i];
+                        tail += $widen * xs[b][i];
+                    }
+                    out[b] = hsum256(s) + tail;
+                }
+                out
+            }
+        };
+    }
+
+    dense_dot!(
+        /// `Σ w·x` over an f32 row.
+        dot_f32, f32,
+        |p| _mm256_loadu_ps(p),
+        |v| v
+    );
+    dense_dot!(
+        /// `Σ w·x` over a bf16 row.
+        dot_bf16, bf16,
+        |p| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128(p as *const __m128i)
+        ))),
+        |v| crate::scalar::widen_bf16(v)
+    );
+    dense_dot!(
+        /// `Σ q·x` over an int8 row (unscaled).
+        dot_i8, i8,
+        |p| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))),
+        |v| v as f32
+    );
+
+    /// `Σ_blk 2^(e−127) · Σ E2M1(code)·x` over one MXFP4 row, activations in paired layout.
+    /// Magnitudes come from an 8-entry permute, the sign bit is xor-ed in.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_mxfp4<const NB: usize>(
+        packed: &[u8],
+        scales: &[u8],
+        xs: [&[f32]; NB],
+    ) -> [f32; NB] {
+        let mut acc = [[_mm256_setzero_ps(); 2]; NB];
+        // SAFETY: packed holds 16 bytes per block, activation rows 32 values per block.
+        unsafe {
+            let lut = _mm256_loadu_ps(E2M1.as_ptr());
+            for (blk, &e) in scales.iter().enumerate() {
+                let s = _mm256_set1_ps(crate::scalar::e8m0(e));
+                let mut w = [_mm256_setzero_ps(); 4];
+                for h in 0..2 {
+                    let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        packed.as_ptr().add(blk * 16 + 8 * h) as *const __m128i,
+                    ));
+                    let sign_lo =
+                        _mm256_slli_epi32::<28>(_mm256_and_si256(v, _mm256_set1_epi32(8)));
+                    let sign_hi =
+                        _mm256_slli_epi32::<24>(_mm256_and_si256(v, _mm256_set1_epi32(0x80)));
+                    w[h] = _mm256_xor_ps(
+                        _mm256_permutevar8x32_ps(lut, v),
+                        _mm256_castsi256_ps(sign_lo),
+                    );
+                    w[2 + h] = _mm256_xor_ps(
+                        _mm256_permutevar8x32_ps(lut, _mm256_srli_epi32::<4>(v)),
+                        _mm256_castsi256_ps(sign_hi),
+                    );
+                }
+                for b in 0..NB {
+                    let xp = xs[b].as_ptr().add(blk * 32);
+                    let t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
+                    let t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), t);
+                    let t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), t);
+                    let t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), t);
+                    acc[b][blk % 2] = _mm256_fmadd_ps(t, s, acc[b][blk % 2]);
+                }
+            }
+        }
+        let mut out = [0f32; NB];
+        for b in 0..NB {
+            out[b] = hsum256(_mm256_add_ps(acc[b][0], acc[b][1]));
+        }
+        out
+    }
+}
