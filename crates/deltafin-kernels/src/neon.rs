@@ -124,11 +124,11 @@ pub(crate) unsafe fn dot_mxfp4<const NB: usize>(
             for b in 0..NB {
                 let xp = xs[b].as_ptr().add(blk * 32);
                 let mut t = vmulq_f32(we[0], vld1q_f32(xp));
-                for k in 1..4 {
-                    t = vfmaq_f32(t, we[k], vld1q_f32(xp.add(4 * k)));
+                for (k, &wk) in we.iter().enumerate().skip(1) {
+                    t = vfmaq_f32(t, wk, vld1q_f32(xp.add(4 * k)));
                 }
-                for k in 0..4 {
-                    t = vfmaq_f32(t, wo[k], vld1q_f32(xp.add(16 + 4 * k)));
+                for (k, &wk) in wo.iter().enumerate() {
+                    t = vfmaq_f32(t, wk, vld1q_f32(xp.add(16 + 4 * k)));
                 }
                 acc[b][blk % 2] = vfmaq_n_f32(acc[b][blk % 2], t, half);
             }
