@@ -126,22 +126,40 @@ impl Weights<'_> {
         }
     }
 
-    /// The activation layout the backend's kernel expects: MXFP4 SIMD kernels take each
-    /// 32-column block as `[even columns, odd columns]`; everything else is unchanged.
+    /// The activation layout the backend's kernel expects (see `x86.rs`): the AVX2 and NEON
+    /// MXFP4 kernels take each 32-column block as `[even columns, odd columns]` (paired);
+    /// the AVX-512 one takes each full 128-column span transposed (`xt[16j + i] = x[8i + j]`)
+    /// and the remaining blocks paired. Everything else is unchanged.
     fn prepare<'x>(&self, be: Backend, xs: &'x [f32]) -> Cow<'x, [f32]> {
-        match (self, be) {
-            (Weights::Mxfp4(_), Backend::Avx512 | Backend::Avx2 | Backend::Neon) => {
-                let mut p = vec![0f32; xs.len()];
-                for (dst, src) in p.chunks_exact_mut(GROUP).zip(xs.chunks_exact(GROUP)) {
-                    for j in 0..GROUP / 2 {
-                        dst[j] = src[2 * j];
-                        dst[GROUP / 2 + j] = src[2 * j + 1];
+        let Weights::Mxfp4(m) = self else {
+            return Cow::Borrowed(xs);
+        };
+        let spans = match be {
+            Backend::Scalar => return Cow::Borrowed(xs),
+            Backend::Avx512 => m.cols() / 128,
+            Backend::Avx2 | Backend::Neon => 0,
+        };
+        let mut p = vec![0f32; xs.len()];
+        for (dst, src) in p.chunks_exact_mut(m.cols()).zip(xs.chunks_exact(m.cols())) {
+            for s in 0..spans {
+                for i in 0..16 {
+                    for j in 0..8 {
+                        dst[128 * s + 16 * j + i] = src[128 * s + 8 * i + j];
                     }
                 }
-                Cow::Owned(p)
             }
-            _ => Cow::Borrowed(xs),
+            let tail = 128 * spans;
+            for (d, x) in dst[tail..]
+                .chunks_exact_mut(GROUP)
+                .zip(src[tail..].chunks_exact(GROUP))
+            {
+                for j in 0..GROUP / 2 {
+                    d[j] = x[2 * j];
+                    d[GROUP / 2 + j] = x[2 * j + 1];
+                }
+            }
         }
+        Cow::Owned(p)
     }
 }
 

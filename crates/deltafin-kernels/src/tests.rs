@@ -130,7 +130,14 @@ fn assert_close(what: &str, got: &[f32], want: &[f64], mag: &[f64], rel: f64) {
 #[test]
 fn every_backend_matches_f64_on_ragged_shapes() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let mut shapes = vec![(1, 1, 1), (7, 13, 3), (3, 64, 5), (33, 96, 4), (9, 1000, 2)];
+    let mut shapes = vec![
+        (1, 1, 1),
+        (7, 13, 3),
+        (3, 64, 5),
+        (33, 96, 4),
+        (9, 1000, 2),
+        (5, 1120, 6),
+    ];
     for _ in 0..24 {
         let cols = if rng.below(2) == 0 {
             1 + rng.below(300)

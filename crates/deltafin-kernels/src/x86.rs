@@ -5,9 +5,11 @@
 //! instruction sequence whatever `NB` is, so a row's result does not depend on the batch.
 //! Reductions use a fixed order (accumulator tree, then a fixed horizontal sum).
 //!
-//! MXFP4 activations are expected in the *paired* layout of [`crate::matvec`]: each
-//! 32-column block as `[x0, x2, …, x30, x1, x3, …, x31]`, so low nibbles (even columns) and
-//! high nibbles (odd columns) of 16 packed bytes meet contiguous activations.
+//! MXFP4 activations are pre-arranged once per call (see [`crate::matvec`]): the AVX2 kernel
+//! takes the *paired* layout, each 32-column block as `[x0, x2, …, x30, x1, x3, …, x31]`, so
+//! low nibbles (even columns) and high nibbles (odd columns) of 16 packed bytes meet
+//! contiguous activations; the AVX-512 kernel takes the *span* layout described at its
+//! `dot_mxfp4`.
 //!
 //! # Safety
 //! All functions require the CPU features named in their `target_feature` attribute, and
@@ -120,7 +122,8 @@ pub(crate) mod avx512 {
         // SAFETY: the caller guarantees 16 code bytes and 32 activations per row.
         unsafe {
             let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes as *const __m128i));
-            let we = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xf)), lut);
+            // vpermps reads only index bits 3..0: the low nibble needs no mask.
+            let we = _mm512_permutexvar_ps(v, lut);
             let wo = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), lut);
             let s = _mm512_set1_ps(scale);
             for b in 0..NB {
@@ -131,8 +134,28 @@ pub(crate) mod avx512 {
         }
     }
 
-    /// `Σ_blk 2^(e−127) · Σ E2M1(code)·x` over one MXFP4 row, activations in paired layout.
-    /// Even blocks accumulate into one register, odd blocks into another.
+    /// Sixteen E8M0 bytes (masked to `cnt`) as the f32 scales `2^(e−127)` (e = 0 → 2^−127).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn scales16(p: *const u8, cnt: usize) -> __m512 {
+        // SAFETY: the masked load touches only `cnt` bytes, which the caller guarantees.
+        let e = _mm512_cvtepu8_epi32(unsafe { _mm_maskz_loadu_epi8(mask(cnt), p as *const i8) });
+        let zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+        _mm512_castsi512_ps(_mm512_mask_mov_epi32(
+            _mm512_slli_epi32::<23>(e),
+            zero,
+            _mm512_set1_epi32(1 << 22),
+        ))
+    }
+
+    /// `Σ_blk 2^(e−127) · Σ E2M1(code)·x` over one MXFP4 row.
+    ///
+    /// Activations in the *span* layout of [`crate::matvec`]: each full 128-column span
+    /// (four blocks) transposed as `xt[16j + i] = x[8i + j]`, the remaining blocks paired.
+    /// A span's 64 code bytes are loaded once; dword lane `i` holds columns `8i..8i+8`, so
+    /// shifting it right by `4j` puts column `8i + j`'s code in the index bits of `vpermps`,
+    /// and lane `i` belongs to block `i / 4`, whose scale is applied once per span.
+    /// Spans alternate between two accumulators, the tail blocks likewise.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
     pub(crate) unsafe fn dot_mxfp4<const NB: usize>(
         packed: &[u8],
@@ -140,42 +163,61 @@ pub(crate) mod avx512 {
         xs: [&[f32]; NB],
     ) -> [f32; NB] {
         let nblk = scales.len();
+        let nspan = nblk / 4;
         let mut acc0 = [_mm512_setzero_ps(); NB];
         let mut acc1 = [_mm512_setzero_ps(); NB];
-        let mut sbuf = [0f32; L];
-        // SAFETY: packed holds 16 bytes per block, activation rows 32 values per block; the
-        // scale load is masked to the remaining blocks.
+        // SAFETY: packed holds 16 bytes per block and activation rows 32 values per block;
+        // scale loads are masked to the blocks that exist.
         unsafe {
             let lut = _mm512_loadu_ps(E2M1.as_ptr());
-            let mut g = 0;
-            while g < nblk {
-                let cnt = (nblk - g).min(L);
-                // 2^(e−127): the exponent field e, except e = 0 → the subnormal 2^−127.
-                let e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(
-                    mask(cnt),
-                    scales.as_ptr().add(g) as *const i8,
-                ));
-                let zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-                let bits = _mm512_mask_mov_epi32(
-                    _mm512_slli_epi32::<23>(e),
-                    zero,
-                    _mm512_set1_epi32(1 << 22),
-                );
-                _mm512_storeu_ps(sbuf.as_mut_ptr(), _mm512_castsi512_ps(bits));
-                let mut i = 0;
-                while i < cnt {
-                    let blk = g + i;
-                    let xp: [*const f32; NB] =
-                        std::array::from_fn(|b| xs[b].as_ptr().add(blk * 32));
-                    let codes = packed.as_ptr().add(blk * 16);
-                    if i % 2 == 0 {
-                        block(codes, sbuf[i], lut, &xp, &mut acc0);
-                    } else {
-                        block(codes, sbuf[i], lut, &xp, &mut acc1);
+            let mut sp = 0;
+            while sp < nspan {
+                // Scales of up to four spans (16 blocks) at once.
+                let sc = scales16(scales.as_ptr().add(4 * sp), (4 * (nspan - sp)).min(L));
+                let mut k = 0;
+                while k < 4 && sp + k < nspan {
+                    let span = sp + k;
+                    let idx = _mm512_add_epi32(
+                        _mm512_set1_epi32(4 * k as i32),
+                        _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                    );
+                    let s = _mm512_permutexvar_ps(idx, sc);
+                    let v = _mm512_loadu_si512(packed.as_ptr().add(64 * span) as *const __m512i);
+                    let w: [__m512; 8] = [
+                        _mm512_permutexvar_ps(v, lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(v), lut),
+                    ];
+                    for b in 0..NB {
+                        let xp = xs[b].as_ptr().add(128 * span);
+                        let mut t = _mm512_mul_ps(w[0], _mm512_loadu_ps(xp));
+                        for (j, &wj) in w.iter().enumerate().skip(1) {
+                            t = _mm512_fmadd_ps(wj, _mm512_loadu_ps(xp.add(16 * j)), t);
+                        }
+                        if span % 2 == 0 {
+                            acc0[b] = _mm512_fmadd_ps(t, s, acc0[b]);
+                        } else {
+                            acc1[b] = _mm512_fmadd_ps(t, s, acc1[b]);
+                        }
                     }
-                    i += 1;
+                    k += 1;
                 }
-                g += L;
+                sp += 4;
+            }
+            for blk in 4 * nspan..nblk {
+                let xp: [*const f32; NB] = std::array::from_fn(|b| xs[b].as_ptr().add(blk * 32));
+                let codes = packed.as_ptr().add(blk * 16);
+                let scale = crate::scalar::e8m0(scales[blk]);
+                if blk % 2 == 0 {
+                    block(codes, scale, lut, &xp, &mut acc0);
+                } else {
+                    block(codes, scale, lut, &xp, &mut acc1);
+                }
             }
         }
         let mut out = [0f32; NB];
