@@ -209,10 +209,10 @@ pub(crate) mod avx512 {
                 }
                 sp += 4;
             }
-            for blk in 4 * nspan..nblk {
+            for (blk, &e) in scales.iter().enumerate().skip(4 * nspan) {
                 let xp: [*const f32; NB] = std::array::from_fn(|b| xs[b].as_ptr().add(blk * 32));
                 let codes = packed.as_ptr().add(blk * 16);
-                let scale = crate::scalar::e8m0(scales[blk]);
+                let scale = crate::scalar::e8m0(e);
                 if blk % 2 == 0 {
                     block(codes, scale, lut, &xp, &mut acc0);
                 } else {
