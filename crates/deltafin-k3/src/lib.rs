@@ -20,6 +20,6 @@ pub mod router;
 pub mod situ;
 pub mod state;
 pub mod synth;
+pub mod tokenizer;
 #[cfg(test)]
 mod test_util;
-pub mod tokenizer;
