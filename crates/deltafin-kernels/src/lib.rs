@@ -1,17 +1,32 @@
 //! `deltafin-kernels`: the compute kernels of deltafin.
 //!
-//! Matrix-vector and small-batch matrix products over bf16, MXFP4 and row-int8 weights with
-//! f32 activations and f32 accumulation, plus the element-wise pieces the K3 blocks need
-//! (RMS norms, SiTU, sigmoid, softmax). CPU kernels dispatch on the running CPU's features;
-//! CUDA (cudarc) and Metal backends live behind features. Kernels know shapes, not models.
+//! Matrix-vector and small-batch matrix products over f32, bf16, row-int8 and MXFP4 weights
+//! with f32 activations and f32 accumulation, plus the element-wise pieces the K3 blocks need
+//! (RMS norms, SiTU, sigmoid, softmax). The products dispatch at run time on the CPU's
+//! features ([`dispatch`]: AVX-512, AVX2+FMA, NEON, portable scalar; `DELTAFIN_KERNEL`
+//! forces one) and are bit-identical across thread counts and batch widths within a backend.
+//! Kernels know shapes, not models.
 //!
 //! Shapes are internal invariants of the callers (the model validates every weight shape when
 //! it is built), so the kernels check them with assertions and document the panic.
 
+pub mod dispatch;
 pub mod matvec;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 pub mod ops;
+pub mod probe;
+mod scalar;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
-pub use matvec::{matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
+pub use dispatch::{Backend, KernelError, kernel_backend, kernel_summary, select_backend};
+pub use matvec::{
+    Weights, matmul, matmul_axpy, matmul_axpy_with, matmul_bf16, matmul_f32, matmul_mxfp4,
+    matmul_rowint8, matmul_with, matvec_bf16, matvec_f32, matvec_mxfp4, matvec_rowint8,
+};
 pub use ops::{
     argmax, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, situ_glu, softmax_inplace,
 };

@@ -1,0 +1,298 @@
+//! Kernel tests: scalar against f64, every SIMD path against scalar on random ragged shapes,
+//! and bit-identity across thread counts and batch widths within each backend.
+
+use crate::dispatch::Backend;
+use crate::matvec::*;
+use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix, bf16};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Owned weights of every format with the same shape.
+struct Mats {
+    f32: Vec<f32>,
+    bf16: Bf16Matrix,
+    i8: RowInt8Matrix,
+    mx: Option<Mxfp4Matrix>,
+    rows: usize,
+    cols: usize,
+}
+
+impl Mats {
+    fn new(rng: &mut Rng, rows: usize, cols: usize) -> Mats {
+        let f32: Vec<f32> = (0..rows * cols).map(|_| rng.f()).collect();
+        let bv: Vec<bf16> = f32.iter().map(|&v| bf16::from_f32(v)).collect();
+        let bf16 = Bf16Matrix::from_values(rows, cols, &bv).unwrap();
+        let i8 = RowInt8Matrix::quantize("t", rows, cols, &f32).unwrap();
+        let mx = cols.is_multiple_of(32).then(|| {
+            let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
+            // Include the subnormal scale code 0 and large exponents now and then.
+            let scales: Vec<u8> = (0..rows * cols / 32)
+                .map(|_| match rng.below(16) {
+                    0 => 0,
+                    1 => 140,
+                    _ => 118 + rng.below(16) as u8,
+                })
+                .collect();
+            Mxfp4Matrix::new(
+                "t",
+                Bytes::from_vec(packed),
+                Bytes::from_vec(scales),
+                rows,
+                cols,
+            )
+            .unwrap()
+        });
+        Mats {
+            f32,
+            bf16,
+            i8,
+            mx,
+            rows,
+            cols,
+        }
+    }
+
+    fn all(&self) -> Vec<Weights<'_>> {
+        let mut v = vec![
+            Weights::F32 {
+                data: &self.f32,
+                rows: self.rows,
+                cols: self.cols,
+            },
+            Weights::Bf16(&self.bf16),
+            Weights::RowInt8(&self.i8),
+        ];
+        if let Some(m) = &self.mx {
+            v.push(Weights::Mxfp4(m));
+        }
+        v
+    }
+}
+
+/// Row `r` of `w` as f64 values.
+fn row_f64(w: &Weights<'_>, r: usize) -> Vec<f64> {
+    let cols = w.cols();
+    let mut out = vec![0f32; cols];
+    match w {
+        Weights::F32 { data, .. } => out.copy_from_slice(&data[r * cols..(r + 1) * cols]),
+        Weights::Bf16(m) => out
+            .iter_mut()
+            .zip(m.row(r))
+            .for_each(|(o, v)| *o = v.to_f32()),
+        Weights::RowInt8(m) => m.dequantize_row(r, &mut out),
+        Weights::Mxfp4(m) => m.dequantize_row(r, &mut out),
+    }
+    out.into_iter().map(f64::from).collect()
+}
+
+/// Exact product in f64 and `Σ |w x|` per output value (the scale of f32 rounding error).
+fn reference(w: &Weights<'_>, xs: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
+    let (rows, cols) = (w.rows(), w.cols());
+    let mut want = vec![0f64; n * rows];
+    let mut mag = vec![0f64; n * rows];
+    for r in 0..rows {
+        let wr = row_f64(w, r);
+        for b in 0..n {
+            for c in 0..cols {
+                let p = wr[c] * xs[b * cols + c] as f64;
+                want[b * rows + r] += p;
+                mag[b * rows + r] += p.abs();
+            }
+        }
+    }
+    (want, mag)
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f64], mag: &[f64], rel: f64) {
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let tol = rel * mag[i] + 1e-37;
+        assert!(
+            (g as f64 - w).abs() <= tol,
+            "{what}: value {i}: got {g}, want {w}, tol {tol}"
+        );
+    }
+}
+
+#[test]
+fn every_backend_matches_f64_on_ragged_shapes() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut shapes = vec![
+        (1, 1, 1),
+        (7, 13, 3),
+        (3, 64, 5),
+        (33, 96, 4),
+        (9, 1000, 2),
+        (5, 1120, 6),
+    ];
+    for _ in 0..24 {
+        let cols = if rng.below(2) == 0 {
+            1 + rng.below(300)
+        } else {
+            32 * (1 + rng.below(10))
+        };
+        shapes.push((1 + rng.below(40), cols, 1 + rng.below(9)));
+    }
+    for &(rows, cols, n) in &shapes {
+        let m = Mats::new(&mut rng, rows, cols);
+        let xs: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+        for w in m.all() {
+            let (want, mag) = reference(&w, &xs, n);
+            let mut scalar = vec![0f32; n * rows];
+            matmul_with(Backend::Scalar, w, &xs, n, &mut scalar);
+            for be in Backend::available() {
+                let mut ys = vec![f32::NAN; n * rows];
+                matmul_with(be, w, &xs, n, &mut ys);
+                let what = format!("{} {} [{rows}x{cols}] n={n}", be.name(), w.dtype());
+                // f32 accumulation: error ≲ (terms per lane + reduction depth)·eps·Σ|w x|.
+                assert_close(&what, &ys, &want, &mag, 1e-5);
+                // SIMD against the scalar reference: both within f32 rounding of each other.
+                for (i, (&a, &s)) in ys.iter().zip(&scalar).enumerate() {
+                    let tol = 2e-5 * mag[i] + 1e-37;
+                    assert!(
+                        ((a - s) as f64).abs() <= tol,
+                        "{what}: vs scalar at {i}: {a} vs {s}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bit_identical_across_threads_and_batch_widths() {
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    // Large enough to be split over threads: rows·cols·n well above the parallel threshold.
+    let (rows, cols, n) = (301, 544, 7);
+    let m = Mats::new(&mut rng, rows, cols);
+    let xs: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
+        .iter()
+        .map(|&t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    for be in Backend::available() {
+        for w in m.all() {
+            let what = format!("{} {}", be.name(), w.dtype());
+            let run = |pool: &rayon::ThreadPool, xs: &[f32], n: usize| {
+                let mut ys = vec![0f32; n * rows];
+                pool.install(|| matmul_with(be, w, xs, n, &mut ys));
+                ys
+            };
+            let base = run(&pools[0], &xs, n);
+            for p in &pools[1..] {
+                let ys = run(p, &xs, n);
+                assert!(
+                    ys.iter()
+                        .zip(&base)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: result depends on the thread count"
+                );
+            }
+            // Every batch width 1..=n, and each row alone, give the same bits.
+            for width in 1..=n {
+                let part = run(&pools[1], &xs[..width * cols], width);
+                assert!(
+                    part.iter()
+                        .zip(&base[..width * rows])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: batch width {width} changes the result"
+                );
+            }
+            for b in 0..n {
+                let single = run(&pools[1], &xs[b * cols..(b + 1) * cols], 1);
+                assert!(
+                    single
+                        .iter()
+                        .zip(&base[b * rows..(b + 1) * rows])
+                        .all(|(a, c)| a.to_bits() == c.to_bits()),
+                    "{what}: row {b} alone differs from the batched row"
+                );
+            }
+            // The fused accumulate applies `y + α·v` to the very same product values.
+            let alpha: Vec<f32> = (0..n).map(|_| rng.f()).collect();
+            let y0: Vec<f32> = (0..n * rows).map(|_| rng.f()).collect();
+            let mut acc = y0.clone();
+            pools[1].install(|| matmul_axpy_with(be, w, &xs, n, &alpha, &mut acc));
+            for i in 0..n * rows {
+                let want = y0[i] + alpha[i / rows] * base[i];
+                assert_eq!(acc[i].to_bits(), want.to_bits(), "{what}: axpy at {i}");
+            }
+        }
+    }
+}
+
+#[test]
+fn public_wrappers_use_the_selected_backend() {
+    let mut rng = Rng(77);
+    let m = Mats::new(&mut rng, 40, 96);
+    let x: Vec<f32> = (0..96).map(|_| rng.f()).collect();
+    let be = crate::dispatch::backend();
+    let mut a = vec![0f32; 40];
+    let mut b = vec![0f32; 40];
+    matvec_bf16(&m.bf16, &x, &mut a);
+    matmul_with(be, Weights::Bf16(&m.bf16), &x, 1, &mut b);
+    assert_eq!(a, b);
+    matvec_rowint8(&m.i8, &x, &mut a);
+    matmul_with(be, Weights::RowInt8(&m.i8), &x, 1, &mut b);
+    assert_eq!(a, b);
+    let mx = m.mx.as_ref().unwrap();
+    matvec_mxfp4(mx, &x, &mut a);
+    matmul_with(be, Weights::Mxfp4(mx), &x, 1, &mut b);
+    assert_eq!(a, b);
+    matvec_f32(&m.f32, 40, 96, &x, &mut a);
+    matmul_with(
+        be,
+        Weights::F32 {
+            data: &m.f32,
+            rows: 40,
+            cols: 96,
+        },
+        &x,
+        1,
+        &mut b,
+    );
+    assert_eq!(a, b);
+    assert_eq!(crate::kernel_backend(), be.name());
+    assert!(crate::kernel_summary().starts_with(&format!("kernels={}", be.name())));
+}
+
+#[test]
+fn rowint8_product_uses_stored_f16_scale() {
+    // absmax 3 → scale 3/127, not representable in f16: the kernel must use the stored value.
+    let vals = [3.0f32, -1.0, 0.5, 2.0];
+    let m = RowInt8Matrix::quantize("w", 1, 4, &vals).unwrap();
+    let x = [1.0f32, 1.0, 1.0, 1.0];
+    let q: Vec<f32> = m.row(0).iter().map(|&q| q as f32).collect();
+    let want = m.scales()[0].to_f32() * q.iter().sum::<f32>();
+    for be in Backend::available() {
+        let mut y = [0f32];
+        matmul_with(be, Weights::RowInt8(&m), &x, 1, &mut y);
+        assert_eq!(y[0], want, "{}", be.name());
+    }
+}
+
+#[test]
+#[should_panic(expected = "input length")]
+fn shape_mismatch_panics() {
+    let w = Bf16Matrix::from_values(2, 3, &[bf16::ZERO; 6]).unwrap();
+    let mut y = [0f32; 2];
+    matvec_bf16(&w, &[0.0; 4], &mut y);
+}

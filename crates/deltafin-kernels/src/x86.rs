@@ -1,0 +1,370 @@
+//! x86-64 row dot products: AVX2+FMA (8 f32 lanes) and AVX-512 F/BW/VL (16 f32 lanes).
+//!
+//! Every function handles `NB` activation rows against one weight row, which is loaded and
+//! widened once; each activation row has its own accumulators and sees exactly the same
+//! instruction sequence whatever `NB` is, so a row's result does not depend on the batch.
+//! Reductions use a fixed order (accumulator tree, then a fixed horizontal sum).
+//!
+//! MXFP4 activations are pre-arranged once per call (see [`crate::matvec`]): the AVX2 kernel
+//! takes the *paired* layout, each 32-column block as `[x0, x2, …, x30, x1, x3, …, x31]`, so
+//! low nibbles (even columns) and high nibbles (odd columns) of 16 packed bytes meet
+//! contiguous activations; the AVX-512 kernel takes the *span* layout described at its
+//! `dot_mxfp4`.
+//!
+//! # Safety
+//! All functions require the CPU features named in their `target_feature` attribute, and
+//! every activation row must be at least as long as the weight row.
+
+use deltafin_tensor::bf16;
+use deltafin_tensor::mxfp4::E2M1;
+use std::arch::x86_64::*;
+
+/// AVX-512 F/BW/VL kernels.
+pub(crate) mod avx512 {
+    use super::*;
+
+    const L: usize = 16;
+    const U: usize = 4;
+
+    #[inline(always)]
+    fn mask(cnt: usize) -> __mmask16 {
+        ((1u32 << cnt) - 1) as __mmask16
+    }
+
+    /// `((a0 + a1) + (a2 + a3))`, then the horizontal sum.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    fn hsum(acc: [__m512; U]) -> f32 {
+        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        _mm512_reduce_add_ps(s)
+    }
+
+    macro_rules! dense_dot {
+        ($(#[$m:meta])* $name:ident, $T:ty, |$p:ident| $load:expr, |$pm:ident, $k:ident| $mload:expr) => {
+            $(#[$m])*
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+            pub(crate) unsafe fn $name<const NB: usize>(w: &[$T], xs: [&[f32]; NB]) -> [f32; NB] {
+                let n = w.len();
+                let wp = w.as_ptr();
+                let main = n - n % (L * U);
+                let mut acc = [[_mm512_setzero_ps(); U]; NB];
+                let mut c = 0;
+                // SAFETY: c + L * U <= n for the full steps; the tail uses masked loads that
+                // touch only columns < n; activation rows hold at least n values.
+                unsafe {
+                    while c < main {
+                        for u in 0..U {
+                            let $p = wp.add(c + u * L);
+                            let wv: __m512 = $load;
+                            for b in 0..NB {
+                                let xv = _mm512_loadu_ps(xs[b].as_ptr().add(c + u * L));
+                                acc[b][u] = _mm512_fmadd_ps(wv, xv, acc[b][u]);
+                            }
+                        }
+                        c += L * U;
+                    }
+                    // At most four remaining chunks (the last one partial) go to accumulators 0..3.
+                    let mut u = 0;
+                    while c < n {
+                        let $k = mask((n - c).min(L));
+                        let $pm = wp.add(c);
+                        let wv: __m512 = $mload;
+                        for b in 0..NB {
+                            let xv = _mm512_maskz_loadu_ps($k, xs[b].as_ptr().add(c));
+                            acc[b][u] = _mm512_fmadd_ps(wv, xv, acc[b][u]);
+                        }
+                        u += 1;
+                        c += L;
+                    }
+                }
+                let mut out = [0f32; NB];
+                for b in 0..NB {
+                    out[b] = hsum(acc[b]);
+                }
+                out
+            }
+        };
+    }
+
+    dense_dot!(
+        /// `Σ w·x` over an f32 row.
+        dot_f32, f32,
+        |p| _mm512_loadu_ps(p),
+        |p, k| _mm512_maskz_loadu_ps(k, p)
+    );
+    dense_dot!(
+        /// `Σ w·x` over a bf16 row (bf16 → f32 is a 16-bit left shift).
+        dot_bf16, bf16,
+        |p| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(p as *const __m256i)
+        ))),
+        |p, k| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(k, p as *const i16)
+        )))
+    );
+    dense_dot!(
+        /// `Σ q·x` over an int8 row (unscaled).
+        dot_i8, i8,
+        |p| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))),
+        |p, k| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)))
+    );
+
+    /// One 32-column block: `acc += scale · Σ (E2M1(even)·x_even + E2M1(odd)·x_odd)`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn block<const NB: usize>(
+        codes: *const u8,
+        scale: f32,
+        lut: __m512,
+        xs: &[*const f32; NB],
+        acc: &mut [__m512; NB],
+    ) {
+        // SAFETY: the caller guarantees 16 code bytes and 32 activations per row.
+        unsafe {
+            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes as *const __m128i));
+            // vpermps reads only index bits 3..0: the low nibble needs no mask.
+            let we = _mm512_permutexvar_ps(v, lut);
+            let wo = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), lut);
+            let s = _mm512_set1_ps(scale);
+            for b in 0..NB {
+                let t = _mm512_mul_ps(we, _mm512_loadu_ps(xs[b]));
+                let t = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xs[b].add(16)), t);
+                acc[b] = _mm512_fmadd_ps(t, s, acc[b]);
+            }
+        }
+    }
+
+    /// Sixteen E8M0 bytes (masked to `cnt`) as the f32 scales `2^(e−127)` (e = 0 → 2^−127).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn scales16(p: *const u8, cnt: usize) -> __m512 {
+        // SAFETY: the masked load touches only `cnt` bytes, which the caller guarantees.
+        let e = _mm512_cvtepu8_epi32(unsafe { _mm_maskz_loadu_epi8(mask(cnt), p as *const i8) });
+        let zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+        _mm512_castsi512_ps(_mm512_mask_mov_epi32(
+            _mm512_slli_epi32::<23>(e),
+            zero,
+            _mm512_set1_epi32(1 << 22),
+        ))
+    }
+
+    /// `Σ_blk 2^(e−127) · Σ E2M1(code)·x` over one MXFP4 row.
+    ///
+    /// Activations in the *span* layout of [`crate::matvec`]: each full 128-column span
+    /// (four blocks) transposed as `xt[16j + i] = x[8i + j]`, the remaining blocks paired.
+    /// A span's 64 code bytes are loaded once; dword lane `i` holds columns `8i..8i+8`, so
+    /// shifting it right by `4j` puts column `8i + j`'s code in the index bits of `vpermps`,
+    /// and lane `i` belongs to block `i / 4`, whose scale is applied once per span.
+    /// Spans alternate between two accumulators, the tail blocks likewise.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    pub(crate) unsafe fn dot_mxfp4<const NB: usize>(
+        packed: &[u8],
+        scales: &[u8],
+        xs: [&[f32]; NB],
+    ) -> [f32; NB] {
+        let nblk = scales.len();
+        let nspan = nblk / 4;
+        let mut acc0 = [_mm512_setzero_ps(); NB];
+        let mut acc1 = [_mm512_setzero_ps(); NB];
+        // SAFETY: packed holds 16 bytes per block and activation rows 32 values per block;
+        // scale loads are masked to the blocks that exist.
+        unsafe {
+            let lut = _mm512_loadu_ps(E2M1.as_ptr());
+            let mut sp = 0;
+            while sp < nspan {
+                // Scales of up to four spans (16 blocks) at once.
+                let sc = scales16(scales.as_ptr().add(4 * sp), (4 * (nspan - sp)).min(L));
+                let mut k = 0;
+                while k < 4 && sp + k < nspan {
+                    let span = sp + k;
+                    let idx = _mm512_add_epi32(
+                        _mm512_set1_epi32(4 * k as i32),
+                        _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                    );
+                    let s = _mm512_permutexvar_ps(idx, sc);
+                    let v = _mm512_loadu_si512(packed.as_ptr().add(64 * span) as *const __m512i);
+                    let w: [__m512; 8] = [
+                        _mm512_permutexvar_ps(v, lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(v), lut),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(v), lut),
+                    ];
+                    for b in 0..NB {
+                        let xp = xs[b].as_ptr().add(128 * span);
+                        let mut t = _mm512_mul_ps(w[0], _mm512_loadu_ps(xp));
+                        for (j, &wj) in w.iter().enumerate().skip(1) {
+                            t = _mm512_fmadd_ps(wj, _mm512_loadu_ps(xp.add(16 * j)), t);
+                        }
+                        if span % 2 == 0 {
+                            acc0[b] = _mm512_fmadd_ps(t, s, acc0[b]);
+                        } else {
+                            acc1[b] = _mm512_fmadd_ps(t, s, acc1[b]);
+                        }
+                    }
+                    k += 1;
+                }
+                sp += 4;
+            }
+            for (blk, &e) in scales.iter().enumerate().skip(4 * nspan) {
+                let xp: [*const f32; NB] = std::array::from_fn(|b| xs[b].as_ptr().add(blk * 32));
+                let codes = packed.as_ptr().add(blk * 16);
+                let scale = crate::scalar::e8m0(e);
+                if blk % 2 == 0 {
+                    block(codes, scale, lut, &xp, &mut acc0);
+                } else {
+                    block(codes, scale, lut, &xp, &mut acc1);
+                }
+            }
+        }
+        let mut out = [0f32; NB];
+        for b in 0..NB {
+            out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[b], acc1[b]));
+        }
+        out
+    }
+}
+
+/// AVX2 + FMA kernels.
+pub(crate) mod avx2 {
+    use super::*;
+
+    const L: usize = 8;
+    const U: usize = 4;
+
+    /// Fixed-order horizontal sum of one register.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    macro_rules! dense_dot {
+        ($(#[$m:meta])* $name:ident, $T:ty, |$p:ident| $load:expr, |$s:ident| $widen:expr) => {
+            $(#[$m])*
+            #[target_feature(enable = "avx2,fma")]
+            pub(crate) unsafe fn $name<const NB: usize>(w: &[$T], xs: [&[f32]; NB]) -> [f32; NB] {
+                let n = w.len();
+                let wp = w.as_ptr();
+                let main = n - n % (L * U);
+                let vec_end = n - n % L;
+                let mut acc = [[_mm256_setzero_ps(); U]; NB];
+                let mut c = 0;
+                // SAFETY: every vector load covers columns < vec_end <= n; activation rows
+                // hold at least n values.
+                unsafe {
+                    while c < main {
+                        for u in 0..U {
+                            let $p = wp.add(c + u * L);
+                            let wv: __m256 = $load;
+                            for b in 0..NB {
+                                let xv = _mm256_loadu_ps(xs[b].as_ptr().add(c + u * L));
+                                acc[b][u] = _mm256_fmadd_ps(wv, xv, acc[b][u]);
+                            }
+                        }
+                        c += L * U;
+                    }
+                    let mut u = 0;
+                    while c < vec_end {
+                        let $p = wp.add(c);
+                        let wv: __m256 = $load;
+                        for b in 0..NB {
+                            let xv = _mm256_loadu_ps(xs[b].as_ptr().add(c));
+                            acc[b][u] = _mm256_fmadd_ps(wv, xv, acc[b][u]);
+                        }
+                        u += 1;
+                        c += L;
+                    }
+                }
+                let mut out = [0f32; NB];
+                for b in 0..NB {
+                    let a = &acc[b];
+                    let s = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+                    let mut tail = 0f32;
+                    for i in vec_end..n {
+                        let $s = w[i];
+                        tail += $widen * xs[b][i];
+                    }
+                    out[b] = hsum256(s) + tail;
+                }
+                out
+            }
+        };
+    }
+
+    dense_dot!(
+        /// `Σ w·x` over an f32 row.
+        dot_f32, f32,
+        |p| _mm256_loadu_ps(p),
+        |v| v
+    );
+    dense_dot!(
+        /// `Σ w·x` over a bf16 row.
+        dot_bf16, bf16,
+        |p| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128(p as *const __m128i)
+        ))),
+        |v| crate::scalar::widen_bf16(v)
+    );
+    dense_dot!(
+        /// `Σ q·x` over an int8 row (unscaled).
+        dot_i8, i8,
+        |p| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))),
+        |v| v as f32
+    );
+
+    /// `Σ_blk 2^(e−127) · Σ E2M1(code)·x` over one MXFP4 row, activations in paired layout.
+    /// Magnitudes come from an 8-entry permute, the sign bit is xor-ed in.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_mxfp4<const NB: usize>(
+        packed: &[u8],
+        scales: &[u8],
+        xs: [&[f32]; NB],
+    ) -> [f32; NB] {
+        let mut acc = [[_mm256_setzero_ps(); 2]; NB];
+        // SAFETY: packed holds 16 bytes per block, activation rows 32 values per block.
+        unsafe {
+            let lut = _mm256_loadu_ps(E2M1.as_ptr());
+            for (blk, &e) in scales.iter().enumerate() {
+                let s = _mm256_set1_ps(crate::scalar::e8m0(e));
+                let mut w = [_mm256_setzero_ps(); 4];
+                for h in 0..2 {
+                    let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        packed.as_ptr().add(blk * 16 + 8 * h) as *const __m128i,
+                    ));
+                    let sign_lo =
+                        _mm256_slli_epi32::<28>(_mm256_and_si256(v, _mm256_set1_epi32(8)));
+                    let sign_hi =
+                        _mm256_slli_epi32::<24>(_mm256_and_si256(v, _mm256_set1_epi32(0x80)));
+                    w[h] = _mm256_xor_ps(
+                        _mm256_permutevar8x32_ps(lut, v),
+                        _mm256_castsi256_ps(sign_lo),
+                    );
+                    w[2 + h] = _mm256_xor_ps(
+                        _mm256_permutevar8x32_ps(lut, _mm256_srli_epi32::<4>(v)),
+                        _mm256_castsi256_ps(sign_hi),
+                    );
+                }
+                for b in 0..NB {
+                    let xp = xs[b].as_ptr().add(blk * 32);
+                    let t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
+                    let t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), t);
+                    let t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), t);
+                    let t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), t);
+                    acc[b][blk % 2] = _mm256_fmadd_ps(t, s, acc[b][blk % 2]);
+                }
+            }
+        }
+        let mut out = [0f32; NB];
+        for b in 0..NB {
+            out[b] = hsum256(_mm256_add_ps(acc[b][0], acc[b][1]));
+        }
+        out
+    }
+}
