@@ -10,7 +10,7 @@
 //! - [`plan`], [`check`], [`setup`]: plans (dry run), offline audits and the install steps.
 //! - [`expert`]: on-demand fetch of one routed expert's exact byte range (stream installs).
 //! - [`mock_hub`]: an in-process HTTP server speaking the hub protocol, with fault injection,
-//!   for tests.
+//!   for tests; [`synth_source`] builds a synthesized K3 source and its manifests for it.
 
 pub mod check;
 pub mod disk;
@@ -23,6 +23,7 @@ pub mod manifest;
 pub mod mock_hub;
 pub mod plan;
 pub mod setup;
+pub mod synth_source;
 pub mod transfer;
 
 pub use error::FetchError;
