@@ -98,7 +98,9 @@ pub fn check_k3_weights(root: &Path, m: &K3Manifest, inv: &Inventory, mode: Mode
             for s in &m.shards {
                 let size = inv.hlen(&s.file).map(|h| 8 + h + s.data_bytes);
                 match size {
-                    Some(size) => check_file(&root.join(&s.file), size, s.sha256.as_deref(), &mut r),
+                    Some(size) => {
+                        check_file(&root.join(&s.file), size, s.sha256.as_deref(), &mut r)
+                    }
                     None => r.problems.push(format!("{}: not in the inventory", s.file)),
                 }
             }

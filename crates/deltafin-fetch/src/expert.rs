@@ -77,7 +77,9 @@ impl RemoteExperts {
             return Ok(());
         }
         let m = &self.manifest;
-        let b = self.client.get_range_bytes(&m.repo, &m.revision, shard, 0, 7)?;
+        let b = self
+            .client
+            .get_range_bytes(&m.repo, &m.revision, shard, 0, 7)?;
         let mut le = [0u8; 8];
         le.copy_from_slice(&b);
         let remote = u64::from_le_bytes(le);

@@ -203,7 +203,9 @@ impl HubClient {
                 };
                 continue;
             }
-            let got = commit.clone().unwrap_or_else(|| "(no X-Repo-Commit header)".into());
+            let got = commit
+                .clone()
+                .unwrap_or_else(|| "(no X-Repo-Commit header)".into());
             if status == 404 {
                 return Err(FetchError::NotFound { url: first });
             }

@@ -81,7 +81,10 @@ impl Inventory {
         let mut records = Vec::new();
         for (s, h) in m.shards.iter().zip(headers) {
             if s.file != h.file {
-                return Err(inv_err(format!("header of {} given for {}", h.file, s.file)));
+                return Err(inv_err(format!(
+                    "header of {} given for {}",
+                    h.file, s.file
+                )));
             }
             let e = |msg: String| inv_err(format!("{}: header: {msg}", s.file));
             let v: Value = serde_json::from_slice(&h.json).map_err(|x| e(x.to_string()))?;
@@ -216,7 +219,10 @@ impl Inventory {
                 }
                 s.push_str(&d.to_string());
             }
-            s.push_str(&format!("], \"offsets\": [{}, {}], \"shard\": ", r.start, r.end));
+            s.push_str(&format!(
+                "], \"offsets\": [{}, {}], \"shard\": ",
+                r.start, r.end
+            ));
             py_str(&mut s, &r.shard);
             s.push_str(&format!(", \"hlen\": {}}}", r.hlen));
         }
@@ -237,9 +243,7 @@ impl Inventory {
     /// Parse the stored format (strict: exactly the five fields per record).
     pub fn parse(text: &str) -> Result<Inventory, FetchError> {
         let v: Value = serde_json::from_str(text).map_err(|e| inv_err(e.to_string()))?;
-        let obj = v
-            .as_object()
-            .ok_or_else(|| inv_err("not a JSON object"))?;
+        let obj = v.as_object().ok_or_else(|| inv_err("not a JSON object"))?;
         let mut records = Vec::with_capacity(obj.len());
         for (name, t) in obj {
             let e = |f: &str| inv_err(format!("{name}: bad or missing {f}"));

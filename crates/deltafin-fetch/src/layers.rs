@@ -11,7 +11,9 @@ pub fn parse_layers(spec: &str, lo: usize, hi: usize) -> Result<Vec<usize>, Fetc
         return Err(bad("empty".into()));
     }
     let num = |s: &str| -> Result<usize, FetchError> {
-        if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || (s.len() > 1 && s.starts_with('0'))
+        if s.is_empty()
+            || !s.bytes().all(|b| b.is_ascii_digit())
+            || (s.len() > 1 && s.starts_with('0'))
         {
             return Err(bad(format!("{s:?} is not a layer number")));
         }
@@ -76,9 +78,14 @@ mod tests {
 
     #[test]
     fn canonical_lists() {
-        assert_eq!(parse_layers("1-3,5,92", 1, 92).unwrap(), vec![1, 2, 3, 5, 92]);
+        assert_eq!(
+            parse_layers("1-3,5,92", 1, 92).unwrap(),
+            vec![1, 2, 3, 5, 92]
+        );
         assert_eq!(format_layers(&[1, 2, 3, 5, 92]), "1-3,5,92");
-        for bad in ["", "0", "93", "3-1", "1,2", "1-2,3", "5,4", "1-3,2", "01", "1-", "a", "1,,2", " 1"] {
+        for bad in [
+            "", "0", "93", "3-1", "1,2", "1-2,3", "5,4", "1-3,2", "01", "1-", "a", "1,,2", " 1",
+        ] {
             assert!(parse_layers(bad, 1, 92).is_err(), "{bad:?} accepted");
         }
         let e = parse_layers("1-40,93", 1, 92).unwrap_err().to_string();

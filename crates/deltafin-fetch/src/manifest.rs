@@ -189,7 +189,11 @@ fn check_repo(repo: &str, rev: &str) -> Result<(), String> {
         Some((a, b)) if ok_part(a) && ok_part(b) => {}
         _ => return Err(format!("repo {repo:?} is not owner/name")),
     }
-    if rev.len() != 40 || !rev.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()) {
+    if rev.len() != 40
+        || !rev
+            .chars()
+            .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+    {
         return Err(format!("revision {rev:?} is not a 40-hex commit"));
     }
     Ok(())
@@ -213,7 +217,10 @@ pub fn check_path(p: &str) -> Result<(), String> {
 }
 
 fn check_sha(h: &str) -> Result<(), String> {
-    if h.len() == 64 && h.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()) {
+    if h.len() == 64
+        && h.chars()
+            .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+    {
         Ok(())
     } else {
         Err(format!("sha256 {h:?} is not 64 lowercase hex digits"))

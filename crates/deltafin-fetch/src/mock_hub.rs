@@ -27,7 +27,7 @@ pub enum Fault {
     Corrupt(u64),
     /// Report another commit in `X-Repo-Commit`.
     WrongCommit,
-    /// Sleep this long before every 64 KiB of body.
+    /// Sleep this long before every 8 KiB of body.
     Slow(Duration),
 }
 
@@ -91,7 +91,13 @@ impl MockHub {
     }
 
     /// Serve `path` as `file` of `repo` at `commit` (hashes it once).
-    pub fn add_file(&self, repo: &str, commit: &str, file: &str, path: &Path) -> std::io::Result<()> {
+    pub fn add_file(
+        &self,
+        repo: &str,
+        commit: &str,
+        file: &str,
+        path: &Path,
+    ) -> std::io::Result<()> {
         let mut f = File::open(path)?;
         let mut h = Sha256::new();
         let mut buf = vec![0u8; 1 << 20];
@@ -157,8 +163,16 @@ fn take_fault(s: &mut State, file: &str, pick: &dyn Fn(&Fault) -> bool) -> Optio
     None
 }
 
-fn respond(c: &mut TcpStream, status: u16, headers: &[(String, String)], body: &[u8]) -> std::io::Result<()> {
-    let mut h = format!("HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n", body.len());
+fn respond(
+    c: &mut TcpStream,
+    status: u16,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> std::io::Result<()> {
+    let mut h = format!(
+        "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n",
+        body.len()
+    );
     for (k, v) in headers {
         h.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -172,7 +186,11 @@ fn parse_range(v: &str, size: u64) -> Option<(u64, u64)> {
     let r = v.strip_prefix("bytes=")?;
     let (a, b) = r.split_once('-')?;
     let a: u64 = a.parse().ok()?;
-    let b: u64 = if b.is_empty() { size.checked_sub(1)? } else { b.parse().ok()? };
+    let b: u64 = if b.is_empty() {
+        size.checked_sub(1)?
+    } else {
+        b.parse().ok()?
+    };
     (a <= b && b < size).then_some((a, b.min(size - 1)))
 }
 
@@ -197,7 +215,10 @@ fn serve(mut c: TcpStream, st: &Mutex<State>) -> std::io::Result<()> {
     let lock = || st.lock().unwrap_or_else(|p| p.into_inner());
     lock().log.push(format!(
         "GET {path}{}",
-        range_h.as_ref().map(|r| format!(" {r}")).unwrap_or_default()
+        range_h
+            .as_ref()
+            .map(|r| format!(" {r}"))
+            .unwrap_or_default()
     ));
     let parts: Vec<&str> = path.trim_start_matches('/').splitn(5, '/').collect();
     // /{owner}/{name}/resolve/{rev}/{file}
@@ -211,15 +232,27 @@ fn serve(mut c: TcpStream, st: &Mutex<State>) -> std::io::Result<()> {
         };
         let Some((_, sha, size)) = s.files.get(&(repo.clone(), file.to_string())).cloned() else {
             drop(s);
-            return respond(&mut c, 404, &[("X-Repo-Commit".into(), commit)], b"entry not found");
+            return respond(
+                &mut c,
+                404,
+                &[("X-Repo-Commit".into(), commit)],
+                b"entry not found",
+            );
         };
         if rev != commit && rev != "main" {
             drop(s);
             return respond(&mut c, 404, &[], b"revision not found");
         }
-        if let Some(Fault::Status(code)) = take_fault(&mut s, file, &|f| matches!(f, Fault::Status(_))) {
+        if let Some(Fault::Status(code)) =
+            take_fault(&mut s, file, &|f| matches!(f, Fault::Status(_)))
+        {
             drop(s);
-            return respond(&mut c, code, &[("X-Repo-Commit".into(), commit)], b"injected");
+            return respond(
+                &mut c,
+                code,
+                &[("X-Repo-Commit".into(), commit)],
+                b"injected",
+            );
         }
         let commit = match take_fault(&mut s, file, &|f| *f == Fault::WrongCommit) {
             Some(_) => "0".repeat(40),
@@ -265,13 +298,20 @@ fn serve(mut c: TcpStream, st: &Mutex<State>) -> std::io::Result<()> {
             Some(r) => match parse_range(r, size) {
                 Some((a, b)) => (206, a, b),
                 None => {
-                    return respond(&mut c, 416, &[("Content-Range".into(), format!("bytes */{size}"))], b"");
+                    return respond(
+                        &mut c,
+                        416,
+                        &[("Content-Range".into(), format!("bytes */{size}"))],
+                        b"",
+                    );
                 }
             },
             None => (200, 0, size.saturating_sub(1)),
         };
         let len = if size == 0 { 0 } else { b - a + 1 };
-        let mut h = format!("HTTP/1.1 {status} X\r\nContent-Length: {len}\r\nConnection: close\r\nAccept-Ranges: bytes\r\n");
+        let mut h = format!(
+            "HTTP/1.1 {status} X\r\nContent-Length: {len}\r\nConnection: close\r\nAccept-Ranges: bytes\r\n"
+        );
         if status == 206 {
             h.push_str(&format!("Content-Range: bytes {a}-{b}/{size}\r\n"));
         }
@@ -280,7 +320,7 @@ fn serve(mut c: TcpStream, st: &Mutex<State>) -> std::io::Result<()> {
         let mut f = File::open(&p)?;
         f.seek(SeekFrom::Start(a))?;
         let mut sent = 0u64;
-        let mut buf = vec![0u8; 64 * 1024];
+        let mut buf = vec![0u8; if slow.is_some() { 8 * 1024 } else { 64 * 1024 }];
         while sent < len {
             if let Some(d) = slow {
                 std::thread::sleep(d);

@@ -72,7 +72,11 @@ pub struct Plan {
 impl Plan {
     /// Bytes still to download (items not present).
     pub fn download_bytes(&self) -> u64 {
-        self.items.iter().filter(|i| !i.present).map(|i| i.bytes).sum()
+        self.items
+            .iter()
+            .filter(|i| !i.present)
+            .map(|i| i.bytes)
+            .sum()
     }
 
     /// Peak additional disk use: every missing byte lands once (`.part` files are renamed,
@@ -184,14 +188,17 @@ pub fn weight_items(
 
 /// Path of the per-expert file.
 pub fn expert_path(root: &Path, layer: usize, expert: usize) -> PathBuf {
-    root.join(EXPERT_DIR).join(format!("L{layer}-E{expert}.bin"))
+    root.join(EXPERT_DIR)
+        .join(format!("L{layer}-E{expert}.bin"))
 }
 
 /// The six tensor names of one expert in the span order (w1 packed, w1 scale, w2 packed,
 /// w2 scale, w3 packed, w3 scale; k3-model.md §3.4).
 pub fn expert_tensor_names(layer: usize, expert: usize) -> [String; 6] {
     let n = |m: &str, p: &str| {
-        format!("language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{m}.weight_{p}")
+        format!(
+            "language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{m}.weight_{p}"
+        )
     };
     [
         n("w1", "packed"),
@@ -266,9 +273,9 @@ pub fn weight_jobs(
     match sel {
         Selection::Shards => {
             for s in &m.shards {
-                let h = inv.hlen(&s.file).ok_or_else(|| {
-                    FetchError::Inventory(format!("{} has no records", s.file))
-                })?;
+                let h = inv
+                    .hlen(&s.file)
+                    .ok_or_else(|| FetchError::Inventory(format!("{} has no records", s.file)))?;
                 jobs.push(job(
                     &s.file,
                     None,

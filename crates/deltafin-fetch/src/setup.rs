@@ -75,7 +75,10 @@ pub fn recorded_mode(root: &Path) -> Option<Mode> {
 
 /// Record the install mode.
 pub fn record_mode(root: &Path, mode: Mode) -> Result<(), FetchError> {
-    write_atomic(&root.join(MODE_FILE), format!("{}\n", mode.as_str()).as_bytes())
+    write_atomic(
+        &root.join(MODE_FILE),
+        format!("{}\n", mode.as_str()).as_bytes(),
+    )
 }
 
 fn repo_jobs(root: &Path, m: &RepoManifest, dir: &Path) -> Vec<Job> {
@@ -181,7 +184,8 @@ impl Setup<'_> {
             match sel {
                 Selection::Shards => "full: release shards".to_string(),
                 Selection::Spine => "stream: spine tensors".to_string(),
-                Selection::Experts(l) => format!("experts of layers {}", crate::layers::format_layers(l)),
+                Selection::Experts(l) =>
+                    format!("experts of layers {}", crate::layers::format_layers(l)),
             },
             jobs.len()
         ));
@@ -223,7 +227,9 @@ impl Setup<'_> {
             Mode::Stream => Selection::Spine,
         };
         self.weights(&inv, &sel, log)?;
-        log("int8 spine conversion: not available in this build yet (skipped); the BF16 spine is installed");
+        log(
+            "int8 spine conversion: not available in this build yet (skipped); the BF16 spine is installed",
+        );
         log(&format!("setup complete ({} install)", mode.as_str()));
         Ok(())
     }
@@ -234,7 +240,11 @@ pub fn render_plan(root: &Path, plan: &Plan, choice: &ModeChoice, free: Option<u
     let mut s = String::new();
     s.push_str("setup plan (dry run: no network, no writes)\n");
     s.push_str(&format!("model root: {}\n", root.display()));
-    s.push_str(&format!("mode: {} ({})\n", plan.mode.as_str(), choice.reason));
+    s.push_str(&format!(
+        "mode: {} ({})\n",
+        plan.mode.as_str(),
+        choice.reason
+    ));
     for it in &plan.items {
         s.push_str(&format!(
             "{:<9} {:<60} {}{} B{}{}\n",
@@ -248,7 +258,10 @@ pub fn render_plan(root: &Path, plan: &Plan, choice: &ModeChoice, free: Option<u
             if it.present { " (present)" } else { "" }
         ));
     }
-    s.push_str(&format!("weight tensor data: {} B\n", plan.weight_data_bytes()));
+    s.push_str(&format!(
+        "weight tensor data: {} B\n",
+        plan.weight_data_bytes()
+    ));
     s.push_str(&format!(
         "download: {}{} B\npeak additional disk: {}{} B\n",
         if plan.exact() { "" } else { "≈" },

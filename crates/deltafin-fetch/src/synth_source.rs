@@ -81,8 +81,14 @@ impl SynthSource {
             records: 0,
         };
         let repo = "synth/Kimi-K3";
-        let mut k3 =
-            k3_manifest_from_index(&report.config, &index, repo, K3_COMMIT, metadata, placeholder)?;
+        let mut k3 = k3_manifest_from_index(
+            &report.config,
+            &index,
+            repo,
+            K3_COMMIT,
+            metadata,
+            placeholder,
+        )?;
         let mut headers = Vec::new();
         for s in k3.shards.iter_mut() {
             let p = k3_dir.join(&s.file);
@@ -120,14 +126,22 @@ impl SynthSource {
                 safetensors_tensors: None,
             };
             for (name, path) in [("config.json", c), ("model.safetensors", st.clone())] {
-                let mut p = pin(path.parent().unwrap_or(Path::new(".")), &path.file_name().unwrap_or_default().to_string_lossy())?;
+                let mut p = pin(
+                    path.parent().unwrap_or(Path::new(".")),
+                    &path.file_name().unwrap_or_default().to_string_lossy(),
+                )?;
                 p.path = name.into();
                 files.push((repo.into(), name.into(), path));
                 m.files.push(p);
             }
             Ok::<_, FetchError>(m)
         };
-        let dspark = repo_manifest("synth/K3-DSpark", DSPARK_COMMIT, "k3-draft-dspark", "dspark-config.json")?;
+        let dspark = repo_manifest(
+            "synth/K3-DSpark",
+            DSPARK_COMMIT,
+            "k3-draft-dspark",
+            "dspark-config.json",
+        )?;
         let qwen_small = repo_manifest(
             "synth/Qwen3-0.6B-Base",
             QWEN_COMMIT,

@@ -289,7 +289,9 @@ fn run_job(
             }
         }
         // Complete: verify, then publish.
-        let len = std::fs::metadata(&part).map_err(FetchError::io(&part))?.len();
+        let len = std::fs::metadata(&part)
+            .map_err(FetchError::io(&part))?
+            .len();
         if len != job.size {
             return Err(FetchError::Protocol {
                 url: client.resolve_url(&job.repo, &job.revision, &job.file),
@@ -351,12 +353,16 @@ fn fetch_into(
         if let Some(cl) = resp.content_length
             && cl != job.size
         {
-            return Err((0, proto(format!("Content-Length {cl}, expected {}", job.size))));
+            return Err((
+                0,
+                proto(format!("Content-Length {cl}, expected {}", job.size)),
+            ));
         }
     } else {
         check_range(&resp, a, b).map_err(|e| (0, e))?;
     }
-    if whole && let Some(fs) = resp.file_size
+    if whole
+        && let Some(fs) = resp.file_size
         && fs != job.size
     {
         return Err((

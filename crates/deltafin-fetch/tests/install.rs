@@ -81,12 +81,19 @@ fn full_install_is_byte_identical_and_check_finds_damage() {
     }
     assert!(check_setup(&e.root, ms, Mode::Full, true).is_ok());
     // Nothing left half-written.
-    let parts = walk(&e.root).into_iter().filter(|p| p.ends_with(".part")).count();
+    let parts = walk(&e.root)
+        .into_iter()
+        .filter(|p| p.ends_with(".part"))
+        .count();
     assert_eq!(parts, 0);
     // Rerun: everything is already complete, no data requests.
     e.hub.clear_log();
     setup(&e, ms).run(Mode::Full, true, &mut |_| {}).unwrap();
-    assert!(e.hub.requests().iter().all(|r| !r.contains("/cdn/")), "{:?}", e.hub.requests());
+    assert!(
+        e.hub.requests().iter().all(|r| !r.contains("/cdn/")),
+        "{:?}",
+        e.hub.requests()
+    );
 
     // A corrupted byte (same size) and a missing file.
     let shard = e.root.join(&ms.k3.shards[2].file);
@@ -97,8 +104,16 @@ fn full_install_is_byte_identical_and_check_finds_damage() {
     std::fs::remove_file(e.root.join("k3-draft-dspark/config.json")).unwrap();
     let r = check_setup(&e.root, ms, Mode::Full, false);
     assert_eq!(r.problems.len(), 2, "{:?}", r.problems);
-    assert!(r.problems.iter().any(|p| p.starts_with("corrupted") && p.contains(&ms.k3.shards[2].file)));
-    assert!(r.problems.iter().any(|p| p.starts_with("missing") && p.contains("k3-draft-dspark/config.json")));
+    assert!(
+        r.problems
+            .iter()
+            .any(|p| p.starts_with("corrupted") && p.contains(&ms.k3.shards[2].file))
+    );
+    assert!(
+        r.problems
+            .iter()
+            .any(|p| p.starts_with("missing") && p.contains("k3-draft-dspark/config.json"))
+    );
 }
 
 fn walk(d: &Path) -> Vec<String> {
@@ -154,7 +169,8 @@ fn stream_install_spine_and_on_demand_experts_are_byte_identical() {
 
     // fetch-weights --layers 2: every expert of layer 2.
     let s = setup(&e, ms);
-    s.weights(&inv, &Selection::Experts(vec![2]), &mut |_| {}).unwrap();
+    s.weights(&inv, &Selection::Experts(vec![2]), &mut |_| {})
+        .unwrap();
     for x in 0..ms.k3.experts_per_layer {
         let (shard, off, len) = fetcher.span(2, x).unwrap();
         let src = std::fs::read(e.src.k3_dir.join(shard)).unwrap();
@@ -174,7 +190,11 @@ fn transient_faults_are_survived() {
     e.hub.add_fault("model-00003", Fault::Status(500), 2);
     e.hub.add_fault("model-00004", Fault::Status(503), 1);
     e.hub.add_fault("model-00005", Fault::Corrupt(100), 1);
-    e.hub.add_fault("model-00006", Fault::Slow(Duration::from_millis(2)), u32::MAX);
+    e.hub.add_fault(
+        "model-00006",
+        Fault::Slow(Duration::from_millis(2)),
+        u32::MAX,
+    );
     setup(&e, ms).run(Mode::Full, false, &mut |_| {}).unwrap();
     for s in &ms.k3.shards {
         same(&e.root.join(&s.file), &e.src.k3_dir.join(&s.file));
@@ -207,7 +227,10 @@ fn persistent_corruption_is_a_clear_error() {
     let e = env();
     let f = e.src.manifests.k3.shards[3].file.clone();
     let err = first_error(&e, "a", Fault::Corrupt(50), &f, u32::MAX);
-    assert!(matches!(err, FetchError::Sha256 { attempts: 2, .. }), "{err}");
+    assert!(
+        matches!(err, FetchError::Sha256 { attempts: 2, .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains(&f));
     // Nothing under the final name, and no .part kept for the bad file.
     assert!(!e.root.join("a").join(&f).exists());
@@ -218,7 +241,10 @@ fn wrong_commit_404_and_persistent_500_fail_cleanly() {
     let e = env();
     let err = first_error(&e, "a", Fault::WrongCommit, "config.json", 1);
     assert!(matches!(err, FetchError::CommitMismatch { .. }), "{err}");
-    assert!(err.to_string().contains(deltafin_fetch::synth_source::K3_COMMIT));
+    assert!(
+        err.to_string()
+            .contains(deltafin_fetch::synth_source::K3_COMMIT)
+    );
     assert!(!e.root.join("a/config.json").exists());
     let err = first_error(&e, "b", Fault::Status(404), "tiktoken.model", 1);
     assert!(matches!(err, FetchError::NotFound { .. }), "{err}");
@@ -226,7 +252,9 @@ fn wrong_commit_404_and_persistent_500_fail_cleanly() {
     assert!(matches!(err, FetchError::Http { status: 500, .. }), "{err}");
     // The token is never part of an error or the log.
     assert!(!err.to_string().contains("secret-token"));
-    setup(&e, &e.src.manifests).run(Mode::Full, false, &mut |_| {}).unwrap();
+    setup(&e, &e.src.manifests)
+        .run(Mode::Full, false, &mut |_| {})
+        .unwrap();
 }
 
 #[test]
@@ -239,7 +267,9 @@ fn permission_denied_stops_cleanly() {
     let e = env();
     std::fs::create_dir_all(&e.root).unwrap();
     std::fs::set_permissions(&e.root, std::fs::Permissions::from_mode(0o555)).unwrap();
-    let err = setup(&e, &e.src.manifests).run(Mode::Full, false, &mut |_| {}).unwrap_err();
+    let err = setup(&e, &e.src.manifests)
+        .run(Mode::Full, false, &mut |_| {})
+        .unwrap_err();
     std::fs::set_permissions(&e.root, std::fs::Permissions::from_mode(0o755)).unwrap();
     assert!(matches!(err, FetchError::Io { .. }), "{err}");
 }
@@ -250,7 +280,10 @@ fn dry_run_plan_of_the_real_manifest_adds_up() {
     let tmp = tempfile::tempdir().unwrap();
     let full = plan_setup(tmp.path(), &ms, Mode::Full, false);
     assert_eq!(full.weight_data_bytes(), 1_560_860_324_864);
-    assert_eq!(full.items.iter().filter(|i| i.step == "weights").count(), 96);
+    assert_eq!(
+        full.items.iter().filter(|i| i.step == "weights").count(),
+        96
+    );
     assert!(!full.exact(), "real shard headers are not pinned");
     let stream = plan_setup(tmp.path(), &ms, Mode::Stream, true);
     assert_eq!(stream.weight_data_bytes(), 114_404_258_816);

@@ -33,11 +33,31 @@ fn k3_manifest_matches_real_index() {
     let cfg = deltafin_k3::config::K3Config::from_file(dir.join("k3-config.json")).unwrap();
     // Pins: product contract §4.2 and shared/kimi/SOURCES.md.
     let metadata = vec![
-        pinned("LICENSE", 3065, "20c797ce19af0c17de52c6afb144644768a591c521655f5ebf5712c9850f2887"),
-        pinned("config.json", 7006, "9710e121a58d03ac92c8d6da287a19541994319afbbe6d6202af001ffd379213"),
-        pinned("generation_config.json", 53, "c6648c25e9705af7fba8847e243840d21b5cc63ddeb6297f750a7ddbb6a02836"),
-        pinned("tokenizer_config.json", 3478, "5d0803c94db9cd78763499e0956c95fd5a225c14a727e5a6cf5db3f96f010a6e"),
-        pinned("tiktoken.model", 2795286, "b6c497a7469b33ced9c38afb1ad6e47f03f5e5dc05f15930799210ec050c5103"),
+        pinned(
+            "LICENSE",
+            3065,
+            "20c797ce19af0c17de52c6afb144644768a591c521655f5ebf5712c9850f2887",
+        ),
+        pinned(
+            "config.json",
+            7006,
+            "9710e121a58d03ac92c8d6da287a19541994319afbbe6d6202af001ffd379213",
+        ),
+        pinned(
+            "generation_config.json",
+            53,
+            "c6648c25e9705af7fba8847e243840d21b5cc63ddeb6297f750a7ddbb6a02836",
+        ),
+        pinned(
+            "tokenizer_config.json",
+            3478,
+            "5d0803c94db9cd78763499e0956c95fd5a225c14a727e5a6cf5db3f96f010a6e",
+        ),
+        pinned(
+            "tiktoken.model",
+            2795286,
+            "b6c497a7469b33ced9c38afb1ad6e47f03f5e5dc05f15930799210ec050c5103",
+        ),
         pinned(
             "model.safetensors.index.json",
             59_764_096,
@@ -72,6 +92,9 @@ fn k3_manifest_matches_real_index() {
         std::fs::write(&path, &text).unwrap();
     }
     let committed = std::fs::read_to_string(&path).unwrap();
-    assert!(committed == text, "manifests/k3.json is stale: rerun with DELTAFIN_REGEN_MANIFEST=1");
+    assert!(
+        committed == text,
+        "manifests/k3.json is stale: rerun with DELTAFIN_REGEN_MANIFEST=1"
+    );
     assert_eq!(Manifests::builtin().unwrap().k3, m);
 }
