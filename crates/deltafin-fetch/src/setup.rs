@@ -81,8 +81,7 @@ pub fn record_mode(root: &Path, mode: Mode) -> Result<(), FetchError> {
     )
 }
 
-fn repo_jobs(root: &Path, m: &RepoManifest, dir: &Path) -> Vec<Job> {
-    let _ = root;
+fn repo_jobs(m: &RepoManifest, dir: &Path) -> Vec<Job> {
     m.files
         .iter()
         .map(|f| Job {
@@ -147,7 +146,7 @@ impl Setup<'_> {
         dir: &Path,
         log: &mut dyn FnMut(&str),
     ) -> Result<TransferReport, FetchError> {
-        let jobs = repo_jobs(&self.root, m, dir);
+        let jobs = repo_jobs(m, dir);
         let r = run_jobs(self.client, &jobs, &self.transfer)?;
         log(&format!(
             "{}@{}: {} files ({} fetched, {} already complete) in {}",
