@@ -8,6 +8,7 @@ mod perplexity;
 mod run;
 mod serve;
 mod session;
+mod setup;
 
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -37,6 +38,16 @@ enum Command {
     Perplexity(PerplexityArgs),
     /// OpenAI-compatible HTTP server (docs/SERVER.md).
     Serve(serve::ServeArgs),
+    /// One-shot install: K3 metadata, DSpark, optional Qwen, weights (docs/SETUP.md).
+    Setup(setup::SetupArgs),
+    /// Install (--meta-only) or verify (--check) the pinned K3 metadata and tensor inventory.
+    SetupK3(setup::SetupK3Args),
+    /// Install, verify (--check) or remotely audit (--audit-only) the pinned DSpark drafter.
+    SetupDspark(setup::SetupDsparkArgs),
+    /// Install or verify (--check) the Qwen3 0.6B + 1.7B Base pair.
+    SetupQwen(setup::SetupQwenArgs),
+    /// Transfer spine and/or expert weights.
+    FetchWeights(setup::FetchWeightsArgs),
 }
 
 /// Options shared by the commands that load the model.
@@ -102,6 +113,11 @@ fn main() -> ExitCode {
         Some(Command::Run(args)) => run::run(&args),
         Some(Command::Perplexity(args)) => perplexity::perplexity(&args),
         Some(Command::Serve(args)) => serve::serve(&args),
+        Some(Command::Setup(args)) => setup::setup(&args),
+        Some(Command::SetupK3(args)) => setup::setup_k3(&args),
+        Some(Command::SetupDspark(args)) => setup::setup_dspark(&args),
+        Some(Command::SetupQwen(args)) => setup::setup_qwen(&args),
+        Some(Command::FetchWeights(args)) => setup::fetch_weights(&args),
         None => run::run(&cli.run),
     };
     match result {

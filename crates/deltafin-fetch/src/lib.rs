@@ -1,2 +1,29 @@
 //! `deltafin-fetch`: pinned, parallel, resumable and verified downloads of the K3, DSpark
 //! and Qwen3 files, and the `setup` family of commands that plan and perform installs.
+//!
+//! - [`manifest`]: the committed source manifests (pinned revision, files, sizes, sha256).
+//! - [`hub`]: a Hugging Face Hub client (`resolve/<revision>/<file>`, redirects,
+//!   `X-Repo-Commit` checked against the pin, range requests, `HF_ENDPOINT`, `HF_TOKEN`).
+//! - [`transfer`]: the parallel transfer engine (`.part` files, resume by range, bounded
+//!   retries with backoff, sha256 and size checks, atomic rename).
+//! - [`inventory`]: the K3 tensor inventory rebuilt from the 96 shard headers.
+//! - [`plan`], [`check`], [`setup`]: plans (dry run), offline audits and the install steps.
+//! - [`expert`]: on-demand fetch of one routed expert's exact byte range (stream installs).
+//! - [`mock_hub`]: an in-process HTTP server speaking the hub protocol, with fault injection,
+//!   for tests; [`synth_source`] builds a synthesized K3 source and its manifests for it.
+
+pub mod check;
+pub mod disk;
+pub mod error;
+pub mod expert;
+pub mod hub;
+pub mod inventory;
+pub mod layers;
+pub mod manifest;
+pub mod mock_hub;
+pub mod plan;
+pub mod setup;
+pub mod synth_source;
+pub mod transfer;
+
+pub use error::FetchError;

@@ -30,8 +30,3 @@ pub use matvec::{
 pub use ops::{
     argmax, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, situ_glu, softmax_inplace,
 };
-
-/// Name of the kernel implementation in use, for logs and `--stats`.
-pub fn kernel_backend() -> &'static str {
-    "portable"
-}

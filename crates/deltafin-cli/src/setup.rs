@@ -1,0 +1,341 @@
+//! `setup`, `setup-k3`, `setup-dspark`, `setup-qwen` and `fetch-weights` (product contract
+//! §1.3, §5; docs/SETUP.md). Model root: `--model-root`, else `DELTAFIN_ROOT`, else `.`.
+
+use anyhow::{Context, Result, bail};
+use clap::{ArgGroup, Args};
+use deltafin_fetch::check::{CheckReport, check_k3, check_k3_meta, check_repo};
+use deltafin_fetch::hub::HubClient;
+use deltafin_fetch::inventory::Inventory;
+use deltafin_fetch::layers::{format_layers, parse_layers};
+use deltafin_fetch::manifest::Manifests;
+use deltafin_fetch::plan::{Mode, Selection, plan_setup, weight_items, weight_jobs};
+use deltafin_fetch::setup::{self as fsetup, Setup, check_setup, choose_mode, recorded_mode};
+use deltafin_fetch::transfer::{TransferOptions, parse_workers};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Install root shared by the setup family.
+#[derive(Args, Debug, Clone)]
+pub struct RootArg {
+    /// Install root [default: $DELTAFIN_ROOT, else the current directory].
+    #[arg(long, value_name = "PATH")]
+    pub model_root: Option<PathBuf>,
+}
+
+impl RootArg {
+    fn resolve(&self) -> PathBuf {
+        self.model_root.clone().unwrap_or_else(|| {
+            std::env::var_os("DELTAFIN_ROOT")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("."))
+        })
+    }
+}
+
+/// `deltafin setup`.
+#[derive(Args, Debug, Clone)]
+pub struct SetupArgs {
+    /// Plan exact downloads and peak disk use; no network, no writes.
+    #[arg(long, conflicts_with = "check")]
+    pub dry_run: bool,
+    /// Offline audit that the installation is complete.
+    #[arg(long)]
+    pub check: bool,
+    /// Require the complete local expert pool (all release shards).
+    #[arg(long, conflicts_with = "stream")]
+    pub full: bool,
+    /// Install the spine only; experts are fetched on demand.
+    #[arg(long)]
+    pub stream: bool,
+    /// Also install (or check) the Qwen3 0.6B + 1.7B Base pair.
+    #[arg(long)]
+    pub include_qwen: bool,
+    /// Parallel transfers, 1…16.
+    #[arg(long, value_name = "N", default_value = "8", value_parser = parse_workers)]
+    pub workers: usize,
+    #[command(flatten)]
+    pub root: RootArg,
+}
+
+/// `deltafin setup-k3`.
+#[derive(Args, Debug, Clone)]
+#[command(group(ArgGroup::new("what").required(true).args(["meta_only", "check"])))]
+pub struct SetupK3Args {
+    /// Install the pinned metadata and build the tensor inventory from the shard headers.
+    #[arg(long)]
+    pub meta_only: bool,
+    /// Verify the metadata and inventory offline.
+    #[arg(long)]
+    pub check: bool,
+    #[command(flatten)]
+    pub root: RootArg,
+}
+
+/// `deltafin setup-dspark`.
+#[derive(Args, Debug, Clone)]
+pub struct SetupDsparkArgs {
+    /// Verify offline.
+    #[arg(long, conflicts_with = "audit_only")]
+    pub check: bool,
+    /// Check remote metadata and the safetensors header only; no payload, no writes.
+    #[arg(long)]
+    pub audit_only: bool,
+    /// Destination [default: <model root>/k3-draft-dspark].
+    #[arg(long, value_name = "PATH")]
+    pub destination: Option<PathBuf>,
+    #[command(flatten)]
+    pub root: RootArg,
+}
+
+/// `deltafin setup-qwen`.
+#[derive(Args, Debug, Clone)]
+pub struct SetupQwenArgs {
+    /// Verify offline.
+    #[arg(long)]
+    pub check: bool,
+    #[command(flatten)]
+    pub root: RootArg,
+}
+
+/// `deltafin fetch-weights`.
+#[derive(Args, Debug, Clone)]
+pub struct FetchWeightsArgs {
+    /// Print the work; no network, no writes.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Only the spine (k3-resident/tensors/).
+    #[arg(long, conflicts_with_all = ["experts_only", "layers"])]
+    pub spine_only: bool,
+    /// Only per-expert files (k3-experts/).
+    #[arg(long)]
+    pub experts_only: bool,
+    /// MoE layers, canonical form such as 1-40,45,92 (implies --experts-only).
+    #[arg(long, value_name = "SPEC")]
+    pub layers: Option<String>,
+    /// Parallel transfers, 1…16.
+    #[arg(long, value_name = "N", default_value = "8", value_parser = parse_workers)]
+    pub workers: usize,
+    #[command(flatten)]
+    pub root: RootArg,
+}
+
+fn manifests() -> Result<Manifests> {
+    Manifests::from_env().context("loading the source manifests")
+}
+
+fn client() -> Result<HubClient> {
+    HubClient::from_env().context("hub endpoint")
+}
+
+fn opts(workers: usize) -> TransferOptions {
+    TransferOptions {
+        workers,
+        ..TransferOptions::default()
+    }
+}
+
+fn log(s: &str) {
+    println!("{s}");
+}
+
+fn report(what: &str, r: &CheckReport) -> ExitCode {
+    for p in &r.problems {
+        println!("{p}");
+    }
+    if let Some(n) = r.lazy_missing {
+        println!("lazy-missing={n} experts (fetched on demand)");
+    }
+    if r.is_ok() {
+        println!("{what}: ok ({} files verified)", r.ok);
+        ExitCode::SUCCESS
+    } else {
+        println!("{what}: {} problem(s)", r.problems.len());
+        ExitCode::from(1)
+    }
+}
+
+/// `deltafin setup`.
+pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
+    let root = a.root.resolve();
+    let ms = manifests()?;
+    let flag = match (a.full, a.stream) {
+        (true, _) => Some(Mode::Full),
+        (_, true) => Some(Mode::Stream),
+        _ => None,
+    };
+    if a.check {
+        let mode = flag.or_else(|| recorded_mode(&root)).unwrap_or(Mode::Full);
+        println!("checking a {} install at {}", mode.as_str(), root.display());
+        return Ok(report(
+            "setup --check",
+            &check_setup(&root, &ms, mode, a.include_qwen),
+        ));
+    }
+    let choice = choose_mode(&root, &ms, a.include_qwen, flag)?;
+    if a.dry_run {
+        let plan = plan_setup(&root, &ms, choice.mode, a.include_qwen);
+        let free = deltafin_fetch::disk::free_bytes(&root).ok();
+        print!("{}", fsetup::render_plan(&root, &plan, &choice, free));
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("mode: {} ({})", choice.mode.as_str(), choice.reason);
+    let c = client()?;
+    let s = Setup {
+        root,
+        manifests: &ms,
+        client: &c,
+        transfer: opts(a.workers),
+    };
+    s.run(choice.mode, a.include_qwen, &mut log)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `deltafin setup-k3`.
+pub fn setup_k3(a: &SetupK3Args) -> Result<ExitCode> {
+    let root = a.root.resolve();
+    let ms = manifests()?;
+    if a.check {
+        let (r, _) = check_k3_meta(&root, &ms.k3);
+        return Ok(report("setup-k3 --check", &r));
+    }
+    let c = client()?;
+    let s = Setup {
+        root,
+        manifests: &ms,
+        client: &c,
+        transfer: opts(8),
+    };
+    s.k3_meta(&mut log)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `deltafin setup-dspark`.
+pub fn setup_dspark(a: &SetupDsparkArgs) -> Result<ExitCode> {
+    let root = a.root.resolve();
+    let ms = manifests()?;
+    let dest = a
+        .destination
+        .clone()
+        .unwrap_or_else(|| root.join(&ms.dspark.install_dir));
+    if a.check {
+        return Ok(report(
+            "setup-dspark --check",
+            &check_repo(&dest, &ms.dspark),
+        ));
+    }
+    let c = client()?;
+    if a.audit_only {
+        fsetup::audit_repo(&c, &ms.dspark, &mut log)?;
+        println!("setup-dspark --audit-only: ok");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let s = Setup {
+        root,
+        manifests: &ms,
+        client: &c,
+        transfer: opts(8),
+    };
+    s.repo(&ms.dspark, &dest, &mut log)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `deltafin setup-qwen`.
+pub fn setup_qwen(a: &SetupQwenArgs) -> Result<ExitCode> {
+    let root = a.root.resolve();
+    let ms = manifests()?;
+    if a.check {
+        let mut r = check_repo(&root.join(&ms.qwen_large.install_dir), &ms.qwen_large);
+        let r2 = check_repo(&root.join(&ms.qwen_small.install_dir), &ms.qwen_small);
+        deltafin_fetch::check::merge(&mut r, r2);
+        return Ok(report("setup-qwen --check", &r));
+    }
+    let c = client()?;
+    let s = Setup {
+        root,
+        manifests: &ms,
+        client: &c,
+        transfer: opts(8),
+    };
+    s.qwen(&mut log)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `deltafin fetch-weights`.
+pub fn fetch_weights(a: &FetchWeightsArgs) -> Result<ExitCode> {
+    let root = a.root.resolve();
+    let ms = manifests()?;
+    let m = &ms.k3;
+    let moe = m.moe_layers();
+    let (lo, hi) = match (moe.first(), moe.last()) {
+        (Some(&lo), Some(&hi)) => (lo, hi),
+        _ => bail!("the K3 manifest has no MoE layers"),
+    };
+    let sel = if let Some(spec) = &a.layers {
+        Selection::Experts(parse_layers(spec, lo, hi)?)
+    } else if a.experts_only {
+        Selection::Experts(moe.clone())
+    } else if a.spine_only {
+        Selection::Spine
+    } else {
+        Selection::Shards
+    };
+    let inv = Inventory::load(&root, &m.inventory).ok();
+    if a.dry_run {
+        println!("fetch-weights plan (dry run: no network, no writes)");
+        match (&sel, &inv) {
+            (Selection::Experts(layers), _) => {
+                let n = (layers.len() * m.experts_per_layer) as u64;
+                println!(
+                    "experts of layers {}: {n} files of {} B = {} B",
+                    format_layers(layers),
+                    m.expert_bytes,
+                    n * m.expert_bytes
+                );
+            }
+            (_, Some(inv)) => {
+                let jobs = weight_jobs(&root, m, inv, &sel)?;
+                let missing: u64 = jobs
+                    .iter()
+                    .filter(|j| !deltafin_fetch::transfer::is_complete(&j.dest, j.size))
+                    .map(|j| j.size)
+                    .sum();
+                println!("{} files, {} B still to fetch", jobs.len(), missing);
+            }
+            (_, None) => {
+                let mode = if sel == Selection::Spine {
+                    Mode::Stream
+                } else {
+                    Mode::Full
+                };
+                let items = weight_items(&root, m, None, mode);
+                let total: u64 = items.iter().map(|i| i.bytes).sum();
+                println!(
+                    "{} shard items, ≈{total} B (exact after `setup-k3 --meta-only`)",
+                    items.len()
+                );
+            }
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let Some(inv) = inv else {
+        bail!(
+            "no valid tensor inventory at {}: run `deltafin setup-k3 --meta-only` first",
+            root.join(deltafin_fetch::inventory::INVENTORY_PATH)
+                .display()
+        );
+    };
+    let c = client()?;
+    let s = Setup {
+        root: root.clone(),
+        manifests: &ms,
+        client: &c,
+        transfer: opts(a.workers),
+    };
+    s.weights(&inv, &sel, &mut log)?;
+    if sel == Selection::Shards {
+        let r = check_k3(&root, m, Mode::Full);
+        return Ok(report("fetch-weights", &r));
+    }
+    Ok(ExitCode::SUCCESS)
+}

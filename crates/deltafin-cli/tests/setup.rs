@@ -1,0 +1,248 @@
+//! The setup family end to end: the real `deltafin` binary against an in-process mock hub.
+
+use deltafin_fetch::mock_hub::{Fault, MockHub};
+use deltafin_fetch::synth_source::{SynthSource, small_dims};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+    c.env_remove("DELTAFIN_ROOT")
+        .env_remove("DELTAFIN_MANIFESTS")
+        .env_remove("HF_TOKEN");
+    c
+}
+
+struct Env {
+    tmp: tempfile::TempDir,
+    src: SynthSource,
+    hub: MockHub,
+}
+
+fn env() -> Env {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = SynthSource::create(&tmp.path().join("src"), small_dims(), 11).unwrap();
+    src.manifests
+        .write_dir(&tmp.path().join("manifests"))
+        .unwrap();
+    let hub = MockHub::start().unwrap();
+    src.serve(&hub).unwrap();
+    Env { tmp, src, hub }
+}
+
+impl Env {
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = bin();
+        c.args(args)
+            .env("HF_ENDPOINT", self.hub.url())
+            .env("DELTAFIN_MANIFESTS", self.tmp.path().join("manifests"))
+            .env("DELTAFIN_ROOT", self.root());
+        c
+    }
+    fn root(&self) -> std::path::PathBuf {
+        self.tmp.path().join("root")
+    }
+    fn run(&self, args: &[&str]) -> Output {
+        self.cmd(args).output().unwrap()
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn dry_run_makes_no_requests_and_no_writes() {
+    let e = env();
+    for args in [
+        &["setup", "--dry-run"][..],
+        &["setup", "--dry-run", "--stream", "--include-qwen"],
+        &["fetch-weights", "--dry-run", "--layers", "1-3,5"],
+    ] {
+        let o = e.run(args);
+        assert!(o.status.success(), "{args:?}: {}", text(&o));
+        assert!(text(&o).contains("dry run"), "{}", text(&o));
+    }
+    assert!(e.hub.requests().is_empty(), "{:?}", e.hub.requests());
+    assert!(!e.root().exists(), "dry run created the model root");
+}
+
+#[test]
+fn real_manifest_dry_run_adds_up_to_the_index_total() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("r");
+    let o = bin()
+        .args(["setup", "--dry-run", "--full", "--model-root"])
+        .arg(&root)
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    let data: Vec<u64> = t
+        .lines()
+        .filter(|l| l.starts_with("weights"))
+        .map(|l| l.rsplit("data=").next().unwrap().trim().parse().unwrap())
+        .collect();
+    assert_eq!(data.len(), 96, "{t}");
+    assert_eq!(data.iter().sum::<u64>(), 1_560_860_324_864);
+    assert!(t.contains("weight tensor data: 1560860324864 B"), "{t}");
+    assert!(t.contains("peak additional disk: ≈"), "{t}");
+    assert!(!root.exists());
+}
+
+#[test]
+fn strict_flags() {
+    for args in [
+        &["setup", "--full", "--stream"][..],
+        &["setup", "--dry-run", "--check"],
+        &["setup", "--workers", "0"],
+        &["setup", "--workers", "17"],
+        &["setup", "--workers", "8x"],
+        &["setup-k3"],
+        &["setup-k3", "--meta-only", "--check"],
+        &["setup-dspark", "--check", "--audit-only"],
+        &["fetch-weights", "--spine-only", "--experts-only"],
+        &["fetch-weights", "--dry-run", "--layers", "0-3"],
+        &["fetch-weights", "--dry-run", "--layers", "1,2"],
+        &["fetch-weights", "--dry-run", "--layers", "93"],
+    ] {
+        let o = bin().args(args).output().unwrap();
+        assert!(!o.status.success(), "{args:?} accepted: {}", text(&o));
+    }
+}
+
+fn same_tree(e: &Env) {
+    let m = &e.src.manifests;
+    for s in &m.k3.shards {
+        assert!(
+            std::fs::read(e.root().join(&s.file)).unwrap()
+                == std::fs::read(e.src.k3_dir.join(&s.file)).unwrap(),
+            "{}",
+            s.file
+        );
+    }
+}
+
+fn parts(d: &Path) -> usize {
+    let mut n = 0;
+    if let Ok(rd) = std::fs::read_dir(d) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                n += parts(&p);
+            } else if p.to_string_lossy().ends_with(".part") {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+#[test]
+fn killed_at_random_points_resumes_and_finishes() {
+    let e = env();
+    // Metadata and inventory first, so that the kills land in the shard transfers.
+    let o = e.run(&["setup-k3", "--meta-only"]);
+    assert!(o.status.success(), "{}", text(&o));
+    e.hub
+        .add_fault("model-", Fault::Slow(Duration::from_millis(30)), u32::MAX);
+    let t0 = Instant::now();
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("kill-point seed {seed}");
+    let (mut kills, mut parts_seen) = (0, 0);
+    for _ in 0..60 {
+        if kills >= 20 {
+            break;
+        }
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let delay = Duration::from_millis(15 + seed % 76);
+        let mut child = e
+            .cmd(&["setup", "--full", "--workers", "2"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(delay);
+        match child.try_wait().unwrap() {
+            Some(st) => assert!(st.success(), "a run failed on its own"),
+            None => {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                kills += 1;
+                parts_seen += parts(&e.root());
+            }
+        }
+    }
+    eprintln!(
+        "{kills} kills, {parts_seen} .part files seen after kills, {:?}",
+        t0.elapsed()
+    );
+    assert!(
+        kills >= 20,
+        "only {kills} kills landed before the install finished"
+    );
+    assert!(parts_seen > 0, "no kill interrupted a transfer");
+    e.hub.clear_faults();
+    let o = e.run(&["setup", "--full"]);
+    assert!(o.status.success(), "{}", text(&o));
+    same_tree(&e);
+    assert_eq!(parts(&e.root()), 0);
+    let o = e.run(&["setup", "--check"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(t0.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn stream_setup_check_and_layer_fetch() {
+    let e = env();
+    let o = e.run(&["setup", "--stream", "--include-qwen"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("int8 spine conversion: not available"),
+        "{}",
+        text(&o)
+    );
+    let o = e.run(&["setup", "--check", "--include-qwen"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("lazy-missing="), "{}", text(&o));
+    let o = e.run(&["fetch-weights", "--layers", "2-3"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(e.root().join("k3-experts/L3-E15.bin").exists());
+    let o = e.run(&["setup-k3", "--check"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = e.run(&["setup-dspark", "--audit-only"]);
+    assert!(o.status.success(), "{}", text(&o));
+    // A missing spine file and a corrupted metadata file are both reported.
+    let spine = e.root().join("k3-resident/tensors");
+    let victim = std::fs::read_dir(&spine)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::remove_file(&victim).unwrap();
+    let cfg = e.root().join("config.json");
+    let mut b = std::fs::read(&cfg).unwrap();
+    b[10] ^= 0x20;
+    std::fs::write(&cfg, b).unwrap();
+    let o = e.run(&["setup", "--check"]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(
+        t.contains("missing") && t.contains(&*victim.file_name().unwrap().to_string_lossy()),
+        "{t}"
+    );
+    assert!(t.contains("corrupted") && t.contains("config.json"), "{t}");
+}

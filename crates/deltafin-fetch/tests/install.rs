@@ -1,0 +1,292 @@
+//! Installs from an in-process mock hub serving a synthesized K3 source, with faults.
+
+use deltafin_fetch::FetchError;
+use deltafin_fetch::check::check_k3;
+use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
+use deltafin_fetch::hub::HubClient;
+use deltafin_fetch::inventory::Inventory;
+use deltafin_fetch::manifest::Manifests;
+use deltafin_fetch::mock_hub::{Fault, MockHub};
+use deltafin_fetch::plan::{Mode, SPINE_DIR, Selection, plan_setup};
+use deltafin_fetch::setup::{Setup, check_setup};
+use deltafin_fetch::synth_source::{SynthSource, small_dims};
+use deltafin_fetch::transfer::{RetryPolicy, TransferOptions};
+use std::path::Path;
+use std::time::Duration;
+
+fn fast() -> TransferOptions {
+    TransferOptions {
+        workers: 4,
+        retry: RetryPolicy {
+            attempts: 4,
+            base_delay: Duration::from_millis(5),
+            max_delay: Duration::from_millis(20),
+        },
+        progress: false,
+    }
+}
+
+struct Env {
+    _tmp: tempfile::TempDir,
+    src: SynthSource,
+    hub: MockHub,
+    client: HubClient,
+    root: std::path::PathBuf,
+}
+
+fn env() -> Env {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = SynthSource::create(&tmp.path().join("src"), small_dims(), 7).unwrap();
+    let hub = MockHub::start().unwrap();
+    src.serve(&hub).unwrap();
+    let client = HubClient::new(&hub.url(), Some("secret-token".into())).unwrap();
+    let root = tmp.path().join("root");
+    Env {
+        _tmp: tmp,
+        src,
+        hub,
+        client,
+        root,
+    }
+}
+
+fn setup<'a>(e: &'a Env, ms: &'a Manifests) -> Setup<'a> {
+    Setup {
+        root: e.root.clone(),
+        manifests: ms,
+        client: &e.client,
+        transfer: fast(),
+    }
+}
+
+fn same(a: &Path, b: &Path) {
+    assert!(
+        std::fs::read(a).unwrap() == std::fs::read(b).unwrap(),
+        "{} differs from {}",
+        a.display(),
+        b.display()
+    );
+}
+
+#[test]
+fn full_install_is_byte_identical_and_check_finds_damage() {
+    let e = env();
+    let ms = &e.src.manifests;
+    setup(&e, ms).run(Mode::Full, true, &mut |_| {}).unwrap();
+    for s in &ms.k3.shards {
+        same(&e.root.join(&s.file), &e.src.k3_dir.join(&s.file));
+    }
+    for f in &ms.k3.metadata {
+        same(&e.root.join(&f.path), &e.src.k3_dir.join(&f.path));
+    }
+    assert!(check_setup(&e.root, ms, Mode::Full, true).is_ok());
+    // Nothing left half-written.
+    let parts = walk(&e.root)
+        .into_iter()
+        .filter(|p| p.ends_with(".part"))
+        .count();
+    assert_eq!(parts, 0);
+    // Rerun: everything is already complete, no data requests.
+    e.hub.clear_log();
+    setup(&e, ms).run(Mode::Full, true, &mut |_| {}).unwrap();
+    assert!(
+        e.hub.requests().iter().all(|r| !r.contains("/cdn/")),
+        "{:?}",
+        e.hub.requests()
+    );
+
+    // A corrupted byte (same size) and a missing file.
+    let shard = e.root.join(&ms.k3.shards[2].file);
+    let mut b = std::fs::read(&shard).unwrap();
+    let n = b.len();
+    b[n / 2] ^= 1;
+    std::fs::write(&shard, b).unwrap();
+    std::fs::remove_file(e.root.join("k3-draft-dspark/config.json")).unwrap();
+    let r = check_setup(&e.root, ms, Mode::Full, false);
+    assert_eq!(r.problems.len(), 2, "{:?}", r.problems);
+    assert!(
+        r.problems
+            .iter()
+            .any(|p| p.starts_with("corrupted") && p.contains(&ms.k3.shards[2].file))
+    );
+    assert!(
+        r.problems
+            .iter()
+            .any(|p| p.starts_with("missing") && p.contains("k3-draft-dspark/config.json"))
+    );
+}
+
+fn walk(d: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(d).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p.display().to_string());
+        }
+    }
+    out
+}
+
+#[test]
+fn stream_install_spine_and_on_demand_experts_are_byte_identical() {
+    let e = env();
+    let ms = &e.src.manifests;
+    setup(&e, ms).run(Mode::Stream, false, &mut |_| {}).unwrap();
+    let inv = Inventory::load(&e.root, &ms.k3.inventory).unwrap();
+    let mut n = 0;
+    for r in inv.records().iter().filter(|r| !r.is_expert()) {
+        let src = std::fs::read(e.src.k3_dir.join(&r.shard)).unwrap();
+        let (a, b) = r.file_range();
+        let got = std::fs::read(e.root.join(SPINE_DIR).join(&r.name)).unwrap();
+        assert!(got == src[a as usize..b as usize], "{}", r.name);
+        n += 1;
+    }
+    assert!(n > 50);
+    // No shard and no expert was downloaded.
+    assert!(!e.root.join(&ms.k3.shards[1].file).exists());
+    let r = check_k3(&e.root, &ms.k3, Mode::Stream);
+    assert!(r.is_ok(), "{:?}", r.problems);
+    let total = (ms.k3.moe_layers().len() * ms.k3.experts_per_layer) as u64;
+    assert_eq!(r.lazy_missing, Some(total));
+
+    // On-demand experts: exact byte ranges, cached, identical to the shard bytes.
+    let fetcher = RemoteExperts::open(&e.root, &ms.k3, e.client.clone()).unwrap();
+    for (l, x) in [(1, 0), (1, 10), (5, 15), (3, 7)] {
+        let p = fetcher.fetch_expert(l, x).unwrap();
+        let (shard, off, len) = fetcher.span(l, x).unwrap();
+        let src = std::fs::read(e.src.k3_dir.join(shard)).unwrap();
+        assert!(std::fs::read(&p).unwrap() == src[off as usize..(off + len) as usize]);
+    }
+    e.hub.clear_log();
+    fetcher.fetch_expert(1, 10).unwrap();
+    assert!(e.hub.requests().is_empty(), "cached expert refetched");
+    assert!(fetcher.fetch_expert(1, 16).is_err());
+    assert!(fetcher.fetch_expert(0, 0).is_err(), "layer 0 is dense");
+    let r = check_k3(&e.root, &ms.k3, Mode::Stream);
+    assert_eq!(r.lazy_missing, Some(total - 4));
+
+    // fetch-weights --layers 2: every expert of layer 2.
+    let s = setup(&e, ms);
+    s.weights(&inv, &Selection::Experts(vec![2]), &mut |_| {})
+        .unwrap();
+    for x in 0..ms.k3.experts_per_layer {
+        let (shard, off, len) = fetcher.span(2, x).unwrap();
+        let src = std::fs::read(e.src.k3_dir.join(shard)).unwrap();
+        let got = std::fs::read(e.root.join(format!("k3-experts/L2-E{x}.bin"))).unwrap();
+        assert!(got == src[off as usize..(off + len) as usize]);
+    }
+}
+
+#[test]
+fn transient_faults_are_survived() {
+    let e = env();
+    let ms = &e.src.manifests;
+    let big = ms.k3.shards[1].file.clone();
+    // Metadata and inventory first, so the faults hit the shard payloads.
+    setup(&e, ms).k3_meta(&mut |_| {}).unwrap();
+    e.hub.add_fault(&big, Fault::DropAfter(1000), 3);
+    e.hub.add_fault("model-00003", Fault::Status(500), 2);
+    e.hub.add_fault("model-00004", Fault::Status(503), 1);
+    e.hub.add_fault("model-00005", Fault::Corrupt(100), 1);
+    e.hub.add_fault(
+        "model-00006",
+        Fault::Slow(Duration::from_millis(2)),
+        u32::MAX,
+    );
+    setup(&e, ms).run(Mode::Full, false, &mut |_| {}).unwrap();
+    for s in &ms.k3.shards {
+        same(&e.root.join(&s.file), &e.src.k3_dir.join(&s.file));
+    }
+    // The dropped shard resumed with range requests from its .part length.
+    let resumes = e
+        .hub
+        .requests()
+        .iter()
+        .filter(|r| r.contains("/cdn/") && r.contains(&big) && !r.contains("bytes=0-"))
+        .count();
+    assert!(resumes >= 3, "{:?}", e.hub.requests());
+}
+
+fn first_error(e: &Env, root: &str, fault: Fault, file: &str, times: u32) -> FetchError {
+    let ms = &e.src.manifests;
+    let mut s = setup(e, ms);
+    s.root = e.root.join(root);
+    if file.starts_with("model-") {
+        s.k3_meta(&mut |_| {}).unwrap();
+    }
+    e.hub.add_fault(file, fault, times);
+    let err = s.run(Mode::Full, false, &mut |_| {}).unwrap_err();
+    e.hub.clear_faults();
+    err
+}
+
+#[test]
+fn persistent_corruption_is_a_clear_error() {
+    let e = env();
+    let f = e.src.manifests.k3.shards[3].file.clone();
+    let err = first_error(&e, "a", Fault::Corrupt(50), &f, u32::MAX);
+    assert!(
+        matches!(err, FetchError::Sha256 { attempts: 2, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains(&f));
+    // Nothing under the final name, and no .part kept for the bad file.
+    assert!(!e.root.join("a").join(&f).exists());
+}
+
+#[test]
+fn wrong_commit_404_and_persistent_500_fail_cleanly() {
+    let e = env();
+    let err = first_error(&e, "a", Fault::WrongCommit, "config.json", 1);
+    assert!(matches!(err, FetchError::CommitMismatch { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains(deltafin_fetch::synth_source::K3_COMMIT)
+    );
+    assert!(!e.root.join("a/config.json").exists());
+    let err = first_error(&e, "b", Fault::Status(404), "tiktoken.model", 1);
+    assert!(matches!(err, FetchError::NotFound { .. }), "{err}");
+    let err = first_error(&e, "c", Fault::Status(500), "tokenizer_config", u32::MAX);
+    assert!(matches!(err, FetchError::Http { status: 500, .. }), "{err}");
+    // The token is never part of an error or the log.
+    assert!(!err.to_string().contains("secret-token"));
+    setup(&e, &e.src.manifests)
+        .run(Mode::Full, false, &mut |_| {})
+        .unwrap();
+}
+
+#[test]
+fn permission_denied_stops_cleanly() {
+    use std::os::unix::fs::PermissionsExt;
+    if nix::unistd::Uid::effective().is_root() {
+        eprintln!("skip: running as root, permissions are not enforced");
+        return;
+    }
+    let e = env();
+    std::fs::create_dir_all(&e.root).unwrap();
+    std::fs::set_permissions(&e.root, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let err = setup(&e, &e.src.manifests)
+        .run(Mode::Full, false, &mut |_| {})
+        .unwrap_err();
+    std::fs::set_permissions(&e.root, std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert!(matches!(err, FetchError::Io { .. }), "{err}");
+}
+
+#[test]
+fn dry_run_plan_of_the_real_manifest_adds_up() {
+    let ms = Manifests::builtin().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let full = plan_setup(tmp.path(), &ms, Mode::Full, false);
+    assert_eq!(full.weight_data_bytes(), 1_560_860_324_864);
+    assert_eq!(
+        full.items.iter().filter(|i| i.step == "weights").count(),
+        96
+    );
+    assert!(!full.exact(), "real shard headers are not pinned");
+    let stream = plan_setup(tmp.path(), &ms, Mode::Stream, true);
+    assert_eq!(stream.weight_data_bytes(), 114_404_258_816);
+    assert!(stream.exact());
+    assert!(walk(tmp.path()).is_empty(), "a plan wrote files");
+}
