@@ -3,10 +3,14 @@
 //! `deltafin [run] [OPTIONS]` prefills a prompt and decodes greedily; `deltafin perplexity`
 //! scores a text teacher-forced. See `docs/CLI.md` for every flag and environment variable.
 
+mod benchmark;
+mod buildinfo;
+mod doctor;
 mod events;
 mod perplexity;
 mod run;
 mod session;
+mod upgrade;
 
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -34,6 +38,12 @@ enum Command {
     Run(RunArgs),
     /// Score a text teacher-forced through the prefill path: mean NLL and perplexity.
     Perplexity(PerplexityArgs),
+    /// Read-only, network-free health audit of the host and the model install.
+    Doctor(doctor::DoctorArgs),
+    /// Relaunch `run` once per arm and repetition (ABBA order) and compare the arms.
+    Benchmark(benchmark::BenchmarkArgs),
+    /// Fast-forward this git checkout and rebuild with the recorded build profile.
+    Upgrade,
 }
 
 /// Options shared by the commands that load the model.
@@ -98,6 +108,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Run(args)) => run::run(&args),
         Some(Command::Perplexity(args)) => perplexity::perplexity(&args),
+        Some(Command::Doctor(args)) => doctor::doctor(&args),
+        Some(Command::Benchmark(args)) => benchmark::benchmark(&args),
+        Some(Command::Upgrade) => upgrade::upgrade(),
         None => run::run(&cli.run),
     };
     match result {
