@@ -37,7 +37,9 @@ fn positive_seconds(s: &str) -> std::result::Result<f64, String> {
         .parse()
         .map_err(|_| format!("`{s}` is not a number of seconds"))?;
     if !v.is_finite() || v <= 0.0 {
-        return Err(format!("`{s}`: the timeout must be a positive number of seconds"));
+        return Err(format!(
+            "`{s}`: the timeout must be a positive number of seconds"
+        ));
     }
     Ok(v)
 }
@@ -135,8 +137,7 @@ pub fn parse_env_delta(spec: &str) -> Result<Vec<(String, String)>> {
 fn valid_arm_name(n: &str) -> bool {
     !n.is_empty()
         && n.len() <= 64
-        && n
-            .chars()
+        && n.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
@@ -185,7 +186,10 @@ pub fn parse_arms(arm: &[String], configs: &[String], names: &[String]) -> Resul
             );
         }
         if !seen.insert(a.name.as_str()) {
-            bail!("arm name `{}` is used twice; arm names must be unique", a.name);
+            bail!(
+                "arm name `{}` is used twice; arm names must be unique",
+                a.name
+            );
         }
     }
     Ok(arms)
@@ -201,9 +205,9 @@ pub fn parse_token_ids(s: &str) -> Result<Vec<u32>> {
     } else {
         t.split(',')
             .map(|p| {
-                p.trim()
-                    .parse::<u32>()
-                    .map_err(|_| anyhow!("--expect-token-ids {s:?}: `{}` is not a token id", p.trim()))
+                p.trim().parse::<u32>().map_err(|_| {
+                    anyhow!("--expect-token-ids {s:?}: `{}` is not a token id", p.trim())
+                })
             })
             .collect::<Result<_>>()?
     };
@@ -288,8 +292,8 @@ pub fn validate_events(
     let mut last_mono = 0u64;
     for (i, line) in text.lines().enumerate() {
         let ln = i + 1;
-        let v: Value = serde_json::from_str(line)
-            .map_err(|e| format!("events line {ln}: not JSON: {e}"))?;
+        let v: Value =
+            serde_json::from_str(line).map_err(|e| format!("events line {ln}: not JSON: {e}"))?;
         let Value::Object(o) = v else {
             return Err(format!("events line {ln}: not a JSON object"));
         };
@@ -315,7 +319,9 @@ pub fn validate_events(
             "run_error" => {
                 let msg = o.get("message").and_then(Value::as_str).unwrap_or("");
                 let ph = o.get("phase").and_then(Value::as_str).unwrap_or("?");
-                return Err(format!("the run reported an error in its {ph} phase: {msg}"));
+                return Err(format!(
+                    "the run reported an error in its {ph} phase: {msg}"
+                ));
             }
             "run_start" => {
                 if phase != Phase::Start {
@@ -394,7 +400,8 @@ pub fn validate_events(
                         "{what}: `token_id` disagrees with `emitted_token_ids`"
                     ));
                 }
-                d.step_bytes.push(o.get("bytes_read").and_then(Value::as_u64));
+                d.step_bytes
+                    .push(o.get("bytes_read").and_then(Value::as_u64));
                 d.step_ns.push(dur);
                 d.step_tokens.push(ids.len());
                 d.emitted.extend_from_slice(&ids);
@@ -454,7 +461,9 @@ pub fn validate_events(
                     }
                 }
                 if n > max_new {
-                    return Err(format!("{what}: {n} tokens emitted with --max-new {max_new}"));
+                    return Err(format!(
+                        "{what}: {n} tokens emitted with --max-new {max_new}"
+                    ));
                 }
                 let rt = o
                     .get("runtime")
@@ -769,7 +778,10 @@ fn run_child(
     let limit = Duration::from_secs_f64(timeout);
     let mut timed_out = false;
     let status = loop {
-        if let Some(st) = child.try_wait().context("cannot wait for a benchmark run")? {
+        if let Some(st) = child
+            .try_wait()
+            .context("cannot wait for a benchmark run")?
+        {
             break st;
         }
         if t.elapsed() > limit {
@@ -821,9 +833,18 @@ pub fn utc_stamp(secs: u64) -> String {
 
 fn is_secret_name(k: &str) -> bool {
     let u = k.to_ascii_uppercase();
-    ["TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "AUTH", "CREDENTIAL", "COOKIE"]
-        .iter()
-        .any(|s| u.contains(s))
+    [
+        "TOKEN",
+        "SECRET",
+        "PASSWORD",
+        "PASSWD",
+        "KEY",
+        "AUTH",
+        "CREDENTIAL",
+        "COOKIE",
+    ]
+    .iter()
+    .any(|s| u.contains(s))
 }
 
 fn redacted(k: &str, v: &str) -> Value {
@@ -1077,6 +1098,15 @@ fn fmt_spread(s: Option<Spread>, digits: usize) -> String {
     }
 }
 
+/// Per-arm spreads of the valid runs' figures.
+#[derive(Clone, Copy)]
+struct ArmStats {
+    prefill: Option<Spread>,
+    tps: Option<Spread>,
+    spt: Option<Spread>,
+    bpt: Option<Spread>,
+}
+
 /// Run the campaign. Exit 0 when every run was valid and matched the oracle; with
 /// `--keep-going`, also when invalid runs were skipped but at least one run was valid.
 pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
@@ -1234,10 +1264,7 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
             oracle: OracleCheck::NotApplicable,
         };
         if outcome.timed_out {
-            rec.invalid = Some(format!(
-                "timed out after {} s and was killed",
-                args.timeout
-            ));
+            rec.invalid = Some(format!("timed out after {} s and was killed", args.timeout));
         } else if outcome.exit != Some(0) {
             let tail = std::fs::read_to_string(run_dir.join("stderr.txt"))
                 .unwrap_or_default()
@@ -1340,32 +1367,22 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
         && records
             .iter()
             .all(|r| matches!(r.oracle, OracleCheck::Match | OracleCheck::Reference));
-    let per_arm: Vec<(Option<Spread>, Option<Spread>, Option<Spread>, Option<Spread>)> = (0..arms
-        .len())
+    let per_arm: Vec<ArmStats> = (0..arms.len())
         .map(|a| {
             let ms: Vec<&RunMetrics> = records
                 .iter()
                 .filter(|r| r.arm == a && r.invalid.is_none())
                 .filter_map(|r| r.metrics.as_ref())
                 .collect();
-            (
-                spread(&ms.iter().map(|m| m.prefill_seconds).collect::<Vec<_>>()),
-                spread(
-                    &ms.iter()
-                        .filter_map(|m| m.decode_tokens_per_second)
-                        .collect::<Vec<_>>(),
-                ),
-                spread(
-                    &ms.iter()
-                        .filter_map(|m| m.decode_seconds_per_token)
-                        .collect::<Vec<_>>(),
-                ),
-                spread(
-                    &ms.iter()
-                        .filter_map(|m| m.bytes_read_per_token)
-                        .collect::<Vec<_>>(),
-                ),
-            )
+            let of = |f: &dyn Fn(&RunMetrics) -> Option<f64>| {
+                spread(&ms.iter().filter_map(|m| f(m)).collect::<Vec<_>>())
+            };
+            ArmStats {
+                prefill: of(&|m| Some(m.prefill_seconds)),
+                tps: of(&|m| m.decode_tokens_per_second),
+                spt: of(&|m| m.decode_seconds_per_token),
+                bpt: of(&|m| m.bytes_read_per_token),
+            }
         })
         .collect();
     let base = per_arm[0];
@@ -1373,7 +1390,12 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
         .iter()
         .enumerate()
         .map(|(a, arm)| {
-            let (pre, tps, spt, bpt) = per_arm[a];
+            let ArmStats {
+                prefill: pre,
+                tps,
+                spt,
+                bpt,
+            } = per_arm[a];
             let runs: Vec<&RunRecord> = records.iter().filter(|r| r.arm == a).collect();
             let proposed: u64 = runs
                 .iter()
@@ -1401,12 +1423,12 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
                 "accepted_tokens": accepted,
                 "acceptance_rate": if proposed > 0 { json!(accepted as f64 / proposed as f64) } else { Value::Null },
                 "relative_to_first_config": {
-                    "prefill_seconds_median": ratio(pre, base.0),
-                    "decode_tokens_per_second_median": ratio(tps, base.1),
+                    "prefill_seconds_median": ratio(pre, base.prefill),
+                    "decode_tokens_per_second_median": ratio(tps, base.tps),
                 },
                 "overlaps_baseline": {
-                    "prefill_seconds": overlaps(pre, base.0),
-                    "decode_tokens_per_second": overlaps(tps, base.1),
+                    "prefill_seconds": overlaps(pre, base.prefill),
+                    "decode_tokens_per_second": overlaps(tps, base.tps),
                 },
             })
         })
@@ -1449,16 +1471,23 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
     let wname = arms.iter().map(|a| a.name.len()).max().unwrap_or(3).max(3);
     println!(
         "{:<wname$}  {:>5}  {:>5}  {:<30}  {:<30}  {:>9}",
-        "arm", "runs", "valid", "prefill s (min/median/max)", "decode token/s (min/median/max)", "vs first"
+        "arm",
+        "runs",
+        "valid",
+        "prefill s (min/median/max)",
+        "decode token/s (min/median/max)",
+        "vs first"
     );
     for (a, arm) in arms.iter().enumerate() {
-        let (pre, tps, _, _) = per_arm[a];
+        let ArmStats {
+            prefill: pre, tps, ..
+        } = per_arm[a];
         let runs = records.iter().filter(|r| r.arm == a).count();
         let valid = records
             .iter()
             .filter(|r| r.arm == a && r.invalid.is_none())
             .count();
-        let rel = match ratio(tps, base.1) {
+        let rel = match ratio(tps, base.tps) {
             Value::Number(n) => format!("{:.3}x", n.as_f64().unwrap_or(0.0)),
             _ => "-".into(),
         };
@@ -1519,9 +1548,19 @@ mod tests {
             vec![("A".into(), "1".into()), ("B_2".into(), "x=y".into())]
         );
         assert!(parse_env_delta("").unwrap().is_empty());
-        assert!(parse_env_delta("LD_PRELOAD=/x.so").unwrap_err().to_string().contains("dynamic-loader"));
+        assert!(
+            parse_env_delta("LD_PRELOAD=/x.so")
+                .unwrap_err()
+                .to_string()
+                .contains("dynamic-loader")
+        );
         assert!(parse_env_delta("DYLD_INSERT_LIBRARIES=x").is_err());
-        assert!(parse_env_delta("A=1 A=2").unwrap_err().to_string().contains("twice"));
+        assert!(
+            parse_env_delta("A=1 A=2")
+                .unwrap_err()
+                .to_string()
+                .contains("twice")
+        );
         assert!(parse_env_delta("NOEQUALS").is_err());
         assert!(parse_env_delta("1A=2").is_err());
     }
@@ -1529,7 +1568,13 @@ mod tests {
     #[test]
     fn arms_and_names() {
         let a = parse_arms(&["a=X=1".into(), "b=".into()], &[], &[]).unwrap();
-        assert_eq!(a[1], Arm { name: "b".into(), env: vec![] });
+        assert_eq!(
+            a[1],
+            Arm {
+                name: "b".into(),
+                env: vec![]
+            }
+        );
         assert!(parse_arms(&["a=".into(), "a=X=1".into()], &[], &[]).is_err());
         assert!(parse_arms(&["noequals".into()], &[], &[]).is_err());
         let c = parse_arms(&[], &["X=1".into(), "X=2".into()], &[]).unwrap();
@@ -1576,9 +1621,17 @@ mod tests {
 
     fn stream(steps: &[String], end_ids: &[u32]) -> String {
         let mut lines = vec![
-            ev("run_start", 1, json!({"prompt": "p", "chat": false, "max_new": 2,
-                "input_token_ids": [5, 6], "config": {}})),
-            ev("prefill_done", 2, json!({"duration_ns": 500, "prompt_tokens": 2})),
+            ev(
+                "run_start",
+                1,
+                json!({"prompt": "p", "chat": false, "max_new": 2,
+                "input_token_ids": [5, 6], "config": {}}),
+            ),
+            ev(
+                "prefill_done",
+                2,
+                json!({"duration_ns": 500, "prompt_tokens": 2}),
+            ),
         ];
         lines.extend_from_slice(steps);
         lines.push(ev(
@@ -1603,14 +1656,34 @@ mod tests {
         assert!(m.bytes_read_per_token.is_none());
 
         let gap = stream(&[step(0, 7), step(2, 8)], &[7, 8]);
-        assert!(validate_events(&gap, "p", false, 2).unwrap_err().contains("contiguous"));
+        assert!(
+            validate_events(&gap, "p", false, 2)
+                .unwrap_err()
+                .contains("contiguous")
+        );
         let count = stream(&[step(0, 7), step(1, 8)], &[7, 9]);
-        assert!(validate_events(&count, "p", false, 2).unwrap_err().contains("differ"));
+        assert!(
+            validate_events(&count, "p", false, 2)
+                .unwrap_err()
+                .contains("differ")
+        );
         let short = stream(&[step(0, 7)], &[7]);
-        assert!(validate_events(&short, "p", false, 2).unwrap_err().contains("max_new"));
+        assert!(
+            validate_events(&short, "p", false, 2)
+                .unwrap_err()
+                .contains("max_new")
+        );
         let truncated: String = good.lines().take(3).collect::<Vec<_>>().join("\n");
-        assert!(validate_events(&truncated, "p", false, 2).unwrap_err().contains("before run_end"));
-        assert!(validate_events(&good, "q", false, 2).unwrap_err().contains("prompt"));
+        assert!(
+            validate_events(&truncated, "p", false, 2)
+                .unwrap_err()
+                .contains("before run_end")
+        );
+        assert!(
+            validate_events(&good, "q", false, 2)
+                .unwrap_err()
+                .contains("prompt")
+        );
         assert!(validate_events(&good, "p", true, 2).is_err());
     }
 

@@ -15,5 +15,9 @@ pub fn features() -> Vec<&'static str> {
 
 /// `none` or the comma-separated features.
 pub fn features_text() -> &'static str {
-    if FEATURES.is_empty() { "none" } else { FEATURES }
+    if FEATURES.is_empty() {
+        "none"
+    } else {
+        FEATURES
+    }
 }

@@ -208,8 +208,10 @@ fn runtime_checks(r: &mut Report) {
     );
     r.facts.insert("os".into(), json!(os));
     r.facts.insert("arch".into(), json!(arch));
-    r.facts.insert("build_target".into(), json!(buildinfo::TARGET));
-    r.facts.insert("build_profile".into(), json!(buildinfo::PROFILE));
+    r.facts
+        .insert("build_target".into(), json!(buildinfo::TARGET));
+    r.facts
+        .insert("build_profile".into(), json!(buildinfo::PROFILE));
     r.facts
         .insert("build_features".into(), json!(buildinfo::features()));
     if supported {
@@ -218,9 +220,7 @@ fn runtime_checks(r: &mut Report) {
         r.checks.push(Check {
             name: "host".into(),
             status: Status::Warn,
-            detail: format!(
-                "{host}; not a qualified platform (Linux x86-64/aarch64, macOS arm64)"
-            ),
+            detail: format!("{host}; not a qualified platform (Linux x86-64/aarch64, macOS arm64)"),
             fix: None,
         });
     }
@@ -455,7 +455,10 @@ fn canary_softmax(n: usize) -> Result<(f64, usize), String> {
     let x: Vec<f32> = (0..n).map(|i| pattern(i, 6) * 20.0).collect();
     let mut y = x.clone();
     deltafin_kernels::softmax_inplace(&mut y);
-    let max = x.iter().map(|&v| v as f64).fold(f64::NEG_INFINITY, f64::max);
+    let max = x
+        .iter()
+        .map(|&v| v as f64)
+        .fold(f64::NEG_INFINITY, f64::max);
     let sum: f64 = x.iter().map(|&v| (v as f64 - max).exp()).sum();
     let reference: Vec<f64> = x.iter().map(|&v| (v as f64 - max).exp() / sum).collect();
     let scale: Vec<f64> = reference.iter().map(|v| v.abs()).collect();
@@ -469,9 +472,10 @@ fn canaries() -> Vec<Check> {
             canary_bf16(512, 2048)
         }),
         canary_result("canary matvec_mxfp4 32x32".into(), || canary_mxfp4(32, 32)),
-        canary_result("canary matvec_mxfp4 512x2048 (parallel rows)".into(), || {
-            canary_mxfp4(512, 2048)
-        }),
+        canary_result(
+            "canary matvec_mxfp4 512x2048 (parallel rows)".into(),
+            || canary_mxfp4(512, 2048),
+        ),
         canary_result("canary rms_norm 7168".into(), || canary_rms_norm(7168)),
         canary_result("canary softmax 1024".into(), || canary_softmax(1024)),
     ]
@@ -592,7 +596,12 @@ fn disk_probe(r: &mut Report, model_file: Option<&Path>) {
             tmp.as_file().sync_data()?;
             let path = tmp.path().to_path_buf();
             let (n, s, d) = timed_read(&path, DISK_PROBE_BYTES)?;
-            Ok((format!("a temporary file in {}", std::env::temp_dir().display()), n, s, d))
+            Ok((
+                format!("a temporary file in {}", std::env::temp_dir().display()),
+                n,
+                s,
+                d,
+            ))
         }
     })();
     match result {
@@ -819,11 +828,9 @@ fn config_contract(r: &mut Report, cfg: &K3Config, available: Option<u64>) {
     };
     let fixed = spine + kda;
     let room = avail.saturating_sub(fixed);
-    let admitted = if per_token == 0 {
-        context
-    } else {
-        (room / per_token).min(context)
-    };
+    let admitted = room
+        .checked_div(per_token)
+        .map_or(context, |n| n.min(context));
     r.admitted_context = Some(admitted);
     let detail = format!(
         "{admitted} of {context} tokens: MLA cache {per_token} B/token into {:.2} GiB available after the {:.2} GiB spine and {:.3} GiB KDA state",
@@ -835,7 +842,9 @@ fn config_contract(r: &mut Report, cfg: &K3Config, available: Option<u64>) {
         r.add(
             "admitted context",
             Status::Warn,
-            format!("{detail}; the spine does not fit in free memory and will be re-read from disk"),
+            format!(
+                "{detail}; the spine does not fit in free memory and will be re-read from disk"
+            ),
         );
     } else {
         r.add("admitted context", Status::Info, detail);
@@ -872,7 +881,9 @@ fn draft_checks(r: &mut Report, root: &Path) {
             Err(e) => r.fail(
                 "draft dspark",
                 e,
-                format!("reinstall it with `deltafin setup-dspark --destination {rd}/k3-draft-dspark`"),
+                format!(
+                    "reinstall it with `deltafin setup-dspark --destination {rd}/k3-draft-dspark`"
+                ),
             ),
         }
     }

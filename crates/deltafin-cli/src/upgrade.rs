@@ -149,7 +149,10 @@ pub fn upgrade() -> Result<ExitCode> {
         buildinfo::features_text()
     );
 
-    let dirty = git(repo.as_path(), &["status", "--porcelain", "--untracked-files=no"])?;
+    let dirty = git(
+        repo.as_path(),
+        &["status", "--porcelain", "--untracked-files=no"],
+    )?;
     if !dirty.is_empty() {
         let listed: Vec<&str> = dirty.lines().take(10).collect();
         bail!(
@@ -177,7 +180,10 @@ pub fn upgrade() -> Result<ExitCode> {
     println!("branch: {branch} (upstream {upstream})");
     git(&repo, &["fetch", "--quiet"])
         .context("cannot fetch the upstream (the network or the remote is unavailable)")?;
-    let counts = git(&repo, &["rev-list", "--left-right", "--count", "HEAD...@{u}"])?;
+    let counts = git(
+        &repo,
+        &["rev-list", "--left-right", "--count", "HEAD...@{u}"],
+    )?;
     let nums: Vec<u64> = counts
         .split_whitespace()
         .map(|s| s.parse::<u64>())

@@ -35,7 +35,11 @@ fn greedy_ids() -> Vec<u32> {
     };
     let stop = std::sync::atomic::AtomicBool::new(false);
     let out = generate(&model, &ids, &opts, &stop, |_| Ok(())).unwrap();
-    assert_eq!(out.ids.len(), 3, "the tiny model stopped early; pick another seed");
+    assert_eq!(
+        out.ids.len(),
+        3,
+        "the tiny model stopped early; pick another seed"
+    );
     out.ids
 }
 
@@ -98,7 +102,10 @@ fn two_arms_run_abba_and_match_k3_greedy() {
     ]);
     let t = text(&out);
     assert_eq!(out.status.code(), Some(0), "{t}");
-    assert!(t.contains("all runs valid: true; all outputs exact: true"), "{t}");
+    assert!(
+        t.contains("all runs valid: true; all outputs exact: true"),
+        "{t}"
+    );
 
     let r = runs(&ev);
     let order: Vec<&str> = r.iter().map(|x| x["arm"].as_str().unwrap()).collect();
@@ -107,7 +114,10 @@ fn two_arms_run_abba_and_match_k3_greedy() {
     for run in &r {
         assert_eq!(run["valid"], true, "{run}");
         assert_eq!(ids(&run["completion_token_ids"]), want);
-        assert_eq!(run["steady_steps"], 1, "step 0 and one warmup step excluded");
+        assert_eq!(
+            run["steady_steps"], 1,
+            "step 0 and one warmup step excluded"
+        );
         assert!(run["decode_tokens_per_second"].as_f64().unwrap() > 0.0);
         let dir = ev.join(run["dir"].as_str().unwrap());
         assert!(dir.join("events.jsonl").is_file());
@@ -148,7 +158,9 @@ fn two_arms_run_abba_and_match_k3_greedy() {
 
     let campaign = read_json(&ev.join("campaign.json"));
     assert_eq!(campaign["schedule"].as_array().unwrap().len(), 4);
-    let runner = ev.join("bin").join(format!("deltafin{}", std::env::consts::EXE_SUFFIX));
+    let runner = ev
+        .join("bin")
+        .join(format!("deltafin{}", std::env::consts::EXE_SUFFIX));
     assert!(runner.is_file());
     assert_eq!(
         campaign["runner"]["sha256"].as_str().unwrap().len(),
@@ -186,7 +198,10 @@ fn wrong_token_oracle_invalidates_and_stops_the_campaign() {
     assert_eq!(r[0]["valid"], false);
     assert_eq!(r[0]["oracle"], "mismatch");
     let why = r[0]["invalid_reason"].as_str().unwrap();
-    assert!(why.contains("token-id oracle") && why.contains("position 1"), "{why}");
+    assert!(
+        why.contains("token-id oracle") && why.contains("position 1"),
+        "{why}"
+    );
     let res = read_json(&ev.join("result.json"));
     assert_eq!(res["completed"], false);
     assert_eq!(res["all_runs_valid"], false);
@@ -306,7 +321,12 @@ fn a_stalled_run_is_killed_at_the_timeout() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let r = runs(&ev);
     assert_eq!(r[0]["timed_out"], true);
-    assert!(r[0]["invalid_reason"].as_str().unwrap().contains("timed out"));
+    assert!(
+        r[0]["invalid_reason"]
+            .as_str()
+            .unwrap()
+            .contains("timed out")
+    );
 }
 
 #[test]
@@ -316,18 +336,47 @@ fn bad_arguments_are_refused_before_any_run() {
     let evs = ev.to_str().unwrap();
     let cases: [(&[&str], &str); 7] = [
         (
-            &["--arm", "a=", "--arm", "b=", "--reps", "3", "--output-dir", evs],
+            &[
+                "--arm",
+                "a=",
+                "--arm",
+                "b=",
+                "--reps",
+                "3",
+                "--output-dir",
+                evs,
+            ],
             "even number of repetitions",
         ),
         (
             &["--arm", "a=LD_PRELOAD=/tmp/x.so", "--output-dir", evs],
             "dynamic-loader",
         ),
-        (&["--arm", "a=", "--arm", "a=X=1", "--output-dir", evs], "used twice"),
-        (&["--expect-token-ids", "1,two", "--output-dir", evs], "`two` is not a token id"),
+        (
+            &["--arm", "a=", "--arm", "a=X=1", "--output-dir", evs],
+            "used twice",
+        ),
+        (
+            &["--expect-token-ids", "1,two", "--output-dir", evs],
+            "`two` is not a token id",
+        ),
         (&["--timeout", "0", "--output-dir", evs], "positive"),
-        (&["--max-new", "3", "--warmup-steps", "2", "--output-dir", evs], "--warmup-steps 2"),
-        (&["--configs", "A=1", "B=2", "--names", "x", "--output-dir", evs], "one name per arm"),
+        (
+            &["--max-new", "3", "--warmup-steps", "2", "--output-dir", evs],
+            "--warmup-steps 2",
+        ),
+        (
+            &[
+                "--configs",
+                "A=1",
+                "B=2",
+                "--names",
+                "x",
+                "--output-dir",
+                evs,
+            ],
+            "one name per arm",
+        ),
     ];
     for (args, msg) in cases {
         let out = bench(args);
@@ -341,5 +390,9 @@ fn bad_arguments_are_refused_before_any_run() {
     std::fs::create_dir_all(&ev).unwrap();
     std::fs::write(ev.join("keep"), "x").unwrap();
     let out = bench(&["--output-dir", evs]);
-    assert!(text(&out).contains("not an empty directory"), "{}", text(&out));
+    assert!(
+        text(&out).contains("not an empty directory"),
+        "{}",
+        text(&out)
+    );
 }

@@ -103,7 +103,10 @@ fn root_comes_from_deltafin_root_and_the_flag_wins() {
     let out = doctor(&[], &[("DELTAFIN_ROOT", "/no/such/install")]);
     assert_eq!(out.status.code(), Some(1));
     let t = text(&out);
-    assert!(t.contains("no K3 model installed at /no/such/install"), "{t}");
+    assert!(
+        t.contains("no K3 model installed at /no/such/install"),
+        "{t}"
+    );
     assert!(t.contains("--runtime-only"), "{t}");
 }
 
@@ -195,6 +198,9 @@ fn partial_qwen_pair_is_an_error_and_a_broken_dspark_too() {
     assert!(q["fix"].as_str().unwrap().contains("setup-qwen"));
     let ds = check(&v, "draft dspark");
     assert_eq!(ds["status"], "fail");
-    assert!(ds["detail"].as_str().unwrap().contains("model.safetensors"), "{ds}");
+    assert!(
+        ds["detail"].as_str().unwrap().contains("model.safetensors"),
+        "{ds}"
+    );
     assert_eq!(v["problems"], 2);
 }

@@ -65,12 +65,21 @@ fn setup() -> Repos {
     commit_file(&seed, "Cargo.toml", "[workspace]\n");
     commit_file(&seed, "Cargo.lock", "# lock\n");
     commit_file(&seed, "crates/deltafin-cli/Cargo.toml", "[package]\n");
-    commit_file(&seed, ".gitignore", "target/\nbuild-ran.txt\n*.safetensors\n");
+    commit_file(
+        &seed,
+        ".gitignore",
+        "target/\nbuild-ran.txt\n*.safetensors\n",
+    );
     git(&seed, &["remote", "add", "origin", bare.to_str().unwrap()]);
     git(&seed, &["push", "-q", "-u", "origin", "main"]);
     git(
         tmp.path(),
-        &["clone", "-q", bare.to_str().unwrap(), clone.to_str().unwrap()],
+        &[
+            "clone",
+            "-q",
+            bare.to_str().unwrap(),
+            clone.to_str().unwrap(),
+        ],
     );
     Repos {
         _tmp: tmp,
@@ -117,11 +126,17 @@ fn fast_forwards_rebuilds_and_leaves_model_data_alone() {
     let t = text(&out);
     assert_eq!(out.status.code(), Some(0), "{t}");
     assert!(t.contains("Deltafin safe native upgrade"), "{t}");
-    assert!(t.contains("model weights and caches are not touched"), "{t}");
+    assert!(
+        t.contains("model weights and caches are not touched"),
+        "{t}"
+    );
     assert!(t.contains("build profile: "), "{t}");
     assert!(t.contains("fast-forwarded"), "{t}");
     assert!(t.contains("Upgrade complete: "), "{t}");
-    assert!(t.contains("Downloaded models and caches remain in place."), "{t}");
+    assert!(
+        t.contains("Downloaded models and caches remain in place."),
+        "{t}"
+    );
     assert_eq!(head(&r.clone), head(&r.seed));
     assert!(r.clone.join("src.rs").is_file());
     assert_eq!(
@@ -214,7 +229,11 @@ fn a_failed_build_is_reported_and_a_non_checkout_refused() {
     assert_eq!(out.status.code(), Some(1), "{t}");
     assert!(t.contains("the rebuild failed"), "{t}");
     assert!(t.contains("cargo build --locked"), "{t}");
-    assert_eq!(head(&r.clone), head(&r.seed), "the fast-forward itself happened");
+    assert_eq!(
+        head(&r.clone),
+        head(&r.seed),
+        "the fast-forward itself happened"
+    );
 
     let empty = tempfile::tempdir().unwrap();
     let out = upgrade(empty.path(), FAKE_BUILD);
