@@ -5,6 +5,7 @@
 //! makes the exit status 1. `--json` prints one object (schema `deltafin.doctor.v1`).
 
 use crate::buildinfo;
+use crate::elfdeps;
 use crate::session;
 use anyhow::Result;
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, INDEX_FILE};
@@ -230,6 +231,37 @@ fn runtime_checks(r: &mut Report) {
             Status::Warn,
             "this binary is not an optimized release build; expect much lower speed (build with `cargo build --release -p deltafin-cli`)",
         );
+    }
+
+    match std::env::current_exe()
+        .map_err(|e| format!("cannot locate the running binary: {e}"))
+        .and_then(|exe| elfdeps::audit(&exe))
+    {
+        Ok(elfdeps::LoaderDeps::Needed(names)) => {
+            r.facts.insert("loader_needed".into(), json!(names));
+            r.add(
+                "loader",
+                Status::Ok,
+                format!(
+                    "direct dynamic dependencies: {} (no Python runtime)",
+                    if names.is_empty() {
+                        "none (static)".to_string()
+                    } else {
+                        names.join(" ")
+                    }
+                ),
+            );
+        }
+        Ok(elfdeps::LoaderDeps::NotElf) => r.add(
+            "loader",
+            Status::Info,
+            "not an ELF binary: the dynamic-library audit covers ELF only",
+        ),
+        Err(e) => r.fail(
+            "loader",
+            e,
+            "rebuild deltafin from a clean checkout with `cargo build --release -p deltafin-cli`",
+        ),
     }
 
     let (present, absent) = cpu_features();

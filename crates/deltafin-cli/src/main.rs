@@ -6,6 +6,7 @@
 mod benchmark;
 mod buildinfo;
 mod doctor;
+mod elfdeps;
 mod events;
 mod perplexity;
 mod run;

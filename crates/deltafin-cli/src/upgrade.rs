@@ -258,6 +258,16 @@ pub fn upgrade() -> Result<ExitCode> {
             artifact.display()
         );
     }
+    match crate::elfdeps::audit(&artifact) {
+        Ok(crate::elfdeps::LoaderDeps::Needed(names)) => println!(
+            "loader audit: {} direct dynamic dependencies, no Python runtime",
+            names.len()
+        ),
+        Ok(crate::elfdeps::LoaderDeps::NotElf) => {
+            println!("loader audit skipped: the artifact is not an ELF file")
+        }
+        Err(e) => bail!("the rebuilt binary failed the loader audit: {e}"),
+    }
     println!(
         "Upgrade complete: {}. Downloaded models and caches remain in place.",
         artifact.display()

@@ -121,6 +121,9 @@ fn runtime_only_skips_model_data_and_conflicts_with_a_root() {
     assert_eq!(v["model_root"], Value::Null);
     assert_eq!(v["model_contract"], Value::Null);
     assert_eq!(check(&v, "gpu backends")["status"], "info");
+    if cfg!(target_os = "linux") {
+        assert_eq!(check(&v, "loader")["status"], "ok");
+    }
     assert!(v["facts"]["kernel_backend"].is_string());
     for c in v["checks"].as_array().unwrap() {
         if c["name"].as_str().unwrap().starts_with("canary") {

@@ -132,6 +132,7 @@ fn fast_forwards_rebuilds_and_leaves_model_data_alone() {
     );
     assert!(t.contains("build profile: "), "{t}");
     assert!(t.contains("fast-forwarded"), "{t}");
+    assert!(t.contains("loader audit skipped"), "{t}");
     assert!(t.contains("Upgrade complete: "), "{t}");
     assert!(
         t.contains("Downloaded models and caches remain in place."),
