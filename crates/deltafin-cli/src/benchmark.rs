@@ -1242,8 +1242,8 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
             events_path.display().to_string(),
             "--max-new".into(),
             args.max_new.to_string(),
-            "--prompt".into(),
-            args.prompt.clone(),
+            // `=` form: a prompt starting with `-` must not read as a flag.
+            format!("--prompt={}", args.prompt),
             "--model-root".into(),
             model_root.display().to_string(),
         ];

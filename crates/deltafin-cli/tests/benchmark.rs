@@ -218,6 +218,8 @@ fn wrong_token_oracle_invalidates_and_stops_the_campaign() {
         "3",
         "--reps",
         "1",
+        "--prompt",
+        PROMPT,
         "--expect-token-ids",
         &serde_json::to_string(&good).unwrap(),
         "--expect-text",
