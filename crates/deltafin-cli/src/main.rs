@@ -10,6 +10,7 @@ mod elfdeps;
 mod events;
 mod perplexity;
 mod run;
+mod serve;
 mod session;
 mod upgrade;
 
@@ -45,6 +46,8 @@ enum Command {
     Benchmark(benchmark::BenchmarkArgs),
     /// Fast-forward this git checkout and rebuild with the recorded build profile.
     Upgrade,
+    /// OpenAI-compatible HTTP server (docs/SERVER.md).
+    Serve(serve::ServeArgs),
 }
 
 /// Options shared by the commands that load the model.
@@ -112,6 +115,7 @@ fn main() -> ExitCode {
         Some(Command::Doctor(args)) => doctor::doctor(&args),
         Some(Command::Benchmark(args)) => benchmark::benchmark(&args),
         Some(Command::Upgrade) => upgrade::upgrade(),
+        Some(Command::Serve(args)) => serve::serve(&args),
         None => run::run(&cli.run),
     };
     match result {

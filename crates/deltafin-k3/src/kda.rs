@@ -248,6 +248,21 @@ impl KdaWeights {
         self.finish(dims, o, &prep.gate, t)
     }
 
+    /// `t` tokens through the layer with the recurrent form, one token after another: the
+    /// same floating-point operations as `t` calls of [`Self::decode_step`] (speculative
+    /// verification relies on this bit-identity).
+    pub fn forward_recurrent(
+        &self,
+        dims: &ModelDims,
+        y: &[f32],
+        t: usize,
+        state: &mut KdaState,
+    ) -> Vec<f32> {
+        let prep = self.prepare(dims, y, t, state);
+        let o = self.run_heads(dims, &prep, t, state, false);
+        self.finish(dims, o, &prep.gate, t)
+    }
+
     /// [`Self::decode_step`] for one row, [`Self::prefill`] otherwise (the reference's mode
     /// selection).
     pub fn forward(&self, dims: &ModelDims, y: &[f32], t: usize, state: &mut KdaState) -> Vec<f32> {

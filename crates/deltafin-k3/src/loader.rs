@@ -276,7 +276,10 @@ mod tests {
         assert_eq!(d.attn_kind(92), AttnKind::Mla);
         assert_eq!(d.shared_intermediate, 6144);
         assert_eq!(d.gate_lower_bound, -5.0);
-        assert_eq!((d.mla_norm_eps, d.kda_l2_eps, d.rms_norm_eps), (1e-6, 1e-6, 1e-5));
+        assert_eq!(
+            (d.mla_norm_eps, d.kda_l2_eps, d.rms_norm_eps),
+            (1e-6, 1e-6, 1e-5)
+        );
         // §6: 576 bf16 values per token per MLA layer, 24 layers; 443.1 MiB of KDA state.
         assert_eq!(d.mla_cache_bytes_per_token(), 27_648);
         assert_eq!(d.kda_state_bytes(), 464_633_856);

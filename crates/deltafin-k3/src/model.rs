@@ -108,6 +108,15 @@ pub enum LogitRows {
     All,
 }
 
+/// Which KDA form a multi-token forward uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KdaForm {
+    /// Chunked (prefill; the reference's choice for more than one token).
+    Chunked,
+    /// Recurrent, token by token (bit-identical to decode).
+    Recurrent,
+}
+
 /// Logits, `rows × vocab`, row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Logits {
@@ -357,6 +366,29 @@ impl K3Model {
         tokens: &[u32],
         want: LogitRows,
     ) -> Result<Logits, ModelError> {
+        self.forward_impl(state, tokens, want, KdaForm::Chunked)
+    }
+
+    /// Like [`Self::forward`], but KDA runs its recurrent form token by token, so row `i` is
+    /// bit-identical to the logits of the `i`-th of `tokens.len()` single-token
+    /// [`Self::decode`] calls (matrix products, MLA, MoE and AttnRes are row-invariant). This
+    /// is the speculative-verification pass.
+    pub fn forward_exact(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        want: LogitRows,
+    ) -> Result<Logits, ModelError> {
+        self.forward_impl(state, tokens, want, KdaForm::Recurrent)
+    }
+
+    fn forward_impl(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        want: LogitRows,
+        kda_form: KdaForm,
+    ) -> Result<Logits, ModelError> {
         let d = &self.dims;
         let dm = d.hidden_size;
         if tokens.is_empty() {
@@ -392,7 +424,10 @@ impl K3Model {
             }
             let x = rms_norm_rows_new(&a, &layer.input_layernorm, d.rms_norm_eps);
             let o = match (&layer.attn, ls) {
-                (Attention::Kda(w), LayerState::Kda(s)) => w.forward(d, &x, t, s),
+                (Attention::Kda(w), LayerState::Kda(s)) => match kda_form {
+                    KdaForm::Chunked => w.forward(d, &x, t, s),
+                    KdaForm::Recurrent => w.forward_recurrent(d, &x, t, s),
+                },
                 (Attention::Mla(w), LayerState::Mla(c)) => w.forward(d, &x, t, c),
                 _ => {
                     return Err(ModelError::StateMismatch(format!(

@@ -4,6 +4,7 @@
 use crate::dims::{AttnKind, ModelDims};
 use crate::kda::KdaState;
 use crate::mla::MlaCache;
+use crate::model::ModelError;
 
 /// The state one layer carries between calls.
 #[derive(Clone, Debug, PartialEq)]
@@ -58,6 +59,59 @@ impl State {
                 LayerState::Mla(c) => c.bytes(),
             })
             .sum()
+    }
+}
+
+/// What is needed to return a [`State`] to an earlier length: the KDA states (fixed size,
+/// overwritten in place) and the position; MLA caches are cut back instead of copied.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    kda: Vec<Option<KdaState>>,
+    position: usize,
+}
+
+impl State {
+    /// Save what [`State::rollback`] needs to return to the current length.
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            kda: self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::Kda(s) => Some(s.clone()),
+                    LayerState::Mla(_) => None,
+                })
+                .collect(),
+            position: self.position,
+        }
+    }
+
+    /// Return to the state saved by `cp` (taken from this state, which may have grown
+    /// since). Exact: KDA states are restored bit for bit, MLA caches truncated. A
+    /// checkpoint of a differently shaped state, or one ahead of this state, is an error and
+    /// changes nothing.
+    pub fn rollback(&mut self, cp: &Checkpoint, dims: &ModelDims) -> Result<(), ModelError> {
+        let fits = cp.kda.len() == self.layers.len()
+            && cp.position <= self.position
+            && self.layers.iter().zip(&cp.kda).all(|(l, k)| match (l, k) {
+                (LayerState::Kda(s), Some(k)) => s.recurrent.len() == k.recurrent.len(),
+                (LayerState::Mla(_), None) => true,
+                _ => false,
+            });
+        if !fits {
+            return Err(ModelError::StateMismatch(
+                "checkpoint was not taken from this state".into(),
+            ));
+        }
+        for (l, saved) in self.layers.iter_mut().zip(&cp.kda) {
+            match (l, saved) {
+                (LayerState::Kda(s), Some(k)) => s.clone_from(k),
+                (LayerState::Mla(c), _) => c.truncate(cp.position, dims),
+                (LayerState::Kda(_), None) => {}
+            }
+        }
+        self.position = cp.position;
+        Ok(())
     }
 }
 

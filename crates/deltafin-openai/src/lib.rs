@@ -2,4 +2,68 @@
 //!
 //! It implements a documented subset of `/v1/chat/completions` and `/v1/completions`
 //! exactly, runs one generation at a time, and refuses every unsupported field with a 400
-//! instead of silently ignoring it.
+//! instead of silently ignoring it. `docs/SERVER.md` lists every field and rule.
+
+pub mod engine;
+pub mod error;
+pub mod output;
+pub mod request;
+pub mod server;
+
+pub use engine::{Engine, LoadError};
+pub use error::ApiError;
+pub use server::{ServeError, Server, ServerStats};
+
+use deltafin_k3::chat::ReasoningEffort;
+
+/// Writes one line to stderr, ignoring a closed stderr (a server must not die for its log).
+#[macro_export]
+macro_rules! log_line {
+    ($($arg:tt)*) => {{
+        use ::std::io::Write as _;
+        let _ = ::std::writeln!(::std::io::stderr(), $($arg)*);
+    }};
+}
+
+/// The one model id the server advertises and accepts.
+pub const MODEL_ID: &str = "deltafin-kimi-k3";
+/// Default `--port`.
+pub const DEFAULT_PORT: u16 = 8000;
+/// Default `--max-tokens`.
+pub const DEFAULT_MAX_TOKENS: usize = 1_000_000;
+/// Largest `--queue`.
+pub const MAX_QUEUE: usize = 64;
+/// Default `--max-request-bytes` (128 MiB).
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 134_217_728;
+/// Largest `--max-request-bytes` (1 GiB).
+pub const MAX_REQUEST_BYTES_LIMIT: usize = 1_073_741_824;
+
+/// Server settings (`deltafin serve` flags, already validated).
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Listen address (`--host`).
+    pub host: String,
+    /// Listen port (`--port`, 0 = any free port).
+    pub port: u16,
+    /// Per-response token ceiling (`--max-tokens`).
+    pub max_tokens: usize,
+    /// Requests allowed to wait for the generation slot (`--queue`, 0…64).
+    pub queue: usize,
+    /// JSON body limit in bytes (`--max-request-bytes`).
+    pub max_request_bytes: usize,
+    /// Chat effort when a request names none (`K3_REASONING_EFFORT`, else `max`).
+    pub default_effort: ReasoningEffort,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            port: DEFAULT_PORT,
+            max_tokens: DEFAULT_MAX_TOKENS,
+            queue: 0,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            default_effort: ReasoningEffort::Max,
+        }
+    }
+}

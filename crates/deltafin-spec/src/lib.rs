@@ -2,3 +2,176 @@
 //!
 //! Drafters (DSpark for chat, Qwen3 0.6B/1.7B for raw completion) propose tokens; K3
 //! verifies each proposal in one pass and only its own greedy choices are ever emitted.
+//!
+//! The verification core ([`verify`], [`generate_speculative`]) is exact by construction:
+//! the verify pass ([`K3Model::forward_exact`]) produces, for every row, the bit-identical
+//! logits that one-token decode would, and the state is rolled back exactly (KDA states
+//! restored, MLA caches truncated) to the accepted length. The emitted sequence therefore
+//! equals plain greedy decoding whatever the drafter proposes.
+
+use deltafin_k3::generate::greedy;
+use deltafin_k3::model::{K3Model, LogitRows, ModelError};
+use deltafin_k3::state::State;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Anything that proposes the next tokens.
+pub trait Drafter {
+    /// Propose up to `max` tokens to follow `history` (the prompt and every emitted token,
+    /// the newest last). An empty proposal means "no guess"; it never affects correctness.
+    fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32>;
+}
+
+/// Outcome of one verify pass.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Verified {
+    /// How many drafts K3 agreed with (a prefix of the proposal).
+    pub accepted: usize,
+    /// K3's own next token after the accepted drafts.
+    pub next: u32,
+    /// The logits K3 chose `next` from.
+    pub next_logits: Vec<f32>,
+}
+
+/// Verify `drafts` after `pending` (the newest K3-chosen token, not yet run through K3).
+///
+/// Runs K3 once over `[pending, d₁…d_k]`; row `i` is K3's distribution after `d_i` (row 0
+/// after `pending`). Accepts the longest prefix with `d_{i+1} = argmax(row i)`, then K3's
+/// own token from the first disagreeing row. On return `state` holds exactly
+/// `pending, d₁…d_accepted` beyond what it held before.
+pub fn verify(
+    model: &K3Model,
+    state: &mut State,
+    pending: u32,
+    drafts: &[u32],
+) -> Result<Verified, ModelError> {
+    let saved = (!drafts.is_empty()).then(|| state.checkpoint());
+    let mut tape = Vec::with_capacity(drafts.len() + 1);
+    tape.push(pending);
+    tape.extend_from_slice(drafts);
+    let logits = model.forward_exact(state, &tape, LogitRows::All)?;
+    let mut accepted = 0;
+    while accepted < drafts.len() && greedy(logits.row(accepted)) == drafts[accepted] {
+        accepted += 1;
+    }
+    let next_logits = logits.row(accepted).to_vec();
+    if let Some(cp) = saved.filter(|_| accepted < drafts.len()) {
+        // Drop the rejected rows: back to the saved state, then replay the accepted prefix
+        // with the same exact pass (its rows are bit-identical to the ones just computed; only
+        // the state is needed, so only the last row's logits are formed).
+        state.rollback(&cp, &model.dims)?;
+        model.forward_exact(state, &tape[..accepted + 1], LogitRows::Last)?;
+    }
+    Ok(Verified {
+        accepted,
+        next: greedy(&next_logits),
+        next_logits,
+    })
+}
+
+/// Counters of a speculative run.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpecStats {
+    /// K3 passes after the prefill (verify passes, including those with no draft).
+    pub verify_passes: usize,
+    /// Draft tokens proposed.
+    pub proposed: usize,
+    /// Draft tokens K3 accepted.
+    pub accepted: usize,
+}
+
+impl SpecStats {
+    /// Accepted / proposed.
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.proposed == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.proposed as f64
+        }
+    }
+    /// Mean tokens emitted per verify pass (accepted drafts + K3's own token).
+    pub fn tokens_per_pass(&self) -> f64 {
+        if self.verify_passes == 0 {
+            0.0
+        } else {
+            (self.accepted + self.verify_passes) as f64 / self.verify_passes as f64
+        }
+    }
+}
+
+/// Greedy generation of up to `max_new` tokens after `prompt`, with drafts from `drafter`
+/// verified by K3 (`width` drafts at most per pass). Stops after a token in `stop_ids`. The
+/// returned ids equal plain greedy decoding exactly.
+pub fn generate_speculative(
+    model: &K3Model,
+    prompt: &[u32],
+    max_new: usize,
+    stop_ids: &[u32],
+    width: usize,
+    drafter: &mut dyn Drafter,
+    interrupt: &AtomicBool,
+) -> Result<(Vec<u32>, SpecStats), ModelError> {
+    let mut stats = SpecStats::default();
+    let mut out = Vec::new();
+    if max_new == 0 {
+        return Ok((out, stats));
+    }
+    let mut state = model.new_state();
+    let logits = model.prefill(&mut state, prompt)?;
+    let mut pending = greedy(&logits);
+    out.push(pending);
+    let mut history: Vec<u32> = prompt.to_vec();
+    history.push(pending);
+    while out.len() < max_new && !stop_ids.contains(&pending) && !interrupt.load(Ordering::Relaxed)
+    {
+        let room = max_new - out.len();
+        // Never propose past the token budget: at most room − 1 drafts, K3 adds one more.
+        let mut drafts = drafter.propose(&history, width.min(room - 1));
+        drafts.truncate(width.min(room - 1));
+        let v = verify(model, &mut state, pending, &drafts)?;
+        stats.verify_passes += 1;
+        stats.proposed += drafts.len();
+        stats.accepted += v.accepted;
+        let mut stopped = false;
+        for &d in &drafts[..v.accepted] {
+            out.push(d);
+            history.push(d);
+            if stop_ids.contains(&d) {
+                stopped = true;
+                break;
+            }
+        }
+        if stopped {
+            break;
+        }
+        pending = v.next;
+        out.push(pending);
+        history.push(pending);
+    }
+    Ok((out, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fixed(Vec<u32>);
+    impl Drafter for Fixed {
+        fn propose(&mut self, _history: &[u32], max: usize) -> Vec<u32> {
+            self.0.iter().copied().take(max).collect()
+        }
+    }
+
+    #[test]
+    fn stats_ratios() {
+        let s = SpecStats {
+            verify_passes: 4,
+            proposed: 10,
+            accepted: 6,
+        };
+        assert_eq!(s.acceptance_rate(), 0.6);
+        assert_eq!(s.tokens_per_pass(), 2.5);
+        assert_eq!(SpecStats::default().tokens_per_pass(), 0.0);
+        let mut f = Fixed(vec![1, 2, 3]);
+        assert_eq!(f.propose(&[], 2), vec![1, 2]);
+    }
+}

@@ -1,0 +1,140 @@
+//! `deltafin serve`: the OpenAI-compatible HTTP server (docs/SERVER.md).
+
+use crate::ModelArgs;
+use crate::session;
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use deltafin_k3::chat::ReasoningEffort;
+use deltafin_openai::{
+    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, MAX_QUEUE,
+    MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig,
+};
+use std::process::ExitCode;
+use std::str::FromStr;
+
+/// Flags of `deltafin serve`.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Listen address; non-empty, no `/`, `\` or NUL. A non-loopback address has no
+    /// authentication: a warning is printed.
+    #[arg(long, value_name = "ADDRESS", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Listen port (0: any free port; the bound address is printed).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PORT)]
+    pub port: u16,
+    /// Per-response token ceiling, > 0.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_TOKENS as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_tokens: u64,
+    /// Requests allowed to wait for the single generation slot, 0…64 (0: a concurrent
+    /// request gets 429 at once) [env: K3_SERVER_QUEUE; default: 0].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(0..=MAX_QUEUE as u64))]
+    pub queue: Option<u64>,
+    /// JSON body limit in bytes, 1…1073741824.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_REQUEST_BYTES as u64,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_REQUEST_BYTES_LIMIT as u64))]
+    pub max_request_bytes: u64,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+/// `--queue`, else `K3_SERVER_QUEUE` (strict: an integer 0…64), else 0.
+fn resolve_queue(flag: Option<u64>) -> Result<(usize, &'static str)> {
+    let env = session::env_var("K3_SERVER_QUEUE")?;
+    let from_env = env
+        .as_deref()
+        .map(|v| match v.parse::<usize>() {
+            Ok(n) if n <= MAX_QUEUE => Ok(n),
+            _ => Err(anyhow!(
+                "environment variable K3_SERVER_QUEUE: {v:?} is not an integer in 0..={MAX_QUEUE}"
+            )),
+        })
+        .transpose()?;
+    Ok(match (flag, from_env) {
+        (Some(n), _) => (n as usize, "flag"),
+        (None, Some(n)) => (n, "env"),
+        (None, None) => (0, "default"),
+    })
+}
+
+fn resolve_effort() -> Result<(ReasoningEffort, &'static str)> {
+    match session::env_var("K3_REASONING_EFFORT")? {
+        Some(v) => Ok((
+            ReasoningEffort::from_str(&v)
+                .map_err(|e| anyhow!("environment variable K3_REASONING_EFFORT: {e}"))?,
+            "env",
+        )),
+        None => Ok((ReasoningEffort::Max, "default")),
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                deltafin_openai::log_line!("deltafin: warning: SIGTERM handler not installed: {e}");
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+/// Runs the server until SIGINT/SIGTERM.
+pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
+    if args.host.is_empty() || args.host.contains(['/', '\\', '\0']) {
+        bail!(
+            "--host {:?}: must be a non-empty address without `/`, `\\` or NUL",
+            args.host
+        );
+    }
+    let (queue, queue_source) = resolve_queue(args.queue)?;
+    let (effort, effort_source) = resolve_effort()?;
+    let cfg = ServerConfig {
+        host: args.host.clone(),
+        port: args.port,
+        max_tokens: usize::try_from(args.max_tokens).unwrap_or(usize::MAX),
+        queue,
+        max_request_bytes: args.max_request_bytes as usize,
+        default_effort: effort,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let server = Server::bind(cfg.clone(), args.model.model_root.clone()).await?;
+        let addr = server.local_addr()?;
+        deltafin_openai::log_line!(
+            "[deltafin serve] surface=server {} spine=bf16 model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={effort} ({effort_source})",
+            session::backend_description(),
+            args.model.model_root.display(),
+            cfg.host,
+            addr.port(),
+            cfg.max_tokens,
+            cfg.max_request_bytes,
+        );
+        if !addr.ip().is_loopback() {
+            deltafin_openai::log_line!(
+                "deltafin: warning: listening on non-loopback address {addr}; the server has no authentication"
+            );
+        }
+        deltafin_openai::log_line!("[deltafin serve] listening on http://{addr} (model loading in the background)");
+        server.run(shutdown_signal()).await?;
+        deltafin_openai::log_line!("[deltafin serve] stopped");
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}

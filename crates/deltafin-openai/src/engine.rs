@@ -1,0 +1,282 @@
+//! The loaded model, its tokenizer and one greedy generation with its output events.
+
+use crate::error::ApiError;
+use crate::output::{Assembler, Delta, TokenLogprob};
+use crate::request::{GenRequest, Prompt};
+use deltafin_k3::chat::{ChatOptions, encode_chat};
+use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
+use deltafin_k3::generate::{GenerateEvent, GenerateOptions, StopReason, generate};
+use deltafin_k3::loader::{EngineOptions, load_model};
+use deltafin_k3::model::K3Model;
+use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Why the model could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// No `config.json` at the root.
+    #[error(
+        "no K3 model installed at {root}: {CONFIG_FILE} is missing. Run `deltafin setup --model-root {root}` to install Kimi K3, or pass --model-root PATH pointing at an install"
+    )]
+    NotInstalled {
+        /// The model root.
+        root: PathBuf,
+    },
+    /// The checkpoint, model or tokenizer failed to load.
+    #[error("cannot load the K3 model from {root}: {reason}")]
+    Failed {
+        /// The model root.
+        root: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+}
+
+/// A model ready to generate.
+pub struct Engine {
+    /// The model.
+    pub model: K3Model,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    /// Largest number of positions (prompt + generated).
+    pub max_context: usize,
+}
+
+// Generation runs on a blocking thread while handlers hold the engine.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<Engine>();
+};
+
+impl Engine {
+    /// Loads the install at `root` (checkpoint, model, tokenizer) as `deltafin run` does.
+    pub fn load(root: &Path) -> Result<Engine, LoadError> {
+        if !root.join(CONFIG_FILE).is_file() {
+            return Err(LoadError::NotInstalled {
+                root: root.to_path_buf(),
+            });
+        }
+        let failed = |reason: String| LoadError::Failed {
+            root: root.to_path_buf(),
+            reason,
+        };
+        let checkpoint = Arc::new(Checkpoint::open(root).map_err(|e| failed(e.to_string()))?);
+        let model = load_model(checkpoint.clone(), &EngineOptions::default())
+            .map_err(|e| failed(e.to_string()))?;
+        let tokenizer = Tokenizer::from_dir(root).map_err(|e| failed(e.to_string()))?;
+        if tokenizer.vocab_size() != model.dims.vocab_size {
+            return Err(failed(format!(
+                "tokenizer vocabulary ({}) does not match config.json vocab_size ({})",
+                tokenizer.vocab_size(),
+                model.dims.vocab_size
+            )));
+        }
+        Ok(Engine {
+            model,
+            tokenizer,
+            max_context: checkpoint.config().text.max_position_embeddings,
+        })
+    }
+
+    /// The prompt ids: raw text with specials off and no BOS, or the XTML chat template
+    /// with thinking on (the same ids `deltafin run` uses).
+    pub fn encode(&self, req: &GenRequest) -> Result<Vec<u32>, ApiError> {
+        let ids = match &req.prompt {
+            Prompt::Raw(text) => self.tokenizer.encode_ordinary(text),
+            Prompt::Chat { messages, effort } => {
+                let opts = ChatOptions {
+                    effort: Some(*effort),
+                    ..Default::default()
+                };
+                encode_chat(&self.tokenizer, messages, &opts)
+                    .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?
+            }
+        };
+        if ids.is_empty() {
+            return Err(ApiError::invalid("the prompt encodes to no tokens"));
+        }
+        if ids.len() > self.max_context {
+            return Err(ApiError::context_length(ids.len(), self.max_context));
+        }
+        Ok(ids)
+    }
+}
+
+/// Why generation ended, as OpenAI names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End of message / document, or a stop sequence.
+    Stop,
+    /// `max_tokens` reached or the context is full.
+    Length,
+}
+
+impl FinishReason {
+    /// `"stop"` or `"length"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Token counts of one generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    /// Templated prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens, excluding the terminal end-of-message / end-of-document token.
+    pub completion_tokens: usize,
+    /// Chat: generated tokens up to and including the marker that closes the thinking
+    /// channel.
+    pub reasoning_tokens: usize,
+}
+
+/// What a generation sends to its handler.
+#[derive(Debug)]
+pub enum GenEvent {
+    /// Newly releasable output.
+    Delta(Delta),
+    /// The generation ended normally.
+    Done {
+        /// Why.
+        finish: FinishReason,
+        /// Counts.
+        usage: Usage,
+    },
+    /// It failed; nothing more follows.
+    Failed(ApiError),
+}
+
+/// Why a generation did not finish.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cancelled {
+    /// The client went away (or its handler was dropped).
+    Client,
+    /// The server is shutting down.
+    Shutdown,
+}
+
+/// How a generation ended: the closing event to send (after the slot is released, so a
+/// client that saw its answer can never find its own slot still taken), or why nothing
+/// more is sent.
+#[derive(Debug)]
+pub enum Ending {
+    /// Send this `Done` or `Failed` event.
+    Event(GenEvent),
+    /// The generation was cancelled; send nothing more.
+    Cancelled(Cancelled),
+}
+
+/// Runs one greedy generation, sending deltas to `send`; stops within one token once
+/// `interrupt` is raised or `send` fails. Returns the closing event, or why it was cancelled.
+pub fn run_generation(
+    engine: &Engine,
+    req: &GenRequest,
+    prompt: &[u32],
+    interrupt: &AtomicBool,
+    shutdown: &AtomicBool,
+    mut send: impl FnMut(GenEvent) -> bool,
+) -> Ending {
+    let chat = matches!(req.prompt, Prompt::Chat { .. });
+    let opts = GenerateOptions {
+        max_new: Some(req.max_new),
+        stop_ids: if chat {
+            vec![END_OF_MSG]
+        } else {
+            vec![END_OF_MSG, EOS]
+        },
+        max_context: engine.max_context,
+        top_logits: req.logprobs.map(|k| k.max(1)).unwrap_or(0),
+    };
+    let tok = &engine.tokenizer;
+    let mut asm = Assembler::new(tok, chat, req.stop.clone());
+    let mut client_gone = false;
+    let mut sink_error: Option<ApiError> = None;
+    let result = generate(&engine.model, prompt, &opts, interrupt, |ev| {
+        let GenerateEvent::Token { id, summary, .. } = ev else {
+            return Ok(());
+        };
+        let lp = match (req.logprobs, summary) {
+            (Some(k), Some(s)) => {
+                let Some(&(top_id, top_logit)) = s.top.first() else {
+                    return Err("internal: empty logit summary".into());
+                };
+                if top_id != id {
+                    return Err(format!(
+                        "internal: greedy token {id} is not the top logit {top_id}"
+                    ));
+                }
+                Some(TokenLogprob {
+                    id,
+                    logprob: f64::from(top_logit) - s.logsumexp,
+                    top: s
+                        .top
+                        .iter()
+                        .take(k)
+                        .map(|&(t, l)| (t, f64::from(l) - s.logsumexp))
+                        .collect(),
+                })
+            }
+            _ => None,
+        };
+        let delta = asm.push(id, lp).map_err(|e| {
+            sink_error = Some(ApiError::server(format!("cannot decode token {id}: {e}")));
+            e.to_string()
+        })?;
+        if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
+            client_gone = true;
+            interrupt.store(true, Ordering::Relaxed);
+        }
+        if asm.stop_hit() {
+            // Ends generation before the next forward pass.
+            interrupt.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    });
+    let outcome = match result {
+        Ok(o) => o,
+        Err(e) => {
+            let err =
+                sink_error.unwrap_or_else(|| ApiError::server(format!("generation failed: {e}")));
+            return Ending::Event(GenEvent::Failed(err));
+        }
+    };
+    let finish = match outcome.stop {
+        _ if asm.stop_hit() => FinishReason::Stop,
+        StopReason::Eos => FinishReason::Stop,
+        StopReason::MaxNew | StopReason::ContextFull => FinishReason::Length,
+        StopReason::Interrupted => {
+            return if client_gone || !shutdown.load(Ordering::Relaxed) {
+                Ending::Cancelled(Cancelled::Client)
+            } else {
+                Ending::Event(GenEvent::Failed(ApiError::shutting_down()))
+            };
+        }
+    };
+    match asm.finish() {
+        Ok(delta) => {
+            if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
+                return Ending::Cancelled(Cancelled::Client);
+            }
+        }
+        Err(e) => {
+            return Ending::Event(GenEvent::Failed(ApiError::server(format!(
+                "cannot decode the output: {e}"
+            ))));
+        }
+    }
+    let completion_tokens = match outcome.stop {
+        StopReason::Eos => outcome.ids.len().saturating_sub(1),
+        _ => outcome.ids.len(),
+    };
+    let usage = Usage {
+        prompt_tokens: prompt.len(),
+        completion_tokens,
+        reasoning_tokens: asm.reasoning_tokens().min(completion_tokens),
+    };
+    Ending::Event(GenEvent::Done { finish, usage })
+}

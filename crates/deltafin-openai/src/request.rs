@@ -1,0 +1,884 @@
+//! Strict validation of `/v1/completions` and `/v1/chat/completions` request bodies.
+//!
+//! Every top-level field is either implemented exactly, accepted because greedy decoding is
+//! exactly what it asks for, or refused with a 400 naming it. `docs/SERVER.md` lists the rule
+//! for each field; the messages follow the product contract §3.3–§3.4.
+
+use crate::MODEL_ID;
+use crate::error::ApiError;
+use deltafin_k3::chat::{ChatMessage, ReasoningEffort};
+use serde_json::{Map, Value};
+
+/// Which endpoint a request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Surface {
+    /// `/v1/completions`: raw text, no template.
+    Completions,
+    /// `/v1/chat/completions`: the XTML chat template, thinking on.
+    Chat,
+}
+
+impl Surface {
+    /// The endpoint name used in messages.
+    pub fn endpoint(self) -> &'static str {
+        match self {
+            Surface::Completions => "completions",
+            Surface::Chat => "chat/completions",
+        }
+    }
+}
+
+/// What to generate from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    /// Raw text, encoded with specials off and no BOS.
+    Raw(String),
+    /// A conversation and its thinking effort.
+    Chat {
+        /// The messages, in order.
+        messages: Vec<ChatMessage>,
+        /// The effort of the thinking-effort system message.
+        effort: ReasoningEffort,
+    },
+}
+
+/// A validated generation request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenRequest {
+    /// The endpoint.
+    pub surface: Surface,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Most tokens to generate.
+    pub max_new: usize,
+    /// Answer as server-sent events.
+    pub stream: bool,
+    /// Streams: append a usage frame.
+    pub include_usage: bool,
+    /// Stop sequences (0–4 non-empty strings), matched on the decoded text.
+    pub stop: Vec<String>,
+    /// `Some(k)`: report the log-probability of every emitted token and the `k` most likely
+    /// alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// Server-wide settings that validation needs.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// `--max-tokens`: per-response ceiling.
+    pub max_tokens: usize,
+    /// Effort when a chat request names none (`K3_REASONING_EFFORT`, else `max`).
+    pub default_effort: ReasoningEffort,
+}
+
+/// Default `max_tokens` of `/v1/completions` (product contract §3.3).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 256;
+/// Most stop sequences per request (OpenAI's limit).
+pub const MAX_STOP_SEQUENCES: usize = 4;
+/// Largest `top_logprobs` on chat.
+pub const MAX_CHAT_TOP_LOGPROBS: u64 = 20;
+/// Largest `logprobs` on completions.
+pub const MAX_COMPLETIONS_LOGPROBS: u64 = 5;
+
+fn unknown(field: &str, surface: Surface) -> ApiError {
+    ApiError::invalid_param(
+        field,
+        format!(
+            "`{field}` is not supported by Deltafin's native /v1/{} endpoint; refusing to silently ignore an unknown or generation-semantic field",
+            surface.endpoint()
+        ),
+    )
+}
+
+fn non_default(field: &str) -> ApiError {
+    ApiError::invalid_param(
+        field,
+        format!(
+            "non-default `{field}` semantics are not implemented by native Deltafin; refusing to ignore the request"
+        ),
+    )
+}
+
+fn finite_number(v: &Value) -> Option<f64> {
+    v.as_f64().filter(|x| x.is_finite())
+}
+
+fn optional_uint(obj: &Map<String, Value>, field: &str) -> Result<Option<u64>, ApiError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            ApiError::invalid_param(field, format!("`{field}` must be a non-negative integer"))
+        }),
+    }
+}
+
+/// Fields both endpoints accept.
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "n",
+    "best_of",
+    "temperature",
+    "top_p",
+    "user",
+    "metadata",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "logprobs",
+];
+const COMPLETIONS_FIELDS: &[&str] = &["prompt", "echo", "suffix"];
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "modalities",
+    "audio",
+    "prediction",
+    "service_tier",
+    "store",
+    "reasoning_effort",
+];
+
+/// Validates a request body for `surface`.
+pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenRequest, ApiError> {
+    let obj = body
+        .as_object()
+        .ok_or_else(|| ApiError::invalid("request body must be a JSON object"))?;
+    let own = match surface {
+        Surface::Completions => COMPLETIONS_FIELDS,
+        Surface::Chat => CHAT_FIELDS,
+    };
+    for key in obj.keys() {
+        if !COMMON_FIELDS.contains(&key.as_str()) && !own.contains(&key.as_str()) {
+            return Err(unknown(key, surface));
+        }
+    }
+    let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
+
+    // model
+    if let Some(m) = get("model") {
+        let m = m
+            .as_str()
+            .ok_or_else(|| ApiError::invalid_param("model", "`model` must be a JSON string"))?;
+        if m != MODEL_ID {
+            return Err(ApiError::invalid_param(
+                "model",
+                format!(
+                    "requested model `{m}` is unavailable; this server exposes only `{MODEL_ID}`"
+                ),
+            ));
+        }
+    }
+
+    // max_tokens / max_completion_tokens
+    let max_tokens = optional_uint(obj, "max_tokens")?;
+    let max_completion_tokens = optional_uint(obj, "max_completion_tokens")?;
+    if max_tokens.is_some() && max_completion_tokens.is_some() {
+        return Err(ApiError::invalid_param(
+            "max_tokens",
+            "send only one of `max_tokens` and `max_completion_tokens`",
+        ));
+    }
+    let asked = max_tokens.or(max_completion_tokens).unwrap_or(0);
+    let default = match surface {
+        Surface::Completions => COMPLETIONS_DEFAULT_MAX_TOKENS.min(limits.max_tokens),
+        Surface::Chat => limits.max_tokens,
+    };
+    let max_new = if asked == 0 {
+        default
+    } else {
+        usize::try_from(asked)
+            .unwrap_or(usize::MAX)
+            .min(limits.max_tokens)
+    };
+
+    // stream / stream_options
+    let stream = match get("stream") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "stream",
+                "`stream` must be a boolean",
+            ));
+        }
+    };
+    let mut include_usage = false;
+    if let Some(so) = get("stream_options") {
+        if !stream {
+            return Err(ApiError::invalid_param(
+                "stream_options",
+                "`stream_options` requires `stream: true`",
+            ));
+        }
+        let so = so.as_object().ok_or_else(|| {
+            ApiError::invalid_param("stream_options", "`stream_options` must be a JSON object")
+        })?;
+        for (k, v) in so {
+            if k != "include_usage" {
+                return Err(ApiError::invalid_param(
+                    "stream_options",
+                    format!(
+                        "`stream_options.{k}` is not implemented; refusing to silently ignore it"
+                    ),
+                ));
+            }
+            include_usage = match v {
+                Value::Null => false,
+                Value::Bool(b) => *b,
+                _ => {
+                    return Err(ApiError::invalid_param(
+                        "stream_options",
+                        "`stream_options.include_usage` must be a boolean",
+                    ));
+                }
+            };
+        }
+    }
+
+    // n / best_of
+    for field in ["n", "best_of"] {
+        if let Some(v) = get(field)
+            && v.as_u64() != Some(1)
+        {
+            return Err(ApiError::invalid_param(
+                field,
+                format!("`{field}` must be 1; Deltafin has one authoritative target stream"),
+            ));
+        }
+    }
+
+    // temperature / top_p: only values for which greedy decoding is exactly what is asked.
+    if let Some(v) = get("temperature") {
+        match finite_number(v) {
+            Some(0.0) => {}
+            Some(t) if (0.0..=2.0).contains(&t) => {
+                return Err(ApiError::invalid_param(
+                    "temperature",
+                    format!(
+                        "`temperature` {t} asks for sampling; Deltafin decodes greedily, which is exactly `temperature: 0` (or leaving it out)"
+                    ),
+                ));
+            }
+            _ => {
+                return Err(ApiError::invalid_param(
+                    "temperature",
+                    "`temperature` must be a finite JSON number in 0..=2; Deltafin decodes greedily and accepts only 0",
+                ));
+            }
+        }
+    }
+    if let Some(v) = get("top_p") {
+        match finite_number(v) {
+            Some(p) if p > 0.0 && p <= 1.0 => {}
+            _ => {
+                return Err(ApiError::invalid_param(
+                    "top_p",
+                    "`top_p` must be a finite JSON number in (0, 1]; every such nucleus contains the greedy token",
+                ));
+            }
+        }
+    }
+
+    // user / metadata: carry no generation semantics.
+    if let Some(v) = get("user")
+        && !v.is_string()
+    {
+        return Err(ApiError::invalid_param(
+            "user",
+            "`user` must be a JSON string",
+        ));
+    }
+    if let Some(v) = get("metadata")
+        && !v.is_object()
+    {
+        return Err(ApiError::invalid_param(
+            "metadata",
+            "`metadata` must be a JSON object",
+        ));
+    }
+
+    // penalties and bias must keep their defaults.
+    for field in ["frequency_penalty", "presence_penalty"] {
+        if let Some(v) = get(field)
+            && finite_number(v) != Some(0.0)
+        {
+            return Err(non_default(field));
+        }
+    }
+    if let Some(v) = get("logit_bias")
+        && v.as_object().is_none_or(|m| !m.is_empty())
+    {
+        return Err(non_default("logit_bias"));
+    }
+
+    // seed: any integer; greedy output does not depend on it.
+    if let Some(v) = get("seed")
+        && !(v.is_i64() || v.is_u64())
+    {
+        return Err(ApiError::invalid_param("seed", "`seed` must be an integer"));
+    }
+
+    let stop = parse_stop(get("stop"))?;
+
+    let (prompt, logprobs) = match surface {
+        Surface::Completions => (parse_completions_prompt(obj)?, completions_logprobs(obj)?),
+        Surface::Chat => (parse_chat_prompt(obj, limits)?, chat_logprobs(obj)?),
+    };
+
+    Ok(GenRequest {
+        surface,
+        prompt,
+        max_new,
+        stream,
+        include_usage,
+        stop,
+        logprobs,
+    })
+}
+
+fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let list = match v {
+        None => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            let mut out = Vec::with_capacity(items.len());
+            for item in items {
+                match item {
+                    Value::String(s) => out.push(s.clone()),
+                    _ => {
+                        return Err(ApiError::invalid_param(
+                            "stop",
+                            "`stop` must be a string or an array of strings",
+                        ));
+                    }
+                }
+            }
+            out
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "stop",
+                "`stop` must be a string or an array of strings",
+            ));
+        }
+    };
+    if list.len() > MAX_STOP_SEQUENCES {
+        return Err(ApiError::invalid_param(
+            "stop",
+            format!(
+                "`stop` holds {} sequences; at most {MAX_STOP_SEQUENCES} are allowed",
+                list.len()
+            ),
+        ));
+    }
+    if list.iter().any(String::is_empty) {
+        return Err(ApiError::invalid_param(
+            "stop",
+            "`stop` sequences must be non-empty strings",
+        ));
+    }
+    Ok(list)
+}
+
+fn parse_completions_prompt(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
+    let prompt = match obj.get("prompt") {
+        Some(Value::String(s)) => s.clone(),
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid_param("prompt", "`prompt` is required"));
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "prompt",
+                "`prompt` must be a JSON string for native completions",
+            ));
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid_param(
+            "prompt",
+            "`prompt` must not be empty",
+        ));
+    }
+    match obj.get("echo") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+        Some(_) => return Err(non_default("echo")),
+    }
+    match obj.get("suffix") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s.is_empty() => {}
+        Some(_) => return Err(non_default("suffix")),
+    }
+    Ok(Prompt::Raw(prompt))
+}
+
+fn completions_logprobs(obj: &Map<String, Value>) -> Result<Option<usize>, ApiError> {
+    match obj.get("logprobs") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(k) if k <= MAX_COMPLETIONS_LOGPROBS => Ok(Some(k as usize)),
+            _ => Err(ApiError::invalid_param(
+                "logprobs",
+                format!("`logprobs` must be an integer in 0..={MAX_COMPLETIONS_LOGPROBS}"),
+            )),
+        },
+    }
+}
+
+fn chat_logprobs(obj: &Map<String, Value>) -> Result<Option<usize>, ApiError> {
+    let on = match obj.get("logprobs") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "logprobs",
+                "`logprobs` must be a boolean",
+            ));
+        }
+    };
+    let top = match obj.get("top_logprobs") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(k) if k <= MAX_CHAT_TOP_LOGPROBS => Some(k as usize),
+            _ => {
+                return Err(ApiError::invalid_param(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be an integer in 0..={MAX_CHAT_TOP_LOGPROBS}"),
+                ));
+            }
+        },
+    };
+    match (on, top) {
+        (false, Some(_)) => Err(ApiError::invalid_param(
+            "top_logprobs",
+            "`top_logprobs` requires `logprobs: true`",
+        )),
+        (false, None) => Ok(None),
+        (true, k) => Ok(Some(k.unwrap_or(0))),
+    }
+}
+
+fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt, ApiError> {
+    let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
+    if let Some(v) = get("response_format") {
+        let is_text = v
+            .as_object()
+            .is_some_and(|m| m.len() == 1 && m.get("type") == Some(&Value::from("text")));
+        if !is_text {
+            return Err(ApiError::invalid_param(
+                "response_format",
+                "only `response_format: {\"type\":\"text\"}` is implemented; structured output (json_object, json_schema) is refused rather than ignored",
+            ));
+        }
+    }
+    if let Some(v) = get("tools")
+        && v.as_array().is_none_or(|a| !a.is_empty())
+    {
+        return Err(ApiError::invalid_param(
+            "tools",
+            "tool calling is not implemented by native Deltafin; `tools` must be absent, null or []",
+        ));
+    }
+    if let Some(v) = get("tool_choice")
+        && v != "none"
+    {
+        return Err(ApiError::invalid_param(
+            "tool_choice",
+            "`tool_choice` must be absent, null or \"none\": tool calling is not implemented",
+        ));
+    }
+    if let Some(v) = get("parallel_tool_calls")
+        && !v.is_boolean()
+    {
+        return Err(ApiError::invalid_param(
+            "parallel_tool_calls",
+            "`parallel_tool_calls` must be a boolean",
+        ));
+    }
+    if let Some(v) = get("modalities")
+        && v.as_array().is_none_or(|a| a.len() != 1 || a[0] != "text")
+    {
+        return Err(ApiError::invalid_param(
+            "modalities",
+            "native Deltafin production inference is text-only; `modalities` must be [\"text\"]",
+        ));
+    }
+    for field in ["audio", "prediction", "service_tier"] {
+        if get(field).is_some() {
+            return Err(non_default(field));
+        }
+    }
+    if let Some(v) = get("store")
+        && v != &Value::Bool(false)
+    {
+        return Err(non_default("store"));
+    }
+    let effort = match get("reasoning_effort") {
+        None => limits.default_effort,
+        Some(Value::String(s)) => parse_effort(s)?,
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "reasoning_effort",
+                "`reasoning_effort` must be a JSON string: `low`, `medium`, `high`, or `max`",
+            ));
+        }
+    };
+    let messages = match get("messages") {
+        Some(Value::Array(items)) if !items.is_empty() => items,
+        _ => {
+            return Err(ApiError::invalid_param(
+                "messages",
+                "`messages` must be a non-empty JSON array",
+            ));
+        }
+    };
+    let mut parsed = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        parsed.push(parse_message(i, m)?);
+    }
+    Ok(Prompt::Chat {
+        messages: parsed,
+        effort,
+    })
+}
+
+/// OpenAI's `reasoning_effort` onto the template's four levels: `minimal` → `low`.
+fn parse_effort(raw: &str) -> Result<ReasoningEffort, ApiError> {
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "minimal" | "low" => Ok(ReasoningEffort::Low),
+        "medium" => Ok(ReasoningEffort::Medium),
+        "high" => Ok(ReasoningEffort::High),
+        "max" => Ok(ReasoningEffort::Max),
+        _ => Err(ApiError::invalid_param(
+            "reasoning_effort",
+            format!(
+                "`reasoning_effort` must be `minimal`, `low`, `medium`, `high`, or `max`, not {raw:?}"
+            ),
+        )),
+    }
+}
+
+const MULTIMODAL: &str = "native Deltafin production inference is text-only; image and other multimodal chat content require the K3 vision/projector path, which is not implemented";
+
+/// Checks one message against §3.4 and converts it.
+fn parse_message(index: usize, m: &Value) -> Result<ChatMessage, ApiError> {
+    let param = format!("messages[{index}]");
+    let bad = |msg: String| ApiError::invalid_param(&param, msg);
+    let obj = m
+        .as_object()
+        .ok_or_else(|| bad("every chat message must be an object".into()))?;
+    let role = match obj.get("role") {
+        Some(Value::String(r)) => r.as_str(),
+        Some(_) => return Err(bad("chat message `role` must be a JSON string".into())),
+        None => return Err(bad("every chat message needs a `role`".into())),
+    };
+    // `developer` is OpenAI's name for system instructions to newer models.
+    let (role, allowed, null_only): (&str, &[&str], &[&str]) = match role {
+        "system" | "user" | "developer" => (
+            if role == "user" { "user" } else { "system" },
+            &["role", "content", "name"],
+            &[],
+        ),
+        "assistant" => (
+            "assistant",
+            &["role", "content", "name", "reasoning_content", "tool_calls"],
+            // What OpenAI clients echo back from a previous answer.
+            &["refusal", "audio", "function_call", "annotations"],
+        ),
+        "tool" => (
+            "tool",
+            &["role", "content", "name", "tool", "tool_call_id"],
+            &[],
+        ),
+        other => {
+            return Err(bad(format!(
+                "unsupported chat message role `{other}`; native Deltafin supports system, developer, user, assistant, and tool history"
+            )));
+        }
+    };
+    let mut clean = Map::new();
+    for (k, v) in obj {
+        if allowed.contains(&k.as_str()) {
+            clean.insert(k.clone(), v.clone());
+        } else if null_only.contains(&k.as_str()) && v.is_null() {
+        } else {
+            return Err(bad(format!(
+                "chat message field `{k}` is not implemented for role `{role}`; refusing to silently ignore it"
+            )));
+        }
+    }
+    clean.insert("role".into(), Value::from(role));
+    match obj.get("content") {
+        None | Some(Value::Null) if role == "assistant" => {}
+        Some(Value::String(_)) => {}
+        Some(Value::Array(parts)) => {
+            for part in parts {
+                let is_text = part.as_object().is_some_and(|p| {
+                    p.len() == 2
+                        && p.get("type") == Some(&Value::from("text"))
+                        && p.get("text").is_some_and(Value::is_string)
+                });
+                if !is_text {
+                    let kind = part.get("type").and_then(Value::as_str);
+                    return Err(bad(match kind {
+                        Some("text") => {
+                            "a text content part must be exactly {\"type\":\"text\",\"text\":\"…\"}"
+                                .into()
+                        }
+                        _ => MULTIMODAL.into(),
+                    }));
+                }
+            }
+        }
+        _ => {
+            return Err(bad(
+                "chat message `content` must be text, an array, or null".into(),
+            ));
+        }
+    }
+    ChatMessage::from_json(&Value::Object(clean)).map_err(|e| bad(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const LIMITS: Limits = Limits {
+        max_tokens: 1000,
+        default_effort: ReasoningEffort::Max,
+    };
+
+    fn chat(extra: Value) -> Result<GenRequest, ApiError> {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        parse(&body, Surface::Chat, &LIMITS)
+    }
+
+    fn completions(extra: Value) -> Result<GenRequest, ApiError> {
+        let mut body = json!({"prompt": "hi"});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        parse(&body, Surface::Completions, &LIMITS)
+    }
+
+    #[test]
+    fn defaults() {
+        let r = completions(json!({})).unwrap();
+        assert_eq!(r.max_new, 256);
+        assert!(!r.stream && r.stop.is_empty() && r.logprobs.is_none());
+        let r = chat(json!({})).unwrap();
+        assert_eq!(r.max_new, 1000);
+        let Prompt::Chat { effort, messages } = r.prompt else {
+            panic!()
+        };
+        assert_eq!(effort, ReasoningEffort::Max);
+        assert_eq!(messages.len(), 1);
+    }
+
+    #[test]
+    fn max_tokens_rules() {
+        assert_eq!(completions(json!({"max_tokens": 5})).unwrap().max_new, 5);
+        assert_eq!(completions(json!({"max_tokens": 0})).unwrap().max_new, 256);
+        assert_eq!(
+            chat(json!({"max_completion_tokens": 5000}))
+                .unwrap()
+                .max_new,
+            1000
+        );
+        let e = chat(json!({"max_tokens": 1, "max_completion_tokens": 1})).unwrap_err();
+        assert!(e.message.contains("only one of"), "{e}");
+        let e = chat(json!({"max_tokens": -1})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert!(chat(json!({"max_tokens": 1.5})).is_err());
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_by_name() {
+        let e = completions(json!({"reasoning_effort": "low"})).unwrap_err();
+        assert!(
+            e.message.starts_with(
+                "`reasoning_effort` is not supported by Deltafin's native /v1/completions"
+            ),
+            "{e}"
+        );
+        let e = chat(json!({"frobnicate": 1})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("frobnicate"));
+        assert_eq!(e.status, 400);
+    }
+
+    #[test]
+    fn sampling_fields_only_where_greedy_is_exact() {
+        assert!(chat(json!({"temperature": 0, "top_p": 1, "seed": 7})).is_ok());
+        assert!(chat(json!({"top_p": 0.1})).is_ok());
+        let e = chat(json!({"temperature": 0.7})).unwrap_err();
+        assert!(e.message.contains("greedily"), "{e}");
+        assert!(chat(json!({"temperature": 3})).is_err());
+        assert!(chat(json!({"top_p": 0})).is_err());
+        assert!(chat(json!({"seed": "x"})).is_err());
+        assert!(chat(json!({"frequency_penalty": 0})).is_ok());
+        let e = chat(json!({"presence_penalty": 0.5})).unwrap_err();
+        assert!(
+            e.message.starts_with("non-default `presence_penalty`"),
+            "{e}"
+        );
+        assert!(chat(json!({"logit_bias": {}})).is_ok());
+        assert!(chat(json!({"logit_bias": {"1": 2}})).is_err());
+        assert!(chat(json!({"n": 1, "best_of": 1})).is_ok());
+        assert!(
+            chat(json!({"n": 2}))
+                .unwrap_err()
+                .message
+                .contains("must be 1")
+        );
+    }
+
+    #[test]
+    fn stop_rules() {
+        assert_eq!(chat(json!({"stop": "x"})).unwrap().stop, vec!["x"]);
+        assert_eq!(
+            chat(json!({"stop": ["a", "b"]})).unwrap().stop,
+            vec!["a", "b"]
+        );
+        assert!(chat(json!({"stop": []})).unwrap().stop.is_empty());
+        assert!(chat(json!({"stop": ""})).is_err());
+        assert!(chat(json!({"stop": ["a", "b", "c", "d", "e"]})).is_err());
+        assert!(chat(json!({"stop": [1]})).is_err());
+    }
+
+    #[test]
+    fn logprobs_rules() {
+        assert_eq!(chat(json!({"logprobs": true})).unwrap().logprobs, Some(0));
+        assert_eq!(
+            chat(json!({"logprobs": true, "top_logprobs": 20}))
+                .unwrap()
+                .logprobs,
+            Some(20)
+        );
+        assert!(chat(json!({"logprobs": true, "top_logprobs": 21})).is_err());
+        assert!(chat(json!({"top_logprobs": 2})).is_err());
+        assert_eq!(chat(json!({"logprobs": false})).unwrap().logprobs, None);
+        assert_eq!(
+            completions(json!({"logprobs": 5})).unwrap().logprobs,
+            Some(5)
+        );
+        assert!(completions(json!({"logprobs": 6})).is_err());
+        assert!(completions(json!({"logprobs": true})).is_err());
+    }
+
+    #[test]
+    fn stream_options_rules() {
+        let r = chat(json!({"stream": true, "stream_options": {"include_usage": true}})).unwrap();
+        assert!(r.stream && r.include_usage);
+        assert!(chat(json!({"stream_options": {"include_usage": true}})).is_err());
+        let e = chat(json!({"stream": true, "stream_options": {"x": 1}})).unwrap_err();
+        assert!(e.message.contains("`stream_options.x` is not implemented"));
+        assert!(chat(json!({"stream": "yes"})).is_err());
+    }
+
+    #[test]
+    fn chat_only_fields() {
+        assert!(
+            chat(json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}))
+                .is_ok()
+        );
+        let e = chat(json!({"tools": [{"type": "function"}]})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tools"));
+        assert!(chat(json!({"response_format": {"type": "json_object"}})).is_err());
+        let r = chat(json!({"reasoning_effort": " High "})).unwrap();
+        assert!(matches!(
+            r.prompt,
+            Prompt::Chat {
+                effort: ReasoningEffort::High,
+                ..
+            }
+        ));
+        let r = chat(json!({"reasoning_effort": "minimal"})).unwrap();
+        assert!(matches!(
+            r.prompt,
+            Prompt::Chat {
+                effort: ReasoningEffort::Low,
+                ..
+            }
+        ));
+        assert!(chat(json!({"reasoning_effort": "extreme"})).is_err());
+        assert!(
+            chat(json!({"reasoning_effort": 3}))
+                .unwrap_err()
+                .message
+                .contains("JSON string")
+        );
+        assert!(chat(json!({"store": true})).is_err());
+        assert!(chat(json!({"modalities": ["text", "audio"]})).is_err());
+    }
+
+    #[test]
+    fn messages_rules() {
+        let p = |msgs: Value| parse(&json!({"messages": msgs}), Surface::Chat, &LIMITS);
+        assert!(p(json!([])).is_err());
+        assert!(
+            p(json!([1]))
+                .unwrap_err()
+                .message
+                .contains("must be an object")
+        );
+        let e = p(json!([{"role": "critic", "content": "x"}])).unwrap_err();
+        assert!(e.message.contains("unsupported chat message role `critic`"));
+        let e = p(json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])).unwrap_err();
+        assert!(e.message.contains("text-only"));
+        let e = p(json!([{"role": "user", "content": "x", "tool_calls": []}])).unwrap_err();
+        assert!(
+            e.message
+                .contains("field `tool_calls` is not implemented for role `user`")
+        );
+        assert!(p(json!([{"role": "user", "content": null}])).is_err());
+        assert!(p(json!([{"role": "user", "content": 5}])).is_err());
+        let ok = p(json!([
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": "yo", "reasoning_content": "r", "refusal": null},
+            {"role": "user", "content": "again"}
+        ]))
+        .unwrap();
+        let Prompt::Chat { messages, .. } = ok.prompt else {
+            panic!()
+        };
+        assert_eq!(messages[0].role, "system");
+        assert!(p(json!([{"role": "assistant", "content": "x", "refusal": "no"}])).is_err());
+    }
+
+    #[test]
+    fn prompt_rules() {
+        let p = |v: Value| parse(&v, Surface::Completions, &LIMITS);
+        assert!(p(json!({"prompt": ""})).is_err());
+        assert!(
+            p(json!({"prompt": ["a"]}))
+                .unwrap_err()
+                .message
+                .contains("JSON string")
+        );
+        assert!(p(json!({})).is_err());
+        assert!(p(json!({"prompt": "a", "echo": true})).is_err());
+        assert!(p(json!({"prompt": "a", "suffix": "b"})).is_err());
+        assert!(
+            p(json!({"prompt": "a", "model": "gpt-4"}))
+                .unwrap_err()
+                .message
+                .contains("unavailable")
+        );
+        assert!(p(json!({"prompt": "a", "model": MODEL_ID})).is_ok());
+        assert!(p(json!([1])).unwrap_err().message.contains("JSON object"));
+    }
+}

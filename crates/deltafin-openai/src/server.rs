@@ -1,0 +1,785 @@
+//! The HTTP side: routing, admission (one generation plus a bounded FIFO queue), body limits,
+//! JSON and SSE responses, disconnect cancellation and graceful shutdown.
+
+use crate::engine::{Ending, Engine, FinishReason, GenEvent, Usage, run_generation};
+use crate::error::{ApiError, json_response};
+use crate::output::{Delta, chat_logprob_entries, completions_logprobs};
+use crate::request::{self, Limits, Surface};
+use crate::{MODEL_ID, ServerConfig};
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, mpsc, watch};
+
+/// A request body that stops arriving for this long is answered with 408.
+pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// After a shutdown signal, connections still open after this long are abandoned.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Why the server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// `host:port` as given.
+        addr: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The model failed to load.
+    #[error("{0}")]
+    Load(String),
+    /// The HTTP server failed.
+    #[error("server error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Where the model is.
+#[derive(Clone)]
+enum EngineState {
+    Loading,
+    Ready(Arc<Engine>),
+    Failed(String),
+}
+
+/// Counters a caller (tests, logs) can read while the server runs.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    /// Generations that started on the engine.
+    pub generations_started: AtomicU64,
+    /// Generations that ran to their end (stop, length, or an engine error).
+    pub generations_finished: AtomicU64,
+    /// Generations cancelled because their client left (or shutdown).
+    pub generations_cancelled: AtomicU64,
+    /// Requests answered 429.
+    pub busy_rejections: AtomicU64,
+    /// Live reservations: the running generation plus queued requests.
+    pub reserved: AtomicUsize,
+}
+
+struct AppState {
+    cfg: ServerConfig,
+    created: u64,
+    engine: watch::Receiver<EngineState>,
+    slot: Arc<Semaphore>,
+    shutdown: AtomicBool,
+    current: Mutex<Option<Arc<AtomicBool>>>,
+    stats: Arc<ServerStats>,
+    seq: AtomicU64,
+}
+
+/// A reservation of the slot or a queue place, held from before the body is read until the
+/// request's generation has stopped.
+struct Ticket(Arc<ServerStats>);
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.0.reserved.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Raises a generation's interrupt flag when dropped armed (the handler or the SSE body
+/// went away).
+struct CancelOnDrop {
+    flag: Arc<AtomicBool>,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            self.flag.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The client's socket, duplicated when the connection is accepted, so that a handler can
+/// see the client leave while it waits (hyper does not poll a connection whose request said
+/// `Connection: close`).
+#[derive(Clone)]
+struct ClientConn {
+    #[cfg(unix)]
+    sock: Option<Arc<std::net::TcpStream>>,
+}
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TcpListener>>
+    for ClientConn
+{
+    fn connect_info(stream: axum::serve::IncomingStream<'_, TcpListener>) -> Self {
+        #[cfg(unix)]
+        {
+            use std::os::fd::AsFd;
+            // The duplicate shares the socket's non-blocking mode with tokio's descriptor.
+            let sock = stream
+                .io()
+                .as_fd()
+                .try_clone_to_owned()
+                .ok()
+                .map(|fd| Arc::new(std::net::TcpStream::from(fd)));
+            ClientConn { sock }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = stream;
+            ClientConn {}
+        }
+    }
+}
+
+/// How often a waiting handler checks its client.
+const CLIENT_CHECK_INTERVAL: Duration = Duration::from_millis(50);
+
+impl ClientConn {
+    /// Whether the client closed or reset its connection (a peek reads end-of-stream or
+    /// fails). Unknown (no socket) counts as present.
+    fn is_gone(&self) -> bool {
+        #[cfg(unix)]
+        if let Some(sock) = &self.sock {
+            let mut b = [0u8; 1];
+            return match sock.peek(&mut b) {
+                Ok(0) => true,
+                Ok(_) => false,
+                Err(e) => !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ),
+            };
+        }
+        false
+    }
+
+    /// Completes once the client is gone.
+    async fn gone(&self) {
+        loop {
+            tokio::time::sleep(CLIENT_CHECK_INTERVAL).await;
+            if self.is_gone() {
+                return;
+            }
+        }
+    }
+}
+
+/// `fut`, or `None` if the client leaves first.
+async fn unless_gone<T>(conn: &ClientConn, fut: impl Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        v = fut => Some(v),
+        _ = conn.gone() => None,
+    }
+}
+
+/// An answer nobody will read (the client is gone).
+fn abandoned() -> Response {
+    let mut r = Response::new(Body::empty());
+    *r.status_mut() = StatusCode::NO_CONTENT;
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl AppState {
+    fn try_reserve(&self) -> Option<Ticket> {
+        let cap = 1 + self.cfg.queue;
+        self.stats
+            .reserved
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < cap).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Ticket(self.stats.clone()))
+    }
+
+    fn response_id(&self, prefix: &str) -> String {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        format!(
+            "{prefix}-{:08x}{:012x}",
+            unix_now() as u32,
+            seq & 0xffff_ffff_ffff
+        )
+    }
+
+    fn begin_shutdown(&self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        if let Ok(cur) = self.current.lock()
+            && let Some(flag) = cur.as_ref()
+        {
+            flag.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A bound server whose model loads in the background.
+pub struct Server {
+    listener: TcpListener,
+    state: Arc<AppState>,
+}
+
+impl Server {
+    /// Binds `cfg.host:cfg.port` and starts loading the model at `model_root` on a
+    /// background thread; `/v1/models` answers at once, completions get 503 until ready.
+    pub async fn bind(
+        cfg: ServerConfig,
+        model_root: std::path::PathBuf,
+    ) -> Result<Server, ServeError> {
+        Self::bind_with_loader(cfg, move || {
+            Engine::load(&model_root).map_err(|e| e.to_string())
+        })
+        .await
+    }
+
+    /// [`Server::bind`] with any loader (run on a background thread).
+    pub async fn bind_with_loader(
+        cfg: ServerConfig,
+        loader: impl FnOnce() -> Result<Engine, String> + Send + 'static,
+    ) -> Result<Server, ServeError> {
+        let addr = format!("{}:{}", cfg.host, cfg.port);
+        let listener = TcpListener::bind((cfg.host.as_str(), cfg.port))
+            .await
+            .map_err(|source| ServeError::Bind { addr, source })?;
+        let (tx, rx) = watch::channel(EngineState::Loading);
+        std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            let state = match loader() {
+                Ok(engine) => {
+                    crate::log_line!(
+                        "[deltafin serve] model ready in {:.2}s (context {} positions)",
+                        t.elapsed().as_secs_f64(),
+                        engine.max_context
+                    );
+                    EngineState::Ready(Arc::new(engine))
+                }
+                Err(e) => EngineState::Failed(e),
+            };
+            let _ = tx.send(state);
+        });
+        Ok(Server {
+            listener,
+            state: Arc::new(AppState {
+                cfg,
+                created: unix_now(),
+                engine: rx,
+                slot: Arc::new(Semaphore::new(1)),
+                shutdown: AtomicBool::new(false),
+                current: Mutex::new(None),
+                stats: Arc::new(ServerStats::default()),
+                seq: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// The bound address (with the real port when 0 was asked for).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> Arc<ServerStats> {
+        self.state.stats.clone()
+    }
+
+    /// Serves until `shutdown` completes (then stops accepting, cancels the running
+    /// generation and waits up to [`SHUTDOWN_GRACE`] for open connections) or the model
+    /// fails to load (an error).
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        let state = self.state.clone();
+        let mut engine_rx = state.engine.clone();
+        let (started_tx, mut started_rx) = watch::channel(false);
+        let signal_state = state.clone();
+        let signal = async move {
+            // The loader drops its sender once done: only a failure ends the wait.
+            let load_failed = async move {
+                if engine_rx
+                    .wait_for(|s| matches!(s, EngineState::Failed(_)))
+                    .await
+                    .is_err()
+                {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                _ = shutdown => crate::log_line!("[deltafin serve] shutting down: no new connections, cancelling the running generation"),
+                _ = load_failed => {}
+            }
+            signal_state.begin_shutdown();
+            let _ = started_tx.send(true);
+        };
+        let app = Router::new().fallback(route).with_state(state.clone());
+        let serve = axum::serve(
+            self.listener,
+            app.into_make_service_with_connect_info::<ClientConn>(),
+        )
+        .with_graceful_shutdown(signal);
+        let grace = async move {
+            let _ = started_rx.wait_for(|s| *s).await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        };
+        tokio::select! {
+            r = serve => r?,
+            _ = grace => crate::log_line!("[deltafin serve] connections still open after {}s; exiting", SHUTDOWN_GRACE.as_secs()),
+        }
+        if let EngineState::Failed(e) = &*state.engine.borrow() {
+            return Err(ServeError::Load(e.clone()));
+        }
+        Ok(())
+    }
+}
+
+async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let surface = match path.as_str() {
+        "/v1/models" | "/models" => {
+            return if method == Method::GET {
+                json_response(
+                    StatusCode::OK,
+                    &json!({"object": "list", "data": [model_object(&state)]}),
+                )
+            } else {
+                ApiError::method_not_allowed().into_response()
+            };
+        }
+        "/v1/completions" | "/completions" => Surface::Completions,
+        "/v1/chat/completions" | "/chat/completions" => Surface::Chat,
+        p => {
+            let id = p
+                .strip_prefix("/v1/models/")
+                .or_else(|| p.strip_prefix("/models/"));
+            return match id {
+                Some(id) if method == Method::GET => {
+                    if id == MODEL_ID {
+                        json_response(StatusCode::OK, &model_object(&state))
+                    } else {
+                        ApiError::model_not_found(id).into_response()
+                    }
+                }
+                Some(_) => ApiError::method_not_allowed().into_response(),
+                None => ApiError::not_found().into_response(),
+            };
+        }
+    };
+    if method != Method::POST {
+        return ApiError::method_not_allowed().into_response();
+    }
+    let conn = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<ClientConn>>()
+        .map(|c| c.0.clone())
+        .unwrap_or(ClientConn {
+            #[cfg(unix)]
+            sock: None,
+        });
+    match generate(state, surface, req, conn).await {
+        Ok(resp) => resp,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn model_object(state: &AppState) -> Value {
+    json!({"id": MODEL_ID, "object": "model", "created": state.created, "owned_by": "deltafin"})
+}
+
+/// Reads the body: `Content-Length` first, then at most `limit` bytes.
+async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
+    if let Some(len) = req.headers().get(header::CONTENT_LENGTH)
+        && let Some(len) = len.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok())
+        && len > limit as u64
+    {
+        return Err(ApiError::too_large(limit));
+    }
+    let mut stream = req.into_body().into_data_stream();
+    let mut buf = Vec::new();
+    loop {
+        match tokio::time::timeout(BODY_IDLE_TIMEOUT, stream.next()).await {
+            Err(_) => return Err(ApiError::body_timeout(BODY_IDLE_TIMEOUT.as_secs())),
+            Ok(None) => break,
+            Ok(Some(Err(_))) => return Err(ApiError::invalid("could not read request body")),
+            Ok(Some(Ok(chunk))) => {
+                if buf.len() + chunk.len() > limit {
+                    return Err(ApiError::too_large(limit));
+                }
+                buf.extend_from_slice(&chunk);
+            }
+        }
+    }
+    Ok(Bytes::from(buf))
+}
+
+async fn generate(
+    state: Arc<AppState>,
+    surface: Surface,
+    req: Request,
+    conn: ClientConn,
+) -> Result<Response, ApiError> {
+    if state.shutdown.load(Ordering::SeqCst) {
+        return Err(ApiError::shutting_down());
+    }
+    let engine = match &*state.engine.borrow() {
+        EngineState::Loading => return Err(ApiError::loading()),
+        EngineState::Failed(e) => {
+            return Err(ApiError::server(format!("the model failed to load: {e}")));
+        }
+        EngineState::Ready(e) => e.clone(),
+    };
+    // Reserve before reading the body: at most one generation plus `queue` waiters.
+    let Some(ticket) = state.try_reserve() else {
+        state.stats.busy_rejections.fetch_add(1, Ordering::Relaxed);
+        return Err(ApiError::busy());
+    };
+    let body = read_body(req, state.cfg.max_request_bytes).await?;
+    let json: Value = serde_json::from_slice(&body)
+        .map_err(|_| ApiError::invalid("request body must be valid JSON"))?;
+    drop(body);
+    let limits = Limits {
+        max_tokens: state.cfg.max_tokens,
+        default_effort: state.cfg.default_effort,
+    };
+    let gen_req = request::parse(&json, surface, &limits)?;
+    drop(json);
+    let (gen_req, prompt) = {
+        let engine = engine.clone();
+        tokio::task::spawn_blocking(move || {
+            let ids = engine.encode(&gen_req);
+            ids.map(|ids| (gen_req, ids))
+        })
+        .await
+        .map_err(|e| ApiError::server(format!("prompt encoding failed: {e}")))??
+    };
+    // Wait for the slot in arrival order; a client that leaves drops this future.
+    let Some(permit) = unless_gone(&conn, state.slot.clone().acquire_owned()).await else {
+        return Ok(abandoned());
+    };
+    let permit = permit.map_err(|_| ApiError::shutting_down())?;
+    if state.shutdown.load(Ordering::SeqCst) {
+        return Err(ApiError::shutting_down());
+    }
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let guard = CancelOnDrop {
+        flag: interrupt.clone(),
+        armed: true,
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let worker_state = state.clone();
+    let gen_for_worker = gen_req.clone();
+    tokio::task::spawn_blocking(move || {
+        let slot_permit = permit;
+        let reservation = ticket;
+        let st = worker_state;
+        st.stats.generations_started.fetch_add(1, Ordering::SeqCst);
+        if let Ok(mut cur) = st.current.lock() {
+            *cur = Some(interrupt.clone());
+        }
+        if st.shutdown.load(Ordering::SeqCst) {
+            interrupt.store(true, Ordering::SeqCst);
+        }
+        let ending = run_generation(
+            &engine,
+            &gen_for_worker,
+            &prompt,
+            &interrupt,
+            &st.shutdown,
+            |ev| tx.send(ev).is_ok(),
+        );
+        if let Ok(mut cur) = st.current.lock() {
+            *cur = None;
+        }
+        // Free the slot before the answer is complete on the client's side.
+        drop(slot_permit);
+        drop(reservation);
+        let counter = match &ending {
+            Ending::Cancelled(_)
+            | Ending::Event(GenEvent::Failed(ApiError {
+                kind: "server_shutting_down",
+                ..
+            })) => &st.stats.generations_cancelled,
+            Ending::Event(_) => &st.stats.generations_finished,
+        };
+        counter.fetch_add(1, Ordering::SeqCst);
+        if let Ending::Event(ev) = ending {
+            let _ = tx.send(ev);
+        }
+    });
+    let tok_engine = state.engine.borrow().clone();
+    let EngineState::Ready(tok_engine) = tok_engine else {
+        return Err(ApiError::server("the model is not loaded"));
+    };
+    let shape = Shape {
+        surface,
+        id: state.response_id(match surface {
+            Surface::Completions => "cmpl",
+            Surface::Chat => "chatcmpl",
+        }),
+        created: unix_now(),
+        engine: tok_engine,
+        logprobs: gen_req.logprobs.is_some(),
+        include_usage: gen_req.include_usage,
+    };
+    if gen_req.stream {
+        Ok(sse_response(shape, rx, guard, conn))
+    } else {
+        match unless_gone(&conn, collect_response(shape, rx, guard)).await {
+            Some(r) => r,
+            None => Ok(abandoned()),
+        }
+    }
+}
+
+/// What every response frame needs.
+struct Shape {
+    surface: Surface,
+    id: String,
+    created: u64,
+    engine: Arc<Engine>,
+    logprobs: bool,
+    include_usage: bool,
+}
+
+impl Shape {
+    fn usage(&self, u: &Usage) -> Value {
+        let mut v = json!({
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+        });
+        if self.surface == Surface::Chat {
+            v["completion_tokens_details"] = json!({"reasoning_tokens": u.reasoning_tokens});
+        }
+        v
+    }
+
+    fn chat_logprobs(&self, d: &Delta, reasoning: bool, content: bool) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let tok = &self.engine.tokenizer;
+        let mut v = json!({
+            "content": if content { chat_logprob_entries(tok, &d.content_logprobs) } else { Value::Null },
+            "refusal": null,
+        });
+        if reasoning {
+            v["reasoning_content"] = chat_logprob_entries(tok, &d.reasoning_logprobs);
+        }
+        v
+    }
+
+    fn completions_logprobs(&self, d: &Delta) -> Value {
+        if self.logprobs {
+            completions_logprobs(&self.engine.tokenizer, &d.content_logprobs)
+        } else {
+            Value::Null
+        }
+    }
+
+    fn full(&self, d: &Delta, finish: FinishReason, usage: &Usage) -> Value {
+        match self.surface {
+            Surface::Completions => json!({
+                "id": self.id, "object": "text_completion", "created": self.created, "model": MODEL_ID,
+                "choices": [{"index": 0, "text": d.content, "logprobs": self.completions_logprobs(d),
+                             "finish_reason": finish.as_str()}],
+                "usage": self.usage(usage),
+            }),
+            Surface::Chat => json!({
+                "id": self.id, "object": "chat.completion", "created": self.created, "model": MODEL_ID,
+                "choices": [{"index": 0,
+                             "message": {"role": "assistant", "content": d.content, "reasoning_content": d.reasoning},
+                             "logprobs": self.chat_logprobs(d, true, true),
+                             "finish_reason": finish.as_str()}],
+                "usage": self.usage(usage),
+            }),
+        }
+    }
+
+    fn chunk(&self, choice: Value) -> Value {
+        let object = match self.surface {
+            Surface::Completions => "text_completion",
+            Surface::Chat => "chat.completion.chunk",
+        };
+        let mut v = json!({
+            "id": self.id, "object": object, "created": self.created, "model": MODEL_ID,
+            "choices": [choice],
+        });
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// The frames of one delta: chat sends reasoning and content as separate frames.
+    fn delta_frames(&self, d: &Delta, out: &mut VecDeque<Value>) {
+        match self.surface {
+            Surface::Completions => out.push_back(self.chunk(json!({
+                "index": 0, "text": d.content, "logprobs": self.completions_logprobs(d), "finish_reason": null,
+            }))),
+            Surface::Chat => {
+                if !d.reasoning.is_empty() || !d.reasoning_logprobs.is_empty() {
+                    out.push_back(self.chunk(json!({
+                        "index": 0, "delta": {"reasoning_content": d.reasoning},
+                        "logprobs": self.chat_logprobs(d, true, false), "finish_reason": null,
+                    })));
+                }
+                if !d.content.is_empty() || !d.content_logprobs.is_empty() {
+                    out.push_back(self.chunk(json!({
+                        "index": 0, "delta": {"content": d.content},
+                        "logprobs": self.chat_logprobs(d, false, true), "finish_reason": null,
+                    })));
+                }
+            }
+        }
+    }
+
+    fn finish_frame(&self, finish: FinishReason) -> Value {
+        match self.surface {
+            Surface::Completions => self.chunk(json!({
+                "index": 0, "text": "", "logprobs": null, "finish_reason": finish.as_str(),
+            })),
+            Surface::Chat => self.chunk(json!({
+                "index": 0, "delta": {}, "logprobs": null, "finish_reason": finish.as_str(),
+            })),
+        }
+    }
+}
+
+async fn collect_response(
+    shape: Shape,
+    mut rx: mpsc::UnboundedReceiver<GenEvent>,
+    mut guard: CancelOnDrop,
+) -> Result<Response, ApiError> {
+    let mut all = Delta::default();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Delta(d) => all.extend(d),
+            GenEvent::Done { finish, usage } => {
+                guard.armed = false;
+                return Ok(json_response(
+                    StatusCode::OK,
+                    &shape.full(&all, finish, &usage),
+                ));
+            }
+            GenEvent::Failed(e) => {
+                guard.armed = false;
+                return Err(e);
+            }
+        }
+    }
+    Err(ApiError::server("the generation ended without a result"))
+}
+
+struct SseState {
+    conn: ClientConn,
+    shape: Shape,
+    rx: mpsc::UnboundedReceiver<GenEvent>,
+    guard: CancelOnDrop,
+    pending: VecDeque<String>,
+    ended: bool,
+}
+
+impl SseState {
+    fn frame(v: &Value) -> String {
+        format!("data: {v}\n\n")
+    }
+
+    fn on_event(&mut self, ev: Option<GenEvent>) {
+        let mut frames = VecDeque::new();
+        match ev {
+            Some(GenEvent::Delta(d)) => self.shape.delta_frames(&d, &mut frames),
+            Some(GenEvent::Done { finish, usage }) => {
+                frames.push_back(self.shape.finish_frame(finish));
+                if self.shape.include_usage {
+                    let mut u = self.shape.chunk(Value::Null);
+                    u["choices"] = json!([]);
+                    u["usage"] = self.shape.usage(&usage);
+                    frames.push_back(u);
+                }
+                self.pending.extend(frames.iter().map(Self::frame));
+                self.pending.push_back("data: [DONE]\n\n".into());
+                self.ended = true;
+                self.guard.armed = false;
+                return;
+            }
+            Some(GenEvent::Failed(e)) => {
+                let mut body = e.body();
+                body["error"]["type"] = Value::from("server_error");
+                body["error"]["code"] = Value::from(e.code);
+                frames.push_back(body);
+                self.ended = true;
+                self.guard.armed = false;
+            }
+            None => {
+                frames.push_back(ApiError::server("the generation ended without a result").body());
+                self.ended = true;
+            }
+        }
+        self.pending.extend(frames.iter().map(Self::frame));
+    }
+}
+
+fn sse_response(
+    shape: Shape,
+    rx: mpsc::UnboundedReceiver<GenEvent>,
+    guard: CancelOnDrop,
+    conn: ClientConn,
+) -> Response {
+    let mut pending = VecDeque::new();
+    if shape.surface == Surface::Chat {
+        let opening = shape.chunk(json!({
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null,
+        }));
+        pending.push_back(SseState::frame(&opening));
+    }
+    let st = SseState {
+        conn,
+        shape,
+        rx,
+        guard,
+        pending,
+        ended: false,
+    };
+    let stream = futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(f) = st.pending.pop_front() {
+                return Some((Ok::<Bytes, Infallible>(Bytes::from(f)), st));
+            }
+            if st.ended {
+                return None;
+            }
+            // A client that leaves while nothing is written (prefill) is noticed too.
+            let ev = unless_gone(&st.conn, st.rx.recv()).await?;
+            st.on_event(ev);
+        }
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    resp
+}

@@ -1,0 +1,326 @@
+//! Load and fault tests (bounded, loopback only): contention with queue 0 and 8, body limits,
+//! slow clients, disconnects and disconnect storms, graceful shutdown. After each, the slot
+//! must be free and the server must still serve.
+
+mod common;
+
+use common::*;
+use deltafin_openai::ServerConfig;
+use deltafin_openai::error::BUSY_MESSAGE;
+use serde_json::json;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+fn start(queue: usize, max_request_bytes: usize) -> TestServer {
+    let s = TestServer::start(ServerConfig {
+        port: 0,
+        queue,
+        max_request_bytes,
+        ..Default::default()
+    });
+    s.wait_ready();
+    s
+}
+
+/// Opens a long streaming generation and waits for its first content frame, so the slot is
+/// certainly held. Returns the open connection.
+fn hold_slot(s: &TestServer) -> BufReader<TcpStream> {
+    let mut c = connect(s.addr);
+    let body = json!({"prompt": "hold", "max_tokens": 1_000_000, "stream": true}).to_string();
+    c.write_all(&request_bytes(
+        "POST",
+        "/v1/completions",
+        body.as_bytes(),
+        &[],
+    ))
+    .unwrap();
+    let mut r = BufReader::new(c);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(r.read_line(&mut line).unwrap() > 0, "stream closed early");
+        if line.starts_with("data: {") {
+            return r;
+        }
+    }
+}
+
+fn assert_busy(r: &Resp) {
+    let e = r.error(429);
+    assert_eq!(e["code"], "server_busy");
+    assert_eq!(e["message"], BUSY_MESSAGE);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.header("connection"), Some("close"));
+}
+
+fn short_ok(s: &TestServer) {
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "still there?", "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
+
+fn fire(s: &TestServer, n: usize) -> Vec<std::thread::JoinHandle<Resp>> {
+    let barrier = Arc::new(Barrier::new(n));
+    (0..n)
+        .map(|i| {
+            let (addr, b) = (s.addr, barrier.clone());
+            std::thread::spawn(move || {
+                b.wait();
+                post_json(
+                    addr,
+                    "/v1/completions",
+                    &json!({"prompt": format!("client {i}"), "max_tokens": 2}),
+                )
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn sixty_four_clients_with_queue_0_get_429_while_busy() {
+    let s = start(0, 1 << 20);
+    let holder = hold_slot(&s);
+    let results: Vec<Resp> = fire(&s, 64)
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    results.iter().for_each(assert_busy);
+    assert_eq!(s.stats.busy_rejections.load(Ordering::SeqCst), 64);
+    drop(holder);
+    s.wait_idle();
+    // Unheld: concurrent clients each get a well-formed answer, and at least one is served.
+    let results: Vec<Resp> = fire(&s, 64)
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    let ok = results.iter().filter(|r| r.status == 200).count();
+    for r in results.iter().filter(|r| r.status != 200) {
+        assert_busy(r);
+    }
+    assert!(ok >= 1);
+    s.wait_idle();
+    short_ok(&s);
+}
+
+#[test]
+fn sixty_four_clients_with_queue_8_queue_eight_in_order_and_refuse_the_rest() {
+    let s = start(8, 1 << 20);
+    let base = started(&s.stats);
+    let holder = hold_slot(&s);
+    let handles = fire(&s, 64);
+    wait_until(
+        Duration::from_secs(20),
+        || s.stats.busy_rejections.load(Ordering::SeqCst) == 56 && s.reserved() == 9,
+        "56 refusals and 8 waiters",
+    );
+    // The waiters do not run while the slot is held.
+    assert_eq!(started(&s.stats), base + 1);
+    drop(holder);
+    let results: Vec<Resp> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let served: Vec<&Resp> = results.iter().filter(|r| r.status == 200).collect();
+    assert_eq!(served.len(), 8);
+    for r in &served {
+        assert_eq!(r.json()["object"], "text_completion");
+    }
+    for r in results.iter().filter(|r| r.status != 200) {
+        assert_busy(r);
+    }
+    s.wait_idle();
+    assert_eq!(started(&s.stats), base + 9);
+    short_ok(&s);
+}
+
+#[test]
+fn bodies_over_the_limit_get_413_and_close() {
+    let s = start(0, 1000);
+    // Declared too large: refused before any body byte is sent.
+    let mut c = connect(s.addr);
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\n\r\n")
+        .unwrap();
+    let r = read_all(&mut c);
+    let e = r.error(413);
+    assert_eq!(e["message"], "request body exceeds the 1000-byte limit");
+    assert_eq!(r.header("connection"), Some("close"));
+    // Chunked without a length: enforced while reading.
+    let mut c = connect(s.addr);
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+        .unwrap();
+    let chunk = " ".repeat(600);
+    for _ in 0..2 {
+        let _ = c.write_all(format!("{:x}\r\n{chunk}\r\n", chunk.len()).as_bytes());
+    }
+    let r = read_all(&mut c);
+    r.error(413);
+    assert_eq!(r.header("connection"), Some("close"));
+    // Exactly at the limit is fine.
+    let mut body = json!({"prompt": "x", "max_tokens": 1}).to_string();
+    body.push_str(&" ".repeat(1000 - body.len()));
+    assert_eq!(
+        request(s.addr, "POST", "/v1/completions", body.as_bytes()).status,
+        200
+    );
+    s.wait_idle();
+    short_ok(&s);
+}
+
+#[test]
+fn slow_client_is_served_and_holds_its_reservation_meanwhile() {
+    let s = start(0, 1 << 20);
+    let body = json!({"prompt": "slowly", "max_tokens": 2}).to_string();
+    let bytes = request_bytes("POST", "/v1/completions", body.as_bytes(), &[]);
+    let mut c = connect(s.addr);
+    let (head, rest) = bytes.split_at(bytes.len() - body.len());
+    c.write_all(head).unwrap();
+    for (i, piece) in rest.chunks(body.len().div_ceil(8)).enumerate() {
+        std::thread::sleep(Duration::from_millis(25));
+        c.write_all(piece).unwrap();
+        if i == 0 {
+            // The reservation is taken before the body is read: others are refused.
+            wait_until(Duration::from_secs(5), || s.reserved() == 1, "reservation");
+            assert_busy(&post_json(
+                s.addr,
+                "/v1/completions",
+                &json!({"prompt": "x"}),
+            ));
+        }
+    }
+    let r = read_all(&mut c);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 2);
+    // A slow SSE reader: the generation finishes and the slot is freed.
+    let mut c = connect(s.addr);
+    let body = json!({"prompt": "slow reader", "max_tokens": 64, "stream": true}).to_string();
+    c.write_all(&request_bytes(
+        "POST",
+        "/v1/completions",
+        body.as_bytes(),
+        &[],
+    ))
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let r = read_all(&mut c);
+    assert_eq!(r.sse().last().map(String::as_str), Some("[DONE]"));
+    s.wait_idle();
+    short_ok(&s);
+}
+
+#[test]
+fn disconnects_cancel_the_generation_and_free_the_slot() {
+    let s = start(0, 1 << 20);
+    let base = started(&s.stats);
+    // Streaming: the client leaves after the first frame.
+    let holder = hold_slot(&s);
+    drop(holder);
+    wait_until(
+        Duration::from_secs(10),
+        || cancelled(&s.stats) == 1,
+        "stream cancelled",
+    );
+    s.wait_idle();
+    // Non-streaming: the client leaves while the generation runs.
+    let mut c = connect(s.addr);
+    let body = json!({"prompt": "long", "max_tokens": 1_000_000}).to_string();
+    c.write_all(&request_bytes(
+        "POST",
+        "/v1/completions",
+        body.as_bytes(),
+        &[],
+    ))
+    .unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        || started(&s.stats) == base + 2,
+        "second generation started",
+    );
+    drop(c);
+    wait_until(
+        Duration::from_secs(10),
+        || cancelled(&s.stats) == 2,
+        "non-stream cancelled",
+    );
+    s.wait_idle();
+    short_ok(&s);
+}
+
+#[test]
+fn disconnect_storm_leaves_no_leaked_slot() {
+    let s = start(8, 1 << 20);
+    let base = started(&s.stats);
+    let holder = hold_slot(&s);
+    // Eight waiters queue, then all leave: they are dropped without generating.
+    let mut waiters = Vec::new();
+    for i in 0..8 {
+        let mut c = connect(s.addr);
+        let body = json!({"prompt": format!("w{i}"), "max_tokens": 2}).to_string();
+        c.write_all(&request_bytes(
+            "POST",
+            "/v1/completions",
+            body.as_bytes(),
+            &[],
+        ))
+        .unwrap();
+        waiters.push(c);
+    }
+    wait_until(Duration::from_secs(10), || s.reserved() == 9, "8 waiters");
+    drop(waiters);
+    wait_until(
+        Duration::from_secs(10),
+        || s.reserved() == 1,
+        "waiters dropped",
+    );
+    assert_eq!(started(&s.stats), base + 1);
+    drop(holder);
+    s.wait_idle();
+    // Twenty clients open streams and vanish at once.
+    let handles: Vec<_> = (0..20)
+        .map(|_| {
+            let addr = s.addr;
+            std::thread::spawn(move || {
+                let mut c = TcpStream::connect(addr).unwrap();
+                let body =
+                    json!({"prompt": "storm", "max_tokens": 1_000_000, "stream": true}).to_string();
+                let _ = c.write_all(&request_bytes(
+                    "POST",
+                    "/v1/completions",
+                    body.as_bytes(),
+                    &[],
+                ));
+                std::thread::sleep(Duration::from_millis(30));
+            })
+        })
+        .collect();
+    handles.into_iter().for_each(|h| h.join().unwrap());
+    s.wait_idle();
+    let st = &s.stats;
+    wait_until(
+        Duration::from_secs(10),
+        || started(st) == cancelled(st) + st.generations_finished.load(Ordering::SeqCst),
+        "every started generation ended",
+    );
+    short_ok(&s);
+}
+
+#[test]
+fn shutdown_cancels_the_running_stream_and_returns() {
+    let s = start(0, 1 << 20);
+    let mut holder = hold_slot(&s);
+    let reader = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut holder, &mut rest);
+        rest
+    });
+    let t = std::time::Instant::now();
+    s.shutdown().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(10));
+    // The stream ends with one error frame and without [DONE].
+    let rest = reader.join().unwrap();
+    assert!(rest.contains("data: {\"error\":"), "{rest}");
+    assert!(rest.contains("server_shutting_down"), "{rest}");
+    assert!(!rest.contains("[DONE]"));
+}

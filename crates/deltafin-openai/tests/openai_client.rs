@@ -1,0 +1,57 @@
+//! The official `openai` Python package against a running server (tools/openai_client_test.py).
+//! Python comes from `DELTAFIN_TEST_PYTHON`, else `python3`; without an importable `openai`
+//! the test prints SKIP and returns (CI installs the pinned package in .ci/run).
+
+mod common;
+
+use common::*;
+use deltafin_openai::ServerConfig;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[test]
+fn official_openai_client() {
+    let python = std::env::var("DELTAFIN_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python).args(["-c", "import openai"]).output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!(
+            "SKIP official_openai_client: `{python} -c 'import openai'` failed; install it with `{python} -m pip install openai==3.51.0`"
+        );
+        return;
+    }
+    let s = TestServer::start(ServerConfig {
+        port: 0,
+        queue: 0,
+        ..Default::default()
+    });
+    s.wait_ready();
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tools/openai_client_test.py"
+    );
+    let mut child = Command::new(&python)
+        .arg(script)
+        .arg(format!("http://{}/v1", s.addr))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("the openai client test ran over 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}{stderr}");
+    assert!(
+        out.status.success(),
+        "openai client test failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("checks passed"));
+    s.wait_idle();
+}

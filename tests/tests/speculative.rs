@@ -1,0 +1,205 @@
+//! Speculative decoding is exact: whatever a drafter proposes, the emitted ids equal plain
+//! greedy K3 (synthesized tiny checkpoint: real vocabulary, KDA/MLA pattern, MXFP4 experts).
+
+use deltafin_k3::generate::{GenerateOptions, generate};
+use deltafin_k3::loader::{EngineOptions, open_model};
+use deltafin_k3::model::{K3Model, LogitRows};
+use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_spec::{Drafter, generate_speculative, verify};
+use std::sync::atomic::AtomicBool;
+
+fn setup() -> (tempfile::TempDir, K3Model, Tokenizer) {
+    let dir = tempfile::tempdir().unwrap();
+    synthesize(dir.path(), &SynthSpec::new(SynthDims::tiny(), 21)).unwrap();
+    let model = open_model(dir.path(), &EngineOptions::default()).unwrap();
+    let tok = Tokenizer::from_dir(dir.path()).unwrap();
+    (dir, model, tok)
+}
+
+const MAX_NEW: usize = 16;
+const STOP: [u32; 2] = [END_OF_MSG, EOS];
+
+fn plain_greedy(model: &K3Model, prompt: &[u32]) -> Vec<u32> {
+    let opts = GenerateOptions {
+        max_new: Some(MAX_NEW),
+        stop_ids: STOP.to_vec(),
+        max_context: 1 << 20,
+        top_logits: 0,
+    };
+    generate(model, prompt, &opts, &AtomicBool::new(false), |_| Ok(()))
+        .unwrap()
+        .ids
+}
+
+/// Knows the true continuation; proposes it, optionally corrupting the draft at position
+/// `corrupt_at` of every proposal.
+struct Oracle {
+    prompt_len: usize,
+    truth: Vec<u32>,
+    corrupt_at: Option<usize>,
+}
+
+impl Drafter for Oracle {
+    fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
+        let done = history.len() - self.prompt_len;
+        let mut d: Vec<u32> = self.truth.iter().skip(done).take(max).copied().collect();
+        if let Some(j) = self.corrupt_at
+            && j < d.len()
+        {
+            d[j] = (d[j] + 1) % 163_840;
+        }
+        d
+    }
+}
+
+/// Seeded pseudo-random token ids.
+struct Random(u64);
+
+impl Drafter for Random {
+    fn propose(&mut self, _history: &[u32], max: usize) -> Vec<u32> {
+        (0..max)
+            .map(|_| {
+                self.0 = self
+                    .0
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((self.0 >> 33) % 163_840) as u32
+            })
+            .collect()
+    }
+}
+
+/// Repeats the last token (a typical cheap n-gram guess that is usually wrong).
+struct Repeat;
+
+impl Drafter for Repeat {
+    fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
+        history.last().map(|&t| vec![t; max]).unwrap_or_default()
+    }
+}
+
+const PROMPTS: [&str; 3] = [
+    "The capital of France is",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Kimi K3 routes every token to sixteen of 896 experts per layer; the spine stays resident.",
+];
+
+#[test]
+fn verify_rows_are_bit_identical_to_decode() {
+    let (_d, model, tok) = setup();
+    let prompt = tok.encode_ordinary(PROMPTS[2]);
+    let truth = plain_greedy(&model, &prompt);
+    // Decode token by token, keeping each step's logits.
+    let mut s1 = model.new_state();
+    model.prefill(&mut s1, &prompt).unwrap();
+    let mut want = Vec::new();
+    for &t in &truth[..8] {
+        want.push(model.decode(&mut s1, t).unwrap());
+    }
+    // One exact pass over the same 8 tokens.
+    let mut s2 = model.new_state();
+    model.prefill(&mut s2, &prompt).unwrap();
+    let got = model
+        .forward_exact(&mut s2, &truth[..8], LogitRows::All)
+        .unwrap();
+    for (i, w) in want.iter().enumerate() {
+        assert!(
+            got.row(i)
+                .iter()
+                .zip(w)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "row {i} differs from one-token decode"
+        );
+    }
+    assert_eq!(
+        s1, s2,
+        "states after decode and after the exact pass differ"
+    );
+}
+
+#[test]
+fn rejected_drafts_roll_the_state_back_exactly() {
+    let (_d, model, tok) = setup();
+    let prompt = tok.encode_ordinary(PROMPTS[0]);
+    let truth = plain_greedy(&model, &prompt);
+    let mut reference = model.new_state();
+    model.prefill(&mut reference, &prompt).unwrap();
+    let mut state = reference.clone();
+    // Two right drafts, then wrong ones.
+    let drafts = [truth[1], truth[2], truth[3] ^ 1, 7, 9];
+    let v = verify(&model, &mut state, truth[0], &drafts).unwrap();
+    assert_eq!(v.accepted, 2);
+    assert_eq!(v.next, truth[3]);
+    model
+        .forward_exact(&mut reference, &truth[..3], LogitRows::Last)
+        .unwrap();
+    assert_eq!(
+        state, reference,
+        "state after rollback differs from feeding the accepted tokens"
+    );
+}
+
+#[test]
+fn speculative_output_equals_plain_greedy_for_every_drafter() {
+    let (_d, model, tok) = setup();
+    let stop = AtomicBool::new(false);
+    for text in PROMPTS {
+        let prompt = tok.encode_ordinary(text);
+        let truth = plain_greedy(&model, &prompt);
+        let mut drafters: Vec<(&str, Box<dyn Drafter>)> = vec![
+            (
+                "perfect",
+                Box::new(Oracle {
+                    prompt_len: prompt.len(),
+                    truth: truth.clone(),
+                    corrupt_at: None,
+                }),
+            ),
+            (
+                "adversarial@0",
+                Box::new(Oracle {
+                    prompt_len: prompt.len(),
+                    truth: truth.clone(),
+                    corrupt_at: Some(0),
+                }),
+            ),
+            (
+                "adversarial@2",
+                Box::new(Oracle {
+                    prompt_len: prompt.len(),
+                    truth: truth.clone(),
+                    corrupt_at: Some(2),
+                }),
+            ),
+            ("random", Box::new(Random(5))),
+            ("repeat", Box::new(Repeat)),
+        ];
+        for (name, d) in drafters.iter_mut() {
+            let widths: &[usize] = if *name == "perfect" {
+                &[1, 3, 7]
+            } else {
+                &[2, 7]
+            };
+            for &width in widths {
+                let (ids, stats) =
+                    generate_speculative(&model, &prompt, MAX_NEW, &STOP, width, d.as_mut(), &stop)
+                        .unwrap();
+                assert_eq!(ids, truth, "{name} width {width} on {text:?}");
+                if *name == "perfect" {
+                    assert_eq!(
+                        stats.accepted, stats.proposed,
+                        "perfect drafts must all be accepted"
+                    );
+                    assert!(
+                        stats.verify_passes < truth.len() - 1,
+                        "no speed-up in passes: {stats:?}"
+                    );
+                }
+                if *name == "adversarial@0" {
+                    assert_eq!(stats.accepted, 0);
+                }
+            }
+        }
+    }
+}
