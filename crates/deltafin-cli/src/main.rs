@@ -3,12 +3,17 @@
 //! `deltafin [run] [OPTIONS]` prefills a prompt and decodes greedily; `deltafin perplexity`
 //! scores a text teacher-forced. See `docs/CLI.md` for every flag and environment variable.
 
+mod benchmark;
+mod buildinfo;
+mod doctor;
+mod elfdeps;
 mod events;
 mod perplexity;
 mod run;
 mod serve;
 mod session;
 mod setup;
+mod upgrade;
 
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -36,6 +41,12 @@ enum Command {
     Run(RunArgs),
     /// Score a text teacher-forced through the prefill path: mean NLL and perplexity.
     Perplexity(PerplexityArgs),
+    /// Read-only, network-free health audit of the host and the model install.
+    Doctor(doctor::DoctorArgs),
+    /// Relaunch `run` once per arm and repetition (ABBA order) and compare the arms.
+    Benchmark(benchmark::BenchmarkArgs),
+    /// Fast-forward this git checkout and rebuild with the recorded build profile.
+    Upgrade,
     /// OpenAI-compatible HTTP server (docs/SERVER.md).
     Serve(serve::ServeArgs),
     /// One-shot install: K3 metadata, DSpark, optional Qwen, weights (docs/SETUP.md).
@@ -112,6 +123,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Run(args)) => run::run(&args),
         Some(Command::Perplexity(args)) => perplexity::perplexity(&args),
+        Some(Command::Doctor(args)) => doctor::doctor(&args),
+        Some(Command::Benchmark(args)) => benchmark::benchmark(&args),
+        Some(Command::Upgrade) => upgrade::upgrade(),
         Some(Command::Serve(args)) => serve::serve(&args),
         Some(Command::Setup(args)) => setup::setup(&args),
         Some(Command::SetupK3(args)) => setup::setup_k3(&args),

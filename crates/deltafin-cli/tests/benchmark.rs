@@ -1,0 +1,400 @@
+//! `deltafin benchmark` on the tiny synthesized model: two arms in ABBA order, oracles,
+//! invalid runs, timeouts and argument checks.
+
+use deltafin_k3::generate::{GenerateOptions, generate};
+use deltafin_k3::loader::{EngineOptions, open_model};
+use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+const PROMPT: &str = "The capital of France is";
+
+fn model_root() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = tempfile::tempdir().unwrap();
+        synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), 3)).unwrap();
+        d
+    })
+    .path()
+}
+
+/// K3's own greedy completion of PROMPT (3 tokens), from the library.
+fn greedy_ids() -> Vec<u32> {
+    let model = open_model(model_root(), &EngineOptions::default()).unwrap();
+    let tok = Tokenizer::from_dir(model_root()).unwrap();
+    let ids = tok.encode_ordinary(PROMPT);
+    let opts = GenerateOptions {
+        max_new: Some(3),
+        stop_ids: vec![END_OF_MSG, EOS],
+        max_context: 4096,
+        top_logits: 0,
+    };
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let out = generate(&model, &ids, &opts, &stop, |_| Ok(())).unwrap();
+    assert_eq!(
+        out.ids.len(),
+        3,
+        "the tiny model stopped early; pick another seed"
+    );
+    out.ids
+}
+
+fn bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .arg("benchmark")
+        .arg("--model-root")
+        .arg(model_root())
+        .args(args)
+        .env_remove("K3_REASONING_EFFORT")
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn read_json(p: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn runs(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("runs.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn two_arms_run_abba_and_match_k3_greedy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev: PathBuf = tmp.path().join("ev");
+    let out = bench(&[
+        "--arm",
+        "one=RAYON_NUM_THREADS=1",
+        "--arm",
+        "two=RAYON_NUM_THREADS=2 K3_REASONING_EFFORT=low",
+        "--reps",
+        "2",
+        "--tokens",
+        "3",
+        "--warmup-steps",
+        "1",
+        "--output-dir",
+        ev.to_str().unwrap(),
+    ]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    assert!(
+        t.contains("all runs valid: true; all outputs exact: true"),
+        "{t}"
+    );
+
+    let r = runs(&ev);
+    let order: Vec<&str> = r.iter().map(|x| x["arm"].as_str().unwrap()).collect();
+    assert_eq!(order, ["one", "two", "two", "one"]);
+    let want = greedy_ids();
+    for run in &r {
+        assert_eq!(run["valid"], true, "{run}");
+        assert_eq!(ids(&run["completion_token_ids"]), want);
+        assert_eq!(
+            run["steady_steps"], 1,
+            "step 0 and one warmup step excluded"
+        );
+        assert!(run["decode_tokens_per_second"].as_f64().unwrap() > 0.0);
+        let dir = ev.join(run["dir"].as_str().unwrap());
+        assert!(dir.join("events.jsonl").is_file());
+        assert!(dir.join("stderr.txt").is_file());
+        assert!(
+            std::fs::read_to_string(dir.join("stderr.txt"))
+                .unwrap()
+                .contains("[deltafin] surface=raw")
+        );
+    }
+    assert_eq!(r[0]["oracle"], "reference");
+    assert_eq!(r[1]["oracle"], "match");
+
+    let res = read_json(&ev.join("result.json"));
+    assert_eq!(res["schema"], "deltafin.benchmark.v1");
+    assert_eq!(res["all_runs_valid"], true);
+    assert_eq!(res["all_outputs_exact"], true);
+    assert_eq!(ids(&res["oracle"]["token_ids"]), want);
+    let arms = res["arms"].as_array().unwrap();
+    assert_eq!(arms.len(), 2);
+    for a in arms {
+        assert_eq!(a["valid_runs"], 2);
+        let p = &a["prefill_seconds"];
+        let (min, med, max) = (
+            p["min"].as_f64().unwrap(),
+            p["median"].as_f64().unwrap(),
+            p["max"].as_f64().unwrap(),
+        );
+        assert!(0.0 < min && min <= med && med <= max, "{p}");
+        assert!(a["decode_tokens_per_second"]["median"].as_f64().unwrap() > 0.0);
+        assert_eq!(a["bytes_read_reported"], false);
+    }
+    assert_eq!(
+        arms[0]["relative_to_first_config"]["decode_tokens_per_second_median"],
+        1.0
+    );
+    assert_eq!(arms[1]["env"]["K3_REASONING_EFFORT"], "low");
+
+    let campaign = read_json(&ev.join("campaign.json"));
+    assert_eq!(campaign["schedule"].as_array().unwrap().len(), 4);
+    let runner = ev
+        .join("bin")
+        .join(format!("deltafin{}", std::env::consts::EXE_SUFFIX));
+    assert!(runner.is_file());
+    assert_eq!(
+        campaign["runner"]["sha256"].as_str().unwrap().len(),
+        64,
+        "{campaign}"
+    );
+    let svg = std::fs::read_to_string(ev.join("latency.svg")).unwrap();
+    assert!(svg.starts_with("<svg"));
+    assert_eq!(svg.matches("<polyline").count(), 4);
+    assert!(svg.contains(">one</text>") && svg.contains(">two</text>"));
+}
+
+#[test]
+fn wrong_token_oracle_invalidates_and_stops_the_campaign() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev = tmp.path().join("ev");
+    let mut wrong = greedy_ids();
+    wrong[1] = wrong[1].wrapping_add(1);
+    let list = format!("{},{},{}", wrong[0], wrong[1], wrong[2]);
+    let out = bench(&[
+        "--max-new",
+        "3",
+        "--reps",
+        "2",
+        "--expect-token-ids",
+        &list,
+        "--output-dir",
+        ev.to_str().unwrap(),
+    ]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(t.contains("stopping after an invalid run"), "{t}");
+    let r = runs(&ev);
+    assert_eq!(r.len(), 1, "the campaign stops at the first invalid run");
+    assert_eq!(r[0]["valid"], false);
+    assert_eq!(r[0]["oracle"], "mismatch");
+    let why = r[0]["invalid_reason"].as_str().unwrap();
+    assert!(
+        why.contains("token-id oracle") && why.contains("position 1"),
+        "{why}"
+    );
+    let res = read_json(&ev.join("result.json"));
+    assert_eq!(res["completed"], false);
+    assert_eq!(res["all_runs_valid"], false);
+
+    // The right ids (JSON form) and text pass.
+    let good = greedy_ids();
+    let ev2 = tmp.path().join("ev2");
+    let text_oracle = {
+        let tok = Tokenizer::from_dir(model_root()).unwrap();
+        tok.decode(&good).unwrap()
+    };
+    let out = bench(&[
+        "--max-new",
+        "3",
+        "--reps",
+        "1",
+        "--prompt",
+        PROMPT,
+        "--expect-token-ids",
+        &serde_json::to_string(&good).unwrap(),
+        "--expect-text",
+        &text_oracle,
+        "--output-dir",
+        ev2.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(runs(&ev2)[0]["oracle"], "match");
+
+    // A wrong text oracle with --keep-going: every run invalid, so still a failure.
+    let ev3 = tmp.path().join("ev3");
+    let out = bench(&[
+        "--max-new",
+        "2",
+        "--reps",
+        "2",
+        "--expect-text",
+        "definitely not the completion",
+        "--keep-going",
+        "--output-dir",
+        ev3.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let r = runs(&ev3);
+    assert_eq!(r.len(), 2);
+    assert!(r.iter().all(|x| x["oracle"] == "mismatch"));
+}
+
+#[test]
+fn keep_going_continues_past_a_failing_arm() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev = tmp.path().join("ev");
+    let out = bench(&[
+        "--arm",
+        "good=",
+        "--arm",
+        "bad=K3_REASONING_EFFORT=bogus",
+        "--reps",
+        "2",
+        "--max-new",
+        "2",
+        "--keep-going",
+        "--output-dir",
+        ev.to_str().unwrap(),
+    ]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    assert!(t.contains("2 of 4 runs were invalid"), "{t}");
+    let r = runs(&ev);
+    assert_eq!(r.len(), 4);
+    for run in &r {
+        let bad = run["arm"] == "bad";
+        assert_eq!(run["valid"], !bad, "{run}");
+        if bad {
+            assert_eq!(run["exit_status"], 1);
+            assert!(
+                run["invalid_reason"]
+                    .as_str()
+                    .unwrap()
+                    .contains("K3_REASONING_EFFORT"),
+                "{run}"
+            );
+        }
+    }
+    let res = read_json(&ev.join("result.json"));
+    assert_eq!(res["all_runs_valid"], false);
+    assert_eq!(res["arms"][1]["valid_runs"], 0);
+    assert_eq!(res["arms"][1]["prefill_seconds"], Value::Null);
+
+    // Without --keep-going the same campaign stops at run 2.
+    let ev2 = tmp.path().join("ev2");
+    let out = bench(&[
+        "--arm",
+        "good=",
+        "--arm",
+        "bad=K3_REASONING_EFFORT=bogus",
+        "--reps",
+        "2",
+        "--max-new",
+        "2",
+        "--output-dir",
+        ev2.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(runs(&ev2).len(), 2);
+}
+
+#[test]
+fn a_stalled_run_is_killed_at_the_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev = tmp.path().join("ev");
+    let out = bench(&[
+        "--timeout",
+        "0.001",
+        "--reps",
+        "1",
+        "--output-dir",
+        ev.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let r = runs(&ev);
+    assert_eq!(r[0]["timed_out"], true);
+    assert!(
+        r[0]["invalid_reason"]
+            .as_str()
+            .unwrap()
+            .contains("timed out")
+    );
+}
+
+#[test]
+fn bad_arguments_are_refused_before_any_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev = tmp.path().join("ev");
+    let evs = ev.to_str().unwrap();
+    let cases: [(&[&str], &str); 7] = [
+        (
+            &[
+                "--arm",
+                "a=",
+                "--arm",
+                "b=",
+                "--reps",
+                "3",
+                "--output-dir",
+                evs,
+            ],
+            "even number of repetitions",
+        ),
+        (
+            &["--arm", "a=LD_PRELOAD=/tmp/x.so", "--output-dir", evs],
+            "dynamic-loader",
+        ),
+        (
+            &["--arm", "a=", "--arm", "a=X=1", "--output-dir", evs],
+            "used twice",
+        ),
+        (
+            &["--expect-token-ids", "1,two", "--output-dir", evs],
+            "`two` is not a token id",
+        ),
+        (&["--timeout", "0", "--output-dir", evs], "positive"),
+        (
+            &["--max-new", "3", "--warmup-steps", "2", "--output-dir", evs],
+            "--warmup-steps 2",
+        ),
+        (
+            &[
+                "--configs",
+                "A=1",
+                "B=2",
+                "--names",
+                "x",
+                "--output-dir",
+                evs,
+            ],
+            "one name per arm",
+        ),
+    ];
+    for (args, msg) in cases {
+        let out = bench(args);
+        let t = text(&out);
+        assert_ne!(out.status.code(), Some(0), "{args:?}: {t}");
+        assert!(t.contains(msg), "{args:?}: {t}");
+        assert!(!ev.exists(), "{args:?} created the evidence directory");
+    }
+    let out = bench(&["--arm", "a=", "--configs", "X=1"]);
+    assert_eq!(out.status.code(), Some(2));
+    std::fs::create_dir_all(&ev).unwrap();
+    std::fs::write(ev.join("keep"), "x").unwrap();
+    let out = bench(&["--output-dir", evs]);
+    assert!(
+        text(&out).contains("not an empty directory"),
+        "{}",
+        text(&out)
+    );
+}
