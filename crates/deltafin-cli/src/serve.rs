@@ -112,6 +112,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
             args.host
         );
     }
+    session::check_kernels()?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
     let cfg = ServerConfig {

@@ -22,6 +22,7 @@ pub struct Session {
 /// Open and validate the install at `root`. A missing install is reported with what is
 /// missing and how to get it.
 pub fn load(root: &Path) -> Result<Session> {
+    check_kernels()?;
     if !root.join(CONFIG_FILE).is_file() {
         bail!(
             "no K3 model installed at {}: {} is missing.\n\
@@ -83,6 +84,14 @@ pub fn env_var(name: &str) -> Result<Option<String>> {
             bail!("environment variable {name} is not valid UTF-8")
         }
     }
+}
+
+/// Resolve the kernel path now (`DELTAFIN_KERNEL` is parsed strictly), so a bad value is a
+/// clear startup error rather than a failure at the first product.
+pub fn check_kernels() -> Result<()> {
+    deltafin_kernels::select_backend()
+        .map(|_| ())
+        .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// The compute backend line shared by the startup echo and the events file.
