@@ -57,10 +57,11 @@ pub struct BenchmarkArgs {
     #[arg(long, visible_alias = "tokens", value_name = "N", default_value_t = 4,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub max_new: u64,
-    /// Repetitions per arm; with two arms or more it must be even (ABBA order).
-    #[arg(long, visible_alias = "repetitions", value_name = "N", default_value_t = 4,
+    /// Repetitions per arm [default: 3 with one arm; 4 with two or more, whose runs
+    /// alternate in ABBA order and so need an even count].
+    #[arg(long, visible_alias = "repetitions", value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..=10000))]
-    pub reps: u64,
+    pub reps: Option<u64>,
     /// Decode steps after the first token excluded from the steady-state figures.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub warmup_steps: u64,
@@ -1111,12 +1112,16 @@ struct ArmStats {
 /// `--keep-going`, also when invalid runs were skipped but at least one run was valid.
 pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
     let arms = parse_arms(&args.arm, &args.configs, &args.names)?;
-    if arms.len() >= 2 && args.reps % 2 == 1 {
+    let reps = match args.reps {
+        Some(r) => r,
+        None if arms.len() >= 2 => 4,
+        None => 3,
+    };
+    if arms.len() >= 2 && reps % 2 == 1 {
         bail!(
-            "--reps {}: with {} arms the runs alternate in ABBA order, which needs an even number of repetitions (e.g. --reps {})",
-            args.reps,
+            "--reps {reps}: with {} arms the runs alternate in ABBA order, which needs an even number of repetitions (e.g. --reps {})",
             arms.len(),
-            args.reps + 1
+            reps + 1
         );
     }
     if args.warmup_steps > 0 && args.warmup_steps + 2 > args.max_new {
@@ -1173,7 +1178,7 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", runner.display()))?;
     let runner_sha = sha256_file(&runner)?;
-    let schedule = abba_schedule(arms.len(), args.reps);
+    let schedule = abba_schedule(arms.len(), reps);
     let arms_json: Vec<Value> = arms
         .iter()
         .map(|a| {
@@ -1193,7 +1198,7 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
             "prompt": args.prompt,
             "chat": args.chat,
             "max_new": args.max_new,
-            "reps": args.reps,
+            "reps": reps,
             "warmup_steps": args.warmup_steps,
             "timeout_seconds": args.timeout,
             "expect_token_ids": explicit_ids,
@@ -1218,7 +1223,7 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
     eprintln!(
         "[benchmark] {} arm(s) × {} repetition(s) = {} runs, max_new={}, evidence in {}",
         arms.len(),
-        args.reps,
+        reps,
         schedule.len(),
         args.max_new,
         dir.display()
