@@ -9,9 +9,10 @@ use crate::dims::{AttnKind, CacheDtype, ModelDims};
 use crate::kda::KdaWeights;
 use crate::mla::MlaWeights;
 use crate::model::{Attention, Ffn, K3Model, Layer, ModelError};
-use crate::moe::{ExpertSource, ExpertWeights, MoeWeights};
+use crate::moe::{ExpertError, ExpertSource, ExpertWeights, MoeWeights};
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
+use deltafin_experts::{ExpertLocation, ExpertShape, ExpertTable, StreamOptions, StreamingExperts};
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
@@ -115,8 +116,8 @@ impl CheckpointExperts {
 }
 
 impl ExpertSource for CheckpointExperts {
-    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ModelError> {
-        let err = |message: String| ModelError::Expert {
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
+        let err = |message: String| ExpertError::Unavailable {
             layer,
             expert,
             message,
@@ -234,6 +235,67 @@ fn load_layer(ckpt: &Checkpoint, l: usize) -> Result<Layer, CheckpointError> {
 
 /// Assemble the model over an opened checkpoint (zero-copy for every matrix).
 pub fn load_model(ckpt: Arc<Checkpoint>, opts: &EngineOptions) -> Result<K3Model, LoadError> {
+    let experts = Box::new(CheckpointExperts::new(ckpt.clone()));
+    load_model_with_experts(ckpt, opts, experts)
+}
+
+/// Every MoE layer's expert byte ranges, from [`Checkpoint::expert_span`] (one table entry
+/// per distinct shard). Fails if an expert spans shards or a range disagrees with the shape.
+pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
+    let cfg = ckpt.config();
+    let mut files: Vec<std::path::PathBuf> = Vec::new();
+    let mut layers = Vec::with_capacity(cfg.n_layers());
+    for l in 0..cfg.n_layers() {
+        if cfg.is_dense(l) {
+            layers.push(None);
+            continue;
+        }
+        let mut locs = Vec::with_capacity(cfg.text.num_experts);
+        for e in 0..cfg.text.num_experts {
+            let span = ckpt.expert_span(l, e)?;
+            let file = match files.iter().position(|p| *p == span.shard_path) {
+                Some(i) => i,
+                None => {
+                    files.push(span.shard_path.clone());
+                    files.len() - 1
+                }
+            };
+            locs.push(ExpertLocation {
+                file,
+                ranges: span.ranges,
+            });
+        }
+        layers.push(Some(locs));
+    }
+    let table = ExpertTable {
+        files,
+        shape: ExpertShape {
+            f: cfg.text.moe_intermediate_size,
+            lr: cfg.text.routed_expert_hidden_size,
+        },
+        layers,
+    };
+    table.validate().map_err(ModelError::from)?;
+    Ok(table)
+}
+
+/// Routed experts streamed from the checkpoint's shards with explicit reads (never through
+/// the shard mmaps) under `stream.cache_bytes`.
+pub fn streaming_experts(
+    ckpt: &Checkpoint,
+    stream: StreamOptions,
+) -> Result<StreamingExperts, LoadError> {
+    let table = expert_table(ckpt)?;
+    Ok(StreamingExperts::new(table, stream).map_err(ModelError::from)?)
+}
+
+/// Assemble the model with routed experts from `experts` (the spine stays zero-copy over the
+/// shard mmaps).
+pub fn load_model_with_experts(
+    ckpt: Arc<Checkpoint>,
+    opts: &EngineOptions,
+    experts: Box<dyn ExpertSource>,
+) -> Result<K3Model, LoadError> {
     let dims = dims_from_config(ckpt.config(), opts);
     let layers = (0..ckpt.config().n_layers())
         .map(|l| load_layer(&ckpt, l))
@@ -246,7 +308,6 @@ pub fn load_model(ckpt: Arc<Checkpoint>, opts: &EngineOptions) -> Result<K3Model
     let norm = g.vec("norm.weight")?;
     let output_res = g.attn_res("output_attn_res")?;
     let lm_head = ckpt.bf16_matrix("lm_head.weight")?;
-    let experts = Box::new(CheckpointExperts::new(ckpt.clone()));
     Ok(K3Model::new(
         dims, embed, layers, norm, output_res, lm_head, experts,
     )?)
