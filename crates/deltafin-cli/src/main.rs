@@ -43,6 +43,21 @@ pub struct ModelArgs {
     /// tokenizer files.
     #[arg(long, value_name = "PATH", default_value = ".")]
     pub model_root: PathBuf,
+    /// Whole-process RAM budget in decimal GB [env: K3_MEMORY_BUDGET_GB]. Default: no budget,
+    /// every expert resident through the shard mmaps. With a budget the spine stays mmap'd, the
+    /// KV/state and runtime are reserved, and the routed experts stream from disk into an
+    /// expert cache of what remains.
+    #[arg(long, value_name = "GB")]
+    pub memory_budget_gb: Option<String>,
+}
+
+impl ModelArgs {
+    /// The load options these flags (and their environment variables) ask for.
+    pub fn load_options(&self) -> anyhow::Result<session::LoadOptions> {
+        Ok(session::LoadOptions {
+            memory_budget: session::resolve_memory_budget(self.memory_budget_gb.as_deref())?,
+        })
+    }
 }
 
 #[derive(Args, Debug, Clone)]

@@ -50,6 +50,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .as_deref()
         .map(EventWriter::create)
         .transpose()?;
+    let load_opts = args.model.load_options()?;
     let interrupt = session::interrupt_flag();
     let started = Instant::now();
 
@@ -58,7 +59,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         tokenizer,
         load_seconds,
         checkpoint,
-    } = session::load(&args.model.model_root)?;
+        memory,
+    } = session::load_with(&args.model.model_root, &load_opts)?;
+    session::report_memory_plan(&model, memory.as_ref());
 
     let prompt_ids = if args.chat {
         let opts = ChatOptions {
@@ -253,6 +256,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
             0.0
         }
     );
+    if args.stats {
+        session::report_expert_stats(&model);
+    }
     if let Some(w) = events.as_mut() {
         w.emit(
             "run_end",
