@@ -4,6 +4,8 @@
 //! - `cargo xtask synth-dspark --target DIR --out DIR [--seed N]`
 //! - `cargo xtask synth-qwen3 --size 0.6b|1.7b --out DIR [--seed N]`
 
+mod stream_bench;
+
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
@@ -85,6 +87,9 @@ enum Cmd {
         #[arg(long)]
         small_vocab: bool,
     },
+    /// Expert-streaming benchmark: read-bandwidth probe, then prefill + greedy decode with
+    /// experts streamed under a cache budget; prints ratios against the probe (not in CI).
+    StreamBench(stream_bench::Args),
     /// Write a synthetic DSpark draft sized for a (synthetic) K3 checkpoint.
     SynthDspark {
         /// Directory with the target's config.json.
@@ -118,6 +123,7 @@ fn summary(r: &SynthReport) {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::StreamBench(args) => stream_bench::run(&args)?,
         Cmd::Demo {
             out,
             max_new,
