@@ -90,6 +90,21 @@ enum Cmd {
     /// Expert-streaming benchmark: read-bandwidth probe, then prefill + greedy decode with
     /// experts streamed under a cache budget; prints ratios against the probe (not in CI).
     StreamBench(stream_bench::Args),
+    /// Expert-cache hit rate vs cache size on synthetic Zipf-skewed routing: the decayed-heat
+    /// policy against plain LRU.
+    CacheCurve {
+        #[arg(long, default_value_t = 16)]
+        layers: usize,
+        #[arg(long, default_value_t = 128)]
+        experts: usize,
+        #[arg(long, default_value_t = 8)]
+        top_k: usize,
+        #[arg(long, default_value_t = 400)]
+        tokens: usize,
+        /// Zipf exponent.
+        #[arg(long, default_value_t = 1.0)]
+        s: f64,
+    },
     /// Write a synthetic DSpark draft sized for a (synthetic) K3 checkpoint.
     SynthDspark {
         /// Directory with the target's config.json.
@@ -124,6 +139,13 @@ fn summary(r: &SynthReport) {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::StreamBench(args) => stream_bench::run(&args)?,
+        Cmd::CacheCurve {
+            layers,
+            experts,
+            top_k,
+            tokens,
+            s,
+        } => stream_bench::cache_curve(layers, experts, top_k, tokens, s),
         Cmd::Demo {
             out,
             max_new,

@@ -255,3 +255,28 @@ pub fn run(args: &Args) -> Result<()> {
     println!("load average at end: {}", load.trim());
     Ok(())
 }
+
+/// Print the hit-rate curve (markdown) of heat vs LRU on a Zipf trace.
+pub fn cache_curve(layers: usize, experts: usize, k: usize, tokens: usize, s: f64) {
+    use deltafin_experts::policy::{HeatCache, LruCache, hit_rate, zipf_routes};
+    let trace = zipf_routes(layers, experts, k, tokens, s, 1);
+    let pool = layers * experts;
+    println!(
+        "Zipf s={s}: {layers} layers × {experts} experts, top-{k}, {tokens} tokens ({} requests; one token's working set = {} experts)",
+        trace.len(),
+        layers * k
+    );
+    println!("| cache (experts) | share of pool | heat hit % | LRU hit % |");
+    println!("|---:|---:|---:|---:|");
+    for share in [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5] {
+        let cap = ((pool as f64 * share).round() as usize).max(1);
+        let heat = hit_rate(&mut HeatCache::new(cap), &trace);
+        let lru = hit_rate(&mut LruCache::new(cap), &trace);
+        println!(
+            "| {cap} | {:.0}% | {:.1} | {:.1} |",
+            100.0 * share,
+            100.0 * heat,
+            100.0 * lru
+        );
+    }
+}
