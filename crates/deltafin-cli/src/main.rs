@@ -86,6 +86,10 @@ pub struct RunArgs {
     /// events file.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=100))]
     pub top_logits: Option<u16>,
+    /// Append the routes of every pass (JSONL, one line per MoE layer and up to 56 rows) to
+    /// PATH; a relative PATH is under the model root.
+    #[arg(long, value_name = "PATH")]
+    pub router_trace: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,
 }

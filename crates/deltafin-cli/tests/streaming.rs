@@ -155,3 +155,38 @@ fn bad_budgets_and_knobs_are_clear_errors() {
         );
     }
 }
+
+#[test]
+fn router_trace_writes_one_line_per_pass_and_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("routes.jsonl");
+    let t = trace.display().to_string();
+    let o = deltafin(
+        &[
+            "run",
+            "--prompt",
+            "Trace the routes",
+            "--max-new",
+            "3",
+            "--router-trace",
+            &t,
+        ],
+        &[("K3_MEMORY_BUDGET_GB", "0.2")],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // 3 passes (prefill + 2 decode steps) × 13 MoE layers.
+    assert_eq!(lines.len(), 3 * 13);
+    assert_eq!(lines[0]["step"], 0);
+    assert_eq!(lines[0]["layer"], 1);
+    assert_eq!(lines[13]["step"], 1);
+    let first = &lines[0];
+    let n = first["ids"].as_array().unwrap().len();
+    assert_eq!(n, first["w"].as_array().unwrap().len());
+    assert_eq!(n % 4, 0, "top-4 per row");
+    assert_eq!(lines[13]["ids"].as_array().unwrap().len(), 4);
+}

@@ -18,10 +18,12 @@ pub mod policy;
 pub mod probe;
 pub mod stats;
 pub mod stream;
+pub mod trace;
 
 pub use layout::{ExpertLocation, ExpertShape, ExpertTable};
 pub use stats::{ExpertStats, LayerStats};
 pub use stream::{DirectIo, PilotGate, StreamOptions, StreamingExperts};
+pub use trace::RouterTrace;
 
 use deltafin_tensor::{Mxfp4Matrix, TensorError};
 use std::path::PathBuf;
@@ -166,4 +168,8 @@ pub trait ExpertSource: Send + Sync {
     fn stats(&self) -> Option<ExpertStats> {
         None
     }
+
+    /// The routes of one pass at `layer`: row `r` chose `ids[r·k..(r+1)·k]` with router
+    /// weights `weights[r·k..(r+1)·k]`, in the authoritative order (for router traces).
+    fn record_routes(&self, _layer: usize, _k: usize, _ids: &[usize], _weights: &[f32]) {}
 }

@@ -112,6 +112,12 @@ impl MoeWeights {
             }
         }
         let union: Vec<usize> = users.keys().copied().collect();
+        let ids: Vec<usize> = routes.iter().flat_map(|r| r.ids.iter().copied()).collect();
+        let weights: Vec<f32> = routes
+            .iter()
+            .flat_map(|r| r.weights.iter().copied())
+            .collect();
+        experts.record_routes(layer, k, &ids, &weights);
         experts.begin_layer(layer, &union);
         if let Some((next_layer, router)) = next
             && experts.wants_prediction()
