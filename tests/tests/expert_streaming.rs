@@ -172,3 +172,29 @@ fn shard_experts_are_contiguous() {
     assert_eq!(table.expert_count(), 13 * 32);
     assert_eq!(table.shape.expert_bytes(), 13056);
 }
+
+#[test]
+fn one_file_per_expert_layout_streams_identically() {
+    let (dir, ckpt) = checkpoint();
+    let resident = load_model(ckpt.clone(), &EngineOptions::default()).unwrap();
+    let want = run(&resident, 24, 6);
+    let n = deltafin_k3::loader::convert_to_expert_files(&ckpt).unwrap();
+    assert_eq!(n, 13 * 32);
+    let first = dir.path().join("k3-experts").join("L1-E0.bin");
+    assert_eq!(std::fs::metadata(&first).unwrap().len(), 13056);
+    let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
+    let table = deltafin_k3::loader::expert_table(&ckpt).unwrap();
+    assert_eq!(table.files.len(), 13 * 32, "one file per expert");
+    let model = streaming(&ckpt, stream_opts(6, PilotGate::Off));
+    let got = run(&model, 24, 6);
+    assert_eq!(got.1, want.1);
+    for (g, w) in got.0.iter().zip(&want.0) {
+        assert!(g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+    // A wrong-sized expert file is named.
+    std::fs::write(&first, b"short").unwrap();
+    let e = deltafin_k3::loader::expert_table(&ckpt)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("L1-E0.bin") && e.contains("5 bytes"), "{e}");
+}

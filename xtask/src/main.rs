@@ -90,6 +90,12 @@ enum Cmd {
     /// Expert-streaming benchmark: read-bandwidth probe, then prefill + greedy decode with
     /// experts streamed under a cache budget; prints ratios against the probe (not in CI).
     StreamBench(stream_bench::Args),
+    /// Write `k3-experts/L{layer}-E{expert}.bin` (one raw expert per file) from the shards;
+    /// the streaming loader then reads experts from those files.
+    ConvertExperts {
+        #[arg(long)]
+        model_root: PathBuf,
+    },
     /// Expert-cache hit rate vs cache size on synthetic Zipf-skewed routing: the decayed-heat
     /// policy against plain LRU.
     CacheCurve {
@@ -139,6 +145,15 @@ fn summary(r: &SynthReport) {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::StreamBench(args) => stream_bench::run(&args)?,
+        Cmd::ConvertExperts { model_root } => {
+            let ckpt = deltafin_k3::checkpoint::Checkpoint::open(&model_root)
+                .with_context(|| format!("opening {}", model_root.display()))?;
+            let n = deltafin_k3::loader::convert_to_expert_files(&ckpt)?;
+            println!(
+                "wrote {n} expert files under {}",
+                model_root.join(deltafin_k3::loader::EXPERT_DIR).display()
+            );
+        }
         Cmd::CacheCurve {
             layers,
             experts,

@@ -33,6 +33,10 @@ use std::time::{Duration, Instant};
 
 pub use crate::io::DirectIo;
 
+/// Tables with more files than this (one file per expert) open each file per read instead of
+/// holding two descriptors per file.
+pub const MAX_OPEN_FILES: usize = 256;
+
 /// The PILOT next-layer prefetch switch (`K3_PILOT_GATE`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum PilotGate {
@@ -146,7 +150,11 @@ struct State {
 
 struct Shared {
     table: ExpertTable,
+    /// Files opened once (tables of at most [`MAX_OPEN_FILES`] files); empty otherwise, and
+    /// each read opens its file (one `open` per multi-megabyte read).
     files: Vec<SourceFile>,
+    /// How the last per-read-opened file was served (when `files` is empty).
+    last_path: Mutex<Option<(IoPath, Option<String>)>>,
     opts: StreamOptions,
     buf_cap: u64,
     window: usize,
@@ -198,9 +206,11 @@ impl StreamingExperts {
                 opts.cache_bytes
             )));
         }
+        let open_all = table.files.len() <= MAX_OPEN_FILES;
         let files = table
             .files
             .iter()
+            .filter(|_| open_all)
             .map(|p| {
                 SourceFile::open(p, opts.direct_io)
                     .map_err(|e| ExpertError::Setup(format!("cannot open {}: {e}", p.display())))
@@ -217,6 +227,7 @@ impl StreamingExperts {
         let shared = Arc::new(Shared {
             table,
             files,
+            last_path: Mutex::new(None),
             buf_cap,
             window,
             half_life: default_half_life(capacity),
@@ -266,8 +277,15 @@ impl StreamingExperts {
     pub fn io_path(&self) -> String {
         let mut buffered: Option<String> = None;
         let mut direct = 0;
-        for f in &self.shared.files {
-            match f.io_path() {
+        let lazy = self.shared.last_path.lock().ok().and_then(|g| g.clone());
+        for path in self
+            .shared
+            .files
+            .iter()
+            .map(SourceFile::io_path)
+            .chain(lazy)
+        {
+            match path {
                 (IoPath::Direct, _) => direct += 1,
                 (IoPath::Buffered, why) => {
                     buffered.get_or_insert(why.unwrap_or_else(|| "buffered".into()));
@@ -420,7 +438,24 @@ impl Shared {
     fn read(&self, job: &mut Job) -> Result<(ReadPlan, u64, u64, u64), ExpertError> {
         let loc = self.table.get(job.layer, job.expert)?;
         let plan = ReadPlan::new(loc);
-        let file = &self.files[loc.file];
+        let opened;
+        let file = match self.files.get(loc.file) {
+            Some(f) => f,
+            None => {
+                let path = &self.table.files[loc.file];
+                opened = SourceFile::open(path, self.opts.direct_io).map_err(|source| {
+                    ExpertError::Io {
+                        layer: job.layer,
+                        expert: job.expert,
+                        path: path.clone(),
+                        offset: 0,
+                        len: 0,
+                        source,
+                    }
+                })?;
+                &opened
+            }
+        };
         let bytes = job.buf.as_mut_bytes();
         let (mut reads, mut direct, mut device) = (0, 0, 0);
         for r in &plan.regions {
@@ -438,6 +473,11 @@ impl Shared {
             if path == IoPath::Direct {
                 direct += 1;
             }
+        }
+        if self.files.is_empty()
+            && let Ok(mut g) = self.last_path.lock()
+        {
+            *g = Some(file.io_path());
         }
         Ok((plan, reads, direct, device))
     }
