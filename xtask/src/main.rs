@@ -4,6 +4,8 @@
 //! - `cargo xtask synth-dspark --target DIR --out DIR [--seed N]`
 //! - `cargo xtask synth-qwen3 --size 0.6b|1.7b --out DIR [--seed N]`
 
+mod stream_bench;
+
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
@@ -85,6 +87,30 @@ enum Cmd {
         #[arg(long)]
         small_vocab: bool,
     },
+    /// Expert-streaming benchmark: read-bandwidth probe, then prefill + greedy decode with
+    /// experts streamed under a cache budget; prints ratios against the probe (not in CI).
+    StreamBench(stream_bench::Args),
+    /// Write `k3-experts/L{layer}-E{expert}.bin` (one raw expert per file) from the shards;
+    /// the streaming loader then reads experts from those files.
+    ConvertExperts {
+        #[arg(long)]
+        model_root: PathBuf,
+    },
+    /// Expert-cache hit rate vs cache size on synthetic Zipf-skewed routing: the decayed-heat
+    /// policy against plain LRU.
+    CacheCurve {
+        #[arg(long, default_value_t = 16)]
+        layers: usize,
+        #[arg(long, default_value_t = 128)]
+        experts: usize,
+        #[arg(long, default_value_t = 8)]
+        top_k: usize,
+        #[arg(long, default_value_t = 400)]
+        tokens: usize,
+        /// Zipf exponent.
+        #[arg(long, default_value_t = 1.0)]
+        s: f64,
+    },
     /// Write a synthetic DSpark draft sized for a (synthetic) K3 checkpoint.
     SynthDspark {
         /// Directory with the target's config.json.
@@ -118,6 +144,23 @@ fn summary(r: &SynthReport) {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::StreamBench(args) => stream_bench::run(&args)?,
+        Cmd::ConvertExperts { model_root } => {
+            let ckpt = deltafin_k3::checkpoint::Checkpoint::open(&model_root)
+                .with_context(|| format!("opening {}", model_root.display()))?;
+            let n = deltafin_k3::loader::convert_to_expert_files(&ckpt)?;
+            println!(
+                "wrote {n} expert files under {}",
+                model_root.join(deltafin_k3::loader::EXPERT_DIR).display()
+            );
+        }
+        Cmd::CacheCurve {
+            layers,
+            experts,
+            top_k,
+            tokens,
+            s,
+        } => stream_bench::cache_curve(layers, experts, top_k, tokens, s),
         Cmd::Demo {
             out,
             max_new,

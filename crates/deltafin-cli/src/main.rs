@@ -68,6 +68,21 @@ pub struct ModelArgs {
     /// tokenizer files.
     #[arg(long, value_name = "PATH", default_value = ".")]
     pub model_root: PathBuf,
+    /// Whole-process RAM budget in decimal GB [env: K3_MEMORY_BUDGET_GB]. Default: no budget,
+    /// every expert resident through the shard mmaps. With a budget the spine stays mmap'd, the
+    /// KV/state and runtime are reserved, and the routed experts stream from disk into an
+    /// expert cache of what remains.
+    #[arg(long, value_name = "GB")]
+    pub memory_budget_gb: Option<String>,
+}
+
+impl ModelArgs {
+    /// The load options these flags (and their environment variables) ask for.
+    pub fn load_options(&self) -> anyhow::Result<session::LoadOptions> {
+        Ok(session::LoadOptions {
+            memory_budget: session::resolve_memory_budget(self.memory_budget_gb.as_deref())?,
+        })
+    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -96,6 +111,10 @@ pub struct RunArgs {
     /// events file.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=100))]
     pub top_logits: Option<u16>,
+    /// Append the routes of every pass (JSONL, one line per MoE layer and up to 56 rows) to
+    /// PATH; a relative PATH is under the model root.
+    #[arg(long, value_name = "PATH")]
+    pub router_trace: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,
 }

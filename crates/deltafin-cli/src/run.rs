@@ -50,15 +50,28 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .as_deref()
         .map(EventWriter::create)
         .transpose()?;
+    let load_opts = args.model.load_options()?;
     let interrupt = session::interrupt_flag();
     let started = Instant::now();
 
     let Session {
-        model,
+        mut model,
         tokenizer,
         load_seconds,
         checkpoint,
-    } = session::load(&args.model.model_root)?;
+        memory,
+    } = session::load_with(&args.model.model_root, &load_opts)?;
+    session::report_memory_plan(&model, memory.as_ref());
+    if let Some(p) = &args.router_trace {
+        let path = args.model.model_root.join(p);
+        let inner = std::mem::replace(
+            &mut model.experts,
+            Box::new(deltafin_k3::moe::InMemoryExperts::default()),
+        );
+        let trace = deltafin_experts::RouterTrace::create(&path, inner)
+            .with_context(|| format!("--router-trace: cannot open {}", path.display()))?;
+        model.experts = Box::new(trace);
+    }
 
     let prompt_ids = if args.chat {
         let opts = ChatOptions {
@@ -253,6 +266,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
             0.0
         }
     );
+    if args.stats {
+        session::report_expert_stats(&model);
+    }
     if let Some(w) = events.as_mut() {
         w.emit(
             "run_end",

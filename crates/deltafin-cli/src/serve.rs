@@ -113,6 +113,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         );
     }
     session::check_kernels()?;
+    let load_options = args.model.load_options()?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
     let cfg = ServerConfig {
@@ -130,7 +131,19 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         .context("cannot start the async runtime")?;
     runtime.block_on(async {
         let shutdown = shutdown_signal();
-        let server = Server::bind(cfg.clone(), args.model.model_root.clone()).await?;
+        // The model loads through the same path as `run` (memory budget included), on the
+        // server's background loader thread.
+        let root = args.model.model_root.clone();
+        let server = Server::bind_with_loader(cfg.clone(), move || {
+            let s = session::load_with(&root, &load_options).map_err(|e| format!("{e:#}"))?;
+            session::report_memory_plan(&s.model, s.memory.as_ref());
+            Ok(deltafin_openai::Engine {
+                max_context: s.checkpoint.config().text.max_position_embeddings,
+                model: s.model,
+                tokenizer: s.tokenizer,
+            })
+        })
+        .await?;
         let addr = server.local_addr()?;
         deltafin_openai::log_line!(
             "[deltafin serve] surface=server {} spine=bf16 model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={effort} ({effort_source})",

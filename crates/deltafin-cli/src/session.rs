@@ -1,9 +1,13 @@
 //! Loading what every model command needs: the checkpoint, the model, the tokenizer, the
 //! Ctrl-C flag, and strict parsing of environment variables.
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
+use deltafin_experts::{DirectIo, PilotGate, StreamOptions};
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
-use deltafin_k3::loader::{EngineOptions, load_model};
+use deltafin_k3::loader::{
+    EngineOptions, dims_from_config, expert_table, load_model, load_model_with_experts,
+    streaming_experts,
+};
 use deltafin_k3::model::K3Model;
 use deltafin_k3::tokenizer::Tokenizer;
 use std::path::Path;
@@ -17,11 +21,247 @@ pub struct Session {
     pub tokenizer: Tokenizer,
     pub checkpoint: Arc<Checkpoint>,
     pub load_seconds: f64,
+    /// The memory split when experts stream under a budget (`None`: resident experts).
+    pub memory: Option<MemoryPlan>,
 }
 
-/// Open and validate the install at `root`. A missing install is reported with what is
-/// missing and how to get it.
-pub fn load(root: &Path) -> Result<Session> {
+/// How the model is loaded.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoadOptions {
+    /// Whole-process RAM budget in bytes; `None` keeps every expert resident (mmap).
+    pub memory_budget: Option<u64>,
+}
+
+/// Tokens of KV/state reserved inside a memory budget (capped by the model context).
+pub const CONTEXT_RESERVE_TOKENS: usize = 32_768;
+
+/// The split of a memory budget (bytes).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryPlan {
+    pub budget: u64,
+    /// Non-expert tensor bytes of the shards: the mmap'd spine, resident as it is touched.
+    pub spine: u64,
+    /// KDA state plus the MLA cache for `context_tokens`.
+    pub state: u64,
+    pub context_tokens: usize,
+    /// Process memory after loading (RSS: code, libraries, tokenizer, allocator).
+    pub runtime: u64,
+    /// Activation scratch and the one expert that may be multiplied while evicted.
+    pub scratch: u64,
+    /// What is left: the expert cache.
+    pub cache: u64,
+    /// Payload bytes of one expert, and the experts over all MoE layers.
+    pub expert_bytes: u64,
+    pub experts: usize,
+    /// Whether every expert's six tensors are gap-free in its shard (one read per expert).
+    pub contiguous: bool,
+}
+
+impl MemoryPlan {
+    /// The startup line.
+    pub fn describe(&self, io: &str, threads: usize, pilot: &str) -> String {
+        let gb = |b: u64| b as f64 / 1e9;
+        format!(
+            "memory budget {:.3} GB = spine {:.3} GB (mmap'd, resident as touched) + state {:.3} GB ({} tokens) + runtime {:.3} GB + scratch {:.3} GB + expert cache {:.3} GB ({} of {} experts, {:.1}%); experts stream from the shards ({}; {}), io={io} read_threads={threads} pilot_gate={pilot}",
+            gb(self.budget),
+            gb(self.spine),
+            gb(self.state),
+            self.context_tokens,
+            gb(self.runtime),
+            gb(self.scratch),
+            gb(self.cache),
+            self.cache / self.expert_bytes.max(1),
+            self.experts,
+            100.0 * self.cache as f64
+                / (self.expert_bytes.max(1) * self.experts.max(1) as u64) as f64,
+            if self.contiguous {
+                "six tensors contiguous: one read per expert"
+            } else {
+                "non-contiguous: one read per run of tensors"
+            },
+            "explicit reads, never the mmap",
+        )
+    }
+}
+
+/// Memory counters of this process from `/proc/self/status` (Linux), in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ProcMemory {
+    /// Resident set now (anonymous + file + shmem) and its peak.
+    pub rss: u64,
+    pub peak_rss: u64,
+    pub rss_anon: u64,
+    pub rss_file: u64,
+}
+
+/// Read `/proc/self/status`; `None` where it does not exist.
+pub fn proc_memory() -> Option<ProcMemory> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    let mut m = ProcMemory::default();
+    for line in text.lines() {
+        let mut it = line.split_whitespace();
+        let (Some(key), Some(v)) = (it.next(), it.next()) else {
+            continue;
+        };
+        let Ok(kb) = v.parse::<u64>() else { continue };
+        match key {
+            "VmRSS:" => m.rss = kb * 1024,
+            "VmHWM:" => m.peak_rss = kb * 1024,
+            "RssAnon:" => m.rss_anon = kb * 1024,
+            "RssFile:" => m.rss_file = kb * 1024,
+            _ => {}
+        }
+    }
+    Some(m)
+}
+
+/// A decimal GB value (`1e9` bytes): a positive finite number.
+pub fn parse_gb(text: &str) -> std::result::Result<u64, String> {
+    let v: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of GB"))?;
+    if !v.is_finite() || v <= 0.0 || v > 1e6 {
+        return Err(format!(
+            "{text:?} must be a positive number of GB (at most 1e6)"
+        ));
+    }
+    Ok((v * 1e9) as u64)
+}
+
+/// The budget from `--memory-budget-gb`, else `K3_MEMORY_BUDGET_GB`, else none. Both are
+/// parsed strictly.
+pub fn resolve_memory_budget(flag: Option<&str>) -> Result<Option<u64>> {
+    let env = env_var("K3_MEMORY_BUDGET_GB")?
+        .map(|v| parse_gb(&v).map_err(|e| anyhow!("environment variable K3_MEMORY_BUDGET_GB: {e}")))
+        .transpose()?;
+    match flag {
+        Some(f) => Ok(Some(
+            parse_gb(f).map_err(|e| anyhow!("--memory-budget-gb: {e}"))?,
+        )),
+        None => Ok(env),
+    }
+}
+
+fn env_choice<T>(
+    name: &str,
+    default: T,
+    parse: impl Fn(&str) -> std::result::Result<T, String>,
+) -> Result<T> {
+    match env_var(name)? {
+        None => Ok(default),
+        Some(v) => parse(&v).map_err(|e| anyhow!("environment variable {name}: {e}")),
+    }
+}
+
+/// Streaming options from `K3_EXPERT_READ_THREADS` (1…16, default min(CPUs, 4)),
+/// `K3_EXPERT_STREAM_NOCACHE` (`auto`/`1`: O_DIRECT where allowed, `0`: page cache),
+/// `K3_PILOT_GATE` (`off`, `measure`, `on`), `K3_PILOT_GATE_THRESHOLD` ([0, 1), 0.10) and
+/// `K3_PILOT_GATE_WARMUP` (1…100000, 16), all parsed strictly.
+pub fn stream_options_from_env(cache_bytes: u64) -> Result<StreamOptions> {
+    let base = StreamOptions::with_cache_bytes(cache_bytes);
+    let read_threads = env_choice("K3_EXPERT_READ_THREADS", base.read_threads, |v| {
+        v.parse::<usize>()
+            .ok()
+            .filter(|n| (1..=16).contains(n))
+            .ok_or_else(|| format!("{v:?} is not an integer in 1…16"))
+    })?;
+    let direct_io = env_choice("K3_EXPERT_STREAM_NOCACHE", DirectIo::Auto, |v| match v {
+        "auto" | "1" => Ok(DirectIo::Auto),
+        "0" => Ok(DirectIo::Off),
+        _ => Err(format!("{v:?} is not auto, 0 or 1")),
+    })?;
+    let threshold = env_choice("K3_PILOT_GATE_THRESHOLD", 0.10, |v| {
+        v.parse::<f64>()
+            .ok()
+            .filter(|x| (0.0..1.0).contains(x))
+            .ok_or_else(|| format!("{v:?} is not a number in [0, 1)"))
+    })?;
+    let warmup = env_choice("K3_PILOT_GATE_WARMUP", 16, |v| {
+        v.parse::<u64>()
+            .ok()
+            .filter(|n| (1..=100_000).contains(n))
+            .ok_or_else(|| format!("{v:?} is not an integer in 1…100000"))
+    })?;
+    let pilot = env_choice("K3_PILOT_GATE", PilotGate::Off, |v| match v {
+        "off" => Ok(PilotGate::Off),
+        "measure" => Ok(PilotGate::Measure),
+        "on" => Ok(PilotGate::On { threshold, warmup }),
+        _ => Err(format!("{v:?} is not off, measure or on")),
+    })?;
+    Ok(StreamOptions {
+        cache_bytes,
+        read_threads,
+        direct_io,
+        pilot,
+    })
+}
+
+/// Split `budget` and build the streaming model.
+fn plan_and_load(
+    checkpoint: &Arc<Checkpoint>,
+    budget: u64,
+) -> Result<(K3Model, MemoryPlan, StreamOptions)> {
+    let cfg = checkpoint.config();
+    let table = expert_table(checkpoint).context("cannot locate the routed experts")?;
+    let expert_bytes = table.shape.expert_bytes();
+    let experts = table.expert_count();
+    let mut file_bytes = 0u64;
+    for p in checkpoint.shard_paths() {
+        file_bytes += std::fs::metadata(p)
+            .with_context(|| format!("cannot stat {}", p.display()))?
+            .len();
+    }
+    let spine = file_bytes.saturating_sub(expert_bytes * experts as u64);
+    let dims = dims_from_config(cfg, &EngineOptions::default());
+    let context_tokens = cfg.text.max_position_embeddings.min(CONTEXT_RESERVE_TOKENS);
+    let state = (dims.kda_state_bytes() + context_tokens * dims.mla_cache_bytes_per_token()) as u64;
+    // Everything resident after loading: code and libraries (file-backed), the tokenizer,
+    // the allocator (anonymous). Spine pages are hardly touched yet and counted above.
+    let runtime = proc_memory().map_or(0, |m| m.rss);
+    // Prefill activations of a 512-token chunk (≈16 live f32 rows of width D), two rows
+    // of logits, and one expert buffer that may outlive its eviction while multiplied.
+    let scratch = (16 * 512 * dims.hidden_size * 4 + 2 * dims.vocab_size * 4) as u64
+        + table.max_buffer_bytes();
+    let reserved = spine + state + runtime + scratch;
+    let cache = budget.saturating_sub(reserved);
+    let gb = |b: u64| b as f64 / 1e9;
+    if cache < table.max_buffer_bytes() {
+        bail!(
+            "memory budget {:.3} GB is too small: the spine ({:.3} GB), the state ({:.3} GB for {context_tokens} tokens), the runtime ({:.3} GB) and scratch ({:.3} GB) leave {:.3} GB, less than one expert ({} bytes)",
+            gb(budget),
+            gb(spine),
+            gb(state),
+            gb(runtime),
+            gb(scratch),
+            gb(cache),
+            table.max_buffer_bytes()
+        );
+    }
+    let opts = stream_options_from_env(cache)?;
+    let plan = MemoryPlan {
+        budget,
+        spine,
+        state,
+        context_tokens,
+        runtime,
+        scratch,
+        cache,
+        expert_bytes,
+        experts,
+        contiguous: table.all_contiguous(),
+    };
+    let src =
+        streaming_experts(checkpoint, opts.clone()).context("cannot set up expert streaming")?;
+    let model =
+        load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), Box::new(src))?;
+    Ok((model, plan, opts))
+}
+
+/// Open and validate the install at `root`; without a memory budget every expert stays
+/// resident (mmap), with one the routed experts stream from disk. A missing install is
+/// reported with what is missing and how to get it.
+pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
     check_kernels()?;
     if !root.join(CONFIG_FILE).is_file() {
         bail!(
@@ -38,10 +278,20 @@ pub fn load(root: &Path) -> Result<Session> {
         Checkpoint::open(root)
             .with_context(|| format!("the K3 checkpoint at {} is not usable", root.display()))?,
     );
-    let model = load_model(checkpoint.clone(), &EngineOptions::default())
-        .with_context(|| format!("cannot build the model from {}", root.display()))?;
     let tokenizer = Tokenizer::from_dir(root)
         .with_context(|| format!("cannot load the tokenizer from {}", root.display()))?;
+    let (model, memory) = match opts.memory_budget {
+        None => (
+            load_model(checkpoint.clone(), &EngineOptions::default())
+                .with_context(|| format!("cannot build the model from {}", root.display()))?,
+            None,
+        ),
+        Some(budget) => {
+            let (model, plan, _) = plan_and_load(&checkpoint, budget)
+                .with_context(|| format!("cannot build the model from {}", root.display()))?;
+            (model, Some(plan))
+        }
+    };
     if tokenizer.vocab_size() != model.dims.vocab_size {
         bail!(
             "tokenizer vocabulary ({}) does not match config.json vocab_size ({})",
@@ -54,7 +304,46 @@ pub fn load(root: &Path) -> Result<Session> {
         tokenizer,
         checkpoint,
         load_seconds: t.elapsed().as_secs_f64(),
+        memory,
     })
+}
+
+/// With a memory plan, say at startup how the budget is split and how experts are read.
+pub fn report_memory_plan(model: &K3Model, plan: Option<&MemoryPlan>) {
+    let Some(plan) = plan else { return };
+    let (io, threads) = model
+        .experts
+        .stats()
+        .map(|s| (s.io_path, s.read_threads))
+        .unwrap_or_default();
+    let pilot = env_var("K3_PILOT_GATE")
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| "off".into());
+    eprintln!("[deltafin] {}", plan.describe(&io, threads, &pilot));
+}
+
+/// The expert-streaming summary (stderr): cache hits, prefetch recall, bytes read, achieved
+/// GB/s, per-layer hit rates and recall, and the process memory (`/proc/self/status`:
+/// peak RSS = anonymous + file-backed + shmem pages).
+pub fn report_expert_stats(model: &K3Model) {
+    if let Some(st) = model.experts.stats() {
+        eprintln!("[stats] experts {}", st.summary_line());
+        eprintln!(
+            "[stats] experts hit% by layer: {}",
+            st.per_layer_hit_rates()
+        );
+        eprintln!(
+            "[stats] experts recall% by layer: {}",
+            st.per_layer_recall()
+        );
+    }
+    if let Some(m) = proc_memory() {
+        eprintln!(
+            "[stats] memory peak_rss={} rss={} rss_anon={} rss_file={}",
+            m.peak_rss, m.rss, m.rss_anon, m.rss_file
+        );
+    }
 }
 
 /// A flag raised by the first Ctrl-C; a second Ctrl-C exits at once with status 130.

@@ -9,9 +9,10 @@ use crate::dims::{AttnKind, CacheDtype, ModelDims};
 use crate::kda::KdaWeights;
 use crate::mla::MlaWeights;
 use crate::model::{Attention, Ffn, K3Model, Layer, ModelError};
-use crate::moe::{ExpertSource, ExpertWeights, MoeWeights};
+use crate::moe::{ExpertError, ExpertSource, ExpertWeights, MoeWeights};
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
+use deltafin_experts::{ExpertLocation, ExpertShape, ExpertTable, StreamOptions, StreamingExperts};
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
@@ -115,8 +116,8 @@ impl CheckpointExperts {
 }
 
 impl ExpertSource for CheckpointExperts {
-    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ModelError> {
-        let err = |message: String| ModelError::Expert {
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
+        let err = |message: String| ExpertError::Unavailable {
             layer,
             expert,
             message,
@@ -234,6 +235,153 @@ fn load_layer(ckpt: &Checkpoint, l: usize) -> Result<Layer, CheckpointError> {
 
 /// Assemble the model over an opened checkpoint (zero-copy for every matrix).
 pub fn load_model(ckpt: Arc<Checkpoint>, opts: &EngineOptions) -> Result<K3Model, LoadError> {
+    let experts = Box::new(CheckpointExperts::new(ckpt.clone()));
+    load_model_with_experts(ckpt, opts, experts)
+}
+
+/// Directory of the one-file-per-expert layout under the model root (product-contract §4.1).
+pub const EXPERT_DIR: &str = "k3-experts";
+
+/// `L{layer}-E{expert}.bin`: one expert's six tensors verbatim, §3.4 order (`raw-v1`).
+pub fn expert_file_name(layer: usize, expert: usize) -> String {
+    format!("L{layer}-E{expert}.bin")
+}
+
+/// Every MoE layer's expert byte ranges. With a `k3-experts/` directory under the model root
+/// every expert is its own file (each must exist with exactly the expert's size); otherwise
+/// the ranges come from the shards via [`Checkpoint::expert_span`] (one table entry per
+/// distinct shard; an expert spanning shards is an error).
+pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
+    let cfg = ckpt.config();
+    let shape = ExpertShape {
+        f: cfg.text.moe_intermediate_size,
+        lr: cfg.text.routed_expert_hidden_size,
+    };
+    let dir = ckpt.root().join(EXPERT_DIR);
+    let per_file = dir.is_dir();
+    let mut files: Vec<std::path::PathBuf> = Vec::new();
+    let mut layers = Vec::with_capacity(cfg.n_layers());
+    for l in 0..cfg.n_layers() {
+        if cfg.is_dense(l) {
+            layers.push(None);
+            continue;
+        }
+        let mut locs = Vec::with_capacity(cfg.text.num_experts);
+        for e in 0..cfg.text.num_experts {
+            if per_file {
+                let path = dir.join(expert_file_name(l, e));
+                let len = std::fs::metadata(&path).map(|m| m.len()).map_err(|err| {
+                    CheckpointError::File {
+                        path: path.clone(),
+                        message: format!("expert file of layer {l} expert {e}: {err}"),
+                    }
+                })?;
+                if len != shape.expert_bytes() {
+                    return Err(CheckpointError::File {
+                        path,
+                        message: format!(
+                            "is {len} bytes, an expert of this config is {}",
+                            shape.expert_bytes()
+                        ),
+                    }
+                    .into());
+                }
+                let mut ranges = [(0u64, 0u64); 6];
+                let mut at = 0;
+                for (r, len) in ranges.iter_mut().zip(shape.tensor_bytes()) {
+                    *r = (at, len);
+                    at += len;
+                }
+                files.push(path);
+                locs.push(ExpertLocation {
+                    file: files.len() - 1,
+                    ranges,
+                });
+                continue;
+            }
+            let span = ckpt.expert_span(l, e)?;
+            let file = match files.iter().position(|p| *p == span.shard_path) {
+                Some(i) => i,
+                None => {
+                    files.push(span.shard_path.clone());
+                    files.len() - 1
+                }
+            };
+            locs.push(ExpertLocation {
+                file,
+                ranges: span.ranges,
+            });
+        }
+        layers.push(Some(locs));
+    }
+    let table = ExpertTable {
+        files,
+        shape,
+        layers,
+    };
+    table.validate().map_err(ModelError::from)?;
+    Ok(table)
+}
+
+/// Write `k3-experts/L{l}-E{e}.bin` for every routed expert from the shards (positional
+/// reads of each expert's ranges; each file written to `.tmp` and renamed). Returns the
+/// number of files written. Afterwards [`expert_table`] uses the per-expert layout.
+pub fn convert_to_expert_files(ckpt: &Checkpoint) -> Result<usize, LoadError> {
+    use std::os::unix::fs::FileExt;
+    let cfg = ckpt.config();
+    let dir = ckpt.root().join(EXPERT_DIR);
+    let io = |path: &Path, err: std::io::Error| CheckpointError::File {
+        path: path.to_path_buf(),
+        message: err.to_string(),
+    };
+    let staging = ckpt.root().join(format!("{EXPERT_DIR}.tmp"));
+    std::fs::create_dir_all(&staging).map_err(|e| io(&staging, e))?;
+    let mut n = 0;
+    let mut open: Option<(std::path::PathBuf, std::fs::File)> = None;
+    for l in (0..cfg.n_layers()).filter(|&l| !cfg.is_dense(l)) {
+        for e in 0..cfg.text.num_experts {
+            let span = ckpt.expert_span(l, e)?;
+            if open.as_ref().is_none_or(|(p, _)| *p != span.shard_path) {
+                let f = std::fs::File::open(&span.shard_path)
+                    .map_err(|err| io(&span.shard_path, err))?;
+                open = Some((span.shard_path.clone(), f));
+            }
+            let Some((_, f)) = open.as_ref() else {
+                continue;
+            };
+            let mut bytes = Vec::with_capacity(span.total_bytes() as usize);
+            for &(off, len) in &span.ranges {
+                let at = bytes.len();
+                bytes.resize(at + len as usize, 0);
+                f.read_exact_at(&mut bytes[at..], off)
+                    .map_err(|err| io(&span.shard_path, err))?;
+            }
+            let path = staging.join(expert_file_name(l, e));
+            std::fs::write(&path, &bytes).map_err(|err| io(&path, err))?;
+            n += 1;
+        }
+    }
+    std::fs::rename(&staging, &dir).map_err(|e| io(&dir, e))?;
+    Ok(n)
+}
+
+/// Routed experts streamed from the checkpoint's shards with explicit reads (never through
+/// the shard mmaps) under `stream.cache_bytes`.
+pub fn streaming_experts(
+    ckpt: &Checkpoint,
+    stream: StreamOptions,
+) -> Result<StreamingExperts, LoadError> {
+    let table = expert_table(ckpt)?;
+    Ok(StreamingExperts::new(table, stream).map_err(ModelError::from)?)
+}
+
+/// Assemble the model with routed experts from `experts` (the spine stays zero-copy over the
+/// shard mmaps).
+pub fn load_model_with_experts(
+    ckpt: Arc<Checkpoint>,
+    opts: &EngineOptions,
+    experts: Box<dyn ExpertSource>,
+) -> Result<K3Model, LoadError> {
     let dims = dims_from_config(ckpt.config(), opts);
     let layers = (0..ckpt.config().n_layers())
         .map(|l| load_layer(&ckpt, l))
@@ -246,7 +394,6 @@ pub fn load_model(ckpt: Arc<Checkpoint>, opts: &EngineOptions) -> Result<K3Model
     let norm = g.vec("norm.weight")?;
     let output_res = g.attn_res("output_attn_res")?;
     let lm_head = ckpt.bf16_matrix("lm_head.weight")?;
-    let experts = Box::new(CheckpointExperts::new(ckpt.clone()));
     Ok(K3Model::new(
         dims, embed, layers, norm, output_res, lm_head, experts,
     )?)

@@ -64,6 +64,19 @@ pub enum ModelError {
     },
 }
 
+impl From<deltafin_experts::ExpertError> for ModelError {
+    fn from(e: deltafin_experts::ExpertError) -> ModelError {
+        match e.location() {
+            Some((layer, expert)) => ModelError::Expert {
+                layer,
+                expert,
+                message: e.detail(),
+            },
+            None => ModelError::Dims(e.to_string()),
+        }
+    }
+}
+
 /// The attention block of a layer.
 #[derive(Clone, Debug)]
 pub enum Attention {
@@ -412,6 +425,11 @@ impl K3Model {
             p.extend(self.embed.row(token as usize).iter().map(|v| v.to_f32()));
         }
         let mut snaps: Vec<Vec<f32>> = Vec::new();
+        // PILOT: each MoE layer's router on the previous MoE layer's input.
+        let next_router = |l: usize| match self.layers.get(l + 1).map(|x| &x.ffn) {
+            Some(Ffn::Moe(m)) => Some((l + 1, &m.router)),
+            _ => None,
+        };
         for (l, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             let a = if snaps.is_empty() {
                 p.clone()
@@ -444,7 +462,9 @@ impl K3Model {
             let x = rms_norm_rows_new(&m, &layer.post_attention_layernorm, d.rms_norm_eps);
             let f = match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(d, &x, t),
-                Ffn::Moe(moe) => moe.forward(d, l, self.experts.as_ref(), &x, t)?,
+                Ffn::Moe(moe) => {
+                    moe.forward_with_pilot(d, l, self.experts.as_ref(), &x, t, next_router(l))?
+                }
             };
             add_into(&mut p, &f);
         }

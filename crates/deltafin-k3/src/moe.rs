@@ -14,52 +14,24 @@ use crate::model::ModelError;
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
 use deltafin_kernels::{matmul_bf16, matmul_mxfp4, rms_norm_inplace, situ_glu};
-use deltafin_tensor::{Bf16Matrix, Mxfp4Matrix};
-use std::collections::BTreeMap;
+use deltafin_tensor::Bf16Matrix;
+use std::collections::{BTreeMap, BTreeSet};
 
-/// One routed expert's three MXFP4 matrices (cheap to clone: the bytes are shared).
-#[derive(Clone, Debug)]
-pub struct ExpertWeights {
-    /// `w1` gate `[F, Lr]`.
-    pub w1: Mxfp4Matrix,
-    /// `w2` down `[Lr, F]`.
-    pub w2: Mxfp4Matrix,
-    /// `w3` up `[F, Lr]`.
-    pub w3: Mxfp4Matrix,
-}
+pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
 
-impl ExpertWeights {
-    /// Check the three shapes against the dimensions.
-    pub fn validate(
-        &self,
-        dims: &ModelDims,
-        layer: usize,
-        expert: usize,
-    ) -> Result<(), ModelError> {
-        let (f, lr) = (dims.moe_intermediate, dims.latent_size);
-        for (name, m, rows, cols) in [
-            ("w1", &self.w1, f, lr),
-            ("w2", &self.w2, lr, f),
-            ("w3", &self.w3, f, lr),
-        ] {
-            if m.rows() != rows || m.cols() != cols {
-                return Err(ModelError::Shape {
-                    tensor: format!(
-                        "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}"
-                    ),
-                    expected: format!("[{rows}, {cols}]"),
-                    found: format!("[{}, {}]", m.rows(), m.cols()),
-                });
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Where routed-expert weights come from (memory, a page cache, a disk stream, ...).
-pub trait ExpertSource: Send + Sync {
-    /// Expert `expert` of MoE layer `layer`.
-    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ModelError>;
+/// Check an expert's three shapes against the dimensions (`w1`, `w3` `[F, Lr]`, `w2` `[Lr, F]`).
+pub fn validate_expert(
+    w: &ExpertWeights,
+    dims: &ModelDims,
+    layer: usize,
+    expert: usize,
+) -> Result<(), ModelError> {
+    w.check_shape(dims.moe_intermediate, dims.latent_size, layer, expert)
+        .map_err(|m| ModelError::Shape {
+            tensor: m.tensor,
+            expected: m.expected,
+            found: m.found,
+        })
 }
 
 /// All experts held in memory: `layers[l][e]` (dense layers hold an empty list).
@@ -70,12 +42,12 @@ pub struct InMemoryExperts {
 }
 
 impl ExpertSource for InMemoryExperts {
-    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ModelError> {
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
         self.layers
             .get(layer)
             .and_then(|l| l.get(expert))
             .cloned()
-            .ok_or_else(|| ModelError::Expert {
+            .ok_or_else(|| ExpertError::Unavailable {
                 layer,
                 expert,
                 message: "not present in the in-memory expert set".into(),
@@ -110,6 +82,23 @@ impl MoeWeights {
         y: &[f32],
         t: usize,
     ) -> Result<Vec<f32>, ModelError> {
+        self.forward_with_pilot(dims, layer, experts, y, t, None)
+    }
+
+    /// [`MoeWeights::forward`], first telling `experts` the pass's route union (each expert
+    /// is then requested once, ascending, however many rows chose it) and, when the source
+    /// wants predictions and `next` is given, PILOT's guess for the next MoE layer: `next`
+    /// (that layer's router) applied to this layer's input `y`. The hints only schedule reads;
+    /// the result is bit-identical with or without them.
+    pub fn forward_with_pilot(
+        &self,
+        dims: &ModelDims,
+        layer: usize,
+        experts: &dyn ExpertSource,
+        y: &[f32],
+        t: usize,
+        next: Option<(usize, &RouterWeights)>,
+    ) -> Result<Vec<f32>, ModelError> {
         let (lr, k) = (dims.latent_size, dims.experts_per_token);
         let routes = self.router.route(dims, y, t);
         let mut xl = vec![0f32; t * lr];
@@ -122,10 +111,28 @@ impl MoeWeights {
                 users.entry(e).or_default().push((ti, slot));
             }
         }
+        let union: Vec<usize> = users.keys().copied().collect();
+        let ids: Vec<usize> = routes.iter().flat_map(|r| r.ids.iter().copied()).collect();
+        let weights: Vec<f32> = routes
+            .iter()
+            .flat_map(|r| r.weights.iter().copied())
+            .collect();
+        experts.record_routes(layer, k, &ids, &weights);
+        experts.begin_layer(layer, &union);
+        if let Some((next_layer, router)) = next
+            && experts.wants_prediction()
+        {
+            let guess: BTreeSet<usize> = router
+                .route(dims, y, t)
+                .into_iter()
+                .flat_map(|r| r.ids)
+                .collect();
+            experts.predict(next_layer, &guess.into_iter().collect::<Vec<_>>());
+        }
         let mut h = vec![0f32; t * k * lr];
         for (&e, list) in &users {
             let w = experts.expert(layer, e)?;
-            w.validate(dims, layer, e)?;
+            validate_expert(&w, dims, layer, e)?;
             let n = list.len();
             let f = w.w1.rows();
             let mut x = Vec::with_capacity(n * lr);

@@ -1,0 +1,138 @@
+//! Counters of a streaming expert source, per layer and overall.
+
+/// Counters of one MoE layer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LayerStats {
+    /// Route-union experts already resident (or in flight) from the cache when the layer began.
+    pub hits: u64,
+    /// Of those, the ones a PILOT prefetch brought in.
+    pub prefetch_hits: u64,
+    /// Route-union experts that had to be read for the layer.
+    pub misses: u64,
+    /// Expert payload bytes read for this layer (demand and prefetch).
+    pub bytes_read: u64,
+    /// Of those, bytes read speculatively by PILOT prefetch.
+    pub prefetch_bytes: u64,
+    /// PILOT predictions that were in the actual union (recall numerator).
+    pub predicted_hits: u64,
+    /// Actual union sizes of passes that had a prediction (recall denominator).
+    pub predicted_total: u64,
+    /// Passes with a prediction.
+    pub predictions: u64,
+    /// Whether the gate (`K3_PILOT_GATE=on`) currently suppresses this layer's prefetch.
+    pub gated: bool,
+}
+
+impl LayerStats {
+    /// hits / (hits + misses), `None` before any access.
+    pub fn hit_rate(&self) -> Option<f64> {
+        let n = self.hits + self.misses;
+        (n > 0).then(|| self.hits as f64 / n as f64)
+    }
+
+    /// Fraction of the actual route union that PILOT predicted, `None` without predictions.
+    pub fn recall(&self) -> Option<f64> {
+        (self.predicted_total > 0).then(|| self.predicted_hits as f64 / self.predicted_total as f64)
+    }
+}
+
+/// Counters of a streaming source since it was built.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ExpertStats {
+    /// Per layer (dense layers stay zero).
+    pub layers: Vec<LayerStats>,
+    /// Reads issued (one per aligned region).
+    pub reads: u64,
+    /// Of those, served by O_DIRECT.
+    pub direct_reads: u64,
+    /// Bytes transferred including alignment padding.
+    pub device_bytes: u64,
+    /// Wall time with at least one read in flight.
+    pub io_busy_seconds: f64,
+    /// Wall time the model waited for expert bytes.
+    pub wait_seconds: f64,
+    /// How reads are served (`direct` or `buffered (reason)`).
+    pub io_path: String,
+    /// Cache budget and its high-water mark (buffer bytes).
+    pub cache_budget_bytes: u64,
+    pub cache_peak_bytes: u64,
+    /// Bytes of one expert's payload.
+    pub expert_bytes: u64,
+    /// I/O worker threads.
+    pub read_threads: usize,
+}
+
+impl ExpertStats {
+    /// Sum over layers.
+    pub fn total(&self) -> LayerStats {
+        let mut t = LayerStats::default();
+        for l in &self.layers {
+            t.hits += l.hits;
+            t.prefetch_hits += l.prefetch_hits;
+            t.misses += l.misses;
+            t.bytes_read += l.bytes_read;
+            t.prefetch_bytes += l.prefetch_bytes;
+            t.predicted_hits += l.predicted_hits;
+            t.predicted_total += l.predicted_total;
+            t.predictions += l.predictions;
+        }
+        t
+    }
+
+    /// Achieved read throughput: bytes transferred per second of busy I/O, in GB/s (10^9).
+    pub fn read_gbps(&self) -> f64 {
+        if self.io_busy_seconds > 0.0 {
+            self.device_bytes as f64 / self.io_busy_seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    /// `layer:hit%` for the MoE layers that saw traffic, e.g. `1:50.0 2:62.5`.
+    pub fn per_layer_hit_rates(&self) -> String {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(l, s)| s.hit_rate().map(|h| format!("{l}:{:.1}", 100.0 * h)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// `layer:recall%` for the layers with predictions.
+    pub fn per_layer_recall(&self) -> String {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(l, s)| s.recall().map(|r| format!("{l}:{:.1}", 100.0 * r)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// The one-line summary `--stats` prints.
+    pub fn summary_line(&self) -> String {
+        let t = self.total();
+        let pct = |v: Option<f64>| {
+            v.map(|x| format!("{:.1}%", 100.0 * x))
+                .unwrap_or_else(|| "n/a".into())
+        };
+        format!(
+            "hits={} misses={} hit_rate={} prefetch_hits={} prefetch_recall={} bytes_read={} prefetch_bytes={} reads={} direct_reads={} read_gbps={:.3} io_busy={:.3}s wait={:.3}s cache_peak={} cache_budget={} io={} threads={}",
+            t.hits,
+            t.misses,
+            pct(t.hit_rate()),
+            t.prefetch_hits,
+            pct(t.recall()),
+            t.bytes_read,
+            t.prefetch_bytes,
+            self.reads,
+            self.direct_reads,
+            self.read_gbps(),
+            self.io_busy_seconds,
+            self.wait_seconds,
+            self.cache_peak_bytes,
+            self.cache_budget_bytes,
+            self.io_path,
+            self.read_threads,
+        )
+    }
+}

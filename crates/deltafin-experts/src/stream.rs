@@ -1,0 +1,1059 @@
+//! [`StreamingExperts`]: routed experts read from disk on demand under a byte budget.
+//!
+//! ```text
+//! begin_layer(L, U)   U = the pass's route union at L, ascending
+//!     hits   += |U ∩ cache|          (resident or in flight, pinned until consumed)
+//!     misses += |U \ cache|          read in U's order, ≤ W ahead of the consumer
+//! expert(L, e)        wait for e's bytes; unpin; issue the next window read
+//! predict(L+1, P)     PILOT guess: reads P \ cache at low priority (gate permitting)
+//! ```
+//!
+//! Each (layer, expert) of a pass is read at most once while the cache holds the window
+//! (`W = min(capacity − 1, 2 × threads)` entries), so a prefill with a cold cache reads exactly
+//! `|unique (layer, expert)| × expert bytes`. Reads are served by a bounded pool of threads:
+//! demand and window reads first (FIFO), PILOT reads after them; PILOT reads not yet started
+//! when their layer begins are promoted (right guesses) or dropped (wrong ones).
+//!
+//! Memory: every buffer the cache owns (resident, in flight, free for reuse) counts against
+//! `cache_bytes`; an expert evicted while the model still multiplies it stays alive until that
+//! product ends, so the peak is `cache_bytes` + one expert buffer.
+
+use crate::buffer::ExpertBuffer;
+use crate::io::{IoPath, SourceFile};
+use crate::layout::{ExpertShape, ExpertTable, ReadPlan};
+use crate::policy::{Heat, default_half_life};
+use crate::stats::{ExpertStats, LayerStats};
+use crate::{ExpertError, ExpertSource, ExpertWeights};
+use deltafin_tensor::storage::ByteOwner;
+use deltafin_tensor::{Bytes, Mxfp4Matrix};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub use crate::io::DirectIo;
+
+/// Tables with more files than this (one file per expert) open each file per read instead of
+/// holding two descriptors per file.
+pub const MAX_OPEN_FILES: usize = 256;
+
+/// The PILOT next-layer prefetch switch (`K3_PILOT_GATE`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PilotGate {
+    /// Ungoverned: prefetch every layer's prediction (the product default).
+    Off,
+    /// Predict and report recall, but read nothing speculatively (the A/B baseline).
+    Measure,
+    /// Prefetch a layer's prediction only while its measured recall is at least `threshold`
+    /// (after `warmup` predictions of that layer).
+    On { threshold: f64, warmup: u64 },
+}
+
+impl PilotGate {
+    /// `off`, `measure` or `on`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PilotGate::Off => "off",
+            PilotGate::Measure => "measure",
+            PilotGate::On { .. } => "on",
+        }
+    }
+}
+
+/// How a [`StreamingExperts`] reads and caches.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StreamOptions {
+    /// Bytes of expert buffers the cache may own.
+    pub cache_bytes: u64,
+    /// I/O worker threads (1–16).
+    pub read_threads: usize,
+    /// O_DIRECT policy.
+    pub direct_io: DirectIo,
+    /// Next-layer prefetch.
+    pub pilot: PilotGate,
+}
+
+impl StreamOptions {
+    /// `cache_bytes` with 4 threads (or fewer CPUs), O_DIRECT when possible, ungoverned PILOT.
+    pub fn with_cache_bytes(cache_bytes: u64) -> StreamOptions {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        StreamOptions {
+            cache_bytes,
+            read_threads: cpus.clamp(1, 4),
+            direct_io: DirectIo::Auto,
+            pilot: PilotGate::Off,
+        }
+    }
+}
+
+enum Slot {
+    Loading,
+    Ready(ExpertWeights, Arc<ExpertBuffer>),
+    Failed(ExpertError),
+}
+
+struct Entry {
+    slot: Slot,
+    pinned: bool,
+    /// Read for a use that has not happened yet (the admission test runs at that use).
+    fresh: bool,
+    /// Failed the admission test: passes through, evicted before anything else.
+    transient: bool,
+    /// Brought in by PILOT and not yet part of a route union.
+    pilot_unused: bool,
+}
+
+enum Look {
+    Ready(Box<ExpertWeights>, bool, bool),
+    Loading,
+    Failed,
+    Absent,
+}
+
+struct Job {
+    layer: usize,
+    expert: usize,
+    buf: ExpertBuffer,
+    pilot: bool,
+}
+
+struct Window {
+    layer: usize,
+    order: Vec<usize>,
+    next: usize,
+}
+
+#[derive(Default)]
+struct State {
+    entries: HashMap<(usize, usize), Entry>,
+    /// Decayed route heat of every expert ever requested (cached or not).
+    heat: HashMap<(usize, usize), Heat>,
+    demand: VecDeque<Job>,
+    pilot: VecDeque<Job>,
+    free: Vec<ExpertBuffer>,
+    allocated: u64,
+    peak: u64,
+    pinned: usize,
+    tick: u64,
+    window: Option<Window>,
+    predictions: Vec<Option<Vec<usize>>>,
+    layers: Vec<LayerStats>,
+    reads: u64,
+    direct_reads: u64,
+    device_bytes: u64,
+    in_flight: usize,
+    busy_since: Option<Instant>,
+    busy: Duration,
+    wait: Duration,
+    shutdown: bool,
+}
+
+struct Shared {
+    table: ExpertTable,
+    /// Files opened once (tables of at most [`MAX_OPEN_FILES`] files); empty otherwise, and
+    /// each read opens its file (one `open` per multi-megabyte read).
+    files: Vec<SourceFile>,
+    /// How the last per-read-opened file was served (when `files` is empty).
+    last_path: Mutex<Option<(IoPath, Option<String>)>>,
+    opts: StreamOptions,
+    buf_cap: u64,
+    window: usize,
+    half_life: f64,
+    st: Mutex<State>,
+    loaded: Condvar,
+    work: Condvar,
+}
+
+/// Routed experts streamed from files with explicit reads; see the module docs.
+pub struct StreamingExperts {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for StreamingExperts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamingExperts")
+            .field("experts", &self.shared.table.expert_count())
+            .field("cache_bytes", &self.shared.opts.cache_bytes)
+            .finish()
+    }
+}
+
+impl StreamingExperts {
+    /// Validate `table`, open its files and start the I/O threads.
+    pub fn new(table: ExpertTable, opts: StreamOptions) -> Result<StreamingExperts, ExpertError> {
+        table.validate()?;
+        if !(1..=16).contains(&opts.read_threads) {
+            return Err(ExpertError::Setup(format!(
+                "read threads must be 1…16, got {}",
+                opts.read_threads
+            )));
+        }
+        if let PilotGate::On { threshold, warmup } = opts.pilot
+            && (!(0.0..1.0).contains(&threshold) || warmup == 0)
+        {
+            return Err(ExpertError::Setup(format!(
+                "PILOT gate threshold must be in [0, 1) and warmup ≥ 1, got {threshold} / {warmup}"
+            )));
+        }
+        let buf_cap = table.max_buffer_bytes();
+        if buf_cap == 0 {
+            return Err(ExpertError::Setup("the table holds no experts".into()));
+        }
+        if opts.cache_bytes < buf_cap {
+            return Err(ExpertError::Setup(format!(
+                "an expert cache of {} bytes cannot hold one expert buffer ({buf_cap} bytes)",
+                opts.cache_bytes
+            )));
+        }
+        let open_all = table.files.len() <= MAX_OPEN_FILES;
+        let files = table
+            .files
+            .iter()
+            .filter(|_| open_all)
+            .map(|p| {
+                SourceFile::open(p, opts.direct_io)
+                    .map_err(|e| ExpertError::Setup(format!("cannot open {}: {e}", p.display())))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let capacity = (opts.cache_bytes / buf_cap) as usize;
+        let window = (capacity - 1).min(2 * opts.read_threads);
+        let n_layers = table.layers.len();
+        let st = State {
+            predictions: vec![None; n_layers],
+            layers: vec![LayerStats::default(); n_layers],
+            ..State::default()
+        };
+        let shared = Arc::new(Shared {
+            table,
+            files,
+            last_path: Mutex::new(None),
+            buf_cap,
+            window,
+            half_life: default_half_life(capacity),
+            opts,
+            st: Mutex::new(st),
+            loaded: Condvar::new(),
+            work: Condvar::new(),
+        });
+        let workers = (0..shared.opts.read_threads)
+            .map(|i| {
+                let s = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("deltafin-expert-io-{i}"))
+                    .spawn(move || worker(&s))
+                    .map_err(|e| ExpertError::Setup(format!("cannot start an I/O thread: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(StreamingExperts { shared, workers })
+    }
+
+    /// Bytes of one expert's payload.
+    pub fn expert_bytes(&self) -> u64 {
+        self.shared.table.shape.expert_bytes()
+    }
+
+    /// Bytes of one cache buffer (payload plus alignment).
+    pub fn buffer_bytes(&self) -> u64 {
+        self.shared.buf_cap
+    }
+
+    /// Experts the cache can hold at once.
+    pub fn capacity(&self) -> usize {
+        (self.shared.opts.cache_bytes / self.shared.buf_cap) as usize
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &StreamOptions {
+        &self.shared.opts
+    }
+
+    /// Buffer bytes the cache owns now.
+    pub fn cache_bytes_now(&self) -> u64 {
+        self.shared.lock().allocated
+    }
+
+    /// `direct`, or `buffered (why)`, over all files.
+    pub fn io_path(&self) -> String {
+        let mut buffered: Option<String> = None;
+        let mut direct = 0;
+        let lazy = self.shared.last_path.lock().ok().and_then(|g| g.clone());
+        for path in self
+            .shared
+            .files
+            .iter()
+            .map(SourceFile::io_path)
+            .chain(lazy)
+        {
+            match path {
+                (IoPath::Direct, _) => direct += 1,
+                (IoPath::Buffered, why) => {
+                    buffered.get_or_insert(why.unwrap_or_else(|| "buffered".into()));
+                }
+            }
+        }
+        match (buffered, direct) {
+            (None, _) => "direct".into(),
+            (Some(w), 0) => format!("buffered ({w})"),
+            (Some(w), d) => format!("mixed ({d} files direct; others: {w})"),
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn files(&self) -> &[SourceFile] {
+        &self.shared.files
+    }
+}
+
+impl Drop for StreamingExperts {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.work.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A worker panicking mid-update leaves counters at worst stale; keep serving.
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait<'a>(&self, g: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.loaded.wait(g).unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A buffer for a new read: reuse a free one, allocate within budget, or evict the
+    /// coldest unpinned resident expert. `None` when none is possible right now.
+    fn take_buffer(&self, st: &mut State, allow_pinned: bool) -> Option<ExpertBuffer> {
+        if let Some(b) = st.free.pop() {
+            return Some(b);
+        }
+        let cap = self.buf_cap;
+        if st.allocated + cap <= self.opts.cache_bytes {
+            st.allocated += cap;
+            st.peak = st.peak.max(st.allocated);
+            return Some(ExpertBuffer::new(cap));
+        }
+        let (now, hl) = (st.tick, self.half_life);
+        let heat = &st.heat;
+        let score = |k: &(usize, usize), e: &Entry| {
+            (
+                e.pinned,
+                !e.transient,
+                heat.get(k).map_or(0.0, |h| h.at(now, hl)),
+            )
+        };
+        let victim = st
+            .entries
+            .iter()
+            .filter(|(_, e)| matches!(e.slot, Slot::Ready(..)) && (allow_pinned || !e.pinned))
+            .map(|(k, e)| (score(k, e), *k))
+            .min_by(|a, b| {
+                a.0.partial_cmp(&b.0)
+                    .unwrap_or(std::cmp::Ordering::Equal)
+                    .then(a.1.cmp(&b.1))
+            })
+            .map(|(_, k)| k)?;
+        let e = st.entries.remove(&victim)?;
+        if e.pinned {
+            st.pinned -= 1;
+        }
+        match e.slot {
+            Slot::Ready(w, buf) => {
+                drop(w);
+                match Arc::try_unwrap(buf) {
+                    Ok(b) => Some(b),
+                    // Still being multiplied: its bytes are freed when that ends.
+                    Err(_) => Some(ExpertBuffer::new(cap)),
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// Issue window reads until `window` unconsumed entries are pinned.
+    fn pump_window(&self, st: &mut State) {
+        let mut issued = false;
+        while let Some(w) = st.window.as_mut() {
+            if w.next >= w.order.len() || st.pinned >= self.window {
+                break;
+            }
+            let (layer, e) = (w.layer, w.order[w.next]);
+            if st.entries.contains_key(&(layer, e)) {
+                w.next += 1;
+                continue;
+            }
+            let Some(buf) = self.take_buffer(st, false) else {
+                break;
+            };
+            if let Some(w) = st.window.as_mut() {
+                w.next += 1;
+            }
+            self.insert_loading(st, layer, e, buf, true, false);
+            issued = true;
+        }
+        if issued {
+            self.work.notify_all();
+        }
+    }
+
+    fn insert_loading(
+        &self,
+        st: &mut State,
+        layer: usize,
+        expert: usize,
+        buf: ExpertBuffer,
+        pinned: bool,
+        pilot: bool,
+    ) {
+        if pinned {
+            st.pinned += 1;
+        }
+        st.entries.insert(
+            (layer, expert),
+            Entry {
+                slot: Slot::Loading,
+                pinned,
+                fresh: true,
+                transient: false,
+                pilot_unused: pilot,
+            },
+        );
+        let job = Job {
+            layer,
+            expert,
+            buf,
+            pilot,
+        };
+        if pilot {
+            st.pilot.push_back(job);
+        } else {
+            st.demand.push_back(job);
+        }
+    }
+
+    fn read(&self, job: &mut Job) -> Result<(ReadPlan, u64, u64, u64), ExpertError> {
+        let loc = self.table.get(job.layer, job.expert)?;
+        let plan = ReadPlan::new(loc);
+        let opened;
+        let file = match self.files.get(loc.file) {
+            Some(f) => f,
+            None => {
+                let path = &self.table.files[loc.file];
+                opened = SourceFile::open(path, self.opts.direct_io).map_err(|source| {
+                    ExpertError::Io {
+                        layer: job.layer,
+                        expert: job.expert,
+                        path: path.clone(),
+                        offset: 0,
+                        len: 0,
+                        source,
+                    }
+                })?;
+                &opened
+            }
+        };
+        let bytes = job.buf.as_mut_bytes();
+        let (mut reads, mut direct, mut device) = (0, 0, 0);
+        for r in &plan.regions {
+            let dst = &mut bytes[r.buf_offset as usize..(r.buf_offset + r.len) as usize];
+            let (path, n) = file.read_region(r, dst).map_err(|source| ExpertError::Io {
+                layer: job.layer,
+                expert: job.expert,
+                path: file.path().to_path_buf(),
+                offset: r.file_offset,
+                len: r.need_to,
+                source,
+            })?;
+            reads += 1;
+            device += n;
+            if path == IoPath::Direct {
+                direct += 1;
+            }
+        }
+        if self.files.is_empty()
+            && let Ok(mut g) = self.last_path.lock()
+        {
+            *g = Some(file.io_path());
+        }
+        Ok((plan, reads, direct, device))
+    }
+}
+
+/// The three matrices over the tensors of `plan` inside `buf`.
+fn weights(
+    buf: &Arc<ExpertBuffer>,
+    plan: &ReadPlan,
+    shape: ExpertShape,
+    layer: usize,
+    expert: usize,
+) -> Result<ExpertWeights, ExpertError> {
+    let owner: Arc<dyn ByteOwner> = buf.clone();
+    let all = Bytes::from_owner(owner);
+    let sizes = shape.tensor_bytes();
+    let part = |k: usize| {
+        let at = plan.tensor_at[k] as usize;
+        all.slice(at..at + sizes[k] as usize)
+            .ok_or_else(|| ExpertError::Unavailable {
+                layer,
+                expert,
+                message: format!("internal: tensor {k} lies outside its read buffer"),
+            })
+    };
+    let names = ["w1", "w2", "w3"];
+    let mut mats = Vec::with_capacity(3);
+    for (m, (rows, cols)) in shape.matrix_shapes().into_iter().enumerate() {
+        let name = format!(
+            "model.layers.{layer}.block_sparse_moe.experts.{expert}.{}",
+            names[m]
+        );
+        mats.push(
+            Mxfp4Matrix::new(&name, part(2 * m)?, part(2 * m + 1)?, rows, cols).map_err(
+                |source| ExpertError::Tensor {
+                    layer,
+                    expert,
+                    source,
+                },
+            )?,
+        );
+    }
+    let mut it = mats.into_iter();
+    match (it.next(), it.next(), it.next()) {
+        (Some(w1), Some(w2), Some(w3)) => Ok(ExpertWeights { w1, w2, w3 }),
+        _ => Err(ExpertError::Unavailable {
+            layer,
+            expert,
+            message: "internal: expected three matrices".into(),
+        }),
+    }
+}
+
+fn worker(s: &Shared) {
+    loop {
+        let mut job = {
+            let mut st = s.lock();
+            loop {
+                if st.shutdown {
+                    return;
+                }
+                if let Some(j) = st.demand.pop_front().or_else(|| st.pilot.pop_front()) {
+                    break j;
+                }
+                st = s.work.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        {
+            let mut st = s.lock();
+            st.in_flight += 1;
+            if st.in_flight == 1 {
+                st.busy_since = Some(Instant::now());
+            }
+        }
+        let outcome = s.read(&mut job);
+        let (layer, expert, pilot) = (job.layer, job.expert, job.pilot);
+        let buf = Arc::new(job.buf);
+        let result = outcome.and_then(|(plan, reads, direct, device)| {
+            weights(&buf, &plan, s.table.shape, layer, expert).map(|w| (w, reads, direct, device))
+        });
+        let mut st = s.lock();
+        st.in_flight -= 1;
+        if st.in_flight == 0
+            && let Some(t) = st.busy_since.take()
+        {
+            st.busy += t.elapsed();
+        }
+        let slot = match result {
+            Ok((w, reads, direct, device)) => {
+                st.reads += reads;
+                st.direct_reads += direct;
+                st.device_bytes += device;
+                let eb = s.table.shape.expert_bytes();
+                if let Some(l) = st.layers.get_mut(layer) {
+                    l.bytes_read += eb;
+                    if pilot {
+                        l.prefetch_bytes += eb;
+                    }
+                }
+                Slot::Ready(w, buf)
+            }
+            Err(e) => {
+                if let Ok(b) = Arc::try_unwrap(buf) {
+                    st.free.push(b);
+                }
+                Slot::Failed(e)
+            }
+        };
+        match st.entries.get_mut(&(layer, expert)) {
+            Some(entry) => entry.slot = slot,
+            None => {
+                // Cancelled while in flight: keep the buffer for reuse.
+                if let Slot::Ready(w, b) = slot {
+                    drop(w);
+                    if let Ok(b) = Arc::try_unwrap(b) {
+                        st.free.push(b);
+                    }
+                }
+            }
+        }
+        drop(st);
+        s.loaded.notify_all();
+    }
+}
+
+impl ExpertSource for StreamingExperts {
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
+        let s = &*self.shared;
+        s.table.get(layer, expert)?;
+        let key = (layer, expert);
+        let started = Instant::now();
+        let mut st = s.lock();
+        st.tick += 1;
+        let tick = st.tick;
+        let in_window = st
+            .window
+            .as_ref()
+            .is_some_and(|w| w.layer == layer && w.order.binary_search(&expert).is_ok());
+        let mut counted = in_window;
+        let result = loop {
+            let (now, hl) = (tick, s.half_life);
+            let look = match st.entries.get_mut(&key) {
+                Some(e) => match &e.slot {
+                    Slot::Ready(w, _) => {
+                        let w = Box::new(w.clone());
+                        e.pilot_unused = false;
+                        let fresh = std::mem::replace(&mut e.fresh, false);
+                        Look::Ready(w, std::mem::replace(&mut e.pinned, false), fresh)
+                    }
+                    Slot::Loading => Look::Loading,
+                    Slot::Failed(_) => Look::Failed,
+                },
+                None => Look::Absent,
+            };
+            if let Look::Ready(_, _, fresh) = &look {
+                let before = st.heat.get(&key).map_or(0.0, |h| h.at(now, hl));
+                st.heat
+                    .entry(key)
+                    .and_modify(|h| h.touch(now, hl))
+                    .or_insert_with(|| Heat::new(now));
+                // Admission: a freshly read expert stays only if it was hotter than the
+                // coldest settled resident (checked when the cache is full).
+                if *fresh && st.free.is_empty() && st.allocated + s.buf_cap > s.opts.cache_bytes {
+                    let heat = &st.heat;
+                    let coldest = st
+                        .entries
+                        .iter()
+                        .filter(|(k, e)| {
+                            **k != key
+                                && !e.transient
+                                && !e.fresh
+                                && matches!(e.slot, Slot::Ready(..))
+                        })
+                        .map(|(k, _)| heat.get(k).map_or(0.0, |h| h.at(now, hl)))
+                        .min_by(f64::total_cmp);
+                    if let (Some(c), Some(e)) = (coldest, st.entries.get_mut(&key)) {
+                        e.transient = before <= c;
+                    }
+                }
+            }
+            match look {
+                Look::Ready(w, was_pinned, _) => {
+                    if was_pinned {
+                        st.pinned -= 1;
+                    }
+                    break Ok(*w);
+                }
+                Look::Loading => st = s.wait(st),
+                Look::Failed => {
+                    if let Some(Entry {
+                        slot: Slot::Failed(err),
+                        pinned,
+                        ..
+                    }) = st.entries.remove(&key)
+                    {
+                        if pinned {
+                            st.pinned -= 1;
+                        }
+                        break Err(err);
+                    }
+                }
+                Look::Absent => {
+                    if !counted {
+                        counted = true;
+                        if let Some(l) = st.layers.get_mut(layer) {
+                            l.misses += 1;
+                        }
+                    }
+                    let idle = st.in_flight == 0 && st.demand.is_empty() && st.pilot.is_empty();
+                    // Everything pinned and nothing in flight: give up a pinned expert (it
+                    // is read again later) rather than wait forever.
+                    let buf = s.take_buffer(&mut st, false).or_else(|| {
+                        if idle {
+                            s.take_buffer(&mut st, true)
+                        } else {
+                            None
+                        }
+                    });
+                    match buf {
+                        Some(b) => {
+                            s.insert_loading(&mut st, layer, expert, b, true, false);
+                            s.work.notify_all();
+                        }
+                        None if idle => {
+                            break Err(ExpertError::Unavailable {
+                                layer,
+                                expert,
+                                message: "the expert cache has no buffer to read into".into(),
+                            });
+                        }
+                        None => st = s.wait(st),
+                    }
+                }
+            }
+        };
+        s.pump_window(&mut st);
+        st.wait += started.elapsed();
+        result
+    }
+
+    fn begin_layer(&self, layer: usize, experts: &[usize]) {
+        let s = &*self.shared;
+        let mut st = s.lock();
+        let st = &mut *st;
+        // Recall of this layer's PILOT prediction.
+        if let Some(pred) = st.predictions.get_mut(layer).and_then(Option::take)
+            && let Some(l) = st.layers.get_mut(layer)
+        {
+            l.predictions += 1;
+            l.predicted_total += experts.len() as u64;
+            l.predicted_hits += experts.iter().filter(|e| pred.contains(e)).count() as u64;
+            if let PilotGate::On { threshold, warmup } = s.opts.pilot {
+                l.gated = l.predictions >= warmup && l.recall().unwrap_or(0.0) < threshold;
+            }
+        }
+        // Release the previous window's pins.
+        for e in st.entries.values_mut() {
+            e.pinned = false;
+        }
+        st.pinned = 0;
+        // PILOT reads not started yet: promote right guesses, drop wrong ones (and stale
+        // guesses of earlier layers).
+        let mut keep = VecDeque::new();
+        for job in std::mem::take(&mut st.pilot) {
+            let wanted = job.layer == layer && experts.binary_search(&job.expert).is_ok();
+            if wanted {
+                st.demand.push_back(job);
+            } else if job.layer <= layer {
+                st.entries.remove(&(job.layer, job.expert));
+                st.free.push(job.buf);
+            } else {
+                keep.push_back(job);
+            }
+        }
+        st.pilot = keep;
+        let (mut hits, mut pf_hits) = (0, 0);
+        for &e in experts {
+            if let Some(entry) = st.entries.get_mut(&(layer, e)) {
+                hits += 1;
+                if entry.pilot_unused {
+                    pf_hits += 1;
+                    entry.pilot_unused = false;
+                }
+                entry.pinned = true;
+                st.pinned += 1;
+            }
+        }
+        if let Some(l) = st.layers.get_mut(layer) {
+            l.hits += hits;
+            l.prefetch_hits += pf_hits;
+            l.misses += experts.len() as u64 - hits;
+        }
+        st.window = Some(Window {
+            layer,
+            order: experts.to_vec(),
+            next: 0,
+        });
+        s.pump_window(st);
+    }
+
+    fn wants_prediction(&self) -> bool {
+        true
+    }
+
+    fn predict(&self, layer: usize, experts: &[usize]) {
+        let s = &*self.shared;
+        if !matches!(s.table.layers.get(layer), Some(Some(_))) {
+            return;
+        }
+        let mut st = s.lock();
+        let st = &mut *st;
+        st.predictions[layer] = Some(experts.to_vec());
+        let gated = st.layers.get(layer).is_some_and(|l| l.gated);
+        match s.opts.pilot {
+            PilotGate::Measure => return,
+            PilotGate::On { .. } if gated => return,
+            _ => {}
+        }
+        let mut issued = false;
+        for &e in experts {
+            if st.entries.contains_key(&(layer, e)) {
+                continue;
+            }
+            let Some(buf) = s.take_buffer(st, false) else {
+                break;
+            };
+            s.insert_loading(st, layer, e, buf, false, true);
+            issued = true;
+        }
+        if issued {
+            s.work.notify_all();
+        }
+    }
+
+    fn stats(&self) -> Option<ExpertStats> {
+        let s = &*self.shared;
+        let io_path = self.io_path();
+        let st = s.lock();
+        let busy = st.busy + st.busy_since.map_or(Duration::ZERO, |t| t.elapsed());
+        Some(ExpertStats {
+            layers: st.layers.clone(),
+            reads: st.reads,
+            direct_reads: st.direct_reads,
+            device_bytes: st.device_bytes,
+            io_busy_seconds: busy.as_secs_f64(),
+            wait_seconds: st.wait.as_secs_f64(),
+            io_path,
+            cache_budget_bytes: s.opts.cache_bytes,
+            cache_peak_bytes: st.peak,
+            expert_bytes: s.table.shape.expert_bytes(),
+            read_threads: s.opts.read_threads,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::ExpertLocation;
+    use std::sync::atomic::Ordering;
+
+    type Parts = HashMap<(usize, usize), Vec<Vec<u8>>>;
+
+    const SHAPE: ExpertShape = ExpertShape { f: 64, lr: 64 };
+
+    /// One file holding `layers` (layer 0 dense) × `experts` experts after a 1000-byte header;
+    /// returns the table and each expert's six tensors.
+    fn fixture(dir: &std::path::Path, layers: usize, experts: usize) -> (ExpertTable, Parts) {
+        let mut data = vec![0u8; 1000];
+        let mut want = HashMap::new();
+        let mut table_layers = vec![None];
+        let mut x = 12345u64;
+        for l in 1..layers {
+            let mut locs = Vec::new();
+            for e in 0..experts {
+                let mut ranges = [(0, 0); 6];
+                let mut parts = Vec::new();
+                for (k, &len) in SHAPE.tensor_bytes().iter().enumerate() {
+                    let bytes: Vec<u8> = (0..len)
+                        .map(|_| {
+                            x = x
+                                .wrapping_mul(6364136223846793005)
+                                .wrapping_add(1442695040888963407);
+                            let b = (x >> 33) as u8;
+                            if k % 2 == 1 { 110 + b % 30 } else { b }
+                        })
+                        .collect();
+                    ranges[k] = (data.len() as u64, len);
+                    data.extend_from_slice(&bytes);
+                    parts.push(bytes);
+                }
+                want.insert((l, e), parts);
+                locs.push(ExpertLocation { file: 0, ranges });
+            }
+            table_layers.push(Some(locs));
+        }
+        let path = dir.join("experts.bin");
+        std::fs::write(&path, &data).unwrap();
+        (
+            ExpertTable {
+                files: vec![path],
+                shape: SHAPE,
+                layers: table_layers,
+            },
+            want,
+        )
+    }
+
+    fn check(w: &ExpertWeights, parts: &[Vec<u8>]) {
+        assert_eq!(w.w1.packed(), &parts[0][..]);
+        assert_eq!(w.w1.scales(), &parts[1][..]);
+        assert_eq!(w.w2.packed(), &parts[2][..]);
+        assert_eq!(w.w2.scales(), &parts[3][..]);
+        assert_eq!(w.w3.packed(), &parts[4][..]);
+        assert_eq!(w.w3.scales(), &parts[5][..]);
+    }
+
+    fn opts(capacity: u64, table: &ExpertTable, pilot: PilotGate) -> StreamOptions {
+        StreamOptions {
+            cache_bytes: capacity * table.max_buffer_bytes(),
+            read_threads: 2,
+            direct_io: DirectIo::Auto,
+            pilot,
+        }
+    }
+
+    #[test]
+    fn streamed_bytes_match_the_file_and_the_budget_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, want) = fixture(dir.path(), 3, 8);
+        let o = opts(3, &table, PilotGate::Off);
+        let budget = o.cache_bytes;
+        let src = StreamingExperts::new(table, o).unwrap();
+        for round in 0..4 {
+            for l in 1..3 {
+                let union: Vec<usize> = (0..8).filter(|e| (e + round + l) % 3 != 0).collect();
+                src.begin_layer(l, &union);
+                for &e in &union {
+                    check(&src.expert(l, e).unwrap(), &want[&(l, e)]);
+                    assert!(src.cache_bytes_now() <= budget);
+                }
+            }
+        }
+        let st = src.stats().unwrap();
+        assert!(st.cache_peak_bytes <= budget, "{st:?}");
+        assert!(st.total().misses > 0 && st.reads > 0);
+        // Unhinted requests work too.
+        check(&src.expert(2, 7).unwrap(), &want[&(2, 7)]);
+    }
+
+    #[test]
+    fn a_cold_pass_reads_each_union_expert_exactly_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, _) = fixture(dir.path(), 4, 16);
+        let eb = SHAPE.expert_bytes();
+        // The cache holds 4 experts, each layer's union is 10: the window reads ahead in order.
+        let src =
+            StreamingExperts::new(table.clone(), opts(4, &table, PilotGate::Measure)).unwrap();
+        let mut pairs = 0u64;
+        for l in 1..4 {
+            let union: Vec<usize> = (0..16).filter(|e| (e * 7 + l) % 16 < 10).collect();
+            pairs += union.len() as u64;
+            src.begin_layer(l, &union);
+            for &e in &union {
+                src.expert(l, e).unwrap();
+            }
+        }
+        let t = src.stats().unwrap().total();
+        assert_eq!(t.bytes_read, pairs * eb);
+        assert_eq!((t.misses, t.hits), (pairs, 0));
+    }
+
+    #[test]
+    fn pilot_prefetch_counts_recall_and_hits() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, want) = fixture(dir.path(), 3, 8);
+        let src = StreamingExperts::new(table.clone(), opts(8, &table, PilotGate::Off)).unwrap();
+        src.begin_layer(1, &[0, 1]);
+        src.predict(2, &[2, 3, 4, 5]);
+        src.expert(1, 0).unwrap();
+        src.expert(1, 1).unwrap();
+        src.begin_layer(2, &[3, 4, 6]);
+        for e in [3, 4, 6] {
+            check(&src.expert(2, e).unwrap(), &want[&(2, e)]);
+        }
+        let l2 = &src.stats().unwrap().layers[2];
+        assert_eq!((l2.predicted_hits, l2.predicted_total), (2, 3));
+        assert_eq!((l2.hits, l2.prefetch_hits, l2.misses), (2, 2, 1));
+
+        // `measure` predicts but reads nothing speculatively.
+        let src =
+            StreamingExperts::new(table.clone(), opts(8, &table, PilotGate::Measure)).unwrap();
+        src.predict(2, &[2, 3]);
+        src.begin_layer(2, &[3]);
+        src.expert(2, 3).unwrap();
+        let l2 = &src.stats().unwrap().layers[2];
+        assert_eq!((l2.prefetch_bytes, l2.hits, l2.predicted_hits), (0, 0, 1));
+    }
+
+    #[test]
+    fn direct_io_refusal_falls_back_to_buffered_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, want) = fixture(dir.path(), 2, 4);
+        let src =
+            StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Measure)).unwrap();
+        let before = src.io_path();
+        eprintln!("io path on {}: {before}", dir.path().display());
+        src.files()[0]
+            .fail_next_direct_read
+            .store(true, Ordering::Relaxed);
+        check(&src.expert(1, 0).unwrap(), &want[&(1, 0)]);
+        let after = src.io_path();
+        assert!(after.starts_with("buffered"), "{after}");
+        if before == "direct" {
+            assert!(after.contains("refused at read"), "{after}");
+        }
+        check(&src.expert(1, 3).unwrap(), &want[&(1, 3)]);
+        let st = src.stats().unwrap();
+        assert_eq!(st.direct_reads, 0);
+
+        let off = StreamOptions {
+            direct_io: DirectIo::Off,
+            ..opts(2, &table, PilotGate::Measure)
+        };
+        let src = StreamingExperts::new(table, off).unwrap();
+        check(&src.expert(1, 2).unwrap(), &want[&(1, 2)]);
+        assert!(src.io_path().starts_with("buffered"));
+    }
+
+    #[test]
+    fn bad_storage_is_an_error_naming_what_is_wrong() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, _) = fixture(dir.path(), 2, 4);
+        let e = StreamingExperts::new(
+            table.clone(),
+            StreamOptions {
+                cache_bytes: 100,
+                ..opts(1, &table, PilotGate::Off)
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("cannot hold one expert"), "{e}");
+
+        let mut short = table.clone();
+        if let Some(Some(l)) = short.layers.get_mut(1) {
+            l[2].ranges[3].1 -= 1;
+        }
+        let e = StreamingExperts::new(short, opts(2, &table, PilotGate::Off))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("expert 2 of layer 1") && e.contains("tensor 3"),
+            "{e}"
+        );
+
+        // A NaN scale byte and a truncated file.
+        let path = table.files[0].clone();
+        let mut bytes = std::fs::read(&path).unwrap();
+        let loc = table.get(1, 1).unwrap().clone();
+        bytes[loc.ranges[1].0 as usize] = 255;
+        std::fs::write(&path, &bytes).unwrap();
+        let src = StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Off)).unwrap();
+        let e = src.expert(1, 1).unwrap_err().to_string();
+        assert!(e.contains("NaN") && e.contains("experts.1.w1"), "{e}");
+        let last = table.get(1, 3).unwrap().ranges[5];
+        bytes.truncate((last.0 + 10) as usize);
+        std::fs::write(&path, &bytes).unwrap();
+        let src = StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Off)).unwrap();
+        let e = src.expert(1, 3).unwrap_err().to_string();
+        assert!(e.contains("experts.bin") && e.contains("layer 1"), "{e}");
+        assert!(
+            src.expert(0, 0)
+                .unwrap_err()
+                .to_string()
+                .contains("not a MoE layer")
+        );
+    }
+}

@@ -1,0 +1,200 @@
+//! Router trace JSONL (product-contract §4.9): one line per (pass, MoE layer, up to 56 rows),
+//! `{"step": <pass>, "layer": <l>, "ids": [k × rows], "w": [weights, 5 decimals]}`.
+//!
+//! [`RouterTrace`] wraps another [`ExpertSource`] and forwards everything to it. The file is
+//! opened append-only with mode 0600, never through a symlink, and writing stops (with one
+//! warning on stderr) at 8 GiB. Lines are buffered and flushed at the end of each pass.
+
+use crate::{ExpertError, ExpertSource, ExpertStats, ExpertWeights};
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::Mutex;
+
+/// Rows per trace line.
+pub const ROWS_PER_LINE: usize = 56;
+/// File size cap.
+pub const MAX_TRACE_BYTES: u64 = 8 << 30;
+
+struct Writer {
+    out: BufWriter<File>,
+    written: u64,
+    step: u64,
+    last_layer: Option<usize>,
+    stopped: bool,
+}
+
+/// An [`ExpertSource`] that also appends every pass's routes to a JSONL file.
+pub struct RouterTrace {
+    inner: Box<dyn ExpertSource>,
+    w: Mutex<Writer>,
+}
+
+impl RouterTrace {
+    /// Open `path` for appending (created 0600; a symlink is refused) around `inner`.
+    pub fn create(path: &Path, inner: Box<dyn ExpertSource>) -> std::io::Result<RouterTrace> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = OpenOptions::new()
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path)?;
+        let written = file.metadata()?.len();
+        Ok(RouterTrace {
+            inner,
+            w: Mutex::new(Writer {
+                out: BufWriter::new(file),
+                written,
+                step: 0,
+                last_layer: None,
+                stopped: false,
+            }),
+        })
+    }
+
+    /// Flush buffered lines.
+    pub fn flush(&self) -> std::io::Result<()> {
+        match self.w.lock() {
+            Ok(mut w) => w.out.flush(),
+            Err(_) => Ok(()),
+        }
+    }
+}
+
+impl Drop for RouterTrace {
+    fn drop(&mut self) {
+        if let Err(e) = self.flush() {
+            eprintln!("deltafin: warning: router trace: {e}");
+        }
+    }
+}
+
+fn line(step: u64, layer: usize, ids: &[usize], weights: &[f32]) -> String {
+    let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+    let w: Vec<String> = weights
+        .iter()
+        .map(|x| {
+            let r = (f64::from(*x) * 1e5).round() / 1e5;
+            if r.is_finite() {
+                format!("{r}")
+            } else {
+                "null".into()
+            }
+        })
+        .collect();
+    format!(
+        "{{\"step\": {step}, \"layer\": {layer}, \"ids\": [{}], \"w\": [{}]}}\n",
+        ids.join(", "),
+        w.join(", ")
+    )
+}
+
+impl ExpertSource for RouterTrace {
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
+        self.inner.expert(layer, expert)
+    }
+    fn begin_layer(&self, layer: usize, experts: &[usize]) {
+        self.inner.begin_layer(layer, experts)
+    }
+    fn wants_prediction(&self) -> bool {
+        self.inner.wants_prediction()
+    }
+    fn predict(&self, layer: usize, experts: &[usize]) {
+        self.inner.predict(layer, experts)
+    }
+    fn stats(&self) -> Option<ExpertStats> {
+        self.inner.stats()
+    }
+    fn record_routes(&self, layer: usize, k: usize, ids: &[usize], weights: &[f32]) {
+        self.inner.record_routes(layer, k, ids, weights);
+        let Ok(mut w) = self.w.lock() else { return };
+        // A layer at or below the previous one starts a new pass.
+        if let Some(prev) = w.last_layer
+            && layer <= prev
+        {
+            w.step += 1;
+            if let Err(e) = w.out.flush() {
+                eprintln!("deltafin: warning: router trace: {e}");
+            }
+        }
+        w.last_layer = Some(layer);
+        if w.stopped || k == 0 {
+            return;
+        }
+        for (ci, wi) in ids
+            .chunks(ROWS_PER_LINE * k)
+            .zip(weights.chunks(ROWS_PER_LINE * k))
+        {
+            let text = line(w.step, layer, ci, wi);
+            if w.written + text.len() as u64 > MAX_TRACE_BYTES {
+                w.stopped = true;
+                eprintln!(
+                    "deltafin: warning: router trace reached 8 GiB; no more lines are written"
+                );
+                return;
+            }
+            if let Err(e) = w.out.write_all(text.as_bytes()) {
+                w.stopped = true;
+                eprintln!("deltafin: warning: router trace: {e}; no more lines are written");
+                return;
+            }
+            w.written += text.len() as u64;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Nothing;
+    impl ExpertSource for Nothing {
+        fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
+            Err(ExpertError::Unavailable {
+                layer,
+                expert,
+                message: "none".into(),
+            })
+        }
+    }
+
+    #[test]
+    fn lines_per_pass_and_layer() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.jsonl");
+        let t = RouterTrace::create(&p, Box::new(Nothing)).unwrap();
+        let ids: Vec<usize> = (0..60 * 2).map(|i| i % 7).collect();
+        let w: Vec<f32> = (0..120).map(|i| i as f32 / 3.0).collect();
+        t.record_routes(1, 2, &ids, &w);
+        t.record_routes(2, 2, &[3, 4], &[0.123456, 0.5]);
+        t.record_routes(1, 2, &[5, 6], &[1.0, 2.0]);
+        drop(t);
+        let text = std::fs::read_to_string(&p).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert!(lines[0].starts_with("{\"step\": 0, \"layer\": 1, \"ids\": [0, 1,"));
+        let ids0 = lines[0]
+            .split("\"ids\": [")
+            .nth(1)
+            .unwrap()
+            .split(']')
+            .next()
+            .unwrap();
+        assert_eq!(ids0.split(", ").count(), 56 * 2);
+        assert_eq!(
+            lines[2],
+            "{\"step\": 0, \"layer\": 2, \"ids\": [3, 4], \"w\": [0.12346, 0.5]}"
+        );
+        assert!(lines[3].starts_with("{\"step\": 1, \"layer\": 1,"));
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&p).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600);
+            let link = dir.path().join("link.jsonl");
+            std::os::unix::fs::symlink(&p, &link).unwrap();
+            assert!(RouterTrace::create(&link, Box::new(Nothing)).is_err());
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! Process memory while streaming experts (Linux: `/proc/self/status`). Its own test binary,
+//! so no other test shares the process. RSS is anonymous + file-backed (+ shmem) pages:
+//! `VmRSS`/`VmHWM`, with `RssAnon` and `RssFile` as the split; the peak is reset with
+//! `/proc/self/clear_refs` after loading.
+
+use deltafin_experts::{PilotGate, StreamOptions};
+use deltafin_k3::checkpoint::Checkpoint;
+use deltafin_k3::loader::{EngineOptions, load_model, load_model_with_experts, streaming_experts};
+use deltafin_k3::model::K3Model;
+use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Copy)]
+struct Mem {
+    rss: u64,
+    hwm: u64,
+    anon: u64,
+    file: u64,
+}
+
+fn mem() -> Option<Mem> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    Some(Mem {
+        rss: field("VmRSS:")?,
+        hwm: field("VmHWM:")?,
+        anon: field("RssAnon:")?,
+        file: field("RssFile:")?,
+    })
+}
+
+fn reset_peak() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+fn generate(model: &K3Model) {
+    let mut st = model.new_state();
+    let prompt: Vec<u32> = (0..48u32).map(|i| (i * 389 + 17) % 1000).collect();
+    let mut logits = model.prefill(&mut st, &prompt).unwrap();
+    for _ in 0..16 {
+        let id = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as u32)
+            .unwrap();
+        logits = model.decode(&mut st, id).unwrap();
+    }
+}
+
+#[test]
+fn streaming_rss_stays_within_the_cache_budget() {
+    if mem().is_none() || !reset_peak() {
+        eprintln!("skipping: /proc/self/status or clear_refs is not available");
+        return;
+    }
+    // 13 MoE layers × 64 experts × 78,336 B = 65 MB of experts; the cache gets 2 MB.
+    let dims = SynthDims {
+        vocab: 1024,
+        experts: 64,
+        moe_inter: 384,
+        latent: 128,
+        ..SynthDims::tiny()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    synthesize(dir.path(), &SynthSpec::new(dims, 9)).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
+    let expert_total = 13 * 64 * 78_336u64;
+    let file_total: u64 = ckpt
+        .shard_paths()
+        .iter()
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum();
+    let spine = file_total - expert_total;
+    let budget = 2_000_000u64;
+    let opts = StreamOptions {
+        cache_bytes: budget,
+        read_threads: 2,
+        pilot: PilotGate::Off,
+        ..StreamOptions::with_cache_bytes(0)
+    };
+    let src = streaming_experts(&ckpt, opts).unwrap();
+    let model =
+        load_model_with_experts(ckpt.clone(), &EngineOptions::default(), Box::new(src)).unwrap();
+
+    assert!(reset_peak());
+    let before = mem().unwrap();
+    generate(&model);
+    let after = mem().unwrap();
+    let st = model.experts.stats().unwrap();
+    eprintln!(
+        "streaming: before {before:?} after {after:?}; spine {spine} B; {}",
+        st.summary_line()
+    );
+    assert!(st.cache_peak_bytes <= budget);
+    assert!(st.total().bytes_read > 3 * budget, "it must really stream");
+    // File-backed pages: only the spine may be mapped in (experts are never mmap-faulted).
+    let file_growth = after.file.saturating_sub(before.file);
+    assert!(
+        file_growth <= spine + (1 << 20),
+        "RssFile grew {file_growth} B"
+    );
+    // Anonymous: the cache plus activations (a few MB at these sizes).
+    let anon_growth = after.anon.saturating_sub(before.anon);
+    assert!(
+        anon_growth <= budget + (6 << 20),
+        "RssAnon grew {anon_growth} B"
+    );
+    let peak_growth = after.hwm.saturating_sub(before.rss);
+    assert!(
+        peak_growth <= budget + spine + (8 << 20),
+        "peak RSS grew {peak_growth} B"
+    );
+    drop(model);
+
+    // The same generation with resident experts maps most of the 65 MB of experts in.
+    let resident = load_model(ckpt, &EngineOptions::default()).unwrap();
+    let before = mem().unwrap();
+    generate(&resident);
+    let after = mem().unwrap();
+    let file_growth = after.file.saturating_sub(before.file);
+    eprintln!("resident: RssFile grew {file_growth} B");
+    assert!(
+        file_growth > expert_total / 3,
+        "resident RssFile grew only {file_growth} B"
+    );
+}

@@ -1,0 +1,282 @@
+//! `cargo xtask stream-bench`: the GB-scale expert-streaming benchmark (not run in CI).
+//!
+//! 1. Probe the read bandwidth of the largest shard with the streaming read path:
+//!    big sequential chunks, then expert-sized reads at random aligned offsets.
+//! 2. Build the model with experts streamed into a cache of `--cache-gb`, prefill a prompt,
+//!    greedy-decode `--tokens` tokens, and report per phase: bytes read, achieved GB/s
+//!    (bytes ÷ busy I/O time) against the probe, decode tok/s against the I/O bound
+//!    (missed expert bytes per token ÷ probe bandwidth), cache hit rate, PILOT recall, peak RSS.
+//!
+//! The page cache is dropped before each phase when `/proc/sys/vm/drop_caches` is writable.
+
+use anyhow::{Context, Result, bail};
+use deltafin_experts::probe::{ProbeOptions, probe};
+use deltafin_experts::{DirectIo, ExpertStats, PilotGate, StreamOptions};
+use deltafin_k3::checkpoint::Checkpoint;
+use deltafin_k3::loader::{
+    EngineOptions, expert_table, load_model_with_experts, streaming_experts,
+};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Checkpoint (e.g. from `cargo xtask synth --preset stream --ram-gb N`).
+    #[arg(long)]
+    model_root: PathBuf,
+    /// Expert cache size in decimal GB.
+    #[arg(long)]
+    cache_gb: f64,
+    /// Prompt length (token ids 1000, 1001, …).
+    #[arg(long, default_value_t = 16)]
+    prompt_tokens: usize,
+    /// Greedy decode steps.
+    #[arg(long, default_value_t = 32)]
+    tokens: usize,
+    /// I/O threads for the probe and the stream.
+    #[arg(long, default_value_t = 4)]
+    threads: usize,
+    /// PILOT gate: off (prefetch), measure (no prefetch), on.
+    #[arg(long, default_value = "off")]
+    pilot: String,
+    /// Sequential probe bytes in MB.
+    #[arg(long, default_value_t = 2048)]
+    probe_mb: u64,
+    /// Expert-sized random probe reads.
+    #[arg(long, default_value_t = 400)]
+    probe_reads: u64,
+    /// Use buffered reads instead of O_DIRECT.
+    #[arg(long)]
+    buffered: bool,
+}
+
+fn drop_caches() -> bool {
+    // Sync first so dirty pages can be dropped too.
+    let _ = std::process::Command::new("sync").status();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+struct Phase {
+    name: &'static str,
+    tokens: usize,
+    seconds: f64,
+    bytes: u64,
+    device_bytes: u64,
+    misses: u64,
+    hits: u64,
+    busy: f64,
+    wait: f64,
+    recall: Option<f64>,
+}
+
+fn delta(
+    name: &'static str,
+    a: &ExpertStats,
+    b: &ExpertStats,
+    tokens: usize,
+    seconds: f64,
+) -> Phase {
+    let (ta, tb) = (a.total(), b.total());
+    let recall = if tb.predicted_total > ta.predicted_total {
+        Some(
+            (tb.predicted_hits - ta.predicted_hits) as f64
+                / (tb.predicted_total - ta.predicted_total) as f64,
+        )
+    } else {
+        None
+    };
+    Phase {
+        name,
+        tokens,
+        seconds,
+        bytes: tb.bytes_read - ta.bytes_read,
+        device_bytes: b.device_bytes - a.device_bytes,
+        misses: tb.misses - ta.misses,
+        hits: tb.hits - ta.hits,
+        busy: b.io_busy_seconds - a.io_busy_seconds,
+        wait: b.wait_seconds - a.wait_seconds,
+        recall,
+    }
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load average at start: {}", load.trim());
+    let ckpt = Arc::new(Checkpoint::open(&args.model_root).context("opening the checkpoint")?);
+    let table = expert_table(&ckpt)?;
+    let eb = table.shape.expert_bytes();
+    let expert_total = eb * table.expert_count() as u64;
+    let cache = (args.cache_gb * 1e9) as u64;
+    println!(
+        "experts: {} × {} B = {:.2} GB; cache {:.2} GB ({:.1}× smaller); contiguous: {}",
+        table.expert_count(),
+        eb,
+        expert_total as f64 / 1e9,
+        cache as f64 / 1e9,
+        expert_total as f64 / cache as f64,
+        table.all_contiguous()
+    );
+    let largest = table
+        .files
+        .iter()
+        .max_by_key(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+        .context("no expert files")?
+        .clone();
+    let direct_io = if args.buffered {
+        DirectIo::Off
+    } else {
+        DirectIo::Auto
+    };
+    let dropped = drop_caches();
+    println!("page cache dropped: {dropped}");
+    let p = probe(
+        &largest,
+        &ProbeOptions {
+            sequential_bytes: args.probe_mb * 1_000_000,
+            sequential_chunk: 8 << 20,
+            random_size: eb,
+            random_count: args.probe_reads,
+            threads: args.threads,
+            direct_io,
+            seed: 7,
+        },
+    )?;
+    println!(
+        "probe ({}): sequential {:.3} GB/s over {:.2} GB; expert-sized random {:.3} GB/s over {:.2} GB",
+        p.io_path,
+        p.sequential_gbps,
+        p.sequential_bytes as f64 / 1e9,
+        p.random_gbps,
+        p.random_bytes as f64 / 1e9
+    );
+
+    let pilot = match args.pilot.as_str() {
+        "off" => PilotGate::Off,
+        "measure" => PilotGate::Measure,
+        "on" => PilotGate::On {
+            threshold: 0.10,
+            warmup: 16,
+        },
+        other => bail!("--pilot {other:?} is not off, measure or on"),
+    };
+    let opts = StreamOptions {
+        cache_bytes: cache,
+        read_threads: args.threads,
+        direct_io,
+        pilot,
+    };
+    drop_caches();
+    let src = streaming_experts(&ckpt, opts)?;
+    let model = load_model_with_experts(ckpt.clone(), &EngineOptions::default(), Box::new(src))?;
+    let stats = || model.experts.stats().unwrap_or_default();
+    let prompt: Vec<u32> = (0..args.prompt_tokens as u32).map(|i| 1000 + i).collect();
+    let mut state = model.new_state();
+    let s0 = stats();
+    let t = Instant::now();
+    let mut logits = model.prefill(&mut state, &prompt)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let s1 = stats();
+    let t = Instant::now();
+    for _ in 0..args.tokens {
+        let id = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map_or(0, |(i, _)| i as u32);
+        logits = model.decode(&mut state, id)?;
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    let s2 = stats();
+    let phases = [
+        delta("prefill", &s0, &s1, prompt.len(), prefill_s),
+        delta("decode", &s1, &s2, args.tokens, decode_s),
+    ];
+    println!(
+        "io path: {}; threads {}; pilot {}",
+        s2.io_path, args.threads, args.pilot
+    );
+    println!(
+        "| phase | tokens | s | tok/s | GB read | misses | hits | hit % | read GB/s (busy) | ÷ probe random | wait s | I/O-bound tok/s | tok/s ÷ bound | recall |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for ph in &phases {
+        let gbps = if ph.busy > 0.0 {
+            ph.device_bytes as f64 / ph.busy / 1e9
+        } else {
+            0.0
+        };
+        let tps = ph.tokens as f64 / ph.seconds.max(1e-9);
+        // Missed expert bytes per token ÷ probe bandwidth = seconds of I/O per token.
+        let miss_bytes = ph.misses as f64 * eb as f64 / ph.tokens.max(1) as f64;
+        let bound = if miss_bytes > 0.0 {
+            p.random_gbps * 1e9 / miss_bytes
+        } else {
+            f64::INFINITY
+        };
+        println!(
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
+            ph.name,
+            ph.tokens,
+            ph.seconds,
+            tps,
+            ph.bytes as f64 / 1e9,
+            ph.misses,
+            ph.hits,
+            100.0 * ph.hits as f64 / (ph.hits + ph.misses).max(1) as f64,
+            gbps,
+            gbps / p.random_gbps.max(1e-9),
+            ph.wait,
+            bound,
+            tps / bound,
+            ph.recall
+                .map_or("n/a".into(), |r| format!("{:.1}%", 100.0 * r)),
+        );
+    }
+    println!(
+        "cache peak {:.3} GB of {:.3} GB; process peak RSS {:.3} GB",
+        s2.cache_peak_bytes as f64 / 1e9,
+        cache as f64 / 1e9,
+        peak_rss() as f64 / 1e9
+    );
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load average at end: {}", load.trim());
+    Ok(())
+}
+
+/// Print the hit-rate curve (markdown) of heat vs LRU on a Zipf trace.
+pub fn cache_curve(layers: usize, experts: usize, k: usize, tokens: usize, s: f64) {
+    use deltafin_experts::policy::{HeatCache, LruCache, hit_rate, zipf_routes};
+    let trace = zipf_routes(layers, experts, k, tokens, s, 1);
+    let pool = layers * experts;
+    println!(
+        "Zipf s={s}: {layers} layers × {experts} experts, top-{k}, {tokens} tokens ({} requests; one token's working set = {} experts)",
+        trace.len(),
+        layers * k
+    );
+    println!("| cache (experts) | share of pool | heat hit % | LRU hit % |");
+    println!("|---:|---:|---:|---:|");
+    for share in [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5] {
+        let cap = ((pool as f64 * share).round() as usize).max(1);
+        let heat = hit_rate(&mut HeatCache::new(cap), &trace);
+        let lru = hit_rate(&mut LruCache::new(cap), &trace);
+        println!(
+            "| {cap} | {:.0}% | {:.1} | {:.1} |",
+            100.0 * share,
+            100.0 * heat,
+            100.0 * lru
+        );
+    }
+}
