@@ -12,13 +12,29 @@
 use deltafin_k3::generate::greedy;
 use deltafin_k3::model::{K3Model, LogitRows, ModelError};
 use deltafin_k3::state::State;
+use deltafin_k3::taps::Taps;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+pub mod dspark;
 
 /// Anything that proposes the next tokens.
 pub trait Drafter {
     /// Propose up to `max` tokens to follow `history` (the prompt and every emitted token,
     /// the newest last). An empty proposal means "no guess"; it never affects correctness.
     fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32>;
+
+    /// K3 layers whose partial sums `P` this drafter reads (k3-model.md §9.3); empty (the
+    /// default) when it reads none.
+    fn tap_layers(&self) -> &[usize] {
+        &[]
+    }
+
+    /// K3 committed the positions `first_position …` with these taps (one row per position,
+    /// oldest first, layers in [`Drafter::tap_layers`] order). Called only for drafters with
+    /// tap layers, for every position K3 processes and keeps, in order.
+    fn observe(&mut self, first_position: usize, taps: &Taps) {
+        let _ = (first_position, taps);
+    }
 }
 
 /// Outcome of one verify pass.
@@ -44,14 +60,45 @@ pub fn verify(
     pending: u32,
     drafts: &[u32],
 ) -> Result<Verified, ModelError> {
+    verify_impl(model, state, pending, drafts, None)
+}
+
+/// [`verify`] that also appends to `taps` the partial sums of the positions it keeps
+/// (`pending` and the accepted drafts: the rows of rejected drafts are dropped; each kept
+/// row is what the replay of the accepted prefix computes, the exact pass being
+/// row-invariant).
+pub fn verify_tapped(
+    model: &K3Model,
+    state: &mut State,
+    pending: u32,
+    drafts: &[u32],
+    taps: &mut Taps,
+) -> Result<Verified, ModelError> {
+    verify_impl(model, state, pending, drafts, Some(taps))
+}
+
+fn verify_impl(
+    model: &K3Model,
+    state: &mut State,
+    pending: u32,
+    drafts: &[u32],
+    mut taps: Option<&mut Taps>,
+) -> Result<Verified, ModelError> {
     let saved = (!drafts.is_empty()).then(|| state.checkpoint());
     let mut tape = Vec::with_capacity(drafts.len() + 1);
     tape.push(pending);
     tape.extend_from_slice(drafts);
-    let logits = model.forward_exact(state, &tape, LogitRows::All)?;
+    let kept_rows = taps.as_ref().map_or(0, |t| t.rows());
+    let logits = match taps.as_deref_mut() {
+        Some(t) => model.forward_exact_tapped(state, &tape, LogitRows::All, t)?,
+        None => model.forward_exact(state, &tape, LogitRows::All)?,
+    };
     let mut accepted = 0;
     while accepted < drafts.len() && greedy(logits.row(accepted)) == drafts[accepted] {
         accepted += 1;
+    }
+    if let Some(t) = taps {
+        t.truncate(kept_rows + accepted + 1);
     }
     let next_logits = logits.row(accepted).to_vec();
     if let Some(cp) = saved.filter(|_| accepted < drafts.len()) {
@@ -116,7 +163,20 @@ pub fn generate_speculative(
         return Ok((out, stats));
     }
     let mut state = model.new_state();
-    let logits = model.prefill(&mut state, prompt)?;
+    // Drafters that read K3's hidden states get the taps of every committed position.
+    let mut taps = match drafter.tap_layers() {
+        [] => None,
+        ids => Some(model.taps(ids)?),
+    };
+    let logits = match taps.as_mut() {
+        Some(t) => {
+            let l = model.forward_tapped(&mut state, prompt, LogitRows::Last, t)?;
+            drafter.observe(0, t);
+            t.clear();
+            l.values
+        }
+        None => model.prefill(&mut state, prompt)?,
+    };
     let mut pending = greedy(&logits);
     out.push(pending);
     let mut history: Vec<u32> = prompt.to_vec();
@@ -127,7 +187,16 @@ pub fn generate_speculative(
         // Never propose past the token budget: at most room − 1 drafts, K3 adds one more.
         let mut drafts = drafter.propose(&history, width.min(room - 1));
         drafts.truncate(width.min(room - 1));
-        let v = verify(model, &mut state, pending, &drafts)?;
+        let position = state.position;
+        let v = match taps.as_mut() {
+            Some(t) => {
+                let v = verify_tapped(model, &mut state, pending, &drafts, t)?;
+                drafter.observe(position, t);
+                t.clear();
+                v
+            }
+            None => verify(model, &mut state, pending, &drafts)?,
+        };
         stats.verify_passes += 1;
         stats.proposed += drafts.len();
         stats.accepted += v.accepted;
