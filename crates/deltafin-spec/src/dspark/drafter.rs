@@ -155,6 +155,11 @@ impl DsparkDrafter {
         self.ctx.positions
     }
 
+    /// The injected context (per-layer `ĉ` and rotated `k_rope` of every observed position).
+    pub fn context(&self) -> &DsparkContext {
+        &self.ctx
+    }
+
     /// The drafter's model.
     pub fn model(&self) -> &DsparkModel {
         &self.model

@@ -127,9 +127,9 @@ pub struct DsparkContext {
 /// The drafter's outputs for one query block.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockOutput {
-    /// `h_r = RMS(final residual; final_norm)`, `BLOCK` rows of D.
+    /// `h_r = RMS(final residual; final_norm)`, one row of D per requested row.
     pub hidden: Vec<f32>,
-    /// `logits_r = lm_head · h_r`, `BLOCK` rows of V.
+    /// `logits_r = lm_head · h_r`, one row of V per requested row.
     pub logits: Vec<f32>,
 }
 
@@ -304,13 +304,16 @@ impl DsparkModel {
 
     /// Run the query block `[anchor, mask × (BLOCK − 1)]` at positions `ctx.positions …`
     /// through the decoder layers (every row attends to every context entry and every block
-    /// row), then `final_norm` and K3's `lm_head`. `embed` is K3's embedding.
+    /// row), then `final_norm` and K3's `lm_head` for the first `rows` rows (at most
+    /// `BLOCK`; the others' logits are not needed for fewer drafts). `embed` is K3's
+    /// embedding.
     pub fn block(
         &self,
         embed: &Bf16Matrix,
         lm_head: &Bf16Matrix,
         ctx: &DsparkContext,
         anchor: u32,
+        rows: usize,
     ) -> BlockOutput {
         let c = &self.config;
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
@@ -330,8 +333,9 @@ impl DsparkModel {
             let m = matmul(&layer.down_proj, &act, BLOCK);
             x.iter_mut().zip(&m).for_each(|(p, o)| *p += o);
         }
-        let hidden = rms_rows(&x, &self.final_norm, eps);
-        let logits = matmul(lm_head, &hidden, BLOCK);
+        let rows = rows.min(BLOCK);
+        let hidden = rms_rows(&x[..rows * d], &self.final_norm, eps);
+        let logits = matmul(lm_head, &hidden, rows);
         BlockOutput { hidden, logits }
     }
 
@@ -434,7 +438,8 @@ impl DsparkModel {
             tokens: Vec::new(),
             confidence: Vec::new(),
         };
-        for r in 0..max.min(BLOCK) {
+        let rows = out.logits.len() / v.max(1);
+        for r in 0..max.min(rows) {
             let mut row = self.markov_bias(prev);
             row.iter_mut()
                 .zip(&out.logits[r * v..(r + 1) * v])
@@ -468,7 +473,7 @@ impl DsparkModel {
         anchor: u32,
         max: usize,
     ) -> Proposal {
-        let out = self.block(embed, lm_head, ctx, anchor);
+        let out = self.block(embed, lm_head, ctx, anchor, max);
         self.heads(&out, anchor, max)
     }
 }
@@ -745,7 +750,7 @@ pub(crate) mod tests {
             m.append_context(&mut ctx, &flat[..cut * width], cut);
             m.append_context(&mut ctx, &flat[cut * width..], n - cut);
             assert_eq!(ctx.positions, n);
-            let out = m.block(&embed, &lm_head, &ctx, anchor);
+            let out = m.block(&embed, &lm_head, &ctx, anchor, BLOCK);
             let (hid, logits, drafts, conf) = reference(&m, &embed, &lm_head, &taps, anchor);
             let d = m.config.hidden_size;
             let v = m.config.vocab_size;
