@@ -178,6 +178,35 @@ fn drafter_context_equals_independently_tapped_partial_sums() {
 }
 
 #[test]
+fn confidence_cut_keeps_a_prefix_of_the_proposal() {
+    let s = setup();
+    let prompt = s.tok.encode_ordinary(PROMPTS[1]);
+    let mut full = DsparkDrafter::new(s.dspark.clone(), &s.model, 8192).unwrap();
+    let mut cut = DsparkDrafter::new(s.dspark.clone(), &s.model, 8192).unwrap();
+    let mut state = s.model.new_state();
+    let mut taps = s.model.taps(&s.dspark.config.target_layer_ids).unwrap();
+    let l = s
+        .model
+        .forward_tapped(&mut state, &prompt, LogitRows::Last, &mut taps)
+        .unwrap();
+    full.observe(0, &taps);
+    cut.observe(0, &taps);
+    let mut history = prompt.clone();
+    history.push(deltafin_k3::generate::greedy(&l.values));
+    let all = full.propose(&history, BLOCK);
+    let conf = full.last.as_ref().unwrap().confidence.clone();
+    assert_eq!((all.len(), conf.len()), (BLOCK, BLOCK));
+    let probs: Vec<f32> = conf.iter().map(|&c| 1.0 / (1.0 + (-c).exp())).collect();
+    let mut sorted = probs.clone();
+    sorted.sort_by(f32::total_cmp);
+    let min = sorted[BLOCK / 2];
+    cut.min_confidence = Some(min);
+    let kept = cut.propose(&history, BLOCK);
+    let want = probs.iter().position(|&p| p < min).unwrap_or(BLOCK);
+    assert_eq!(kept, all[..want]);
+}
+
+#[test]
 fn context_limit_stops_drafting_but_not_decoding() {
     let s = setup();
     let prompt = s.tok.encode_ordinary(PROMPTS[0]);

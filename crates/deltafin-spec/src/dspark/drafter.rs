@@ -121,7 +121,10 @@ pub struct DsparkDrafter {
     observed: usize,
     /// Set when the observations stopped matching the history (then no more drafts).
     out_of_step: bool,
-    /// The last proposal (tokens and confidence logits).
+    /// Cut a proposal before the first draft whose confidence `σ(c_r)` is below this
+    /// (`None`: keep every draft; also when the checkpoint has no confidence head).
+    pub min_confidence: Option<f32>,
+    /// The last proposal before any confidence cut (tokens and confidence logits).
     pub last: Option<Proposal>,
     /// Work counters.
     pub stats: DsparkStats,
@@ -145,6 +148,7 @@ impl DsparkDrafter {
             max_context,
             observed: 0,
             out_of_step: false,
+            min_confidence: None,
             last: None,
             stats: DsparkStats::default(),
         })
@@ -195,7 +199,15 @@ impl Drafter for DsparkDrafter {
         let p = self
             .model
             .propose(&self.embed, &self.lm_head, &self.ctx, anchor, max);
-        let tokens = p.tokens.clone();
+        let keep = match self.min_confidence {
+            Some(min) => p
+                .confidence
+                .iter()
+                .position(|&c| deltafin_kernels::sigmoid(c) < min)
+                .unwrap_or(p.tokens.len()),
+            None => p.tokens.len(),
+        };
+        let tokens = p.tokens[..keep.min(p.tokens.len())].to_vec();
         self.last = Some(p);
         tokens
     }
