@@ -107,6 +107,15 @@ fn synthesized_dspark_has_the_real_layout_and_fits_the_tiny_model() {
     let s = setup();
     let file = SafetensorsFile::open(s.dspark_dir.join("model.safetensors")).unwrap();
     assert_eq!(file.tensors().len(), 68);
+    let mut want = deltafin_spec::dspark::expected_tensors(&s.dspark.config);
+    let mut got: Vec<(String, Vec<usize>)> = file
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
+    want.sort();
+    got.sort();
+    assert_eq!(got, want);
     assert!(file.info("lm_head.weight").is_none());
     let c = &s.dspark.config;
     assert_eq!(c.target_layer_ids, vec![0, 3, 7, 10, 13]);

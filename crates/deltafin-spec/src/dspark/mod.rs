@@ -9,7 +9,7 @@ pub mod rope;
 
 pub use config::{BLOCK, DsparkConfig, YarnConfig};
 pub use drafter::{DraftMode, DsparkDrafter, SpecConfig, SpecConfigError};
-pub use model::{BlockOutput, DsparkContext, DsparkModel, Proposal};
+pub use model::{BlockOutput, DsparkContext, DsparkModel, Proposal, expected_tensors};
 
 use std::path::PathBuf;
 

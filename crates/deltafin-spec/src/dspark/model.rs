@@ -156,6 +156,53 @@ fn rms_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
+/// The checkpoint's tensors (name, shape) for `c` (k3-model.md §9.2), including the
+/// `embed_tokens.weight` copy.
+pub fn expected_tensors(c: &DsparkConfig) -> Vec<(String, Vec<usize>)> {
+    let (d, f, h) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
+    let (ql, kvl, dn, dr, dv) = (
+        c.q_lora_rank,
+        c.kv_lora_rank,
+        c.qk_nope_head_dim,
+        c.qk_rope_head_dim,
+        c.v_head_dim,
+    );
+    let (v, r) = (c.vocab_size, c.markov_rank);
+    let taps = c.target_layer_ids.len() * c.target_hidden_size;
+    let mut out: Vec<(String, Vec<usize>)> = vec![
+        ("context_proj.weight".into(), vec![d, taps]),
+        ("context_norm.weight".into(), vec![d]),
+        ("embed_tokens.weight".into(), vec![v, d]),
+    ];
+    for n in 0..c.num_hidden_layers {
+        for (name, shape) in [
+            ("input_layernorm.weight", vec![d]),
+            ("post_attention_layernorm.weight", vec![d]),
+            ("self_attn.q_a_proj.weight", vec![ql, d]),
+            ("self_attn.q_a_layernorm.weight", vec![ql]),
+            ("self_attn.q_b_proj.weight", vec![h * (dn + dr), ql]),
+            ("self_attn.kv_a_proj_with_mqa.weight", vec![kvl + dr, d]),
+            ("self_attn.kv_a_layernorm.weight", vec![kvl]),
+            ("self_attn.kv_b_proj.weight", vec![h * (dn + dv), kvl]),
+            ("self_attn.o_proj.weight", vec![d, h * dv]),
+            ("mlp.gate_proj.weight", vec![f, d]),
+            ("mlp.up_proj.weight", vec![f, d]),
+            ("mlp.down_proj.weight", vec![d, f]),
+        ] {
+            out.push((format!("layers.{n}.{name}"), shape));
+        }
+    }
+    out.push(("final_norm.weight".into(), vec![d]));
+    out.push(("markov_head.markov_w1.weight".into(), vec![v, r]));
+    out.push(("markov_head.markov_w2.weight".into(), vec![v, r]));
+    if c.enable_confidence_head {
+        let width = d + if c.confidence_head_with_markov { r } else { 0 };
+        out.push(("confidence_head.proj.weight".into(), vec![1, width]));
+        out.push(("confidence_head.proj.bias".into(), vec![1]));
+    }
+    out
+}
+
 impl DsparkModel {
     /// Load `dir/config.json` and `dir/model.safetensors`.
     pub fn open(dir: &Path) -> Result<DsparkModel, DsparkError> {
@@ -356,16 +403,28 @@ impl DsparkModel {
         let mut q = matmul(&w.q_b_proj, &cq, BLOCK);
         // Block keys: ĉ and rotated k_rope at positions n … n + BLOCK − 1.
         let kv = matmul(&w.kv_a_proj, y, BLOCK);
-        let mut latent = lc.latent.clone();
-        let mut rope = lc.rope.clone();
+        let mut block_latent = vec![0f32; BLOCK * kvl];
+        let mut block_rope = vec![0f32; BLOCK * dr];
         for (r, row) in kv.chunks_exact(kvl + dr).enumerate() {
-            let mut chat = vec![0f32; kvl];
-            rms_norm(&row[..kvl], &w.kv_a_layernorm, eps, &mut chat);
-            latent.extend_from_slice(&chat);
-            let mut kr = row[kvl..].to_vec();
-            self.rope.rotate(&mut kr, n + r);
-            rope.extend_from_slice(&kr);
+            rms_norm(
+                &row[..kvl],
+                &w.kv_a_layernorm,
+                eps,
+                &mut block_latent[r * kvl..(r + 1) * kvl],
+            );
+            let kr = &mut block_rope[r * dr..(r + 1) * dr];
+            kr.copy_from_slice(&row[kvl..]);
+            self.rope.rotate(kr, n + r);
         }
+        // Key s: context entry s < n, else block row s − n.
+        let latent = |s: usize| match s.checked_sub(n) {
+            None => &lc.latent[s * kvl..(s + 1) * kvl],
+            Some(r) => &block_latent[r * kvl..(r + 1) * kvl],
+        };
+        let rope = |s: usize| match s.checked_sub(n) {
+            None => &lc.rope[s * dr..(s + 1) * dr],
+            Some(r) => &block_rope[r * dr..(r + 1) * dr],
+        };
         for (r, qrow) in q.chunks_exact_mut(h * dq).enumerate() {
             for head in qrow.chunks_exact_mut(dq) {
                 self.rope.rotate(&mut head[dn..], n + r);
@@ -392,17 +451,15 @@ impl DsparkModel {
                 }
                 let mut scores: Vec<f32> = (0..keys)
                     .map(|s| {
-                        let lat = &latent[s * kvl..(s + 1) * kvl];
-                        let kr = &rope[s * dr..(s + 1) * dr];
-                        let a: f32 = qt.iter().zip(lat).map(|(x, y)| x * y).sum();
-                        let b: f32 = qh[dn..].iter().zip(kr).map(|(x, y)| x * y).sum();
+                        let a: f32 = qt.iter().zip(latent(s)).map(|(x, y)| x * y).sum();
+                        let b: f32 = qh[dn..].iter().zip(rope(s)).map(|(x, y)| x * y).sum();
                         (a + b) * scale
                     })
                     .collect();
                 softmax_inplace(&mut scores);
                 let mut mix = vec![0f32; kvl];
                 for (s, &p) in scores.iter().enumerate() {
-                    for (m, &l) in mix.iter_mut().zip(&latent[s * kvl..(s + 1) * kvl]) {
+                    for (m, &l) in mix.iter_mut().zip(latent(s)) {
                         *m += p * l;
                     }
                 }
@@ -772,6 +829,21 @@ pub(crate) mod tests {
             assert_eq!(short.tokens, drafts[..3]);
             assert_eq!(m.propose(&embed, &lm_head, &ctx, anchor, BLOCK), p);
         }
+    }
+
+    #[test]
+    fn real_layout_has_68_tensors_and_the_published_parameter_count() {
+        let c =
+            DsparkConfig::from_json_str(include_str!("../../../../assets/kimi/dspark-config.json"))
+                .unwrap();
+        let t = expected_tensors(&c);
+        assert_eq!(t.len(), 68);
+        let numel = |s: &Vec<usize>| s.iter().product::<usize>();
+        let total: usize = t.iter().map(|(_, s)| numel(s)).sum();
+        assert_eq!(total, 3_562_312_961);
+        let embed = t.iter().find(|(n, _)| n == "embed_tokens.weight").unwrap();
+        assert_eq!(total - numel(&embed.1), 2_387_907_841);
+        assert!(t.iter().all(|(n, _)| n != "lm_head.weight"));
     }
 
     #[test]
