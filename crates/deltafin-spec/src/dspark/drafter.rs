@@ -1,8 +1,8 @@
 //! [`DsparkDrafter`]: the DSpark model as a [`Drafter`], fed K3's taps of every committed
 //! position, and [`SpecConfig`], the speculative-decoding settings from the environment.
 
+use super::DsparkError;
 use super::model::{DsparkContext, DsparkModel, Proposal};
-use super::{BLOCK, DsparkError};
 use crate::Drafter;
 use deltafin_k3::model::K3Model;
 use deltafin_k3::taps::Taps;
@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 /// Default of `K3_DSPARK_MAX_CONTEXT`.
 pub const DEFAULT_MAX_CONTEXT: usize = 8192;
-/// Default of `K3_SPEC_DEPTH` (the DSpark block drafts 7).
-pub const DEFAULT_DEPTH: usize = BLOCK;
+/// Default of `K3_SPEC_DEPTH` (product contract; DSpark itself drafts at most [`super::BLOCK`]).
+pub const DEFAULT_DEPTH: usize = 8;
 
 /// `K3_DSPARK`: whether to draft with DSpark.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,10 +42,10 @@ pub struct SpecConfigError {
 pub struct SpecConfig {
     /// `K3_DSPARK` (off|auto|on; default auto).
     pub dspark: DraftMode,
-    /// `K3_DSPARK_MAX_CONTEXT` (default 8192): past this many positions DSpark stops
-    /// drafting (and stops growing its context cache).
+    /// `K3_DSPARK_MAX_CONTEXT` (default 8192; `0` reads as no bound): past this many
+    /// positions DSpark stops drafting (and stops growing its context cache).
     pub dspark_max_context: usize,
-    /// `K3_SPEC_DEPTH` (1..8, default 7): most drafts per verify pass.
+    /// `K3_SPEC_DEPTH` (1..8, default 8): most drafts per verify pass.
     pub depth: usize,
 }
 
@@ -84,10 +84,17 @@ impl SpecConfig {
             };
         }
         if let Some(v) = get("K3_DSPARK_MAX_CONTEXT") {
-            c.dspark_max_context =
-                v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
-                    err("K3_DSPARK_MAX_CONTEXT", &v, "expected a positive integer")
-                })?;
+            c.dspark_max_context = match v.parse::<usize>() {
+                Ok(0) => usize::MAX,
+                Ok(n) => n,
+                Err(_) => {
+                    return Err(err(
+                        "K3_DSPARK_MAX_CONTEXT",
+                        &v,
+                        "expected a non-negative integer (0: no bound)",
+                    ));
+                }
+            };
         }
         if let Some(v) = get("K3_SPEC_DEPTH") {
             c.depth = v
@@ -110,7 +117,7 @@ pub struct DsparkStats {
 }
 
 /// DSpark as a [`Drafter`]: keeps the injected context of every position K3 committed
-/// (fed through [`Drafter::observe`]) and drafts up to [`BLOCK`] tokens per call.
+/// (fed through [`Drafter::observe`]) and drafts up to [`super::BLOCK`] tokens per call.
 pub struct DsparkDrafter {
     model: Arc<DsparkModel>,
     embed: Bf16Matrix,
@@ -271,6 +278,13 @@ mod tests {
             }
         );
         assert_eq!(
+            SpecConfig::from_lookup(lookup(&[("K3_DSPARK_MAX_CONTEXT", "0")]))
+                .unwrap()
+                .dspark_max_context,
+            usize::MAX
+        );
+        assert_eq!(SpecConfig::default().depth, 8);
+        assert_eq!(
             SpecConfig::from_lookup(lookup(&[("K3_DSPARK", "off")]))
                 .unwrap()
                 .dspark,
@@ -279,7 +293,7 @@ mod tests {
         for (k, v) in [
             ("K3_DSPARK", "yes"),
             ("K3_DSPARK", "ON"),
-            ("K3_DSPARK_MAX_CONTEXT", "0"),
+            ("K3_DSPARK_MAX_CONTEXT", "-1"),
             ("K3_DSPARK_MAX_CONTEXT", "8k"),
             ("K3_SPEC_DEPTH", "0"),
             ("K3_SPEC_DEPTH", "9"),
