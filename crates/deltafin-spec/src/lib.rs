@@ -16,6 +16,7 @@ use deltafin_k3::taps::Taps;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub mod dspark;
+mod fields;
 
 /// Anything that proposes the next tokens.
 pub trait Drafter {

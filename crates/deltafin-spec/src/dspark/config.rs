@@ -2,7 +2,8 @@
 //! checked against the one value this engine implements; an unknown key is an error.
 
 use super::DsparkError;
-use serde_json::{Map, Value};
+use crate::fields::{FieldError, Fields};
+use serde_json::Value;
 use std::path::Path;
 
 /// Tokens drafted per pass: the query block is `[anchor, mask × (BLOCK − 1)]`.
@@ -78,73 +79,11 @@ pub struct DsparkConfig {
     pub rope: YarnConfig,
 }
 
-/// Key-by-key reader over a JSON object; [`Fields::finish`] rejects keys never read.
-struct Fields {
-    prefix: &'static str,
-    map: Map<String, Value>,
-}
-
-impl Fields {
-    fn err(&self, key: &str, message: impl Into<String>) -> DsparkError {
+impl From<FieldError> for DsparkError {
+    fn from(e: FieldError) -> Self {
         DsparkError::Config {
-            field: format!("{}{key}", self.prefix),
-            message: message.into(),
-        }
-    }
-    fn take(&mut self, key: &str) -> Result<Value, DsparkError> {
-        self.map.remove(key).ok_or_else(|| self.err(key, "missing"))
-    }
-    fn usize(&mut self, key: &str) -> Result<usize, DsparkError> {
-        let v = self.take(key)?;
-        v.as_u64()
-            .map(|x| x as usize)
-            .ok_or_else(|| self.err(key, format!("expected a non-negative integer, found {v}")))
-    }
-    fn positive(&mut self, key: &str) -> Result<usize, DsparkError> {
-        let v = self.usize(key)?;
-        if v == 0 {
-            return Err(self.err(key, "must be positive"));
-        }
-        Ok(v)
-    }
-    fn u32(&mut self, key: &str) -> Result<u32, DsparkError> {
-        let v = self.usize(key)?;
-        u32::try_from(v).map_err(|_| self.err(key, format!("{v} does not fit a token id")))
-    }
-    fn f64(&mut self, key: &str) -> Result<f64, DsparkError> {
-        let v = self.take(key)?;
-        v.as_f64()
-            .filter(|x| x.is_finite())
-            .ok_or_else(|| self.err(key, format!("expected a finite number, found {v}")))
-    }
-    fn bool(&mut self, key: &str) -> Result<bool, DsparkError> {
-        let v = self.take(key)?;
-        v.as_bool()
-            .ok_or_else(|| self.err(key, format!("expected true or false, found {v}")))
-    }
-    fn string(&mut self, key: &str) -> Result<String, DsparkError> {
-        let v = self.take(key)?;
-        v.as_str()
-            .map(str::to_owned)
-            .ok_or_else(|| self.err(key, format!("expected a string, found {v}")))
-    }
-    fn expect_str(&mut self, key: &str, want: &str) -> Result<(), DsparkError> {
-        let s = self.string(key)?;
-        if s != want {
-            return Err(self.err(key, format!("`{s}` is not supported (expected `{want}`)")));
-        }
-        Ok(())
-    }
-    fn expect_bool(&mut self, key: &str, want: bool) -> Result<(), DsparkError> {
-        if self.bool(key)? != want {
-            return Err(self.err(key, format!("only {want} is supported")));
-        }
-        Ok(())
-    }
-    fn finish(self) -> Result<(), DsparkError> {
-        match self.map.keys().next() {
-            None => Ok(()),
-            Some(k) => Err(self.err(k, "unknown field")),
+            field: e.field,
+            message: e.message,
         }
     }
 }
@@ -176,7 +115,7 @@ impl DsparkConfig {
                 message: "expected a JSON object".into(),
             });
         };
-        let mut f = Fields { prefix: "", map };
+        let mut f: Fields<DsparkError> = Fields::new("", map);
         let arch = f.take("architectures")?;
         if !arch
             .as_array()
@@ -271,10 +210,7 @@ impl DsparkConfig {
         let Value::Object(rmap) = rp else {
             return Err(f.err("rope_parameters", "expected an object"));
         };
-        let mut r = Fields {
-            prefix: "rope_parameters.",
-            map: rmap,
-        };
+        let mut r: Fields<DsparkError> = Fields::new("rope_parameters.", rmap);
         r.expect_str("rope_type", "yarn")?;
         let rope = YarnConfig {
             rope_theta: r.f64("rope_theta")?,
@@ -341,6 +277,7 @@ impl DsparkConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Map;
 
     const REAL: &str = include_str!("../../../../assets/kimi/dspark-config.json");
 
