@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 pub mod dspark;
 mod fields;
+pub mod qwen3;
 
 /// Anything that proposes the next tokens.
 pub trait Drafter {

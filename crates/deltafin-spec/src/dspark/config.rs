@@ -140,7 +140,7 @@ impl DsparkConfig {
         let kv_lora_rank = f.positive("kv_lora_rank")?;
         let qk_nope_head_dim = f.positive("qk_nope_head_dim")?;
         let qk_rope_head_dim = f.positive("qk_rope_head_dim")?;
-        if qk_rope_head_dim % 2 != 0 {
+        if !qk_rope_head_dim.is_multiple_of(2) {
             return Err(f.err("qk_rope_head_dim", "must be even (rotated in pairs)"));
         }
         let v_head_dim = f.positive("v_head_dim")?;
