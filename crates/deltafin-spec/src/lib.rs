@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub mod dspark;
 mod fields;
 pub mod qwen3;
+pub mod uag;
 
 /// Anything that proposes the next tokens.
 pub trait Drafter {
