@@ -989,6 +989,8 @@ pub(crate) mod tests {
             .forward_tapped(&mut s, &[1, 2, 3], LogitRows::Last, &mut t)
             .unwrap();
         assert_eq!(t.rows(), 3);
+        assert_eq!(t.values().len(), 3 * t.width());
+        assert_eq!(&t.values()[t.width()..2 * t.width()], t.row(1));
         t.truncate(1);
         assert_eq!(t.rows(), 1);
         t.clear();

@@ -66,6 +66,11 @@ impl Taps {
         &self.values[i * w..(i + 1) * w]
     }
 
+    /// Every collected row, contiguous (`rows() · width()` values).
+    pub fn values(&self) -> &[f32] {
+        &self.values
+    }
+
     /// Keep only the first `rows` positions.
     pub fn truncate(&mut self, rows: usize) {
         self.values.truncate(rows * self.width());

@@ -240,8 +240,7 @@ impl Drafter for DsparkDrafter {
             // Past the context limit DSpark stops drafting; the cache stays bounded.
             return;
         }
-        let rows: Vec<f32> = (0..n).flat_map(|i| taps.row(i).iter().copied()).collect();
-        self.model.append_context(&mut self.ctx, &rows, n);
+        self.model.append_context(&mut self.ctx, taps.values(), n);
     }
 }
 
