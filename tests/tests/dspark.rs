@@ -10,7 +10,9 @@ use deltafin_k3::model::{K3Model, LogitRows};
 use deltafin_k3::synth::{SynthDims, SynthSpec, scaled_config, synthesize, synthesize_dspark};
 use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_spec::dspark::{BLOCK, DsparkDrafter, DsparkError, DsparkModel};
-use deltafin_spec::{Drafter, SpecStats, generate_speculative};
+use deltafin_spec::{
+    Drafter, SpecError, SpecStats, generate_speculative, generate_speculative_streaming,
+};
 use deltafin_tensor::{Bf16Matrix, SafetensorsFile, SafetensorsWriter, TensorEntry, bf16};
 use std::path::Path;
 use std::sync::Arc;
@@ -156,6 +158,61 @@ fn dspark_speculation_equals_plain_greedy_and_is_deterministic() {
             }
         }
     }
+}
+
+#[test]
+fn streaming_reports_every_committed_token_once() {
+    let s = setup();
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|t| s.tok.encode_ordinary(t)).collect();
+    let m = Arc::new(agreeing(&s.dspark, &bigrams(&s.model, &prompts)));
+    let p = &prompts[1];
+    let mut d = DsparkDrafter::new(m.clone(), &s.model, 8192).unwrap();
+    let mut seen = Vec::new();
+    let (mut proposed, mut accepted, mut steps) = (0, 0, 0);
+    let (ids, stats) = generate_speculative_streaming(
+        &s.model,
+        p,
+        MAX_NEW,
+        &STOP,
+        BLOCK,
+        &mut d,
+        &AtomicBool::new(false),
+        |c| {
+            seen.extend_from_slice(c.ids);
+            proposed += c.proposed;
+            accepted += c.accepted;
+            steps += 1;
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert_eq!(seen, ids);
+    assert_eq!(ids, plain_greedy(&s.model, p));
+    assert_eq!((proposed, accepted), (stats.proposed, stats.accepted));
+    assert_eq!(steps, stats.verify_passes + 1);
+    // A failing sink stops generation after its step.
+    let mut d = DsparkDrafter::new(m, &s.model, 8192).unwrap();
+    let mut calls = 0;
+    let e = generate_speculative_streaming(
+        &s.model,
+        p,
+        MAX_NEW,
+        &STOP,
+        BLOCK,
+        &mut d,
+        &AtomicBool::new(false),
+        |_| {
+            calls += 1;
+            if calls == 2 {
+                Err("closed".into())
+            } else {
+                Ok(())
+            }
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, SpecError::Sink(ref m) if m == "closed"), "{e}");
+    assert_eq!(calls, 2);
 }
 
 #[test]

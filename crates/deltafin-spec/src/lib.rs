@@ -14,6 +14,7 @@ use deltafin_k3::model::{K3Model, LogitRows, ModelError};
 use deltafin_k3::state::State;
 use deltafin_k3::taps::Taps;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 pub mod dspark;
 mod fields;
@@ -148,6 +149,42 @@ impl SpecStats {
     }
 }
 
+/// What one step of speculative generation committed, reported as it happens: the first
+/// step is the prefill (K3's first token), every later step one draft + verify pass.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Committed<'a> {
+    /// Tokens this step emitted, in order (accepted drafts, then K3's own token).
+    pub ids: &'a [u32],
+    /// Drafts proposed in this step (0 for the prefill).
+    pub proposed: usize,
+    /// Drafts K3 accepted in this step.
+    pub accepted: usize,
+    /// Wall time of the step (prefill, or proposal + verify).
+    pub duration: Duration,
+}
+
+/// An error of streaming speculative generation.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The callback asked to stop.
+    #[error("{0}")]
+    Sink(String),
+}
+
+enum Failure<E> {
+    Model(ModelError),
+    Sink(E),
+}
+
+impl<E> From<ModelError> for Failure<E> {
+    fn from(e: ModelError) -> Self {
+        Failure::Model(e)
+    }
+}
+
 /// Greedy generation of up to `max_new` tokens after `prompt`, with drafts from `drafter`
 /// verified by K3 (`width` drafts at most per pass). Stops after a token in `stop_ids`. The
 /// returned ids equal plain greedy decoding exactly.
@@ -160,11 +197,55 @@ pub fn generate_speculative(
     drafter: &mut dyn Drafter,
     interrupt: &AtomicBool,
 ) -> Result<(Vec<u32>, SpecStats), ModelError> {
+    let never = |_: &Committed<'_>| Ok::<(), std::convert::Infallible>(());
+    run(
+        model, prompt, max_new, stop_ids, width, drafter, interrupt, never,
+    )
+    .map_err(|f| match f {
+        Failure::Model(e) => e,
+        Failure::Sink(never) => match never {},
+    })
+}
+
+/// [`generate_speculative`] that reports every step to `on_commit` as it is committed (for
+/// streaming output and per-step statistics); an error from `on_commit` stops generation.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_speculative_streaming(
+    model: &K3Model,
+    prompt: &[u32],
+    max_new: usize,
+    stop_ids: &[u32],
+    width: usize,
+    drafter: &mut dyn Drafter,
+    interrupt: &AtomicBool,
+    on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
+) -> Result<(Vec<u32>, SpecStats), SpecError> {
+    run(
+        model, prompt, max_new, stop_ids, width, drafter, interrupt, on_commit,
+    )
+    .map_err(|f| match f {
+        Failure::Model(e) => SpecError::Model(e),
+        Failure::Sink(e) => SpecError::Sink(e),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run<E>(
+    model: &K3Model,
+    prompt: &[u32],
+    max_new: usize,
+    stop_ids: &[u32],
+    width: usize,
+    drafter: &mut dyn Drafter,
+    interrupt: &AtomicBool,
+    mut on_commit: impl FnMut(&Committed<'_>) -> Result<(), E>,
+) -> Result<(Vec<u32>, SpecStats), Failure<E>> {
     let mut stats = SpecStats::default();
     let mut out = Vec::new();
     if max_new == 0 {
         return Ok((out, stats));
     }
+    let started = Instant::now();
     let mut state = model.new_state();
     // Drafters that read K3's hidden states get the taps of every committed position.
     let mut taps = match drafter.tap_layers() {
@@ -184,8 +265,16 @@ pub fn generate_speculative(
     out.push(pending);
     let mut history: Vec<u32> = prompt.to_vec();
     history.push(pending);
+    on_commit(&Committed {
+        ids: &out,
+        proposed: 0,
+        accepted: 0,
+        duration: started.elapsed(),
+    })
+    .map_err(Failure::Sink)?;
     while out.len() < max_new && !stop_ids.contains(&pending) && !interrupt.load(Ordering::Relaxed)
     {
+        let step = Instant::now();
         let room = max_new - out.len();
         // Never propose past the token budget: at most room − 1 drafts, K3 adds one more.
         let mut drafts = drafter.propose(&history, width.min(room - 1));
@@ -203,6 +292,7 @@ pub fn generate_speculative(
         stats.verify_passes += 1;
         stats.proposed += drafts.len();
         stats.accepted += v.accepted;
+        let first = out.len();
         let mut stopped = false;
         for &d in &drafts[..v.accepted] {
             out.push(d);
@@ -212,12 +302,21 @@ pub fn generate_speculative(
                 break;
             }
         }
+        if !stopped {
+            pending = v.next;
+            out.push(pending);
+            history.push(pending);
+        }
+        on_commit(&Committed {
+            ids: &out[first..],
+            proposed: drafts.len(),
+            accepted: v.accepted,
+            duration: step.elapsed(),
+        })
+        .map_err(Failure::Sink)?;
         if stopped {
             break;
         }
-        pending = v.next;
-        out.push(pending);
-        history.push(pending);
     }
     Ok((out, stats))
 }
