@@ -22,6 +22,7 @@ pub mod router;
 pub mod situ;
 pub mod state;
 pub mod synth;
+pub mod taps;
 #[cfg(test)]
 mod test_util;
 pub mod tokenizer;

@@ -23,6 +23,7 @@ use crate::moe::{ExpertSource, MoeWeights};
 use crate::norm::rms_norm_rows_new;
 use crate::situ::DenseMlp;
 use crate::state::{LayerState, State};
+use crate::taps::Taps;
 use deltafin_kernels::matmul_bf16;
 use deltafin_tensor::Bf16Matrix;
 
@@ -379,7 +380,7 @@ impl K3Model {
         tokens: &[u32],
         want: LogitRows,
     ) -> Result<Logits, ModelError> {
-        self.forward_impl(state, tokens, want, KdaForm::Chunked)
+        self.forward_impl(state, tokens, want, KdaForm::Chunked, None)
     }
 
     /// Like [`Self::forward`], but KDA runs its recurrent form token by token, so row `i` is
@@ -392,7 +393,35 @@ impl K3Model {
         tokens: &[u32],
         want: LogitRows,
     ) -> Result<Logits, ModelError> {
-        self.forward_impl(state, tokens, want, KdaForm::Recurrent)
+        self.forward_impl(state, tokens, want, KdaForm::Recurrent, None)
+    }
+
+    /// [`Self::forward`] that also appends, per input position, the bf16-rounded partial sum
+    /// `P` after each of `taps`' layers (k3-model.md §9.3). The logits are unchanged.
+    pub fn forward_tapped(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        want: LogitRows,
+        taps: &mut Taps,
+    ) -> Result<Logits, ModelError> {
+        self.forward_impl(state, tokens, want, KdaForm::Chunked, Some(taps))
+    }
+
+    /// [`Self::forward_exact`] with taps, as [`Self::forward_tapped`].
+    pub fn forward_exact_tapped(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        want: LogitRows,
+        taps: &mut Taps,
+    ) -> Result<Logits, ModelError> {
+        self.forward_impl(state, tokens, want, KdaForm::Recurrent, Some(taps))
+    }
+
+    /// A tap collector for this model's layers `layer_ids`.
+    pub fn taps(&self, layer_ids: &[usize]) -> Result<Taps, ModelError> {
+        Taps::new(layer_ids, self.layers.len(), self.dims.hidden_size)
     }
 
     fn forward_impl(
@@ -401,6 +430,7 @@ impl K3Model {
         tokens: &[u32],
         want: LogitRows,
         kda_form: KdaForm,
+        mut taps: Option<&mut Taps>,
     ) -> Result<Logits, ModelError> {
         let d = &self.dims;
         let dm = d.hidden_size;
@@ -430,6 +460,9 @@ impl K3Model {
             Some(Ffn::Moe(m)) => Some((l + 1, &m.router)),
             _ => None,
         };
+        if let Some(tp) = taps.as_deref_mut() {
+            tp.begin(t);
+        }
         for (l, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             let a = if snaps.is_empty() {
                 p.clone()
@@ -467,6 +500,9 @@ impl K3Model {
                 }
             };
             add_into(&mut p, &f);
+            if let Some(tp) = taps.as_deref_mut() {
+                tp.record(l, &p);
+            }
         }
         state.position += t;
 
@@ -604,6 +640,7 @@ pub(crate) mod tests {
     use crate::situ::tests::situ_mlp64;
     use crate::test_util::{Rng, mv64, rel_l2, rel_l2_32, rms64};
     use deltafin_kernels::argmax;
+    use deltafin_tensor::bf16;
 
     /// Tiny dimensions with the real schedule shape: 14 layers, MLA at l ≡ 3 (mod 4) and the
     /// last layer, layer 0 dense, AttnRes block 12 (two blocks), vocab 300.
@@ -715,6 +752,16 @@ pub(crate) mod tests {
         experts: &InMemoryExperts,
         tokens: &[u32],
     ) -> Vec<Vec<f64>> {
+        reference_run(model, experts, tokens).0
+    }
+
+    /// [`reference_logits`] and, per position, `P` after every layer (`[pos][layer]`).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn reference_run(
+        model: &K3Model,
+        experts: &InMemoryExperts,
+        tokens: &[u32],
+    ) -> (Vec<Vec<f64>>, Vec<Vec<Vec<f64>>>) {
         enum St {
             Kda(Kda64),
             Mla(Mla64),
@@ -731,7 +778,9 @@ pub(crate) mod tests {
             })
             .collect();
         let mut out = Vec::new();
+        let mut partial = Vec::new();
         for &tok in tokens {
+            let mut after = Vec::new();
             let mut p: Option<Vec<f64>> = Some(
                 model
                     .embed
@@ -778,13 +827,15 @@ pub(crate) mod tests {
                     Ffn::Moe(moe) => moe64(moe, d, l, experts, &x),
                 };
                 cur.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
+                after.push(cur.clone());
                 p = Some(cur);
             }
             let cur = p.take().unwrap();
             let x = attn_res64(&model.output_res, &with(&snaps, &cur), are);
             out.push(mv64(&model.lm_head, &rms64(&x, &model.norm, eps)));
+            partial.push(after);
         }
-        out
+        (out, partial)
     }
 
     fn prompt(n: usize, seed: u64) -> Vec<u32> {
@@ -893,6 +944,77 @@ pub(crate) mod tests {
             "f32 engine vs f64 reference: rel L2 {max_err}"
         );
         eprintln!("f32 vs f64 reference, max rel L2 over 70 positions: {max_err:.3e}");
+    }
+
+    #[test]
+    fn taps_leave_logits_unchanged_and_match_reference_partial_sums() {
+        let (model, experts) = random_model(7);
+        let toks = prompt(20, 11);
+        let ids = [0usize, 3, 7, 12, 13];
+        for exact in [false, true] {
+            let run = |s: &mut State, t: &[u32], taps: Option<&mut Taps>| match (exact, taps) {
+                (false, None) => model.forward(s, t, LogitRows::All).unwrap(),
+                (true, None) => model.forward_exact(s, t, LogitRows::All).unwrap(),
+                (false, Some(tp)) => model.forward_tapped(s, t, LogitRows::All, tp).unwrap(),
+                (true, Some(tp)) => model
+                    .forward_exact_tapped(s, t, LogitRows::All, tp)
+                    .unwrap(),
+            };
+            let mut s1 = model.new_state();
+            let plain = [
+                run(&mut s1, &toks[..12], None),
+                run(&mut s1, &toks[12..], None),
+            ];
+            let mut s2 = model.new_state();
+            let mut taps = model.taps(&ids).unwrap();
+            let tapped = [
+                run(&mut s2, &toks[..12], Some(&mut taps)),
+                run(&mut s2, &toks[12..], Some(&mut taps)),
+            ];
+            for (a, b) in plain.iter().zip(&tapped) {
+                assert!(
+                    a.values
+                        .iter()
+                        .zip(&b.values)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "exact={exact}: taps changed the logits"
+                );
+            }
+            assert_eq!(s1, s2);
+            assert_eq!(taps.rows(), toks.len());
+            let (_, partial) = reference_run(&model, &experts, &toks);
+            let dm = model.dims.hidden_size;
+            for (pos, after) in partial.iter().enumerate() {
+                for (slot, &l) in ids.iter().enumerate() {
+                    let got = &taps.row(pos)[slot * dm..(slot + 1) * dm];
+                    assert!(got.iter().all(|&v| bf16::from_f32(v).to_f32() == v));
+                    let e = rel_l2(got, &after[l]);
+                    assert!(e < 5e-3, "exact={exact} pos {pos} layer {l}: rel L2 {e}");
+                }
+            }
+        }
+        taps_are_validated(&model);
+    }
+
+    fn taps_are_validated(model: &K3Model) {
+        let e = model.taps(&[2, 14]).unwrap_err().to_string();
+        assert!(e.contains("tap layer 14"), "{e}");
+        let e = model.taps(&[2, 2]).unwrap_err().to_string();
+        assert!(e.contains("twice"), "{e}");
+        assert!(model.taps(&[]).is_err());
+        let mut t = model.taps(&[1, 2]).unwrap();
+        assert_eq!(t.width(), 2 * model.dims.hidden_size);
+        let mut s = model.new_state();
+        model
+            .forward_tapped(&mut s, &[1, 2, 3], LogitRows::Last, &mut t)
+            .unwrap();
+        assert_eq!(t.rows(), 3);
+        assert_eq!(t.values().len(), 3 * t.width());
+        assert_eq!(&t.values()[t.width()..2 * t.width()], t.row(1));
+        t.truncate(1);
+        assert_eq!(t.rows(), 1);
+        t.clear();
+        assert_eq!(t.rows(), 0);
     }
 
     #[test]

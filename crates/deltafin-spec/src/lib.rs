@@ -12,13 +12,33 @@
 use deltafin_k3::generate::greedy;
 use deltafin_k3::model::{K3Model, LogitRows, ModelError};
 use deltafin_k3::state::State;
+use deltafin_k3::taps::Taps;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+pub mod dspark;
+mod fields;
+pub mod qwen3;
+pub mod uag;
 
 /// Anything that proposes the next tokens.
 pub trait Drafter {
     /// Propose up to `max` tokens to follow `history` (the prompt and every emitted token,
     /// the newest last). An empty proposal means "no guess"; it never affects correctness.
     fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32>;
+
+    /// K3 layers whose partial sums `P` this drafter reads (k3-model.md §9.3); empty (the
+    /// default) when it reads none.
+    fn tap_layers(&self) -> &[usize] {
+        &[]
+    }
+
+    /// K3 committed the positions `first_position …` with these taps (one row per position,
+    /// oldest first, layers in [`Drafter::tap_layers`] order). Called only for drafters with
+    /// tap layers, for every position K3 processes and keeps, in order.
+    fn observe(&mut self, first_position: usize, taps: &Taps) {
+        let _ = (first_position, taps);
+    }
 }
 
 /// Outcome of one verify pass.
@@ -44,14 +64,45 @@ pub fn verify(
     pending: u32,
     drafts: &[u32],
 ) -> Result<Verified, ModelError> {
+    verify_impl(model, state, pending, drafts, None)
+}
+
+/// [`verify`] that also appends to `taps` the partial sums of the positions it keeps
+/// (`pending` and the accepted drafts: the rows of rejected drafts are dropped; each kept
+/// row is what the replay of the accepted prefix computes, the exact pass being
+/// row-invariant).
+pub fn verify_tapped(
+    model: &K3Model,
+    state: &mut State,
+    pending: u32,
+    drafts: &[u32],
+    taps: &mut Taps,
+) -> Result<Verified, ModelError> {
+    verify_impl(model, state, pending, drafts, Some(taps))
+}
+
+fn verify_impl(
+    model: &K3Model,
+    state: &mut State,
+    pending: u32,
+    drafts: &[u32],
+    mut taps: Option<&mut Taps>,
+) -> Result<Verified, ModelError> {
     let saved = (!drafts.is_empty()).then(|| state.checkpoint());
     let mut tape = Vec::with_capacity(drafts.len() + 1);
     tape.push(pending);
     tape.extend_from_slice(drafts);
-    let logits = model.forward_exact(state, &tape, LogitRows::All)?;
+    let kept_rows = taps.as_ref().map_or(0, |t| t.rows());
+    let logits = match taps.as_deref_mut() {
+        Some(t) => model.forward_exact_tapped(state, &tape, LogitRows::All, t)?,
+        None => model.forward_exact(state, &tape, LogitRows::All)?,
+    };
     let mut accepted = 0;
     while accepted < drafts.len() && greedy(logits.row(accepted)) == drafts[accepted] {
         accepted += 1;
+    }
+    if let Some(t) = taps {
+        t.truncate(kept_rows + accepted + 1);
     }
     let next_logits = logits.row(accepted).to_vec();
     if let Some(cp) = saved.filter(|_| accepted < drafts.len()) {
@@ -98,6 +149,42 @@ impl SpecStats {
     }
 }
 
+/// What one step of speculative generation committed, reported as it happens: the first
+/// step is the prefill (K3's first token), every later step one draft + verify pass.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Committed<'a> {
+    /// Tokens this step emitted, in order (accepted drafts, then K3's own token).
+    pub ids: &'a [u32],
+    /// Drafts proposed in this step (0 for the prefill).
+    pub proposed: usize,
+    /// Drafts K3 accepted in this step.
+    pub accepted: usize,
+    /// Wall time of the step (prefill, or proposal + verify).
+    pub duration: Duration,
+}
+
+/// An error of streaming speculative generation.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The callback asked to stop.
+    #[error("{0}")]
+    Sink(String),
+}
+
+enum Failure<E> {
+    Model(ModelError),
+    Sink(E),
+}
+
+impl<E> From<ModelError> for Failure<E> {
+    fn from(e: ModelError) -> Self {
+        Failure::Model(e)
+    }
+}
+
 /// Greedy generation of up to `max_new` tokens after `prompt`, with drafts from `drafter`
 /// verified by K3 (`width` drafts at most per pass). Stops after a token in `stop_ids`. The
 /// returned ids equal plain greedy decoding exactly.
@@ -110,27 +197,102 @@ pub fn generate_speculative(
     drafter: &mut dyn Drafter,
     interrupt: &AtomicBool,
 ) -> Result<(Vec<u32>, SpecStats), ModelError> {
+    let never = |_: &Committed<'_>| Ok::<(), std::convert::Infallible>(());
+    run(
+        model, prompt, max_new, stop_ids, width, drafter, interrupt, never,
+    )
+    .map_err(|f| match f {
+        Failure::Model(e) => e,
+        Failure::Sink(never) => match never {},
+    })
+}
+
+/// [`generate_speculative`] that reports every step to `on_commit` as it is committed (for
+/// streaming output and per-step statistics); an error from `on_commit` stops generation.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_speculative_streaming(
+    model: &K3Model,
+    prompt: &[u32],
+    max_new: usize,
+    stop_ids: &[u32],
+    width: usize,
+    drafter: &mut dyn Drafter,
+    interrupt: &AtomicBool,
+    on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
+) -> Result<(Vec<u32>, SpecStats), SpecError> {
+    run(
+        model, prompt, max_new, stop_ids, width, drafter, interrupt, on_commit,
+    )
+    .map_err(|f| match f {
+        Failure::Model(e) => SpecError::Model(e),
+        Failure::Sink(e) => SpecError::Sink(e),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run<E>(
+    model: &K3Model,
+    prompt: &[u32],
+    max_new: usize,
+    stop_ids: &[u32],
+    width: usize,
+    drafter: &mut dyn Drafter,
+    interrupt: &AtomicBool,
+    mut on_commit: impl FnMut(&Committed<'_>) -> Result<(), E>,
+) -> Result<(Vec<u32>, SpecStats), Failure<E>> {
     let mut stats = SpecStats::default();
     let mut out = Vec::new();
     if max_new == 0 {
         return Ok((out, stats));
     }
+    let started = Instant::now();
     let mut state = model.new_state();
-    let logits = model.prefill(&mut state, prompt)?;
+    // Drafters that read K3's hidden states get the taps of every committed position.
+    let mut taps = match drafter.tap_layers() {
+        [] => None,
+        ids => Some(model.taps(ids)?),
+    };
+    let logits = match taps.as_mut() {
+        Some(t) => {
+            let l = model.forward_tapped(&mut state, prompt, LogitRows::Last, t)?;
+            drafter.observe(0, t);
+            t.clear();
+            l.values
+        }
+        None => model.prefill(&mut state, prompt)?,
+    };
     let mut pending = greedy(&logits);
     out.push(pending);
     let mut history: Vec<u32> = prompt.to_vec();
     history.push(pending);
+    on_commit(&Committed {
+        ids: &out,
+        proposed: 0,
+        accepted: 0,
+        duration: started.elapsed(),
+    })
+    .map_err(Failure::Sink)?;
     while out.len() < max_new && !stop_ids.contains(&pending) && !interrupt.load(Ordering::Relaxed)
     {
+        let step = Instant::now();
         let room = max_new - out.len();
         // Never propose past the token budget: at most room − 1 drafts, K3 adds one more.
         let mut drafts = drafter.propose(&history, width.min(room - 1));
         drafts.truncate(width.min(room - 1));
-        let v = verify(model, &mut state, pending, &drafts)?;
+        let position = state.position;
+        let v = match taps.as_mut() {
+            Some(t) => {
+                let v = verify_tapped(model, &mut state, pending, &drafts, t)?;
+                drafter.observe(position, t);
+                t.clear();
+                v
+            }
+            None => verify(model, &mut state, pending, &drafts)?,
+        };
         stats.verify_passes += 1;
         stats.proposed += drafts.len();
         stats.accepted += v.accepted;
+        let first = out.len();
         let mut stopped = false;
         for &d in &drafts[..v.accepted] {
             out.push(d);
@@ -140,12 +302,21 @@ pub fn generate_speculative(
                 break;
             }
         }
+        if !stopped {
+            pending = v.next;
+            out.push(pending);
+            history.push(pending);
+        }
+        on_commit(&Committed {
+            ids: &out[first..],
+            proposed: drafts.len(),
+            accepted: v.accepted,
+            duration: step.elapsed(),
+        })
+        .map_err(Failure::Sink)?;
         if stopped {
             break;
         }
-        pending = v.next;
-        out.push(pending);
-        history.push(pending);
     }
     Ok((out, stats))
 }
