@@ -107,3 +107,45 @@ fn prefill_scoring_equals_stepwise_logprob_sum() {
     let one_pass = score(&model, &ids, 4096, false, &stop, |_, _| {}).unwrap();
     assert!((one_pass.nll_sum - batched.nll_sum).abs() / batched.nll_sum < 1e-4);
 }
+
+#[test]
+fn greedy_margins_of_the_synthesized_model_are_large() {
+    // The synthesizer shapes lm_head so that greedy choices are not near ties: the oracle
+    // comparisons and the exactness tests then test the engine, not rounding luck.
+    let (_dir, model, tok) = tiny_model();
+    let mut margins = Vec::new();
+    let mut distinct = std::collections::BTreeSet::new();
+    for text in [
+        "The capital of France is",
+        TEXT,
+        "def f(x):\n    return x * 2\n",
+    ] {
+        let mut state = model.new_state();
+        let mut logits = model
+            .prefill(&mut state, &tok.encode_ordinary(text))
+            .unwrap();
+        for _ in 0..16 {
+            let top = deltafin_k3::generate::top_logits(&logits, 2);
+            margins.push(top[0].1 - top[1].1);
+            distinct.insert(top[0].0);
+            logits = model.decode(&mut state, top[0].0).unwrap();
+        }
+    }
+    margins.sort_by(f32::total_cmp);
+    let median = margins[margins.len() / 2];
+    let p10 = margins[margins.len() / 10];
+    eprintln!(
+        "greedy margins: min {} p10 {p10} median {median}; {} distinct of {} tokens",
+        margins[0],
+        distinct.len(),
+        margins.len()
+    );
+    // ... without collapsing onto a few tokens.
+    assert!(
+        distinct.len() >= margins.len() / 3,
+        "{} distinct tokens",
+        distinct.len()
+    );
+    assert!(median >= 0.5, "median top-1/top-2 margin {median}");
+    assert!(p10 >= 0.05, "10th-percentile margin {p10}");
+}

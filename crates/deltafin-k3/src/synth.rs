@@ -12,9 +12,12 @@
 //! `2·block` sublayer outputs accumulate and the partial sums stay comparable to the
 //! embedding (std 1) instead of drowning it or vanishing. Norm weights are `1 ± 0.1`.
 //! `res_proj` vectors have std `1/√D`, so AttnRes scores `Σ u·V̂` have std ≈ 1 — softmaxes
-//! are clearly non-uniform but not one-hot. `lm_head` has std `4/√D`, giving logits of std
-//! ≈ 4 over the vocabulary; the expected gap between the two largest of 163,840 such values
-//! is ≈ 4/√(2 ln 163840) ≈ 0.8, so greedy choices are robust to rounding differences.
+//! are clearly non-uniform but not one-hot. `lm_head` entries are Gaussian with std `4/√D`
+//! and every row is scaled by a log-normal factor `e^{0.25 g}`: a uniform init gives light
+//! tails (a logit is a sum of only D bounded terms), which bunches the largest of 163,840
+//! logits together and makes greedy margins tiny; Gaussian rows with heavy-tailed norms make
+//! the top logits come from a few long rows, so top-1/top-2 margins are typically ≳ 0.5 and
+//! greedy choices are robust to rounding differences (tested in `tests/tests/forward_synth.rs`).
 //! Router weights have std `1/√D` (sigmoid scores spread over (0, 1)) and
 //! `e_score_correction_bias` is a random permutation of evenly spaced values in ±0.2, so
 //! selection never sees exact ties. KDA: `A_log[h] = ln(1 + 3u)` (decay rate e^A in [1, 4]);
@@ -322,6 +325,12 @@ impl SplitMix64 {
     pub fn centered(&mut self, std: f32) -> f32 {
         (2.0 * self.unit() - 1.0) * 3f32.sqrt() * std
     }
+    /// Standard normal (Box–Muller, computed in f64).
+    pub fn gaussian(&mut self) -> f32 {
+        let u1 = ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let u2 = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+    }
 }
 
 /// How a tensor's values are drawn.
@@ -329,6 +338,9 @@ impl SplitMix64 {
 enum Init {
     /// Zero-mean uniform with this std.
     Std(f32),
+    /// `lm_head`: Gaussian entries of this std, each row scaled by a log-normal factor
+    /// `e^{0.25 g}` (rows of `cols` values).
+    HeavyRows { std: f32, cols: usize },
     /// `1 ± 0.1` (norm weights).
     Ones,
     /// `A_log`: `ln(1 + 3u)` for the first `used` entries, 0 after.
@@ -392,7 +404,10 @@ fn init_for(cfg: &K3Config, spec: &TensorSpec) -> Init {
         return Init::Std(1.0);
     }
     if name.ends_with("lm_head.weight") {
-        return Init::Std(4.0 / d.sqrt());
+        return Init::HeavyRows {
+            std: 4.0 / d.sqrt(),
+            cols: spec.shape[1],
+        };
     }
     let writes_residual = name.ends_with("o_proj.weight")
         || name.ends_with("down_proj.weight") && !name.contains("routed_expert_down_proj")
@@ -428,6 +443,7 @@ fn write_values(
         Vec::new()
     };
     let mut i = 0;
+    let mut row_scale = 1.0f32;
     #[allow(clippy::needless_range_loop)] // `k` is the element index the initialisers use
     while i < numel {
         let n = CHUNK.min(numel - i);
@@ -442,6 +458,12 @@ fn write_values(
                 _ => {
                     let x = match init {
                         Init::Std(s) => rng.centered(s),
+                        Init::HeavyRows { std, cols } => {
+                            if k % cols == 0 {
+                                row_scale = (0.25 * rng.gaussian()).exp();
+                            }
+                            std * row_scale * rng.gaussian()
+                        }
                         Init::Ones => 1.0 + rng.centered(0.1 / 3f32.sqrt()),
                         Init::ALog { used } => {
                             if k < used {
