@@ -318,3 +318,56 @@ fn perplexity_json_matches_the_library_score() {
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("/no/such/file"));
 }
+
+#[test]
+fn ctrl_c_stops_at_a_token_boundary_and_closes_the_events_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev_path = tmp.path().join("events.jsonl");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args([
+            "run",
+            "--model-root",
+            &root_arg(),
+            "--max-new",
+            "100000",
+            "--events-jsonl",
+        ])
+        .arg(&ev_path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for a few decode steps, then interrupt.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let steps = std::fs::read_to_string(&ev_path)
+            .map(|s| s.matches("\"decode_step\"").count())
+            .unwrap_or(0);
+        if steps >= 3 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no decode steps");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: plain kill(2) on our own child's pid.
+    let rc = unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    assert_eq!(rc, 0);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ev = events(&ev_path);
+    let end = ev.last().unwrap();
+    assert_eq!(end["event"], "run_end");
+    assert_eq!(end["stop_reason"], "interrupted");
+    assert_eq!(end["status"], "interrupted");
+    let steps = ev.iter().filter(|e| e["event"] == "decode_step").count();
+    assert_eq!(
+        ids(&end["emitted_token_ids"]).len(),
+        steps,
+        "every emitted token has its step"
+    );
+}
