@@ -323,7 +323,7 @@ fn perplexity_json_matches_the_library_score() {
 fn ctrl_c_stops_at_a_token_boundary_and_closes_the_events_file() {
     let tmp = tempfile::tempdir().unwrap();
     let ev_path = tmp.path().join("events.jsonl");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+    let child = Command::new(env!("CARGO_BIN_EXE_deltafin"))
         .args([
             "run",
             "--model-root",
