@@ -493,7 +493,7 @@ fn run_speculative(
         ids.len(),
         ids.len() as f64 / step.max(1) as f64
     );
-    if let Some(w) = events.as_deref_mut() {
+    if let Some(w) = events {
         w.emit(
             "run_end",
             json!({
