@@ -119,7 +119,8 @@ impl MockHub {
         Ok(())
     }
 
-    /// Inject a fault.
+    /// Inject a fault for the next `times` requests of files whose name starts with `file`
+    /// (a whole name such as `config.json`, or a prefix such as `model-`).
     pub fn add_fault(&self, file: &str, fault: Fault, times: u32) {
         self.lock().faults.push(FaultRule {
             file: file.to_string(),
@@ -153,7 +154,7 @@ impl Drop for MockHub {
 
 fn take_fault(s: &mut State, file: &str, pick: &dyn Fn(&Fault) -> bool) -> Option<Fault> {
     for r in s.faults.iter_mut() {
-        if r.remaining > 0 && file.contains(&r.file) && pick(&r.fault) {
+        if r.remaining > 0 && file.starts_with(&r.file) && pick(&r.fault) {
             if r.remaining != u32::MAX {
                 r.remaining -= 1;
             }
