@@ -162,93 +162,98 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
 
     let stdout = std::io::stdout();
     let live_stats = args.stats && stdout.is_terminal();
-    let mut out = stdout.lock();
+    let mut out = stdout;
     let mut decoder = StreamDecoder::new();
     let mut text = String::new();
     let mut emitted: Vec<u32> = Vec::new();
     let gen_start = Instant::now();
     let mut sink_error: Option<anyhow::Error> = None;
 
-    let result = generate(&model, &prompt_ids, &opts, &interrupt, |ev| {
-        let r: Result<()> = (|| {
-            match ev {
-                GenerateEvent::Prefilled { duration, summary } => {
-                    if let Some(w) = events.as_mut() {
-                        let mut start = json!({
-                            "prompt": args.prompt,
-                            "chat": args.chat,
-                            "max_new": args.max_new,
-                            "input_token_ids": prompt_ids,
-                            "prompt_token_ids": prompt_ids,
-                            "config": config,
-                        });
-                        if let Some(s) = summary {
-                            let (top, lse) = summary_json(s);
-                            start["last_prompt_top_logits"] = top;
-                            start["last_prompt_logsumexp"] = lse;
-                        }
-                        w.emit("run_start", start)?;
-                        w.emit(
+    // Run the whole generation on a pool worker: the kernels' parallel loops then start by
+    // work-stealing from this thread instead of waking the pool from outside for every
+    // matrix product.
+    let result = rayon::scope(|_| {
+        generate(&model, &prompt_ids, &opts, &interrupt, |ev| {
+            let r: Result<()> = (|| {
+                match ev {
+                    GenerateEvent::Prefilled { duration, summary } => {
+                        if let Some(w) = events.as_mut() {
+                            let mut start = json!({
+                                "prompt": args.prompt,
+                                "chat": args.chat,
+                                "max_new": args.max_new,
+                                "input_token_ids": prompt_ids,
+                                "prompt_token_ids": prompt_ids,
+                                "config": config,
+                            });
+                            if let Some(s) = summary {
+                                let (top, lse) = summary_json(s);
+                                start["last_prompt_top_logits"] = top;
+                                start["last_prompt_logsumexp"] = lse;
+                            }
+                            w.emit("run_start", start)?;
+                            w.emit(
                             "prefill_done",
                             json!({"duration_ns": duration.as_nanos() as u64, "prompt_tokens": prompt_ids.len()}),
                         )?;
+                        }
                     }
-                }
-                GenerateEvent::Token {
-                    step,
-                    id,
-                    duration,
-                    summary,
-                } => {
-                    emitted.push(id);
-                    let piece = decoder
-                        .push(&tokenizer, id)
-                        .map_err(|e| anyhow!("cannot decode token {id}: {e}"))?;
-                    text.push_str(&piece);
-                    if args.stats {
-                        let elapsed = gen_start.elapsed().as_secs_f64();
-                        let n = emitted.len();
-                        let line = format!(
-                            "[stats] generated={n} elapsed={elapsed:.2}s speed={:.3} token/s ({:.3} s/token)",
-                            n as f64 / elapsed.max(1e-9),
-                            elapsed / n as f64
-                        );
-                        if live_stats {
-                            write!(out, "\r{line}")?;
+                    GenerateEvent::Token {
+                        step,
+                        id,
+                        duration,
+                        summary,
+                    } => {
+                        emitted.push(id);
+                        let piece = decoder
+                            .push(&tokenizer, id)
+                            .map_err(|e| anyhow!("cannot decode token {id}: {e}"))?;
+                        text.push_str(&piece);
+                        if args.stats {
+                            let elapsed = gen_start.elapsed().as_secs_f64();
+                            let n = emitted.len();
+                            let line = format!(
+                                "[stats] generated={n} elapsed={elapsed:.2}s speed={:.3} token/s ({:.3} s/token)",
+                                n as f64 / elapsed.max(1e-9),
+                                elapsed / n as f64
+                            );
+                            if live_stats {
+                                write!(out, "\r{line}")?;
+                            } else {
+                                writeln!(out, "{line}")?;
+                            }
                         } else {
-                            writeln!(out, "{line}")?;
+                            write!(out, "{piece}")?;
                         }
-                    } else {
-                        write!(out, "{piece}")?;
-                    }
-                    out.flush()?;
-                    if let Some(w) = events.as_mut() {
-                        let mut step_ev = json!({
-                            "step": step,
-                            "duration_ns": duration.as_nanos() as u64,
-                            "token_id": id,
-                            "text": piece,
-                            "emitted_token_ids": [id],
-                            "proposal_candidate_count": 0,
-                            "proposed_token_count": 0,
-                            "accepted_token_count": 0,
-                            "proposal_memory_rejected": false,
-                        });
-                        if let Some(s) = summary {
-                            let (top, lse) = summary_json(s);
-                            step_ev["top_logits"] = top;
-                            step_ev["logsumexp"] = lse;
+                        out.flush()?;
+                        if let Some(w) = events.as_mut() {
+                            let mut step_ev = json!({
+                                "step": step,
+                                "duration_ns": duration.as_nanos() as u64,
+                                "token_id": id,
+                                "text": piece,
+                                "emitted_token_ids": [id],
+                                "proposal_candidate_count": 0,
+                                "proposed_token_count": 0,
+                                "accepted_token_count": 0,
+                                "proposal_memory_rejected": false,
+                            });
+                            if let Some(s) = summary {
+                                let (top, lse) = summary_json(s);
+                                step_ev["top_logits"] = top;
+                                step_ev["logsumexp"] = lse;
+                            }
+                            w.emit("decode_step", step_ev)?;
                         }
-                        w.emit("decode_step", step_ev)?;
                     }
                 }
-            }
-            Ok(())
-        })();
-        r.map_err(|e| {
-            let msg = format!("{e:#}");
-            sink_error = Some(e);
-            msg
+                Ok(())
+            })();
+            r.map_err(|e| {
+                let msg = format!("{e:#}");
+                sink_error = Some(e);
+                msg
+            })
         })
     });
 
