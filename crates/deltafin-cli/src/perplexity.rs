@@ -56,10 +56,13 @@ pub fn perplexity(args: &PerplexityArgs) -> Result<ExitCode> {
         None
     };
     let t = Instant::now();
-    let result = score(&s.model, &tokens, chunk, false, &interrupt, |done, _| {
-        if let Some(b) = &bar {
-            b.set_position(done as u64);
-        }
+    // On a rayon worker, as in `run` (the kernels' loops then start by work-stealing).
+    let result = rayon::scope(|_| {
+        score(&s.model, &tokens, chunk, false, &interrupt, |done, _| {
+            if let Some(b) = &bar {
+                b.set_position(done as u64);
+            }
+        })
     })?;
     if let Some(b) = bar {
         b.finish_and_clear();
