@@ -75,7 +75,7 @@ impl SynthSource {
             .iter()
             .map(|n| pin(&k3_dir, n))
             .collect::<Result<Vec<_>, _>>()?;
-        let placeholder = InventoryPin {
+        let pin_until_headers_are_read = InventoryPin {
             size: 0,
             sha256: "0".repeat(64),
             records: 0,
@@ -87,7 +87,7 @@ impl SynthSource {
             repo,
             K3_COMMIT,
             metadata,
-            placeholder,
+            pin_until_headers_are_read,
         )?;
         let mut headers = Vec::new();
         for s in k3.shards.iter_mut() {
