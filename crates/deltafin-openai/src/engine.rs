@@ -179,7 +179,7 @@ pub fn run_generation(
     prompt: &[u32],
     interrupt: &AtomicBool,
     shutdown: &AtomicBool,
-    mut send: impl FnMut(GenEvent) -> bool,
+    mut send: impl FnMut(GenEvent) -> bool + Send,
 ) -> Ending {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     let opts = GenerateOptions {
@@ -196,46 +196,50 @@ pub fn run_generation(
     let mut asm = Assembler::new(tok, chat, req.stop.clone());
     let mut client_gone = false;
     let mut sink_error: Option<ApiError> = None;
-    let result = generate(&engine.model, prompt, &opts, interrupt, |ev| {
-        let GenerateEvent::Token { id, summary, .. } = ev else {
-            return Ok(());
-        };
-        let lp = match (req.logprobs, summary) {
-            (Some(k), Some(s)) => {
-                let Some(&(top_id, top_logit)) = s.top.first() else {
-                    return Err("internal: empty logit summary".into());
-                };
-                if top_id != id {
-                    return Err(format!(
-                        "internal: greedy token {id} is not the top logit {top_id}"
-                    ));
+    // On a rayon worker, as `deltafin run` does: the kernels' parallel loops then start by
+    // work-stealing instead of waking the pool from outside for every product.
+    let result = rayon::scope(|_| {
+        generate(&engine.model, prompt, &opts, interrupt, |ev| {
+            let GenerateEvent::Token { id, summary, .. } = ev else {
+                return Ok(());
+            };
+            let lp = match (req.logprobs, summary) {
+                (Some(k), Some(s)) => {
+                    let Some(&(top_id, top_logit)) = s.top.first() else {
+                        return Err("internal: empty logit summary".into());
+                    };
+                    if top_id != id {
+                        return Err(format!(
+                            "internal: greedy token {id} is not the top logit {top_id}"
+                        ));
+                    }
+                    Some(TokenLogprob {
+                        id,
+                        logprob: f64::from(top_logit) - s.logsumexp,
+                        top: s
+                            .top
+                            .iter()
+                            .take(k)
+                            .map(|&(t, l)| (t, f64::from(l) - s.logsumexp))
+                            .collect(),
+                    })
                 }
-                Some(TokenLogprob {
-                    id,
-                    logprob: f64::from(top_logit) - s.logsumexp,
-                    top: s
-                        .top
-                        .iter()
-                        .take(k)
-                        .map(|&(t, l)| (t, f64::from(l) - s.logsumexp))
-                        .collect(),
-                })
+                _ => None,
+            };
+            let delta = asm.push(id, lp).map_err(|e| {
+                sink_error = Some(ApiError::server(format!("cannot decode token {id}: {e}")));
+                e.to_string()
+            })?;
+            if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
+                client_gone = true;
+                interrupt.store(true, Ordering::Relaxed);
             }
-            _ => None,
-        };
-        let delta = asm.push(id, lp).map_err(|e| {
-            sink_error = Some(ApiError::server(format!("cannot decode token {id}: {e}")));
-            e.to_string()
-        })?;
-        if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
-            client_gone = true;
-            interrupt.store(true, Ordering::Relaxed);
-        }
-        if asm.stop_hit() {
-            // Ends generation before the next forward pass.
-            interrupt.store(true, Ordering::Relaxed);
-        }
-        Ok(())
+            if asm.stop_hit() {
+                // Ends generation before the next forward pass.
+                interrupt.store(true, Ordering::Relaxed);
+            }
+            Ok(())
+        })
     });
     let outcome = match result {
         Ok(o) => o,
