@@ -256,26 +256,26 @@ impl<'a> Obj<'a> {
         Ok(s.to_string())
     }
     fn expect_bool(&self, key: &str, expected: bool) -> Result<bool, ConfigError> {
-        let b = self.bool(key)?;
-        if b != expected {
-            return Err(ConfigError::Unsupported {
-                field: self.child_path(key),
-                value: b.to_string(),
-                expected: expected.to_string(),
-            });
-        }
-        Ok(b)
+        self.expect(key, self.bool(key)?, expected)
     }
     fn expect_usize(&self, key: &str, expected: usize) -> Result<usize, ConfigError> {
-        let n = self.usize(key)?;
-        if n != expected {
+        self.expect(key, self.usize(key)?, expected)
+    }
+    /// `value` (read from `key`) must equal the one value the engine implements.
+    fn expect<T: PartialEq + ToString>(
+        &self,
+        key: &str,
+        value: T,
+        expected: T,
+    ) -> Result<T, ConfigError> {
+        if value != expected {
             return Err(ConfigError::Unsupported {
                 field: self.child_path(key),
-                value: n.to_string(),
+                value: value.to_string(),
                 expected: expected.to_string(),
             });
         }
-        Ok(n)
+        Ok(value)
     }
 }
 

@@ -44,42 +44,32 @@ pub const MAX_RUN_CHARS: usize = 25_000;
 /// same result (lowest rank first, ties to the leftmost pair).
 const HEAP_MERGE_THRESHOLD: usize = 256;
 
+/// The first six alternatives of the §7.3 regex, shared by [`PATTERN`] and
+/// `PATTERN_NO_LOOKAHEAD`.
+macro_rules! k3_head_alternatives {
+    () => {
+        concat!(
+            r"[\p{Han}]+",
+            "|",
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+            "|",
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+            "|",
+            r"\p{N}{1,3}",
+            "|",
+            r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+            "|",
+            r"\s*[\r\n]+",
+        )
+    };
+}
+
 /// The §7.3 pre-tokenizer regex, verbatim (`|`-join of eight alternatives).
-pub const PATTERN: &str = concat!(
-    r"[\p{Han}]+",
-    "|",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    "|",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    "|",
-    r"\p{N}{1,3}",
-    "|",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    "|",
-    r"\s*[\r\n]+",
-    "|",
-    r"\s+(?!\S)",
-    "|",
-    r"\s+",
-);
+pub const PATTERN: &str = concat!(k3_head_alternatives!(), "|", r"\s+(?!\S)", "|", r"\s+");
 
 /// [`PATTERN`] without the lookahead alternative `\s+(?!\S)`; the lookahead is applied
 /// by [`Tokenizer::split_pieces`].
-const PATTERN_NO_LOOKAHEAD: &str = concat!(
-    r"[\p{Han}]+",
-    "|",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    "|",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    "|",
-    r"\p{N}{1,3}",
-    "|",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    "|",
-    r"\s*[\r\n]+",
-    "|",
-    r"\s+",
-);
+const PATTERN_NO_LOOKAHEAD: &str = concat!(k3_head_alternatives!(), "|", r"\s+");
 
 /// Errors from loading the tokenizer files or decoding ids.
 #[derive(Debug, thiserror::Error)]
