@@ -10,6 +10,7 @@
 //! Shapes are internal invariants of the callers (the model validates every weight shape when
 //! it is built), so the kernels check them with assertions and document the panic.
 
+pub mod cuda;
 pub mod dispatch;
 pub mod matvec;
 #[cfg(target_arch = "aarch64")]
