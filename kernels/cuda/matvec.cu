@@ -5,6 +5,9 @@
 // One warp computes one weight row r against NB activation rows, so each weight byte is read
 // once per launch; the host splits n = 1..16 into launches of NB ∈ {16, 8, 4, 2, 1}.
 //
+// Every multiply-add is an explicit __fmaf_rn, so the arithmetic of one (row, activation row)
+// pair is spelled out and cannot change with the compiler's contraction choices per NB.
+//
 // Reduction order (fixed, documented): lane l owns a fixed set of column chunks (chunk
 // index ≡ l mod 32, in increasing order) and accumulates sequentially in f32; the 32 lane
 // partials are then summed by warp_sum's butterfly. The order depends only on `cols`, so a
@@ -58,12 +61,12 @@ __device__ __forceinline__ void mxfp4_body(const u8* __restrict__ packed, const 
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
                 const float4 v = xb[k];
-                part += w[4 * k] * v.x;
-                part += w[4 * k + 1] * v.y;
-                part += w[4 * k + 2] * v.z;
-                part += w[4 * k + 3] * v.w;
+                part = __fmaf_rn(w[4 * k], v.x, part);
+                part = __fmaf_rn(w[4 * k + 1], v.y, part);
+                part = __fmaf_rn(w[4 * k + 2], v.z, part);
+                part = __fmaf_rn(w[4 * k + 3], v.w, part);
             }
-            acc[b] += s * part;
+            acc[b] = __fmaf_rn(s, part, acc[b]);
         }
     }
     store_rows<NB>(acc, y, rows, r, 1.0f);
@@ -94,21 +97,21 @@ __device__ __forceinline__ void bf16_body(const u16* __restrict__ w, const float
             for (int b = 0; b < NB; ++b) {
                 const float4* xb = reinterpret_cast<const float4*>(x + (size_t)b * cols + c8 * 8);
                 const float4 a = xb[0], c = xb[1];
-                acc[b] += wv[0] * a.x;
-                acc[b] += wv[1] * a.y;
-                acc[b] += wv[2] * a.z;
-                acc[b] += wv[3] * a.w;
-                acc[b] += wv[4] * c.x;
-                acc[b] += wv[5] * c.y;
-                acc[b] += wv[6] * c.z;
-                acc[b] += wv[7] * c.w;
+                acc[b] = __fmaf_rn(wv[0], a.x, acc[b]);
+                acc[b] = __fmaf_rn(wv[1], a.y, acc[b]);
+                acc[b] = __fmaf_rn(wv[2], a.z, acc[b]);
+                acc[b] = __fmaf_rn(wv[3], a.w, acc[b]);
+                acc[b] = __fmaf_rn(wv[4], c.x, acc[b]);
+                acc[b] = __fmaf_rn(wv[5], c.y, acc[b]);
+                acc[b] = __fmaf_rn(wv[6], c.z, acc[b]);
+                acc[b] = __fmaf_rn(wv[7], c.w, acc[b]);
             }
         }
     } else {
         for (int c = lane; c < cols; c += WARP) {
             const float wv = bf16_to_f32(row[c]);
 #pragma unroll
-            for (int b = 0; b < NB; ++b) acc[b] += wv * x[(size_t)b * cols + c];
+            for (int b = 0; b < NB; ++b) acc[b] = __fmaf_rn(wv, x[(size_t)b * cols + c], acc[b]);
         }
     }
     store_rows<NB>(acc, y, rows, r, 1.0f);
@@ -142,10 +145,10 @@ __device__ __forceinline__ void rowint8_body(const i8* __restrict__ w, const flo
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const float4 v = xb[k];
-                    acc[b] += wv[4 * k] * v.x;
-                    acc[b] += wv[4 * k + 1] * v.y;
-                    acc[b] += wv[4 * k + 2] * v.z;
-                    acc[b] += wv[4 * k + 3] * v.w;
+                    acc[b] = __fmaf_rn(wv[4 * k], v.x, acc[b]);
+                    acc[b] = __fmaf_rn(wv[4 * k + 1], v.y, acc[b]);
+                    acc[b] = __fmaf_rn(wv[4 * k + 2], v.z, acc[b]);
+                    acc[b] = __fmaf_rn(wv[4 * k + 3], v.w, acc[b]);
                 }
             }
         }
@@ -153,7 +156,7 @@ __device__ __forceinline__ void rowint8_body(const i8* __restrict__ w, const flo
         for (int c = lane; c < cols; c += WARP) {
             const float wv = (float)row[c];
 #pragma unroll
-            for (int b = 0; b < NB; ++b) acc[b] += wv * x[(size_t)b * cols + c];
+            for (int b = 0; b < NB; ++b) acc[b] = __fmaf_rn(wv, x[(size_t)b * cols + c], acc[b]);
         }
     }
     store_rows<NB>(acc, y, rows, r, scale[r]);

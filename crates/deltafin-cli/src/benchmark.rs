@@ -93,6 +93,14 @@ pub struct BenchmarkArgs {
     /// Install root passed to every run.
     #[arg(long, value_name = "PATH", default_value = ".")]
     pub model_root: PathBuf,
+    /// Compute device passed to every run (`--device`; auto, cpu, mps, cuda, cuda:N)
+    /// [default: the runs read K3_DEV].
+    #[arg(long, value_name = "DEV")]
+    pub device: Option<String>,
+    /// Expert backend passed to every run (`--expert-backend`; auto, cpu, metal, cuda)
+    /// [default: the runs read K3_MOE].
+    #[arg(long, value_name = "BACKEND")]
+    pub expert_backend: Option<String>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1145,6 +1153,13 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
             args.max_new
         );
     }
+    // Reject a bad device or backend before any run; the runs repeat the full selection.
+    if let Some(d) = &args.device {
+        crate::device::parse_device(d).map_err(|e| anyhow!("--device {e}"))?;
+    }
+    if let Some(b) = &args.expert_backend {
+        crate::device::parse_expert_backend(b).map_err(|e| anyhow!("--expert-backend {e}"))?;
+    }
     if !args.model_root.join(CONFIG_FILE).is_file() {
         bail!(
             "no K3 model installed at {}: {CONFIG_FILE} is missing; pass --model-root PATH",
@@ -1254,6 +1269,12 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
         ];
         if args.chat {
             child_args.push("--chat".into());
+        }
+        if let Some(d) = &args.device {
+            child_args.push(format!("--device={d}"));
+        }
+        if let Some(e) = &args.expert_backend {
+            child_args.push(format!("--expert-backend={e}"));
         }
         let outcome = run_child(&runner, &child_args, &arms[arm].env, &run_dir, args.timeout)?;
         let mut rec = RunRecord {

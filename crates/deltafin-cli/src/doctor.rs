@@ -296,15 +296,41 @@ fn runtime_checks(r: &mut Report) {
             rayon::current_num_threads()
         ),
     );
-    r.facts.insert("gpu_backends".into(), json!([]));
-    r.add(
-        "gpu backends",
-        Status::Info,
-        "none compiled in (this is a CPU-only build; every kernel runs on the CPU)",
-    );
+    gpu_checks(r);
     for c in canaries() {
         r.checks.push(c);
     }
+}
+
+/// GPU backends compiled in and the devices they find (information only: the model runs on
+/// the CPU in this build, see `--device`).
+fn gpu_checks(r: &mut Report) {
+    let compiled: Vec<&str> = if cfg!(feature = "cuda") {
+        vec!["cuda"]
+    } else {
+        vec![]
+    };
+    r.facts.insert("gpu_backends".into(), json!(compiled));
+    let devices = crate::device::cuda_devices();
+    r.facts.insert(
+        "cuda_devices".into(),
+        json!(devices.as_ref().map(|v| v.clone()).unwrap_or_default()),
+    );
+    let detail = match (&devices, cfg!(feature = "cuda")) {
+        (_, false) => "none compiled in (built without the `cuda` feature); Metal: not built \
+                       (macOS only, not implemented); every kernel runs on the CPU"
+            .to_string(),
+        (Ok(v), true) if v.is_empty() => {
+            "cuda compiled in; the NVIDIA driver reports no device; Metal: not built".to_string()
+        }
+        (Ok(v), true) => format!(
+            "cuda compiled in; devices: {}; the K3 forward pass still runs on the CPU (no GPU \
+             path yet); Metal: not built",
+            v.join("; ")
+        ),
+        (Err(e), true) => format!("cuda compiled in; no usable device: {e}; Metal: not built"),
+    };
+    r.add("gpu backends", Status::Info, detail);
 }
 
 /// The CPU features the kernels can use, split into (present, absent).

@@ -5,6 +5,7 @@
 
 mod benchmark;
 mod buildinfo;
+mod device;
 mod doctor;
 mod elfdeps;
 mod events;
@@ -74,6 +75,15 @@ pub struct ModelArgs {
     /// expert cache of what remains.
     #[arg(long, value_name = "GB")]
     pub memory_budget_gb: Option<String>,
+    /// Compute device: auto, cpu, mps, cuda or cuda:N [env: K3_DEV; default auto]. auto runs
+    /// on the CPU (the K3 forward pass has no GPU path yet); an explicit GPU is an error that
+    /// names what is missing or what would not run there.
+    #[arg(long, value_name = "DEV")]
+    pub device: Option<String>,
+    /// Where routed-expert products run: auto, cpu, metal or cuda [env: K3_MOE; default auto
+    /// = follow --device].
+    #[arg(long, value_name = "BACKEND")]
+    pub expert_backend: Option<String>,
 }
 
 impl ModelArgs {
@@ -81,6 +91,8 @@ impl ModelArgs {
     pub fn load_options(&self) -> anyhow::Result<session::LoadOptions> {
         Ok(session::LoadOptions {
             memory_budget: session::resolve_memory_budget(self.memory_budget_gb.as_deref())?,
+            device: device::resolve_device(self.device.as_deref())?,
+            expert_backend: device::resolve_expert_backend(self.expert_backend.as_deref())?,
         })
     }
 }

@@ -30,6 +30,10 @@ pub struct Session {
 pub struct LoadOptions {
     /// Whole-process RAM budget in bytes; `None` keeps every expert resident (mmap).
     pub memory_budget: Option<u64>,
+    /// `--device` / `K3_DEV`.
+    pub device: crate::device::DeviceRequest,
+    /// `--expert-backend` / `K3_MOE`.
+    pub expert_backend: crate::device::ExpertBackendRequest,
 }
 
 /// Tokens of KV/state reserved inside a memory budget (capped by the model context).
@@ -263,6 +267,7 @@ fn plan_and_load(
 /// reported with what is missing and how to get it.
 pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
     check_kernels()?;
+    crate::device::select(opts.device, opts.expert_backend)?;
     if !root.join(CONFIG_FILE).is_file() {
         bail!(
             "no K3 model installed at {}: {} is missing.\n\

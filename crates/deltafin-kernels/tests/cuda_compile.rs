@@ -15,7 +15,10 @@ use deltafin_kernels::cuda::{CHECK_ARCHS, KERNELS, Nvrtc};
 
 /// Ask a Python interpreter where a pip wheel's `nvidia.<module>` package lives.
 fn wheel_dir(module: &str) -> Option<PathBuf> {
-    let pythons = [std::env::var("DELTAFIN_CUDA_PYTHON").ok(), Some("python3".into())];
+    let pythons = [
+        std::env::var("DELTAFIN_CUDA_PYTHON").ok(),
+        Some("python3".into()),
+    ];
     for py in pythons.into_iter().flatten() {
         let out = Command::new(&py)
             .args([
@@ -72,7 +75,11 @@ fn cuda_kernels_compile_to_ptx_and_sass() {
         return;
     };
     let version = nvrtc.version().expect("nvrtcVersion");
-    eprintln!("NVRTC {version:?} from {}; ptxas {}", nvrtc.path(), ptxas.display());
+    eprintln!(
+        "NVRTC {version:?} from {}; ptxas {}",
+        nvrtc.path(),
+        ptxas.display()
+    );
     let tmp = tempfile::tempdir().expect("tempdir");
     let ptx_out = std::env::var_os("DELTAFIN_CUDA_PTX_OUT").map(PathBuf::from);
     for arch in CHECK_ARCHS {

@@ -206,7 +206,9 @@ impl Nvrtc {
     pub fn version(&self) -> Result<(i32, i32), NvrtcError> {
         let (mut a, mut b) = (0, 0);
         // SAFETY: two valid out-pointers.
-        self.check("nvrtcVersion", unsafe { (self.api.version)(&mut a, &mut b) })?;
+        self.check("nvrtcVersion", unsafe {
+            (self.api.version)(&mut a, &mut b)
+        })?;
         Ok((a, b))
     }
 
