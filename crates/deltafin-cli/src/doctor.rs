@@ -314,7 +314,7 @@ fn gpu_checks(r: &mut Report) {
     let devices = crate::device::cuda_devices();
     r.facts.insert(
         "cuda_devices".into(),
-        json!(devices.as_ref().map(|v| v.clone()).unwrap_or_default()),
+        json!(devices.clone().unwrap_or_default()),
     );
     let detail = match (&devices, cfg!(feature = "cuda")) {
         (_, false) => "none compiled in (built without the `cuda` feature); Metal: not built \
