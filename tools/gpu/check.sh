@@ -61,7 +61,7 @@ done
   echo "## Log excerpts"
   echo
   echo '```'
-  grep -E 'copy:|worst|SKIP|panicked|error|kernels:' "$log" | head -150
+  grep -E -A1 'copy:|worst|SKIP|panicked|error|kernels:' "$log" | grep -v '^--$' | head -200
   echo '```'
 } >> "$res"
 cat "$res"

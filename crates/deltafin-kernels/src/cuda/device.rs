@@ -352,9 +352,13 @@ impl CudaDevice {
         what: &str,
         v: &CudaSlice<T>,
     ) -> Result<Vec<T>, CudaError> {
-        self.stream
+        let out = self
+            .stream
             .clone_dtoh(v)
-            .map_err(driver(format!("downloading {what}")))
+            .map_err(driver(format!("downloading {what}")))?;
+        // Pageable copies complete before returning; the explicit wait makes it certain.
+        self.synchronize()?;
+        Ok(out)
     }
 
     /// A zeroed device buffer of `len` f32.
@@ -522,6 +526,7 @@ impl CudaDevice {
         self.stream
             .memcpy_dtoh(&s, state)
             .map_err(driver("downloading the KDA state"))?;
+        self.synchronize()?;
         self.download("KDA output", &out)
     }
 
