@@ -46,7 +46,7 @@ else
 fi
 status=0
 for t in matmul_kernels_match_cpu_on_ragged_shapes kda_step_matches_cpu_over_several_tokens \
-         mla_decode_matches_cpu matmul_bandwidth_vs_copy; do
+         mla_decode_matches_cpu doctor_canaries_pass matmul_bandwidth_vs_copy; do
   echo "== $t" | tee -a "$log"
   start=$(date +%s)
   if timeout 150 "${runner[@]}" "$t" --exact "${args[@]}" >>"$log" 2>&1; then r=PASS; else r="FAIL (exit $?)"; status=1; fi

@@ -331,6 +331,62 @@ fn gpu_checks(r: &mut Report) {
         (Err(e), true) => format!("cuda compiled in; no usable device: {e}; Metal: not built"),
     };
     r.add("gpu backends", Status::Info, detail);
+    #[cfg(feature = "cuda")]
+    if let Ok(v) = &devices {
+        for ordinal in 0..v.len() {
+            cuda_canaries(r, ordinal);
+        }
+    }
+}
+
+/// Open `cuda:ordinal` (NVRTC compiles the kernels) and run the kernel canaries against the
+/// CPU references. Problems are warnings: the model does not run on the GPU in this build.
+#[cfg(feature = "cuda")]
+fn cuda_canaries(r: &mut Report, ordinal: usize) {
+    use deltafin_kernels::cuda::{CudaDevice, canaries};
+    let dev = match CudaDevice::open(ordinal) {
+        Ok(d) => d,
+        Err(e) => {
+            r.checks.push(Check {
+                name: format!("cuda:{ordinal} kernels"),
+                status: Status::Warn,
+                detail: e.to_string(),
+                fix: Some(
+                    "install the CUDA toolkit's NVRTC or `pip install nvidia-cuda-nvrtc-cu12` and \
+                     set DELTAFIN_NVRTC to its libnvrtc.so.12"
+                        .into(),
+                ),
+            });
+            return;
+        }
+    };
+    r.add(
+        format!("cuda:{ordinal} kernels"),
+        Status::Ok,
+        format!(
+            "MXFP4, bf16, row-int8 products, KDA and MLA decode compiled ({})",
+            dev.kernel_origin()
+        ),
+    );
+    for (name, res) in canaries(&dev) {
+        let name = format!("cuda:{ordinal} canary {name}");
+        match res {
+            Ok(err) => r.add(
+                name,
+                Status::Ok,
+                format!("worst relative error {err:.1e} vs the CPU"),
+            ),
+            Err(e) => r.checks.push(Check {
+                name,
+                status: Status::Warn,
+                detail: e,
+                fix: Some(
+                    "the CUDA kernels disagree with the CPU on this device; keep --device cpu"
+                        .into(),
+                ),
+            }),
+        }
+    }
 }
 
 /// The CPU features the kernels can use, split into (present, absent).

@@ -4,12 +4,13 @@
 //!
 //! Without libcuda or a device every test prints a SKIP line and returns; with
 //! `DELTAFIN_REQUIRE_GPU=1` (set by `tools/gpu/check.sh`) that is a failure instead.
-//! The KDA and MLA references below are line-by-line f32 ports of the recurrent step in
-//! `crates/deltafin-k3/src/kda.rs` and of `MlaWeights::attend` (t = 1) in `mla.rs`.
+//! The KDA and MLA references (`deltafin_kernels::cuda::reference`) are line-by-line f32 ports
+//! of the recurrent step in `crates/deltafin-k3/src/kda.rs` and of `MlaWeights::attend` (t = 1)
+//! in `mla.rs`.
 #![cfg(feature = "cuda")]
 
-use deltafin_kernels::cuda::{CudaDevice, DeviceMatrix, MlaShape};
-use deltafin_kernels::{Weights, matmul, softmax_inplace};
+use deltafin_kernels::cuda::{CudaDevice, DeviceMatrix, MlaShape, canaries, reference};
+use deltafin_kernels::{Weights, matmul};
 use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix, bf16};
 
 struct Rng(u64);
@@ -180,32 +181,6 @@ fn matmul_kernels_match_cpu_on_ragged_shapes() {
     }
 }
 
-/// f32 port of the KDA recurrent step (kda.rs `HeadIo::recurrent`, one token, one head).
-fn kda_ref(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: f32) -> Vec<f32> {
-    let d = q.len();
-    let mut u = v.to_vec();
-    for r in 0..d {
-        let alpha = g[r].exp();
-        let row = &mut s[r * d..(r + 1) * d];
-        for (x, ui) in row.iter_mut().zip(u.iter_mut()) {
-            *x *= alpha;
-            *ui -= k[r] * *x;
-        }
-    }
-    for ui in u.iter_mut() {
-        *ui *= beta;
-    }
-    let mut o = vec![0f32; d];
-    for r in 0..d {
-        let row = &mut s[r * d..(r + 1) * d];
-        for ((x, &ui), oc) in row.iter_mut().zip(u.iter()).zip(o.iter_mut()) {
-            *x += k[r] * ui;
-            *oc += q[r] * *x;
-        }
-    }
-    o
-}
-
 fn l2n(v: &mut [f32]) {
     let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
     v.iter_mut().for_each(|x| *x /= n);
@@ -249,7 +224,7 @@ fn kda_step_matches_cpu_over_several_tokens() {
             let mut o_cpu = Vec::new();
             for h in 0..heads {
                 let sl = h * d..(h + 1) * d;
-                o_cpu.extend(kda_ref(
+                o_cpu.extend(reference::kda_step(
                     &mut s_cpu[h * d * d..(h + 1) * d * d],
                     &q[sl.clone()],
                     &k[sl.clone()],
@@ -272,58 +247,6 @@ fn kda_step_matches_cpu_over_several_tokens() {
             );
         }
     }
-}
-
-/// f32 port of `MlaWeights::attend` for one query token over `n` cached tokens.
-#[allow(clippy::too_many_arguments)]
-fn mla_ref(
-    sh: MlaShape,
-    n: usize,
-    q: &[f32],
-    kvb: &[bf16],
-    latent: &[bf16],
-    tail: &[bf16],
-    gate: &[f32],
-) -> Vec<f32> {
-    let (h, dn, dr, dv, kvl) = (sh.heads, sh.nope, sh.rope, sh.v, sh.kvl);
-    let dq = dn + dr;
-    let scale = 1.0 / (dq as f32).sqrt();
-    let ld = |b: bf16| b.to_f32();
-    let mut o = vec![0f32; h * dv];
-    for hh in 0..h {
-        let qh = &q[hh * dq..(hh + 1) * dq];
-        let (qn, qt) = qh.split_at(dn);
-        let rows = hh * (dn + dv);
-        let mut q_lat = vec![0f32; kvl];
-        for (i, &qi) in qn.iter().enumerate() {
-            let r = &kvb[(rows + i) * kvl..(rows + i + 1) * kvl];
-            for (a, &b) in q_lat.iter_mut().zip(r) {
-                *a += qi * ld(b);
-            }
-        }
-        let mut p = vec![0f32; n];
-        for (s, ps) in p.iter_mut().enumerate() {
-            let c = &latent[s * kvl..(s + 1) * kvl];
-            let kt = &tail[s * dr..(s + 1) * dr];
-            let acc: f32 = q_lat.iter().zip(c).map(|(a, &b)| a * ld(b)).sum();
-            let acc_t: f32 = qt.iter().zip(kt).map(|(a, &b)| a * ld(b)).sum();
-            *ps = (acc + acc_t) * scale;
-        }
-        softmax_inplace(&mut p);
-        let mut ctx = vec![0f32; kvl];
-        for (s, &ps) in p.iter().enumerate() {
-            for (a, &b) in ctx.iter_mut().zip(&latent[s * kvl..(s + 1) * kvl]) {
-                *a += ps * ld(b);
-            }
-        }
-        for j in 0..dv {
-            let r = &kvb[(rows + dn + j) * kvl..(rows + dn + j + 1) * kvl];
-            let v: f32 = r.iter().zip(&ctx).map(|(&b, &c)| ld(b) * c).sum();
-            let g = gate[hh * dv + j];
-            o[hh * dv + j] = v * (1.0 / (1.0 + (-g).exp()));
-        }
-    }
-    o
 }
 
 #[test]
@@ -364,7 +287,15 @@ fn mla_decode_matches_cpu() {
         let gpu = dev
             .mla_decode(sh, n, &q, &kvb, &latent, &tail, &gate)
             .unwrap();
-        let cpu = mla_ref(sh, n, &q, &kvb, &latent, &tail, &gate);
+        let cpu = reference::mla_decode(
+            (sh.heads, sh.nope, sh.rope, sh.v, sh.kvl),
+            n,
+            &q,
+            &kvb,
+            &latent,
+            &tail,
+            &gate,
+        );
         close(&format!("MLA {sh:?} n={n}"), &gpu, &cpu, 2e-5);
     }
 }
@@ -423,4 +354,15 @@ fn matmul_bandwidth_vs_copy() {
     }
     eprintln!("worst n=1 streaming ratio (goal ≥ 0.8): {worst_big:.2}");
     assert!(worst_big.is_finite() && worst_big > 0.0);
+}
+
+#[test]
+fn doctor_canaries_pass() {
+    let Some(dev) = device("doctor_canaries_pass") else {
+        return;
+    };
+    for (name, r) in canaries(&dev) {
+        eprintln!("  canary {name}: {r:?}");
+        assert!(r.is_ok(), "canary {name}: {r:?}");
+    }
 }

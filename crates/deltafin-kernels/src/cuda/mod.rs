@@ -14,14 +14,15 @@
 //! (different lane layouts, fused multiply-add, `expf`): the tests bound the difference.
 
 pub mod nvrtc;
+pub mod reference;
 pub mod sources;
 
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 pub use device::{
-    CudaDevice, CudaError, DeviceInfo, DeviceMatrix, MlaShape, cuda_available, device_count,
-    list_devices,
+    CudaDevice, CudaError, DeviceInfo, DeviceMatrix, MlaShape, canaries, cuda_available,
+    device_count, list_devices,
 };
 
 pub use nvrtc::{Nvrtc, NvrtcError, Ptx};
