@@ -653,3 +653,49 @@ pub(crate) mod tests {
         }
     }
 }
+
+/// The CUDA kernels' CPU reference (`deltafin_kernels::cuda::reference`) is this module's
+/// recurrent step, bit for bit.
+#[cfg(test)]
+mod cuda_reference_parity {
+    use super::*;
+    use crate::test_util::Rng;
+
+    #[test]
+    fn reference_kda_step_equals_recurrent_form() {
+        let mut rng = Rng(91);
+        let (h, d) = (3usize, 16usize);
+        let prep = Prepared {
+            q: rng.vec(h * d, 0.3),
+            k: rng.vec(h * d, 0.3),
+            v: rng.vec(h * d, 1.0),
+            g: rng.vec(h * d, 0.5).iter().map(|x| -x.abs()).collect(),
+            beta: rng.vec(h, 1.0).iter().map(|x| x.abs()).collect(),
+            gate: Vec::new(),
+        };
+        for head in 0..h {
+            let mut s = rng.vec(d * d, 0.5);
+            let mut s_ref = s.clone();
+            let io = HeadIo {
+                prep: &prep,
+                off: head * d,
+                head,
+                heads: h,
+                p: h * d,
+                d,
+            };
+            let o = io.recurrent(&mut s, 1);
+            let sl = head * d..(head + 1) * d;
+            let o_ref = deltafin_kernels::cuda::reference::kda_step(
+                &mut s_ref,
+                &prep.q[sl.clone()],
+                &prep.k[sl.clone()],
+                &prep.v[sl.clone()],
+                &prep.g[sl],
+                prep.beta[head],
+            );
+            assert_eq!(o, o_ref, "head {head} output");
+            assert_eq!(s, s_ref, "head {head} state");
+        }
+    }
+}

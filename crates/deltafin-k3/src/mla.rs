@@ -405,3 +405,43 @@ pub(crate) mod tests {
         assert_eq!(&full[9 * dm..], &tail[..]);
     }
 }
+
+/// The CUDA kernels' CPU reference (`deltafin_kernels::cuda::reference`) is this module's
+/// absorbed decode, bit for bit.
+#[cfg(test)]
+mod cuda_reference_parity {
+    use super::tests::random_mla;
+    use super::*;
+    use crate::test_util::Rng;
+
+    #[test]
+    fn reference_mla_decode_equals_attend() {
+        let mut rng = Rng(57);
+        let dims = crate::model::tests::tiny_dims();
+        let w = random_mla(&mut rng, &dims);
+        let (h, dn, dr, dv, kvl) = (
+            dims.mla_heads,
+            dims.qk_nope_head_dim,
+            dims.qk_rope_head_dim,
+            dims.v_head_dim,
+            dims.kv_lora_rank,
+        );
+        let mut cache = CacheRows::<bf16>::default();
+        for n in 1..=6 {
+            let q = rng.vec(h * (dn + dr), 1.0);
+            let kv = rng.vec(kvl + dr, 1.0);
+            let gate = rng.vec(h * dv, 1.0);
+            let o = w.attend(&dims, &q, &kv, &gate, 1, &mut cache);
+            let o_ref = deltafin_kernels::cuda::reference::mla_decode(
+                (h, dn, dr, dv, kvl),
+                n,
+                &q,
+                w.kv_b_proj.data(),
+                &cache.latent,
+                &cache.tail,
+                &gate,
+            );
+            assert_eq!(o, o_ref, "{n} cached tokens");
+        }
+    }
+}
