@@ -240,6 +240,71 @@ fn bit_identical_across_threads_and_batch_widths() {
 }
 
 #[test]
+fn group_equals_separate_products() {
+    let mut rng = Rng(0x5eed_0f_6a0u64);
+    // Members of different formats, shapes and batch widths; one with no activation rows.
+    let shapes = [(301, 544, 3), (40, 96, 1), (129, 320, 5), (3, 64, 0), (17, 33, 4)];
+    let mats: Vec<Mats> = shapes
+        .iter()
+        .map(|&(r, c, _)| Mats::new(&mut rng, r, c))
+        .collect();
+    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
+        .iter()
+        .map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap())
+        .collect();
+    for be in Backend::available() {
+        for pick in 0..4 {
+            let ws: Vec<Weights<'_>> = mats
+                .iter()
+                .map(|m| {
+                    let all = m.all();
+                    all[pick.min(all.len() - 1)]
+                })
+                .collect();
+            let inputs: Vec<(Vec<f32>, usize)> = ws
+                .iter()
+                .zip(&shapes)
+                .map(|(w, &(_, _, n))| ((0..n * w.cols()).map(|_| rng.f()).collect(), n))
+                .collect();
+            let want: Vec<Vec<f32>> = ws
+                .iter()
+                .zip(&inputs)
+                .map(|(w, (xs, n))| {
+                    let mut ys = vec![0f32; n * w.rows()];
+                    matmul_with(be, *w, xs, *n, &mut ys);
+                    ys
+                })
+                .collect();
+            for pool in &pools {
+                let mut outs: Vec<Vec<f32>> =
+                    ws.iter().zip(&inputs).map(|(w, (_, n))| vec![0f32; n * w.rows()]).collect();
+                let mut group: Vec<GroupProduct<'_>> = ws
+                    .iter()
+                    .zip(&inputs)
+                    .zip(outs.iter_mut())
+                    .map(|((w, (xs, n)), ys)| GroupProduct {
+                        w: *w,
+                        xs,
+                        n: *n,
+                        ys,
+                    })
+                    .collect();
+                pool.install(|| matmul_group_with(be, &mut group));
+                drop(group);
+                for (i, (got, want)) in outs.iter().zip(&want).enumerate() {
+                    assert!(
+                        got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{} member {i} ({}): group differs from the separate product",
+                        be.name(),
+                        ws[i].dtype()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn public_wrappers_use_the_selected_backend() {
     let mut rng = Rng(77);
     let m = Mats::new(&mut rng, 40, 96);
