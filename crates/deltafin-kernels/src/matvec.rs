@@ -136,10 +136,18 @@ impl Weights<'_> {
     fn prepare<'x>(&self, be: Backend, xs: &'x [f32]) -> (Cow<'x, [f32]>, usize) {
         let cols = self.cols();
         match (self, be) {
-            (Weights::Bf16(_), Backend::Avx512) => (pair_groups(xs, cols, 32), cols.next_multiple_of(32)),
-            (Weights::Bf16(_), Backend::Avx2) => (pair_groups(xs, cols, 16), cols.next_multiple_of(16)),
+            (Weights::Bf16(_), Backend::Avx512) => {
+                (pair_groups(xs, cols, 32), cols.next_multiple_of(32))
+            }
+            (Weights::Bf16(_), Backend::Avx2) => {
+                (pair_groups(xs, cols, 16), cols.next_multiple_of(16))
+            }
             (Weights::Mxfp4(m), Backend::Avx512 | Backend::Avx2 | Backend::Neon) => {
-                let spans = if be == Backend::Avx512 { m.cols() / 128 } else { 0 };
+                let spans = if be == Backend::Avx512 {
+                    m.cols() / 128
+                } else {
+                    0
+                };
                 let mut p = vec![0f32; xs.len()];
                 for (dst, src) in p.chunks_exact_mut(cols).zip(xs.chunks_exact(cols)) {
                     for s in 0..spans {
@@ -346,10 +354,7 @@ pub fn matmul_group_with(be: Backend, products: &mut [GroupProduct<'_>]) {
         .filter(|g| g.n > 0 && g.w.rows() > 0)
         .map(|g| Prepared::new(be, g.w, g.xs, g.n, g.ys, Epilogue::Store))
         .collect();
-    let total: usize = prepared
-        .iter()
-        .map(|p| p.w.rows() * p.work_per_row())
-        .sum();
+    let total: usize = prepared.iter().map(|p| p.w.rows() * p.work_per_row()).sum();
     let threads = rayon::current_num_threads().max(1);
     if total < PAR_THRESHOLD || threads == 1 {
         for p in &prepared {

@@ -243,14 +243,25 @@ fn bit_identical_across_threads_and_batch_widths() {
 fn group_equals_separate_products() {
     let mut rng = Rng(0x5eed_0f_6a0u64);
     // Members of different formats, shapes and batch widths; one with no activation rows.
-    let shapes = [(301, 544, 3), (40, 96, 1), (129, 320, 5), (3, 64, 0), (17, 33, 4)];
+    let shapes = [
+        (301, 544, 3),
+        (40, 96, 1),
+        (129, 320, 5),
+        (3, 64, 0),
+        (17, 33, 4),
+    ];
     let mats: Vec<Mats> = shapes
         .iter()
         .map(|&(r, c, _)| Mats::new(&mut rng, r, c))
         .collect();
     let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
         .iter()
-        .map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap())
+        .map(|&t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap()
+        })
         .collect();
     for be in Backend::available() {
         for pick in 0..4 {
@@ -276,8 +287,11 @@ fn group_equals_separate_products() {
                 })
                 .collect();
             for pool in &pools {
-                let mut outs: Vec<Vec<f32>> =
-                    ws.iter().zip(&inputs).map(|(w, (_, n))| vec![0f32; n * w.rows()]).collect();
+                let mut outs: Vec<Vec<f32>> = ws
+                    .iter()
+                    .zip(&inputs)
+                    .map(|(w, (_, n))| vec![0f32; n * w.rows()])
+                    .collect();
                 let mut group: Vec<GroupProduct<'_>> = ws
                     .iter()
                     .zip(&inputs)
@@ -293,7 +307,9 @@ fn group_equals_separate_products() {
                 drop(group);
                 for (i, (got, want)) in outs.iter().zip(&want).enumerate() {
                     assert!(
-                        got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        got.iter()
+                            .zip(want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
                         "{} member {i} ({}): group differs from the separate product",
                         be.name(),
                         ws[i].dtype()
