@@ -26,6 +26,9 @@ use crate::scalar;
 const PAR_THRESHOLD: usize = 1 << 15;
 /// Activation rows processed together against one weight row (the row is read once per tile).
 const BATCH_TILE: usize = 4;
+/// Weight bytes of one row block in batched products (kept in L2 while every activation tile
+/// passes over it).
+const ROW_BLOCK_BYTES: usize = 96 * 1024;
 
 /// A weight matrix of any supported format, `[rows, cols]`, used as `y = W·x`.
 #[derive(Clone, Copy, Debug)]
@@ -291,22 +294,37 @@ impl<'a> Prepared<'a> {
     unsafe fn rows(&self, be: Backend, r0: usize, r1: usize) {
         let (w, n, stride, epi) = (self.w, self.n, self.stride, self.epi);
         let x = |b: usize| &self.xs[b * stride..(b + 1) * stride];
-        for r in r0..r1 {
+        // Prefill tiling: a block of weight rows (about ROW_BLOCK_BYTES, cache-resident)
+        // meets every activation tile before the next block, so the activations stream
+        // through the cache once per block instead of once per weight row. A decode product
+        // (n < BATCH_TILE) has one tile and the block order changes nothing. Each (r, b)
+        // value is the same dot call either way.
+        let row_bytes = (w.weight_bytes() / w.rows().max(1)).max(1);
+        let block = (ROW_BLOCK_BYTES / row_bytes).clamp(1, 64);
+        let mut rb = r0;
+        while rb < r1 {
+            let re = (rb + block).min(r1);
             let mut b = 0;
             while b + BATCH_TILE <= n {
-                let v = w.dot::<BATCH_TILE>(be, r, [x(b), x(b + 1), x(b + 2), x(b + 3)]);
-                for (i, &vi) in v.iter().enumerate() {
-                    // SAFETY: the caller owns row r; b + i < n.
-                    unsafe { self.out.apply(epi, b + i, r, vi) };
+                let tile = [x(b), x(b + 1), x(b + 2), x(b + 3)];
+                for r in rb..re {
+                    let v = w.dot::<BATCH_TILE>(be, r, tile);
+                    for (i, &vi) in v.iter().enumerate() {
+                        // SAFETY: the caller owns row r; b + i < n.
+                        unsafe { self.out.apply(epi, b + i, r, vi) };
+                    }
                 }
                 b += BATCH_TILE;
             }
             while b < n {
-                let v = w.dot::<1>(be, r, [x(b)])[0];
-                // SAFETY: as above.
-                unsafe { self.out.apply(epi, b, r, v) };
+                for r in rb..re {
+                    let v = w.dot::<1>(be, r, [x(b)])[0];
+                    // SAFETY: as above.
+                    unsafe { self.out.apply(epi, b, r, v) };
+                }
                 b += 1;
             }
+            rb = re;
         }
     }
 }
