@@ -154,6 +154,10 @@ def main() -> None:
                 theirs_ids = d["ids"]
         if ours_ids != theirs_ids:
             ids_match = False
+            div = next((i for i, (a, b) in enumerate(zip(ours_ids, theirs_ids)) if a != b),
+                       min(len(ours_ids), len(theirs_ids)))
+            rec["first_divergence"] = {"step": div, "deltafin": ours_ids[div:div + 4],
+                                       "llama": theirs_ids[div:div + 4]}
         rec["rounds"].append({"deltafin_decode_tps": ours_dec[-2:], "llama_decode_tps": theirs_dec[-2:],
                               "deltafin_prefill_tps": ours_pre[-2:], "llama_prefill_tps": theirs_pre[-2:]})
     med = statistics.median
@@ -171,7 +175,8 @@ def main() -> None:
           f"{rec['decode_ratio']:>7.2f}x")
     print(f"{'prefill':10} {rec['deltafin_prefill_tps']:>10.1f}/s {rec['llama_prefill_tps']:>10.1f}/s "
           f"{rec['prefill_ratio']:>7.2f}x")
-    print(f"greedy ids identical on the decode prompt: {ids_match}")
+    print(f"greedy ids identical on the decode prompt: {ids_match}"
+          + ("" if ids_match else f" (first divergence: {rec['first_divergence']})"))
     if args.json:
         args.json.write_text(json.dumps(rec, indent=1) + "\n")
 
