@@ -157,6 +157,7 @@ pub(crate) mod avx512 {
     /// Per block `Σ q·c` is exact in int32 (`vpdpwssd`, |q| ≤ 127, |c| ≤ 32767, 256 terms
     /// stay below 2^31), then converted and multiplied by the block scale in f32.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    #[allow(clippy::needless_range_loop)] // `blk` indexes weights, codes and scales together
     pub(crate) unsafe fn dot_i8_q16<const NB: usize>(w: &[i8], xs: [&[f32]; NB]) -> [f32; NB] {
         let n = w.len();
         let nblk = n.div_ceil(Q16_BLOCK);
