@@ -270,7 +270,7 @@ fn bit_identical_across_threads_and_batch_widths() {
 
 #[test]
 fn group_equals_separate_products() {
-    let mut rng = Rng(0x5eed_0f_6a0u64);
+    let mut rng = Rng(0x0005_eed0_f6a0);
     // Members of different formats, shapes and batch widths; one with no activation rows.
     let shapes = [
         (301, 544, 3),
