@@ -7,7 +7,8 @@
 //! rayon pool. A summary table (median of repeated runs) prints every decode matvec as a
 //! ratio to the probe.
 //!
-//! Run with `nice cargo bench -p deltafin-benches --bench kernels`. Without `--bench`
+//! Run with `nice cargo bench -p deltafin-benches --bench kernels` (`DELTAFIN_BENCH_DTYPES=bf16,mxfp4`
+//! limits the formats). Without `--bench`
 //! (`cargo test --benches`) the matrices are small and only a smoke run happens.
 
 use std::hint::black_box;
@@ -168,7 +169,14 @@ fn main() {
 
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
     let mut rows_out: Vec<(String, f64)> = Vec::new();
+    // DELTAFIN_BENCH_DTYPES=bf16,mxfp4 limits the formats (default: all four).
+    let only = std::env::var("DELTAFIN_BENCH_DTYPES").ok();
     for dtype in ["f32", "bf16", "row-int8", "mxfp4"] {
+        if let Some(only) = &only
+            && !only.split(',').any(|d| d.trim() == dtype)
+        {
+            continue;
+        }
         let m = build(dtype, target, &mut rng);
         let w = m.weights();
         let wbytes = w.weight_bytes() as u64;

@@ -16,6 +16,7 @@ use crate::situ::SituMlp;
 use deltafin_kernels::{matmul_bf16, matmul_mxfp4, rms_norm_inplace, situ_glu};
 use deltafin_tensor::Bf16Matrix;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
 
 pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
 
@@ -129,24 +130,47 @@ impl MoeWeights {
                 .collect();
             experts.predict(next_layer, &guess.into_iter().collect::<Vec<_>>());
         }
-        let mut h = vec![0f32; t * k * lr];
-        for (&e, list) in &users {
-            let w = experts.expert(layer, e)?;
-            validate_expert(&w, dims, layer, e)?;
-            let n = list.len();
-            let f = w.w1.rows();
-            let mut x = Vec::with_capacity(n * lr);
-            for &(ti, _) in list {
-                x.extend_from_slice(&xl[ti * lr..(ti + 1) * lr]);
+        // Experts are requested in id order on this thread (a streaming source may block
+        // on reads) and each one's products run as a pool task as soon as it is here, so
+        // compute overlaps the remaining reads and small experts share the cores without a
+        // fork/join per product. Each task computes exactly what a serial loop would.
+        let slots: Vec<Mutex<Option<Vec<f32>>>> = users.iter().map(|_| Mutex::new(None)).collect();
+        let xl = &xl;
+        let mut fetch_err = None;
+        rayon::scope(|scope| {
+            for ((&e, list), slot) in users.iter().zip(&slots) {
+                let w = match experts
+                    .expert(layer, e)
+                    .map_err(ModelError::from)
+                    .and_then(|w| validate_expert(&w, dims, layer, e).map(|()| w))
+                {
+                    Ok(w) => w,
+                    Err(err) => {
+                        fetch_err = Some(err);
+                        break;
+                    }
+                };
+                scope.spawn(move |_| {
+                    let he = expert_rows(dims, &w, xl, list);
+                    if let Ok(mut s) = slot.lock() {
+                        *s = Some(he);
+                    }
+                });
             }
-            let mut g = vec![0f32; n * f];
-            let mut u = vec![0f32; n * f];
-            matmul_mxfp4(&w.w1, &x, n, &mut g);
-            matmul_mxfp4(&w.w3, &x, n, &mut u);
-            let mut a = vec![0f32; n * f];
-            situ_glu(&g, &u, dims.situ_beta, dims.situ_linear_beta, &mut a);
-            let mut he = vec![0f32; n * lr];
-            matmul_mxfp4(&w.w2, &a, n, &mut he);
+        });
+        if let Some(err) = fetch_err {
+            return Err(err);
+        }
+        let mut h = vec![0f32; t * k * lr];
+        for ((e, list), slot) in users.iter().zip(slots) {
+            let he = slot
+                .into_inner()
+                .ok()
+                .flatten()
+                .ok_or_else(|| ModelError::Layer {
+                    layer,
+                    message: format!("expert {e}: its worker produced no result"),
+                })?;
             for (i, &(ti, slot)) in list.iter().enumerate() {
                 let at = (ti * k + slot) * lr;
                 h[at..at + lr].copy_from_slice(&he[i * lr..(i + 1) * lr]);
@@ -172,6 +196,32 @@ impl MoeWeights {
         }
         Ok(out)
     }
+}
+
+/// One expert over the latent rows of the tokens that chose it (`list`: (token, slot)
+/// pairs): `W2 · SiTU(W1 x, W3 x)` per row, `[list.len(), Lr]`.
+fn expert_rows(
+    dims: &ModelDims,
+    w: &ExpertWeights,
+    xl: &[f32],
+    list: &[(usize, usize)],
+) -> Vec<f32> {
+    let lr = dims.latent_size;
+    let n = list.len();
+    let f = w.w1.rows();
+    let mut x = Vec::with_capacity(n * lr);
+    for &(ti, _) in list {
+        x.extend_from_slice(&xl[ti * lr..(ti + 1) * lr]);
+    }
+    let mut g = vec![0f32; n * f];
+    let mut u = vec![0f32; n * f];
+    matmul_mxfp4(&w.w1, &x, n, &mut g);
+    matmul_mxfp4(&w.w3, &x, n, &mut u);
+    let mut a = vec![0f32; n * f];
+    situ_glu(&g, &u, dims.situ_beta, dims.situ_linear_beta, &mut a);
+    let mut he = vec![0f32; n * lr];
+    matmul_mxfp4(&w.w2, &a, n, &mut he);
+    he
 }
 
 #[cfg(test)]

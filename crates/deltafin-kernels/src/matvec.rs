@@ -26,6 +26,9 @@ use crate::scalar;
 const PAR_THRESHOLD: usize = 1 << 15;
 /// Activation rows processed together against one weight row (the row is read once per tile).
 const BATCH_TILE: usize = 4;
+/// Weight bytes of one row block in batched products (kept in L2 while every activation tile
+/// passes over it).
+const ROW_BLOCK_BYTES: usize = 96 * 1024;
 
 /// A weight matrix of any supported format, `[rows, cols]`, used as `y = W·x`.
 #[derive(Clone, Copy, Debug)]
@@ -120,47 +123,136 @@ impl Weights<'_> {
             Weights::Bf16(m) => dispatch!(be, dot_bf16(m.row(r), xs)),
             Weights::RowInt8(m) => {
                 let s = m.scale(r);
+                #[cfg(target_arch = "x86_64")]
+                if be == Backend::Avx512 && q16_int8() {
+                    // SAFETY: `product` checked AVX-512; `q16_int8` checked VNNI.
+                    return unsafe { crate::x86::avx512::dot_i8_q16(m.row(r), xs) }.map(|v| s * v);
+                }
                 dispatch!(be, dot_i8(m.row(r), xs)).map(|v| s * v)
             }
             Weights::Mxfp4(m) => dispatch!(be, dot_mxfp4(m.packed_row(r), m.scales_row(r), xs)),
         }
     }
 
-    /// The activation layout the backend's kernel expects (see `x86.rs`): the AVX2 and NEON
-    /// MXFP4 kernels take each 32-column block as `[even columns, odd columns]` (paired);
-    /// the AVX-512 one takes each full 128-column span transposed (`xt[16j + i] = x[8i + j]`)
-    /// and the remaining blocks paired. Everything else is unchanged.
-    fn prepare<'x>(&self, be: Backend, xs: &'x [f32]) -> Cow<'x, [f32]> {
-        let Weights::Mxfp4(m) = self else {
-            return Cow::Borrowed(xs);
-        };
-        let spans = match be {
-            Backend::Scalar => return Cow::Borrowed(xs),
-            Backend::Avx512 => m.cols() / 128,
-            Backend::Avx2 | Backend::Neon => 0,
-        };
-        let mut p = vec![0f32; xs.len()];
-        for (dst, src) in p.chunks_exact_mut(m.cols()).zip(xs.chunks_exact(m.cols())) {
-            for s in 0..spans {
-                for i in 0..16 {
-                    for j in 0..8 {
-                        dst[128 * s + 16 * j + i] = src[128 * s + 8 * i + j];
+    /// The activation layout the backend's kernel expects (see `x86.rs`), and its row
+    /// stride: the AVX2 and NEON MXFP4 kernels take each 32-column block as `[even columns,
+    /// odd columns]` (paired); the AVX-512 one takes each full 128-column span transposed
+    /// (`xt[16j + i] = x[8i + j]`) and the remaining blocks paired. The x86 bf16 kernels take
+    /// the bf16-paired layout: groups of 32 (AVX-512) or 16 (AVX2) columns as `[even, odd]`,
+    /// the last group zero-padded (the stride is `cols` rounded up to a whole group).
+    /// Everything else is unchanged.
+    fn prepare<'x>(&self, be: Backend, xs: &'x [f32]) -> (Cow<'x, [f32]>, usize) {
+        let cols = self.cols();
+        match (self, be) {
+            (Weights::RowInt8(_), Backend::Avx512) if q16_int8() => q16_image(xs, cols),
+            (Weights::Bf16(_), Backend::Avx512) => {
+                (pair_groups(xs, cols, 32), cols.next_multiple_of(32))
+            }
+            (Weights::Bf16(_), Backend::Avx2) => {
+                (pair_groups(xs, cols, 16), cols.next_multiple_of(16))
+            }
+            (Weights::Mxfp4(m), Backend::Avx512 | Backend::Avx2 | Backend::Neon) => {
+                let spans = if be == Backend::Avx512 {
+                    m.cols() / 128
+                } else {
+                    0
+                };
+                let mut p = vec![0f32; xs.len()];
+                for (dst, src) in p.chunks_exact_mut(cols).zip(xs.chunks_exact(cols)) {
+                    for s in 0..spans {
+                        for i in 0..16 {
+                            for j in 0..8 {
+                                dst[128 * s + 16 * j + i] = src[128 * s + 8 * i + j];
+                            }
+                        }
+                    }
+                    let tail = 128 * spans;
+                    for (d, x) in dst[tail..]
+                        .chunks_exact_mut(GROUP)
+                        .zip(src[tail..].chunks_exact(GROUP))
+                    {
+                        for j in 0..GROUP / 2 {
+                            d[j] = x[2 * j];
+                            d[GROUP / 2 + j] = x[2 * j + 1];
+                        }
                     }
                 }
+                (Cow::Owned(p), cols)
             }
-            let tail = 128 * spans;
-            for (d, x) in dst[tail..]
-                .chunks_exact_mut(GROUP)
-                .zip(src[tail..].chunks_exact(GROUP))
-            {
-                for j in 0..GROUP / 2 {
-                    d[j] = x[2 * j];
-                    d[GROUP / 2 + j] = x[2 * j + 1];
+            _ => (Cow::Borrowed(xs), cols),
+        }
+    }
+}
+
+/// Columns per activation scale in the q16 image of row-int8 products.
+pub(crate) const Q16_BLOCK: usize = 256;
+
+/// Whether AVX-512 row-int8 products use int16-quantised activations (`vpdpwssd`, AVX-512
+/// VNNI). Activation error ≤ half a step of `absmax(block)/32767` per value: about 1.5e-5 of
+/// the block's largest value, far below the int8 weights' own error.
+#[inline]
+fn q16_int8() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The q16 image of activation rows for [`crate::x86::avx512::dot_i8_q16`]: per row,
+/// `ceil(cols / Q16_BLOCK)` f32 scales (`absmax / 32767`; 1 for an all-zero block; NaN when
+/// the block holds a non-finite value, so the product is NaN as in f32), then the int16
+/// codes `round_half_even(x / scale)`, two per f32 slot, zero-padded to whole 32-column steps.
+fn q16_image(xs: &[f32], cols: usize) -> (Cow<'static, [f32]>, usize) {
+    let nblk = cols.div_ceil(Q16_BLOCK);
+    let padded = cols.next_multiple_of(32);
+    let stride = nblk + padded / 2;
+    let rows = xs.len().checked_div(cols).unwrap_or(0);
+    let mut img = vec![0f32; rows * stride];
+    for (dst, src) in img
+        .chunks_exact_mut(stride)
+        .zip(xs.chunks_exact(cols.max(1)))
+    {
+        let (scales, codes) = dst.split_at_mut(nblk);
+        let codes: &mut [i16] = bytemuck::cast_slice_mut(codes);
+        for (blk, chunk) in src.chunks(Q16_BLOCK).enumerate() {
+            let finite = chunk.iter().all(|v| v.is_finite());
+            let absmax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = if !finite {
+                f32::NAN
+            } else if absmax == 0.0 {
+                1.0
+            } else {
+                absmax / 32767.0
+            };
+            scales[blk] = scale;
+            if finite {
+                for (i, &v) in chunk.iter().enumerate() {
+                    let q = (v / scale).round_ties_even().clamp(-32767.0, 32767.0);
+                    codes[blk * Q16_BLOCK + i] = q as i16;
                 }
             }
         }
-        Cow::Owned(p)
     }
+    (Cow::Owned(img), stride)
+}
+
+/// Rows of `cols` values rearranged in groups of `g` columns as `[even, odd]`, the last
+/// group zero-padded; each output row is `cols` rounded up to a multiple of `g`.
+fn pair_groups(xs: &[f32], cols: usize, g: usize) -> Cow<'static, [f32]> {
+    let stride = cols.next_multiple_of(g);
+    let rows = xs.len().checked_div(cols).unwrap_or(0);
+    let mut p = vec![0f32; rows * stride];
+    for (dst, src) in p.chunks_exact_mut(stride).zip(xs.chunks_exact(cols.max(1))) {
+        for (c, &v) in src.iter().enumerate() {
+            let (grp, i) = (c / g, c % g);
+            dst[grp * g + (i % 2) * (g / 2) + i / 2] = v;
+        }
+    }
+    Cow::Owned(p)
 }
 
 /// Output written by row ranges into a batch-major buffer: `ys[b * rows + r]`.
@@ -200,62 +292,183 @@ fn chunk_rows(rows: usize, work_per_row: usize) -> Option<usize> {
     Some(rows.div_ceil(threads * 4).max(8))
 }
 
-/// Run `f(r0, r1)` over output-row ranges, in parallel when the work is large enough.
-fn for_row_ranges(rows: usize, work_per_row: usize, f: impl Fn(usize, usize) + Sync) {
-    match chunk_rows(rows, work_per_row) {
-        None => f(0, rows),
-        Some(chunk) => (0..rows.div_ceil(chunk))
-            .into_par_iter()
-            .for_each(|ci| f(ci * chunk, ((ci + 1) * chunk).min(rows))),
-    }
+/// One product ready to run: weights, activations in the kernel's layout, the output.
+struct Prepared<'a> {
+    w: Weights<'a>,
+    xs: Cow<'a, [f32]>,
+    stride: usize,
+    n: usize,
+    out: BatchOut,
+    epi: Epilogue<'a>,
 }
 
-/// The driver behind every public product.
-fn product(be: Backend, w: Weights<'_>, xs: &[f32], n: usize, ys: &mut [f32], epi: Epilogue<'_>) {
-    assert!(
-        be.is_supported(),
-        "kernel backend {} is not supported by this CPU",
-        be.name()
-    );
-    let (rows, cols) = (w.rows(), w.cols());
-    if let Weights::F32 { data, .. } = w {
-        assert_eq!(data.len(), rows * cols, "f32 weights: data length");
+impl<'a> Prepared<'a> {
+    /// Check the lengths against the shape and arrange the activations for `be`.
+    fn new(
+        be: Backend,
+        w: Weights<'a>,
+        xs: &'a [f32],
+        n: usize,
+        ys: &mut [f32],
+        epi: Epilogue<'a>,
+    ) -> Prepared<'a> {
+        assert!(
+            be.is_supported(),
+            "kernel backend {} is not supported by this CPU",
+            be.name()
+        );
+        let (rows, cols) = (w.rows(), w.cols());
+        if let Weights::F32 { data, .. } = w {
+            assert_eq!(data.len(), rows * cols, "f32 weights: data length");
+        }
+        assert_eq!(xs.len(), n * cols, "{} product: input length", w.dtype());
+        assert_eq!(ys.len(), n * rows, "{} product: output length", w.dtype());
+        if let Epilogue::Axpy(alpha) = epi {
+            assert_eq!(alpha.len(), n, "{} product: alpha length", w.dtype());
+        }
+        let (xs, stride) = if n == 0 || rows == 0 {
+            (Cow::Borrowed(xs), cols)
+        } else {
+            w.prepare(be, xs)
+        };
+        Prepared {
+            w,
+            xs,
+            stride,
+            n,
+            out: BatchOut {
+                ptr: ys.as_mut_ptr(),
+                rows,
+            },
+            epi,
+        }
     }
-    assert_eq!(xs.len(), n * cols, "{} product: input length", w.dtype());
-    assert_eq!(ys.len(), n * rows, "{} product: output length", w.dtype());
-    if let Epilogue::Axpy(alpha) = epi {
-        assert_eq!(alpha.len(), n, "{} product: alpha length", w.dtype());
+
+    /// Multiply-adds of one output row over the whole batch.
+    fn work_per_row(&self) -> usize {
+        self.w.cols() * self.n
     }
-    if n == 0 || rows == 0 {
-        return;
-    }
-    let xs = w.prepare(be, xs);
-    let xs: &[f32] = &xs;
-    let x = |b: usize| &xs[b * cols..(b + 1) * cols];
-    let out = BatchOut {
-        ptr: ys.as_mut_ptr(),
-        rows,
-    };
-    let out = &out;
-    for_row_ranges(rows, cols * n, |r0, r1| {
-        for r in r0..r1 {
+
+    /// Output rows `r0..r1` for every activation row.
+    ///
+    /// # Safety
+    /// No other task may write rows `r0..r1` of this product's output while this runs.
+    unsafe fn rows(&self, be: Backend, r0: usize, r1: usize) {
+        let (w, n, stride, epi) = (self.w, self.n, self.stride, self.epi);
+        let x = |b: usize| &self.xs[b * stride..(b + 1) * stride];
+        // Prefill tiling: a block of weight rows (about ROW_BLOCK_BYTES, cache-resident)
+        // meets every activation tile before the next block, so the activations stream
+        // through the cache once per block instead of once per weight row. A decode product
+        // (n < BATCH_TILE) has one tile and the block order changes nothing. Each (r, b)
+        // value is the same dot call either way.
+        let row_bytes = (w.weight_bytes() / w.rows().max(1)).max(1);
+        let block = (ROW_BLOCK_BYTES / row_bytes).clamp(1, 64);
+        let mut rb = r0;
+        while rb < r1 {
+            let re = (rb + block).min(r1);
             let mut b = 0;
             while b + BATCH_TILE <= n {
-                let v = w.dot::<BATCH_TILE>(be, r, [x(b), x(b + 1), x(b + 2), x(b + 3)]);
-                for (i, &vi) in v.iter().enumerate() {
-                    // SAFETY: this task owns row r; b + i < n.
-                    unsafe { out.apply(epi, b + i, r, vi) };
+                let tile = [x(b), x(b + 1), x(b + 2), x(b + 3)];
+                for r in rb..re {
+                    let v = w.dot::<BATCH_TILE>(be, r, tile);
+                    for (i, &vi) in v.iter().enumerate() {
+                        // SAFETY: the caller owns row r; b + i < n.
+                        unsafe { self.out.apply(epi, b + i, r, vi) };
+                    }
                 }
                 b += BATCH_TILE;
             }
             while b < n {
-                let v = w.dot::<1>(be, r, [x(b)])[0];
-                // SAFETY: as above.
-                unsafe { out.apply(epi, b, r, v) };
+                for r in rb..re {
+                    let v = w.dot::<1>(be, r, [x(b)])[0];
+                    // SAFETY: as above.
+                    unsafe { self.out.apply(epi, b, r, v) };
+                }
                 b += 1;
             }
+            rb = re;
         }
+    }
+}
+
+/// The driver behind every single public product.
+fn product(be: Backend, w: Weights<'_>, xs: &[f32], n: usize, ys: &mut [f32], epi: Epilogue<'_>) {
+    let p = Prepared::new(be, w, xs, n, ys, epi);
+    if n == 0 || p.w.rows() == 0 {
+        return;
+    }
+    let rows = p.w.rows();
+    let p = &p;
+    match chunk_rows(rows, p.work_per_row()) {
+        // SAFETY: one task owns all rows.
+        None => unsafe { p.rows(be, 0, rows) },
+        Some(chunk) => (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+            // SAFETY: the ranges are disjoint.
+            unsafe { p.rows(be, ci * chunk, ((ci + 1) * chunk).min(rows)) }
+        }),
+    }
+}
+
+/// One member of a [`matmul_group`]: `ys = W·xs` over `n` activation rows, layout as
+/// [`matmul_with`].
+pub struct GroupProduct<'a> {
+    /// The weights.
+    pub w: Weights<'a>,
+    /// `n` input rows of `w.cols()` values.
+    pub xs: &'a [f32],
+    /// Activation rows.
+    pub n: usize,
+    /// `n` output rows of `w.rows()` values.
+    pub ys: &'a mut [f32],
+}
+
+/// Several independent products in one parallel region (one fork/join instead of one per
+/// product): the row ranges of all members are spread over the pool together. Every value
+/// is bit-identical to the member's own [`matmul_with`]; only the scheduling changes.
+///
+/// # Panics
+/// As [`matmul_with`], for any member.
+pub fn matmul_group_with(be: Backend, products: &mut [GroupProduct<'_>]) {
+    let prepared: Vec<Prepared<'_>> = products
+        .iter_mut()
+        .filter(|g| g.n > 0 && g.w.rows() > 0)
+        .map(|g| Prepared::new(be, g.w, g.xs, g.n, g.ys, Epilogue::Store))
+        .collect();
+    let total: usize = prepared.iter().map(|p| p.w.rows() * p.work_per_row()).sum();
+    let threads = rayon::current_num_threads().max(1);
+    if total < PAR_THRESHOLD || threads == 1 {
+        for p in &prepared {
+            // SAFETY: one task owns all rows of every member.
+            unsafe { p.rows(be, 0, p.w.rows()) };
+        }
+        return;
+    }
+    // About four tasks per worker over the whole group, at least 8 rows each.
+    let target = total.div_ceil(threads * 4).max(1);
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, p) in prepared.iter().enumerate() {
+        let rows = p.w.rows();
+        let chunk = target.div_ceil(p.work_per_row().max(1)).max(8).min(rows);
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + chunk).min(rows);
+            tasks.push((i, r0, r1));
+            r0 = r1;
+        }
+    }
+    let prepared = &prepared;
+    tasks.into_par_iter().for_each(|(i, r0, r1)| {
+        // SAFETY: each (member, row range) pair is one task; ranges are disjoint.
+        unsafe { prepared[i].rows(be, r0, r1) }
     });
+}
+
+/// [`matmul_group_with`] on the selected backend.
+///
+/// # Panics
+/// As [`matmul_group_with`], or if `DELTAFIN_KERNEL` is invalid.
+pub fn matmul_group(products: &mut [GroupProduct<'_>]) {
+    matmul_group_with(backend(), products);
 }
 
 /// Batched product on an explicit backend: `xs` holds `n` input rows of length `cols`

@@ -117,6 +117,31 @@ fn reference(w: &Weights<'_>, xs: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
     (want, mag)
 }
 
+/// The activation-quantisation error bound of the AVX-512 row-int8 path (0 elsewhere), per
+/// output value: `Σ_c |w_rc| · absmax(x_b) / 65534`.
+fn q16_bound(be: Backend, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
+    let (rows, cols) = (w.rows(), w.cols());
+    #[cfg(target_arch = "x86_64")]
+    let vnni = std::arch::is_x86_feature_detected!("avx512vnni");
+    #[cfg(not(target_arch = "x86_64"))]
+    let vnni = false;
+    let q16 = be == Backend::Avx512 && matches!(w, Weights::RowInt8(_)) && vnni;
+    let mut out = vec![0f64; n * rows];
+    if !q16 {
+        return out;
+    }
+    for r in 0..rows {
+        let wabs: f64 = row_f64(w, r).iter().map(|v| v.abs()).sum();
+        for b in 0..n {
+            let absmax = xs[b * cols..(b + 1) * cols]
+                .iter()
+                .fold(0f64, |m, &v| m.max(v.abs() as f64));
+            out[b * rows + r] = wabs * absmax / 65534.0;
+        }
+    }
+    out
+}
+
 fn assert_close(what: &str, got: &[f32], want: &[f64], mag: &[f64], rel: f64) {
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let tol = rel * mag[i] + 1e-37;
@@ -158,6 +183,10 @@ fn every_backend_matches_f64_on_ragged_shapes() {
                 matmul_with(be, w, &xs, n, &mut ys);
                 let what = format!("{} {} [{rows}x{cols}] n={n}", be.name(), w.dtype());
                 // f32 accumulation: error ≲ (terms per lane + reduction depth)·eps·Σ|w x|.
+                // AVX-512 row-int8 also quantises activations to int16 (q16 image): at most
+                // half a step, absmax(x)/65534, per value, i.e. Σ|w|·absmax(x)/65534.
+                let q16 = q16_bound(be, &w, &xs, n);
+                let mag: Vec<f64> = mag.iter().zip(&q16).map(|(m, q)| m + q * 1e5).collect();
                 assert_close(&what, &ys, &want, &mag, 1e-5);
                 // SIMD against the scalar reference: both within f32 rounding of each other.
                 for (i, (&a, &s)) in ys.iter().zip(&scalar).enumerate() {
@@ -240,6 +269,87 @@ fn bit_identical_across_threads_and_batch_widths() {
 }
 
 #[test]
+fn group_equals_separate_products() {
+    let mut rng = Rng(0x0005_eed0_f6a0);
+    // Members of different formats, shapes and batch widths; one with no activation rows.
+    let shapes = [
+        (301, 544, 3),
+        (40, 96, 1),
+        (129, 320, 5),
+        (3, 64, 0),
+        (17, 33, 4),
+    ];
+    let mats: Vec<Mats> = shapes
+        .iter()
+        .map(|&(r, c, _)| Mats::new(&mut rng, r, c))
+        .collect();
+    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
+        .iter()
+        .map(|&t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    for be in Backend::available() {
+        for pick in 0..4 {
+            let ws: Vec<Weights<'_>> = mats
+                .iter()
+                .map(|m| {
+                    let all = m.all();
+                    all[pick.min(all.len() - 1)]
+                })
+                .collect();
+            let inputs: Vec<(Vec<f32>, usize)> = ws
+                .iter()
+                .zip(&shapes)
+                .map(|(w, &(_, _, n))| ((0..n * w.cols()).map(|_| rng.f()).collect(), n))
+                .collect();
+            let want: Vec<Vec<f32>> = ws
+                .iter()
+                .zip(&inputs)
+                .map(|(w, (xs, n))| {
+                    let mut ys = vec![0f32; n * w.rows()];
+                    matmul_with(be, *w, xs, *n, &mut ys);
+                    ys
+                })
+                .collect();
+            for pool in &pools {
+                let mut outs: Vec<Vec<f32>> = ws
+                    .iter()
+                    .zip(&inputs)
+                    .map(|(w, (_, n))| vec![0f32; n * w.rows()])
+                    .collect();
+                let mut group: Vec<GroupProduct<'_>> = ws
+                    .iter()
+                    .zip(&inputs)
+                    .zip(outs.iter_mut())
+                    .map(|((w, (xs, n)), ys)| GroupProduct {
+                        w: *w,
+                        xs,
+                        n: *n,
+                        ys,
+                    })
+                    .collect();
+                pool.install(|| matmul_group_with(be, &mut group));
+                drop(group);
+                for (i, (got, want)) in outs.iter().zip(&want).enumerate() {
+                    assert!(
+                        got.iter()
+                            .zip(want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{} member {i} ({}): group differs from the separate product",
+                        be.name(),
+                        ws[i].dtype()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn public_wrappers_use_the_selected_backend() {
     let mut rng = Rng(77);
     let m = Mats::new(&mut rng, 40, 96);
@@ -295,4 +405,40 @@ fn shape_mismatch_panics() {
     let w = Bf16Matrix::from_values(2, 3, &[bf16::ZERO; 6]).unwrap();
     let mut y = [0f32; 2];
     matvec_bf16(&w, &[0.0; 4], &mut y);
+}
+
+/// On a VNNI machine the AVX-512 row-int8 product takes the q16 path; the plain f32 kernel
+/// (used by AVX-512 CPUs without VNNI) is checked here directly against the scalar one.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_int8_f32_kernel_matches_scalar() {
+    if !Backend::Avx512.is_supported() {
+        eprintln!("skipped: no AVX-512 on this CPU");
+        return;
+    }
+    let mut rng = Rng(0xa5a5_1234);
+    for cols in [1usize, 15, 16, 17, 63, 64, 65, 200, 513, 1000] {
+        let w: Vec<i8> = (0..cols)
+            .map(|_| (rng.below(255) as i32 - 127) as i8)
+            .collect();
+        let x0: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
+        let x1: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
+        // SAFETY: AVX-512 checked above; rows have `cols` values.
+        let got = unsafe { crate::x86::avx512::dot_i8(&w, [&x0, &x1]) };
+        let want = crate::scalar::dot_i8(&w, [&x0, &x1]);
+        for b in 0..2 {
+            let x = if b == 0 { &x0 } else { &x1 };
+            let mag: f32 = w
+                .iter()
+                .zip(x.iter())
+                .map(|(&q, &v)| (q as f32 * v).abs())
+                .sum();
+            assert!(
+                (got[b] - want[b]).abs() <= 2e-5 * mag + 1e-30,
+                "cols {cols} row {b}: {} vs {}",
+                got[b],
+                want[b]
+            );
+        }
+    }
 }

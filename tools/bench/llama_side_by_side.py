@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""deltafin vs llama.cpp (CPU), same synthesized K3 checkpoint, same threads, same prompts.
+
+The checkpoint is converted once with llama.cpp's own K3 rules (tools/oracle/k3_gguf_convert.py,
+bf16 spine, MXFP4 experts: the formats deltafin reads). Two measurements, each alternated
+A B B A over `--rounds` rounds so drift in machine load hits both engines alike:
+
+  decode   short prompt, then `--decode-tokens` greedy tokens one at a time; tokens/s over the
+           decode steps (the first step, which includes the prefill, is excluded on both sides)
+  prefill  one prompt of `--prefill-tokens` tokens in one batch; prompt tokens/s
+
+deltafin runs as `deltafin run --events-jsonl` (times from its `prefill_done` and `decode_step`
+events, i.e. the forward passes, no process start-up); llama.cpp runs in-process through
+llama-cpp-python (`Llama.eval` timed with perf_counter). Both engines must produce the same
+greedy ids on the decode prompt; a mismatch is reported (the oracle tests bound the numerics).
+
+Output: a table and a JSON record (`--json PATH`) with the medians and the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "oracle"))
+
+DECODE_PROMPT = "The capital of France is"
+PARAGRAPH = (
+    "Kimi K3 is a mixture-of-experts language model whose routed experts are stored in MXFP4 "
+    "while the attention, the latent projections and the shared experts stay in bf16. A decode "
+    "step reads every spine matrix once and the sixteen chosen experts of each layer; a prefill "
+    "reads each matrix once for the whole prompt, so it is bound by arithmetic, not by memory. "
+)
+
+
+def deltafin_run(binary: Path, root: Path, prompt: str, max_new: int, threads: int,
+                 extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        ev = Path(d) / "events.jsonl"
+        env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+        cmd = [str(binary), "run", "--model-root", str(root), "--prompt", prompt,
+               "--max-new", str(max_new), "--events-jsonl", str(ev), *extra]
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        events = [json.loads(line) for line in ev.read_text().splitlines() if line.strip()]
+    prefill = [e for e in events if e.get("event") == "prefill_done"]
+    steps = [e for e in events if e.get("event") == "decode_step"]
+    if not prefill:
+        raise SystemExit(f"deltafin wrote no prefill_done event: {cmd}")
+    return {
+        "prompt_tokens": prefill[0]["prompt_tokens"],
+        "prefill_s": prefill[0]["duration_ns"] / 1e9,
+        "ids": [e["token_id"] for e in steps],
+        "decode_s": [e["duration_ns"] / 1e9 for e in steps[1:]],
+    }
+
+
+class Llama:
+    def __init__(self, gguf: Path, threads: int, n_ctx: int):
+        from llama_cpp import Llama as L
+        self.llm = L(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                     logits_all=False, n_threads=threads, n_threads_batch=threads,
+                     flash_attn=False, seed=0, verbose=False)
+
+    def tokens(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode(), add_bos=False, special=False)
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - t
+
+    def decode(self, ids: list[int], n: int) -> dict:
+        import numpy as np
+        llm = self.llm
+        llm.reset()
+        llm.eval(ids)
+        out, times = [], []
+        for i in range(n):
+            cur = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+            tok = int(np.argmax(cur))
+            out.append(tok)
+            if i + 1 == n:
+                break
+            t = time.perf_counter()
+            llm.eval([tok])
+            times.append(time.perf_counter() - t)
+        return {"ids": out, "decode_s": times}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-root", type=Path, required=True, help="synthesized K3 checkpoint")
+    ap.add_argument("--deltafin", type=Path, required=True, help="release deltafin binary")
+    ap.add_argument("--gguf", type=Path, help="GGUF path (converted from --model-root if absent)")
+    ap.add_argument("--llama-src", type=Path, required=True, help="vendored llama.cpp (for gguf-py)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=2, help="A B B A rounds")
+    ap.add_argument("--deltafin-arg", action="append", default=[],
+                    help="extra argument for `deltafin run` (repeatable), e.g. --spine=bf16")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    gguf = args.gguf or Path(tempfile.gettempdir()) / f"{args.model_root.name}.bf16.gguf"
+    if not gguf.exists():
+        import k3_gguf_convert as conv
+        print(f"converting {args.model_root} -> {gguf} (bf16 spine, MXFP4 experts)", flush=True)
+        conv.convert(args.model_root, gguf, "bf16", experts_f32=False, llama_src=args.llama_src)
+
+    llama = Llama(gguf, args.threads, n_ctx=max(1024, args.prefill_tokens + 64))
+    # A prompt of exactly --prefill-tokens llama tokens, rebuilt as text both engines encode.
+    text = PARAGRAPH
+    while len(llama.tokens(text)) < args.prefill_tokens + 8:
+        text += PARAGRAPH
+    words = text.split(" ")
+    while len(llama.tokens(" ".join(words))) > args.prefill_tokens:
+        words.pop()
+    long_prompt = " ".join(words)
+    long_ids = llama.tokens(long_prompt)
+    short_ids = llama.tokens(DECODE_PROMPT)
+
+    rec = {"threads": args.threads, "decode_tokens": args.decode_tokens,
+           "prefill_tokens": len(long_ids), "rounds": []}
+    ours_dec, theirs_dec, ours_pre, theirs_pre = [], [], [], []
+    ids_match = True
+    for r in range(args.rounds):
+        order = ["deltafin", "llama", "llama", "deltafin"]
+        for who in order:
+            if who == "deltafin":
+                d = deltafin_run(args.deltafin, args.model_root, DECODE_PROMPT, args.decode_tokens,
+                                 args.threads, args.deltafin_arg)
+                p = deltafin_run(args.deltafin, args.model_root, long_prompt, 1, args.threads,
+                                 args.deltafin_arg)
+                if p["prompt_tokens"] != len(long_ids):
+                    raise SystemExit(f"prompt token counts differ: deltafin {p['prompt_tokens']}, "
+                                     f"llama.cpp {len(long_ids)}")
+                ours_dec.append(len(d["decode_s"]) / sum(d["decode_s"]))
+                ours_pre.append(p["prompt_tokens"] / p["prefill_s"])
+                ours_ids = d["ids"]
+            else:
+                d = llama.decode(short_ids, args.decode_tokens)
+                theirs_dec.append(len(d["decode_s"]) / sum(d["decode_s"]))
+                pre = llama.prefill(long_ids)
+                theirs_pre.append(len(long_ids) / pre)
+                theirs_ids = d["ids"]
+        if ours_ids != theirs_ids:
+            ids_match = False
+            div = next((i for i, (a, b) in enumerate(zip(ours_ids, theirs_ids)) if a != b),
+                       min(len(ours_ids), len(theirs_ids)))
+            rec["first_divergence"] = {"step": div, "deltafin": ours_ids[div:div + 4],
+                                       "llama": theirs_ids[div:div + 4]}
+        rec["rounds"].append({"deltafin_decode_tps": ours_dec[-2:], "llama_decode_tps": theirs_dec[-2:],
+                              "deltafin_prefill_tps": ours_pre[-2:], "llama_prefill_tps": theirs_pre[-2:]})
+    med = statistics.median
+    rec.update({
+        "deltafin_decode_tps": med(ours_dec), "llama_decode_tps": med(theirs_dec),
+        "decode_ratio": med(ours_dec) / med(theirs_dec),
+        "deltafin_prefill_tps": med(ours_pre), "llama_prefill_tps": med(theirs_pre),
+        "prefill_ratio": med(ours_pre) / med(theirs_pre),
+        "greedy_ids_match": ids_match,
+    })
+    print(f"threads={args.threads} decode_tokens={args.decode_tokens} prefill_tokens={len(long_ids)} "
+          f"rounds={args.rounds} (A B B A)")
+    print(f"{'':10} {'deltafin':>12} {'llama.cpp':>12} {'ratio':>8}")
+    print(f"{'decode':10} {rec['deltafin_decode_tps']:>10.2f}/s {rec['llama_decode_tps']:>10.2f}/s "
+          f"{rec['decode_ratio']:>7.2f}x")
+    print(f"{'prefill':10} {rec['deltafin_prefill_tps']:>10.1f}/s {rec['llama_prefill_tps']:>10.1f}/s "
+          f"{rec['prefill_ratio']:>7.2f}x")
+    print(f"greedy ids identical on the decode prompt: {ids_match}"
+          + ("" if ids_match else f" (first divergence: {rec['first_divergence']})"))
+    if args.json:
+        args.json.write_text(json.dumps(rec, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
