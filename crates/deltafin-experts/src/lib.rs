@@ -12,6 +12,7 @@
 //! - [`probe`]: the read-bandwidth probe (same read path) that throughput is reported against.
 
 pub mod buffer;
+pub mod heat;
 pub mod io;
 pub mod layout;
 pub mod policy;
