@@ -17,6 +17,7 @@ pub mod io;
 pub mod layout;
 pub mod policy;
 pub mod probe;
+pub mod rank;
 pub mod stats;
 pub mod stream;
 pub mod trace;
@@ -24,7 +25,7 @@ pub mod trace;
 pub use layout::{ExpertLocation, ExpertShape, ExpertTable};
 pub use stats::{ExpertStats, LayerStats};
 pub use stream::{DirectIo, PilotGate, StreamOptions, StreamingExperts};
-pub use trace::RouterTrace;
+pub use trace::{RouterTrace, TraceMode};
 
 use deltafin_tensor::{Mxfp4Matrix, TensorError};
 use std::path::PathBuf;
