@@ -112,9 +112,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=100))]
     pub top_logits: Option<u16>,
     /// Append the routes of every pass (JSONL, one line per MoE layer and up to 56 rows) to
-    /// PATH; a relative PATH is under the model root.
+    /// PATH; a relative PATH is under the model root [env: K3_TRACE_PATH].
     #[arg(long, value_name = "PATH")]
     pub router_trace: Option<PathBuf>,
+    /// Router trace mode: off, buffered (a whole pass at a time) or sync (flush every line);
+    /// a path alone means buffered [env: K3_TRACE; default: off].
+    #[arg(long, value_name = "MODE")]
+    pub router_trace_mode: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
 }
