@@ -14,6 +14,7 @@ mod serve;
 mod session;
 mod setup;
 mod upgrade;
+mod warm;
 
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -59,6 +60,9 @@ enum Command {
     SetupQwen(setup::SetupQwenArgs),
     /// Transfer spine and/or expert weights.
     FetchWeights(setup::FetchWeightsArgs),
+    /// Rank routed experts from router traces and the heat histogram; optionally fetch the
+    /// best-ranked missing ones.
+    WarmExpertCache(warm::WarmArgs),
 }
 
 /// Options shared by the commands that load the model.
@@ -155,6 +159,7 @@ fn main() -> ExitCode {
         Some(Command::SetupDspark(args)) => setup::setup_dspark(&args),
         Some(Command::SetupQwen(args)) => setup::setup_qwen(&args),
         Some(Command::FetchWeights(args)) => setup::fetch_weights(&args),
+        Some(Command::WarmExpertCache(args)) => warm::warm_expert_cache(&args),
         None => run::run(&cli.run),
     };
     match result {
