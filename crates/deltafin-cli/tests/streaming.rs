@@ -230,12 +230,21 @@ fn router_trace_modes_and_their_errors() {
         ),
     ] {
         let mut a = vec!["run", "--max-new", "1"];
-        a.extend(args);
+        a.extend(args.iter().copied());
         let o = deltafin(&a, &env);
         let (_, err) = text(&o);
         assert!(
             !o.status.success() && err.contains(needle),
             "{needle}: {err}"
+        );
+        // `serve` resolves the same flags the same way, before it binds.
+        let mut a = vec!["serve", "--port", "0"];
+        a.extend(args);
+        let o = deltafin(&a, &env);
+        let (_, err) = text(&o);
+        assert!(
+            !o.status.success() && err.contains(needle),
+            "serve {needle}: {err}"
         );
     }
 }
