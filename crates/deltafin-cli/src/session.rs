@@ -234,12 +234,13 @@ pub fn heat_dims(cfg: &deltafin_k3::config::K3Config) -> HeatDims {
 }
 
 /// Split `budget` and build the streaming model; `pin` bytes of the expert cache become the
-/// pinned tier, filled from `candidates` (hottest first).
+/// pinned tier, filled from the `learned` histogram's candidates (hottest first), and the
+/// cache's heat starts from the learned rates.
 fn plan_and_load(
     checkpoint: &Arc<Checkpoint>,
     budget: u64,
     pin: u64,
-    candidates: &[(usize, usize)],
+    learned: &HeatTable,
 ) -> Result<(K3Model, MemoryPlan, StreamOptions)> {
     let cfg = checkpoint.config();
     let table = expert_table(checkpoint).context("cannot locate the routed experts")?;
@@ -301,8 +302,17 @@ fn plan_and_load(
     };
     let src =
         streaming_experts(checkpoint, opts.clone()).context("cannot set up expert streaming")?;
-    src.set_pin_tier(candidates, pin)
+    src.set_pin_tier(&learned.pin_candidates(), pin)
         .context("cannot set up the pinned expert tier")?;
+    if learned.mass > 0.0 {
+        let d = learned.dims;
+        let rates: Vec<((usize, usize), f64)> = (1..=d.layers)
+            .flat_map(|l| (0..d.experts).map(move |e| (l, e)))
+            .map(|(l, e)| ((l, e), learned.get(l, e) / learned.mass))
+            .filter(|(_, r)| *r > 0.0)
+            .collect();
+        src.seed_heat(&rates, (d.layers * d.top_k) as f64);
+    }
     let model =
         load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), Box::new(src))?;
     Ok((model, plan, opts))
@@ -357,9 +367,8 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
             )
         }
         Some(budget) => {
-            let (model, plan, _) =
-                plan_and_load(&checkpoint, budget, heat_cfg.pin_bytes, &candidates)
-                    .with_context(|| format!("cannot build the model from {}", root.display()))?;
+            let (model, plan, _) = plan_and_load(&checkpoint, budget, heat_cfg.pin_bytes, &learned)
+                .with_context(|| format!("cannot build the model from {}", root.display()))?;
             (model, Some(plan))
         }
     };

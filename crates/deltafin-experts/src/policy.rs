@@ -43,6 +43,11 @@ impl Heat {
         }
     }
 
+    /// A heat of `value` at `now` (a prior from a persisted histogram).
+    pub fn with_value(value: f64, now: u64) -> Heat {
+        Heat { value, at: now }
+    }
+
     /// The heat at `now` with half-life `half_life` ticks.
     pub fn at(&self, now: u64, half_life: f64) -> f64 {
         let dt = now.saturating_sub(self.at) as f64;
@@ -96,7 +101,7 @@ impl HeatCache {
         let mut c = HeatCache::new(capacity);
         for (k, h) in prior {
             if h > 0.0 {
-                c.heat.insert(k, Heat { value: h, at: 0 });
+                c.heat.insert(k, Heat::with_value(h, 0));
             }
         }
         c

@@ -308,6 +308,27 @@ impl StreamingExperts {
         Ok(slots)
     }
 
+    /// Seed the in-process heat from a persisted histogram: `rates` holds each expert's
+    /// learned share of passes `r` (heat / mass), `requests_per_pass` the expert requests of
+    /// one pass (MoE layers × k for decode). Each expert starts at the heat the in-process
+    /// counter settles at for that rate, `r / requests_per_pass × H / ln 2`, so admission and
+    /// eviction favour the historically hot experts from the first token; it then decays and
+    /// is replaced by what this process sees.
+    pub fn seed_heat(&self, rates: &[((usize, usize), f64)], requests_per_pass: f64) {
+        let s = &*self.shared;
+        if requests_per_pass <= 0.0 {
+            return;
+        }
+        let scale = s.half_life / std::f64::consts::LN_2 / requests_per_pass;
+        let mut st = s.lock();
+        let now = st.tick;
+        for &(key, r) in rates {
+            if r > 0.0 && r.is_finite() && s.table.get(key.0, key.1).is_ok() {
+                st.heat.insert(key, Heat::with_value(r * scale, now));
+            }
+        }
+    }
+
     /// Buffer bytes the cache owns now.
     pub fn cache_bytes_now(&self) -> u64 {
         self.shared.lock().allocated
@@ -1095,6 +1116,36 @@ mod tests {
         assert!(after.cache_peak_bytes <= 6 * eb);
         assert_eq!(after.pin_budget_bytes, 3 * eb);
         assert!(after.summary_line().contains("pinned_hits="));
+    }
+
+    #[test]
+    fn seeded_heat_keeps_historically_hot_experts_through_a_scan() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, _) = fixture(dir.path(), 2, 16);
+        // Read expert 3 once, then scan the 12 experts 4…15 three times, two per pass, through
+        // a 4-expert cache: by the third scan they are hotter than an unseeded expert 3.
+        let run = |seed: bool| {
+            let src =
+                StreamingExperts::new(table.clone(), opts(4, &table, PilotGate::Measure)).unwrap();
+            if seed {
+                src.seed_heat(&[((1, 3), 0.9), ((1, 99), 1.0), ((0, 0), 1.0)], 4.0);
+            }
+            src.begin_layer(1, &[3]);
+            src.expert(1, 3).unwrap();
+            for _ in 0..3 {
+                for pair in [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15].chunks(2) {
+                    src.begin_layer(1, pair);
+                    for &e in pair {
+                        src.expert(1, e).unwrap();
+                    }
+                }
+            }
+            let before = src.stats().unwrap().total().hits;
+            src.begin_layer(1, &[3]);
+            src.stats().unwrap().total().hits - before
+        };
+        assert_eq!(run(true), 1, "the seeded expert stayed resident");
+        assert_eq!(run(false), 0, "without a seed the scan evicts it");
     }
 
     #[test]
