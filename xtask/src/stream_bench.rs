@@ -256,27 +256,84 @@ pub fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// Print the hit-rate curve (markdown) of heat vs LRU on a Zipf trace.
+/// Print the hit-rate curve (markdown) on a Zipf trace: LRU, in-process heat, heat seeded
+/// from a persisted histogram learned in an earlier session of the same routing (another
+/// sample of 2000 tokens), and a pinned tier (half the cache, filled from that histogram's pin
+/// candidates) in front of the seeded heat cache.
 pub fn cache_curve(layers: usize, experts: usize, k: usize, tokens: usize, s: f64) {
-    use deltafin_experts::policy::{HeatCache, LruCache, hit_rate, zipf_routes};
+    use deltafin_experts::heat::{HeatDims, HeatTable};
+    use deltafin_experts::policy::{
+        HeatCache, LruCache, PinnedCache, default_half_life, hit_rate, zipf_routes,
+        zipf_routes_sampled,
+    };
     let trace = zipf_routes(layers, experts, k, tokens, s, 1);
     let pool = layers * experts;
+    // The earlier session: same per-layer ranking (seed 1), other samples.
+    let earlier = zipf_routes_sampled(layers, experts, k, 2000, s, 1, 2);
+    let mut table = HeatTable::empty(HeatDims {
+        layers,
+        experts,
+        top_k: k,
+    });
+    for pass in earlier.chunks(layers * k) {
+        let mut sets: Vec<Vec<usize>> = vec![Vec::new(); layers];
+        for &key in pass {
+            sets[key as usize / experts].push(key as usize % experts);
+        }
+        table.record_pass(sets.iter().enumerate().map(|(l, u)| (l + 1, u.as_slice())));
+    }
+    let key = |l: usize, e: usize| ((l - 1) * experts + e) as u64;
+    let candidates: Vec<u64> = table
+        .pin_candidates()
+        .into_iter()
+        .map(|(l, e)| key(l, e))
+        .collect();
     println!(
-        "Zipf s={s}: {layers} layers × {experts} experts, top-{k}, {tokens} tokens ({} requests; one token's working set = {} experts)",
+        "Zipf s={s}: {layers} layers × {experts} experts, top-{k}, {tokens} tokens ({} requests; one token's working set = {} experts); persisted histogram from 2000 earlier tokens: {} pin candidates",
         trace.len(),
-        layers * k
+        layers * k,
+        candidates.len()
     );
-    println!("| cache (experts) | share of pool | heat hit % | LRU hit % |");
-    println!("|---:|---:|---:|---:|");
+    println!(
+        "| cache (experts) | share of pool | LRU hit % | heat hit % | heat seeded from the histogram hit % | pinned tier (½ cache) + seeded heat hit % |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
     for share in [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5] {
         let cap = ((pool as f64 * share).round() as usize).max(1);
-        let heat = hit_rate(&mut HeatCache::new(cap), &trace);
+        // Seed each expert with the heat the in-process counter settles at for its learned
+        // rate r (routes per pass): r / (requests per pass) × H / ln 2.
+        let prior = |h: f64| {
+            let scale = default_half_life(cap) / std::f64::consts::LN_2 / (layers * k) as f64;
+            (1..=layers)
+                .flat_map(|l| (0..experts).map(move |e| (l, e)))
+                .map(|(l, e)| {
+                    (
+                        key(l, e),
+                        table.get(l, e) / table.mass.max(1e-9) * h * scale,
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
         let lru = hit_rate(&mut LruCache::new(cap), &trace);
+        let heat = hit_rate(&mut HeatCache::new(cap), &trace);
+        let seeded = hit_rate(&mut HeatCache::with_prior(cap, prior(1.0)), &trace);
+        let rest = cap - (cap / 2).min(candidates.len());
+        let pinned = hit_rate(
+            &mut PinnedCache::new(
+                cap,
+                cap / 2,
+                &candidates,
+                prior(default_half_life(rest) / default_half_life(cap)),
+            ),
+            &trace,
+        );
         println!(
-            "| {cap} | {:.0}% | {:.1} | {:.1} |",
+            "| {cap} | {:.0}% | {:.1} | {:.1} | {:.1} | {:.1} |",
             100.0 * share,
+            100.0 * lru,
             100.0 * heat,
-            100.0 * lru
+            100.0 * seeded,
+            100.0 * pinned
         );
     }
 }

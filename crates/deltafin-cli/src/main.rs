@@ -15,6 +15,7 @@ mod serve;
 mod session;
 mod setup;
 mod upgrade;
+mod warm;
 
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -60,6 +61,9 @@ enum Command {
     SetupQwen(setup::SetupQwenArgs),
     /// Transfer spine and/or expert weights.
     FetchWeights(setup::FetchWeightsArgs),
+    /// Rank routed experts from router traces and the heat histogram; optionally fetch the
+    /// best-ranked missing ones.
+    WarmExpertCache(warm::WarmArgs),
 }
 
 /// Options shared by the commands that load the model.
@@ -124,9 +128,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=100))]
     pub top_logits: Option<u16>,
     /// Append the routes of every pass (JSONL, one line per MoE layer and up to 56 rows) to
-    /// PATH; a relative PATH is under the model root.
+    /// PATH; a relative PATH is under the model root [env: K3_TRACE_PATH].
     #[arg(long, value_name = "PATH")]
     pub router_trace: Option<PathBuf>,
+    /// Router trace mode: off, buffered (a whole pass at a time) or sync (flush every line);
+    /// a path alone means buffered [env: K3_TRACE; default: off].
+    #[arg(long, value_name = "MODE")]
+    pub router_trace_mode: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -163,6 +171,7 @@ fn main() -> ExitCode {
         Some(Command::SetupDspark(args)) => setup::setup_dspark(&args),
         Some(Command::SetupQwen(args)) => setup::setup_qwen(&args),
         Some(Command::FetchWeights(args)) => setup::fetch_weights(&args),
+        Some(Command::WarmExpertCache(args)) => warm::warm_expert_cache(&args),
         None => run::run(&cli.run),
     };
     match result {

@@ -61,6 +61,11 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .map(EventWriter::create)
         .transpose()?;
     let load_opts = args.model.load_options()?;
+    let router_trace = session::resolve_router_trace(
+        args.router_trace.as_deref(),
+        args.router_trace_mode.as_deref(),
+        &args.model.model_root,
+    )?;
     let interrupt = session::interrupt_flag();
     let started = Instant::now();
 
@@ -72,15 +77,8 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         memory,
     } = session::load_with(&args.model.model_root, &load_opts)?;
     session::report_memory_plan(&model, memory.as_ref());
-    if let Some(p) = &args.router_trace {
-        let path = args.model.model_root.join(p);
-        let inner = std::mem::replace(
-            &mut model.experts,
-            Box::new(deltafin_k3::moe::InMemoryExperts::default()),
-        );
-        let trace = deltafin_experts::RouterTrace::create(&path, inner)
-            .with_context(|| format!("--router-trace: cannot open {}", path.display()))?;
-        model.experts = Box::new(trace);
+    if let Some((path, mode)) = &router_trace {
+        session::attach_router_trace(&mut model, path, *mode)?;
     }
 
     let prompt_ids = if args.chat {

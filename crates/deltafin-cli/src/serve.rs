@@ -34,6 +34,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_REQUEST_BYTES as u64,
           value_parser = clap::value_parser!(u64).range(1..=MAX_REQUEST_BYTES_LIMIT as u64))]
     pub max_request_bytes: u64,
+    /// Append the routes of every pass to PATH (as `run --router-trace`) [env: K3_TRACE_PATH].
+    #[arg(long, value_name = "PATH")]
+    pub router_trace: Option<std::path::PathBuf>,
+    /// Router trace mode: off, buffered or sync [env: K3_TRACE; default: off].
+    #[arg(long, value_name = "MODE")]
+    pub router_trace_mode: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -114,6 +120,11 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     }
     session::check_kernels()?;
     let load_options = args.model.load_options()?;
+    let router_trace = session::resolve_router_trace(
+        args.router_trace.as_deref(),
+        args.router_trace_mode.as_deref(),
+        &args.model.model_root,
+    )?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
     let cfg = ServerConfig {
@@ -135,7 +146,11 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         // server's background loader thread.
         let root = args.model.model_root.clone();
         let server = Server::bind_with_loader(cfg.clone(), move || {
-            let s = session::load_with(&root, &load_options).map_err(|e| format!("{e:#}"))?;
+            let mut s = session::load_with(&root, &load_options).map_err(|e| format!("{e:#}"))?;
+            if let Some((path, mode)) = &router_trace {
+                session::attach_router_trace(&mut s.model, path, *mode)
+                    .map_err(|e| format!("{e:#}"))?;
+            }
             session::report_memory_plan(&s.model, s.memory.as_ref());
             Ok(deltafin_openai::Engine {
                 max_context: s.checkpoint.config().text.max_position_embeddings,

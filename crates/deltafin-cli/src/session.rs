@@ -2,7 +2,8 @@
 //! Ctrl-C flag, and strict parsing of environment variables.
 
 use anyhow::{Context, Result, anyhow, bail};
-use deltafin_experts::{DirectIo, PilotGate, StreamOptions};
+use deltafin_experts::heat::{self, HeatDims, HeatRecorder, HeatTable};
+use deltafin_experts::{DirectIo, PilotGate, RouterTrace, StreamOptions, TraceMode};
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
 use deltafin_k3::loader::{
     EngineOptions, dims_from_config, expert_table, load_model, load_model_with_experts,
@@ -54,6 +55,8 @@ pub struct MemoryPlan {
     pub scratch: u64,
     /// What is left: the expert cache.
     pub cache: u64,
+    /// Of the cache, the pinned tier (`K3_EXPERT_PIN_GB`).
+    pub pin: u64,
     /// Payload bytes of one expert, and the experts over all MoE layers.
     pub expert_bytes: u64,
     pub experts: usize,
@@ -66,7 +69,7 @@ impl MemoryPlan {
     pub fn describe(&self, io: &str, threads: usize, pilot: &str) -> String {
         let gb = |b: u64| b as f64 / 1e9;
         format!(
-            "memory budget {:.3} GB = spine {:.3} GB (mmap'd, resident as touched) + state {:.3} GB ({} tokens) + runtime {:.3} GB + scratch {:.3} GB + expert cache {:.3} GB ({} of {} experts, {:.1}%); experts stream from the shards ({}; {}), io={io} read_threads={threads} pilot_gate={pilot}",
+            "memory budget {:.3} GB = spine {:.3} GB (mmap'd, resident as touched) + state {:.3} GB ({} tokens) + runtime {:.3} GB + scratch {:.3} GB + expert cache {:.3} GB ({} of {} experts, {:.1}%; pinned tier {:.3} GB of it); experts stream from the shards ({}; {}), io={io} read_threads={threads} pilot_gate={pilot}",
             gb(self.budget),
             gb(self.spine),
             gb(self.state),
@@ -78,6 +81,7 @@ impl MemoryPlan {
             self.experts,
             100.0 * self.cache as f64
                 / (self.expert_bytes.max(1) * self.experts.max(1) as u64) as f64,
+            gb(self.pin),
             if self.contiguous {
                 "six tensors contiguous: one read per expert"
             } else {
@@ -201,10 +205,46 @@ pub fn stream_options_from_env(cache_bytes: u64) -> Result<StreamOptions> {
     })
 }
 
-/// Split `budget` and build the streaming model.
+/// The learned expert-cache settings: `K3_EXPERT_HEAT` (`on`/`off`, default on: record the
+/// persistent route histogram, §4.8) and `K3_EXPERT_PIN_GB` (decimal GB ≥ 0, default 0: the
+/// pinned tier inside the expert cache). Both parsed strictly.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HeatSettings {
+    pub enabled: bool,
+    pub pin_bytes: u64,
+}
+
+/// [`HeatSettings`] from the environment.
+pub fn heat_settings_from_env() -> Result<HeatSettings> {
+    let enabled = env_choice("K3_EXPERT_HEAT", true, |v| match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{v:?} is not on or off")),
+    })?;
+    let pin_bytes = env_choice("K3_EXPERT_PIN_GB", 0, |v| match v.trim() {
+        "0" => Ok(0),
+        t => parse_gb(t).map_err(|e| format!("{e}, or 0 for no pinned tier")),
+    })?;
+    Ok(HeatSettings { enabled, pin_bytes })
+}
+
+/// The histogram's shape for a config: MoE layers 1…L−1, E experts, top-k.
+pub fn heat_dims(cfg: &deltafin_k3::config::K3Config) -> HeatDims {
+    HeatDims {
+        layers: cfg.n_layers().saturating_sub(1),
+        experts: cfg.text.num_experts,
+        top_k: cfg.text.num_experts_per_token,
+    }
+}
+
+/// Split `budget` and build the streaming model; `pin` bytes of the expert cache become the
+/// pinned tier, filled from the `learned` histogram's candidates (hottest first), and the
+/// cache's heat starts from the learned rates.
 fn plan_and_load(
     checkpoint: &Arc<Checkpoint>,
     budget: u64,
+    pin: u64,
+    learned: &HeatTable,
 ) -> Result<(K3Model, MemoryPlan, StreamOptions)> {
     let cfg = checkpoint.config();
     let table = expert_table(checkpoint).context("cannot locate the routed experts")?;
@@ -242,6 +282,14 @@ fn plan_and_load(
             table.max_buffer_bytes()
         );
     }
+    if pin > 0 && pin + table.max_buffer_bytes() > cache {
+        bail!(
+            "K3_EXPERT_PIN_GB: a pinned tier of {:.3} GB does not fit the expert cache of {:.3} GB left by the memory budget (at least one expert buffer, {} bytes, must stay unpinned)",
+            gb(pin),
+            gb(cache),
+            table.max_buffer_bytes()
+        );
+    }
     let opts = stream_options_from_env(cache)?;
     let plan = MemoryPlan {
         budget,
@@ -251,12 +299,24 @@ fn plan_and_load(
         runtime,
         scratch,
         cache,
+        pin,
         expert_bytes,
         experts,
         contiguous: table.all_contiguous(),
     };
     let src =
         streaming_experts(checkpoint, opts.clone()).context("cannot set up expert streaming")?;
+    src.set_pin_tier(&learned.pin_candidates(), pin)
+        .context("cannot set up the pinned expert tier")?;
+    if learned.mass > 0.0 {
+        let d = learned.dims;
+        let rates: Vec<((usize, usize), f64)> = (1..=d.layers)
+            .flat_map(|l| (0..d.experts).map(move |e| (l, e)))
+            .map(|(l, e)| ((l, e), learned.get(l, e) / learned.mass))
+            .filter(|(_, r)| *r > 0.0)
+            .collect();
+        src.seed_heat(&rates, (d.layers * d.top_k) as f64);
+    }
     let model =
         load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), Box::new(src))?;
     Ok((model, plan, opts))
@@ -285,18 +345,50 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
     );
     let tokenizer = Tokenizer::from_dir(root)
         .with_context(|| format!("cannot load the tokenizer from {}", root.display()))?;
-    let (model, memory) = match opts.memory_budget {
-        None => (
-            load_model(checkpoint.clone(), &EngineOptions::default())
-                .with_context(|| format!("cannot build the model from {}", root.display()))?,
-            None,
-        ),
+    let heat_cfg = heat_settings_from_env()?;
+    let dims = heat_dims(checkpoint.config());
+    let heat_path = root.join(heat::HEAT_FILE);
+    let learned = if heat_cfg.enabled {
+        let loaded = heat::load(&heat_path, dims);
+        if let Some(note) = &loaded.note {
+            eprintln!("deltafin: note: {note}");
+        }
+        loaded.table
+    } else {
+        HeatTable::empty(dims)
+    };
+    let candidates = learned.pin_candidates();
+    let (mut model, memory) = match opts.memory_budget {
+        None => {
+            if heat_cfg.pin_bytes > 0 {
+                eprintln!(
+                    "deltafin: note: K3_EXPERT_PIN_GB has no effect without a memory budget: every expert is resident"
+                );
+            }
+            (
+                load_model(checkpoint.clone(), &EngineOptions::default())
+                    .with_context(|| format!("cannot build the model from {}", root.display()))?,
+                None,
+            )
+        }
         Some(budget) => {
-            let (model, plan, _) = plan_and_load(&checkpoint, budget)
+            let (model, plan, _) = plan_and_load(&checkpoint, budget, heat_cfg.pin_bytes, &learned)
                 .with_context(|| format!("cannot build the model from {}", root.display()))?;
             (model, Some(plan))
         }
     };
+    eprintln!(
+        "[deltafin] expert_heat={} ({} passes learned, {} pin candidates) pinned_tier={:.3} GB",
+        if heat_cfg.enabled { "on" } else { "off" },
+        learned.passes,
+        candidates.len(),
+        memory.as_ref().map_or(0.0, |m| m.pin as f64 / 1e9),
+    );
+    if heat_cfg.enabled {
+        wrap_experts(&mut model, |inner| {
+            Ok(Box::new(HeatRecorder::new(heat_path.clone(), dims, inner)))
+        })?;
+    }
     if tokenizer.vocab_size() != model.dims.vocab_size {
         bail!(
             "tokenizer vocabulary ({}) does not match config.json vocab_size ({})",
@@ -310,6 +402,76 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
         checkpoint,
         load_seconds: t.elapsed().as_secs_f64(),
         memory,
+    })
+}
+
+/// Replace the model's expert source by `wrap(old source)`.
+pub fn wrap_experts(
+    model: &mut K3Model,
+    wrap: impl FnOnce(
+        Box<dyn deltafin_experts::ExpertSource>,
+    ) -> Result<Box<dyn deltafin_experts::ExpertSource>>,
+) -> Result<()> {
+    let inner = std::mem::replace(
+        &mut model.experts,
+        Box::new(deltafin_k3::moe::InMemoryExperts::default()),
+    );
+    model.experts = wrap(inner)?;
+    Ok(())
+}
+
+/// The router trace asked for by `--router-trace PATH` / `--router-trace-mode M`, else
+/// `K3_TRACE_PATH` / `K3_TRACE` (`off`, `buffered`, `sync`; all parsed strictly): a path
+/// alone means `buffered`, a path with `off` or a mode without a path is an error. A relative
+/// path is under the model root.
+pub fn resolve_router_trace(
+    flag_path: Option<&Path>,
+    flag_mode: Option<&str>,
+    root: &Path,
+) -> Result<Option<(std::path::PathBuf, TraceMode)>> {
+    let parse = |v: &str| match v {
+        "off" => Ok(None),
+        "buffered" => Ok(Some(TraceMode::Buffered)),
+        "sync" => Ok(Some(TraceMode::Sync)),
+        _ => Err(format!("{v:?} is not off, buffered or sync")),
+    };
+    let env_mode = env_var("K3_TRACE")?
+        .map(|v| parse(&v).map_err(|e| anyhow!("environment variable K3_TRACE: {e}")))
+        .transpose()?;
+    let env_path = env_var("K3_TRACE_PATH")?;
+    if env_path.as_deref() == Some("") {
+        bail!("environment variable K3_TRACE_PATH is empty");
+    }
+    let flag_mode = flag_mode
+        .map(|v| parse(v).map_err(|e| anyhow!("--router-trace-mode: {e}")))
+        .transpose()?;
+    let mode = flag_mode.or(env_mode);
+    let path = flag_path
+        .map(Path::to_path_buf)
+        .or(env_path.map(std::path::PathBuf::from));
+    match (path, mode) {
+        (None, None | Some(None)) => Ok(None),
+        (None, Some(Some(m))) => bail!(
+            "router trace mode {} needs a path: --router-trace PATH or K3_TRACE_PATH",
+            m.name()
+        ),
+        (Some(p), Some(None)) => bail!(
+            "router trace path {} given with mode off: drop the path or choose buffered or sync",
+            p.display()
+        ),
+        (Some(p), m) => Ok(Some((
+            root.join(p),
+            m.flatten().unwrap_or(TraceMode::Buffered),
+        ))),
+    }
+}
+
+/// Append every pass's routes to `path` (§4.9) from now on.
+pub fn attach_router_trace(model: &mut K3Model, path: &Path, mode: TraceMode) -> Result<()> {
+    wrap_experts(model, |inner| {
+        let t = RouterTrace::create_with_mode(path, mode, inner)
+            .with_context(|| format!("router trace: cannot open {}", path.display()))?;
+        Ok(Box::new(t))
     })
 }
 

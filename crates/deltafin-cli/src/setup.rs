@@ -23,7 +23,8 @@ pub struct RootArg {
 }
 
 impl RootArg {
-    fn resolve(&self) -> PathBuf {
+    /// `--model-root`, else `DELTAFIN_ROOT`, else the current directory.
+    pub fn resolve(&self) -> PathBuf {
         self.model_root.clone().unwrap_or_else(|| {
             std::env::var_os("DELTAFIN_ROOT")
                 .filter(|v| !v.is_empty())

@@ -190,3 +190,248 @@ fn router_trace_writes_one_line_per_pass_and_layer() {
     assert_eq!(n % 4, 0, "top-4 per row");
     assert_eq!(lines[13]["ids"].as_array().unwrap().len(), 4);
 }
+
+#[test]
+fn router_trace_modes_and_their_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("sync.jsonl");
+    let t = trace.display().to_string();
+    // Mode and path from the environment; sync mode.
+    let o = deltafin(
+        &["run", "--prompt", "Trace", "--max-new", "2"],
+        &[("K3_TRACE", "sync"), ("K3_TRACE_PATH", &t)],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert_eq!(
+        std::fs::read_to_string(&trace).unwrap().lines().count(),
+        2 * 13
+    );
+    for (args, env, needle) in [
+        (
+            vec!["--router-trace", t.as_str(), "--router-trace-mode", "off"],
+            vec![],
+            "given with mode off",
+        ),
+        (vec!["--router-trace-mode", "sync"], vec![], "needs a path"),
+        (
+            vec!["--router-trace-mode", "often"],
+            vec![],
+            "--router-trace-mode: \"often\" is not off, buffered or sync",
+        ),
+        (
+            vec![],
+            vec![("K3_TRACE", "always")],
+            "environment variable K3_TRACE: \"always\"",
+        ),
+        (
+            vec!["--router-trace", t.as_str()],
+            vec![("K3_TRACE", "off")],
+            "given with mode off",
+        ),
+    ] {
+        let mut a = vec!["run", "--max-new", "1"];
+        a.extend(args.iter().copied());
+        let o = deltafin(&a, &env);
+        let (_, err) = text(&o);
+        assert!(
+            !o.status.success() && err.contains(needle),
+            "{needle}: {err}"
+        );
+        // `serve` resolves the same flags the same way, before it binds.
+        let mut a = vec!["serve", "--port", "0"];
+        a.extend(args);
+        let o = deltafin(&a, &env);
+        let (_, err) = text(&o);
+        assert!(
+            !o.status.success() && err.contains(needle),
+            "serve {needle}: {err}"
+        );
+    }
+}
+
+/// A private copy of the streaming model (the heat file lives under the model root).
+fn fresh_root() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    let dims = SynthDims {
+        experts: 64,
+        moe_inter: 256,
+        latent: 128,
+        ..SynthDims::tiny()
+    };
+    synthesize(d.path(), &SynthSpec::new(dims, 3)).unwrap();
+    d
+}
+
+fn deltafin_at(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+    cmd.args(args)
+        .args(["--model-root", &root.display().to_string()])
+        .env_remove("K3_MEMORY_BUDGET_GB")
+        .env_remove("K3_PILOT_GATE")
+        .env_remove("K3_EXPERT_HEAT")
+        .env_remove("K3_EXPERT_PIN_GB");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+const HEAT_DIMS: deltafin_experts::heat::HeatDims = deltafin_experts::heat::HeatDims {
+    layers: 13,
+    experts: 64,
+    top_k: 4,
+};
+
+#[test]
+fn expert_heat_persists_across_runs_and_can_be_switched_off() {
+    use deltafin_experts::heat::{HEAT_FILE, load};
+    let root = fresh_root();
+    let heat = root.path().join(HEAT_FILE);
+    let args = ["run", "--prompt", "Heat learns routes", "--max-new", "4"];
+    let o = deltafin_at(root.path(), &args, &[("K3_EXPERT_HEAT", "off")]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).1.contains("expert_heat=off"), "{:?}", text(&o));
+    assert!(!heat.exists(), "K3_EXPERT_HEAT=off wrote the histogram");
+    // Default on: 4 passes (prefill + 3 decode steps), then 4 more.
+    for want in [4, 8] {
+        let o = deltafin_at(root.path(), &args, &[("K3_MEMORY_BUDGET_GB", "0.2")]);
+        assert!(o.status.success(), "{:?}", text(&o));
+        let l = load(&heat, HEAT_DIMS);
+        assert!(l.note.is_none(), "{:?}", l.note);
+        assert_eq!(l.table.passes, want);
+        assert_eq!(
+            std::fs::metadata(&heat).unwrap().len() as usize,
+            HEAT_DIMS.file_bytes()
+        );
+        // Every pass routes ≥ 4 distinct experts per layer, each counted once per pass.
+        for layer in 1..=13 {
+            let sum: f64 = (0..64).map(|e| l.table.get(layer, e)).sum();
+            assert!(sum >= 4.0 * l.table.mass - 1e-3, "layer {layer}: {sum}");
+            assert!((0..64).all(|e| l.table.get(layer, e) <= l.table.mass + 1e-3));
+        }
+    }
+    assert!(
+        text(&deltafin_at(root.path(), &args, &[]))
+            .1
+            .contains("(8 passes learned")
+    );
+    // A corrupt file is a warning, not an error, and is then rewritten.
+    std::fs::write(&heat, b"K3HEATv1 but short").unwrap();
+    let o = deltafin_at(root.path(), &args, &[]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).1.contains("ignored"), "{:?}", text(&o));
+    assert_eq!(load(&heat, HEAT_DIMS).table.passes, 4);
+    for (env, needle) in [
+        (
+            ("K3_EXPERT_HEAT", "yes"),
+            "K3_EXPERT_HEAT: \"yes\" is not on or off",
+        ),
+        (("K3_EXPERT_PIN_GB", "-2"), "K3_EXPERT_PIN_GB"),
+        (("K3_EXPERT_PIN_GB", "lots"), "K3_EXPERT_PIN_GB"),
+    ] {
+        let o = deltafin_at(root.path(), &["run", "--max-new", "1"], &[env]);
+        assert!(
+            !o.status.success() && text(&o).1.contains(needle),
+            "{needle}: {:?}",
+            text(&o)
+        );
+    }
+}
+
+#[test]
+fn pinned_tier_fills_from_the_heat_file_and_tokens_match_the_resident_run() {
+    use deltafin_experts::heat::{HEAT_FILE, HeatTable};
+    let root = fresh_root();
+    let args = [
+        "run",
+        "--prompt",
+        "Pinned experts stay",
+        "--max-new",
+        "8",
+        "--stats",
+    ];
+    // Learn this prompt's routes from a trace, then write a histogram that saw its passes
+    // over and over (300 passes of mass).
+    let trace = root.path().join("learn.jsonl");
+    let mut learn = args.to_vec();
+    learn.extend(["--router-trace", "learn.jsonl"]);
+    let o = deltafin_at(root.path(), &learn, &[("K3_EXPERT_HEAT", "off")]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let mut passes: Vec<Vec<(usize, Vec<usize>)>> = Vec::new();
+    for line in std::fs::read_to_string(&trace).unwrap().lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let step = v["step"].as_u64().unwrap() as usize;
+        let layer = v["layer"].as_u64().unwrap() as usize;
+        let mut ids: Vec<usize> = v["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        passes.resize(step + 1, Vec::new());
+        passes[step].push((layer, ids));
+    }
+    assert_eq!(passes.len(), 8, "prefill + 7 decode passes");
+    let mut t = HeatTable::empty(HEAT_DIMS);
+    for i in 0..300 {
+        t.record_pass(passes[i % 8].iter().map(|(l, u)| (*l, u.as_slice())));
+    }
+    let candidates = t.pin_candidates().len();
+    assert!(candidates > 18, "{candidates}");
+    let path = root.path().join(HEAT_FILE);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(&path, t.encode()).unwrap();
+    let resident = deltafin_at(root.path(), &args, &[("K3_EXPERT_HEAT", "off")]);
+    assert!(resident.status.success(), "{:?}", text(&resident));
+    let pinned = deltafin_at(
+        root.path(),
+        &args,
+        &[
+            ("K3_MEMORY_BUDGET_GB", "0.2"),
+            ("K3_EXPERT_PIN_GB", "0.001"),
+        ],
+    );
+    let (out, err) = text(&pinned);
+    assert!(pinned.status.success(), "{err}");
+    let ids = |o: &str| -> Vec<String> {
+        o.lines()
+            .map(|l| l.split(" elapsed").next().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(ids(&out), ids(&text(&resident).0));
+    assert!(
+        err.contains(&format!(
+            "(300 passes learned, {candidates} pin candidates) pinned_tier=0.001 GB"
+        )),
+        "{err}"
+    );
+    let field = |name: &str| -> u64 {
+        err.split(&format!(" {name}="))
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert!(field("pinned") > 0, "{err}");
+    assert!(field("pinned_hits") > 0, "{err}");
+    assert!(
+        field("pin_budget") > 0 && field("pin_budget") <= 1_000_000,
+        "{err}"
+    );
+    // A tier larger than the expert cache is a clear error.
+    let o = deltafin_at(
+        root.path(),
+        &args,
+        &[("K3_MEMORY_BUDGET_GB", "0.2"), ("K3_EXPERT_PIN_GB", "5")],
+    );
+    assert!(
+        !o.status.success() && text(&o).1.contains("does not fit the expert cache"),
+        "{:?}",
+        text(&o)
+    );
+}

@@ -12,10 +12,12 @@
 //! - [`probe`]: the read-bandwidth probe (same read path) that throughput is reported against.
 
 pub mod buffer;
+pub mod heat;
 pub mod io;
 pub mod layout;
 pub mod policy;
 pub mod probe;
+pub mod rank;
 pub mod stats;
 pub mod stream;
 pub mod trace;
@@ -23,7 +25,7 @@ pub mod trace;
 pub use layout::{ExpertLocation, ExpertShape, ExpertTable};
 pub use stats::{ExpertStats, LayerStats};
 pub use stream::{DirectIo, PilotGate, StreamOptions, StreamingExperts};
-pub use trace::RouterTrace;
+pub use trace::{RouterTrace, TraceMode};
 
 use deltafin_tensor::{Mxfp4Matrix, TensorError};
 use std::path::PathBuf;

@@ -12,8 +12,10 @@
 //! larger than the cache (plain LRU retains 0%, performance-notes §5.2) keeps a stable hot
 //! set instead of flushing it, and on skewed routing the frequently routed experts stay.
 //!
-//! [`HeatCache`] and [`LruCache`] replay key traces for the hit-rate comparison;
-//! [`zipf_routes`] makes a skewed synthetic routing trace.
+//! [`HeatCache`] (optionally seeded with prior heats, [`HeatCache::with_prior`]),
+//! [`PinnedCache`] (a sticky pinned tier in front of a heat cache) and [`LruCache`] replay key
+//! traces for the hit-rate comparison; [`zipf_routes`] makes a skewed synthetic routing trace
+//! and [`zipf_routes_sampled`] another session of the same routing distribution.
 
 use std::collections::HashMap;
 
@@ -39,6 +41,11 @@ impl Heat {
             value: 0.0,
             at: now,
         }
+    }
+
+    /// A heat of `value` at `now` (a prior from a persisted histogram).
+    pub fn with_value(value: f64, now: u64) -> Heat {
+        Heat { value, at: now }
     }
 
     /// The heat at `now` with half-life `half_life` ticks.
@@ -84,6 +91,61 @@ impl HeatCache {
             heat: HashMap::new(),
             resident: Default::default(),
         }
+    }
+}
+
+impl HeatCache {
+    /// A cache of `capacity` keys whose heat histogram starts at `prior` (key, heat) instead
+    /// of zero: a persisted histogram seeds admission and eviction from the first request.
+    pub fn with_prior(capacity: usize, prior: impl IntoIterator<Item = (u64, f64)>) -> HeatCache {
+        let mut c = HeatCache::new(capacity);
+        for (k, h) in prior {
+            if h > 0.0 {
+                c.heat.insert(k, Heat::with_value(h, 0));
+            }
+        }
+        c
+    }
+}
+
+/// A pinned tier of up to `pin` keys chosen ahead of time (persisted-heat candidates, hottest
+/// first) in front of a [`HeatCache`] for the rest of the capacity. A candidate becomes
+/// resident at its first access (a miss: sticky, never speculative) and is never evicted.
+pub struct PinnedCache {
+    candidates: std::collections::HashSet<u64>,
+    pinned: std::collections::HashSet<u64>,
+    rest: HeatCache,
+}
+
+impl PinnedCache {
+    /// `capacity` keys in all, of which the first `pin` of `candidates` may be pinned (at most
+    /// as many as there are candidates; the rest of the capacity is the heat cache's).
+    pub fn new(
+        capacity: usize,
+        pin: usize,
+        candidates: &[u64],
+        rest_prior: Vec<(u64, f64)>,
+    ) -> PinnedCache {
+        // Slots no candidate can fill stay with the heat cache.
+        let pin = pin.min(capacity).min(candidates.len());
+        PinnedCache {
+            candidates: candidates.iter().copied().take(pin).collect(),
+            pinned: Default::default(),
+            rest: HeatCache::with_prior(capacity - pin, rest_prior),
+        }
+    }
+}
+
+impl KeyCache for PinnedCache {
+    fn access(&mut self, key: u64) -> bool {
+        if self.pinned.contains(&key) {
+            return true;
+        }
+        if self.candidates.contains(&key) {
+            self.pinned.insert(key);
+            return false;
+        }
+        self.rest.access(key)
     }
 }
 
@@ -179,14 +241,33 @@ pub fn zipf_routes(
     s: f64,
     seed: u64,
 ) -> Vec<u64> {
+    zipf_routes_sampled(layers, experts, k, tokens, s, seed, seed)
+}
+
+fn splitmix(seed: u64) -> impl FnMut() -> f64 {
     let mut rng = seed ^ 0x9e37_79b9_7f4a_7c15;
-    let mut next = move || {
+    move || {
         rng = rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = rng;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    };
+    }
+}
+
+/// [`zipf_routes`] with the per-layer expert ranking drawn from `rank_seed` and the routes
+/// sampled from `sample_seed`: the same routing distribution in another session (equal seeds
+/// give exactly [`zipf_routes`]).
+pub fn zipf_routes_sampled(
+    layers: usize,
+    experts: usize,
+    k: usize,
+    tokens: usize,
+    s: f64,
+    rank_seed: u64,
+    sample_seed: u64,
+) -> Vec<u64> {
+    let mut next = splitmix(rank_seed);
     let ranks: Vec<Vec<usize>> = (0..layers)
         .map(|_| {
             let mut p: Vec<usize> = (0..experts).collect();
@@ -200,6 +281,14 @@ pub fn zipf_routes(
     let weight: Vec<f64> = (0..experts)
         .map(|r| 1.0 / ((r + 1) as f64).powf(s))
         .collect();
+    let mut other = splitmix(sample_seed);
+    let mut next = move || {
+        if sample_seed == rank_seed {
+            next()
+        } else {
+            other()
+        }
+    };
     let mut out = Vec::with_capacity(layers * k * tokens);
     for _ in 0..tokens {
         for (l, rank) in ranks.iter().enumerate() {
@@ -259,6 +348,49 @@ mod tests {
                 "capacity {cap}: heat {heat} vs lru {lru}"
             );
         }
+    }
+
+    #[test]
+    fn persisted_heat_and_pinning_help_a_new_session() {
+        use crate::heat::{HeatDims, HeatTable};
+        let (layers, experts, k) = (8usize, 64usize, 4usize);
+        let dims = HeatDims {
+            layers,
+            experts,
+            top_k: k,
+        };
+        // Learn from one session, replay another of the same distribution.
+        let old = zipf_routes_sampled(layers, experts, k, 600, 1.0, 11, 99);
+        let mut table = HeatTable::empty(dims);
+        for pass in old.chunks(layers * k) {
+            let sets: Vec<(usize, Vec<usize>)> = (0..layers)
+                .map(|l| {
+                    let u = pass
+                        .iter()
+                        .filter(|&&key| key as usize / experts == l)
+                        .map(|&key| key as usize % experts)
+                        .collect();
+                    (l + 1, u)
+                })
+                .collect();
+            table.record_pass(sets.iter().map(|(l, u)| (*l, u.as_slice())));
+        }
+        let key = |(l, e): (usize, usize)| ((l - 1) * experts + e) as u64;
+        let cands: Vec<u64> = table.pin_candidates().into_iter().map(key).collect();
+        assert!(!cands.is_empty());
+        let new = zipf_routes_sampled(layers, experts, k, 40, 1.0, 11, 7);
+        assert_ne!(new, zipf_routes(layers, experts, k, 40, 1.0, 11));
+        let cap = 16;
+        let cold = hit_rate(&mut HeatCache::new(cap), &new);
+        let prior: Vec<(u64, f64)> = (1..=layers)
+            .flat_map(|l| (0..experts).map(move |e| (l, e)))
+            .map(|(l, e)| (key((l, e)), table.get(l, e) / table.mass * 8.0))
+            .collect();
+        let seeded = hit_rate(&mut HeatCache::with_prior(cap, prior.clone()), &new);
+        let pinned = hit_rate(&mut PinnedCache::new(cap, cap / 2, &cands, prior), &new);
+        eprintln!("cold {cold:.3} seeded {seeded:.3} pinned {pinned:.3}");
+        assert!(seeded > cold, "seeded {seeded} vs cold {cold}");
+        assert!(pinned > cold, "pinned {pinned} vs cold {cold}");
     }
 
     #[test]

@@ -7,6 +7,8 @@ pub struct LayerStats {
     pub hits: u64,
     /// Of those, the ones a PILOT prefetch brought in.
     pub prefetch_hits: u64,
+    /// Of the hits, the ones served by the pinned tier.
+    pub pinned_hits: u64,
     /// Route-union experts that had to be read for the layer.
     pub misses: u64,
     /// Expert payload bytes read for this layer (demand and prefetch).
@@ -56,6 +58,9 @@ pub struct ExpertStats {
     /// Cache budget and its high-water mark (buffer bytes).
     pub cache_budget_bytes: u64,
     pub cache_peak_bytes: u64,
+    /// Bytes of the cache given to the pinned tier, and the experts pinned so far.
+    pub pin_budget_bytes: u64,
+    pub pinned_experts: usize,
     /// Bytes of one expert's payload.
     pub expert_bytes: u64,
     /// I/O worker threads.
@@ -69,6 +74,7 @@ impl ExpertStats {
         for l in &self.layers {
             t.hits += l.hits;
             t.prefetch_hits += l.prefetch_hits;
+            t.pinned_hits += l.pinned_hits;
             t.misses += l.misses;
             t.bytes_read += l.bytes_read;
             t.prefetch_bytes += l.prefetch_bytes;
@@ -116,10 +122,13 @@ impl ExpertStats {
                 .unwrap_or_else(|| "n/a".into())
         };
         format!(
-            "hits={} misses={} hit_rate={} prefetch_hits={} prefetch_recall={} bytes_read={} prefetch_bytes={} reads={} direct_reads={} read_gbps={:.3} io_busy={:.3}s wait={:.3}s cache_peak={} cache_budget={} io={} threads={}",
+            "hits={} misses={} hit_rate={} pinned_hits={} pinned={} pin_budget={} prefetch_hits={} prefetch_recall={} bytes_read={} prefetch_bytes={} reads={} direct_reads={} read_gbps={:.3} io_busy={:.3}s wait={:.3}s cache_peak={} cache_budget={} io={} threads={}",
             t.hits,
             t.misses,
             pct(t.hit_rate()),
+            t.pinned_hits,
+            self.pinned_experts,
+            self.pin_budget_bytes,
             t.prefetch_hits,
             pct(t.recall()),
             t.bytes_read,

@@ -17,6 +17,11 @@
 //! Memory: every buffer the cache owns (resident, in flight, free for reuse) counts against
 //! `cache_bytes`; an expert evicted while the model still multiplies it stays alive until that
 //! product ends, so the peak is `cache_bytes` + one expert buffer.
+//!
+//! Pinned tier ([`StreamingExperts::set_pin_tier`], `K3_EXPERT_PIN_GB`): up to
+//! `pin_bytes / buffer` candidate experts (the persisted heat histogram's hottest) become
+//! *sticky* when an authoritative `expert()` call has read them (never on a PILOT guess);
+//! sticky experts are never evicted and their buffers count inside `cache_bytes`.
 
 use crate::buffer::ExpertBuffer;
 use crate::io::{IoPath, SourceFile};
@@ -101,6 +106,8 @@ struct Entry {
     transient: bool,
     /// Brought in by PILOT and not yet part of a route union.
     pilot_unused: bool,
+    /// In the pinned tier: never evicted.
+    sticky: bool,
 }
 
 enum Look {
@@ -146,6 +153,11 @@ struct State {
     busy: Duration,
     wait: Duration,
     shutdown: bool,
+    /// Pinned-tier candidates (from the persisted heat) and the tier's size in buffers.
+    pin_candidates: std::collections::HashSet<(usize, usize)>,
+    pin_slots: usize,
+    /// Sticky entries now.
+    sticky: usize,
 }
 
 struct Shared {
@@ -268,6 +280,55 @@ impl StreamingExperts {
         &self.shared.opts
     }
 
+    /// Give `pin_bytes` of the cache budget to a pinned tier filled from `candidates`
+    /// (hottest first; entries outside the table are skipped). Candidates become sticky when
+    /// an authoritative read uses them, up to `pin_bytes / buffer_bytes()` experts. Returns the
+    /// tier's size in experts. The tier must leave at least one buffer for everything else.
+    pub fn set_pin_tier(
+        &self,
+        candidates: &[(usize, usize)],
+        pin_bytes: u64,
+    ) -> Result<usize, ExpertError> {
+        let s = &*self.shared;
+        let slots = (pin_bytes / s.buf_cap) as usize;
+        if pin_bytes > 0 && slots + 1 > self.capacity() {
+            return Err(ExpertError::Setup(format!(
+                "a pinned tier of {pin_bytes} bytes ({slots} experts of {} bytes) leaves no buffer of the {}-byte expert cache for unpinned experts",
+                s.buf_cap, s.opts.cache_bytes
+            )));
+        }
+        let mut st = s.lock();
+        st.pin_slots = slots;
+        st.pin_candidates = candidates
+            .iter()
+            .copied()
+            .filter(|&(l, e)| s.table.get(l, e).is_ok())
+            .take(slots)
+            .collect();
+        Ok(slots)
+    }
+
+    /// Seed the in-process heat from a persisted histogram: `rates` holds each expert's
+    /// learned share of passes `r` (heat / mass), `requests_per_pass` the expert requests of
+    /// one pass (MoE layers × k for decode). Each expert starts at the heat the in-process
+    /// counter settles at for that rate, `r / requests_per_pass × H / ln 2`, so admission and
+    /// eviction favour the historically hot experts from the first token; it then decays and
+    /// is replaced by what this process sees.
+    pub fn seed_heat(&self, rates: &[((usize, usize), f64)], requests_per_pass: f64) {
+        let s = &*self.shared;
+        if requests_per_pass <= 0.0 {
+            return;
+        }
+        let scale = s.half_life / std::f64::consts::LN_2 / requests_per_pass;
+        let mut st = s.lock();
+        let now = st.tick;
+        for &(key, r) in rates {
+            if r > 0.0 && r.is_finite() && s.table.get(key.0, key.1).is_ok() {
+                st.heat.insert(key, Heat::with_value(r * scale, now));
+            }
+        }
+    }
+
     /// Buffer bytes the cache owns now.
     pub fn cache_bytes_now(&self) -> u64 {
         self.shared.lock().allocated
@@ -349,7 +410,9 @@ impl Shared {
         let victim = st
             .entries
             .iter()
-            .filter(|(_, e)| matches!(e.slot, Slot::Ready(..)) && (allow_pinned || !e.pinned))
+            .filter(|(_, e)| {
+                matches!(e.slot, Slot::Ready(..)) && !e.sticky && (allow_pinned || !e.pinned)
+            })
             .map(|(k, e)| (score(k, e), *k))
             .min_by(|a, b| {
                 a.0.partial_cmp(&b.0)
@@ -374,11 +437,17 @@ impl Shared {
         }
     }
 
+    /// The read-ahead window with `pin_slots` buffers given to the pinned tier.
+    fn window_now(&self, pin_slots: usize) -> usize {
+        let capacity = (self.opts.cache_bytes / self.buf_cap) as usize;
+        self.window.min(capacity.saturating_sub(pin_slots + 1))
+    }
+
     /// Issue window reads until `window` unconsumed entries are pinned.
     fn pump_window(&self, st: &mut State) {
         let mut issued = false;
         while let Some(w) = st.window.as_mut() {
-            if w.next >= w.order.len() || st.pinned >= self.window {
+            if w.next >= w.order.len() || st.pinned >= self.window_now(st.pin_slots) {
                 break;
             }
             let (layer, e) = (w.layer, w.order[w.next]);
@@ -420,6 +489,7 @@ impl Shared {
                 fresh: true,
                 transient: false,
                 pilot_unused: pilot,
+                sticky: false,
             },
         );
         let job = Job {
@@ -648,6 +718,7 @@ impl ExpertSource for StreamingExperts {
                         .filter(|(k, e)| {
                             **k != key
                                 && !e.transient
+                                && !e.sticky
                                 && !e.fresh
                                 && matches!(e.slot, Slot::Ready(..))
                         })
@@ -662,6 +733,18 @@ impl ExpertSource for StreamingExperts {
                 Look::Ready(w, was_pinned, _) => {
                     if was_pinned {
                         st.pinned -= 1;
+                    }
+                    // Sticky, never speculative: promoted only here, when the route that
+                    // needs this expert has read it.
+                    if st.sticky < st.pin_slots && st.pin_candidates.contains(&key) {
+                        let promoted = st.entries.get_mut(&key).is_some_and(|e| {
+                            let was = std::mem::replace(&mut e.sticky, true);
+                            e.transient = false;
+                            !was
+                        });
+                        if promoted {
+                            st.sticky += 1;
+                        }
                     }
                     break Ok(*w);
                 }
@@ -753,10 +836,13 @@ impl ExpertSource for StreamingExperts {
             }
         }
         st.pilot = keep;
-        let (mut hits, mut pf_hits) = (0, 0);
+        let (mut hits, mut pf_hits, mut pin_hits) = (0, 0, 0);
         for &e in experts {
             if let Some(entry) = st.entries.get_mut(&(layer, e)) {
                 hits += 1;
+                if entry.sticky {
+                    pin_hits += 1;
+                }
                 if entry.pilot_unused {
                     pf_hits += 1;
                     entry.pilot_unused = false;
@@ -768,6 +854,7 @@ impl ExpertSource for StreamingExperts {
         if let Some(l) = st.layers.get_mut(layer) {
             l.hits += hits;
             l.prefetch_hits += pf_hits;
+            l.pinned_hits += pin_hits;
             l.misses += experts.len() as u64 - hits;
         }
         st.window = Some(Window {
@@ -827,6 +914,8 @@ impl ExpertSource for StreamingExperts {
             io_path,
             cache_budget_bytes: s.opts.cache_bytes,
             cache_peak_bytes: st.peak,
+            pin_budget_bytes: st.pin_slots as u64 * s.buf_cap,
+            pinned_experts: st.sticky,
             expert_bytes: s.table.shape.expert_bytes(),
             read_threads: s.opts.read_threads,
         })
@@ -975,6 +1064,88 @@ mod tests {
         src.expert(2, 3).unwrap();
         let l2 = &src.stats().unwrap().layers[2];
         assert_eq!((l2.prefetch_bytes, l2.hits, l2.predicted_hits), (0, 0, 1));
+    }
+
+    #[test]
+    fn pinned_tier_fills_on_authoritative_reads_and_is_never_evicted() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, want) = fixture(dir.path(), 3, 16);
+        // 6 buffers, 3 of them pinned: candidates (1,5), (2,9), (1,2); (2,0) is beyond the
+        // tier's size and (7,0) outside the table.
+        let src = StreamingExperts::new(table.clone(), opts(6, &table, PilotGate::Off)).unwrap();
+        let eb = src.buffer_bytes();
+        let e = src.set_pin_tier(&[(1, 5)], 6 * eb).unwrap_err().to_string();
+        assert!(e.contains("leaves no buffer"), "{e}");
+        let slots = src
+            .set_pin_tier(&[(7, 0), (1, 5), (2, 9), (1, 2), (2, 0)], 3 * eb)
+            .unwrap();
+        assert_eq!(slots, 3);
+        // A PILOT guess of a candidate does not pin it.
+        src.predict(2, &[9]);
+        src.begin_layer(1, &[0, 1]);
+        for e in [0, 1] {
+            src.expert(1, e).unwrap();
+        }
+        assert_eq!(src.stats().unwrap().pinned_experts, 0);
+        // Authoritative reads pin the candidates.
+        src.begin_layer(1, &[2, 5]);
+        src.expert(1, 2).unwrap();
+        src.expert(1, 5).unwrap();
+        src.begin_layer(2, &[0, 9]);
+        src.expert(2, 0).unwrap();
+        src.expert(2, 9).unwrap();
+        assert_eq!(src.stats().unwrap().pinned_experts, 3);
+        // Churn through every other expert many times: the pinned ones stay resident.
+        for round in 0..5 {
+            for l in 1..3 {
+                let union: Vec<usize> = (0..16).filter(|e| (e + round) % 2 == 0).collect();
+                src.begin_layer(l, &union);
+                for &e in &union {
+                    check(&src.expert(l, e).unwrap(), &want[&(l, e)]);
+                }
+            }
+        }
+        let before = src.stats().unwrap();
+        src.begin_layer(1, &[2, 5]);
+        src.begin_layer(2, &[9]);
+        let after = src.stats().unwrap();
+        let t = |s: &ExpertStats| s.total();
+        assert_eq!(t(&after).hits - t(&before).hits, 3);
+        assert_eq!(t(&after).pinned_hits - t(&before).pinned_hits, 3);
+        assert_eq!(t(&after).misses, t(&before).misses);
+        assert!(after.cache_peak_bytes <= 6 * eb);
+        assert_eq!(after.pin_budget_bytes, 3 * eb);
+        assert!(after.summary_line().contains("pinned_hits="));
+    }
+
+    #[test]
+    fn seeded_heat_keeps_historically_hot_experts_through_a_scan() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, _) = fixture(dir.path(), 2, 16);
+        // Read expert 3 once, then scan the 12 experts 4…15 three times, two per pass, through
+        // a 4-expert cache: by the third scan they are hotter than an unseeded expert 3.
+        let run = |seed: bool| {
+            let src =
+                StreamingExperts::new(table.clone(), opts(4, &table, PilotGate::Measure)).unwrap();
+            if seed {
+                src.seed_heat(&[((1, 3), 0.9), ((1, 99), 1.0), ((0, 0), 1.0)], 4.0);
+            }
+            src.begin_layer(1, &[3]);
+            src.expert(1, 3).unwrap();
+            for _ in 0..3 {
+                for pair in [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15].chunks(2) {
+                    src.begin_layer(1, pair);
+                    for &e in pair {
+                        src.expert(1, e).unwrap();
+                    }
+                }
+            }
+            let before = src.stats().unwrap().total().hits;
+            src.begin_layer(1, &[3]);
+            src.stats().unwrap().total().hits - before
+        };
+        assert_eq!(run(true), 1, "the seeded expert stayed resident");
+        assert_eq!(run(false), 0, "without a seed the scan evicts it");
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //!
 //! [`RouterTrace`] wraps another [`ExpertSource`] and forwards everything to it. The file is
 //! opened append-only with mode 0600, never through a symlink, and writing stops (with one
-//! warning on stderr) at 8 GiB. Lines are buffered and flushed at the end of each pass.
+//! warning on stderr) at 8 GiB. [`TraceMode::Buffered`] collects a whole pass in memory and
+//! appends it when the next pass begins (or the trace is dropped); a pass over 4 MiB is
+//! discarded with a warning. [`TraceMode::Sync`] writes and flushes every line.
 
 use crate::{ExpertError, ExpertSource, ExpertStats, ExpertWeights};
 use std::fs::{File, OpenOptions};
@@ -15,9 +17,33 @@ use std::sync::Mutex;
 pub const ROWS_PER_LINE: usize = 56;
 /// File size cap.
 pub const MAX_TRACE_BYTES: u64 = 8 << 30;
+/// Largest pass a buffered trace holds before discarding it.
+pub const MAX_PASS_BYTES: usize = 4 << 20;
+
+/// When trace lines reach the file (`--router-trace-mode`, `K3_TRACE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TraceMode {
+    /// A whole pass is appended at once when it is complete.
+    Buffered,
+    /// Every line is written and flushed as it is produced.
+    Sync,
+}
+
+impl TraceMode {
+    /// `buffered` or `sync`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            TraceMode::Buffered => "buffered",
+            TraceMode::Sync => "sync",
+        }
+    }
+}
 
 struct Writer {
     out: BufWriter<File>,
+    mode: TraceMode,
+    /// The pass being assembled (buffered mode); `None` once it overflowed.
+    pass: Option<String>,
     written: u64,
     step: u64,
     last_layer: Option<usize>,
@@ -31,8 +57,18 @@ pub struct RouterTrace {
 }
 
 impl RouterTrace {
-    /// Open `path` for appending (created 0600; a symlink is refused) around `inner`.
+    /// Open `path` for appending in buffered mode (created 0600; a symlink is refused) around
+    /// `inner`.
     pub fn create(path: &Path, inner: Box<dyn ExpertSource>) -> std::io::Result<RouterTrace> {
+        RouterTrace::create_with_mode(path, TraceMode::Buffered, inner)
+    }
+
+    /// [`RouterTrace::create`] with an explicit [`TraceMode`].
+    pub fn create_with_mode(
+        path: &Path,
+        mode: TraceMode,
+        inner: Box<dyn ExpertSource>,
+    ) -> std::io::Result<RouterTrace> {
         use std::os::unix::fs::OpenOptionsExt;
         let file = OpenOptions::new()
             .append(true)
@@ -45,6 +81,8 @@ impl RouterTrace {
             inner,
             w: Mutex::new(Writer {
                 out: BufWriter::new(file),
+                mode,
+                pass: Some(String::new()),
                 written,
                 step: 0,
                 last_layer: None,
@@ -53,11 +91,53 @@ impl RouterTrace {
         })
     }
 
-    /// Flush buffered lines.
+    /// Append the pass being assembled and flush.
     pub fn flush(&self) -> std::io::Result<()> {
         match self.w.lock() {
-            Ok(mut w) => w.out.flush(),
+            Ok(mut w) => {
+                w.end_pass();
+                w.out.flush()
+            }
             Err(_) => Ok(()),
+        }
+    }
+}
+
+impl Writer {
+    /// Append `text` unless the cap is reached or writing failed before.
+    fn append(&mut self, text: &str) {
+        if self.stopped {
+            return;
+        }
+        if self.written + text.len() as u64 > MAX_TRACE_BYTES {
+            self.stopped = true;
+            eprintln!("deltafin: warning: router trace reached 8 GiB; no more lines are written");
+            return;
+        }
+        let r = self
+            .out
+            .write_all(text.as_bytes())
+            .and_then(|()| match self.mode {
+                TraceMode::Sync => self.out.flush(),
+                TraceMode::Buffered => Ok(()),
+            });
+        if let Err(e) = r {
+            self.stopped = true;
+            eprintln!("deltafin: warning: router trace: {e}; no more lines are written");
+            return;
+        }
+        self.written += text.len() as u64;
+    }
+
+    /// Buffered mode: append the assembled pass (if it did not overflow) and start the next.
+    fn end_pass(&mut self) {
+        if let Some(text) = self.pass.replace(String::new())
+            && !text.is_empty()
+        {
+            self.append(&text);
+            if let Err(e) = self.out.flush() {
+                eprintln!("deltafin: warning: router trace: {e}");
+            }
         }
     }
 }
@@ -114,9 +194,7 @@ impl ExpertSource for RouterTrace {
             && layer <= prev
         {
             w.step += 1;
-            if let Err(e) = w.out.flush() {
-                eprintln!("deltafin: warning: router trace: {e}");
-            }
+            w.end_pass();
         }
         w.last_layer = Some(layer);
         if w.stopped || k == 0 {
@@ -127,19 +205,22 @@ impl ExpertSource for RouterTrace {
             .zip(weights.chunks(ROWS_PER_LINE * k))
         {
             let text = line(w.step, layer, ci, wi);
-            if w.written + text.len() as u64 > MAX_TRACE_BYTES {
-                w.stopped = true;
-                eprintln!(
-                    "deltafin: warning: router trace reached 8 GiB; no more lines are written"
-                );
-                return;
+            match w.mode {
+                TraceMode::Sync => w.append(&text),
+                TraceMode::Buffered => {
+                    let step = w.step;
+                    if let Some(pass) = w.pass.as_mut() {
+                        if pass.len() + text.len() > MAX_PASS_BYTES {
+                            w.pass = None;
+                            eprintln!(
+                                "deltafin: warning: router trace: pass {step} exceeds 4 MiB; it is discarded"
+                            );
+                        } else {
+                            pass.push_str(&text);
+                        }
+                    }
+                }
             }
-            if let Err(e) = w.out.write_all(text.as_bytes()) {
-                w.stopped = true;
-                eprintln!("deltafin: warning: router trace: {e}; no more lines are written");
-                return;
-            }
-            w.written += text.len() as u64;
         }
     }
 }
@@ -187,6 +268,19 @@ mod tests {
             "{\"step\": 0, \"layer\": 2, \"ids\": [3, 4], \"w\": [0.12346, 0.5]}"
         );
         assert!(lines[3].starts_with("{\"step\": 1, \"layer\": 1,"));
+        for l in &lines {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let o = v.as_object().unwrap();
+            assert_eq!(
+                o.keys().collect::<Vec<_>>(),
+                ["step", "layer", "ids", "w"],
+                "{l}"
+            );
+            assert_eq!(
+                o["ids"].as_array().unwrap().len(),
+                o["w"].as_array().unwrap().len()
+            );
+        }
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
@@ -196,5 +290,42 @@ mod tests {
             std::os::unix::fs::symlink(&p, &link).unwrap();
             assert!(RouterTrace::create(&link, Box::new(Nothing)).is_err());
         }
+    }
+
+    #[test]
+    fn buffered_writes_whole_passes_and_sync_every_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let len = |p: &Path| std::fs::metadata(p).unwrap().len();
+        let b = dir.path().join("b.jsonl");
+        let t = RouterTrace::create_with_mode(&b, TraceMode::Buffered, Box::new(Nothing)).unwrap();
+        t.record_routes(1, 1, &[3], &[0.5]);
+        t.record_routes(2, 1, &[4], &[0.5]);
+        assert_eq!(len(&b), 0, "a pass in progress is not written");
+        t.record_routes(1, 1, &[5], &[0.5]);
+        let first_pass = len(&b);
+        assert!(first_pass > 0);
+        assert_eq!(std::fs::read_to_string(&b).unwrap().lines().count(), 2);
+        // A pass larger than 4 MiB is discarded.
+        let ids = vec![1usize; 600_000];
+        let w = vec![0.25f32; 600_000];
+        t.record_routes(2, 1, &ids, &w);
+        t.record_routes(1, 1, &[6], &[0.5]);
+        assert_eq!(len(&b), first_pass);
+        drop(t);
+        let text = std::fs::read_to_string(&b).unwrap();
+        assert_eq!(text.lines().count(), 3, "{text}");
+        assert!(
+            text.lines()
+                .last()
+                .unwrap()
+                .starts_with("{\"step\": 2, \"layer\": 1, \"ids\": [6]")
+        );
+
+        let s = dir.path().join("s.jsonl");
+        let t = RouterTrace::create_with_mode(&s, TraceMode::Sync, Box::new(Nothing)).unwrap();
+        t.record_routes(1, 1, &[3], &[0.5]);
+        assert_eq!(std::fs::read_to_string(&s).unwrap().lines().count(), 1);
+        t.record_routes(2, 1, &[4], &[0.5]);
+        assert_eq!(std::fs::read_to_string(&s).unwrap().lines().count(), 2);
     }
 }

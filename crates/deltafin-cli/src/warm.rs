@@ -1,0 +1,448 @@
+//! `deltafin warm-expert-cache` (product contract §1.3; docs/CLI.md): rank routed experts by
+//! how often router traces (§4.9) and the heat histogram (§4.8) saw them, show the best,
+//! and with `--fetch N` make the N best-ranked experts missing from `k3-experts/` local.
+//!
+//! Sources for `--fetch`: a stream install (shards not local) fetches each expert's byte range
+//! from the hub (`deltafin-fetch`'s expert fetch); a full install whose `k3-experts/` exists
+//! writes the missing files from the local shards; a full install without `k3-experts/`
+//! already reads every expert from its shards, so nothing is missing.
+
+use crate::setup::RootArg;
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use deltafin_experts::heat::{self, HeatDims};
+use deltafin_experts::layout::ExpertShape;
+use deltafin_experts::rank::{
+    Ranked, RouteCounts, TraceSummary, looks_like_trace, rank, read_trace,
+};
+use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
+use deltafin_fetch::transfer::parse_workers;
+use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE};
+use deltafin_k3::config::K3Config;
+use deltafin_k3::loader::{EXPERT_DIR, expert_file_name};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// Schema name of `--json` output.
+pub const SCHEMA: &str = "deltafin.warm_expert_cache.v1";
+
+/// `deltafin warm-expert-cache`.
+#[derive(Args, Debug, Clone)]
+pub struct WarmArgs {
+    /// Router trace JSONL (repeatable; a relative PATH is under the model root) [default:
+    /// every router trace `k3-meta/*.jsonl`].
+    #[arg(long = "trace", value_name = "PATH")]
+    pub traces: Vec<PathBuf>,
+    /// Make the N best-ranked experts missing from k3-experts/ local (without it: plan only).
+    #[arg(long, value_name = "N", conflicts_with = "cache")]
+    pub fetch: Option<usize>,
+    /// Rows of the ranking to print.
+    #[arg(long, value_name = "N", default_value_t = 20)]
+    pub show: usize,
+    /// Print one JSON object (schema deltafin.warm_expert_cache.v1) instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Inspect this directory of L{layer}-E{expert}.bin files instead of k3-experts/.
+    #[arg(long, value_name = "PATH")]
+    pub cache: Option<PathBuf>,
+    /// Parallel expert fetches, 1…16.
+    #[arg(long, value_name = "N", default_value = "4", value_parser = parse_workers)]
+    pub workers: usize,
+    /// Not supported: the original's legacy NPZ caches do not exist in deltafin.
+    #[arg(long)]
+    pub convert_npz: bool,
+    /// Not supported (a --convert-npz option).
+    #[arg(long, value_name = "N")]
+    pub convert_workers: Option<String>,
+    /// Not supported (a --convert-npz option).
+    #[arg(long, value_name = "N")]
+    pub convert_limit: Option<String>,
+    /// Not supported (a --convert-npz option).
+    #[arg(long, value_name = "MS")]
+    pub convert_throttle_ms: Option<String>,
+    /// Not supported (a --convert-npz option).
+    #[arg(long)]
+    pub keep_npz: bool,
+    #[command(flatten)]
+    pub root: RootArg,
+}
+
+fn reject_npz(a: &WarmArgs) -> Result<()> {
+    let mut given = Vec::new();
+    if a.convert_npz {
+        given.push("--convert-npz");
+    }
+    for (flag, v) in [
+        ("--convert-workers", &a.convert_workers),
+        ("--convert-limit", &a.convert_limit),
+        ("--convert-throttle-ms", &a.convert_throttle_ms),
+    ] {
+        if v.is_some() {
+            given.push(flag);
+        }
+    }
+    if a.keep_npz {
+        given.push("--keep-npz");
+    }
+    if !given.is_empty() {
+        bail!(
+            "{}: legacy NPZ expert caches (k3-cache*/) do not exist in deltafin, so there is nothing to convert; experts are raw-v1 files (k3-experts/L{{layer}}-E{{expert}}.bin) written by `fetch-weights --experts-only` or `warm-expert-cache --fetch N`",
+            given.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Whether `root` holds every shard named by its weight index.
+fn shards_local(root: &Path) -> Result<bool> {
+    let idx = root.join(INDEX_FILE);
+    let Ok(text) = std::fs::read_to_string(&idx) else {
+        return Ok(false);
+    };
+    let v: Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", idx.display()))?;
+    let map = v
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| anyhow!("{}: no \"weight_map\" object", idx.display()))?;
+    let mut shards: Vec<&str> = map.values().filter_map(Value::as_str).collect();
+    shards.sort_unstable();
+    shards.dedup();
+    Ok(!shards.is_empty() && shards.iter().all(|s| root.join(s).is_file()))
+}
+
+fn is_cached(dir: &Path, layer: usize, expert: usize, bytes: u64) -> bool {
+    std::fs::metadata(dir.join(expert_file_name(layer, expert))).is_ok_and(|m| m.len() == bytes)
+}
+
+/// Write `dir/L{l}-E{e}.bin` from the checkpoint's shards (`.tmp`, then rename).
+fn write_from_shards(ckpt: &Checkpoint, dir: &Path, layer: usize, expert: usize) -> Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let span = ckpt.expert_span(layer, expert)?;
+    let f = std::fs::File::open(&span.shard_path)
+        .with_context(|| format!("cannot open {}", span.shard_path.display()))?;
+    let mut bytes = Vec::with_capacity(span.total_bytes() as usize);
+    for &(off, len) in &span.ranges {
+        let at = bytes.len();
+        bytes.resize(at + len as usize, 0);
+        f.read_exact_at(&mut bytes[at..], off).with_context(|| {
+            format!(
+                "reading expert {expert} of layer {layer} from {}",
+                span.shard_path.display()
+            )
+        })?;
+    }
+    let path = dir.join(expert_file_name(layer, expert));
+    let tmp = dir.join(format!("{}.tmp", expert_file_name(layer, expert)));
+    std::fs::write(&tmp, &bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("cannot rename {}", tmp.display()))?;
+    Ok(bytes.len() as u64)
+}
+
+/// Run `job` over `items` on `workers` threads; the first error wins.
+fn parallel<T: Sync, R: Send>(
+    items: &[T],
+    workers: usize,
+    job: impl Fn(&T) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let out = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..workers.min(items.len()).max(1) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { break };
+                    let r = job(item);
+                    let failed = r.is_err();
+                    out.lock().unwrap_or_else(|p| p.into_inner()).push((i, r));
+                    if failed {
+                        next.store(items.len(), std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    let mut v = out.into_inner().unwrap_or_else(|p| p.into_inner());
+    v.sort_by_key(|(i, _)| *i);
+    v.into_iter().map(|(_, r)| r).collect()
+}
+
+/// `deltafin warm-expert-cache`.
+pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
+    reject_npz(a)?;
+    let root = a.root.resolve();
+    let cfg_path = root.join(CONFIG_FILE);
+    if !cfg_path.is_file() {
+        bail!(
+            "no K3 install at {}: {CONFIG_FILE} is missing (run `deltafin setup-k3 --meta-only` or pass --model-root)",
+            root.display()
+        );
+    }
+    let cfg = K3Config::from_file(&cfg_path).map_err(|e| anyhow!("{e}"))?;
+    let dims = crate::session::heat_dims(&cfg);
+    let shape = ExpertShape {
+        f: cfg.text.moe_intermediate_size,
+        lr: cfg.text.routed_expert_hidden_size,
+    };
+    let expert_bytes = shape.expert_bytes();
+    let cache_dir = a.cache.clone().unwrap_or_else(|| root.join(EXPERT_DIR));
+    if a.cache.is_some() && !cache_dir.is_dir() {
+        bail!("--cache {}: not a directory", cache_dir.display());
+    }
+
+    // Traces: the given ones, else every router trace in k3-meta/.
+    let traces: Vec<PathBuf> = if a.traces.is_empty() {
+        discover(&root)?
+    } else {
+        a.traces.iter().map(|p| root.join(p)).collect()
+    };
+    let mut counts = RouteCounts::default();
+    let mut summaries: Vec<TraceSummary> = Vec::new();
+    for t in &traces {
+        summaries.push(read_trace(t, dims, &mut counts)?);
+    }
+    let heat_path = root.join(heat::HEAT_FILE);
+    let loaded = heat::load(&heat_path, dims);
+    let heat_status = match &loaded.note {
+        None => "loaded",
+        Some(_) if !heat_path.exists() => "absent",
+        Some(note) => {
+            eprintln!("deltafin: warning: {note}");
+            "ignored"
+        }
+    };
+    let heat_table = loaded.note.is_none().then_some(&loaded.table);
+    let ranked = rank(&counts, heat_table);
+    let total = dims.slots();
+    let fetch = match a.fetch {
+        None => None,
+        Some(n) => Some(fetch(a, &root, &cache_dir, &ranked, n, expert_bytes)?),
+    };
+    let cached_total = count_cached(&cache_dir, dims, expert_bytes);
+
+    if a.json {
+        let rows: Vec<Value> = ranked
+            .iter()
+            .take(a.show)
+            .enumerate()
+            .map(|(i, r)| row_json(i, r, is_cached(&cache_dir, r.layer, r.expert, expert_bytes)))
+            .collect();
+        let out = json!({
+            "schema": SCHEMA,
+            "model_root": root.display().to_string(),
+            "cache_dir": cache_dir.display().to_string(),
+            "experts_total": total,
+            "experts_cached": cached_total,
+            "traces": summaries.iter().map(|s| json!({
+                "path": s.path.display().to_string(), "lines": s.lines, "passes": s.passes,
+            })).collect::<Vec<_>>(),
+            "heat": {
+                "path": heat_path.display().to_string(),
+                "status": heat_status,
+                "passes": heat_table.map_or(0, |t| t.passes),
+                "mass": heat_table.map_or(0.0, |t| t.mass),
+            },
+            "ranked_total": ranked.len(),
+            "ranked": rows,
+            "fetch": fetch.as_ref().map(|f| f.json()),
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "warm-expert-cache: model root {}; cache {} holds {cached_total} of {total} experts",
+        root.display(),
+        cache_dir.display()
+    );
+    for s in &summaries {
+        println!(
+            "trace {}: {} lines, {} passes",
+            s.path.display(),
+            s.lines,
+            s.passes
+        );
+    }
+    match heat_table {
+        Some(t) => println!(
+            "heat {}: {} passes learned (decayed mass {:.1})",
+            heat_path.display(),
+            t.passes,
+            t.mass
+        ),
+        None => println!("heat {}: {heat_status}", heat_path.display()),
+    }
+    if ranked.is_empty() {
+        println!(
+            "nothing to rank: no routes in traces and no learned heat (record a trace with `deltafin run --router-trace k3-meta/routes.jsonl`)"
+        );
+    } else {
+        println!(
+            "{:>5} {:>5} {:>6} {:>8} {:>10} {:>10} {:>10} {:>6}",
+            "rank", "layer", "expert", "routes", "weight", "heat", "score", "cached"
+        );
+        for (i, r) in ranked.iter().take(a.show).enumerate() {
+            println!(
+                "{:>5} {:>5} {:>6} {:>8} {:>10.3} {:>10.2} {:>10.2} {:>6}",
+                i + 1,
+                r.layer,
+                r.expert,
+                r.routes,
+                r.weight,
+                r.heat,
+                r.score,
+                if is_cached(&cache_dir, r.layer, r.expert, expert_bytes) {
+                    "yes"
+                } else {
+                    "no"
+                }
+            );
+        }
+        println!("{} experts ranked", ranked.len());
+    }
+    match &fetch {
+        Some(f) => println!("{}", f.message),
+        None if a.cache.is_none() && !cache_dir.is_dir() && shards_local(&root)? => {
+            println!("full install: every expert is read from the local shards (plan only)")
+        }
+        None => {
+            let missing = ranked
+                .iter()
+                .filter(|r| !is_cached(&cache_dir, r.layer, r.expert, expert_bytes))
+                .count();
+            println!(
+                "{missing} ranked experts are not in the cache (plan only; --fetch N makes the N best local)"
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn row_json(i: usize, r: &Ranked, cached: bool) -> Value {
+    json!({
+        "rank": i + 1, "layer": r.layer, "expert": r.expert, "routes": r.routes,
+        "weight": r.weight, "heat": r.heat, "score": r.score, "cached": cached,
+    })
+}
+
+fn count_cached(dir: &Path, dims: HeatDims, bytes: u64) -> usize {
+    if !dir.is_dir() {
+        return 0;
+    }
+    (1..=dims.layers)
+        .flat_map(|l| (0..dims.experts).map(move |e| (l, e)))
+        .filter(|&(l, e)| is_cached(dir, l, e, bytes))
+        .count()
+}
+
+fn discover(root: &Path) -> Result<Vec<PathBuf>> {
+    let meta = root.join("k3-meta");
+    let Ok(rd) = std::fs::read_dir(&meta) else {
+        return Ok(Vec::new());
+    };
+    let mut v = Vec::new();
+    for entry in rd {
+        let p = entry
+            .with_context(|| format!("cannot list {}", meta.display()))?
+            .path();
+        if p.extension().is_some_and(|x| x == "jsonl") && p.is_file() {
+            if looks_like_trace(&p) {
+                v.push(p);
+            } else {
+                eprintln!(
+                    "deltafin: note: {} is not a router trace; skipped",
+                    p.display()
+                );
+            }
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
+struct Fetched {
+    requested: usize,
+    source: &'static str,
+    done: Vec<(usize, usize, u64)>,
+    message: String,
+}
+
+impl Fetched {
+    fn json(&self) -> Value {
+        json!({
+            "requested": self.requested,
+            "source": self.source,
+            "fetched": self.done.iter().map(|(l, e, b)| json!({"layer": l, "expert": e, "bytes": b})).collect::<Vec<_>>(),
+            "message": self.message,
+        })
+    }
+}
+
+fn fetch(
+    a: &WarmArgs,
+    root: &Path,
+    dir: &Path,
+    ranked: &[Ranked],
+    n: usize,
+    expert_bytes: u64,
+) -> Result<Fetched> {
+    let full = shards_local(root)?;
+    if full && !dir.is_dir() {
+        return Ok(Fetched {
+            requested: n,
+            source: "none",
+            done: Vec::new(),
+            message: format!(
+                "full install: every expert is read from the local shards, none is missing (no {} directory)",
+                EXPERT_DIR
+            ),
+        });
+    }
+    let todo: Vec<(usize, usize)> = ranked
+        .iter()
+        .filter(|r| !is_cached(dir, r.layer, r.expert, expert_bytes))
+        .take(n)
+        .map(|r| (r.layer, r.expert))
+        .collect();
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let (source, done) = if full {
+        let ckpt = Checkpoint::open(root)
+            .with_context(|| format!("the K3 checkpoint at {} is not usable", root.display()))?;
+        let done = parallel(&todo, a.workers, |&(l, e)| {
+            write_from_shards(&ckpt, dir, l, e).map(|b| (l, e, b))
+        })?;
+        ("shards", done)
+    } else {
+        let ms = deltafin_fetch::manifest::Manifests::from_env()
+            .context("loading the source manifests")?;
+        let client = deltafin_fetch::hub::HubClient::from_env().context("hub endpoint")?;
+        let remote = RemoteExperts::open(root, &ms.k3, client).with_context(|| {
+            format!(
+                "stream install at {}: cannot fetch experts (run `deltafin setup --stream` first)",
+                root.display()
+            )
+        })?;
+        let done = parallel(&todo, a.workers, |&(l, e)| {
+            let p = remote
+                .fetch_expert(l, e)
+                .with_context(|| format!("fetching expert {e} of layer {l}"))?;
+            let b = std::fs::metadata(&p)
+                .with_context(|| format!("cannot stat {}", p.display()))?
+                .len();
+            Ok((l, e, b))
+        })?;
+        ("hub", done)
+    };
+    let bytes: u64 = done.iter().map(|d| d.2).sum();
+    Ok(Fetched {
+        requested: n,
+        source,
+        message: format!(
+            "fetched {} experts ({bytes} B) from the {source} into {}",
+            done.len(),
+            dir.display()
+        ),
+        done,
+    })
+}
