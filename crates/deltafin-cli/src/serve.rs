@@ -5,6 +5,7 @@ use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use deltafin_k3::chat::ReasoningEffort;
+use deltafin_spec::select::{DraftModels, Surfaces};
 use deltafin_openai::{
     DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, MAX_QUEUE,
     MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig,
@@ -116,6 +117,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     let load_options = args.model.load_options()?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
+    let spec = deltafin_spec::dspark::SpecConfig::from_env().map_err(|e| anyhow!("{e}"))?;
     let cfg = ServerConfig {
         host: args.host.clone(),
         port: args.port,
@@ -137,10 +139,15 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         let server = Server::bind_with_loader(cfg.clone(), move || {
             let s = session::load_with(&root, &load_options).map_err(|e| format!("{e:#}"))?;
             session::report_memory_plan(&s.model, s.memory.as_ref());
+            // The same drafting as `run`: DSpark for chat completions, Qwen for completions.
+            let surfaces = Surfaces { chat: true, raw: true };
+            let drafts = DraftModels::load(&root, &spec, surfaces, &s.model)?;
+            deltafin_openai::log_line!("[deltafin serve] drafting: {}", drafts.describe());
             Ok(deltafin_openai::Engine {
                 max_context: s.checkpoint.config().text.max_position_embeddings,
                 model: s.model,
-                tokenizer: s.tokenizer,
+                tokenizer: std::sync::Arc::new(s.tokenizer),
+                drafts: Some(drafts),
             })
         })
         .await?;
