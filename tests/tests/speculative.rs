@@ -339,11 +339,11 @@ fn auto_and_on_policies_are_exact_and_auto_drafts_only_when_it_pays() {
     assert!(reports.iter().any(|r| r.state == PolicyState::Plain), "{reports:?}");
     assert!(reports.last().unwrap().switched_off >= 1);
     assert!(stats.drafting_passes <= 2 * PROBE_STEPS, "{stats:?}");
-    // `on` keeps drafting it, at the narrowest width the cost model allows.
+    // `on` keeps drafting it (every pass after the one baseline step and before the last; the
+    // width then follows the cost model: wide here, where the fake clock makes width free).
     let (_, stats, reports) =
         with_policy(&model, &prompt, LONG, &mut Random(3), PolicyMode::On, 7, &clock);
     assert_eq!(reports.last().unwrap().state, PolicyState::Drafting);
-    assert_eq!(reports.last().unwrap().width, 1);
     assert!(stats.drafting_passes + 2 >= stats.verify_passes, "{stats:?}");
 
     // Always right but 20 plain steps slow: auto measures no speed-up and stops drafting.
