@@ -282,7 +282,11 @@ fn auto_and_on_policies_are_exact_and_auto_drafts_only_when_it_pays() {
     let truth = generate(&model, &prompt, &opts, &AtomicBool::new(false), |_| Ok(()))
         .unwrap()
         .ids;
-    assert_eq!(truth.len(), LONG, "the tiny model stopped early; pick another prompt");
+    assert_eq!(
+        truth.len(),
+        LONG,
+        "the tiny model stopped early; pick another prompt"
+    );
     let clock = Ticks(Rc::new(Cell::new(0)));
     let perfect = || Oracle {
         prompt_len: prompt.len(),
@@ -324,8 +328,15 @@ fn auto_and_on_policies_are_exact_and_auto_drafts_only_when_it_pays() {
     }
 
     // A perfect, cheap drafter: auto probes, then keeps drafting at the full width.
-    let (_, stats, reports) =
-        with_policy(&model, &prompt, LONG, &mut perfect(), PolicyMode::Auto, 7, &clock);
+    let (_, stats, reports) = with_policy(
+        &model,
+        &prompt,
+        LONG,
+        &mut perfect(),
+        PolicyMode::Auto,
+        7,
+        &clock,
+    );
     let last = reports.last().unwrap();
     assert_eq!(last.state, PolicyState::Drafting, "{reports:?}");
     assert_eq!(last.switched_off, 0);
@@ -334,17 +345,37 @@ fn auto_and_on_policies_are_exact_and_auto_drafts_only_when_it_pays() {
     assert!(stats.verify_passes < LONG / 3, "{stats:?}");
 
     // A drafter that is always wrong: switched off after the probe; plain decode after.
-    let (_, stats, reports) =
-        with_policy(&model, &prompt, LONG, &mut Random(3), PolicyMode::Auto, 7, &clock);
-    assert!(reports.iter().any(|r| r.state == PolicyState::Plain), "{reports:?}");
+    let (_, stats, reports) = with_policy(
+        &model,
+        &prompt,
+        LONG,
+        &mut Random(3),
+        PolicyMode::Auto,
+        7,
+        &clock,
+    );
+    assert!(
+        reports.iter().any(|r| r.state == PolicyState::Plain),
+        "{reports:?}"
+    );
     assert!(reports.last().unwrap().switched_off >= 1);
     assert!(stats.drafting_passes <= 2 * PROBE_STEPS, "{stats:?}");
     // `on` keeps drafting it (every pass after the one baseline step and before the last; the
     // width then follows the cost model: wide here, where the fake clock makes width free).
-    let (_, stats, reports) =
-        with_policy(&model, &prompt, LONG, &mut Random(3), PolicyMode::On, 7, &clock);
+    let (_, stats, reports) = with_policy(
+        &model,
+        &prompt,
+        LONG,
+        &mut Random(3),
+        PolicyMode::On,
+        7,
+        &clock,
+    );
     assert_eq!(reports.last().unwrap().state, PolicyState::Drafting);
-    assert!(stats.drafting_passes + 2 >= stats.verify_passes, "{stats:?}");
+    assert!(
+        stats.drafting_passes + 2 >= stats.verify_passes,
+        "{stats:?}"
+    );
 
     // Always right but 20 plain steps slow: auto measures no speed-up and stops drafting.
     let mut slow = Costly {
@@ -352,7 +383,15 @@ fn auto_and_on_policies_are_exact_and_auto_drafts_only_when_it_pays() {
         clock: clock.clone(),
         ticks: 20,
     };
-    let (_, _, reports) = with_policy(&model, &prompt, LONG, &mut slow, PolicyMode::Auto, 7, &clock);
+    let (_, _, reports) = with_policy(
+        &model,
+        &prompt,
+        LONG,
+        &mut slow,
+        PolicyMode::Auto,
+        7,
+        &clock,
+    );
     let off = reports.iter().position(|r| r.state == PolicyState::Plain);
     assert!(off.is_some_and(|i| i <= 2 + PROBE_STEPS + 1), "{reports:?}");
 }

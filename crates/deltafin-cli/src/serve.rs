@@ -5,11 +5,11 @@ use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use deltafin_k3::chat::ReasoningEffort;
-use deltafin_spec::select::{DraftModels, Surfaces};
 use deltafin_openai::{
     DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, MAX_QUEUE,
     MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig,
 };
+use deltafin_spec::select::{DraftModels, Surfaces};
 use std::process::ExitCode;
 use std::str::FromStr;
 

@@ -143,11 +143,17 @@ fn qwen_and_auto_drafting_in_run_equal_plain_greedy() {
     synthesize_qwen3(&qdir, 5, QwenSize::Small).unwrap();
     let out = run_env(root.path(), &raw, &[("K3_UAG_DRAFT", "auto")]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("tokenizer.json"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("tokenizer.json"),
+        "{err}"
+    );
     std::fs::write(qdir.join("tokenizer.json"), "{\"model\": 3}").unwrap();
     let out = run_env(root.path(), &raw, &[("K3_UAG_DRAFT", "on")]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("tokenizer.json"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("tokenizer.json"),
+        "{err}"
+    );
     let tok = Tokenizer::from_dir(root.path()).unwrap();
     let json = synthesize_tokenizer_json(&tok, 3000);
     std::fs::write(qdir.join("tokenizer.json"), json.to_string()).unwrap();
@@ -216,5 +222,8 @@ fn qwen_and_auto_drafting_in_run_equal_plain_greedy() {
     // A bad margin is named.
     let o = run_env(root.path(), &raw, &[("K3_DSPARK_AUTO_MIN_SPEEDUP", "2")]);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("K3_DSPARK_AUTO_MIN_SPEEDUP"), "{err}");
+    assert!(
+        !o.status.success() && err.contains("K3_DSPARK_AUTO_MIN_SPEEDUP"),
+        "{err}"
+    );
 }

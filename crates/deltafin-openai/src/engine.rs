@@ -275,7 +275,9 @@ fn run_drafted(
             return Ending::Event(GenEvent::Failed(err));
         }
     };
-    let eos = ids.get(counted.wrapping_sub(1)).is_some_and(|t| stop_ids.contains(t));
+    let eos = ids
+        .get(counted.wrapping_sub(1))
+        .is_some_and(|t| stop_ids.contains(t));
     let finish = if asm.stop_hit() || eos {
         FinishReason::Stop
     } else if ids.len() >= max_new {

@@ -89,7 +89,11 @@ fn drafted_responses_equal_plain_responses() {
     let dir = root();
     let plain = start(dir.path(), None);
     let mut bodies = Vec::new();
-    for (prompt, max) in [("The capital of France is", 12), ("A story:", 24), ("def f(x):", 9)] {
+    for (prompt, max) in [
+        ("The capital of France is", 12),
+        ("A story:", 24),
+        ("def f(x):", 9),
+    ] {
         for stream in [false, true] {
             bodies.push((
                 "/v1/completions",
@@ -114,7 +118,10 @@ fn drafted_responses_equal_plain_responses() {
         want.push(answer(&plain, "/v1/completions", &b));
         bodies.push(("/v1/completions", b));
     }
-    assert_eq!(want.last().unwrap().as_array().unwrap().last().unwrap()["choices"][0]["finish_reason"], "stop");
+    assert_eq!(
+        want.last().unwrap().as_array().unwrap().last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
     drop(plain);
 
     let configs = [
@@ -137,4 +144,3 @@ fn drafted_responses_equal_plain_responses() {
         }
     }
 }
-

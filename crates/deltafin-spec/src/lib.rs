@@ -347,7 +347,12 @@ fn run<E>(
             Vec::new()
         };
         drafts.truncate(ask);
-        let keep = policy.cut(drafter.confidence(), drafts.len());
+        let draft_s = if ask > 0 {
+            clock.now().saturating_sub(step).as_secs_f64()
+        } else {
+            0.0
+        };
+        let keep = policy.cut(drafter.confidence(), drafts.len(), draft_s);
         drafts.truncate(keep);
         let position = state.position;
         let v = match taps.as_mut() {
@@ -384,6 +389,7 @@ fn run<E>(
             v.accepted,
             out.len() - first,
             duration.as_secs_f64(),
+            draft_s,
         );
         on_commit(&Committed {
             ids: &out[first..],

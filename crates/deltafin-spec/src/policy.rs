@@ -3,23 +3,27 @@
 //!
 //! The policy never touches correctness (K3 verifies every draft); it only decides the cost.
 //!
-//! **Cost model.** `T(0)` is the measured time of a plain decode step; `T(k)` the measured time
-//! of a step that drafts and verifies `k` tokens (exponential moving averages). A width not yet
-//! measured is extrapolated as `T(0) + k·m`, with `m` the mean measured marginal cost per extra
-//! verified token (`(T(j) − T(0)) / j` over the measured widths; before any, `m = T(0)/2`). For
-//! real K3 `m` is large because `k` tokens touch the union of their experts.
+//! **Cost model.** `T(0)` is the measured time of a plain decode step; `V(k)` the measured time
+//! of a verify pass over `k` drafts (exponential moving averages), and `D` the time the drafter
+//! took for this step's proposal (a fixed cost, whatever the width). A width not yet measured
+//! is extrapolated as `V(k) = T(0) + k·m`, with `m` the mean measured marginal cost per extra
+//! verified token (`(V(j) − T(0)) / j` over the measured widths; before any, `m = T(0)/2`).
+//! For real K3 `m` is large because `k` tokens touch the union of their experts.
 //!
 //! **Width.** With `p_i` the probability that draft `i` is accepted given the ones before it
 //! (the drafter's own confidence when it gives one, else the measured acceptance rate), a
 //! pass with `k` drafts emits `E(k) = 1 + Σ_{i≤k} Π_{j≤i} p_j` tokens on average. The policy
-//! verifies the `k ≤ K3_SPEC_DEPTH` that maximises `E(k) / T(k)` (tokens per second).
+//! verifies the `k ≤ K3_SPEC_DEPTH` that maximises `E(k) / (D + V(k))` (tokens per second of
+//! this step; `D` is already spent, so it favours using the proposal).
 //!
 //! **Auto.** [`BASELINE_STEPS`] plain steps measure `T(0)`; then [`PROBE_STEPS`] drafting
 //! steps measure the speed-up `s = emitted · T(0) / seconds − 1` (tokens per second with drafts
 //! over the plain rate, minus one). Drafting continues while `s` over the last
 //! [`WINDOW_STEPS`] drafting steps stays at or above `K3_DSPARK_AUTO_MIN_SPEEDUP`; otherwise the
 //! run falls back to plain decode and probes again after [`REPROBE_TOKENS`] plain tokens,
-//! doubling that interval after every failed probe up to [`MAX_REPROBE_TOKENS`].
+//! doubling that interval after every failed probe up to [`MAX_REPROBE_TOKENS`]. A probe ends
+//! early when even perfect acceptance could not pay: `max_k (k + 1) / (D + V(k))` below
+//! `(1 + margin) / T(0)`.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -123,6 +127,8 @@ pub struct PolicyReport {
     pub plain_seconds: Option<f64>,
     /// Marginal cost per extra verified token as a fraction of `T(0)`.
     pub marginal: Option<f64>,
+    /// Mean proposal time as a fraction of `T(0)`.
+    pub draft_cost: Option<f64>,
     /// Times auto switched drafting off.
     pub switched_off: usize,
 }
@@ -138,8 +144,10 @@ pub struct SpecPolicy {
     steps_in_state: usize,
     /// `T(0)`.
     plain_s: Option<f64>,
-    /// `T(k)` for k = 0 … max_width (index 0 unused).
+    /// `V(k)` for k = 0 … max_width (index 0 unused).
     pass_s: Vec<Option<f64>>,
+    /// Mean proposal time `D`.
+    draft_s: Option<f64>,
     /// Drafts K3 looked at (accepted ones plus the first rejected one) and accepted.
     examined: usize,
     accepted: usize,
@@ -165,6 +173,7 @@ impl SpecPolicy {
             steps_in_state: 0,
             plain_s: None,
             pass_s: vec![None; max_width + 1],
+            draft_s: None,
             examined: 0,
             accepted: 0,
             window: VecDeque::new(),
@@ -212,7 +221,8 @@ impl SpecPolicy {
         })
     }
 
-    /// `T(k)`: measured, else extrapolated from `T(0)` and the marginal cost.
+    /// `V(k)` (`T(0)` for k = 0): measured, else extrapolated from `T(0)` and the marginal
+    /// cost.
     pub fn cost(&self, k: usize) -> Option<f64> {
         let t0 = self.plain_s?;
         if k == 0 {
@@ -225,9 +235,10 @@ impl SpecPolicy {
     }
 
     /// How many of `n` proposed drafts to verify, given the drafter's per-token
-    /// `confidence` (probabilities, possibly empty or shorter than `n`): the `k` that
-    /// maximises expected tokens per second. Probing and `on` verify at least one.
-    pub fn cut(&self, confidence: &[f32], n: usize) -> usize {
+    /// `confidence` (probabilities, possibly empty or shorter than `n`) and the
+    /// `draft_seconds` the proposal took: the `k` that maximises expected tokens per second.
+    /// Probing and `on` verify at least one.
+    pub fn cut(&self, confidence: &[f32], n: usize, draft_seconds: f64) -> usize {
         let n = n.min(self.max_width);
         if self.mode == PolicyMode::Fixed || n == 0 {
             return n;
@@ -246,12 +257,13 @@ impl SpecPolicy {
             let Some(t) = self.cost(k) else {
                 return n;
             };
-            let rate = expected / t.max(1e-12);
+            let rate = expected / (draft_seconds + t).max(1e-12);
             if rate > best.1 * (1.0 + 1e-9) {
                 best = (k, rate);
             }
         }
-        let floor = usize::from(matches!(self.state, PolicyState::Probing) || self.mode == PolicyMode::On);
+        let floor =
+            usize::from(matches!(self.state, PolicyState::Probing) || self.mode == PolicyMode::On);
         best.0.max(floor)
     }
 
@@ -266,16 +278,28 @@ impl SpecPolicy {
     }
 
     /// Record a committed step: `proposed` drafts verified, `accepted` of them accepted,
-    /// `emitted` tokens committed, `seconds` of proposal + verify.
-    pub fn record(&mut self, proposed: usize, accepted: usize, emitted: usize, seconds: f64) {
+    /// `emitted` tokens committed, `seconds` of the whole step of which `draft_seconds` were
+    /// the proposal.
+    pub fn record(
+        &mut self,
+        proposed: usize,
+        accepted: usize,
+        emitted: usize,
+        seconds: f64,
+        draft_seconds: f64,
+    ) {
         self.last_width = proposed;
-        let ema = |old: Option<f64>| Some(old.map_or(seconds, |o| o + EMA * (seconds - o)));
+        let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + EMA * (x - o)));
+        if draft_seconds > 0.0 {
+            self.draft_s = ema(self.draft_s, draft_seconds);
+        }
+        let verify_s = (seconds - draft_seconds).max(0.0);
         if proposed == 0 {
-            self.plain_s = ema(self.plain_s);
+            self.plain_s = ema(self.plain_s, verify_s);
             self.plain_tokens += emitted;
         } else {
             if let Some(slot) = self.pass_s.get_mut(proposed) {
-                *slot = ema(*slot);
+                *slot = ema(*slot, verify_s);
             }
             self.examined += (accepted + 1).min(proposed);
             self.accepted += accepted;
@@ -288,7 +312,11 @@ impl SpecPolicy {
         match (self.mode, self.state) {
             (PolicyMode::Fixed, _) => {}
             (_, PolicyState::Baseline) => {
-                let need = if self.mode == PolicyMode::On { 1 } else { BASELINE_STEPS };
+                let need = if self.mode == PolicyMode::On {
+                    1
+                } else {
+                    BASELINE_STEPS
+                };
                 if self.steps_in_state >= need {
                     self.enter(if self.mode == PolicyMode::On {
                         PolicyState::Drafting
@@ -302,6 +330,16 @@ impl SpecPolicy {
                 if self.plain_tokens >= self.reprobe_after {
                     self.enter(PolicyState::Probing);
                 }
+            }
+            (_, PolicyState::Probing | PolicyState::Drafting)
+                if proposed > 0 && self.hopeless() =>
+            {
+                self.reprobe_after = if self.switched_off == 0 {
+                    REPROBE_TOKENS
+                } else {
+                    (self.reprobe_after * 2).min(MAX_REPROBE_TOKENS)
+                };
+                self.switch_off();
             }
             (_, PolicyState::Probing) => {
                 if self.window.len() >= PROBE_STEPS {
@@ -327,6 +365,17 @@ impl SpecPolicy {
                 }
             }
         }
+    }
+
+    /// Even if every draft were accepted, no width would beat the margin.
+    fn hopeless(&self) -> bool {
+        let (Some(t0), Some(d)) = (self.plain_s, self.draft_s) else {
+            return false;
+        };
+        let best = (1..=self.max_width)
+            .filter_map(|k| self.cost(k).map(|v| (k + 1) as f64 / (d + v)))
+            .fold(0f64, f64::max);
+        best * t0 < 1.0 + self.min_speedup
     }
 
     fn switch_off(&mut self) {
@@ -355,6 +404,10 @@ impl SpecPolicy {
                 .marginal_s()
                 .zip(self.plain_s)
                 .map(|(m, t0)| m / t0.max(1e-12)),
+            draft_cost: self
+                .draft_s
+                .zip(self.plain_s)
+                .map(|(d, t0)| d / t0.max(1e-12)),
             switched_off: self.switched_off,
         }
     }
@@ -385,15 +438,12 @@ mod tests {
         let mut states = Vec::new();
         for _ in 0..steps {
             let ask = p.ask();
-            let k = p.cut(&[], ask);
+            let d = if ask > 0 { draft_s } else { 0.0 };
+            let k = p.cut(&[], ask, d);
             let acc = (0..k).take_while(|&i| accept(i)).count();
-            let secs = if k == 0 {
-                1.0
-            } else {
-                1.0 + marginal * k as f64 + draft_s
-            };
+            let secs = d + 1.0 + marginal * k as f64;
             let emitted = acc + 1;
-            p.record(k, acc, emitted, secs);
+            p.record(k, acc, emitted, secs, d);
             states.push(p.state());
         }
         (p, states)
@@ -430,35 +480,38 @@ mod tests {
 
     #[test]
     fn an_accurate_but_slow_drafter_is_switched_off() {
-        // Every draft accepted, but drafting costs 8 plain steps.
-        let (p, _) = simulate(PolicyMode::Auto, 100, 0.1, 8.0, |_| true);
+        // Every draft accepted, but drafting costs 8 plain steps: hopeless after one probe step.
+        let (p, states) = simulate(PolicyMode::Auto, 90, 0.1, 8.0, |_| true);
         assert_eq!(p.state(), PolicyState::Plain);
+        assert_eq!(states[2], PolicyState::Plain, "{states:?}");
     }
 
     #[test]
     fn width_follows_confidence_and_marginal_cost() {
         let mut p = SpecPolicy::new(PolicyMode::On, 8, DEFAULT_MIN_SPEEDUP);
-        p.record(0, 0, 1, 1.0);
+        p.record(0, 0, 1, 1.0, 0.0);
         // Expensive wide passes (real K3: the expert union grows): measured 0.9 per token.
-        p.record(2, 2, 3, 2.8);
+        p.record(2, 2, 3, 2.8, 0.0);
         let conf = [0.95f32, 0.9, 0.9, 0.2, 0.9, 0.9, 0.9, 0.9];
-        let k = p.cut(&conf, 8);
+        let k = p.cut(&conf, 8, 0.0);
         assert!((1..=3).contains(&k), "{k}");
         // Cheap passes: worth verifying past the unsure fourth draft.
         let mut q = SpecPolicy::new(PolicyMode::On, 8, DEFAULT_MIN_SPEEDUP);
-        q.record(0, 0, 1, 1.0);
-        q.record(2, 2, 3, 1.02);
-        assert_eq!(q.cut(&[0.99; 8], 8), 8);
-        assert!(q.cut(&conf, 8) >= k);
+        q.record(0, 0, 1, 1.0, 0.0);
+        q.record(2, 2, 3, 1.02, 0.0);
+        assert_eq!(q.cut(&[0.99; 8], 8, 0.0), 8);
+        assert!(q.cut(&conf, 8, 0.0) >= k);
+        // A costly proposal already paid for is worth verifying wider.
+        assert!(p.cut(&conf, 8, 5.0) > k);
         // Fixed: every proposed draft.
-        assert_eq!(SpecPolicy::fixed(4).cut(&[0.0; 8], 8), 4);
+        assert_eq!(SpecPolicy::fixed(4).cut(&[0.0; 8], 8, 0.0), 4);
         // Auto drafting may verify none when nothing is likely (a plain step).
         let mut a = SpecPolicy::new(PolicyMode::Auto, 8, DEFAULT_MIN_SPEEDUP);
-        a.record(0, 0, 1, 1.0);
-        a.record(0, 0, 1, 1.0);
+        a.record(0, 0, 1, 1.0, 0.0);
+        a.record(0, 0, 1, 1.0, 0.0);
         a.state = PolicyState::Drafting;
-        a.record(2, 2, 3, 2.8);
-        assert_eq!(a.cut(&[0.01; 8], 8), 0);
+        a.record(2, 2, 3, 2.8, 0.0);
+        assert_eq!(a.cut(&[0.01; 8], 8, 0.0), 0);
     }
 
     #[test]

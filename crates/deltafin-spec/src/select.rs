@@ -66,8 +66,8 @@ impl DraftModels {
             qwen: None,
             config: config.clone(),
         };
-        let dspark_wanted = config.dspark == DraftMode::On
-            || (config.dspark == DraftMode::Auto && surfaces.chat);
+        let dspark_wanted =
+            config.dspark == DraftMode::On || (config.dspark == DraftMode::Auto && surfaces.chat);
         let dir = root.join(DSPARK_DIR);
         if dspark_wanted {
             if dir.join("config.json").is_file() {

@@ -58,11 +58,10 @@ impl QwenTokenizer {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
-        let inner =
-            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| UagError::Tokenizer {
-                path: path.to_path_buf(),
-                message: e.to_string(),
-            })?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| UagError::Tokenizer {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
         Ok(QwenTokenizer { inner })
     }
 
@@ -156,7 +155,8 @@ pub fn synthesize_tokenizer_json(k3: &Tokenizer, merges: usize) -> Value {
         if t.len() < 2 || known.contains(t) {
             continue;
         }
-        if let Some(cut) = (1..t.len()).find(|&c| known.contains(&t[..c]) && known.contains(&t[c..]))
+        if let Some(cut) =
+            (1..t.len()).find(|&c| known.contains(&t[..c]) && known.contains(&t[c..]))
         {
             merge_list.push(format!("{} {}", spell(&t[..cut]), spell(&t[cut..])));
             vocab.insert(spell(t), json!(known.len()));
