@@ -227,3 +227,60 @@ fn qwen_and_auto_drafting_in_run_equal_plain_greedy() {
         "{err}"
     );
 }
+
+/// `deltafin benchmark` A/B-tests drafting: the DSpark arm's events validate, its output
+/// matches the plain arm exactly, and its proposals are counted.
+#[test]
+fn benchmark_ab_tests_dspark_against_plain() {
+    let root = tempfile::tempdir().unwrap();
+    synthesize(root.path(), &SynthSpec::new(SynthDims::tiny(), 3)).unwrap();
+    let cfg = K3Config::from_file(root.path().join("config.json")).unwrap();
+    synthesize_dspark(&root.path().join("k3-draft-dspark"), 3, &cfg).unwrap();
+    let ev = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args([
+            "benchmark",
+            "--chat",
+            "--prompt",
+            "Hi",
+            "--arm",
+            "plain=K3_DSPARK=off",
+            "--arm",
+            "dspark=K3_DSPARK=on",
+            "--reps",
+            "2",
+            "--tokens",
+            "6",
+            "--model-root",
+        ])
+        .arg(root.path())
+        .arg("--output-dir")
+        .arg(ev.path())
+        .env_remove("K3_REASONING_EFFORT")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(
+        text.contains("all runs valid: true; all outputs exact: true"),
+        "{text}"
+    );
+    let runs: Vec<Value> = std::fs::read_to_string(ev.path().join("runs.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(runs.len(), 4);
+    for r in &runs {
+        let proposed = r["proposed_tokens"].as_u64().unwrap();
+        if r["arm"] == "dspark" {
+            assert!(proposed > 0, "{r}");
+        } else {
+            assert_eq!(proposed, 0, "{r}");
+        }
+    }
+}
