@@ -87,14 +87,20 @@ impl DraftModels {
         }
         // Qwen drafts raw completions only when DSpark does not take them (K3_DSPARK=on).
         let qdir = root.join(QWEN_SMALL_DIR);
-        if surfaces.raw && config.dspark != DraftMode::On && config.uag != DraftMode::Off {
-            if config.uag == DraftMode::On || qdir.is_dir() {
-                let (m, t) = open_draft_dir(&qdir).map_err(|e| {
-                    format!("{e} (K3_UAG_DRAFT={}: install it with `deltafin setup-qwen` or set K3_UAG_DRAFT=off)",
-                        if config.uag == DraftMode::On { "on" } else { "auto" })
-                })?;
-                out.qwen = Some((Arc::new(m), Arc::new(t), config.uag));
-            }
+        let qwen_wanted =
+            surfaces.raw && config.dspark != DraftMode::On && config.uag != DraftMode::Off;
+        if qwen_wanted && (config.uag == DraftMode::On || qdir.is_dir()) {
+            let uag = if config.uag == DraftMode::On {
+                "on"
+            } else {
+                "auto"
+            };
+            let (m, t) = open_draft_dir(&qdir).map_err(|e| {
+                format!(
+                    "{e} (K3_UAG_DRAFT={uag}: install it with `deltafin setup-qwen` or set K3_UAG_DRAFT=off)"
+                )
+            })?;
+            out.qwen = Some((Arc::new(m), Arc::new(t), config.uag));
         }
         Ok(out)
     }
