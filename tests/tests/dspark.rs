@@ -437,3 +437,134 @@ fn a_draft_built_to_agree_with_the_target_is_accepted() {
     assert!(total.acceptance_rate() > 0.3, "{total:?}");
     assert!(total.tokens_per_pass() > 1.5, "{total:?}");
 }
+
+/// A drafter that follows a bigram table (free to run): K3's greedy bigrams, so it agrees
+/// wherever K3's continuation is a bigram chain.
+struct BigramTable(std::collections::HashMap<u32, u32>);
+
+impl Drafter for BigramTable {
+    fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut t = *history.last().unwrap();
+        while out.len() < max {
+            let Some(&n) = self.0.get(&t) else { break };
+            out.push(n);
+            t = n;
+        }
+        out
+    }
+}
+
+/// Acceptance, mean accepted length and wall-time speed-up of agreeing drafters under each
+/// policy (recorded in docs/PERFORMANCE.md). Run:
+/// `cargo test -p deltafin-tests --test dspark -- --ignored --nocapture measure`
+#[test]
+#[ignore = "measurement; prints a table"]
+fn measure_agreeing_drafters_under_each_policy() {
+    use deltafin_spec::{PolicyMode, SpecPolicy, WallClock, generate_with_policy};
+    const N: usize = 48;
+    let s = setup();
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|t| s.tok.encode_ordinary(t)).collect();
+    let opts = GenerateOptions {
+        max_new: Some(N),
+        stop_ids: STOP.to_vec(),
+        max_context: 1 << 20,
+        top_logits: 0,
+    };
+    let greedy = |p: &[u32]| {
+        generate(&s.model, p, &opts, &AtomicBool::new(false), |_| Ok(()))
+            .unwrap()
+            .ids
+    };
+    // Warm up, then time plain greedy.
+    greedy(&prompts[0]);
+    let t0 = Instant::now();
+    let truths: Vec<Vec<u32>> = prompts.iter().map(|p| greedy(p)).collect();
+    let plain_s = t0.elapsed().as_secs_f64();
+    let tokens: usize = truths.iter().map(Vec::len).sum();
+    let mut counts: std::collections::BTreeMap<(u32, u32), usize> = Default::default();
+    for (p, t) in prompts.iter().zip(&truths) {
+        let seq: Vec<u32> = std::iter::once(*p.last().unwrap())
+            .chain(t.iter().copied())
+            .collect();
+        for w in seq.windows(2) {
+            *counts.entry((w[0], w[1])).or_default() += 1;
+        }
+    }
+    let mut best: std::collections::BTreeMap<u32, (usize, u32)> = Default::default();
+    for (&(a, b), &n) in &counts {
+        let e = best.entry(a).or_insert((0, b));
+        if n > e.0 {
+            *e = (n, b);
+        }
+    }
+    let table: Vec<(u32, u32)> = best.into_iter().map(|(a, (_, b))| (a, b)).collect();
+    let agreeing_dspark = Arc::new(agreeing(&s.dspark, &table));
+    eprintln!(
+        "plain greedy: {tokens} tokens in {plain_s:.3} s ({:.1} token/s)",
+        tokens as f64 / plain_s
+    );
+    eprintln!(
+        "| drafter | policy | proposed | accepted | acceptance | mean accepted length | verify passes | tokens/s | vs plain | final state, width |"
+    );
+    eprintln!("|---|---|---|---|---|---|---|---|---|---|");
+    let arms = [
+        ("none (verify loop)", "fixed 0", PolicyMode::Fixed),
+        ("agreeing DSpark", "fixed 7", PolicyMode::Fixed),
+        ("agreeing DSpark", "on", PolicyMode::On),
+        ("agreeing DSpark", "auto", PolicyMode::Auto),
+        ("bigram table", "fixed 7", PolicyMode::Fixed),
+        ("bigram table", "on", PolicyMode::On),
+        ("bigram table", "auto", PolicyMode::Auto),
+    ];
+    for (drafter, name, mode) in arms {
+        {
+            let mut total = SpecStats::default();
+            let mut last = None;
+            let t0 = Instant::now();
+            for (p, truth) in prompts.iter().zip(&truths) {
+                let mut d: Box<dyn Drafter> = if drafter == "bigram table" {
+                    Box::new(BigramTable(table.iter().copied().collect()))
+                } else {
+                    Box::new(DsparkDrafter::new(agreeing_dspark.clone(), &s.model, 8192).unwrap())
+                };
+                let width = if name == "fixed 0" { 0 } else { BLOCK };
+                let mut policy = SpecPolicy::new(mode, width, 0.03);
+                let (ids, st) = generate_with_policy(
+                    &s.model,
+                    p,
+                    N,
+                    &STOP,
+                    d.as_mut(),
+                    &mut policy,
+                    &WallClock::new(),
+                    &AtomicBool::new(false),
+                    |c| {
+                        last = Some(c.policy);
+                        Ok(())
+                    },
+                )
+                .unwrap();
+                assert_eq!(&ids, truth);
+                total.verify_passes += st.verify_passes;
+                total.proposed += st.proposed;
+                total.accepted += st.accepted;
+                total.drafting_passes += st.drafting_passes;
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            let l = last.unwrap();
+            eprintln!(
+                "| {drafter} | {name} | {} | {} | {:.1} % | {:.2} | {} | {:.1} | {:.2}× | {}, {} |",
+                total.proposed,
+                total.accepted,
+                100.0 * total.acceptance_rate(),
+                total.mean_accepted_length(),
+                total.verify_passes,
+                tokens as f64 / secs,
+                plain_s / secs,
+                l.state.as_str(),
+                l.width
+            );
+        }
+    }
+}

@@ -6,8 +6,15 @@ use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::model::{K3Model, LogitRows};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
-use deltafin_spec::{Drafter, generate_speculative, verify};
+use deltafin_spec::policy::PROBE_STEPS;
+use deltafin_spec::{
+    Clock, Drafter, PolicyMode, PolicyReport, PolicyState, SpecPolicy, SpecStats,
+    generate_speculative, generate_with_policy, verify,
+};
+use std::cell::Cell;
+use std::rc::Rc;
 use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 fn setup() -> (tempfile::TempDir, K3Model, Tokenizer) {
     let dir = tempfile::tempdir().unwrap();
@@ -202,4 +209,189 @@ fn speculative_output_equals_plain_greedy_for_every_drafter() {
             }
         }
     }
+}
+
+/// A fake clock: every reading advances it by one tick (1 ms), so every step (two readings)
+/// costs the same whatever its width; a [`Costly`] drafter adds its own ticks.
+#[derive(Clone)]
+struct Ticks(Rc<Cell<u64>>);
+
+impl Clock for Ticks {
+    fn now(&self) -> Duration {
+        let t = self.0.get();
+        self.0.set(t + 1);
+        Duration::from_millis(t)
+    }
+}
+
+/// Wraps a drafter; each proposal costs `ticks` on the fake clock.
+struct Costly<D> {
+    inner: D,
+    clock: Ticks,
+    ticks: u64,
+}
+
+impl<D: Drafter> Drafter for Costly<D> {
+    fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
+        let c = &self.clock.0;
+        c.set(c.get() + self.ticks);
+        self.inner.propose(history, max)
+    }
+}
+
+fn with_policy(
+    model: &K3Model,
+    prompt: &[u32],
+    max_new: usize,
+    drafter: &mut dyn Drafter,
+    mode: PolicyMode,
+    width: usize,
+    clock: &Ticks,
+) -> (Vec<u32>, SpecStats, Vec<PolicyReport>) {
+    let mut policy = SpecPolicy::new(mode, width, 0.03);
+    let mut reports = Vec::new();
+    let (ids, stats) = generate_with_policy(
+        model,
+        prompt,
+        max_new,
+        &STOP,
+        drafter,
+        &mut policy,
+        clock,
+        &AtomicBool::new(false),
+        |c| {
+            reports.push(c.policy);
+            Ok(())
+        },
+    )
+    .unwrap();
+    (ids, stats, reports)
+}
+
+#[test]
+fn auto_and_on_policies_are_exact_and_auto_drafts_only_when_it_pays() {
+    const LONG: usize = 56;
+    let (_d, model, tok) = setup();
+    let prompt = tok.encode_ordinary(PROMPTS[0]);
+    let opts = GenerateOptions {
+        max_new: Some(LONG),
+        stop_ids: STOP.to_vec(),
+        max_context: 1 << 20,
+        top_logits: 0,
+    };
+    let truth = generate(&model, &prompt, &opts, &AtomicBool::new(false), |_| Ok(()))
+        .unwrap()
+        .ids;
+    assert_eq!(
+        truth.len(),
+        LONG,
+        "the tiny model stopped early; pick another prompt"
+    );
+    let clock = Ticks(Rc::new(Cell::new(0)));
+    let perfect = || Oracle {
+        prompt_len: prompt.len(),
+        truth: truth.clone(),
+        corrupt_at: None,
+    };
+
+    // Exactness under every policy, width and drafter.
+    for mode in [PolicyMode::Auto, PolicyMode::On] {
+        for width in [1, 3, 8] {
+            let mut drafters: Vec<(&str, Box<dyn Drafter>)> = vec![
+                ("perfect", Box::new(perfect())),
+                (
+                    "adversarial@1",
+                    Box::new(Oracle {
+                        prompt_len: prompt.len(),
+                        truth: truth.clone(),
+                        corrupt_at: Some(1),
+                    }),
+                ),
+                ("random", Box::new(Random(9))),
+                ("repeat", Box::new(Repeat)),
+                (
+                    "slow perfect",
+                    Box::new(Costly {
+                        inner: perfect(),
+                        clock: clock.clone(),
+                        ticks: 20,
+                    }),
+                ),
+            ];
+            for (name, d) in drafters.iter_mut() {
+                let (ids, stats, _) =
+                    with_policy(&model, &prompt, LONG, d.as_mut(), mode, width, &clock);
+                assert_eq!(ids, truth, "{name} {mode:?} width {width}");
+                assert!(stats.accepted <= stats.proposed);
+            }
+        }
+    }
+
+    // A perfect, cheap drafter: auto probes, then keeps drafting at the full width.
+    let (_, stats, reports) = with_policy(
+        &model,
+        &prompt,
+        LONG,
+        &mut perfect(),
+        PolicyMode::Auto,
+        7,
+        &clock,
+    );
+    let last = reports.last().unwrap();
+    assert_eq!(last.state, PolicyState::Drafting, "{reports:?}");
+    assert_eq!(last.switched_off, 0);
+    assert!(last.speedup.unwrap() > 1.0, "{last:?}");
+    assert_eq!(stats.accepted, stats.proposed);
+    assert!(stats.verify_passes < LONG / 3, "{stats:?}");
+
+    // A drafter that is always wrong: switched off after the probe; plain decode after.
+    let (_, stats, reports) = with_policy(
+        &model,
+        &prompt,
+        LONG,
+        &mut Random(3),
+        PolicyMode::Auto,
+        7,
+        &clock,
+    );
+    assert!(
+        reports.iter().any(|r| r.state == PolicyState::Plain),
+        "{reports:?}"
+    );
+    assert!(reports.last().unwrap().switched_off >= 1);
+    assert!(stats.drafting_passes <= 2 * PROBE_STEPS, "{stats:?}");
+    // `on` keeps drafting it (every pass after the one baseline step and before the last; the
+    // width then follows the cost model: wide here, where the fake clock makes width free).
+    let (_, stats, reports) = with_policy(
+        &model,
+        &prompt,
+        LONG,
+        &mut Random(3),
+        PolicyMode::On,
+        7,
+        &clock,
+    );
+    assert_eq!(reports.last().unwrap().state, PolicyState::Drafting);
+    assert!(
+        stats.drafting_passes + 2 >= stats.verify_passes,
+        "{stats:?}"
+    );
+
+    // Always right but 20 plain steps slow: auto measures no speed-up and stops drafting.
+    let mut slow = Costly {
+        inner: perfect(),
+        clock: clock.clone(),
+        ticks: 20,
+    };
+    let (_, _, reports) = with_policy(
+        &model,
+        &prompt,
+        LONG,
+        &mut slow,
+        PolicyMode::Auto,
+        7,
+        &clock,
+    );
+    let off = reports.iter().position(|r| r.state == PolicyState::Plain);
+    assert!(off.is_some_and(|i| i <= 2 + PROBE_STEPS + 1), "{reports:?}");
 }

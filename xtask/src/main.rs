@@ -2,7 +2,7 @@
 //!
 //! - `cargo xtask synth --preset tiny|mini|stream [--ram-gb N] [--seed N] --out DIR [dims]`
 //! - `cargo xtask synth-dspark --target DIR --out DIR [--seed N]`
-//! - `cargo xtask synth-qwen3 --size 0.6b|1.7b --out DIR [--seed N]`
+//! - `cargo xtask synth-qwen3 --size 0.6b|1.7b --out DIR [--seed N] [--tokenizer-from K3_DIR]`
 
 mod stream_bench;
 
@@ -129,6 +129,10 @@ enum Cmd {
         out: PathBuf,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Also write a Qwen-like byte-level BPE `tokenizer.json` built from the K3
+        /// tokenizer in this directory (the real Qwen file is not redistributed).
+        #[arg(long, value_name = "K3_DIR")]
+        tokenizer_from: Option<PathBuf>,
     },
 }
 
@@ -234,13 +238,27 @@ fn main() -> Result<()> {
             let r = synth::synthesize_dspark(&out, seed, &cfg)?;
             summary(&r);
         }
-        Cmd::SynthQwen3 { size, out, seed } => {
+        Cmd::SynthQwen3 {
+            size,
+            out,
+            seed,
+            tokenizer_from,
+        } => {
             let size = match size {
                 QwenArg::Small => QwenSize::Small,
                 QwenArg::Large => QwenSize::Large,
             };
             let r = synth::synthesize_qwen3(&out, seed, size)?;
             summary(&r);
+            if let Some(k3) = tokenizer_from {
+                let tok = deltafin_k3::tokenizer::Tokenizer::from_dir(&k3)
+                    .with_context(|| format!("K3 tokenizer in {}", k3.display()))?;
+                let json = deltafin_spec::uag::synthesize_tokenizer_json(&tok, 3000);
+                let path = out.join("tokenizer.json");
+                std::fs::write(&path, json.to_string())
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+                println!("wrote {}", path.display());
+            }
         }
     }
     Ok(())

@@ -8,8 +8,9 @@ use anyhow::{Context, Result, anyhow, bail};
 use deltafin_k3::chat::{self, ChatMessage, ChatOptions, ReasoningEffort};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, LogitSummary, StopReason, generate};
 use deltafin_k3::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
-use deltafin_spec::dspark::{DraftMode, DsparkDrafter, DsparkModel, SpecConfig};
-use deltafin_spec::{Committed, generate_speculative_streaming};
+use deltafin_spec::dspark::{DraftMode, SpecConfig};
+use deltafin_spec::select::{Chosen, DraftModels, Surfaces};
+use deltafin_spec::{Committed, WallClock, generate_with_policy};
 use serde_json::{Value, json};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -49,11 +50,17 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         bail!("--top-logits adds fields to the events file: it needs --events-jsonl PATH");
     }
     let spec = SpecConfig::from_env().map_err(|e| anyhow!("{e}"))?;
-    let speculate = spec.dspark == DraftMode::On;
-    if speculate && args.top_logits.is_some() {
-        bail!(
-            "--top-logits is not available with speculative decoding (K3_DSPARK=on): run without it to see each distribution"
-        );
+    if args.top_logits.is_some() {
+        if spec.dspark == DraftMode::On {
+            bail!(
+                "--top-logits is not available with speculative decoding (K3_DSPARK=on): run without it to see each distribution"
+            );
+        }
+        if !args.chat && spec.uag == DraftMode::On {
+            bail!(
+                "--top-logits is not available with speculative decoding (K3_UAG_DRAFT=on): run without it to see each distribution"
+            );
+        }
     }
     let mut events = args
         .events_jsonl
@@ -76,6 +83,23 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         checkpoint,
         memory,
     } = session::load_with(&args.model.model_root, &load_opts)?;
+    let tokenizer = Arc::new(tokenizer);
+    // Drafters: none when --top-logits asks for every distribution (auto modes yield).
+    let surfaces = Surfaces {
+        chat: args.chat,
+        raw: !args.chat,
+    };
+    let drafts = if args.top_logits.is_some() {
+        let off = SpecConfig {
+            dspark: DraftMode::Off,
+            uag: DraftMode::Off,
+            ..spec.clone()
+        };
+        DraftModels::load(&args.model.model_root, &off, surfaces, &model)
+    } else {
+        DraftModels::load(&args.model.model_root, &spec, surfaces, &model)
+    }
+    .map_err(|e| anyhow!("{e}"))?;
     session::report_memory_plan(&model, memory.as_ref());
     if let Some((path, mode)) = &router_trace {
         session::attach_router_trace(&mut model, path, *mode)?;
@@ -119,30 +143,25 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .max_new
         .map(|m| m.to_string())
         .unwrap_or_else(|| "none".into());
+    let chosen = drafts
+        .choose(&model, &tokenizer, args.chat)
+        .map_err(|e| anyhow!("{e}"))?;
     eprintln!(
-        "[deltafin] surface={surface} {} spine=bf16 model_root={} prompt_tokens={} reasoning_effort={effort_text} max_new={max_new_text} top_logits={top_n} dspark={} load={load_seconds:.2}s",
+        "[deltafin] surface={surface} {} spine=bf16 model_root={} prompt_tokens={} reasoning_effort={effort_text} max_new={max_new_text} top_logits={top_n} {} drafter={} load={load_seconds:.2}s",
         session::backend_description(),
         args.model.model_root.display(),
         prompt_ids.len(),
-        match spec.dspark {
-            DraftMode::On => format!(
-                "on (depth {})",
-                spec.depth.min(deltafin_spec::dspark::BLOCK)
-            ),
-            DraftMode::Off => "off".to_string(),
-            DraftMode::Auto =>
-                "auto (inactive: the speed probe is not implemented yet; K3_DSPARK=on drafts)"
-                    .to_string(),
-        },
+        drafts.describe(),
+        chosen.as_ref().map_or("none", |c| c.name),
     );
-    if speculate {
+    if let Some(chosen) = chosen {
         return run_speculative(
             args,
             &model,
             &tokenizer,
             &prompt_ids,
             &opts,
-            &spec,
+            chosen,
             events.as_mut(),
             &interrupt,
             started,
@@ -332,9 +351,14 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     })
 }
 
-/// `deltafin run` with DSpark drafts (`K3_DSPARK=on`): K3 verifies every draft, so the ids
-/// equal plain greedy decoding; each committed step writes one `decode_step` with the
-/// proposal counts.
+/// Percent text of a speed-up (`+12.3%`), or `n/a`.
+fn percent(x: Option<f64>) -> String {
+    x.map_or("n/a".into(), |s| format!("{:+.1}%", 100.0 * s))
+}
+
+/// `deltafin run` with a drafter (DSpark or Qwen, under its `auto`/`on` policy): K3 verifies
+/// every draft, so the ids equal plain greedy decoding; each committed step writes one
+/// `decode_step` with the proposal counts and the policy state.
 #[allow(clippy::too_many_arguments)]
 fn run_speculative(
     args: &RunArgs,
@@ -342,25 +366,16 @@ fn run_speculative(
     tokenizer: &deltafin_k3::tokenizer::Tokenizer,
     prompt_ids: &[u32],
     opts: &GenerateOptions,
-    spec: &SpecConfig,
+    chosen: Chosen,
     mut events: Option<&mut EventWriter>,
     interrupt: &std::sync::atomic::AtomicBool,
     started: Instant,
 ) -> Result<ExitCode> {
-    let dir = args.model.model_root.join("k3-draft-dspark");
-    if !dir.join("config.json").is_file() {
-        bail!(
-            "K3_DSPARK=on but no DSpark checkpoint at {}: run `deltafin setup-dspark --destination {}` or set K3_DSPARK=off",
-            dir.display(),
-            dir.display()
-        );
-    }
-    let dspark = Arc::new(
-        DsparkModel::open(&dir)
-            .with_context(|| format!("cannot load the DSpark drafter from {}", dir.display()))?,
-    );
-    let mut drafter = DsparkDrafter::new(dspark, model, spec.dspark_max_context)
-        .map_err(|e| anyhow!("DSpark does not fit this K3: {e}"))?;
+    let Chosen {
+        name,
+        mut drafter,
+        mut policy,
+    } = chosen;
     if prompt_ids.len() >= opts.max_context {
         bail!(
             "prompt of {} tokens does not fit the context of {} positions",
@@ -370,7 +385,12 @@ fn run_speculative(
     }
     let room = opts.max_context - prompt_ids.len();
     let max_new = opts.max_new.unwrap_or(room).min(room);
-    let width = spec.depth.min(deltafin_spec::dspark::BLOCK);
+    let initial = policy.report();
+    let mode = match initial.mode {
+        deltafin_spec::PolicyMode::On => "on",
+        deltafin_spec::PolicyMode::Auto => "auto",
+        deltafin_spec::PolicyMode::Fixed => "fixed",
+    };
     if let Some(w) = events.as_deref_mut() {
         w.emit(
             "run_start",
@@ -380,85 +400,109 @@ fn run_speculative(
                 "max_new": args.max_new,
                 "input_token_ids": prompt_ids,
                 "prompt_token_ids": prompt_ids,
-                "config": {"surface": if args.chat { "chat" } else { "raw" }, "dspark": "on", "depth": width},
+                "config": {"surface": if args.chat { "chat" } else { "raw" }, "drafter": name,
+                           "draft_mode": mode, "spine": "bf16",
+                           "backend": session::backend_description()},
             }),
         )?;
     }
     let stdout = std::io::stdout();
     let live_stats = args.stats && stdout.is_terminal();
-    let mut out = stdout.lock();
+    let mut out = stdout;
     let mut decoder = StreamDecoder::new();
     let mut text = String::new();
     let mut step = 0usize;
-    let (mut proposed, mut accepted, mut emitted) = (0usize, 0usize, 0usize);
+    let (mut proposed, mut accepted, mut emitted, mut drafting) = (0usize, 0usize, 0usize, 0usize);
+    let mut last_policy = initial;
+    let mut prefill_ns = 0u64;
     let gen_start = Instant::now();
-    let result = generate_speculative_streaming(
-        model,
-        prompt_ids,
-        max_new,
-        &opts.stop_ids,
-        width,
-        &mut drafter,
-        interrupt,
-        |c: &Committed<'_>| {
-            let r: Result<()> = (|| {
-                let mut piece = String::new();
-                for &id in c.ids {
-                    piece.push_str(
-                        &decoder
-                            .push(tokenizer, id)
-                            .map_err(|e| anyhow!("cannot decode token {id}: {e}"))?,
-                    );
-                }
-                text.push_str(&piece);
-                proposed += c.proposed;
-                accepted += c.accepted;
-                emitted += c.ids.len();
-                if args.stats {
-                    let elapsed = gen_start.elapsed().as_secs_f64();
-                    let line = format!(
-                        "[stats] generated={emitted} elapsed={elapsed:.2}s speed={:.3} token/s ({:.3} s/token) drafts={accepted}/{proposed} verify_passes={step}",
-                        emitted as f64 / elapsed.max(1e-9),
-                        elapsed / emitted.max(1) as f64
-                    );
-                    if live_stats {
-                        write!(out, "\r{line}")?;
-                    } else {
-                        writeln!(out, "{line}")?;
+    let clock = WallClock::new();
+    let result = rayon::scope(|_| {
+        generate_with_policy(
+            model,
+            prompt_ids,
+            max_new,
+            &opts.stop_ids,
+            drafter.as_mut(),
+            &mut policy,
+            &clock,
+            interrupt,
+            |c: &Committed<'_>| {
+                let r: Result<()> = (|| {
+                    let mut piece = String::new();
+                    for &id in c.ids {
+                        piece.push_str(
+                            &decoder
+                                .push(tokenizer, id)
+                                .map_err(|e| anyhow!("cannot decode token {id}: {e}"))?,
+                        );
                     }
-                } else {
-                    write!(out, "{piece}")?;
-                }
-                out.flush()?;
-                if let Some(w) = events.as_deref_mut() {
-                    w.emit(
-                        "decode_step",
-                        json!({
-                            "step": step,
-                            "duration_ns": c.duration.as_nanos() as u64,
-                            "token_id": c.ids.last(),
-                            "text": piece,
-                            "emitted_token_ids": c.ids,
-                            "proposal_candidate_count": usize::from(c.proposed > 0),
-                            "proposed_token_count": c.proposed,
-                            "accepted_token_count": c.accepted,
-                            "proposal_memory_rejected": false,
-                        }),
-                    )?;
-                }
-                step += 1;
-                Ok(())
-            })();
-            r.map_err(|e| format!("{e:#}"))
-        },
-    );
+                    text.push_str(&piece);
+                    proposed += c.proposed;
+                    accepted += c.accepted;
+                    drafting += usize::from(c.proposed > 0);
+                    emitted += c.ids.len();
+                    last_policy = c.policy;
+                    if args.stats {
+                        let elapsed = gen_start.elapsed().as_secs_f64();
+                        let p = &c.policy;
+                        let line = format!(
+                            "[stats] generated={emitted} elapsed={elapsed:.2}s speed={:.3} token/s ({:.3} s/token) drafts={accepted}/{proposed} mean_accepted={:.2} verify_passes={} policy={mode}:{} width={} speedup={}",
+                            emitted as f64 / elapsed.max(1e-9),
+                            elapsed / emitted.max(1) as f64,
+                            accepted as f64 / drafting.max(1) as f64,
+                            step,
+                            p.state.as_str(),
+                            p.width,
+                            percent(p.speedup),
+                        );
+                        if live_stats {
+                            write!(out, "\r{line}")?;
+                        } else {
+                            writeln!(out, "{line}")?;
+                        }
+                    } else {
+                        write!(out, "{piece}")?;
+                    }
+                    out.flush()?;
+                    if let Some(w) = events.as_deref_mut() {
+                        if step == 0 {
+                            prefill_ns = c.duration.as_nanos() as u64;
+                            w.emit(
+                                "prefill_done",
+                                json!({"duration_ns": prefill_ns, "prompt_tokens": prompt_ids.len()}),
+                            )?;
+                        }
+                        w.emit(
+                            "decode_step",
+                            json!({
+                                "step": step,
+                                "duration_ns": c.duration.as_nanos() as u64,
+                                "token_id": c.ids.first(),
+                                "text": piece,
+                                "emitted_token_ids": c.ids,
+                                "proposal_candidate_count": usize::from(c.proposed > 0),
+                                "proposed_token_count": c.proposed,
+                                "accepted_token_count": c.accepted,
+                                "proposal_memory_rejected": false,
+                                "draft_policy": c.policy.state.as_str(),
+                            }),
+                        )?;
+                    }
+                    step += 1;
+                    Ok(())
+                })();
+                r.map_err(|e| format!("{e:#}"))
+            },
+        )
+    });
     let (ids, _stats) = match result {
         Ok(v) => v,
         Err(e) => {
             if let Some(w) = events.as_deref_mut() {
                 let _ = w.emit(
                     "run_error",
-                    json!({"phase": "decode", "error_type": "generation", "message": e.to_string(),
+                    json!({"phase": if step == 0 { "prefill" } else { "decode" }, "error_type": "generation", "message": e.to_string(),
                            "duration_ns": started.elapsed().as_nanos() as u64}),
                 );
             }
@@ -490,12 +534,37 @@ fn run_speculative(
         StopReason::Eos => ids[..ids.len() - 1].to_vec(),
         _ => ids.clone(),
     };
+    let passes = step.saturating_sub(1);
+    let decode_s = gen_start.elapsed().as_secs_f64() - prefill_ns as f64 * 1e-9;
     eprintln!(
-        "[deltafin] stop={} generated={} drafts accepted {accepted}/{proposed} in {step} passes ({:.2} tokens per pass)",
+        "[deltafin] stop={} generated={} drafter={name} ({mode}) drafts accepted {accepted}/{proposed} ({:.1}%) mean accepted length {:.2} in {passes} verify passes ({drafting} with drafts, {:.2} tokens per pass) policy={} width={} speedup vs plain step {} (plain step {}, marginal cost per verified token {}) switched_off={}{}",
         stop.as_str(),
         ids.len(),
-        ids.len() as f64 / step.max(1) as f64
+        100.0 * accepted as f64 / proposed.max(1) as f64,
+        accepted as f64 / drafting.max(1) as f64,
+        ids.len().saturating_sub(1) as f64 / passes.max(1) as f64,
+        last_policy.state.as_str(),
+        last_policy.width,
+        percent(last_policy.speedup),
+        last_policy
+            .plain_seconds
+            .map_or("n/a".into(), |t| format!("{t:.4}s")),
+        last_policy
+            .marginal
+            .map_or("n/a".into(), |m| format!("{m:.2}")),
+        last_policy.switched_off,
+        if passes > 0 {
+            format!(
+                " decode={:.3} token/s",
+                ids.len().saturating_sub(1) as f64 / decode_s.max(1e-9)
+            )
+        } else {
+            String::new()
+        },
     );
+    if args.stats {
+        session::report_expert_stats(model);
+    }
     if let Some(w) = events {
         w.emit(
             "run_end",
@@ -507,7 +576,15 @@ fn run_speculative(
                 "completion_token_ids": completion,
                 "stop_reason": stop.as_str(),
                 "completion_text": text,
-                "runtime": {"backend": session::backend_description(), "dspark": {"proposed": proposed, "accepted": accepted, "passes": step}},
+                "runtime": {
+                    "backend": session::backend_description(),
+                    "prefill_ns": prefill_ns,
+                    "generated_tokens": ids.len(),
+                    "drafter": {"name": name, "mode": mode, "proposed": proposed, "accepted": accepted,
+                                "verify_passes": passes, "drafting_passes": drafting,
+                                "policy": last_policy.state.as_str(), "width": last_policy.width,
+                                "speedup": last_policy.speedup, "switched_off": last_policy.switched_off},
+                },
             }),
         )?;
     }

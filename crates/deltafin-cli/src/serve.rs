@@ -9,6 +9,7 @@ use deltafin_openai::{
     DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, MAX_QUEUE,
     MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig,
 };
+use deltafin_spec::select::{DraftModels, Surfaces};
 use std::process::ExitCode;
 use std::str::FromStr;
 
@@ -127,6 +128,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     )?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
+    let spec = deltafin_spec::dspark::SpecConfig::from_env().map_err(|e| anyhow!("{e}"))?;
     let cfg = ServerConfig {
         host: args.host.clone(),
         port: args.port,
@@ -152,10 +154,15 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
                     .map_err(|e| format!("{e:#}"))?;
             }
             session::report_memory_plan(&s.model, s.memory.as_ref());
+            // The same drafting as `run`: DSpark for chat completions, Qwen for completions.
+            let surfaces = Surfaces { chat: true, raw: true };
+            let drafts = DraftModels::load(&root, &spec, surfaces, &s.model)?;
+            deltafin_openai::log_line!("[deltafin serve] drafting: {}", drafts.describe());
             Ok(deltafin_openai::Engine {
                 max_context: s.checkpoint.config().text.max_position_embeddings,
                 model: s.model,
-                tokenizer: s.tokenizer,
+                tokenizer: std::sync::Arc::new(s.tokenizer),
+                drafts: Some(drafts),
             })
         })
         .await?;

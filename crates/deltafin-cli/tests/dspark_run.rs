@@ -2,7 +2,11 @@
 //! decoding, and reports the proposals in the events file.
 
 use deltafin_k3::config::K3Config;
-use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize, synthesize_dspark};
+use deltafin_k3::synth::{
+    QwenSize, SynthDims, SynthSpec, synthesize, synthesize_dspark, synthesize_qwen3,
+};
+use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_spec::uag::synthesize_tokenizer_json;
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -94,4 +98,189 @@ fn dspark_run_equals_plain_greedy() {
         assert!(n >= 1 && n <= s["accepted_token_count"].as_u64().unwrap() + 1);
     }
     assert!(String::from_utf8_lossy(&spec.stderr).contains("dspark=on"));
+}
+
+fn run_env(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+    c.arg("run")
+        .args(args)
+        .arg("--model-root")
+        .arg(root)
+        .env_remove("K3_REASONING_EFFORT")
+        .env_remove("K3_DSPARK")
+        .env_remove("K3_UAG_DRAFT")
+        .env_remove("K3_SPEC_DEPTH")
+        .env_remove("K3_DSPARK_AUTO_MIN_SPEEDUP");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+fn ok(o: &Output) -> String {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Raw completions draft with Qwen (K3_UAG_DRAFT), chat with DSpark in auto mode; every
+/// mode prints exactly the plain greedy text, and bad draft files are named.
+#[test]
+fn qwen_and_auto_drafting_in_run_equal_plain_greedy() {
+    let root = tempfile::tempdir().unwrap();
+    synthesize(root.path(), &SynthSpec::new(SynthDims::tiny(), 3)).unwrap();
+    let raw = ["--prompt", "The capital of France is", "--max-new", "12"];
+
+    // K3_UAG_DRAFT=on without the Qwen directory names the missing file.
+    let out = run_env(root.path(), &raw, &[("K3_UAG_DRAFT", "on")]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("k3-draft-qwen3-0.6b-base/config.json") && err.contains("K3_UAG_DRAFT"),
+        "{err}"
+    );
+
+    let qdir = root.path().join("k3-draft-qwen3-0.6b-base");
+    synthesize_qwen3(&qdir, 5, QwenSize::Small).unwrap();
+    let out = run_env(root.path(), &raw, &[("K3_UAG_DRAFT", "auto")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("tokenizer.json"),
+        "{err}"
+    );
+    std::fs::write(qdir.join("tokenizer.json"), "{\"model\": 3}").unwrap();
+    let out = run_env(root.path(), &raw, &[("K3_UAG_DRAFT", "on")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("tokenizer.json"),
+        "{err}"
+    );
+    let tok = Tokenizer::from_dir(root.path()).unwrap();
+    let json = synthesize_tokenizer_json(&tok, 3000);
+    std::fs::write(qdir.join("tokenizer.json"), json.to_string()).unwrap();
+
+    let plain = run_env(root.path(), &raw, &[("K3_UAG_DRAFT", "off")]);
+    assert!(ok(&plain).contains("drafter=none"));
+    for (mode, depth) in [("on", "8"), ("auto", "3"), ("on", "1")] {
+        let o = run_env(
+            root.path(),
+            &raw,
+            &[("K3_UAG_DRAFT", mode), ("K3_SPEC_DEPTH", depth)],
+        );
+        let err = ok(&o);
+        assert!(err.contains("drafter=qwen3-0.6b"), "{err}");
+        assert_eq!(plain.stdout, o.stdout, "K3_UAG_DRAFT={mode} depth {depth}");
+    }
+    // --stats: the drafting counters and the policy.
+    let o = run_env(
+        root.path(),
+        &[&raw[..], &["--stats"]].concat(),
+        &[("K3_UAG_DRAFT", "on")],
+    );
+    ok(&o);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let last = stdout.lines().last().unwrap();
+    for field in [
+        "drafts=",
+        "mean_accepted=",
+        "verify_passes=",
+        "policy=on:",
+        "width=",
+        "speedup=",
+    ] {
+        assert!(last.contains(field), "{field} missing: {last}");
+    }
+    // --top-logits needs every distribution: auto yields, on refuses.
+    let tl = tempfile::tempdir().unwrap();
+    let ev = tl.path().join("e.jsonl");
+    let ev = ev.to_str().unwrap();
+    let o = run_env(
+        root.path(),
+        &[&raw[..], &["--top-logits", "3", "--events-jsonl", ev]].concat(),
+        &[],
+    );
+    assert!(ok(&o).contains("drafter=none"));
+    let o = run_env(
+        root.path(),
+        &[&raw[..], &["--top-logits", "3", "--events-jsonl", ev]].concat(),
+        &[("K3_UAG_DRAFT", "on")],
+    );
+    assert!(!o.status.success());
+
+    // Chat with DSpark installed: auto (the default) drafts and stays exact.
+    let cfg = K3Config::from_file(root.path().join("config.json")).unwrap();
+    synthesize_dspark(&root.path().join("k3-draft-dspark"), 3, &cfg).unwrap();
+    let chat = ["--chat", "--prompt", "Hi", "--max-new", "10"];
+    let off = run_env(root.path(), &chat, &[("K3_DSPARK", "off")]);
+    assert!(ok(&off).contains("drafter=none"));
+    let auto = run_env(root.path(), &chat, &[]);
+    assert!(ok(&auto).contains("drafter=dspark"));
+    assert_eq!(off.stdout, auto.stdout);
+    // K3_DSPARK=on takes raw completions too.
+    let o = run_env(root.path(), &raw, &[("K3_DSPARK", "on")]);
+    assert!(ok(&o).contains("drafter=dspark"));
+    assert_eq!(plain.stdout, o.stdout);
+    // A bad margin is named.
+    let o = run_env(root.path(), &raw, &[("K3_DSPARK_AUTO_MIN_SPEEDUP", "2")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("K3_DSPARK_AUTO_MIN_SPEEDUP"),
+        "{err}"
+    );
+}
+
+/// `deltafin benchmark` A/B-tests drafting: the DSpark arm's events validate, its output
+/// matches the plain arm exactly, and its proposals are counted.
+#[test]
+fn benchmark_ab_tests_dspark_against_plain() {
+    let root = tempfile::tempdir().unwrap();
+    synthesize(root.path(), &SynthSpec::new(SynthDims::tiny(), 3)).unwrap();
+    let cfg = K3Config::from_file(root.path().join("config.json")).unwrap();
+    synthesize_dspark(&root.path().join("k3-draft-dspark"), 3, &cfg).unwrap();
+    let ev = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args([
+            "benchmark",
+            "--chat",
+            "--prompt",
+            "Hi",
+            "--arm",
+            "plain=K3_DSPARK=off",
+            "--arm",
+            "dspark=K3_DSPARK=on",
+            "--reps",
+            "2",
+            "--tokens",
+            "6",
+            "--model-root",
+        ])
+        .arg(root.path())
+        .arg("--output-dir")
+        .arg(ev.path())
+        .env_remove("K3_REASONING_EFFORT")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(
+        text.contains("all runs valid: true; all outputs exact: true"),
+        "{text}"
+    );
+    let runs: Vec<Value> = std::fs::read_to_string(ev.path().join("runs.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(runs.len(), 4);
+    for r in &runs {
+        let proposed = r["proposed_tokens"].as_u64().unwrap();
+        if r["arm"] == "dspark" {
+            assert!(proposed > 0, "{r}");
+        } else {
+            assert_eq!(proposed, 0, "{r}");
+        }
+    }
 }

@@ -9,6 +9,8 @@ use deltafin_k3::generate::{GenerateEvent, GenerateOptions, StopReason, generate
 use deltafin_k3::loader::{EngineOptions, load_model};
 use deltafin_k3::model::K3Model;
 use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_spec::select::{Chosen, DraftModels};
+use deltafin_spec::{Committed, WallClock, generate_with_policy};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -39,9 +41,12 @@ pub struct Engine {
     /// The model.
     pub model: K3Model,
     /// Its tokenizer.
-    pub tokenizer: Tokenizer,
+    pub tokenizer: Arc<Tokenizer>,
     /// Largest number of positions (prompt + generated).
     pub max_context: usize,
+    /// Draft models (DSpark for chat completions, Qwen for completions), used by requests
+    /// without `logprobs`; `None`: plain greedy decoding only.
+    pub drafts: Option<DraftModels>,
 }
 
 // Generation runs on a blocking thread while handlers hold the engine.
@@ -75,8 +80,9 @@ impl Engine {
         }
         Ok(Engine {
             model,
-            tokenizer,
+            tokenizer: Arc::new(tokenizer),
             max_context: checkpoint.config().text.max_position_embeddings,
+            drafts: None,
         })
     }
 
@@ -173,7 +179,142 @@ pub enum Ending {
 
 /// Runs one greedy generation, sending deltas to `send`; stops within one token once
 /// `interrupt` is raised or `send` fails. Returns the closing event, or why it was cancelled.
+/// With draft models and no `logprobs`, K3 verifies drafts (same tokens, fewer passes).
 pub fn run_generation(
+    engine: &Engine,
+    req: &GenRequest,
+    prompt: &[u32],
+    interrupt: &AtomicBool,
+    shutdown: &AtomicBool,
+    send: impl FnMut(GenEvent) -> bool + Send,
+) -> Ending {
+    let chat = matches!(req.prompt, Prompt::Chat { .. });
+    if let (Some(drafts), None) = (&engine.drafts, req.logprobs) {
+        match drafts.choose(&engine.model, &engine.tokenizer, chat) {
+            Ok(Some(chosen)) => {
+                return run_drafted(engine, req, prompt, chosen, interrupt, shutdown, send);
+            }
+            Ok(None) => {}
+            Err(e) => return Ending::Event(GenEvent::Failed(ApiError::server(e))),
+        }
+    }
+    run_plain(engine, req, prompt, interrupt, shutdown, send)
+}
+
+/// [`run_generation`] with a drafter: the same deltas, finish reason and usage as plain
+/// greedy decoding (ids after a stop sequence are verified but never released or counted).
+fn run_drafted(
+    engine: &Engine,
+    req: &GenRequest,
+    prompt: &[u32],
+    chosen: Chosen,
+    interrupt: &AtomicBool,
+    shutdown: &AtomicBool,
+    mut send: impl FnMut(GenEvent) -> bool + Send,
+) -> Ending {
+    let chat = matches!(req.prompt, Prompt::Chat { .. });
+    let stop_ids = if chat {
+        vec![END_OF_MSG]
+    } else {
+        vec![END_OF_MSG, EOS]
+    };
+    // Plain decoding emits until the state holds max_context positions: one token more
+    // than the free positions after the prompt.
+    let max_new = req
+        .max_new
+        .min((engine.max_context + 1).saturating_sub(prompt.len()));
+    let Chosen {
+        mut drafter,
+        mut policy,
+        ..
+    } = chosen;
+    let mut asm = Assembler::new(&engine.tokenizer, chat, req.stop.clone());
+    let mut client_gone = false;
+    let mut counted = 0usize;
+    let mut sink_error: Option<ApiError> = None;
+    let clock = WallClock::new();
+    let result = rayon::scope(|_| {
+        generate_with_policy(
+            &engine.model,
+            prompt,
+            max_new,
+            &stop_ids,
+            drafter.as_mut(),
+            &mut policy,
+            &clock,
+            interrupt,
+            |c: &Committed<'_>| {
+                for &id in c.ids {
+                    if asm.stop_hit() {
+                        break;
+                    }
+                    counted += 1;
+                    let delta = asm.push(id, None).map_err(|e| {
+                        sink_error =
+                            Some(ApiError::server(format!("cannot decode token {id}: {e}")));
+                        e.to_string()
+                    })?;
+                    if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
+                        client_gone = true;
+                        interrupt.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                }
+                if asm.stop_hit() {
+                    interrupt.store(true, Ordering::Relaxed);
+                }
+                Ok(())
+            },
+        )
+    });
+    let ids = match result {
+        Ok((ids, _)) => ids,
+        Err(e) => {
+            let err =
+                sink_error.unwrap_or_else(|| ApiError::server(format!("generation failed: {e}")));
+            return Ending::Event(GenEvent::Failed(err));
+        }
+    };
+    let eos = ids
+        .get(counted.wrapping_sub(1))
+        .is_some_and(|t| stop_ids.contains(t));
+    let finish = if asm.stop_hit() || eos {
+        FinishReason::Stop
+    } else if ids.len() >= max_new {
+        FinishReason::Length
+    } else {
+        return if client_gone || !shutdown.load(Ordering::Relaxed) {
+            Ending::Cancelled(Cancelled::Client)
+        } else {
+            Ending::Event(GenEvent::Failed(ApiError::shutting_down()))
+        };
+    };
+    match asm.finish() {
+        Ok(delta) => {
+            if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
+                return Ending::Cancelled(Cancelled::Client);
+            }
+        }
+        Err(e) => {
+            return Ending::Event(GenEvent::Failed(ApiError::server(format!(
+                "cannot decode the output: {e}"
+            ))));
+        }
+    }
+    let completion_tokens = if eos {
+        counted.saturating_sub(1)
+    } else {
+        counted
+    };
+    let usage = Usage {
+        prompt_tokens: prompt.len(),
+        completion_tokens,
+        reasoning_tokens: asm.reasoning_tokens().min(completion_tokens),
+    };
+    Ending::Event(GenEvent::Done { finish, usage })
+}
+
+fn run_plain(
     engine: &Engine,
     req: &GenRequest,
     prompt: &[u32],

@@ -14,12 +14,16 @@ use deltafin_k3::model::{K3Model, LogitRows, ModelError};
 use deltafin_k3::state::State;
 use deltafin_k3::taps::Taps;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub mod dspark;
 mod fields;
+pub mod policy;
 pub mod qwen3;
+pub mod select;
 pub mod uag;
+
+pub use policy::{Clock, PolicyMode, PolicyReport, PolicyState, SpecPolicy, WallClock};
 
 /// Anything that proposes the next tokens.
 pub trait Drafter {
@@ -38,6 +42,13 @@ pub trait Drafter {
     /// tap layers, for every position K3 processes and keeps, in order.
     fn observe(&mut self, first_position: usize, taps: &Taps) {
         let _ = (first_position, taps);
+    }
+
+    /// The drafter's estimate, for each token of its last proposal, of the probability that
+    /// K3 accepts it given the ones before it (DSpark: `σ(c_r)`; Qwen: its softmax
+    /// probabilities). Empty (the default) when it has none; used only to choose the width.
+    fn confidence(&self) -> &[f32] {
+        &[]
     }
 }
 
@@ -128,6 +139,8 @@ pub struct SpecStats {
     pub proposed: usize,
     /// Draft tokens K3 accepted.
     pub accepted: usize,
+    /// Verify passes that carried at least one draft.
+    pub drafting_passes: usize,
 }
 
 impl SpecStats {
@@ -137,6 +150,14 @@ impl SpecStats {
             0.0
         } else {
             self.accepted as f64 / self.proposed as f64
+        }
+    }
+    /// Mean drafts accepted per pass that carried drafts.
+    pub fn mean_accepted_length(&self) -> f64 {
+        if self.drafting_passes == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafting_passes as f64
         }
     }
     /// Mean tokens emitted per verify pass (accepted drafts + K3's own token).
@@ -159,8 +180,10 @@ pub struct Committed<'a> {
     pub proposed: usize,
     /// Drafts K3 accepted in this step.
     pub accepted: usize,
-    /// Wall time of the step (prefill, or proposal + verify).
+    /// Wall time of the step (prefill, or proposal + verify), on the run's clock.
     pub duration: Duration,
+    /// The drafting policy after this step.
+    pub policy: PolicyReport,
 }
 
 /// An error of streaming speculative generation.
@@ -186,8 +209,8 @@ impl<E> From<ModelError> for Failure<E> {
 }
 
 /// Greedy generation of up to `max_new` tokens after `prompt`, with drafts from `drafter`
-/// verified by K3 (`width` drafts at most per pass). Stops after a token in `stop_ids`. The
-/// returned ids equal plain greedy decoding exactly.
+/// verified by K3 (`width` drafts at most per pass, always). Stops after a token in
+/// `stop_ids`. The returned ids equal plain greedy decoding exactly.
 pub fn generate_speculative(
     model: &K3Model,
     prompt: &[u32],
@@ -198,8 +221,17 @@ pub fn generate_speculative(
     interrupt: &AtomicBool,
 ) -> Result<(Vec<u32>, SpecStats), ModelError> {
     let never = |_: &Committed<'_>| Ok::<(), std::convert::Infallible>(());
+    let mut policy = SpecPolicy::fixed(width);
     run(
-        model, prompt, max_new, stop_ids, width, drafter, interrupt, never,
+        model,
+        prompt,
+        max_new,
+        stop_ids,
+        drafter,
+        &mut policy,
+        &WallClock::new(),
+        interrupt,
+        never,
     )
     .map_err(|f| match f {
         Failure::Model(e) => e,
@@ -220,8 +252,37 @@ pub fn generate_speculative_streaming(
     interrupt: &AtomicBool,
     on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
 ) -> Result<(Vec<u32>, SpecStats), SpecError> {
+    let mut policy = SpecPolicy::fixed(width);
+    generate_with_policy(
+        model,
+        prompt,
+        max_new,
+        stop_ids,
+        drafter,
+        &mut policy,
+        &WallClock::new(),
+        interrupt,
+        on_commit,
+    )
+}
+
+/// Speculative generation under a drafting `policy` ([`policy`]: when to draft, how many
+/// drafts to verify), timed by `clock`; every step is reported to `on_commit`. The ids equal
+/// plain greedy decoding exactly, whatever the policy and the drafter do.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_with_policy(
+    model: &K3Model,
+    prompt: &[u32],
+    max_new: usize,
+    stop_ids: &[u32],
+    drafter: &mut dyn Drafter,
+    policy: &mut SpecPolicy,
+    clock: &dyn Clock,
+    interrupt: &AtomicBool,
+    on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
+) -> Result<(Vec<u32>, SpecStats), SpecError> {
     run(
-        model, prompt, max_new, stop_ids, width, drafter, interrupt, on_commit,
+        model, prompt, max_new, stop_ids, drafter, policy, clock, interrupt, on_commit,
     )
     .map_err(|f| match f {
         Failure::Model(e) => SpecError::Model(e),
@@ -235,8 +296,9 @@ fn run<E>(
     prompt: &[u32],
     max_new: usize,
     stop_ids: &[u32],
-    width: usize,
     drafter: &mut dyn Drafter,
+    policy: &mut SpecPolicy,
+    clock: &dyn Clock,
     interrupt: &AtomicBool,
     mut on_commit: impl FnMut(&Committed<'_>) -> Result<(), E>,
 ) -> Result<(Vec<u32>, SpecStats), Failure<E>> {
@@ -245,7 +307,7 @@ fn run<E>(
     if max_new == 0 {
         return Ok((out, stats));
     }
-    let started = Instant::now();
+    let started = clock.now();
     let mut state = model.new_state();
     // Drafters that read K3's hidden states get the taps of every committed position.
     let mut taps = match drafter.tap_layers() {
@@ -269,16 +331,29 @@ fn run<E>(
         ids: &out,
         proposed: 0,
         accepted: 0,
-        duration: started.elapsed(),
+        duration: clock.now().saturating_sub(started),
+        policy: policy.report(),
     })
     .map_err(Failure::Sink)?;
     while out.len() < max_new && !stop_ids.contains(&pending) && !interrupt.load(Ordering::Relaxed)
     {
-        let step = Instant::now();
+        let step = clock.now();
         let room = max_new - out.len();
         // Never propose past the token budget: at most room − 1 drafts, K3 adds one more.
-        let mut drafts = drafter.propose(&history, width.min(room - 1));
-        drafts.truncate(width.min(room - 1));
+        let ask = policy.ask().min(room - 1);
+        let mut drafts = if ask > 0 {
+            drafter.propose(&history, ask)
+        } else {
+            Vec::new()
+        };
+        drafts.truncate(ask);
+        let draft_s = if ask > 0 {
+            clock.now().saturating_sub(step).as_secs_f64()
+        } else {
+            0.0
+        };
+        let keep = policy.cut(drafter.confidence(), drafts.len(), draft_s);
+        drafts.truncate(keep);
         let position = state.position;
         let v = match taps.as_mut() {
             Some(t) => {
@@ -292,6 +367,7 @@ fn run<E>(
         stats.verify_passes += 1;
         stats.proposed += drafts.len();
         stats.accepted += v.accepted;
+        stats.drafting_passes += usize::from(!drafts.is_empty());
         let first = out.len();
         let mut stopped = false;
         for &d in &drafts[..v.accepted] {
@@ -307,11 +383,20 @@ fn run<E>(
             out.push(pending);
             history.push(pending);
         }
+        let duration = clock.now().saturating_sub(step);
+        policy.record(
+            drafts.len(),
+            v.accepted,
+            out.len() - first,
+            duration.as_secs_f64(),
+            draft_s,
+        );
         on_commit(&Committed {
             ids: &out[first..],
             proposed: drafts.len(),
             accepted: v.accepted,
-            duration: step.elapsed(),
+            duration,
+            policy: policy.report(),
         })
         .map_err(Failure::Sink)?;
         if stopped {
@@ -338,7 +423,9 @@ mod tests {
             verify_passes: 4,
             proposed: 10,
             accepted: 6,
+            drafting_passes: 3,
         };
+        assert_eq!(s.mean_accepted_length(), 2.0);
         assert_eq!(s.acceptance_rate(), 0.6);
         assert_eq!(s.tokens_per_pass(), 2.5);
         assert_eq!(SpecStats::default().tokens_per_pass(), 0.0);

@@ -38,7 +38,7 @@ pub struct SpecConfigError {
 }
 
 /// Speculative-decoding settings.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SpecConfig {
     /// `K3_DSPARK` (off|auto|on; default auto).
     pub dspark: DraftMode,
@@ -47,6 +47,11 @@ pub struct SpecConfig {
     pub dspark_max_context: usize,
     /// `K3_SPEC_DEPTH` (1..8, default 8): most drafts per verify pass.
     pub depth: usize,
+    /// `K3_UAG_DRAFT` (off|auto|on; default auto): Qwen drafting for raw completions.
+    pub uag: DraftMode,
+    /// `K3_DSPARK_AUTO_MIN_SPEEDUP` ([0, 1), default 0.03): the speed-up `auto` must measure
+    /// to keep drafting.
+    pub min_speedup: f64,
 }
 
 impl Default for SpecConfig {
@@ -55,12 +60,24 @@ impl Default for SpecConfig {
             dspark: DraftMode::Auto,
             dspark_max_context: DEFAULT_MAX_CONTEXT,
             depth: DEFAULT_DEPTH,
+            uag: DraftMode::Auto,
+            min_speedup: crate::policy::DEFAULT_MIN_SPEEDUP,
         }
     }
 }
 
+fn parse_mode(v: &str) -> Option<DraftMode> {
+    match v {
+        "off" => Some(DraftMode::Off),
+        "auto" => Some(DraftMode::Auto),
+        "on" => Some(DraftMode::On),
+        _ => None,
+    }
+}
+
 impl SpecConfig {
-    /// Read `K3_DSPARK`, `K3_DSPARK_MAX_CONTEXT` and `K3_SPEC_DEPTH` (unset: defaults).
+    /// Read `K3_DSPARK`, `K3_DSPARK_MAX_CONTEXT`, `K3_SPEC_DEPTH`, `K3_UAG_DRAFT` and
+    /// `K3_DSPARK_AUTO_MIN_SPEEDUP` (unset: defaults).
     pub fn from_env() -> Result<SpecConfig, SpecConfigError> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -76,12 +93,21 @@ impl SpecConfig {
             message,
         };
         if let Some(v) = get("K3_DSPARK") {
-            c.dspark = match v.as_str() {
-                "off" => DraftMode::Off,
-                "auto" => DraftMode::Auto,
-                "on" => DraftMode::On,
-                _ => return Err(err("K3_DSPARK", &v, "expected off, auto or on")),
-            };
+            c.dspark =
+                parse_mode(&v).ok_or_else(|| err("K3_DSPARK", &v, "expected off, auto or on"))?;
+        }
+        if let Some(v) = get("K3_UAG_DRAFT") {
+            c.uag = parse_mode(&v)
+                .ok_or_else(|| err("K3_UAG_DRAFT", &v, "expected off, auto or on"))?;
+        }
+        if let Some(v) = get("K3_DSPARK_AUTO_MIN_SPEEDUP") {
+            c.min_speedup = crate::policy::parse_min_speedup(&v).ok_or_else(|| {
+                err(
+                    "K3_DSPARK_AUTO_MIN_SPEEDUP",
+                    &v,
+                    "expected a number in [0, 1), e.g. 0.03",
+                )
+            })?;
         }
         if let Some(v) = get("K3_DSPARK_MAX_CONTEXT") {
             c.dspark_max_context = match v.parse::<usize>() {
@@ -135,6 +161,8 @@ pub struct DsparkDrafter {
     pub last: Option<Proposal>,
     /// Work counters.
     pub stats: DsparkStats,
+    /// `σ(c_r)` of the returned tokens (empty without a confidence head).
+    confidence: Vec<f32>,
 }
 
 impl DsparkDrafter {
@@ -158,6 +186,7 @@ impl DsparkDrafter {
             min_confidence: None,
             last: None,
             stats: DsparkStats::default(),
+            confidence: Vec::new(),
         })
     }
 
@@ -189,6 +218,7 @@ impl Drafter for DsparkDrafter {
     fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
         // The anchor is the newest token, at position history.len() − 1; every earlier
         // position must be in the context.
+        self.confidence.clear();
         let Some(&anchor) = history.last() else {
             return Vec::new();
         };
@@ -215,12 +245,22 @@ impl Drafter for DsparkDrafter {
             None => p.tokens.len(),
         };
         let tokens = p.tokens[..keep.min(p.tokens.len())].to_vec();
+        self.confidence = p
+            .confidence
+            .iter()
+            .take(tokens.len())
+            .map(|&c| deltafin_kernels::sigmoid(c))
+            .collect();
         self.last = Some(p);
         tokens
     }
 
     fn tap_layers(&self) -> &[usize] {
         &self.model.config.target_layer_ids
+    }
+
+    fn confidence(&self) -> &[f32] {
+        &self.confidence
     }
 
     fn observe(&mut self, first_position: usize, taps: &Taps) {
@@ -266,6 +306,8 @@ mod tests {
             ("K3_DSPARK", "on"),
             ("K3_DSPARK_MAX_CONTEXT", "4096"),
             ("K3_SPEC_DEPTH", "3"),
+            ("K3_UAG_DRAFT", "off"),
+            ("K3_DSPARK_AUTO_MIN_SPEEDUP", "0.1"),
         ]))
         .unwrap();
         assert_eq!(
@@ -273,7 +315,9 @@ mod tests {
             SpecConfig {
                 dspark: DraftMode::On,
                 dspark_max_context: 4096,
-                depth: 3
+                depth: 3,
+                uag: DraftMode::Off,
+                min_speedup: 0.1,
             }
         );
         assert_eq!(
@@ -297,6 +341,10 @@ mod tests {
             ("K3_SPEC_DEPTH", "0"),
             ("K3_SPEC_DEPTH", "9"),
             ("K3_SPEC_DEPTH", " 3"),
+            ("K3_UAG_DRAFT", "1"),
+            ("K3_DSPARK_AUTO_MIN_SPEEDUP", "1.0"),
+            ("K3_DSPARK_AUTO_MIN_SPEEDUP", "-0.01"),
+            ("K3_DSPARK_AUTO_MIN_SPEEDUP", "fast"),
         ] {
             let e = SpecConfig::from_lookup(lookup(&[(k, v)])).unwrap_err();
             assert_eq!((e.variable, e.value.as_str()), (k, v));

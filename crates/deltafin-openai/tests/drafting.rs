@@ -1,0 +1,146 @@
+//! The server with drafters (DSpark for chat completions, Qwen for completions, as
+//! `deltafin serve` loads them) answers exactly what the server without drafters answers:
+//! same text, finish reasons, usage, stream frames and stop-sequence cuts.
+
+mod common;
+
+use common::*;
+use deltafin_k3::config::K3Config;
+use deltafin_k3::synth::{
+    QwenSize, SynthDims, SynthSpec, synthesize, synthesize_dspark, synthesize_qwen3,
+};
+use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_openai::{Engine, ServerConfig};
+use deltafin_spec::dspark::{DraftMode, SpecConfig};
+use deltafin_spec::select::{DraftModels, Surfaces};
+use deltafin_spec::uag::synthesize_tokenizer_json;
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+
+fn root() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), 11)).unwrap();
+    let cfg = K3Config::from_file(d.path().join("config.json")).unwrap();
+    synthesize_dspark(&d.path().join("k3-draft-dspark"), 3, &cfg).unwrap();
+    let q = d.path().join("k3-draft-qwen3-0.6b-base");
+    synthesize_qwen3(&q, 5, QwenSize::Small).unwrap();
+    let tok = Tokenizer::from_dir(d.path()).unwrap();
+    std::fs::write(
+        q.join("tokenizer.json"),
+        synthesize_tokenizer_json(&tok, 3000).to_string(),
+    )
+    .unwrap();
+    d
+}
+
+fn start(root: &Path, spec: Option<SpecConfig>) -> TestServer {
+    let root: PathBuf = root.to_path_buf();
+    let s = TestServer::start_with(
+        ServerConfig {
+            port: 0,
+            queue: 8,
+            ..Default::default()
+        },
+        move || {
+            let mut e = Engine::load(&root).map_err(|e| e.to_string())?;
+            if let Some(spec) = spec {
+                let surfaces = Surfaces {
+                    chat: true,
+                    raw: true,
+                };
+                let d = DraftModels::load(&root, &spec, surfaces, &e.model)?;
+                assert!(d.dspark.is_some());
+                assert_eq!(d.qwen.is_some(), spec.dspark != DraftMode::On);
+                e.drafts = Some(d);
+            }
+            Ok(e)
+        },
+    );
+    s.wait_ready();
+    s
+}
+
+/// The response without its per-request id and timestamp.
+fn answer(s: &TestServer, path: &str, body: &Value) -> Value {
+    let r = post_json(s.addr, path, body);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    if body["stream"] == true {
+        let frames: Vec<Value> = r
+            .sse()
+            .iter()
+            .filter(|f| f.as_str() != "[DONE]")
+            .map(|f| {
+                let mut v: Value = serde_json::from_str(f).unwrap();
+                v.as_object_mut().unwrap().remove("id");
+                v.as_object_mut().unwrap().remove("created");
+                v
+            })
+            .collect();
+        return Value::Array(frames);
+    }
+    let mut v = r.json();
+    v.as_object_mut().unwrap().remove("id");
+    v.as_object_mut().unwrap().remove("created");
+    v
+}
+
+#[test]
+fn drafted_responses_equal_plain_responses() {
+    let dir = root();
+    let plain = start(dir.path(), None);
+    let mut bodies = Vec::new();
+    for (prompt, max) in [
+        ("The capital of France is", 12),
+        ("A story:", 24),
+        ("def f(x):", 9),
+    ] {
+        for stream in [false, true] {
+            bodies.push((
+                "/v1/completions",
+                json!({"prompt": prompt, "max_tokens": max, "stream": stream}),
+            ));
+        }
+    }
+    for stream in [false, true] {
+        bodies.push((
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "stream": stream}),
+        ));
+    }
+    let mut want: Vec<Value> = bodies.iter().map(|(p, b)| answer(&plain, p, b)).collect();
+    // Stop sequences cut mid-proposal: take one from the middle of the plain text.
+    let text = want[2]["choices"][0]["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 8, "{text:?}");
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    for stream in [false, true] {
+        let b = json!({"prompt": "A story:", "max_tokens": 24, "stop": stop, "stream": stream});
+        want.push(answer(&plain, "/v1/completions", &b));
+        bodies.push(("/v1/completions", b));
+    }
+    assert_eq!(
+        want.last().unwrap().as_array().unwrap().last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+    drop(plain);
+
+    let configs = [
+        SpecConfig {
+            dspark: DraftMode::On,
+            ..SpecConfig::default()
+        },
+        SpecConfig {
+            dspark: DraftMode::Auto,
+            uag: DraftMode::On,
+            depth: 4,
+            ..SpecConfig::default()
+        },
+        SpecConfig::default(),
+    ];
+    for spec in configs {
+        let s = start(dir.path(), Some(spec.clone()));
+        for ((path, body), w) in bodies.iter().zip(&want) {
+            assert_eq!(&answer(&s, path, body), w, "{spec:?} {path} {body}");
+        }
+    }
+}
