@@ -10,6 +10,7 @@ mod elfdeps;
 mod events;
 mod perplexity;
 mod run;
+mod scale4;
 mod serve;
 mod session;
 mod setup;
@@ -59,6 +60,8 @@ enum Command {
     SetupQwen(setup::SetupQwenArgs),
     /// Transfer spine and/or expert weights.
     FetchWeights(setup::FetchWeightsArgs),
+    /// Write lossless 4-bit scale sidecars of the routed experts (K3SC4V2).
+    ConvertExpertsScale4(scale4::Scale4Args),
 }
 
 /// Options shared by the commands that load the model.
@@ -81,6 +84,7 @@ impl ModelArgs {
     pub fn load_options(&self) -> anyhow::Result<session::LoadOptions> {
         Ok(session::LoadOptions {
             memory_budget: session::resolve_memory_budget(self.memory_budget_gb.as_deref())?,
+            expert_scale4: scale4::Scale4Mode::from_env()?,
         })
     }
 }
@@ -151,6 +155,7 @@ fn main() -> ExitCode {
         Some(Command::SetupDspark(args)) => setup::setup_dspark(&args),
         Some(Command::SetupQwen(args)) => setup::setup_qwen(&args),
         Some(Command::FetchWeights(args)) => setup::fetch_weights(&args),
+        Some(Command::ConvertExpertsScale4(args)) => scale4::convert(&args),
         None => run::run(&cli.run),
     };
     match result {

@@ -5,7 +5,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use deltafin_experts::{DirectIo, PilotGate, StreamOptions};
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
 use deltafin_k3::loader::{
-    EngineOptions, dims_from_config, expert_table, load_model, load_model_with_experts,
+    CheckpointExperts, EngineOptions, dims_from_config, expert_table, load_model_with_experts,
     streaming_experts,
 };
 use deltafin_k3::model::K3Model;
@@ -30,6 +30,8 @@ pub struct Session {
 pub struct LoadOptions {
     /// Whole-process RAM budget in bytes; `None` keeps every expert resident (mmap).
     pub memory_budget: Option<u64>,
+    /// `K3_EXPERT_SCALE4`: where routed experts take their E8M0 scales from.
+    pub expert_scale4: crate::scale4::Scale4Mode,
 }
 
 /// Tokens of KV/state reserved inside a memory budget (capped by the model context).
@@ -201,6 +203,7 @@ pub fn stream_options_from_env(cache_bytes: u64) -> Result<StreamOptions> {
 fn plan_and_load(
     checkpoint: &Arc<Checkpoint>,
     budget: u64,
+    scale4: crate::scale4::Scale4Mode,
 ) -> Result<(K3Model, MemoryPlan, StreamOptions)> {
     let cfg = checkpoint.config();
     let table = expert_table(checkpoint).context("cannot locate the routed experts")?;
@@ -253,8 +256,8 @@ fn plan_and_load(
     };
     let src =
         streaming_experts(checkpoint, opts.clone()).context("cannot set up expert streaming")?;
-    let model =
-        load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), Box::new(src))?;
+    let experts = crate::scale4::wrap_experts(checkpoint, Box::new(src), scale4)?;
+    let model = load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), experts)?;
     Ok((model, plan, opts))
 }
 
@@ -281,13 +284,16 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
     let tokenizer = Tokenizer::from_dir(root)
         .with_context(|| format!("cannot load the tokenizer from {}", root.display()))?;
     let (model, memory) = match opts.memory_budget {
-        None => (
-            load_model(checkpoint.clone(), &EngineOptions::default())
-                .with_context(|| format!("cannot build the model from {}", root.display()))?,
-            None,
-        ),
+        None => {
+            let resident = Box::new(CheckpointExperts::new(checkpoint.clone()));
+            let experts = crate::scale4::wrap_experts(&checkpoint, resident, opts.expert_scale4)?;
+            let model =
+                load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), experts)
+                    .with_context(|| format!("cannot build the model from {}", root.display()))?;
+            (model, None)
+        }
         Some(budget) => {
-            let (model, plan, _) = plan_and_load(&checkpoint, budget)
+            let (model, plan, _) = plan_and_load(&checkpoint, budget, opts.expert_scale4)
                 .with_context(|| format!("cannot build the model from {}", root.display()))?;
             (model, Some(plan))
         }
