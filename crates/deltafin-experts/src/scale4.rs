@@ -438,9 +438,9 @@ pub fn compact_blob(
     enc: &EncodedScales,
 ) -> Vec<u8> {
     let mut b = record_header(layout, layer, expert, enc);
-    for m in 0..3 {
-        b.extend_from_slice(codes[m]);
-        b.extend_from_slice(&enc.deltas[m]);
+    for (c, d) in codes.iter().zip(&enc.deltas) {
+        b.extend_from_slice(c);
+        b.extend_from_slice(d);
     }
     b
 }
@@ -572,10 +572,10 @@ impl RawSource {
             }
         };
         let mut out: [Vec<u8>; 3] = Default::default();
-        for m in 0..3 {
+        for (m, o) in out.iter_mut().enumerate() {
             let (off, len) = loc.ranges[2 * m + 1];
-            out[m] = vec![0u8; len as usize];
-            f.read_exact_at(&mut out[m], off).map_err(io(off, len))?;
+            *o = vec![0u8; len as usize];
+            f.read_exact_at(o, off).map_err(io(off, len))?;
         }
         Ok(out)
     }
