@@ -57,6 +57,8 @@ pub struct ConvertReport {
     pub experts: usize,
     pub sidecar_bytes_written: u64,
     pub raw_scale_bytes_read: u64,
+    /// Raw expert bytes the converted layers stand for (codes + scales).
+    pub expert_bytes_covered: u64,
     pub seconds: f64,
     /// The sequential-read probe of the first source file: (file, bytes, GB/s).
     pub probe: Option<(PathBuf, u64, f64)>,
@@ -156,19 +158,21 @@ pub fn convert(args: &Scale4Args) -> Result<ExitCode> {
     let mb = |b: u64| b as f64 / 1e6;
     let s = r.seconds.max(1e-9);
     println!(
-        "scale4: {} layers converted, {} verified and kept, {} experts; wrote {:.1} MB of sidecars in {:.2} s ({:.1} MB/s), read {:.1} MB of raw scales (with verification, {:.1} MB/s)",
+        "scale4: {} layers converted, {} verified and kept, {} experts; wrote {:.1} MB of sidecars in {:.2} s ({:.1} MB/s) for {:.1} MB of raw experts ({:.1} MB/s), read {:.1} MB of raw scales (with verification, {:.1} MB/s)",
         r.layers_converted,
         r.layers_verified_and_skipped,
         r.experts,
         mb(r.sidecar_bytes_written),
         r.seconds,
         mb(r.sidecar_bytes_written) / s,
+        mb(r.expert_bytes_covered),
+        mb(r.expert_bytes_covered) / s,
         mb(r.raw_scale_bytes_read),
         mb(r.raw_scale_bytes_read) / s,
     );
     if let Some((file, bytes, gbps)) = &r.probe {
         println!(
-            "scale4: sequential read probe of {}: {:.1} MB at {:.1} MB/s (conversion reads only the scale bytes, 1/17 of each expert)",
+            "scale4: sequential read probe of {}: {:.1} MB at {:.1} MB/s (conversion reads only the scale bytes of each expert)",
             file.display(),
             mb(*bytes),
             gbps * 1e3
@@ -244,6 +248,7 @@ pub fn convert_with(args: &Scale4Args, stop_after: Option<usize>) -> Result<Conv
         experts: 0,
         sidecar_bytes_written: 0,
         raw_scale_bytes_read: 0,
+        expert_bytes_covered: 0,
         seconds: 0.0,
         probe: None,
     };
@@ -282,6 +287,7 @@ pub fn convert_with(args: &Scale4Args, stop_after: Option<usize>) -> Result<Conv
         let sha = scale4::convert_layer(&out, &layout, l, &raw, workers, &|n| bar.inc(n))?;
         report.layers_converted += 1;
         report.sidecar_bytes_written += layout.file_bytes();
+        report.expert_bytes_covered += layout.shape.expert_bytes() * layout.num_experts as u64;
         report.raw_scale_bytes_read += 2 * per_expert * layout.num_experts as u64;
         shas.push((l, sha));
     }
@@ -289,7 +295,16 @@ pub fn convert_with(args: &Scale4Args, stop_after: Option<usize>) -> Result<Conv
     report.experts = layers.len() * layout.num_experts;
     Scale4Manifest::new(&layout, config_sha256(root)?, &shas).write(&out)?;
     report.seconds = t0.elapsed().as_secs_f64();
-    if let Some(first) = raw.table.files.first() {
+    // The largest source file (the first of many per-expert files, which are all alike).
+    let probe_file = if raw.table.files.len() <= RawSource::MAX_OPEN {
+        raw.table
+            .files
+            .iter()
+            .max_by_key(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
+    } else {
+        raw.table.files.first()
+    };
+    if let Some(first) = probe_file {
         let opts = ProbeOptions {
             sequential_bytes: 256 << 20,
             sequential_chunk: 8 << 20,
