@@ -11,6 +11,7 @@ mod elfdeps;
 mod events;
 mod perplexity;
 mod run;
+mod scale4;
 mod serve;
 mod session;
 mod setup;
@@ -64,6 +65,8 @@ enum Command {
     /// Rank routed experts from router traces and the heat histogram; optionally fetch the
     /// best-ranked missing ones.
     WarmExpertCache(warm::WarmArgs),
+    /// Write lossless 4-bit scale sidecars of the routed experts (K3SC4V2).
+    ConvertExpertsScale4(scale4::Scale4Args),
 }
 
 /// Options shared by the commands that load the model.
@@ -97,6 +100,7 @@ impl ModelArgs {
             memory_budget: session::resolve_memory_budget(self.memory_budget_gb.as_deref())?,
             device: device::resolve_device(self.device.as_deref())?,
             expert_backend: device::resolve_expert_backend(self.expert_backend.as_deref())?,
+            expert_scale4: scale4::Scale4Mode::from_env()?,
         })
     }
 }
@@ -172,6 +176,7 @@ fn main() -> ExitCode {
         Some(Command::SetupQwen(args)) => setup::setup_qwen(&args),
         Some(Command::FetchWeights(args)) => setup::fetch_weights(&args),
         Some(Command::WarmExpertCache(args)) => warm::warm_expert_cache(&args),
+        Some(Command::ConvertExpertsScale4(args)) => scale4::convert(&args),
         None => run::run(&cli.run),
     };
     match result {

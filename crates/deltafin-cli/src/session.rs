@@ -6,7 +6,7 @@ use deltafin_experts::heat::{self, HeatDims, HeatRecorder, HeatTable};
 use deltafin_experts::{DirectIo, PilotGate, RouterTrace, StreamOptions, TraceMode};
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
 use deltafin_k3::loader::{
-    EngineOptions, dims_from_config, expert_table, load_model, load_model_with_experts,
+    CheckpointExperts, EngineOptions, dims_from_config, expert_table, load_model_with_experts,
     streaming_experts,
 };
 use deltafin_k3::model::K3Model;
@@ -35,6 +35,8 @@ pub struct LoadOptions {
     pub device: crate::device::DeviceRequest,
     /// `--expert-backend` / `K3_MOE`.
     pub expert_backend: crate::device::ExpertBackendRequest,
+    /// `K3_EXPERT_SCALE4`: where routed experts take their E8M0 scales from.
+    pub expert_scale4: crate::scale4::Scale4Mode,
 }
 
 /// Tokens of KV/state reserved inside a memory budget (capped by the model context).
@@ -245,6 +247,7 @@ fn plan_and_load(
     budget: u64,
     pin: u64,
     learned: &HeatTable,
+    scale4: crate::scale4::Scale4Mode,
 ) -> Result<(K3Model, MemoryPlan, StreamOptions)> {
     let cfg = checkpoint.config();
     let table = expert_table(checkpoint).context("cannot locate the routed experts")?;
@@ -317,8 +320,8 @@ fn plan_and_load(
             .collect();
         src.seed_heat(&rates, (d.layers * d.top_k) as f64);
     }
-    let model =
-        load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), Box::new(src))?;
+    let experts = crate::scale4::wrap_experts(checkpoint, Box::new(src), scale4)?;
+    let model = load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), experts)?;
     Ok((model, plan, opts))
 }
 
@@ -365,14 +368,21 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
                     "deltafin: note: K3_EXPERT_PIN_GB has no effect without a memory budget: every expert is resident"
                 );
             }
-            (
-                load_model(checkpoint.clone(), &EngineOptions::default())
-                    .with_context(|| format!("cannot build the model from {}", root.display()))?,
-                None,
-            )
+            let resident = Box::new(CheckpointExperts::new(checkpoint.clone()));
+            let experts = crate::scale4::wrap_experts(&checkpoint, resident, opts.expert_scale4)?;
+            let model =
+                load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), experts)
+                    .with_context(|| format!("cannot build the model from {}", root.display()))?;
+            (model, None)
         }
         Some(budget) => {
-            let (model, plan, _) = plan_and_load(&checkpoint, budget, heat_cfg.pin_bytes, &learned)
+            let (model, plan, _) = plan_and_load(
+                &checkpoint,
+                budget,
+                heat_cfg.pin_bytes,
+                &learned,
+                opts.expert_scale4,
+            )
                 .with_context(|| format!("cannot build the model from {}", root.display()))?;
             (model, Some(plan))
         }

@@ -9,6 +9,7 @@
 //! - [`StreamingExperts`]: positional reads (`pread`, O_DIRECT on Linux when the filesystem
 //!   allows it) by a bounded pool of I/O threads into aligned, reused buffers, an expert cache
 //!   under a byte budget with a decayed-heat policy, and PILOT next-layer prefetch.
+//! - [`scale4`]: lossless 4-bit scale sidecars (`K3SC4V2`) and the source that reads them.
 //! - [`probe`]: the read-bandwidth probe (same read path) that throughput is reported against.
 
 pub mod buffer;
@@ -18,6 +19,7 @@ pub mod layout;
 pub mod policy;
 pub mod probe;
 pub mod rank;
+pub mod scale4;
 pub mod stats;
 pub mod stream;
 pub mod trace;

@@ -140,6 +140,11 @@ impl Mxfp4Matrix {
     pub fn cols(&self) -> usize {
         self.cols
     }
+    /// The same E2M1 codes (shared, not copied) with other E8M0 scales, validated as
+    /// [`Mxfp4Matrix::new`] does.
+    pub fn with_scales(&self, name: &str, scales: Bytes) -> Result<Mxfp4Matrix, TensorError> {
+        Mxfp4Matrix::new(name, self.packed.clone(), scales, self.rows, self.cols)
+    }
     pub fn packed(&self) -> &[u8] {
         self.packed.as_slice()
     }
