@@ -281,6 +281,25 @@ fn demo(out: &std::path::Path, max_new: usize, run_args: &[String]) -> Result<()
         summary(&r);
     }
     let exe = root.join("target/release/deltafin");
+    if deltafin_k3::spine_int8::int8_spine_present(&out) {
+        println!("int8 spine present at {}", out.display());
+    } else {
+        // The default spine (`--spine auto`) is row-int8: convert it once.
+        println!(
+            "running {} convert-spine-int8 --model-root {}",
+            exe.display(),
+            out.display()
+        );
+        let status = std::process::Command::new(&exe)
+            .arg("convert-spine-int8")
+            .arg("--model-root")
+            .arg(&out)
+            .status()
+            .with_context(|| format!("cannot run {}", exe.display()))?;
+        if !status.success() {
+            bail!("deltafin convert-spine-int8 failed ({status})");
+        }
+    }
     let mut cmd = std::process::Command::new(&exe);
     cmd.arg("run")
         .arg("--model-root")

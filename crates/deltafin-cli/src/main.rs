@@ -5,6 +5,7 @@
 
 mod benchmark;
 mod buildinfo;
+mod convert;
 mod doctor;
 mod elfdeps;
 mod events;
@@ -59,6 +60,8 @@ enum Command {
     SetupQwen(setup::SetupQwenArgs),
     /// Transfer spine and/or expert weights.
     FetchWeights(setup::FetchWeightsArgs),
+    /// Quantize the BF16 spine to the row-int8 spine (the default; not weight-exact).
+    ConvertSpineInt8(convert::ConvertSpineInt8Args),
 }
 
 /// Options shared by the commands that load the model.
@@ -74,6 +77,10 @@ pub struct ModelArgs {
     /// expert cache of what remains.
     #[arg(long, value_name = "GB")]
     pub memory_budget_gb: Option<String>,
+    /// Spine format: auto or int8 (row-int8, quantized; needs `deltafin convert-spine-int8`),
+    /// bf16 (the original weights, weight-exact) [env: K3_SPINE; default: auto = int8].
+    #[arg(long, value_name = "FORMAT")]
+    pub spine: Option<String>,
 }
 
 impl ModelArgs {
@@ -81,6 +88,7 @@ impl ModelArgs {
     pub fn load_options(&self) -> anyhow::Result<session::LoadOptions> {
         Ok(session::LoadOptions {
             memory_budget: session::resolve_memory_budget(self.memory_budget_gb.as_deref())?,
+            spine: session::resolve_spine(self.spine.as_deref())?,
         })
     }
 }
@@ -151,6 +159,7 @@ fn main() -> ExitCode {
         Some(Command::SetupDspark(args)) => setup::setup_dspark(&args),
         Some(Command::SetupQwen(args)) => setup::setup_qwen(&args),
         Some(Command::FetchWeights(args)) => setup::fetch_weights(&args),
+        Some(Command::ConvertSpineInt8(args)) => convert::convert_spine_int8(&args),
         None => run::run(&cli.run),
     };
     match result {

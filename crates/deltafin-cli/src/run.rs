@@ -70,6 +70,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         load_seconds,
         checkpoint,
         memory,
+        spine,
     } = session::load_with(&args.model.model_root, &load_opts)?;
     session::report_memory_plan(&model, memory.as_ref());
     if let Some(p) = &args.router_trace {
@@ -122,8 +123,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .map(|m| m.to_string())
         .unwrap_or_else(|| "none".into());
     eprintln!(
-        "[deltafin] surface={surface} {} spine=bf16 model_root={} prompt_tokens={} reasoning_effort={effort_text} max_new={max_new_text} top_logits={top_n} dspark={} load={load_seconds:.2}s",
+        "[deltafin] surface={surface} {} spine={} model_root={} prompt_tokens={} reasoning_effort={effort_text} max_new={max_new_text} top_logits={top_n} dspark={} load={load_seconds:.2}s",
         session::backend_description(),
+        spine.as_str(),
         args.model.model_root.display(),
         prompt_ids.len(),
         match spec.dspark {

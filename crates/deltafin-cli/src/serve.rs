@@ -114,6 +114,9 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     }
     session::check_kernels()?;
     let load_options = args.model.load_options()?;
+    let spine = load_options.spine;
+    // Fail at startup, not in the background loader, when the int8 spine is missing.
+    session::check_spine(&args.model.model_root, spine)?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
     let cfg = ServerConfig {
@@ -146,8 +149,9 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         .await?;
         let addr = server.local_addr()?;
         deltafin_openai::log_line!(
-            "[deltafin serve] surface=server {} spine=bf16 model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={effort} ({effort_source})",
+            "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={effort} ({effort_source})",
             session::backend_description(),
+            spine.as_str(),
             args.model.model_root.display(),
             cfg.host,
             addr.port(),

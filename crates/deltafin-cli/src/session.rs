@@ -9,6 +9,7 @@ use deltafin_k3::loader::{
     streaming_experts,
 };
 use deltafin_k3::model::K3Model;
+use deltafin_k3::spine_int8::{SpineChoice, SpineFormat, quantized_tensors};
 use deltafin_k3::tokenizer::Tokenizer;
 use std::path::Path;
 use std::sync::Arc;
@@ -23,6 +24,8 @@ pub struct Session {
     pub load_seconds: f64,
     /// The memory split when experts stream under a budget (`None`: resident experts).
     pub memory: Option<MemoryPlan>,
+    /// The spine the model multiplies with.
+    pub spine: SpineFormat,
 }
 
 /// How the model is loaded.
@@ -30,6 +33,26 @@ pub struct Session {
 pub struct LoadOptions {
     /// Whole-process RAM budget in bytes; `None` keeps every expert resident (mmap).
     pub memory_budget: Option<u64>,
+    /// The spine format (`--spine` / `K3_SPINE`; the CLI default `auto` is int8).
+    pub spine: SpineFormat,
+}
+
+/// The spine from `--spine`, else `K3_SPINE`, else `auto` (= int8). Both are parsed
+/// strictly; `mixed` is rejected with its reason.
+pub fn resolve_spine(flag: Option<&str>) -> Result<SpineFormat> {
+    let env = env_var("K3_SPINE")?
+        .map(|v| {
+            v.parse::<SpineChoice>()
+                .map_err(|e| anyhow!("environment variable K3_SPINE: {e}"))
+        })
+        .transpose()?;
+    let choice = match flag {
+        Some(f) => f
+            .parse::<SpineChoice>()
+            .map_err(|e| anyhow!("--spine: {e}"))?,
+        None => env.unwrap_or_default(),
+    };
+    Ok(choice.format())
 }
 
 /// Tokens of KV/state reserved inside a memory budget (capped by the model context).
@@ -201,6 +224,7 @@ pub fn stream_options_from_env(cache_bytes: u64) -> Result<StreamOptions> {
 fn plan_and_load(
     checkpoint: &Arc<Checkpoint>,
     budget: u64,
+    engine: &EngineOptions,
 ) -> Result<(K3Model, MemoryPlan, StreamOptions)> {
     let cfg = checkpoint.config();
     let table = expert_table(checkpoint).context("cannot locate the routed experts")?;
@@ -212,7 +236,14 @@ fn plan_and_load(
             .with_context(|| format!("cannot stat {}", p.display()))?
             .len();
     }
-    let spine = file_bytes.saturating_sub(expert_bytes * experts as u64);
+    let mut spine = file_bytes.saturating_sub(expert_bytes * experts as u64);
+    if engine.spine == SpineFormat::Int8 {
+        // The quantized matrices are read from the int8 files instead of the shards.
+        for t in quantized_tensors(cfg) {
+            let (rows, cols) = (t.shape[0] as u64, t.shape[1] as u64);
+            spine = spine.saturating_sub(t.byte_len() as u64) + rows * cols + rows * 2;
+        }
+    }
     let dims = dims_from_config(cfg, &EngineOptions::default());
     let context_tokens = cfg.text.max_position_embeddings.min(CONTEXT_RESERVE_TOKENS);
     let state = (dims.kda_state_bytes() + context_tokens * dims.mla_cache_bytes_per_token()) as u64;
@@ -253,9 +284,21 @@ fn plan_and_load(
     };
     let src =
         streaming_experts(checkpoint, opts.clone()).context("cannot set up expert streaming")?;
-    let model =
-        load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), Box::new(src))?;
+    let model = load_model_with_experts(checkpoint.clone(), engine, Box::new(src))?;
     Ok((model, plan, opts))
+}
+
+/// With the int8 spine requested, fail unless `k3-resident-int8/` exists under `root` (with
+/// the message that says how to convert it or to pass `--spine bf16`).
+pub fn check_spine(root: &Path, spine: SpineFormat) -> Result<()> {
+    if spine == SpineFormat::Int8 && !deltafin_k3::spine_int8::int8_spine_present(root) {
+        return Err(deltafin_k3::spine_int8::SpineError::NotConverted {
+            dir: deltafin_k3::spine_int8::tensor_dir(root),
+            root: root.to_path_buf(),
+        }
+        .into());
+    }
+    Ok(())
 }
 
 /// Open and validate the install at `root`; without a memory budget every expert stays
@@ -273,6 +316,7 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
             root.display()
         );
     }
+    check_spine(root, opts.spine)?;
     let t = Instant::now();
     let checkpoint = Arc::new(
         Checkpoint::open(root)
@@ -280,14 +324,18 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
     );
     let tokenizer = Tokenizer::from_dir(root)
         .with_context(|| format!("cannot load the tokenizer from {}", root.display()))?;
+    let engine = EngineOptions {
+        spine: opts.spine,
+        ..EngineOptions::default()
+    };
     let (model, memory) = match opts.memory_budget {
         None => (
-            load_model(checkpoint.clone(), &EngineOptions::default())
+            load_model(checkpoint.clone(), &engine)
                 .with_context(|| format!("cannot build the model from {}", root.display()))?,
             None,
         ),
         Some(budget) => {
-            let (model, plan, _) = plan_and_load(&checkpoint, budget)
+            let (model, plan, _) = plan_and_load(&checkpoint, budget, &engine)
                 .with_context(|| format!("cannot build the model from {}", root.display()))?;
             (model, Some(plan))
         }
@@ -305,6 +353,7 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
         checkpoint,
         load_seconds: t.elapsed().as_secs_f64(),
         memory,
+        spine: opts.spine,
     })
 }
 
