@@ -337,6 +337,7 @@ fn ctrl_c_stops_at_a_token_boundary_and_closes_the_events_file() {
             "--events-jsonl",
         ])
         .arg(&ev_path)
+        .env("K3_SPINE", "bf16")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
