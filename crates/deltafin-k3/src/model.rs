@@ -80,6 +80,8 @@ impl From<deltafin_experts::ExpertError> for ModelError {
 
 /// The attention block of a layer.
 #[derive(Clone, Debug)]
+// Built once per layer: boxing the larger variant would only add an indirection.
+#[allow(clippy::large_enum_variant)]
 pub enum Attention {
     /// Kimi Delta Attention.
     Kda(KdaWeights),
@@ -89,6 +91,8 @@ pub enum Attention {
 
 /// The feed-forward block of a layer.
 #[derive(Clone, Debug)]
+// Built once per layer: boxing the larger variant would only add an indirection.
+#[allow(clippy::large_enum_variant)]
 pub enum Ffn {
     /// Dense SiTU-GLU MLP (layer 0).
     Dense(DenseMlp),

@@ -442,10 +442,18 @@ fn lock(dir: &Path) -> Result<Lock, SpineError> {
         .write(true)
         .open(&path)
         .map_err(io_err(&path))?;
-    match file.try_lock() {
-        Ok(()) => Ok(Lock { _file: file }),
-        Err(std::fs::TryLockError::WouldBlock) => Err(SpineError::Locked { path }),
-        Err(std::fs::TryLockError::Error(e)) => Err(io_err(&path)(e)),
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock(2) on a descriptor this function owns; the lock lives as long as `file`
+    // (and is released by the kernel when the process exits, e.g. when it is killed).
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(Lock { _file: file });
+    }
+    let e = std::io::Error::last_os_error();
+    if e.kind() == std::io::ErrorKind::WouldBlock {
+        Err(SpineError::Locked { path })
+    } else {
+        Err(io_err(&path)(e))
     }
 }
 
