@@ -326,7 +326,7 @@ fn map_file(name: &str, path: &Path) -> Result<Bytes, SpineError> {
         return Ok(Bytes::from_vec(Vec::new()));
     }
     // SAFETY: the file is opened read-only; like the shards, the spine files must not be
-    // modified while the model runs (documented in docs/OPERATIONS.md).
+    // modified while a model runs (docs/OPERATIONS.md, "The row-int8 spine").
     let mmap =
         unsafe { memmap2::Mmap::map(&file) }.map_err(|e| tensor_err(name, path, e.to_string()))?;
     Ok(Bytes::from_owner(Arc::new(mmap)))
