@@ -3,6 +3,8 @@
 //! - `cargo xtask synth --preset tiny|mini|stream [--ram-gb N] [--seed N] --out DIR [dims]`
 //! - `cargo xtask synth-dspark --target DIR --out DIR [--seed N]`
 //! - `cargo xtask synth-qwen3 --size 0.6b|1.7b --out DIR [--seed N] [--tokenizer-from K3_DIR]`
+//! - `cargo xtask spine-quality --model-root DIR [--convert] [--json]`: the int8-vs-bf16
+//!   quality report (docs/NUMERICS.md)
 
 mod stream_bench;
 
@@ -121,6 +123,18 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// The int8-vs-bf16 quality report on a checkpoint whose int8 spine is converted:
+    /// weight rel-RMS, logit rel-L2, greedy agreement and NLL over teacher-forced texts.
+    SpineQuality {
+        #[arg(long)]
+        model_root: PathBuf,
+        /// Convert the int8 spine first when it is absent.
+        #[arg(long)]
+        convert: bool,
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write a synthetic Qwen3 Base draft.
     SynthQwen3 {
         #[arg(long, value_enum)]
@@ -134,6 +148,70 @@ enum Cmd {
         #[arg(long, value_name = "K3_DIR")]
         tokenizer_from: Option<PathBuf>,
     },
+}
+
+/// The texts the quality report scores teacher-forced (raw encoding, no BOS).
+const QUALITY_TEXTS: [&str; 4] = [
+    "The capital of France is Paris, and the capital of Germany is Berlin. Both cities lie on rivers.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "In 1905 Albert Einstein published four papers that changed physics: on the photoelectric effect, Brownian motion, special relativity and mass-energy equivalence.",
+    "月が綺麗ですね。今日はとても良い天気で、公園には多くの人が散歩をしていました。",
+];
+
+fn spine_quality(root: &std::path::Path, convert: bool, json: bool) -> Result<()> {
+    use deltafin_k3::spine_int8::{ConvertOptions, convert_spine, int8_spine_present};
+    let ckpt = std::sync::Arc::new(
+        deltafin_k3::checkpoint::Checkpoint::open(root)
+            .with_context(|| format!("opening {}", root.display()))?,
+    );
+    if !int8_spine_present(root) {
+        if !convert {
+            bail!(
+                "{} has no int8 spine: pass --convert or run `deltafin convert-spine-int8`",
+                root.display()
+            );
+        }
+        let r = convert_spine(&ckpt, &ConvertOptions::default(), &mut |_| {})?;
+        eprintln!(
+            "converted {} tensors: read {:.3} GB in {:.2} s ({:.3} GB/s)",
+            r.converted,
+            r.read_bytes as f64 / 1e9,
+            r.seconds,
+            r.read_bytes as f64 / 1e9 / r.seconds.max(1e-9)
+        );
+    }
+    let tok = deltafin_k3::tokenizer::Tokenizer::from_dir(root)
+        .with_context(|| format!("tokenizer of {}", root.display()))?;
+    let seqs: Vec<Vec<u32>> = QUALITY_TEXTS
+        .iter()
+        .map(|t| tok.encode_ordinary(t))
+        .collect();
+    let r = deltafin_k3::spine_quality::quality_report(ckpt, &seqs)?;
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!("int8 vs bf16 on {}", root.display());
+    println!(
+        "  weight rel-RMS: mean {:.4}%, max {:.4}% ({}), {} tensors",
+        100.0 * r.weight_rel_rms_mean,
+        100.0 * r.weight_rel_rms_max,
+        r.worst_tensor,
+        r.tensors
+    );
+    println!(
+        "  logit rel-L2 over {} positions: mean {:.4}, median {:.4}, max {:.4}",
+        r.positions, r.logit_rel_l2_mean, r.logit_rel_l2_median, r.logit_rel_l2_max
+    );
+    println!(
+        "  top-1 (greedy) agreement: {:.2}%",
+        100.0 * r.top1_agreement
+    );
+    println!(
+        "  mean NLL: bf16 {:.4}, int8 {:.4} nats (mean |Δ| per position {:.4})",
+        r.nll_bf16, r.nll_int8, r.nll_abs_diff_mean
+    );
+    Ok(())
 }
 
 fn summary(r: &SynthReport) {
@@ -158,6 +236,11 @@ fn main() -> Result<()> {
                 model_root.join(deltafin_k3::loader::EXPERT_DIR).display()
             );
         }
+        Cmd::SpineQuality {
+            model_root,
+            convert,
+            json,
+        } => spine_quality(&model_root, convert, json)?,
         Cmd::CacheCurve {
             layers,
             experts,
@@ -299,6 +382,25 @@ fn demo(out: &std::path::Path, max_new: usize, run_args: &[String]) -> Result<()
         summary(&r);
     }
     let exe = root.join("target/release/deltafin");
+    if deltafin_k3::spine_int8::int8_spine_present(&out) {
+        println!("int8 spine present at {}", out.display());
+    } else {
+        // The default spine (`--spine auto`) is row-int8: convert it once.
+        println!(
+            "running {} convert-spine-int8 --model-root {}",
+            exe.display(),
+            out.display()
+        );
+        let status = std::process::Command::new(&exe)
+            .arg("convert-spine-int8")
+            .arg("--model-root")
+            .arg(&out)
+            .status()
+            .with_context(|| format!("cannot run {}", exe.display()))?;
+        if !status.success() {
+            bail!("deltafin convert-spine-int8 failed ({status})");
+        }
+    }
     let mut cmd = std::process::Command::new(&exe);
     cmd.arg("run")
         .arg("--model-root")

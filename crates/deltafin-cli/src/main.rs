@@ -5,6 +5,7 @@
 
 mod benchmark;
 mod buildinfo;
+mod convert;
 mod device;
 mod doctor;
 mod elfdeps;
@@ -67,6 +68,8 @@ enum Command {
     WarmExpertCache(warm::WarmArgs),
     /// Write lossless 4-bit scale sidecars of the routed experts (K3SC4V2).
     ConvertExpertsScale4(scale4::Scale4Args),
+    /// Quantize the BF16 spine to the row-int8 spine (the default; not weight-exact).
+    ConvertSpineInt8(convert::ConvertSpineInt8Args),
 }
 
 /// Options shared by the commands that load the model.
@@ -91,6 +94,10 @@ pub struct ModelArgs {
     /// = follow --device].
     #[arg(long, value_name = "BACKEND")]
     pub expert_backend: Option<String>,
+    /// Spine format: auto or int8 (row-int8, quantized; needs `deltafin convert-spine-int8`),
+    /// bf16 (the original weights, weight-exact) [env: K3_SPINE; default: auto = int8].
+    #[arg(long, value_name = "FORMAT")]
+    pub spine: Option<String>,
 }
 
 impl ModelArgs {
@@ -101,6 +108,7 @@ impl ModelArgs {
             device: device::resolve_device(self.device.as_deref())?,
             expert_backend: device::resolve_expert_backend(self.expert_backend.as_deref())?,
             expert_scale4: scale4::Scale4Mode::from_env()?,
+            spine: session::resolve_spine(self.spine.as_deref())?,
         })
     }
 }
@@ -177,6 +185,7 @@ fn main() -> ExitCode {
         Some(Command::FetchWeights(args)) => setup::fetch_weights(&args),
         Some(Command::WarmExpertCache(args)) => warm::warm_expert_cache(&args),
         Some(Command::ConvertExpertsScale4(args)) => scale4::convert(&args),
+        Some(Command::ConvertSpineInt8(args)) => convert::convert_spine_int8(&args),
         None => run::run(&cli.run),
     };
     match result {

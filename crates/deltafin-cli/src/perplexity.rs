@@ -38,8 +38,9 @@ pub fn perplexity(args: &PerplexityArgs) -> Result<ExitCode> {
     }
     let chunk = usize::try_from(args.chunk).unwrap_or(512);
     eprintln!(
-        "[deltafin] perplexity {} spine=bf16 model_root={} tokens={} chunk={chunk}",
+        "[deltafin] perplexity {} spine={} model_root={} tokens={} chunk={chunk}",
         session::backend_description(),
+        s.spine.as_str(),
         args.model.model_root.display(),
         tokens.len()
     );

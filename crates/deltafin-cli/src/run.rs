@@ -82,6 +82,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         load_seconds,
         checkpoint,
         memory,
+        spine,
     } = session::load_with(&args.model.model_root, &load_opts)?;
     let tokenizer = Arc::new(tokenizer);
     // Drafters: none when --top-logits asks for every distribution (auto modes yield).
@@ -147,8 +148,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .choose(&model, &tokenizer, args.chat)
         .map_err(|e| anyhow!("{e}"))?;
     eprintln!(
-        "[deltafin] surface={surface} {} spine=bf16 model_root={} prompt_tokens={} reasoning_effort={effort_text} max_new={max_new_text} top_logits={top_n} {} drafter={} load={load_seconds:.2}s",
+        "[deltafin] surface={surface} {} spine={} model_root={} prompt_tokens={} reasoning_effort={effort_text} max_new={max_new_text} top_logits={top_n} {} drafter={} load={load_seconds:.2}s",
         session::backend_description(),
+        spine.as_str(),
         args.model.model_root.display(),
         prompt_ids.len(),
         drafts.describe(),

@@ -126,6 +126,9 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         args.router_trace_mode.as_deref(),
         &args.model.model_root,
     )?;
+    let spine = load_options.spine;
+    // Fail at startup, not in the background loader, when the int8 spine is missing.
+    session::check_spine(&args.model.model_root, spine)?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
     let spec = deltafin_spec::dspark::SpecConfig::from_env().map_err(|e| anyhow!("{e}"))?;
@@ -168,8 +171,9 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         .await?;
         let addr = server.local_addr()?;
         deltafin_openai::log_line!(
-            "[deltafin serve] surface=server {} spine=bf16 model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={effort} ({effort_source})",
+            "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={effort} ({effort_source})",
             session::backend_description(),
+            spine.as_str(),
             args.model.model_root.display(),
             cfg.host,
             addr.port(),

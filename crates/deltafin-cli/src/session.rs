@@ -10,6 +10,7 @@ use deltafin_k3::loader::{
     streaming_experts,
 };
 use deltafin_k3::model::K3Model;
+use deltafin_k3::spine_int8::{SpineChoice, SpineFormat, quantized_tensors};
 use deltafin_k3::tokenizer::Tokenizer;
 use std::path::Path;
 use std::sync::Arc;
@@ -24,6 +25,8 @@ pub struct Session {
     pub load_seconds: f64,
     /// The memory split when experts stream under a budget (`None`: resident experts).
     pub memory: Option<MemoryPlan>,
+    /// The spine the model multiplies with.
+    pub spine: SpineFormat,
 }
 
 /// How the model is loaded.
@@ -37,6 +40,26 @@ pub struct LoadOptions {
     pub expert_backend: crate::device::ExpertBackendRequest,
     /// `K3_EXPERT_SCALE4`: where routed experts take their E8M0 scales from.
     pub expert_scale4: crate::scale4::Scale4Mode,
+    /// The spine format (`--spine` / `K3_SPINE`; the CLI default `auto` is int8).
+    pub spine: SpineFormat,
+}
+
+/// The spine from `--spine`, else `K3_SPINE`, else `auto` (= int8). Both are parsed
+/// strictly; `mixed` is rejected with its reason.
+pub fn resolve_spine(flag: Option<&str>) -> Result<SpineFormat> {
+    let env = env_var("K3_SPINE")?
+        .map(|v| {
+            v.parse::<SpineChoice>()
+                .map_err(|e| anyhow!("environment variable K3_SPINE: {e}"))
+        })
+        .transpose()?;
+    let choice = match flag {
+        Some(f) => f
+            .parse::<SpineChoice>()
+            .map_err(|e| anyhow!("--spine: {e}"))?,
+        None => env.unwrap_or_default(),
+    };
+    Ok(choice.format())
 }
 
 /// Tokens of KV/state reserved inside a memory budget (capped by the model context).
@@ -248,6 +271,7 @@ fn plan_and_load(
     pin: u64,
     learned: &HeatTable,
     scale4: crate::scale4::Scale4Mode,
+    engine: &EngineOptions,
 ) -> Result<(K3Model, MemoryPlan, StreamOptions)> {
     let cfg = checkpoint.config();
     let table = expert_table(checkpoint).context("cannot locate the routed experts")?;
@@ -259,7 +283,14 @@ fn plan_and_load(
             .with_context(|| format!("cannot stat {}", p.display()))?
             .len();
     }
-    let spine = file_bytes.saturating_sub(expert_bytes * experts as u64);
+    let mut spine = file_bytes.saturating_sub(expert_bytes * experts as u64);
+    if engine.spine == SpineFormat::Int8 {
+        // The quantized matrices are read from the int8 files instead of the shards.
+        for t in quantized_tensors(cfg) {
+            let (rows, cols) = (t.shape[0] as u64, t.shape[1] as u64);
+            spine = spine.saturating_sub(t.byte_len() as u64) + rows * cols + rows * 2;
+        }
+    }
     let dims = dims_from_config(cfg, &EngineOptions::default());
     let context_tokens = cfg.text.max_position_embeddings.min(CONTEXT_RESERVE_TOKENS);
     let state = (dims.kda_state_bytes() + context_tokens * dims.mla_cache_bytes_per_token()) as u64;
@@ -321,8 +352,21 @@ fn plan_and_load(
         src.seed_heat(&rates, (d.layers * d.top_k) as f64);
     }
     let experts = crate::scale4::wrap_experts(checkpoint, Box::new(src), scale4)?;
-    let model = load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), experts)?;
+    let model = load_model_with_experts(checkpoint.clone(), engine, experts)?;
     Ok((model, plan, opts))
+}
+
+/// With the int8 spine requested, fail unless `k3-resident-int8/` exists under `root` (with
+/// the message that says how to convert it or to pass `--spine bf16`).
+pub fn check_spine(root: &Path, spine: SpineFormat) -> Result<()> {
+    if spine == SpineFormat::Int8 && !deltafin_k3::spine_int8::int8_spine_present(root) {
+        return Err(deltafin_k3::spine_int8::SpineError::NotConverted {
+            dir: deltafin_k3::spine_int8::tensor_dir(root),
+            root: root.to_path_buf(),
+        }
+        .into());
+    }
+    Ok(())
 }
 
 /// Open and validate the install at `root`; without a memory budget every expert stays
@@ -341,6 +385,7 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
             root.display()
         );
     }
+    check_spine(root, opts.spine)?;
     let t = Instant::now();
     let checkpoint = Arc::new(
         Checkpoint::open(root)
@@ -361,6 +406,10 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
         HeatTable::empty(dims)
     };
     let candidates = learned.pin_candidates();
+    let engine = EngineOptions {
+        spine: opts.spine,
+        ..EngineOptions::default()
+    };
     let (mut model, memory) = match opts.memory_budget {
         None => {
             if heat_cfg.pin_bytes > 0 {
@@ -370,9 +419,8 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
             }
             let resident = Box::new(CheckpointExperts::new(checkpoint.clone()));
             let experts = crate::scale4::wrap_experts(&checkpoint, resident, opts.expert_scale4)?;
-            let model =
-                load_model_with_experts(checkpoint.clone(), &EngineOptions::default(), experts)
-                    .with_context(|| format!("cannot build the model from {}", root.display()))?;
+            let model = load_model_with_experts(checkpoint.clone(), &engine, experts)
+                .with_context(|| format!("cannot build the model from {}", root.display()))?;
             (model, None)
         }
         Some(budget) => {
@@ -382,8 +430,9 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
                 heat_cfg.pin_bytes,
                 &learned,
                 opts.expert_scale4,
+                &engine,
             )
-                .with_context(|| format!("cannot build the model from {}", root.display()))?;
+            .with_context(|| format!("cannot build the model from {}", root.display()))?;
             (model, Some(plan))
         }
     };
@@ -412,6 +461,7 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
         checkpoint,
         load_seconds: t.elapsed().as_secs_f64(),
         memory,
+        spine: opts.spine,
     })
 }
 

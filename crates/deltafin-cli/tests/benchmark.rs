@@ -50,6 +50,8 @@ fn bench(args: &[&str]) -> Output {
         .arg(model_root())
         .args(args)
         .env_remove("K3_REASONING_EFFORT")
+        // The oracles come from the library's bf16 model; the children inherit the spine.
+        .env("K3_SPINE", "bf16")
         .output()
         .unwrap()
 }

@@ -23,7 +23,11 @@ fn model_root() -> &'static Path {
 
 fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    cmd.args(args).env_remove("K3_REASONING_EFFORT");
+    // The library comparisons here use the weight-exact bf16 model: pin the bf16 spine (the
+    // CLI default is int8; tests/spine.rs covers it). A test's own env may override it.
+    cmd.args(args)
+        .env_remove("K3_REASONING_EFFORT")
+        .env("K3_SPINE", "bf16");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -333,6 +337,7 @@ fn ctrl_c_stops_at_a_token_boundary_and_closes_the_events_file() {
             "--events-jsonl",
         ])
         .arg(&ev_path)
+        .env("K3_SPINE", "bf16")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()

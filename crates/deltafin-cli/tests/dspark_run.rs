@@ -26,6 +26,8 @@ fn deltafin(root: &Path, events: &Path, dspark: &str) -> Output {
         .arg("--events-jsonl")
         .arg(events)
         .env("K3_DSPARK", dspark)
+        // Plain greedy and drafted runs on the weight-exact spine (no conversion needed).
+        .env("K3_SPINE", "bf16")
         .env_remove("K3_REASONING_EFFORT")
         .output()
         .unwrap()

@@ -13,7 +13,9 @@ use std::time::Duration;
 
 fn deltafin() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    cmd.env_remove("K3_REASONING_EFFORT")
+    // Responses are compared with the library's bf16 model: pin the bf16 spine.
+    cmd.env("K3_SPINE", "bf16")
+        .env_remove("K3_REASONING_EFFORT")
         .env_remove("K3_SERVER_QUEUE");
     cmd
 }

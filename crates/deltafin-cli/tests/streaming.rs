@@ -28,6 +28,8 @@ fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
     cmd.args(args)
         .args(["--model-root", &model_root().display().to_string()])
         .env_remove("K3_MEMORY_BUDGET_GB")
+        // Compared with the library's bf16 model (tests/spine.rs covers the int8 default).
+        .env("K3_SPINE", "bf16")
         .env_remove("K3_PILOT_GATE");
     for (k, v) in env {
         cmd.env(k, v);

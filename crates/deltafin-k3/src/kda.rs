@@ -18,19 +18,19 @@
 //! `e^{Γ}` of a long range underflows only towards its true, negligible value.
 
 use crate::dims::ModelDims;
-use deltafin_kernels::{l2_normalize, matmul_bf16, sigmoid, silu};
-use deltafin_tensor::Bf16Matrix;
+use crate::linear::Linear;
+use deltafin_kernels::{l2_normalize, sigmoid, silu};
 use rayon::prelude::*;
 
 /// Weights of one KDA layer (`model.layers.N.self_attn.*`), bf16 matrices and f32 vectors.
 #[derive(Clone, Debug)]
 pub struct KdaWeights {
     /// `q_proj.weight` `[H·d, D]`.
-    pub q_proj: Bf16Matrix,
+    pub q_proj: Linear,
     /// `k_proj.weight` `[H·d, D]`.
-    pub k_proj: Bf16Matrix,
+    pub k_proj: Linear,
     /// `v_proj.weight` `[H·d, D]`.
-    pub v_proj: Bf16Matrix,
+    pub v_proj: Linear,
     /// `q_conv1d.weight` `[H·d, 1, K]` flattened: tap `j` of channel `c` at `c·K + j`.
     pub q_conv: Vec<f32>,
     /// `k_conv1d.weight`, layout as `q_conv`.
@@ -38,22 +38,22 @@ pub struct KdaWeights {
     /// `v_conv1d.weight`, layout as `q_conv`.
     pub v_conv: Vec<f32>,
     /// `f_a_proj.weight` `[r, D]` (gate low-rank down).
-    pub f_a_proj: Bf16Matrix,
+    pub f_a_proj: Linear,
     /// `f_b_proj.weight` `[H·d, r]` (gate low-rank up).
-    pub f_b_proj: Bf16Matrix,
+    pub f_b_proj: Linear,
     /// `b_proj.weight` `[H, D]` (write strength β).
-    pub b_proj: Bf16Matrix,
+    pub b_proj: Linear,
     /// `A_log`: one scalar per head in entries `0..H` (the checkpoint pads to 128 with zeros;
     /// entries past `H` are not read).
     pub a_log: Vec<f32>,
     /// `dt_bias` `[H·d]`.
     pub dt_bias: Vec<f32>,
     /// `g_proj.weight` `[H·d, D]` (full-rank output gate).
-    pub g_proj: Bf16Matrix,
+    pub g_proj: Linear,
     /// `o_norm.weight` `[d]`, shared by all heads.
     pub o_norm: Vec<f32>,
     /// `o_proj.weight` `[D, H·d]`.
-    pub o_proj: Bf16Matrix,
+    pub o_proj: Linear,
 }
 
 /// Per-sequence state of one KDA layer (f32).
@@ -131,11 +131,7 @@ impl KdaWeights {
         let (h, d) = (dims.kda_heads, dims.kda_head_dim);
         let p = h * d;
         let km1 = dims.conv_kernel - 1;
-        let proj = |w: &Bf16Matrix| {
-            let mut out = vec![0f32; t * w.rows()];
-            matmul_bf16(w, y, t, &mut out);
-            out
-        };
+        let proj = |w: &Linear| w.apply(y, t);
         let (qt, kt, vt) = (proj(&self.q_proj), proj(&self.k_proj), proj(&self.v_proj));
         let (hq, rest) = state.conv.split_at_mut(km1 * p);
         let (hk, hv) = rest.split_at_mut(km1 * p);
@@ -146,7 +142,7 @@ impl KdaWeights {
 
         let fa = proj(&self.f_a_proj);
         let mut g = vec![0f32; t * p];
-        matmul_bf16(&self.f_b_proj, &fa, t, &mut g);
+        self.f_b_proj.matmul(&fa, t, &mut g);
         for row in g.chunks_exact_mut(p) {
             for (c, gc) in row.iter_mut().enumerate() {
                 let a = self.a_log[c / d].exp();
@@ -189,7 +185,7 @@ impl KdaWeights {
             }
         }
         let mut out = vec![0f32; t * self.o_proj.rows()];
-        matmul_bf16(&self.o_proj, &o, t, &mut out);
+        self.o_proj.matmul(&o, t, &mut out);
         out
     }
 
@@ -469,20 +465,20 @@ pub(crate) mod tests {
         let mut a_log = rng.vec(h, 1.0);
         a_log.extend(std::iter::repeat_n(0.0, 3)); // padding entries are never read
         KdaWeights {
-            q_proj: rng.bf16_matrix(p, dm),
-            k_proj: rng.bf16_matrix(p, dm),
-            v_proj: rng.bf16_matrix(p, dm),
+            q_proj: rng.bf16_matrix(p, dm).into(),
+            k_proj: rng.bf16_matrix(p, dm).into(),
+            v_proj: rng.bf16_matrix(p, dm).into(),
             q_conv: taps(rng),
             k_conv: taps(rng),
             v_conv: taps(rng),
-            f_a_proj: rng.bf16_matrix(4, dm),
-            f_b_proj: rng.bf16_matrix(p, 4),
-            b_proj: rng.bf16_matrix(h, dm),
+            f_a_proj: rng.bf16_matrix(4, dm).into(),
+            f_b_proj: rng.bf16_matrix(p, 4).into(),
+            b_proj: rng.bf16_matrix(h, dm).into(),
             a_log,
             dt_bias: rng.vec(p, 1.0),
-            g_proj: rng.bf16_matrix(p, dm),
+            g_proj: rng.bf16_matrix(p, dm).into(),
             o_norm: rng.around_one(d, 0.2),
-            o_proj: rng.bf16_matrix(dm, p),
+            o_proj: rng.bf16_matrix(dm, p).into(),
         }
     }
 

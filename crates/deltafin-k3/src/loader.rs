@@ -1,17 +1,21 @@
 //! Build a [`K3Model`] from a validated [`Checkpoint`]: map `config.json` onto
-//! [`ModelDims`], take zero-copy bf16 matrix views of the spine, widen the small vectors to
-//! f32, and serve routed experts straight from the shard bytes.
+//! [`ModelDims`], take zero-copy views of the spine (the shards' bf16 matrices, or the
+//! row-int8 files of [`crate::spine_int8`] with [`SpineFormat::Int8`]), widen the small
+//! vectors to f32, and serve routed experts straight from the shard bytes.
 
 use crate::attn_res::AttnResWeights;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::{K3Config, LayerKind};
 use crate::dims::{AttnKind, CacheDtype, ModelDims};
 use crate::kda::KdaWeights;
+use crate::linear::Linear;
 use crate::mla::MlaWeights;
 use crate::model::{Attention, Ffn, K3Model, Layer, ModelError};
 use crate::moe::{ExpertError, ExpertSource, ExpertWeights, MoeWeights};
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
+pub use crate::spine_int8::SpineFormat;
+use crate::spine_int8::{Int8Spine, SpineError, is_quantized};
 use deltafin_experts::{ExpertLocation, ExpertShape, ExpertTable, StreamOptions, StreamingExperts};
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -23,6 +27,8 @@ pub enum LoadError {
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Model(#[from] ModelError),
+    #[error(transparent)]
+    Spine(#[from] SpineError),
 }
 
 /// Engine choices that are not part of `config.json`.
@@ -32,6 +38,9 @@ pub struct EngineOptions {
     pub mla_cache_dtype: CacheDtype,
     /// Chunk length of the chunked KDA prefill (64, as FLA).
     pub kda_chunk: usize,
+    /// The spine's format. The library default is [`SpineFormat::Bf16`] (weight-exact);
+    /// the CLI's default `--spine auto` asks for [`SpineFormat::Int8`].
+    pub spine: SpineFormat,
 }
 
 impl Default for EngineOptions {
@@ -39,6 +48,7 @@ impl Default for EngineOptions {
         EngineOptions {
             mla_cache_dtype: CacheDtype::Bf16,
             kda_chunk: 64,
+            spine: SpineFormat::Bf16,
         }
     }
 }
@@ -150,12 +160,43 @@ impl ExpertSource for CheckpointExperts {
 
 struct Names<'a> {
     ckpt: &'a Checkpoint,
+    int8: Option<&'a Int8Spine>,
     prefix: String,
 }
 
 impl Names<'_> {
+    /// A matrix that is never quantized (the router, the embedding).
     fn mat(&self, name: &str) -> Result<deltafin_tensor::Bf16Matrix, CheckpointError> {
         self.ckpt.bf16_matrix(&format!("{}{name}", self.prefix))
+    }
+    /// A quantizable projection: row-int8 from the int8 spine when loaded, else bf16.
+    fn lin(&self, name: &str) -> Result<Linear, LoadError> {
+        let short = format!("{}{name}", self.prefix);
+        let full = format!("{}{short}", crate::inventory::PREFIX);
+        let bf16 = self.ckpt.bf16_matrix(&short)?;
+        match self.int8 {
+            Some(spine) if is_quantized(&full) => {
+                let m = spine.get(&full).ok_or_else(|| CheckpointError::Request {
+                    name: full.clone(),
+                    message: "missing from the loaded int8 spine".into(),
+                })?;
+                if (m.rows(), m.cols()) != (bf16.rows(), bf16.cols()) {
+                    return Err(CheckpointError::Request {
+                        name: full,
+                        message: format!(
+                            "int8 spine shape [{}, {}] differs from the checkpoint's [{}, {}]",
+                            m.rows(),
+                            m.cols(),
+                            bf16.rows(),
+                            bf16.cols()
+                        ),
+                    }
+                    .into());
+                }
+                Ok(Linear::RowInt8(m.clone()))
+            }
+            _ => Ok(Linear::Bf16(bf16)),
+        }
     }
     fn vec(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
         self.ckpt.f32_vector(&format!("{}{name}", self.prefix))
@@ -166,47 +207,48 @@ impl Names<'_> {
             proj: self.vec(&format!("{which}_proj.weight"))?,
         })
     }
-    fn situ(&self, base: &str) -> Result<SituMlp, CheckpointError> {
+    fn situ(&self, base: &str) -> Result<SituMlp, LoadError> {
         Ok(SituMlp {
-            gate_proj: self.mat(&format!("{base}.gate_proj.weight"))?,
-            up_proj: self.mat(&format!("{base}.up_proj.weight"))?,
-            down_proj: self.mat(&format!("{base}.down_proj.weight"))?,
+            gate_proj: self.lin(&format!("{base}.gate_proj.weight"))?,
+            up_proj: self.lin(&format!("{base}.up_proj.weight"))?,
+            down_proj: self.lin(&format!("{base}.down_proj.weight"))?,
         })
     }
 }
 
-fn load_layer(ckpt: &Checkpoint, l: usize) -> Result<Layer, CheckpointError> {
+fn load_layer(ckpt: &Checkpoint, int8: Option<&Int8Spine>, l: usize) -> Result<Layer, LoadError> {
     let cfg = ckpt.config();
     let n = Names {
         ckpt,
+        int8,
         prefix: format!("model.layers.{l}."),
     };
     let attn = match cfg.layer_kind(l) {
         LayerKind::Kda => Attention::Kda(KdaWeights {
-            q_proj: n.mat("self_attn.q_proj.weight")?,
-            k_proj: n.mat("self_attn.k_proj.weight")?,
-            v_proj: n.mat("self_attn.v_proj.weight")?,
+            q_proj: n.lin("self_attn.q_proj.weight")?,
+            k_proj: n.lin("self_attn.k_proj.weight")?,
+            v_proj: n.lin("self_attn.v_proj.weight")?,
             q_conv: n.vec("self_attn.q_conv1d.weight")?,
             k_conv: n.vec("self_attn.k_conv1d.weight")?,
             v_conv: n.vec("self_attn.v_conv1d.weight")?,
-            f_a_proj: n.mat("self_attn.f_a_proj.weight")?,
-            f_b_proj: n.mat("self_attn.f_b_proj.weight")?,
-            b_proj: n.mat("self_attn.b_proj.weight")?,
+            f_a_proj: n.lin("self_attn.f_a_proj.weight")?,
+            f_b_proj: n.lin("self_attn.f_b_proj.weight")?,
+            b_proj: n.lin("self_attn.b_proj.weight")?,
             a_log: n.vec("self_attn.A_log")?,
             dt_bias: n.vec("self_attn.dt_bias")?,
-            g_proj: n.mat("self_attn.g_proj.weight")?,
+            g_proj: n.lin("self_attn.g_proj.weight")?,
             o_norm: n.vec("self_attn.o_norm.weight")?,
-            o_proj: n.mat("self_attn.o_proj.weight")?,
+            o_proj: n.lin("self_attn.o_proj.weight")?,
         }),
         LayerKind::Mla => Attention::Mla(MlaWeights {
-            q_a_proj: n.mat("self_attn.q_a_proj.weight")?,
+            q_a_proj: n.lin("self_attn.q_a_proj.weight")?,
             q_a_layernorm: n.vec("self_attn.q_a_layernorm.weight")?,
-            q_b_proj: n.mat("self_attn.q_b_proj.weight")?,
-            kv_a_proj: n.mat("self_attn.kv_a_proj_with_mqa.weight")?,
+            q_b_proj: n.lin("self_attn.q_b_proj.weight")?,
+            kv_a_proj: n.lin("self_attn.kv_a_proj_with_mqa.weight")?,
             kv_a_layernorm: n.vec("self_attn.kv_a_layernorm.weight")?,
-            kv_b_proj: n.mat("self_attn.kv_b_proj.weight")?,
-            g_proj: n.mat("self_attn.g_proj.weight")?,
-            o_proj: n.mat("self_attn.o_proj.weight")?,
+            kv_b_proj: n.lin("self_attn.kv_b_proj.weight")?,
+            g_proj: n.lin("self_attn.g_proj.weight")?,
+            o_proj: n.lin("self_attn.o_proj.weight")?,
         }),
     };
     let ffn = if cfg.is_dense(l) {
@@ -217,8 +259,8 @@ fn load_layer(ckpt: &Checkpoint, l: usize) -> Result<Layer, CheckpointError> {
                 weight: n.mat("block_sparse_moe.gate.weight")?,
                 bias: n.vec("block_sparse_moe.gate.e_score_correction_bias")?,
             },
-            latent_down: n.mat("block_sparse_moe.routed_expert_down_proj.weight")?,
-            latent_up: n.mat("block_sparse_moe.routed_expert_up_proj.weight")?,
+            latent_down: n.lin("block_sparse_moe.routed_expert_down_proj.weight")?,
+            latent_up: n.lin("block_sparse_moe.routed_expert_up_proj.weight")?,
             latent_norm: n.vec("block_sparse_moe.routed_expert_norm.weight")?,
             shared: n.situ("block_sparse_moe.shared_experts")?,
         })
@@ -383,17 +425,27 @@ pub fn load_model_with_experts(
     experts: Box<dyn ExpertSource>,
 ) -> Result<K3Model, LoadError> {
     let dims = dims_from_config(ckpt.config(), opts);
+    let int8 = match opts.spine {
+        SpineFormat::Bf16 => None,
+        SpineFormat::Int8 => Some(Int8Spine::open(ckpt.root(), ckpt.config())?),
+    };
     let layers = (0..ckpt.config().n_layers())
-        .map(|l| load_layer(&ckpt, l))
+        .map(|l| load_layer(&ckpt, int8.as_ref(), l))
         .collect::<Result<Vec<_>, _>>()?;
     let g = Names {
         ckpt: &ckpt,
+        int8: int8.as_ref(),
         prefix: "model.".into(),
     };
     let embed = g.mat("embed_tokens.weight")?;
     let norm = g.vec("norm.weight")?;
     let output_res = g.attn_res("output_attn_res")?;
-    let lm_head = ckpt.bf16_matrix("lm_head.weight")?;
+    let top = Names {
+        ckpt: &ckpt,
+        int8: int8.as_ref(),
+        prefix: String::new(),
+    };
+    let lm_head = top.lin("lm_head.weight")?;
     Ok(K3Model::new(
         dims, embed, layers, norm, output_res, lm_head, experts,
     )?)

@@ -12,32 +12,33 @@
 //! cached per token, stored as bf16 (576 values = 1,152 B per token per layer for K3).
 
 use crate::dims::{CacheDtype, ModelDims};
+use crate::linear::Linear;
 use crate::norm::rms_norm_rows;
-use deltafin_kernels::{matmul_bf16, sigmoid, softmax_inplace};
-use deltafin_tensor::{Bf16Matrix, bf16};
+use deltafin_kernels::{sigmoid, softmax_inplace};
+use deltafin_tensor::bf16;
 use rayon::prelude::*;
 
 /// Weights of one gated MLA layer (`model.layers.N.self_attn.*`).
 #[derive(Clone, Debug)]
 pub struct MlaWeights {
     /// `q_a_proj.weight` `[q_lora, D]`.
-    pub q_a_proj: Bf16Matrix,
+    pub q_a_proj: Linear,
     /// `q_a_layernorm.weight` `[q_lora]`.
     pub q_a_layernorm: Vec<f32>,
     /// `q_b_proj.weight` `[H·(nope+rope), q_lora]`; head `h` owns rows `(nope+rope)·h ..`:
     /// `nope` rows, then `rope` tail rows.
-    pub q_b_proj: Bf16Matrix,
+    pub q_b_proj: Linear,
     /// `kv_a_proj_with_mqa.weight` `[kv_lora + rope, D]`: latent rows, then the shared tail.
-    pub kv_a_proj: Bf16Matrix,
+    pub kv_a_proj: Linear,
     /// `kv_a_layernorm.weight` `[kv_lora]`.
     pub kv_a_layernorm: Vec<f32>,
     /// `kv_b_proj.weight` `[H·(nope+v), kv_lora]`; head `h` owns rows `(nope+v)·h ..`: `nope`
     /// key rows, then `v` value rows.
-    pub kv_b_proj: Bf16Matrix,
+    pub kv_b_proj: Linear,
     /// `g_proj.weight` `[H·v, D]` (output gate).
-    pub g_proj: Bf16Matrix,
+    pub g_proj: Linear,
     /// `o_proj.weight` `[D, H·v]`.
-    pub o_proj: Bf16Matrix,
+    pub o_proj: Linear,
 }
 
 /// A value type the MLA cache can hold.
@@ -139,11 +140,7 @@ impl MlaWeights {
     /// `t` new tokens (rows of D in `y`), appended to `cache`, each attending causally to the
     /// cache and to the new tokens up to itself. Returns `t` rows of D.
     pub fn forward(&self, dims: &ModelDims, y: &[f32], t: usize, cache: &mut MlaCache) -> Vec<f32> {
-        let proj = |w: &Bf16Matrix, x: &[f32]| {
-            let mut out = vec![0f32; t * w.rows()];
-            matmul_bf16(w, x, t, &mut out);
-            out
-        };
+        let proj = |w: &Linear, x: &[f32]| w.apply(x, t);
         // Queries.
         let cq_raw = proj(&self.q_a_proj, y);
         let mut cq = vec![0f32; cq_raw.len()];
@@ -156,7 +153,7 @@ impl MlaWeights {
             MlaCache::F32(c) => self.attend(dims, &q, &kv, &gate, t, c),
         };
         let mut out = vec![0f32; t * self.o_proj.rows()];
-        matmul_bf16(&self.o_proj, &o, t, &mut out);
+        self.o_proj.matmul(&o, t, &mut out);
         out
     }
 
@@ -194,7 +191,7 @@ impl MlaWeights {
         let total = cache.latent.len() / kvl;
         let base = total - t;
         let scale = 1.0 / (dq as f32).sqrt();
-        let kvb = self.kv_b_proj.data();
+        let kvb = KvbRows::new(&self.kv_b_proj, kvl);
         let cache_ref = &*cache;
 
         // One task per (new token, head): o[t·H + h] has v_head_dim values.
@@ -207,10 +204,7 @@ impl MlaWeights {
             // q_lat = B_h^Kᵀ qn
             let mut q_lat = vec![0f32; kvl];
             for (i, &qi) in qn.iter().enumerate() {
-                let r = &kvb[(rows + i) * kvl..(rows + i + 1) * kvl];
-                for (a, &b) in q_lat.iter_mut().zip(r) {
-                    *a += qi * b.load();
-                }
+                kvb.axpy_row(rows + i, qi, &mut q_lat);
             }
             let n = base + ti + 1;
             let mut p = vec![0f32; n];
@@ -239,12 +233,64 @@ impl MlaWeights {
             }
             let g = &gate[ti * h * dv + hh * dv..ti * h * dv + (hh + 1) * dv];
             for (j, oj) in oh.iter_mut().enumerate() {
-                let r = &kvb[(rows + dn + j) * kvl..(rows + dn + j + 1) * kvl];
-                let v: f32 = r.iter().zip(ctx.iter()).map(|(&b, &c)| b.load() * c).sum();
-                *oj = v * sigmoid(g[j]);
+                *oj = kvb.dot_row(rows + dn + j, ctx) * sigmoid(g[j]);
             }
         });
         o
+    }
+}
+
+/// Rows of `kv_b_proj` read element-wise by the absorbed attention, in either format
+/// (row-int8 elements are `scale_r · q`, the dequantized weights).
+enum KvbRows<'a> {
+    Bf16(&'a [bf16], usize),
+    Int8(&'a deltafin_tensor::RowInt8Matrix),
+}
+
+impl<'a> KvbRows<'a> {
+    fn new(w: &'a Linear, cols: usize) -> KvbRows<'a> {
+        match w {
+            Linear::Bf16(m) => KvbRows::Bf16(m.data(), cols),
+            Linear::RowInt8(m) => KvbRows::Int8(m),
+        }
+    }
+
+    /// `out += alpha · W[r, ·]`.
+    #[inline]
+    fn axpy_row(&self, r: usize, alpha: f32, out: &mut [f32]) {
+        match *self {
+            KvbRows::Bf16(d, cols) => {
+                for (a, &b) in out.iter_mut().zip(&d[r * cols..(r + 1) * cols]) {
+                    *a += alpha * b.to_f32();
+                }
+            }
+            KvbRows::Int8(m) => {
+                let s = m.scale(r);
+                for (a, &q) in out.iter_mut().zip(m.row(r)) {
+                    *a += alpha * (s * q as f32);
+                }
+            }
+        }
+    }
+
+    /// `W[r, ·] · x`.
+    #[inline]
+    fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
+        match *self {
+            KvbRows::Bf16(d, cols) => d[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(x)
+                .map(|(&b, &c)| b.to_f32() * c)
+                .sum(),
+            KvbRows::Int8(m) => {
+                let s = m.scale(r);
+                m.row(r)
+                    .iter()
+                    .zip(x)
+                    .map(|(&q, &c)| (s * q as f32) * c)
+                    .sum()
+            }
+        }
     }
 }
 
@@ -262,14 +308,14 @@ pub(crate) mod tests {
         );
         let (ql, kvl) = (dims.q_lora_rank, dims.kv_lora_rank);
         MlaWeights {
-            q_a_proj: rng.bf16_matrix(ql, dm),
+            q_a_proj: rng.bf16_matrix(ql, dm).into(),
             q_a_layernorm: rng.around_one(ql, 0.2),
-            q_b_proj: rng.bf16_matrix_scaled(h * (dn + dr), ql, 2.0),
-            kv_a_proj: rng.bf16_matrix(kvl + dr, dm),
+            q_b_proj: rng.bf16_matrix_scaled(h * (dn + dr), ql, 2.0).into(),
+            kv_a_proj: rng.bf16_matrix(kvl + dr, dm).into(),
             kv_a_layernorm: rng.around_one(kvl, 0.2),
-            kv_b_proj: rng.bf16_matrix(h * (dn + dv), kvl),
-            g_proj: rng.bf16_matrix(h * dv, dm),
-            o_proj: rng.bf16_matrix(dm, h * dv),
+            kv_b_proj: rng.bf16_matrix(h * (dn + dv), kvl).into(),
+            g_proj: rng.bf16_matrix(h * dv, dm).into(),
+            o_proj: rng.bf16_matrix(dm, h * dv).into(),
         }
     }
 
@@ -436,7 +482,10 @@ mod cuda_reference_parity {
                 (h, dn, dr, dv, kvl),
                 n,
                 &q,
-                w.kv_b_proj.data(),
+                w.kv_b_proj
+                    .as_bf16()
+                    .expect("random_mla builds a bf16 kv_b_proj")
+                    .data(),
                 &cache.latent,
                 &cache.tail,
                 &gate,

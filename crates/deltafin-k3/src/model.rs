@@ -18,13 +18,13 @@
 use crate::attn_res::AttnResWeights;
 use crate::dims::{AttnKind, CacheDtype, FfnKind, ModelDims};
 use crate::kda::KdaWeights;
+use crate::linear::Linear;
 use crate::mla::{MlaCache, MlaWeights};
 use crate::moe::{ExpertSource, MoeWeights};
 use crate::norm::rms_norm_rows_new;
 use crate::situ::DenseMlp;
 use crate::state::{LayerState, State};
 use crate::taps::Taps;
-use deltafin_kernels::matmul_bf16;
 use deltafin_tensor::Bf16Matrix;
 
 /// Errors of model construction and of the forward pass. Each names what is wrong.
@@ -80,6 +80,8 @@ impl From<deltafin_experts::ExpertError> for ModelError {
 
 /// The attention block of a layer.
 #[derive(Clone, Debug)]
+// Built once per layer: boxing the larger variant would only add an indirection.
+#[allow(clippy::large_enum_variant)]
 pub enum Attention {
     /// Kimi Delta Attention.
     Kda(KdaWeights),
@@ -89,6 +91,8 @@ pub enum Attention {
 
 /// The feed-forward block of a layer.
 #[derive(Clone, Debug)]
+// Built once per layer: boxing the larger variant would only add an indirection.
+#[allow(clippy::large_enum_variant)]
 pub enum Ffn {
     /// Dense SiTU-GLU MLP (layer 0).
     Dense(DenseMlp),
@@ -166,17 +170,35 @@ pub struct K3Model {
     /// `model.output_attn_res_norm.weight` / `model.output_attn_res_proj.weight`.
     pub output_res: AttnResWeights,
     /// `lm_head.weight` `[vocab, D]` (untied).
-    pub lm_head: Bf16Matrix,
+    pub lm_head: Linear,
     /// Routed experts of every MoE layer.
     pub experts: Box<dyn ExpertSource>,
 }
 
-fn check_mat(name: String, m: &Bf16Matrix, rows: usize, cols: usize) -> Result<(), ModelError> {
-    if m.rows() != rows || m.cols() != cols {
+/// A matrix shape the model checks: a [`Bf16Matrix`] or a [`Linear`].
+trait Shaped {
+    fn shape(&self) -> (usize, usize);
+}
+
+impl Shaped for Bf16Matrix {
+    fn shape(&self) -> (usize, usize) {
+        (self.rows(), self.cols())
+    }
+}
+
+impl Shaped for Linear {
+    fn shape(&self) -> (usize, usize) {
+        (self.rows(), self.cols())
+    }
+}
+
+fn check_mat(name: String, m: &impl Shaped, rows: usize, cols: usize) -> Result<(), ModelError> {
+    let (r, c) = m.shape();
+    if r != rows || c != cols {
         return Err(ModelError::Shape {
             tensor: name,
             expected: format!("[{rows}, {cols}]"),
-            found: format!("[{}, {}]", m.rows(), m.cols()),
+            found: format!("[{r}, {c}]"),
         });
     }
     Ok(())
@@ -201,7 +223,7 @@ impl K3Model {
         layers: Vec<Layer>,
         norm: Vec<f32>,
         output_res: AttnResWeights,
-        lm_head: Bf16Matrix,
+        lm_head: Linear,
         experts: Box<dyn ExpertSource>,
     ) -> Result<K3Model, ModelError> {
         let model = K3Model {
@@ -518,7 +540,7 @@ impl K3Model {
             .mix_rows(&snap_rows, &p[first * dm..], rows, d.attn_res_eps);
         let x = rms_norm_rows_new(&x, &self.norm, d.rms_norm_eps);
         let mut values = vec![0f32; rows * d.vocab_size];
-        matmul_bf16(&self.lm_head, &x, rows, &mut values);
+        self.lm_head.matmul(&x, rows, &mut values);
         Ok(Logits {
             rows,
             vocab: d.vocab_size,
@@ -720,16 +742,20 @@ pub(crate) mod tests {
                 },
                 ffn: match dims.ffn_kind(l) {
                     FfnKind::Dense => Ffn::Dense(SituMlp {
-                        gate_proj: rng.bf16_matrix_scaled(dims.dense_intermediate, dm, 2.0),
-                        up_proj: rng.bf16_matrix_scaled(dims.dense_intermediate, dm, 2.0),
-                        down_proj: rng.bf16_matrix(dm, dims.dense_intermediate),
+                        gate_proj: rng
+                            .bf16_matrix_scaled(dims.dense_intermediate, dm, 2.0)
+                            .into(),
+                        up_proj: rng
+                            .bf16_matrix_scaled(dims.dense_intermediate, dm, 2.0)
+                            .into(),
+                        down_proj: rng.bf16_matrix(dm, dims.dense_intermediate).into(),
                     }),
                     FfnKind::Moe => Ffn::Moe(random_moe(&mut rng, &dims)),
                 },
             })
             .collect();
         let embed = rng.bf16_matrix_scaled(dims.vocab_size, dm, (dm as f32 / 3.0).sqrt());
-        let lm_head = rng.bf16_matrix_scaled(dims.vocab_size, dm, 3.0);
+        let lm_head = rng.bf16_matrix_scaled(dims.vocab_size, dm, 3.0).into();
         let norm = rng.around_one(dm, 0.2);
         let output_res = random_res(&mut rng, dm);
         let model = K3Model::new(

@@ -10,11 +10,11 @@
 //! ```
 
 use crate::dims::ModelDims;
+use crate::linear::Linear;
 use crate::model::ModelError;
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
-use deltafin_kernels::{matmul_bf16, matmul_mxfp4, rms_norm_inplace, situ_glu};
-use deltafin_tensor::Bf16Matrix;
+use deltafin_kernels::{matmul_mxfp4, rms_norm_inplace, situ_glu};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
@@ -62,9 +62,9 @@ pub struct MoeWeights {
     /// `gate.weight` and `gate.e_score_correction_bias`.
     pub router: RouterWeights,
     /// `routed_expert_down_proj.weight` `[Lr, D]`.
-    pub latent_down: Bf16Matrix,
+    pub latent_down: Linear,
     /// `routed_expert_up_proj.weight` `[D, Lr]`.
-    pub latent_up: Bf16Matrix,
+    pub latent_up: Linear,
     /// `routed_expert_norm.weight` `[Lr]`.
     pub latent_norm: Vec<f32>,
     /// `shared_experts.{gate,up,down}_proj` (two experts fused, width Fs).
@@ -103,7 +103,7 @@ impl MoeWeights {
         let (lr, k) = (dims.latent_size, dims.experts_per_token);
         let routes = self.router.route(dims, y, t);
         let mut xl = vec![0f32; t * lr];
-        matmul_bf16(&self.latent_down, y, t, &mut xl);
+        self.latent_down.matmul(y, t, &mut xl);
 
         // (token, slot) pairs per expert, experts visited in id order.
         let mut users: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
@@ -189,7 +189,7 @@ impl MoeWeights {
             rms_norm_inplace(rt, &self.latent_norm, dims.routed_expert_norm_eps);
         }
         let mut out = vec![0f32; t * dims.hidden_size];
-        matmul_bf16(&self.latent_up, &r, t, &mut out);
+        self.latent_up.matmul(&r, t, &mut out);
         let sh = self.shared.forward(dims, y, t);
         for (o, s) in out.iter_mut().zip(&sh) {
             *o += s;
@@ -238,13 +238,13 @@ pub(crate) mod tests {
                 weight: rng.bf16_matrix_scaled(dims.num_experts, dm, 2.0),
                 bias: rng.vec(dims.num_experts, 0.2),
             },
-            latent_down: rng.bf16_matrix(lr, dm),
-            latent_up: rng.bf16_matrix(dm, lr),
+            latent_down: rng.bf16_matrix(lr, dm).into(),
+            latent_up: rng.bf16_matrix(dm, lr).into(),
             latent_norm: rng.around_one(lr, 0.2),
             shared: SituMlp {
-                gate_proj: rng.bf16_matrix_scaled(fs, dm, 2.0),
-                up_proj: rng.bf16_matrix_scaled(fs, dm, 2.0),
-                down_proj: rng.bf16_matrix(dm, fs),
+                gate_proj: rng.bf16_matrix_scaled(fs, dm, 2.0).into(),
+                up_proj: rng.bf16_matrix_scaled(fs, dm, 2.0).into(),
+                down_proj: rng.bf16_matrix(dm, fs).into(),
             },
         }
     }

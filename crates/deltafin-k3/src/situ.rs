@@ -2,18 +2,18 @@
 //! of every MoE layer (§4.6) share this form: `down · SiTU(gate·y, up·y)`.
 
 use crate::dims::ModelDims;
-use deltafin_kernels::{matmul_bf16, situ_glu};
-use deltafin_tensor::Bf16Matrix;
+use crate::linear::Linear;
+use deltafin_kernels::situ_glu;
 
-/// A SiTU-GLU MLP with bf16 weights: `gate_proj`, `up_proj` `[F, D]`, `down_proj` `[D, F]`.
+/// A SiTU-GLU MLP (bf16 or row-int8 weights, [`Linear`]): `gate_proj`, `up_proj` `[F, D]`, `down_proj` `[D, F]`.
 #[derive(Clone, Debug)]
 pub struct SituMlp {
     /// `gate_proj.weight` `[F, D]`.
-    pub gate_proj: Bf16Matrix,
+    pub gate_proj: Linear,
     /// `up_proj.weight` `[F, D]`.
-    pub up_proj: Bf16Matrix,
+    pub up_proj: Linear,
     /// `down_proj.weight` `[D, F]`.
-    pub down_proj: Bf16Matrix,
+    pub down_proj: Linear,
 }
 
 /// Layer 0's dense MLP (`mlp.{gate,up,down}_proj`).
@@ -30,12 +30,12 @@ impl SituMlp {
         let f = self.intermediate();
         let mut g = vec![0f32; n * f];
         let mut u = vec![0f32; n * f];
-        matmul_bf16(&self.gate_proj, ys, n, &mut g);
-        matmul_bf16(&self.up_proj, ys, n, &mut u);
+        self.gate_proj.matmul(ys, n, &mut g);
+        self.up_proj.matmul(ys, n, &mut u);
         let mut a = vec![0f32; n * f];
         situ_glu(&g, &u, dims.situ_beta, dims.situ_linear_beta, &mut a);
         let mut out = vec![0f32; n * self.down_proj.rows()];
-        matmul_bf16(&self.down_proj, &a, n, &mut out);
+        self.down_proj.matmul(&a, n, &mut out);
         out
     }
 }
@@ -57,9 +57,9 @@ pub(crate) mod tests {
         let mut rng = Rng(11);
         let (d, f, n) = (40, 72, 3);
         let m = SituMlp {
-            gate_proj: rng.bf16_matrix_scaled(f, d, 3.0),
-            up_proj: rng.bf16_matrix_scaled(f, d, 20.0),
-            down_proj: rng.bf16_matrix(d, f),
+            gate_proj: rng.bf16_matrix_scaled(f, d, 3.0).into(),
+            up_proj: rng.bf16_matrix_scaled(f, d, 20.0).into(),
+            down_proj: rng.bf16_matrix(d, f).into(),
         };
         let dims = ModelDims {
             situ_beta: 4.0,

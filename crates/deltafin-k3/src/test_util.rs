@@ -60,11 +60,42 @@ impl Rng {
     }
 }
 
-/// `W·x` in f64 for a bf16 matrix.
-pub fn mv64(w: &Bf16Matrix, x: &[f64]) -> Vec<f64> {
-    assert_eq!(w.cols(), x.len());
-    (0..w.rows())
-        .map(|r| w.row(r).iter().zip(x).map(|(a, b)| a.to_f64() * b).sum())
+/// A dense matrix whose effective rows the f64 references read.
+pub trait DenseRows {
+    fn shape(&self) -> (usize, usize);
+    fn row_into(&self, r: usize, out: &mut [f32]);
+}
+
+impl DenseRows for Bf16Matrix {
+    fn shape(&self) -> (usize, usize) {
+        (self.rows(), self.cols())
+    }
+    fn row_into(&self, r: usize, out: &mut [f32]) {
+        for (o, v) in out.iter_mut().zip(self.row(r)) {
+            *o = v.to_f32();
+        }
+    }
+}
+
+impl DenseRows for crate::linear::Linear {
+    fn shape(&self) -> (usize, usize) {
+        (self.rows(), self.cols())
+    }
+    fn row_into(&self, r: usize, out: &mut [f32]) {
+        self.row_f32(r, out);
+    }
+}
+
+/// `W·x` in f64 for a bf16 matrix or a [`crate::linear::Linear`] (its effective weights).
+pub fn mv64(w: &impl DenseRows, x: &[f64]) -> Vec<f64> {
+    let (rows, cols) = w.shape();
+    assert_eq!(cols, x.len());
+    let mut row = vec![0f32; cols];
+    (0..rows)
+        .map(|r| {
+            w.row_into(r, &mut row);
+            row.iter().zip(x).map(|(&a, b)| a as f64 * b).sum()
+        })
         .collect()
 }
 

@@ -4,6 +4,7 @@
 use super::DsparkError;
 use super::model::{DsparkContext, DsparkModel, Proposal};
 use crate::Drafter;
+use deltafin_k3::linear::Linear;
 use deltafin_k3::model::K3Model;
 use deltafin_k3::taps::Taps;
 use deltafin_tensor::Bf16Matrix;
@@ -147,7 +148,7 @@ pub struct DsparkStats {
 pub struct DsparkDrafter {
     model: Arc<DsparkModel>,
     embed: Bf16Matrix,
-    lm_head: Bf16Matrix,
+    lm_head: Linear,
     ctx: DsparkContext,
     max_context: usize,
     /// Positions K3 committed (observed), including any past the context limit.

@@ -6,6 +6,7 @@
 use super::DsparkError;
 use super::config::{BLOCK, DsparkConfig};
 use super::rope::Yarn;
+use deltafin_k3::linear::Linear;
 use deltafin_k3::model::K3Model;
 use deltafin_kernels::{argmax, matmul_bf16, matvec_bf16, rms_norm, silu, softmax_inplace};
 use deltafin_tensor::{Bf16Matrix, DType, SafetensorsFile};
@@ -357,7 +358,7 @@ impl DsparkModel {
     pub fn block(
         &self,
         embed: &Bf16Matrix,
-        lm_head: &Bf16Matrix,
+        lm_head: &Linear,
         ctx: &DsparkContext,
         anchor: u32,
         rows: usize,
@@ -382,7 +383,7 @@ impl DsparkModel {
         }
         let rows = rows.min(BLOCK);
         let hidden = rms_rows(&x[..rows * d], &self.final_norm, eps);
-        let logits = matmul(lm_head, &hidden, rows);
+        let logits = lm_head.apply(&hidden, rows);
         BlockOutput { hidden, logits }
     }
 
@@ -525,7 +526,7 @@ impl DsparkModel {
     pub fn propose(
         &self,
         embed: &Bf16Matrix,
-        lm_head: &Bf16Matrix,
+        lm_head: &Linear,
         ctx: &DsparkContext,
         anchor: u32,
         max: usize,
@@ -601,7 +602,7 @@ pub(crate) mod tests {
     }
 
     /// A random DSpark for `small_config()` with K3-side embedding and lm_head.
-    pub(crate) fn random_dspark(seed: u64) -> (DsparkModel, Bf16Matrix, Bf16Matrix) {
+    pub(crate) fn random_dspark(seed: u64) -> (DsparkModel, Bf16Matrix, Linear) {
         let c = small_config();
         let mut rng = Rng(seed);
         let (d, f, h) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
@@ -644,7 +645,7 @@ pub(crate) mod tests {
             config: c,
         };
         let embed = rng.matrix(model.config.vocab_size, d, 3.0);
-        let lm_head = rng.matrix(model.config.vocab_size, d, 3.0);
+        let lm_head = Linear::from(rng.matrix(model.config.vocab_size, d, 3.0));
         (model, embed, lm_head)
     }
 
@@ -673,7 +674,7 @@ pub(crate) mod tests {
     pub(crate) fn reference(
         m: &DsparkModel,
         embed: &Bf16Matrix,
-        lm_head: &Bf16Matrix,
+        lm_head: &Linear,
         taps: &[Vec<f64>],
         anchor: u32,
     ) -> (Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<u32>, Vec<f64>) {
@@ -756,7 +757,10 @@ pub(crate) mod tests {
             }
         }
         let hidden: Vec<Vec<f64>> = x.iter().map(|r| rms(r, &m.final_norm, eps)).collect();
-        let logits: Vec<Vec<f64>> = hidden.iter().map(|hr| mv(lm_head, hr)).collect();
+        let logits: Vec<Vec<f64>> = hidden
+            .iter()
+            .map(|hr| mv(lm_head.as_bf16().expect("a bf16 lm_head"), hr))
+            .collect();
         let (mut drafts, mut conf, mut prev) = (Vec::new(), Vec::new(), anchor);
         for r in 0..BLOCK {
             let e: Vec<f64> = m

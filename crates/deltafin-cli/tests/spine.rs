@@ -1,0 +1,288 @@
+//! The spine formats of the `deltafin` binary: `--spine` / `K3_SPINE` (default auto = int8),
+//! `convert-spine-int8` (conversion, resume after a kill, lock, `--check`), and runs on the
+//! int8 spine matching the library's int8 model exactly.
+
+use deltafin_k3::generate::{GenerateOptions, generate};
+use deltafin_k3::loader::{EngineOptions, SpineFormat, open_model};
+use deltafin_k3::spine_int8::tensor_dir;
+use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const PROMPT: &str = "The capital of France is";
+
+/// A fresh tiny checkpoint (the real vocabulary, so that `run` can load the tokenizer).
+fn checkpoint(seed: u64) -> tempfile::TempDir {
+    synth(SynthDims::tiny(), seed)
+}
+
+/// A fresh checkpoint with a 1,024-token vocabulary: a short conversion (no `run`).
+fn small_checkpoint(seed: u64) -> tempfile::TempDir {
+    synth(
+        SynthDims {
+            vocab: 1024,
+            ..SynthDims::tiny()
+        },
+        seed,
+    )
+}
+
+fn synth(dims: SynthDims, seed: u64) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    synthesize(d.path(), &SynthSpec::new(dims, seed)).unwrap();
+    d
+}
+
+/// Few durable checkpoints: the real-vocabulary lm_head has 163,840 rows.
+const FAST: &[&str] = &["--checkpoint-rows", "65536"];
+
+fn deltafin(args: &[&str], root: &Path, env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+    cmd.args(args)
+        .arg("--model-root")
+        .arg(root)
+        .env_remove("K3_SPINE")
+        .env_remove("K3_REASONING_EFFORT")
+        .env_remove("K3_MEMORY_BUDGET_GB");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn convert(root: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["convert-spine-int8"];
+    args.extend_from_slice(extra);
+    let o = deltafin(&args, root, &[]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    o
+}
+
+/// The library's greedy completion (4 tokens) on `spine`.
+fn library_ids(root: &Path, spine: SpineFormat) -> Vec<u32> {
+    let model = open_model(
+        root,
+        &EngineOptions {
+            spine,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let tok = Tokenizer::from_dir(root).unwrap();
+    let opts = GenerateOptions {
+        max_new: Some(4),
+        stop_ids: vec![END_OF_MSG, EOS],
+        max_context: 4096,
+        top_logits: 0,
+    };
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let out = generate(&model, &tok.encode_ordinary(PROMPT), &opts, &stop, |_| {
+        Ok(())
+    })
+    .unwrap();
+    out.ids
+}
+
+/// The ids a run emitted, from its events file.
+fn emitted(events: &Path) -> Vec<u32> {
+    let text = std::fs::read_to_string(events).unwrap();
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    last["emitted_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn snapshot(root: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(tensor_dir(root))
+        .unwrap()
+        .map(|e| {
+            let p = e.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read(&p).unwrap())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn auto_without_the_int8_spine_fails_and_bad_choices_are_rejected() {
+    let d = checkpoint(1);
+    let root = d.path();
+    for args in [
+        vec!["run", "--max-new", "1"],
+        vec!["run", "--max-new", "1", "--spine", "int8"],
+    ] {
+        let o = deltafin(&args, root, &[]);
+        let (_, err) = text(&o);
+        assert!(!o.status.success());
+        assert!(
+            err.contains("deltafin convert-spine-int8") && err.contains("--spine bf16"),
+            "{err}"
+        );
+    }
+    let o = deltafin(&["run", "--max-new", "1"], root, &[("K3_SPINE", "auto")]);
+    assert!(text(&o).1.contains("convert-spine-int8"));
+    let o = deltafin(&["serve", "--port", "0"], root, &[]);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("convert-spine-int8"), "{:?}", text(&o));
+
+    let o = deltafin(&["run", "--spine", "mixed"], root, &[]);
+    let err = text(&o).1;
+    assert!(!o.status.success());
+    assert!(
+        err.contains("--spine") && err.contains("research codecs change target weights"),
+        "{err}"
+    );
+    for bad in ["mixed", "fp8", ""] {
+        let o = deltafin(&["run", "--max-new", "1"], root, &[("K3_SPINE", bad)]);
+        let err = text(&o).1;
+        assert!(!o.status.success());
+        assert!(err.contains("environment variable K3_SPINE"), "{err}");
+    }
+    // bf16 needs no conversion; the flag wins over the environment.
+    let o = deltafin(
+        &["run", "--max-new", "1", "--spine", "bf16"],
+        root,
+        &[("K3_SPINE", "int8")],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).1.contains("spine=bf16"));
+    let o = deltafin(&["run", "--max-new", "1"], root, &[("K3_SPINE", "bf16")]);
+    assert!(o.status.success(), "{:?}", text(&o));
+}
+
+#[test]
+fn int8_runs_match_the_library_int8_model_and_bf16_stays_exact() {
+    let d = checkpoint(2);
+    let root = d.path();
+    let o = convert(root, FAST);
+    let (out, err) = text(&o);
+    assert!(err.contains("QUANTIZED and NOT weight-exact"), "{err}");
+    assert!(out.contains("weight error (relative RMS"), "{out}");
+    assert!(
+        out.contains("lm_head.weight") || out.contains("proj.weight"),
+        "{out}"
+    );
+    assert!(out.contains("converted"), "{out}");
+
+    let ev = tempfile::tempdir().unwrap();
+    let events = ev.path().join("events.jsonl");
+    let ev_arg = events.display().to_string();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--prompt",
+            PROMPT,
+            "--max-new",
+            "4",
+            "--events-jsonl",
+            &ev_arg,
+        ];
+        args.extend_from_slice(extra);
+        let o = deltafin(&args, root, &[]);
+        assert!(o.status.success(), "{:?}", text(&o));
+        (text(&o).1, emitted(&events))
+    };
+    let (int8_err, int8_ids) = run(&[]);
+    assert!(int8_err.contains("spine=int8"), "{int8_err}");
+    assert_eq!(int8_ids, library_ids(root, SpineFormat::Int8));
+    assert_eq!(run(&["--spine", "int8"]).1, int8_ids);
+    let (bf16_err, bf16_ids) = run(&["--spine", "bf16"]);
+    assert!(bf16_err.contains("spine=bf16"));
+    assert_eq!(bf16_ids, library_ids(root, SpineFormat::Bf16));
+
+    // Under a memory budget the int8 spine is used as well.
+    assert_eq!(run(&["--memory-budget-gb", "1"]).1, int8_ids);
+
+    // A second conversion finds everything complete; --check verifies every hash.
+    let (out, _) = text(&convert(root, FAST));
+    assert!(out.contains("converted 0 of"), "{out}");
+    let (out, _) = text(&convert(root, &["--check"]));
+    assert!(out.contains("int8 spine OK"), "{out}");
+
+    // Damage: a changed code byte is found by --check, a truncated scale file by loading.
+    let name = "language_model.model.layers.3.block_sparse_moe.shared_experts.down_proj.weight";
+    let i8_path = tensor_dir(root).join(format!("{name}.i8"));
+    let mut codes = std::fs::read(&i8_path).unwrap();
+    codes[0] = codes[0].wrapping_add(1) & 0x7f;
+    std::fs::write(&i8_path, &codes).unwrap();
+    let o = deltafin(&["convert-spine-int8", "--check"], root, &[]);
+    let err = text(&o).1;
+    assert!(!o.status.success());
+    assert!(
+        err.contains(name) && err.contains(".i8") && err.contains("sha256"),
+        "{err}"
+    );
+    let sc_path = tensor_dir(root).join(format!("{name}.sc"));
+    let sc = std::fs::read(&sc_path).unwrap();
+    std::fs::write(&sc_path, &sc[..sc.len() - 2]).unwrap();
+    let o = deltafin(&["run", "--max-new", "1"], root, &[]);
+    let err = text(&o).1;
+    assert!(!o.status.success());
+    assert!(err.contains(name) && err.contains(".sc"), "{err}");
+    // --no-resume rebuilds it.
+    convert(root, &["--no-resume", "--checkpoint-rows", "65536"]);
+    convert(root, &["--check"]);
+}
+
+#[test]
+fn a_killed_conversion_resumes_byte_identical_and_a_second_converter_is_locked_out() {
+    let (da, db) = (small_checkpoint(4), small_checkpoint(4));
+    convert(da.path(), &[]);
+    let want = snapshot(da.path());
+
+    // One durable checkpoint per row keeps the converter busy long enough to kill it.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args([
+            "convert-spine-int8",
+            "--checkpoint-rows",
+            "1",
+            "--model-root",
+        ])
+        .arg(db.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let dir = tensor_dir(db.path());
+    let has = |suffix: &str| {
+        std::fs::read_dir(&dir).is_ok_and(|rd| {
+            rd.filter_map(|e| e.ok())
+                .any(|e| e.file_name().to_string_lossy().ends_with(suffix))
+        })
+    };
+    while !(has(".row-i8.json") && has(".progress.json")) {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the converter finished before it could be interrupted"
+        );
+        assert!(t.elapsed() < Duration::from_secs(120), "no progress");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // While it runs, a second converter gets a clear error.
+    let o = deltafin(&["convert-spine-int8"], db.path(), &[]);
+    let err = text(&o).1;
+    assert!(!o.status.success());
+    assert!(err.contains("held by another convert-spine-int8"), "{err}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(has(".part"), "no partial file was left by the kill");
+
+    let (out, _) = text(&convert(db.path(), &[]));
+    assert!(out.contains("1 resumed"), "{out}");
+    assert_eq!(snapshot(db.path()), want);
+}
