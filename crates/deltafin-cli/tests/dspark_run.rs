@@ -104,7 +104,7 @@ fn dspark_run_equals_plain_greedy() {
 
 fn run_env(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    c.arg("run")
+    c.env("K3_SPINE", "bf16").arg("run")
         .args(args)
         .arg("--model-root")
         .arg(root)
@@ -240,6 +240,7 @@ fn benchmark_ab_tests_dspark_against_plain() {
     synthesize_dspark(&root.path().join("k3-draft-dspark"), 3, &cfg).unwrap();
     let ev = tempfile::tempdir().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .env("K3_SPINE", "bf16")
         .args([
             "benchmark",
             "--chat",

@@ -11,6 +11,7 @@ use std::process::{Command, Output};
 fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
     cmd.args(args)
+        .env("K3_SPINE", "bf16")
         .env_remove("K3_EXPERT_SCALE4")
         .env_remove("K3_MEMORY_BUDGET_GB");
     for (k, v) in env {

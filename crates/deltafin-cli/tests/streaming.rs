@@ -268,6 +268,7 @@ fn deltafin_at(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
     cmd.args(args)
         .args(["--model-root", &root.display().to_string()])
+        .env("K3_SPINE", "bf16")
         .env_remove("K3_MEMORY_BUDGET_GB")
         .env_remove("K3_PILOT_GATE")
         .env_remove("K3_EXPERT_HEAT")
