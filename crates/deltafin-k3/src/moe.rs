@@ -10,7 +10,7 @@
 //! ```
 
 use crate::dims::ModelDims;
-use crate::linear::Linear;
+use crate::linear::{Linear, apply_group};
 use crate::model::ModelError;
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
@@ -101,9 +101,24 @@ impl MoeWeights {
         next: Option<(usize, &RouterWeights)>,
     ) -> Result<Vec<f32>, ModelError> {
         let (lr, k) = (dims.latent_size, dims.experts_per_token);
-        let routes = self.router.route(dims, y, t);
-        let mut xl = vec![0f32; t * lr];
-        self.latent_down.matmul(y, t, &mut xl);
+        // The router and the latent down projection (and PILOT's guess for the next layer
+        // when the source wants one) in one parallel region; the shared experts run later,
+        // beside the routed ones, so expert reads start as early as possible.
+        let sh = &self.shared;
+        let pilot = next.filter(|_| experts.wants_prediction());
+        let mut jobs = vec![
+            (deltafin_kernels::Weights::Bf16(&self.router.weight), y),
+            (self.latent_down.weights(), y),
+        ];
+        if let Some((_, router)) = pilot {
+            jobs.push((deltafin_kernels::Weights::Bf16(&router.weight), y));
+        }
+        let mut outs = apply_group(&jobs, t).into_iter();
+        let (Some(logits), Some(xl)) = (outs.next(), outs.next()) else {
+            unreachable!("apply_group returns one result per product")
+        };
+        let next_logits = outs.next();
+        let routes = self.router.routes_from_logits(dims, &logits);
 
         // (token, slot) pairs per expert, experts visited in id order.
         let mut users: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
@@ -120,11 +135,9 @@ impl MoeWeights {
             .collect();
         experts.record_routes(layer, k, &ids, &weights);
         experts.begin_layer(layer, &union);
-        if let Some((next_layer, router)) = next
-            && experts.wants_prediction()
-        {
+        if let (Some((next_layer, router)), Some(next_logits)) = (pilot, &next_logits) {
             let guess: BTreeSet<usize> = router
-                .route(dims, y, t)
+                .routes_from_logits(dims, next_logits)
                 .into_iter()
                 .flat_map(|r| r.ids)
                 .collect();
@@ -137,7 +150,14 @@ impl MoeWeights {
         let slots: Vec<Mutex<Option<Vec<f32>>>> = users.iter().map(|_| Mutex::new(None)).collect();
         let xl = &xl;
         let mut fetch_err = None;
+        let shared_act: Mutex<Option<Vec<f32>>> = Mutex::new(None);
         rayon::scope(|scope| {
+            scope.spawn(|_| {
+                let a = sh.activation(dims, y, t);
+                if let Ok(mut s) = shared_act.lock() {
+                    *s = Some(a);
+                }
+            });
             for ((&e, list), slot) in users.iter().zip(&slots) {
                 let w = match experts
                     .expert(layer, e)
@@ -188,10 +208,23 @@ impl MoeWeights {
             }
             rms_norm_inplace(rt, &self.latent_norm, dims.routed_expert_norm_eps);
         }
-        let mut out = vec![0f32; t * dims.hidden_size];
-        self.latent_up.matmul(&r, t, &mut out);
-        let sh = self.shared.forward(dims, y, t);
-        for (o, s) in out.iter_mut().zip(&sh) {
+        // The latent up projection and the shared experts' down projection, together.
+        let a = shared_act
+            .into_inner()
+            .ok()
+            .flatten()
+            .ok_or_else(|| ModelError::Layer {
+                layer,
+                message: "shared experts: their worker produced no result".into(),
+            })?;
+        let outs = apply_group(
+            &[(self.latent_up.weights(), &r), (sh.down_proj.weights(), &a)],
+            t,
+        );
+        let Ok([mut out, shared]) = <[Vec<f32>; 2]>::try_from(outs) else {
+            unreachable!("apply_group returns one result per product")
+        };
+        for (o, s) in out.iter_mut().zip(&shared) {
             *o += s;
         }
         Ok(out)
