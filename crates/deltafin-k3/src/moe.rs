@@ -17,6 +17,7 @@ use crate::situ::SituMlp;
 use deltafin_kernels::{matmul_mxfp4, rms_norm_inplace, situ_glu};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
 
@@ -151,6 +152,8 @@ impl MoeWeights {
         let xl = &xl;
         let mut fetch_err = None;
         let shared_act: Mutex<Option<Vec<f32>>> = Mutex::new(None);
+        let in_flight = AtomicUsize::new(0);
+        let max_in_flight = rayon::current_num_threads().max(1);
         rayon::scope(|scope| {
             scope.spawn(|_| {
                 let a = sh.activation(dims, y, t);
@@ -159,6 +162,13 @@ impl MoeWeights {
                 }
             });
             for ((&e, list), slot) in users.iter().zip(&slots) {
+                // At most `max_in_flight` experts are held by running tasks, so a long
+                // prefill's union never pins more than a few experts beyond the cache.
+                while in_flight.load(Ordering::Acquire) >= max_in_flight {
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        std::thread::yield_now();
+                    }
+                }
                 let w = match experts
                     .expert(layer, e)
                     .map_err(ModelError::from)
@@ -170,8 +180,13 @@ impl MoeWeights {
                         break;
                     }
                 };
+                in_flight.fetch_add(1, Ordering::AcqRel);
+                let in_flight = &in_flight;
                 scope.spawn(move |_| {
+                    // Released on every exit, a panic included (the scope re-raises it).
+                    let _held = InFlight(in_flight);
                     let he = expert_rows(dims, &w, xl, list);
+                    drop(w);
                     if let Ok(mut s) = slot.lock() {
                         *s = Some(he);
                     }
@@ -228,6 +243,15 @@ impl MoeWeights {
             *o += s;
         }
         Ok(out)
+    }
+}
+
+/// One expert held by a running task; dropping it releases the slot.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
