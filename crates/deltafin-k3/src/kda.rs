@@ -18,7 +18,7 @@
 //! `e^{Γ}` of a long range underflows only towards its true, negligible value.
 
 use crate::dims::ModelDims;
-use crate::linear::Linear;
+use crate::linear::{Linear, apply_group};
 use deltafin_kernels::{l2_normalize, sigmoid, silu};
 use rayon::prelude::*;
 
@@ -131,8 +131,21 @@ impl KdaWeights {
         let (h, d) = (dims.kda_heads, dims.kda_head_dim);
         let p = h * d;
         let km1 = dims.conv_kernel - 1;
-        let proj = |w: &Linear| w.apply(y, t);
-        let (qt, kt, vt) = (proj(&self.q_proj), proj(&self.k_proj), proj(&self.v_proj));
+        // The six projections of y in one parallel region.
+        let outs = apply_group(
+            &[
+                (self.q_proj.weights(), y),
+                (self.k_proj.weights(), y),
+                (self.v_proj.weights(), y),
+                (self.f_a_proj.weights(), y),
+                (self.b_proj.weights(), y),
+                (self.g_proj.weights(), y),
+            ],
+            t,
+        );
+        let Ok([qt, kt, vt, fa, mut beta, gate]) = <[Vec<f32>; 6]>::try_from(outs) else {
+            unreachable!("apply_group returns one result per product")
+        };
         let (hq, rest) = state.conv.split_at_mut(km1 * p);
         let (hk, hv) = rest.split_at_mut(km1 * p);
         let kk = dims.conv_kernel;
@@ -140,7 +153,6 @@ impl KdaWeights {
         let mut k = conv_silu(&kt, &self.k_conv, hk, t, p, kk);
         let v = conv_silu(&vt, &self.v_conv, hv, t, p, kk);
 
-        let fa = proj(&self.f_a_proj);
         let mut g = vec![0f32; t * p];
         self.f_b_proj.matmul(&fa, t, &mut g);
         for row in g.chunks_exact_mut(p) {
@@ -149,7 +161,6 @@ impl KdaWeights {
                 *gc = dims.gate_lower_bound * sigmoid(a * (*gc + self.dt_bias[c]));
             }
         }
-        let mut beta = proj(&self.b_proj);
         for b in beta.iter_mut() {
             *b = sigmoid(*b);
         }
@@ -163,7 +174,6 @@ impl KdaWeights {
         for head in k.chunks_exact_mut(d) {
             l2_normalize(head, dims.kda_l2_eps);
         }
-        let gate = proj(&self.g_proj);
         Prepared {
             q,
             k,

@@ -5,7 +5,7 @@
 //! never quantized (the embedding, the router) stay [`Bf16Matrix`] in the model's types, so a
 //! quantized router cannot be built by mistake.
 
-use deltafin_kernels::{Weights, matmul};
+use deltafin_kernels::{GroupProduct, Weights, matmul, matmul_group};
 use deltafin_tensor::{Bf16Matrix, RowInt8Matrix};
 
 /// One spine projection in either resident format.
@@ -73,6 +73,21 @@ impl Linear {
             Linear::RowInt8(m) => m.dequantize_row(r, out),
         }
     }
+}
+
+/// Several products in one parallel region (one fork/join instead of one per matrix):
+/// `ws[i]·xs[i]` over `n` rows each, returned in order. Every result is bit-identical to its
+/// own [`Linear::apply`] (`deltafin_kernels::matmul_group`).
+pub fn apply_group(jobs: &[(Weights<'_>, &[f32])], n: usize) -> Vec<Vec<f32>> {
+    let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; n * w.rows()]).collect();
+    let mut group: Vec<GroupProduct<'_>> = jobs
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(&(w, xs), ys)| GroupProduct { w, xs, n, ys })
+        .collect();
+    matmul_group(&mut group);
+    drop(group);
+    outs
 }
 
 impl From<Bf16Matrix> for Linear {

@@ -12,7 +12,7 @@
 //! cached per token, stored as bf16 (576 values = 1,152 B per token per layer for K3).
 
 use crate::dims::{CacheDtype, ModelDims};
-use crate::linear::Linear;
+use crate::linear::{Linear, apply_group};
 use crate::norm::rms_norm_rows;
 use deltafin_kernels::{sigmoid, softmax_inplace};
 use deltafin_tensor::bf16;
@@ -140,14 +140,21 @@ impl MlaWeights {
     /// `t` new tokens (rows of D in `y`), appended to `cache`, each attending causally to the
     /// cache and to the new tokens up to itself. Returns `t` rows of D.
     pub fn forward(&self, dims: &ModelDims, y: &[f32], t: usize, cache: &mut MlaCache) -> Vec<f32> {
-        let proj = |w: &Linear, x: &[f32]| w.apply(x, t);
-        // Queries.
-        let cq_raw = proj(&self.q_a_proj, y);
+        // The three projections of y in one parallel region, then the queries' second step.
+        let outs = apply_group(
+            &[
+                (self.q_a_proj.weights(), y),
+                (self.kv_a_proj.weights(), y),
+                (self.g_proj.weights(), y),
+            ],
+            t,
+        );
+        let Ok([cq_raw, kv, gate]) = <[Vec<f32>; 3]>::try_from(outs) else {
+            unreachable!("apply_group returns one result per product")
+        };
         let mut cq = vec![0f32; cq_raw.len()];
         rms_norm_rows(&cq_raw, &self.q_a_layernorm, dims.mla_norm_eps, &mut cq);
-        let q = proj(&self.q_b_proj, &cq);
-        let kv = proj(&self.kv_a_proj, y);
-        let gate = proj(&self.g_proj, y);
+        let q = self.q_b_proj.apply(&cq, t);
         let o = match cache {
             MlaCache::Bf16(c) => self.attend(dims, &q, &kv, &gate, t, c),
             MlaCache::F32(c) => self.attend(dims, &q, &kv, &gate, t, c),

@@ -10,13 +10,14 @@
 //! ```
 
 use crate::dims::ModelDims;
-use crate::linear::Linear;
+use crate::linear::{Linear, apply_group};
 use crate::model::ModelError;
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
 use deltafin_kernels::{matmul_mxfp4, rms_norm_inplace, situ_glu};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
 
@@ -101,9 +102,24 @@ impl MoeWeights {
         next: Option<(usize, &RouterWeights)>,
     ) -> Result<Vec<f32>, ModelError> {
         let (lr, k) = (dims.latent_size, dims.experts_per_token);
-        let routes = self.router.route(dims, y, t);
-        let mut xl = vec![0f32; t * lr];
-        self.latent_down.matmul(y, t, &mut xl);
+        // The router and the latent down projection (and PILOT's guess for the next layer
+        // when the source wants one) in one parallel region; the shared experts run later,
+        // beside the routed ones, so expert reads start as early as possible.
+        let sh = &self.shared;
+        let pilot = next.filter(|_| experts.wants_prediction());
+        let mut jobs = vec![
+            (deltafin_kernels::Weights::Bf16(&self.router.weight), y),
+            (self.latent_down.weights(), y),
+        ];
+        if let Some((_, router)) = pilot {
+            jobs.push((deltafin_kernels::Weights::Bf16(&router.weight), y));
+        }
+        let mut outs = apply_group(&jobs, t).into_iter();
+        let (Some(logits), Some(xl)) = (outs.next(), outs.next()) else {
+            unreachable!("apply_group returns one result per product")
+        };
+        let next_logits = outs.next();
+        let routes = self.router.routes_from_logits(dims, &logits);
 
         // (token, slot) pairs per expert, experts visited in id order.
         let mut users: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
@@ -120,11 +136,9 @@ impl MoeWeights {
             .collect();
         experts.record_routes(layer, k, &ids, &weights);
         experts.begin_layer(layer, &union);
-        if let Some((next_layer, router)) = next
-            && experts.wants_prediction()
-        {
+        if let (Some((next_layer, router)), Some(next_logits)) = (pilot, &next_logits) {
             let guess: BTreeSet<usize> = router
-                .route(dims, y, t)
+                .routes_from_logits(dims, next_logits)
                 .into_iter()
                 .flat_map(|r| r.ids)
                 .collect();
@@ -137,8 +151,24 @@ impl MoeWeights {
         let slots: Vec<Mutex<Option<Vec<f32>>>> = users.iter().map(|_| Mutex::new(None)).collect();
         let xl = &xl;
         let mut fetch_err = None;
+        let shared_act: Mutex<Option<Vec<f32>>> = Mutex::new(None);
+        let in_flight = AtomicUsize::new(0);
+        let max_in_flight = rayon::current_num_threads().max(1);
         rayon::scope(|scope| {
+            scope.spawn(|_| {
+                let a = sh.activation(dims, y, t);
+                if let Ok(mut s) = shared_act.lock() {
+                    *s = Some(a);
+                }
+            });
             for ((&e, list), slot) in users.iter().zip(&slots) {
+                // At most `max_in_flight` experts are held by running tasks, so a long
+                // prefill's union never pins more than a few experts beyond the cache.
+                while in_flight.load(Ordering::Acquire) >= max_in_flight {
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        std::thread::yield_now();
+                    }
+                }
                 let w = match experts
                     .expert(layer, e)
                     .map_err(ModelError::from)
@@ -150,8 +180,13 @@ impl MoeWeights {
                         break;
                     }
                 };
+                in_flight.fetch_add(1, Ordering::AcqRel);
+                let in_flight = &in_flight;
                 scope.spawn(move |_| {
+                    // Released on every exit, a panic included (the scope re-raises it).
+                    let _held = InFlight(in_flight);
                     let he = expert_rows(dims, &w, xl, list);
+                    drop(w);
                     if let Ok(mut s) = slot.lock() {
                         *s = Some(he);
                     }
@@ -188,13 +223,35 @@ impl MoeWeights {
             }
             rms_norm_inplace(rt, &self.latent_norm, dims.routed_expert_norm_eps);
         }
-        let mut out = vec![0f32; t * dims.hidden_size];
-        self.latent_up.matmul(&r, t, &mut out);
-        let sh = self.shared.forward(dims, y, t);
-        for (o, s) in out.iter_mut().zip(&sh) {
+        // The latent up projection and the shared experts' down projection, together.
+        let a = shared_act
+            .into_inner()
+            .ok()
+            .flatten()
+            .ok_or_else(|| ModelError::Layer {
+                layer,
+                message: "shared experts: their worker produced no result".into(),
+            })?;
+        let outs = apply_group(
+            &[(self.latent_up.weights(), &r), (sh.down_proj.weights(), &a)],
+            t,
+        );
+        let Ok([mut out, shared]) = <[Vec<f32>; 2]>::try_from(outs) else {
+            unreachable!("apply_group returns one result per product")
+        };
+        for (o, s) in out.iter_mut().zip(&shared) {
             *o += s;
         }
         Ok(out)
+    }
+}
+
+/// One expert held by a running task; dropping it releases the slot.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

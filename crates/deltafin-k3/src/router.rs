@@ -37,8 +37,13 @@ impl RouterWeights {
         let ne = self.weight.rows();
         let mut logits = vec![0f32; t * ne];
         matmul_bf16(&self.weight, y, t, &mut logits);
+        self.routes_from_logits(dims, &logits)
+    }
+
+    /// [`RouterWeights::route`] from precomputed logits `W_r y` (rows of `num_experts`).
+    pub fn routes_from_logits(&self, dims: &ModelDims, logits: &[f32]) -> Vec<Route> {
         logits
-            .chunks_exact(ne)
+            .chunks_exact(self.weight.rows().max(1))
             .map(|l| self.select(dims, l))
             .collect()
     }

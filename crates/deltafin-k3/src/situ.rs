@@ -2,7 +2,7 @@
 //! of every MoE layer (§4.6) share this form: `down · SiTU(gate·y, up·y)`.
 
 use crate::dims::ModelDims;
-use crate::linear::Linear;
+use crate::linear::{Linear, apply_group};
 use deltafin_kernels::situ_glu;
 
 /// A SiTU-GLU MLP (bf16 or row-int8 weights, [`Linear`]): `gate_proj`, `up_proj` `[F, D]`, `down_proj` `[D, F]`.
@@ -27,16 +27,28 @@ impl SituMlp {
 
     /// `out[t] = W_down · SiTU(W_gate y_t, W_up y_t)` for `n` rows of `ys`.
     pub fn forward(&self, dims: &ModelDims, ys: &[f32], n: usize) -> Vec<f32> {
-        let f = self.intermediate();
-        let mut g = vec![0f32; n * f];
-        let mut u = vec![0f32; n * f];
-        self.gate_proj.matmul(ys, n, &mut g);
-        self.up_proj.matmul(ys, n, &mut u);
-        let mut a = vec![0f32; n * f];
-        situ_glu(&g, &u, dims.situ_beta, dims.situ_linear_beta, &mut a);
-        let mut out = vec![0f32; n * self.down_proj.rows()];
-        self.down_proj.matmul(&a, n, &mut out);
-        out
+        let a = self.activation(dims, ys, n);
+        self.down_proj.apply(&a, n)
+    }
+
+    /// `SiTU(W_gate y_t, W_up y_t)` for `n` rows of `ys`, the two products in one parallel
+    /// region: the input of `down_proj`.
+    pub fn activation(&self, dims: &ModelDims, ys: &[f32], n: usize) -> Vec<f32> {
+        let gu = apply_group(
+            &[(self.gate_proj.weights(), ys), (self.up_proj.weights(), ys)],
+            n,
+        );
+        let Ok([g, u]) = <[Vec<f32>; 2]>::try_from(gu) else {
+            unreachable!("apply_group returns one result per product")
+        };
+        self.situ(dims, &g, &u)
+    }
+
+    /// `SiTU(g, u)` elementwise (`g`, `u`: the gate and up products).
+    pub fn situ(&self, dims: &ModelDims, g: &[f32], u: &[f32]) -> Vec<f32> {
+        let mut a = vec![0f32; g.len()];
+        situ_glu(g, u, dims.situ_beta, dims.situ_linear_beta, &mut a);
+        a
     }
 }
 
