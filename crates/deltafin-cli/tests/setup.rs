@@ -260,6 +260,15 @@ fn stream_setup_check_and_layer_fetch() {
 
 /// `deltafin run --spine bf16` on `root` (drafters off through `--top-logits`): the events.
 fn run_ids(e: &Env, root: &Path, endpoint: Option<&str>) -> (Output, Vec<u64>) {
+    run_ids_with(e, root, endpoint, &[])
+}
+
+fn run_ids_with(
+    e: &Env,
+    root: &Path,
+    endpoint: Option<&str>,
+    extra: &[&str],
+) -> (Output, Vec<u64>) {
     let ev = e.tmp.path().join("events.jsonl");
     let _ = std::fs::remove_file(&ev);
     let mut c = e.cmd(&[
@@ -275,6 +284,7 @@ fn run_ids(e: &Env, root: &Path, endpoint: Option<&str>) -> (Output, Vec<u64>) {
         "--model-root",
         root.to_str().unwrap(),
     ]);
+    c.args(extra);
     if let Some(url) = endpoint {
         c.env("HF_ENDPOINT", url);
     }
@@ -380,6 +390,16 @@ fn stream_install_runs_like_the_shards_and_fetches_experts_once() {
     assert!(!o.status.success(), "{t}");
     assert!(t.contains(&format!("expert {x} of layer {l}")), "{t}");
     assert!(t.contains("fetching it from the hub failed"), "{t}");
+
+    // Under a memory budget (streaming experts) the missing expert is fetched again and the
+    // tokens are the same.
+    e.hub.clear_log();
+    let (o, budget) = run_ids_with(&e, &e.root(), None, &["--memory-budget-gb", "4"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("memory budget"), "{}", text(&o));
+    assert_eq!(budget, want);
+    assert!(victim.is_file());
+    assert!(!e.hub.requests().is_empty());
 }
 
 #[test]

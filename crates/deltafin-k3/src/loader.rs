@@ -391,6 +391,13 @@ pub fn stream_install_missing_experts(ckpt: &Checkpoint) -> Vec<(usize, usize)> 
 /// number of files written. Afterwards [`expert_table`] uses the per-expert layout.
 pub fn convert_to_expert_files(ckpt: &Checkpoint) -> Result<usize, LoadError> {
     use std::os::unix::fs::FileExt;
+    if ckpt.layout() == Layout::StreamInstall {
+        return Err(CheckpointError::File {
+            path: ckpt.root().join(EXPERT_DIR),
+            message: "this stream install already keeps one file per expert".into(),
+        }
+        .into());
+    }
     let cfg = ckpt.config();
     let dir = ckpt.root().join(EXPERT_DIR);
     let io = |path: &Path, err: std::io::Error| CheckpointError::File {
