@@ -808,6 +808,18 @@ fn model_checks(r: &mut Report, root: &Path, available: Option<u64>) -> Option<P
 
     let mut largest: Option<(u64, PathBuf)> = None;
     match Checkpoint::open(root) {
+        Ok(ckpt) if ckpt.layout() == deltafin_k3::checkpoint::Layout::StreamInstall => {
+            let missing = deltafin_k3::loader::stream_install_missing_experts(&ckpt).len();
+            r.add(
+                "checkpoint",
+                Status::Ok,
+                format!(
+                    "stream install: {} spine tensor files ({:.2} GiB) in k3-resident/tensors/ with their exact sizes; {missing} routed experts not yet in k3-experts/ (fetched on demand)",
+                    ckpt.spine_files().len(),
+                    gib(ckpt.spine_bytes())
+                ),
+            );
+        }
         Ok(ckpt) => {
             let paths = ckpt.shard_paths();
             let mut bytes = 0u64;

@@ -16,6 +16,7 @@ mod scale4;
 mod serve;
 mod session;
 mod setup;
+mod stream_install;
 mod upgrade;
 mod warm;
 

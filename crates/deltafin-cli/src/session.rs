@@ -4,10 +4,10 @@
 use anyhow::{Context, Result, anyhow, bail};
 use deltafin_experts::heat::{self, HeatDims, HeatRecorder, HeatTable};
 use deltafin_experts::{DirectIo, PilotGate, RouterTrace, StreamOptions, TraceMode};
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
+use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
 use deltafin_k3::loader::{
     CheckpointExperts, EngineOptions, dims_from_config, expert_table, load_model_with_experts,
-    streaming_experts,
+    stream_install_missing_experts, streaming_experts,
 };
 use deltafin_k3::model::K3Model;
 use deltafin_k3::spine_int8::{SpineChoice, SpineFormat, quantized_tensors};
@@ -277,13 +277,18 @@ fn plan_and_load(
     let table = expert_table(checkpoint).context("cannot locate the routed experts")?;
     let expert_bytes = table.shape.expert_bytes();
     let experts = table.expert_count();
-    let mut file_bytes = 0u64;
-    for p in checkpoint.shard_paths() {
-        file_bytes += std::fs::metadata(p)
-            .with_context(|| format!("cannot stat {}", p.display()))?
-            .len();
-    }
-    let mut spine = file_bytes.saturating_sub(expert_bytes * experts as u64);
+    let mut spine = match checkpoint.layout() {
+        Layout::Shards => {
+            let mut file_bytes = 0u64;
+            for p in checkpoint.shard_paths() {
+                file_bytes += std::fs::metadata(p)
+                    .with_context(|| format!("cannot stat {}", p.display()))?
+                    .len();
+            }
+            file_bytes.saturating_sub(expert_bytes * experts as u64)
+        }
+        Layout::StreamInstall => checkpoint.spine_bytes(),
+    };
     if engine.spine == SpineFormat::Int8 {
         // The quantized matrices are read from the int8 files instead of the shards.
         for t in quantized_tensors(cfg) {
@@ -338,6 +343,21 @@ fn plan_and_load(
         experts,
         contiguous: table.all_contiguous(),
     };
+    let fetch = match checkpoint.layout() {
+        Layout::Shards => None,
+        Layout::StreamInstall => {
+            let remote = crate::stream_install::remote_experts(checkpoint.root())?;
+            // A table of few files opens every file up front: fetch the missing ones first.
+            if table.files.len() <= deltafin_experts::stream::MAX_OPEN_FILES {
+                for (l, e) in stream_install_missing_experts(checkpoint) {
+                    deltafin_fetch::expert::ExpertFetch::fetch_expert(&remote, l, e).with_context(
+                        || format!("stream install: fetching expert {e} of layer {l}"),
+                    )?;
+                }
+            }
+            Some(remote)
+        }
+    };
     let src =
         streaming_experts(checkpoint, opts.clone()).context("cannot set up expert streaming")?;
     src.set_pin_tier(&learned.pin_candidates(), pin)
@@ -351,7 +371,14 @@ fn plan_and_load(
             .collect();
         src.seed_heat(&rates, (d.layers * d.top_k) as f64);
     }
-    let experts = crate::scale4::wrap_experts(checkpoint, Box::new(src), scale4)?;
+    let mut experts = crate::scale4::wrap_experts(checkpoint, Box::new(src), scale4)?;
+    if let Some(remote) = fetch {
+        experts = Box::new(crate::stream_install::FetchingExperts::new(
+            checkpoint.root(),
+            Box::new(remote),
+            experts,
+        ));
+    }
     let model = load_model_with_experts(checkpoint.clone(), engine, experts)?;
     Ok((model, plan, opts))
 }
@@ -375,13 +402,17 @@ pub fn check_spine(root: &Path, spine: SpineFormat) -> Result<()> {
 pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
     check_kernels()?;
     crate::device::select(opts.device, opts.expert_backend)?;
-    if !root.join(CONFIG_FILE).is_file() {
+    if !root.join(CONFIG_FILE).is_file() || Layout::detect(root).is_none() {
         bail!(
-            "no K3 model installed at {}: {} is missing.\n\
+            "no K3 model installed at {}: {}.\n\
              Run `deltafin setup --model-root {}` to install Kimi K3, or pass --model-root PATH \
              pointing at an install (a synthesized test checkpoint: `cargo xtask synth --preset tiny --out DIR`).",
             root.display(),
-            CONFIG_FILE,
+            if root.join(CONFIG_FILE).is_file() {
+                "it has neither model.safetensors.index.json (shards) nor k3-resident/tensors/ (stream install)"
+            } else {
+                "config.json is missing"
+            },
             root.display()
         );
     }
@@ -418,7 +449,15 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
                 );
             }
             let resident = Box::new(CheckpointExperts::new(checkpoint.clone()));
-            let experts = crate::scale4::wrap_experts(&checkpoint, resident, opts.expert_scale4)?;
+            let mut experts =
+                crate::scale4::wrap_experts(&checkpoint, resident, opts.expert_scale4)?;
+            if checkpoint.layout() == Layout::StreamInstall {
+                experts = Box::new(crate::stream_install::FetchingExperts::new(
+                    root,
+                    Box::new(crate::stream_install::remote_experts(root)?),
+                    experts,
+                ));
+            }
             let model = load_model_with_experts(checkpoint.clone(), &engine, experts)
                 .with_context(|| format!("cannot build the model from {}", root.display()))?;
             (model, None)
@@ -436,6 +475,15 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
             (model, Some(plan))
         }
     };
+    eprintln!(
+        "[deltafin] layout={} ({} routed experts missing locally{})",
+        checkpoint.layout().as_str(),
+        stream_install_missing_experts(&checkpoint).len(),
+        match checkpoint.layout() {
+            Layout::Shards => "",
+            Layout::StreamInstall => ", fetched on demand from the hub",
+        },
+    );
     eprintln!(
         "[deltafin] expert_heat={} ({} passes learned, {} pin candidates) pinned_tier={:.3} GB",
         if heat_cfg.enabled { "on" } else { "off" },

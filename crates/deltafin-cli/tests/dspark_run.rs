@@ -109,6 +109,8 @@ fn run_env(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
         .arg("--model-root")
         .arg(root)
         .env_remove("K3_REASONING_EFFORT")
+        // The weight-exact spine (no conversion needed).
+        .env("K3_SPINE", "bf16")
         .env_remove("K3_DSPARK")
         .env_remove("K3_UAG_DRAFT")
         .env_remove("K3_SPEC_DEPTH")

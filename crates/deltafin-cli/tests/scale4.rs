@@ -13,7 +13,9 @@ fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
     cmd.args(args)
         .env("K3_SPINE", "bf16")
         .env_remove("K3_EXPERT_SCALE4")
-        .env_remove("K3_MEMORY_BUDGET_GB");
+        .env_remove("K3_MEMORY_BUDGET_GB")
+        // The weight-exact spine (no conversion needed).
+        .env("K3_SPINE", "bf16");
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -21,8 +21,19 @@ struct Env {
 }
 
 fn env() -> Env {
+    env_with(small_dims())
+}
+
+/// Small dims with the real vocabulary, so that the real tokenizer fits and `run` works.
+fn runnable_env() -> Env {
+    let mut d = small_dims();
+    d.vocab = deltafin_k3::synth::SynthDims::tiny().vocab;
+    env_with(d)
+}
+
+fn env_with(dims: deltafin_k3::synth::SynthDims) -> Env {
     let tmp = tempfile::tempdir().unwrap();
-    let src = SynthSource::create(&tmp.path().join("src"), small_dims(), 11).unwrap();
+    let src = SynthSource::create(&tmp.path().join("src"), dims, 11).unwrap();
     src.manifests
         .write_dir(&tmp.path().join("manifests"))
         .unwrap();
@@ -245,4 +256,179 @@ fn stream_setup_check_and_layer_fetch() {
         "{t}"
     );
     assert!(t.contains("corrupted") && t.contains("config.json"), "{t}");
+}
+
+/// `deltafin run --spine bf16` on `root` (drafters off through `--top-logits`): the events.
+fn run_ids(e: &Env, root: &Path, endpoint: Option<&str>) -> (Output, Vec<u64>) {
+    run_ids_with(e, root, endpoint, &[])
+}
+
+fn run_ids_with(
+    e: &Env,
+    root: &Path,
+    endpoint: Option<&str>,
+    extra: &[&str],
+) -> (Output, Vec<u64>) {
+    let ev = e.tmp.path().join("events.jsonl");
+    let _ = std::fs::remove_file(&ev);
+    let mut c = e.cmd(&[
+        "run",
+        "--spine",
+        "bf16",
+        "--max-new",
+        "6",
+        "--top-logits",
+        "1",
+        "--events-jsonl",
+        ev.to_str().unwrap(),
+        "--model-root",
+        root.to_str().unwrap(),
+    ]);
+    c.args(extra);
+    if let Some(url) = endpoint {
+        c.env("HF_ENDPOINT", url);
+    }
+    let o = c.env_remove("K3_SPINE").output().unwrap();
+    if !o.status.success() {
+        return (o, Vec::new());
+    }
+    let text = std::fs::read_to_string(&ev).unwrap();
+    let end: serde_json::Value = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["event"] == "run_end")
+        .unwrap();
+    let ids = end["emitted_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    (o, ids)
+}
+
+fn expert_files(root: &Path) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(root.join("k3-experts"))
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn stream_install_runs_like_the_shards_and_fetches_experts_once() {
+    use std::os::unix::fs::FileExt;
+    let e = runnable_env();
+    let o = e.run(&["setup", "--stream"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        expert_files(&e.root()).is_empty(),
+        "setup --stream fetched experts"
+    );
+
+    let (o, want) = run_ids(&e, &e.src.k3_dir, None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("layout=shards"), "{}", text(&o));
+    assert_eq!(want.len(), 6);
+
+    e.hub.clear_log();
+    let (o, got) = run_ids(&e, &e.root(), None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("layout=stream-install"), "{}", text(&o));
+    assert_eq!(got, want, "stream install and shards disagree");
+    let fetched = expert_files(&e.root());
+    assert!(!fetched.is_empty(), "no expert was fetched");
+    let reqs = e.hub.requests();
+    assert!(
+        reqs.iter().all(|r| r.contains("model-")),
+        "requests other than shard ranges: {reqs:?}"
+    );
+    assert!(reqs.len() >= fetched.len(), "{reqs:?}");
+
+    // Every fetched expert equals the source shards' bytes of its six tensors.
+    let src = deltafin_k3::checkpoint::Checkpoint::open(&e.src.k3_dir).unwrap();
+    for path in &fetched {
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let (l, x) = name
+            .trim_start_matches('L')
+            .trim_end_matches(".bin")
+            .split_once("-E")
+            .unwrap();
+        let span = src
+            .expert_span(l.parse().unwrap(), x.parse().unwrap())
+            .unwrap();
+        let f = std::fs::File::open(&span.shard_path).unwrap();
+        let mut want = Vec::new();
+        for (off, len) in span.ranges {
+            let mut b = vec![0u8; len as usize];
+            f.read_exact_at(&mut b, off).unwrap();
+            want.extend_from_slice(&b);
+        }
+        assert!(std::fs::read(path).unwrap() == want, "{name} differs");
+    }
+
+    // A second run fetches nothing.
+    e.hub.clear_log();
+    let (o, again) = run_ids(&e, &e.root(), None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(again, want);
+    assert!(e.hub.requests().is_empty(), "{:?}", e.hub.requests());
+    assert_eq!(expert_files(&e.root()), fetched);
+
+    // Offline with a needed expert missing: the error names the layer, the expert and the
+    // hub's error.
+    let victim = &fetched[0];
+    let name = victim.file_name().unwrap().to_str().unwrap().to_string();
+    let (l, x) = name
+        .trim_start_matches('L')
+        .trim_end_matches(".bin")
+        .split_once("-E")
+        .unwrap();
+    std::fs::remove_file(victim).unwrap();
+    let (o, _) = run_ids(&e, &e.root(), Some("http://127.0.0.1:9"));
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains(&format!("expert {x} of layer {l}")), "{t}");
+    assert!(t.contains("fetching it from the hub failed"), "{t}");
+
+    // Under a memory budget (streaming experts) the missing expert is fetched again and the
+    // tokens are the same.
+    e.hub.clear_log();
+    let (o, budget) = run_ids_with(&e, &e.root(), None, &["--memory-budget-gb", "4"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("memory budget"), "{}", text(&o));
+    assert_eq!(budget, want);
+    assert!(victim.is_file());
+    assert!(!e.hub.requests().is_empty());
+}
+
+#[test]
+fn stream_install_spine_errors_name_the_tensor() {
+    let e = runnable_env();
+    let o = e.run(&["setup", "--stream"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let dir = e.root().join("k3-resident/tensors");
+    let name = "language_model.model.layers.1.self_attn.q_proj.weight";
+    let path = dir.join(name);
+    let bytes = std::fs::read(&path).unwrap();
+
+    // Wrong size.
+    std::fs::write(&path, &bytes[..bytes.len() - 2]).unwrap();
+    let (o, _) = run_ids(&e, &e.root(), None);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains(name) && t.contains("bytes, expected"), "{t}");
+
+    // Missing.
+    std::fs::remove_file(&path).unwrap();
+    let (o, _) = run_ids(&e, &e.root(), None);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains(name) && t.contains("is missing"), "{t}");
+
+    // Restored: it runs.
+    std::fs::write(&path, &bytes).unwrap();
+    let (o, ids) = run_ids(&e, &e.root(), None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(ids.len(), 6);
 }

@@ -272,7 +272,8 @@ fn deltafin_at(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
         .env_remove("K3_MEMORY_BUDGET_GB")
         .env_remove("K3_PILOT_GATE")
         .env_remove("K3_EXPERT_HEAT")
-        .env_remove("K3_EXPERT_PIN_GB");
+        .env_remove("K3_EXPERT_PIN_GB")
+        .env("K3_SPINE", "bf16");
     for (k, v) in env {
         cmd.env(k, v);
     }

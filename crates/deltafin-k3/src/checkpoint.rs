@@ -69,29 +69,112 @@ impl ExpertSpan {
     }
 }
 
-/// A validated checkpoint.
+/// Directory of a stream install's spine: one raw file per non-expert tensor, named by the
+/// tensor's full name, holding its exact checkpoint bytes (product-contract §4.1, §5.2).
+pub const SPINE_TENSOR_DIR: &str = "k3-resident/tensors";
+
+/// Directory of the one-file-per-expert layout under the model root (product-contract §4.1).
+pub const EXPERT_DIR: &str = "k3-experts";
+
+/// `L{layer}-E{expert}.bin`: one expert's six tensors verbatim, §3.4 order (`raw-v1`).
+pub fn expert_file_name(layer: usize, expert: usize) -> String {
+    format!("L{layer}-E{expert}.bin")
+}
+
+/// Where `deltafin setup` records the install mode (`full` or `stream`).
+pub const INSTALL_MODE_FILE: &str = "k3-meta/install-mode";
+
+/// How the weights of an install are laid out on disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// The release shards (`model-*.safetensors`) through `model.safetensors.index.json`.
+    Shards,
+    /// A stream install: the spine as `k3-resident/tensors/<name>`, the routed experts as
+    /// `k3-experts/L{l}-E{e}.bin` files that appear as they are fetched.
+    StreamInstall,
+}
+
+impl Layout {
+    /// `shards` or `stream-install` (the startup line's `layout=`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Layout::Shards => "shards",
+            Layout::StreamInstall => "stream-install",
+        }
+    }
+
+    /// The layout of the install at `root`: a stream install when `k3-resident/tensors/`
+    /// exists and either `k3-meta/install-mode` says `stream` (a stream install keeps the
+    /// index as metadata) or there is no index; else shards when the index exists; `None`
+    /// when neither applies.
+    pub fn detect(root: &Path) -> Option<Layout> {
+        let index = root.join(INDEX_FILE).is_file();
+        let spine = root.join(SPINE_TENSOR_DIR).is_dir();
+        let mode = std::fs::read_to_string(root.join(INSTALL_MODE_FILE)).unwrap_or_default();
+        if spine && (!index || mode.trim() == "stream") {
+            Some(Layout::StreamInstall)
+        } else if index {
+            Some(Layout::Shards)
+        } else {
+            None
+        }
+    }
+}
+
+/// One spine tensor of a stream install: its file, mapped whole.
+struct TensorFile {
+    path: PathBuf,
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: Bytes,
+}
+
+/// Where the tensors come from.
+enum Store {
+    /// Release shards; full text tensor name → index into `shards`.
+    Shards {
+        shards: Vec<SafetensorsFile>,
+        locate: HashMap<String, usize>,
+    },
+    /// A stream install; full name of every non-expert text tensor → its mapped file.
+    Tensors { files: HashMap<String, TensorFile> },
+}
+
+/// A resolved tensor: its full name, zero-copy bytes, dtype and shape.
+struct Found<'a> {
+    full: String,
+    bytes: Bytes,
+    dtype: DType,
+    shape: &'a [usize],
+}
+
+/// A validated checkpoint: release shards or a stream install's per-tensor spine.
 pub struct Checkpoint {
     root: PathBuf,
     config: K3Config,
-    shards: Vec<SafetensorsFile>,
-    /// Full text tensor name → index into `shards`.
-    locate: HashMap<String, usize>,
+    store: Store,
     vision_tensors: usize,
     projector_tensors: usize,
 }
 
 impl std::fmt::Debug for Checkpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (files, tensors) = match &self.store {
+            Store::Shards { shards, locate } => (shards.len(), locate.len()),
+            Store::Tensors { files } => (files.len(), files.len()),
+        };
         f.debug_struct("Checkpoint")
             .field("root", &self.root)
-            .field("shards", &self.shards.len())
-            .field("text_tensors", &self.locate.len())
+            .field("layout", &self.layout())
+            .field("files", &files)
+            .field("text_tensors", &tensors)
             .finish()
     }
 }
 
 impl Checkpoint {
-    /// Open and fully validate the checkpoint under `model_root`.
+    /// Open and fully validate the install under `model_root`, in either [`Layout`]
+    /// (detected with [`Layout::detect`]).
     pub fn open(model_root: &Path) -> Result<Checkpoint, CheckpointError> {
         let root = model_root.to_path_buf();
         let config_path = root.join(CONFIG_FILE);
@@ -102,6 +185,9 @@ impl Checkpoint {
             });
         }
         let config = K3Config::from_file(&config_path)?;
+        if Layout::detect(&root) == Some(Layout::StreamInstall) {
+            return Self::open_stream_install(root, config);
+        }
         let index_path = root.join(INDEX_FILE);
         if !index_path.is_file() {
             return Err(CheckpointError::MissingFile {
@@ -260,16 +346,136 @@ impl Checkpoint {
         Ok(Checkpoint {
             root,
             config,
-            shards,
-            locate,
+            store: Store::Shards { shards, locate },
             vision_tensors,
             projector_tensors,
         })
     }
 
+    /// Open a stream install: every non-expert text tensor of the inventory must be a file
+    /// `k3-resident/tensors/<full name>` of exactly its byte length; each is mapped whole
+    /// (zero-copy). Vision and projector tensor files are counted, anything else is an error.
+    fn open_stream_install(root: PathBuf, config: K3Config) -> Result<Checkpoint, CheckpointError> {
+        let dir = root.join(SPINE_TENSOR_DIR);
+        let expected = inventory::text_inventory(&config);
+        let spine: HashMap<&str, &TensorSpec> = expected
+            .iter()
+            .filter(|t| matches!(t.kind, inventory::TensorKind::Spine { .. }))
+            .map(|t| (t.name.as_str(), t))
+            .collect();
+        let (mut vision_tensors, mut projector_tensors) = (0, 0);
+        let listing = std::fs::read_dir(&dir).map_err(|e| file_err(&dir, e.to_string()))?;
+        for entry in listing {
+            let entry = entry.map_err(|e| file_err(&dir, e.to_string()))?;
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else {
+                return Err(file_err(&entry.path(), "file name is not UTF-8"));
+            };
+            if spine.contains_key(name) {
+                continue;
+            } else if name.starts_with("vision_tower.") {
+                vision_tensors += 1;
+            } else if name.starts_with("mm_projector.") {
+                projector_tensors += 1;
+            } else {
+                return Err(file_err(
+                    &entry.path(),
+                    format!(
+                        "unexpected file in {SPINE_TENSOR_DIR}/: `{name}` is not a non-expert tensor of the K3 inventory for this config.json (routed experts belong in {EXPERT_DIR}/)"
+                    ),
+                ));
+            }
+        }
+        let mut files = HashMap::with_capacity(spine.len());
+        for spec in expected
+            .iter()
+            .filter(|t| matches!(t.kind, inventory::TensorKind::Spine { .. }))
+        {
+            let path = dir.join(&spec.name);
+            let want = spec.byte_len() as u64;
+            let len = match std::fs::metadata(&path) {
+                Ok(m) if m.is_file() => m.len(),
+                Ok(_) => {
+                    return Err(file_err(
+                        &path,
+                        format!("tensor `{}`: not a regular file", spec.name),
+                    ));
+                }
+                Err(e) => {
+                    return Err(file_err(
+                        &path,
+                        format!(
+                            "tensor `{}` of the stream-install spine is missing ({e}); rerun `deltafin setup --stream`",
+                            spec.name
+                        ),
+                    ));
+                }
+            };
+            if len != want {
+                return Err(file_err(
+                    &path,
+                    format!(
+                        "tensor `{}` is {len} bytes, expected {want} ({} {:?})",
+                        spec.name, spec.dtype, spec.shape
+                    ),
+                ));
+            }
+            let bytes = map_file(&path)?;
+            files.insert(
+                spec.name.clone(),
+                TensorFile {
+                    path,
+                    dtype: spec.dtype,
+                    shape: spec.shape.clone(),
+                    bytes,
+                },
+            );
+        }
+        Ok(Checkpoint {
+            root,
+            config,
+            store: Store::Tensors { files },
+            vision_tensors,
+            projector_tensors,
+        })
+    }
+
+    /// How this install is laid out.
+    pub fn layout(&self) -> Layout {
+        match self.store {
+            Store::Shards { .. } => Layout::Shards,
+            Store::Tensors { .. } => Layout::StreamInstall,
+        }
+    }
+
+    /// A stream install's spine files, one per tensor (empty for shards).
+    pub fn spine_files(&self) -> Vec<&Path> {
+        match &self.store {
+            Store::Shards { .. } => Vec::new(),
+            Store::Tensors { files } => files.values().map(|t| t.path.as_path()).collect(),
+        }
+    }
+
+    /// Bytes of the non-expert tensors as stored (the spine), over either layout.
+    pub fn spine_bytes(&self) -> u64 {
+        let cfg = &self.config;
+        inventory::text_inventory(cfg)
+            .iter()
+            .filter(|t| matches!(t.kind, inventory::TensorKind::Spine { .. }))
+            .map(|t| t.byte_len() as u64)
+            .sum()
+    }
+
     /// The parsed `config.json`.
     pub fn config(&self) -> &K3Config {
         &self.config
+    }
+
+    /// `k3-experts/L{layer}-E{expert}.bin` under the model root.
+    pub fn expert_file(&self, layer: usize, expert: usize) -> PathBuf {
+        self.root
+            .join(EXPERT_DIR)
+            .join(expert_file_name(layer, expert))
     }
 
     /// The model root directory.
@@ -287,78 +493,103 @@ impl Checkpoint {
         self.projector_tensors
     }
 
-    /// Paths of the opened shard files.
+    /// Paths of the opened shard files (empty for a stream install).
     pub fn shard_paths(&self) -> Vec<&Path> {
-        self.shards.iter().map(|s| s.path()).collect()
+        match &self.store {
+            Store::Shards { shards, .. } => shards.iter().map(|s| s.path()).collect(),
+            Store::Tensors { .. } => Vec::new(),
+        }
     }
 
-    fn find(&self, name: &str) -> Result<(&SafetensorsFile, String), CheckpointError> {
+    /// Resolve a text tensor (name with or without the `language_model.` prefix).
+    fn find(&self, name: &str) -> Result<Found<'_>, CheckpointError> {
         let full = if name.starts_with(PREFIX) {
             name.to_string()
         } else {
             format!("{PREFIX}{name}")
         };
-        match self.locate.get(&full) {
-            Some(&i) => Ok((&self.shards[i], full)),
-            None => Err(CheckpointError::Request {
-                name: full,
-                message: "not a text tensor of this checkpoint".into(),
-            }),
+        let not_here = |full: String, message: &str| CheckpointError::Request {
+            name: full,
+            message: message.into(),
+        };
+        match &self.store {
+            Store::Shards { shards, locate } => {
+                let Some(&i) = locate.get(&full) else {
+                    return Err(not_here(full, "not a text tensor of this checkpoint"));
+                };
+                let shard = &shards[i];
+                let info = shard
+                    .info(&full)
+                    .ok_or_else(|| file_err(shard.path(), format!("tensor `{full}` vanished")))?;
+                Ok(Found {
+                    bytes: shard.bytes(&full)?,
+                    full,
+                    dtype: info.dtype,
+                    shape: &info.shape,
+                })
+            }
+            Store::Tensors { files } => match files.get(&full) {
+                Some(t) => Ok(Found {
+                    full,
+                    bytes: t.bytes.clone(),
+                    dtype: t.dtype,
+                    shape: &t.shape,
+                }),
+                None => Err(not_here(
+                    full,
+                    "not a spine tensor of this stream install (routed experts are read from k3-experts/)",
+                )),
+            },
         }
     }
 
     /// Zero-copy bytes of a text tensor (name with or without the `language_model.` prefix).
     pub fn tensor_bytes(&self, name: &str) -> Result<Bytes, CheckpointError> {
-        let (shard, full) = self.find(name)?;
-        Ok(shard.bytes(&full)?)
+        Ok(self.find(name)?.bytes)
     }
 
     /// Dtype and shape of a text tensor.
     pub fn tensor_info(&self, name: &str) -> Result<(DType, Vec<usize>), CheckpointError> {
-        let (shard, full) = self.find(name)?;
-        let info = shard
-            .info(&full)
-            .ok_or_else(|| file_err(shard.path(), format!("tensor `{full}` vanished")))?;
-        Ok((info.dtype, info.shape.clone()))
+        let found = self.find(name)?;
+        Ok((found.dtype, found.shape.to_vec()))
     }
 
     /// A 2-D BF16 tensor as a matrix (`[1, D]` vectors included).
     pub fn bf16_matrix(&self, name: &str) -> Result<Bf16Matrix, CheckpointError> {
-        let (shard, full) = self.find(name)?;
-        let info = shard
-            .info(&full)
-            .ok_or_else(|| file_err(shard.path(), format!("tensor `{full}` vanished")))?;
-        let (rows, cols) = match (info.dtype, info.shape.as_slice()) {
+        let found = self.find(name)?;
+        let (rows, cols) = match (found.dtype, found.shape) {
             (DType::BF16, &[r, c]) => (r, c),
             _ => {
                 return Err(CheckpointError::Request {
-                    name: full,
-                    message: format!("is {} {:?}, not a 2-D BF16 matrix", info.dtype, info.shape),
+                    name: found.full,
+                    message: format!(
+                        "is {} {:?}, not a 2-D BF16 matrix",
+                        found.dtype, found.shape
+                    ),
                 });
             }
         };
-        Ok(Bf16Matrix::new(&full, shard.bytes(&full)?, rows, cols)?)
+        Ok(Bf16Matrix::new(&found.full, found.bytes, rows, cols)?)
     }
 
     /// A BF16 or F32 tensor of any rank (norms, biases, conv taps, `res_proj`) widened to f32.
     pub fn f32_vector(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
-        let (shard, full) = self.find(name)?;
-        let bytes = shard.bytes(&full)?;
-        let dtype = shard.info(&full).map(|i| i.dtype);
-        match dtype {
-            Some(DType::F32) => Ok(bytes
+        let found = self.find(name)?;
+        let (bytes, full) = (found.bytes, found.full);
+        match found.dtype {
+            DType::F32 => Ok(bytes
                 .as_slice()
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect()),
-            Some(DType::BF16) => Ok(bytes
+            DType::BF16 => Ok(bytes
                 .as_slice()
                 .chunks_exact(2)
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect()),
             other => Err(CheckpointError::Request {
                 name: full,
-                message: format!("is {other:?}, not BF16 or F32"),
+                message: format!("is {other}, not BF16 or F32"),
             }),
         }
     }
@@ -392,18 +623,53 @@ impl Checkpoint {
     ) -> Result<ExpertMatrices, CheckpointError> {
         self.check_expert(layer, expert)?;
         let lay = inventory::expert_layout(&self.config, layer, expert);
+        // A stream install keeps each expert as one raw-v1 file: map it and slice the six
+        // tensors in span order.
+        let file = match self.store {
+            Store::Shards { .. } => None,
+            Store::Tensors { .. } => {
+                let path = self.expert_file(layer, expert);
+                let want = lay.total_bytes() as u64;
+                let len = std::fs::metadata(&path)
+                    .map_err(|e| {
+                        file_err(
+                            &path,
+                            format!("layer {layer} expert {expert} is not available locally: {e}"),
+                        )
+                    })?
+                    .len();
+                if len != want {
+                    return Err(file_err(
+                        &path,
+                        format!(
+                            "layer {layer} expert {expert}: file is {len} bytes, the expert is {want}"
+                        ),
+                    ));
+                }
+                Some((map_file(&path)?, path))
+            }
+        };
+        let mut at = 0usize;
+        let mut part = |name: &str, len: usize| -> Result<Bytes, CheckpointError> {
+            match &file {
+                None => self.tensor_bytes(name),
+                Some((bytes, path)) => {
+                    let b = bytes.slice(at..at + len).ok_or_else(|| {
+                        file_err(path, format!("tensor `{name}` lies beyond the file"))
+                    })?;
+                    at += len;
+                    Ok(b)
+                }
+            }
+        };
         let mut mats = Vec::with_capacity(3);
         for pair in lay.tensors.chunks_exact(2) {
             let (p, s) = (&pair[0], &pair[1]);
             let [rows, cols] = inventory::ExpertLayout::logical_shape(&self.config, p.matrix);
             let name = p.name.trim_end_matches(".weight_packed");
-            mats.push(Mxfp4Matrix::new(
-                name,
-                self.tensor_bytes(&p.name)?,
-                self.tensor_bytes(&s.name)?,
-                rows,
-                cols,
-            )?);
+            let packed = part(&p.name, p.bytes)?;
+            let scale = part(&s.name, s.bytes)?;
+            mats.push(Mxfp4Matrix::new(name, packed, scale, rows, cols)?);
         }
         let mut it = mats.into_iter();
         match (it.next(), it.next(), it.next()) {
@@ -420,9 +686,31 @@ impl Checkpoint {
         self.check_expert(layer, expert)?;
         let lay = inventory::expert_layout(&self.config, layer, expert);
         let mut ranges = [(0u64, 0u64); 6];
+        if self.layout() == Layout::StreamInstall {
+            // The expert's own file (which need not exist yet: it is fetched on demand).
+            let mut at = 0u64;
+            for (r, t) in ranges.iter_mut().zip(&lay.tensors) {
+                *r = (at, t.bytes as u64);
+                at += r.1;
+            }
+            return Ok(ExpertSpan {
+                shard_path: self.expert_file(layer, expert),
+                ranges,
+                contiguous: true,
+            });
+        }
         let mut shard_path: Option<&Path> = None;
         for (k, t) in lay.tensors.iter().enumerate() {
-            let (shard, full) = self.find(&t.name)?;
+            let Store::Shards { shards, locate } = &self.store else {
+                break;
+            };
+            let full = t.name.clone();
+            let Some(shard) = locate.get(&full).map(|&i| &shards[i]) else {
+                return Err(CheckpointError::Request {
+                    name: full,
+                    message: "not a text tensor of this checkpoint".into(),
+                });
+            };
             match shard_path {
                 None => shard_path = Some(shard.path()),
                 Some(p) if p != shard.path() => {
@@ -446,6 +734,16 @@ impl Checkpoint {
             contiguous,
         })
     }
+}
+
+/// Map a whole file read-only (zero-copy [`Bytes`]).
+fn map_file(path: &Path) -> Result<Bytes, CheckpointError> {
+    let io = |e: std::io::Error| file_err(path, e.to_string());
+    let file = std::fs::File::open(path).map_err(io)?;
+    // SAFETY: the mapping is read-only; the install's files are not modified while loaded
+    // (the same contract as the shard mmaps of `SafetensorsFile::open`).
+    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+    Ok(Bytes::from_owner(std::sync::Arc::new(mmap)))
 }
 
 /// Parse `model.safetensors.index.json`: `weight_map` (name → shard file) and the optional
@@ -478,4 +776,153 @@ fn read_index(path: &Path) -> Result<(HashMap<String, String>, Option<u64>), Che
         })?),
     };
     Ok((map, total_size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::TensorKind;
+    use crate::loader::{EngineOptions, load_model};
+    use crate::model::LogitRows;
+    use crate::spine_int8::{ConvertOptions, convert_spine, tensor_dir};
+    use crate::synth::{SynthDims, SynthSpec, synthesize};
+    use std::os::unix::fs::FileExt;
+    use std::sync::Arc;
+
+    /// A synthesized shard checkpoint and the same weights as a stream install: config,
+    /// one file per spine tensor, and the experts as `k3-experts/` files.
+    fn shards_and_stream() -> (tempfile::TempDir, Checkpoint, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let shards = dir.path().join("shards");
+        let dims = SynthDims {
+            vocab: 1024,
+            layers: 6,
+            attn_res_block: 4,
+            ..SynthDims::tiny()
+        };
+        synthesize(&shards, &SynthSpec::new(dims, 5)).unwrap();
+        let ckpt = Checkpoint::open(&shards).unwrap();
+        let stream = dir.path().join("stream");
+        std::fs::create_dir_all(stream.join(SPINE_TENSOR_DIR)).unwrap();
+        std::fs::create_dir_all(stream.join(EXPERT_DIR)).unwrap();
+        std::fs::copy(shards.join(CONFIG_FILE), stream.join(CONFIG_FILE)).unwrap();
+        for t in inventory::text_inventory(ckpt.config()) {
+            if let TensorKind::Spine { .. } = t.kind {
+                let b = ckpt.tensor_bytes(&t.name).unwrap();
+                std::fs::write(stream.join(SPINE_TENSOR_DIR).join(&t.name), b.as_slice()).unwrap();
+            }
+        }
+        let cfg = ckpt.config().clone();
+        for l in (0..cfg.n_layers()).filter(|&l| !cfg.is_dense(l)) {
+            for e in 0..cfg.text.num_experts {
+                let span = ckpt.expert_span(l, e).unwrap();
+                let f = std::fs::File::open(&span.shard_path).unwrap();
+                let mut bytes = Vec::new();
+                for (off, len) in span.ranges {
+                    let mut b = vec![0u8; len as usize];
+                    f.read_exact_at(&mut b, off).unwrap();
+                    bytes.extend_from_slice(&b);
+                }
+                let p = stream.join(EXPERT_DIR).join(expert_file_name(l, e));
+                std::fs::write(p, bytes).unwrap();
+            }
+        }
+        (dir, ckpt, stream)
+    }
+
+    #[test]
+    fn stream_install_layout_gives_the_shards_logits_and_int8_spine() {
+        let (_dir, shards, stream) = shards_and_stream();
+        assert_eq!(Layout::detect(&stream), Some(Layout::StreamInstall));
+        assert_eq!(Layout::detect(shards.root()), Some(Layout::Shards));
+        let st = Checkpoint::open(&stream).unwrap();
+        assert_eq!(st.layout(), Layout::StreamInstall);
+        assert_eq!(shards.layout(), Layout::Shards);
+        let cfg = shards.config().clone();
+        let spine_count = inventory::text_inventory(&cfg)
+            .iter()
+            .filter(|t| matches!(t.kind, TensorKind::Spine { .. }))
+            .count();
+        assert_eq!(st.spine_files().len(), spine_count);
+        assert!(shards.spine_files().is_empty() && st.shard_paths().is_empty());
+        let on_disk: u64 = st
+            .spine_files()
+            .iter()
+            .map(|p| std::fs::metadata(p).unwrap().len())
+            .sum();
+        assert_eq!(st.spine_bytes(), on_disk);
+        // The expert tensors are not spine tensors of a stream install.
+        let e0 = inventory::expert_layout(&cfg, 1, 0);
+        assert!(st.tensor_bytes(&e0.tensors[0].name).is_err());
+        // Experts from their files equal the shards' experts.
+        let (a, b) = (
+            shards.expert_matrices(1, 3).unwrap(),
+            st.expert_matrices(1, 3).unwrap(),
+        );
+        for (x, y) in [(&a.w1, &b.w1), (&a.w2, &b.w2), (&a.w3, &b.w3)] {
+            assert_eq!((x.packed(), x.scales()), (y.packed(), y.scales()));
+        }
+        let span = st.expert_span(1, 3).unwrap();
+        assert_eq!(span.shard_path, st.expert_file(1, 3));
+        assert!(span.contiguous && span.ranges[0].0 == 0);
+        let st = Arc::new(st);
+        let shards = Arc::new(shards);
+        let opts = EngineOptions::default();
+        let (ma, mb) = (
+            load_model(shards.clone(), &opts).unwrap(),
+            load_model(st.clone(), &opts).unwrap(),
+        );
+        let ids = [1u32, 17, 99, 512, 3];
+        let la = ma
+            .forward(&mut ma.new_state(), &ids, LogitRows::All)
+            .unwrap();
+        let lb = mb
+            .forward(&mut mb.new_state(), &ids, LogitRows::All)
+            .unwrap();
+        assert_eq!(la.values, lb.values);
+        // The int8 conversion reads the bf16 spine through either layout identically.
+        for c in [&shards, &st] {
+            convert_spine(c, &ConvertOptions::default(), &mut |_| {}).unwrap();
+        }
+        let mut names: Vec<_> = std::fs::read_dir(tensor_dir(shards.root()))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert!(!names.is_empty());
+        for n in names {
+            assert_eq!(
+                std::fs::read(tensor_dir(shards.root()).join(&n)).unwrap(),
+                std::fs::read(tensor_dir(st.root()).join(&n)).unwrap(),
+                "{n:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn stream_install_spine_file_errors_name_the_tensor() {
+        let (_dir, _shards, stream) = shards_and_stream();
+        let name = "language_model.model.layers.2.input_layernorm.weight";
+        let path = stream.join(SPINE_TENSOR_DIR).join(name);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[1..]).unwrap();
+        let msg = Checkpoint::open(&stream).unwrap_err().to_string();
+        assert!(
+            msg.contains(name) && msg.contains("bytes, expected"),
+            "{msg}"
+        );
+        std::fs::remove_file(&path).unwrap();
+        let msg = Checkpoint::open(&stream).unwrap_err().to_string();
+        assert!(msg.contains(name) && msg.contains("is missing"), "{msg}");
+        std::fs::write(&path, &bytes).unwrap();
+        std::fs::write(stream.join(SPINE_TENSOR_DIR).join("stray.bin"), b"x").unwrap();
+        let msg = Checkpoint::open(&stream).unwrap_err().to_string();
+        assert!(msg.contains("stray.bin"), "{msg}");
+        std::fs::remove_file(stream.join(SPINE_TENSOR_DIR).join("stray.bin")).unwrap();
+        // A missing expert file names the layer and expert.
+        let st = Checkpoint::open(&stream).unwrap();
+        std::fs::remove_file(st.expert_file(2, 7)).unwrap();
+        let msg = st.expert_matrices(2, 7).unwrap_err().to_string();
+        assert!(msg.contains("layer 2 expert 7"), "{msg}");
+    }
 }

@@ -4,7 +4,7 @@
 //! vectors to f32, and serve routed experts straight from the shard bytes.
 
 use crate::attn_res::AttnResWeights;
-use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::checkpoint::{Checkpoint, CheckpointError, Layout};
 use crate::config::{K3Config, LayerKind};
 use crate::dims::{AttnKind, CacheDtype, ModelDims};
 use crate::kda::KdaWeights;
@@ -281,18 +281,15 @@ pub fn load_model(ckpt: Arc<Checkpoint>, opts: &EngineOptions) -> Result<K3Model
     load_model_with_experts(ckpt, opts, experts)
 }
 
-/// Directory of the one-file-per-expert layout under the model root (product-contract §4.1).
-pub const EXPERT_DIR: &str = "k3-experts";
-
-/// `L{layer}-E{expert}.bin`: one expert's six tensors verbatim, §3.4 order (`raw-v1`).
-pub fn expert_file_name(layer: usize, expert: usize) -> String {
-    format!("L{layer}-E{expert}.bin")
-}
+pub use crate::checkpoint::{EXPERT_DIR, expert_file_name};
 
 /// Every MoE layer's expert byte ranges. With a `k3-experts/` directory under the model root
 /// every expert is its own file (each must exist with exactly the expert's size); otherwise
 /// the ranges come from the shards via [`Checkpoint::expert_span`] (one table entry per
-/// distinct shard; an expert spanning shards is an error).
+/// distinct shard; an expert spanning shards is an error). In a stream install
+/// ([`Layout::StreamInstall`]) every expert is its own file too, but a file may be absent
+/// (fetched on demand, see [`stream_install_missing_experts`]); a present one must have the
+/// expert's exact size.
 pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
     let cfg = ckpt.config();
     let shape = ExpertShape {
@@ -300,7 +297,8 @@ pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
         lr: cfg.text.routed_expert_hidden_size,
     };
     let dir = ckpt.root().join(EXPERT_DIR);
-    let per_file = dir.is_dir();
+    let stream_install = ckpt.layout() == Layout::StreamInstall;
+    let per_file = dir.is_dir() || stream_install;
     let mut files: Vec<std::path::PathBuf> = Vec::new();
     let mut layers = Vec::with_capacity(cfg.n_layers());
     for l in 0..cfg.n_layers() {
@@ -312,13 +310,22 @@ pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
         for e in 0..cfg.text.num_experts {
             if per_file {
                 let path = dir.join(expert_file_name(l, e));
-                let len = std::fs::metadata(&path).map(|m| m.len()).map_err(|err| {
-                    CheckpointError::File {
-                        path: path.clone(),
-                        message: format!("expert file of layer {l} expert {e}: {err}"),
+                let len = match std::fs::metadata(&path) {
+                    Ok(m) => Some(m.len()),
+                    Err(err) if err.kind() == std::io::ErrorKind::NotFound && stream_install => {
+                        None
                     }
-                })?;
-                if len != shape.expert_bytes() {
+                    Err(err) => {
+                        return Err(CheckpointError::File {
+                            path: path.clone(),
+                            message: format!("expert file of layer {l} expert {e}: {err}"),
+                        }
+                        .into());
+                    }
+                };
+                if let Some(len) = len
+                    && len != shape.expert_bytes()
+                {
                     return Err(CheckpointError::File {
                         path,
                         message: format!(
@@ -365,11 +372,32 @@ pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
     Ok(table)
 }
 
+/// The `(layer, expert)` pairs of a stream install whose `k3-experts/` file does not exist
+/// yet (empty for the shard layout).
+pub fn stream_install_missing_experts(ckpt: &Checkpoint) -> Vec<(usize, usize)> {
+    let cfg = ckpt.config();
+    if ckpt.layout() != Layout::StreamInstall {
+        return Vec::new();
+    }
+    (0..cfg.n_layers())
+        .filter(|&l| !cfg.is_dense(l))
+        .flat_map(|l| (0..cfg.text.num_experts).map(move |e| (l, e)))
+        .filter(|&(l, e)| !ckpt.expert_file(l, e).is_file())
+        .collect()
+}
+
 /// Write `k3-experts/L{l}-E{e}.bin` for every routed expert from the shards (positional
 /// reads of each expert's ranges; each file written to `.tmp` and renamed). Returns the
 /// number of files written. Afterwards [`expert_table`] uses the per-expert layout.
 pub fn convert_to_expert_files(ckpt: &Checkpoint) -> Result<usize, LoadError> {
     use std::os::unix::fs::FileExt;
+    if ckpt.layout() == Layout::StreamInstall {
+        return Err(CheckpointError::File {
+            path: ckpt.root().join(EXPERT_DIR),
+            message: "this stream install already keeps one file per expert".into(),
+        }
+        .into());
+    }
     let cfg = ckpt.config();
     let dir = ckpt.root().join(EXPERT_DIR);
     let io = |path: &Path, err: std::io::Error| CheckpointError::File {

@@ -1,0 +1,132 @@
+//! Running a stream install (product-contract §4.1, §5.2): the spine is read from
+//! `k3-resident/tensors/` by the checkpoint, and the routed experts come from
+//! `k3-experts/L{l}-E{e}.bin`; an expert whose file is missing is fetched first, by byte
+//! range from the hub's shards (`deltafin_fetch::expert::RemoteExperts`: verified, cached on
+//! disk), then read by the wrapped expert source as if it had always been there.
+
+use anyhow::{Context, Result};
+use deltafin_experts::{ExpertError, ExpertSource, ExpertStats, ExpertWeights};
+use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
+use deltafin_fetch::hub::HubClient;
+use deltafin_fetch::manifest::Manifests;
+use std::path::Path;
+
+/// The on-demand fetcher of the install at `root`: the K3 manifest (`DELTAFIN_MANIFESTS` or
+/// the built-in one), the hub (`HF_ENDPOINT`, `HF_TOKEN`) and the pinned inventory that
+/// `deltafin setup --stream` wrote. No network is touched here.
+pub fn remote_experts(root: &Path) -> Result<RemoteExperts> {
+    let ms = Manifests::from_env().context("stream install: loading the source manifests")?;
+    let client = HubClient::from_env().context("stream install: hub endpoint")?;
+    RemoteExperts::open(root, &ms.k3, client).with_context(|| {
+        format!(
+            "stream install at {}: cannot open the expert inventory (rerun `deltafin setup --stream`)",
+            root.display()
+        )
+    })
+}
+
+/// An expert source over a stream install: before `inner` reads an expert, its
+/// `k3-experts/` file is made present through `fetch` (a no-op without network when the
+/// file is already complete).
+pub struct FetchingExperts {
+    fetch: Box<dyn ExpertFetch>,
+    inner: Box<dyn ExpertSource>,
+    root: std::path::PathBuf,
+}
+
+impl FetchingExperts {
+    /// Wrap `inner` (which reads the `k3-experts/` files under `root`).
+    pub fn new(
+        root: &Path,
+        fetch: Box<dyn ExpertFetch>,
+        inner: Box<dyn ExpertSource>,
+    ) -> FetchingExperts {
+        FetchingExperts {
+            fetch,
+            inner,
+            root: root.to_path_buf(),
+        }
+    }
+
+    fn present(&self, layer: usize, expert: usize) -> bool {
+        deltafin_fetch::plan::expert_path(&self.root, layer, expert).is_file()
+    }
+
+    /// Make the expert's file present, fetching it when missing.
+    fn ensure(&self, layer: usize, expert: usize) -> Result<(), ExpertError> {
+        self.fetch
+            .fetch_expert(layer, expert)
+            .map_err(|e| ExpertError::Unavailable {
+                layer,
+                expert,
+                message: format!(
+                    "not in k3-experts/ of this stream install, and fetching it from the hub failed: {e}"
+                ),
+            })?;
+        Ok(())
+    }
+}
+
+impl ExpertSource for FetchingExperts {
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
+        self.ensure(layer, expert)?;
+        self.inner.expert(layer, expert)
+    }
+    fn begin_layer(&self, layer: usize, experts: &[usize]) {
+        // Fetch what is missing before the inner source starts reading. A failed fetch is
+        // reported by `expert` (which tries again and returns the hub's error).
+        for &e in experts {
+            let _ = self.ensure(layer, e);
+        }
+        self.inner.begin_layer(layer, experts)
+    }
+    fn wants_prediction(&self) -> bool {
+        self.inner.wants_prediction()
+    }
+    fn predict(&self, layer: usize, experts: &[usize]) {
+        // A guess never triggers a download; only experts already on disk are prefetched.
+        let present: Vec<usize> = experts
+            .iter()
+            .copied()
+            .filter(|&e| self.present(layer, e))
+            .collect();
+        self.inner.predict(layer, &present)
+    }
+    fn stats(&self) -> Option<ExpertStats> {
+        self.inner.stats()
+    }
+    fn record_routes(&self, layer: usize, k: usize, ids: &[usize], weights: &[f32]) {
+        self.inner.record_routes(layer, k, ids, weights)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deltafin_fetch::FetchError;
+    use deltafin_k3::moe::InMemoryExperts;
+    use std::path::PathBuf;
+
+    struct Offline;
+    impl ExpertFetch for Offline {
+        fn fetch_expert(&self, _: usize, _: usize) -> Result<PathBuf, FetchError> {
+            Err(FetchError::Invalid("connection refused".into()))
+        }
+    }
+
+    #[test]
+    fn a_failed_fetch_names_layer_expert_and_the_hub_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = FetchingExperts::new(
+            dir.path(),
+            Box::new(Offline),
+            Box::new(InMemoryExperts::default()),
+        );
+        src.begin_layer(2, &[5]);
+        let err = src.expert(2, 5).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("expert 5 of layer 2"), "{msg}");
+        assert!(msg.contains("connection refused"), "{msg}");
+        assert!(!src.present(2, 5));
+    }
+}
