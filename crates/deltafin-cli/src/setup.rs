@@ -178,18 +178,31 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
         let plan = plan_setup(&root, &ms, choice.mode, a.include_qwen);
         let free = deltafin_fetch::disk::free_bytes(&root).ok();
         print!("{}", fsetup::render_plan(&root, &plan, &choice, free));
+        println!(
+            "then: convert the row-int8 spine (deltafin convert-spine-int8) into {}/k3-resident-int8, about half the BF16 spine's size, no network",
+            root.display()
+        );
         return Ok(ExitCode::SUCCESS);
     }
     println!("mode: {} ({})", choice.mode.as_str(), choice.reason);
     let c = client()?;
     let s = Setup {
-        root,
+        root: root.clone(),
         manifests: &ms,
         client: &c,
         transfer: opts(a.workers),
     };
     s.run(choice.mode, a.include_qwen, &mut log)?;
-    Ok(ExitCode::SUCCESS)
+    // The last step of a one-shot setup (product-contract §5.1): the int8 spine that `run`
+    // and `serve` use by default. Resumable: an interrupted setup rerun continues it.
+    println!("converting the row-int8 spine (the default --spine; about half the BF16 spine's size)");
+    crate::convert::convert_spine_int8(&crate::convert::ConvertSpineInt8Args {
+        model_root: root,
+        checkpoint_rows: deltafin_k3::spine_int8::DEFAULT_CHECKPOINT_ROWS,
+        no_resume: false,
+        check: false,
+    })
+    .context("setup: the weights are installed, but converting the int8 spine failed (rerun `deltafin setup` or `deltafin convert-spine-int8`; `--spine bf16` runs without it)")
 }
 
 /// `deltafin setup-k3`.
