@@ -146,8 +146,8 @@ pub enum PackError {
     #[error("{path}: corrupt spine pack: {message} (rerun `deltafin pack-spine` to rebuild it)")]
     Corrupt { path: PathBuf, message: String },
     #[error(
-        "{path}: a {found} pack where {expected} packs belong: bf16 packs live under \
-         {BF16_PACK_DIR}/, int8 packs under {INT8_PACK_DIR}/"
+        "{path}: holds the {found} spine where {expected} packs belong (bf16 packs live under \
+         {BF16_PACK_DIR}/, int8 packs under {INT8_PACK_DIR}/)"
     )]
     WrongFormat {
         path: PathBuf,
@@ -362,9 +362,13 @@ pub fn pack_sources(
     Ok(out)
 }
 
-/// Payload offsets of every component: codes, then scales, then raw tensors.
-fn plan(sources: &[PackSource]) -> Result<(Vec<(u64, Option<u64>)>, u64), PackError> {
-    let mut offs: Vec<(u64, Option<u64>)> = vec![(0, None); sources.len()];
+/// Payload offsets of one tensor's data and (int8) scale components.
+type Offsets = (u64, Option<u64>);
+
+/// Payload offsets of every component (codes, then scales, then raw tensors) and the
+/// payload length.
+fn plan(sources: &[PackSource]) -> Result<(Vec<Offsets>, u64), PackError> {
+    let mut offs: Vec<Offsets> = vec![(0, None); sources.len()];
     let mut pos = 0u64;
     let mut place = |len: usize| {
         let at = round_up(pos, COMPONENT_ALIGN);
