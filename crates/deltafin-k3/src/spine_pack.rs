@@ -73,9 +73,10 @@
 //! re-hashes every chunk and component and checks every padding byte.
 
 use crate::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, INDEX_FILE};
-use crate::inventory::{TensorKind, text_inventory};
+use crate::inventory::{TensorKind, TensorSpec, text_inventory};
 use crate::spine_int8::{Int8Spine, SpineError, SpineFormat};
 use deltafin_tensor::{Bytes, DType};
+use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
@@ -329,12 +330,29 @@ pub fn pack_sources(
     int8: Option<&Int8Spine>,
     id: PackId,
 ) -> Result<Vec<PackSource>, PackError> {
+    sources_of(ckpt, int8, id, &spine_specs(ckpt))
+}
+
+/// The spine tensors of the inventory (the real K3's has 497,220 records: built once).
+fn spine_specs(ckpt: &Checkpoint) -> Vec<TensorSpec> {
+    text_inventory(ckpt.config())
+        .into_iter()
+        .filter(|s| matches!(s.kind, TensorKind::Spine { .. }))
+        .collect()
+}
+
+fn sources_of(
+    ckpt: &Checkpoint,
+    int8: Option<&Int8Spine>,
+    id: PackId,
+    specs: &[TensorSpec],
+) -> Result<Vec<PackSource>, PackError> {
     let want = match id {
         PackId::Layer(l) => Some(l),
         PackId::Globals => None,
     };
     let mut out = Vec::new();
-    for spec in text_inventory(ckpt.config()) {
+    for spec in specs {
         if spec.kind != (TensorKind::Spine { layer: want }) {
             continue;
         }
@@ -905,30 +923,48 @@ impl SpinePack {
             )));
         }
         let payload = self.payload();
-        let mut whole = Sha256::new();
-        for (k, c) in self.chunks.iter().enumerate() {
-            let s = &payload[c.offset as usize..(c.offset + c.len) as usize];
-            whole.update(s);
-            if sha(s) != c.sha256 {
-                let who: Vec<&str> = self
-                    .tensors
-                    .iter()
-                    .filter(|t| {
-                        [Some(t.data), t.scales]
-                            .into_iter()
-                            .flatten()
-                            .any(|p| p.offset < c.offset + c.len && c.offset < p.offset + p.len)
-                    })
-                    .map(|t| t.name.as_str())
-                    .collect();
-                return Err(self.corrupt(format!(
-                    "chunk {k} (payload bytes {}..{}, tensors {who:?}) fails its SHA-256",
-                    c.offset,
-                    c.offset + c.len
-                )));
-            }
+        let comps: Vec<(&TensorEntry, &'static str, Component)> = self
+            .tensors
+            .iter()
+            .flat_map(|t| {
+                [("data", Some(t.data)), ("scales", t.scales)]
+                    .into_iter()
+                    .filter_map(move |(f, c)| c.map(|c| (t, f, c)))
+            })
+            .collect();
+        let span = |c: &Component| &payload[c.offset as usize..(c.offset + c.len) as usize];
+        // The payload digest (one sequential pass) alongside the chunk and component digests
+        // (in parallel); failures are reported chunk first, in file order.
+        let (pd, (bad_chunk, bad_comp)) = rayon::join(
+            || sha(payload),
+            || {
+                rayon::join(
+                    || {
+                        self.chunks
+                            .par_iter()
+                            .position_first(|c| sha(span(c)) != c.sha256)
+                    },
+                    || {
+                        comps
+                            .par_iter()
+                            .position_first(|(_, _, c)| sha(span(c)) != c.sha256)
+                    },
+                )
+            },
+        );
+        if let Some(k) = bad_chunk {
+            let c = self.chunks[k];
+            let who: Vec<String> = comps
+                .iter()
+                .filter(|(_, _, p)| p.offset < c.offset + c.len && c.offset < p.offset + p.len)
+                .map(|(t, f, _)| format!("{}:{f}", t.name))
+                .collect();
+            return Err(self.corrupt(format!(
+                "chunk {k} (payload bytes {}..{}, holding {who:?}) fails its SHA-256",
+                c.offset,
+                c.offset + c.len
+            )));
         }
-        let pd: [u8; 32] = whole.finalize().into();
         if pd != self.payload_digest {
             return Err(self.corrupt(format!(
                 "payload digest (offset {OFF_PAYLOAD_DIGEST}) does not match the payload"
@@ -940,22 +976,19 @@ impl SpinePack {
                 "pack digest (offset {OFF_PACK_DIGEST}) does not match"
             )));
         }
-        let mut covered: Vec<(u64, u64)> = Vec::new();
-        for t in &self.tensors {
-            for (field, c) in [("data", Some(t.data)), ("scales", t.scales)] {
-                let Some(c) = c else { continue };
-                let s = &payload[c.offset as usize..(c.offset + c.len) as usize];
-                if sha(s) != c.sha256 {
-                    return Err(self.corrupt(format!(
-                        "tensor `{}`: {field} component (payload bytes {}..{}) fails its SHA-256",
-                        t.name,
-                        c.offset,
-                        c.offset + c.len
-                    )));
-                }
-                covered.push((c.offset, c.offset + c.len));
-            }
+        if let Some(i) = bad_comp {
+            let (t, field, c) = comps[i];
+            return Err(self.corrupt(format!(
+                "tensor `{}`: {field} component (payload bytes {}..{}) fails its SHA-256",
+                t.name,
+                c.offset,
+                c.offset + c.len
+            )));
         }
+        let mut covered: Vec<(u64, u64)> = comps
+            .iter()
+            .map(|(_, _, c)| (c.offset, c.offset + c.len))
+            .collect();
         covered.sort_unstable();
         let mut pos = 0u64;
         for (start, end) in covered
@@ -1247,9 +1280,10 @@ pub fn pack_spine(
     let int8 = open_int8(ckpt, opts.format)?;
     let model = model_digest(ckpt.root())?;
     std::fs::create_dir_all(&opts.output).map_err(io_err(&opts.output))?;
+    let specs = spine_specs(ckpt);
     let mut total_bytes = 0u64;
     for &id in &ids {
-        total_bytes += source_len(&pack_sources(ckpt, int8.as_ref(), id)?);
+        total_bytes += source_len(&sources_of(ckpt, int8.as_ref(), id, &specs)?);
     }
     let mut report = PackReport {
         packs: ids.len(),
@@ -1257,7 +1291,7 @@ pub fn pack_spine(
     };
     let mut done = 0u64;
     for id in &ids {
-        let sources = &pack_sources(ckpt, int8.as_ref(), *id)?;
+        let sources = &sources_of(ckpt, int8.as_ref(), *id, &specs)?;
         let name = id.file_name();
         let path = opts.output.join(&name);
         let mut part = path.as_os_str().to_owned();
@@ -1330,6 +1364,7 @@ pub fn verify_packs(
     let ids = selected_packs(layers, layer)?;
     let int8 = open_int8(ckpt, format)?;
     let model = model_digest(ckpt.root())?;
+    let specs = spine_specs(ckpt);
     let mut report = PackReport {
         packs: ids.len(),
         ..Default::default()
@@ -1338,7 +1373,7 @@ pub fn verify_packs(
         let name = id.file_name();
         let path = output.join(&name);
         let p = SpinePack::open(&path)?;
-        let sources = pack_sources(ckpt, int8.as_ref(), *id)?;
+        let sources = sources_of(ckpt, int8.as_ref(), *id, &specs)?;
         p.check_identity(format, &expected_identity(model, format, &sources))?;
         if p.id() != *id {
             return Err(PackError::Corrupt {
