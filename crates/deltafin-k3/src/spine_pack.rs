@@ -75,7 +75,7 @@
 use crate::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, INDEX_FILE};
 use crate::inventory::{TensorKind, TensorSpec, text_inventory};
 use crate::spine_int8::{Int8Spine, SpineError, SpineFormat};
-use deltafin_tensor::{Bytes, DType};
+use deltafin_tensor::{Bf16Matrix, Bytes, DType, RowInt8Matrix};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
@@ -1092,6 +1092,61 @@ impl SpinePack {
     pub fn get(&self, name: &str) -> Option<&TensorEntry> {
         self.tensors.iter().find(|t| t.name == name)
     }
+    fn entry(&self, name: &str, codec: Codec) -> Result<&TensorEntry, PackError> {
+        let t = self.get(name).ok_or_else(|| PackError::Source {
+            tensor: name.to_string(),
+            message: format!("not in {}", self.path.display()),
+        })?;
+        if t.codec != codec {
+            return Err(PackError::Source {
+                tensor: name.to_string(),
+                message: format!(
+                    "{}: stored as {:?}, not {codec:?}",
+                    self.path.display(),
+                    t.codec
+                ),
+            });
+        }
+        Ok(t)
+    }
+
+    /// A 2-D BF16 `Raw` tensor as a zero-copy matrix (`[1, D]` vectors included).
+    pub fn bf16_matrix(&self, name: &str) -> Result<Bf16Matrix, PackError> {
+        let t = self.entry(name, Codec::Raw)?;
+        if t.source_dtype != DType::BF16 || t.shape.len() != 2 {
+            return Err(PackError::Source {
+                tensor: name.to_string(),
+                message: format!("{} {:?} is not a 2-D BF16 matrix", t.source_dtype, t.shape),
+            });
+        }
+        Bf16Matrix::new(name, self.component_bytes(&t.data), t.shape[0], t.shape[1]).map_err(|e| {
+            PackError::Source {
+                tensor: name.to_string(),
+                message: format!("{}: {e}", self.path.display()),
+            }
+        })
+    }
+
+    /// A `RowI8F16Scale` tensor as a zero-copy row-int8 matrix (codes and scales in place).
+    pub fn row_int8_matrix(&self, name: &str) -> Result<RowInt8Matrix, PackError> {
+        let t = self.entry(name, Codec::RowI8F16Scale)?;
+        let scales = t
+            .scales
+            .map(|c| self.component_bytes(&c))
+            .unwrap_or_else(|| Bytes::from_vec(Vec::new()));
+        RowInt8Matrix::new_unscanned(
+            name,
+            self.component_bytes(&t.data),
+            scales,
+            t.shape[0],
+            t.shape[1],
+        )
+        .map_err(|e| PackError::Source {
+            tensor: name.to_string(),
+            message: format!("{}: {e}", self.path.display()),
+        })
+    }
+
     /// Zero-copy bytes of a component (raw tensor bytes, int8 codes or f16 scales).
     pub fn component_bytes(&self, c: &Component) -> Bytes {
         let at = (self.payload_off + c.offset) as usize;
@@ -1451,9 +1506,19 @@ mod tests {
                     Codec::Raw => {
                         let src = ckpt.tensor_bytes(&s.name).unwrap();
                         assert_eq!(data.as_slice(), src.as_slice(), "{}", s.name);
+                        if s.source_dtype == DType::BF16 && s.shape.len() == 2 {
+                            let m = p.bf16_matrix(&s.name).unwrap();
+                            let want = ckpt.bf16_matrix(&s.name).unwrap();
+                            assert_eq!(m.data(), want.data());
+                        }
                     }
                     Codec::RowI8F16Scale => {
                         quantized += 1;
+                        let m = p.row_int8_matrix(&s.name).unwrap();
+                        let want = int8.as_ref().unwrap().get(&s.name).unwrap();
+                        assert_eq!(m.data(), want.data());
+                        assert_eq!(m.scales(), want.scales());
+                        assert!(p.bf16_matrix(&s.name).is_err());
                         let files = crate::spine_int8::TensorFiles::new(ckpt.root(), &s.name);
                         assert_eq!(data.as_slice(), std::fs::read(&files.i8).unwrap());
                         let sc = p.component_bytes(&t.scales.unwrap());
