@@ -118,6 +118,7 @@ const OFF_HEADER_DIGEST: usize = 384;
 const HEADER_END: usize = 416;
 const MAX_RANK: usize = 4;
 const SLICE: usize = 1 << 20;
+const LOCK_FILE: &str = ".pack.lock";
 
 /// The default pack root of `format` (relative to the model root).
 pub fn default_pack_dir(format: SpineFormat) -> &'static str {
@@ -165,6 +166,10 @@ pub enum PackError {
     LayerOutOfRange { layer: usize, layers: usize },
     #[error("tensor `{tensor}`: {message}")]
     Source { tensor: String, message: String },
+    #[error(
+        "{path} is held by another `deltafin pack-spine` (one packer per output root); wait for it to finish"
+    )]
+    Locked { path: PathBuf },
     #[error("chunk size {0}: must be a positive multiple of {COMPONENT_ALIGN}")]
     ChunkSize(u64),
     #[error(
@@ -1299,6 +1304,33 @@ pub fn selected_packs(layers: usize, layer: Option<usize>) -> Result<Vec<PackId>
     }
 }
 
+/// An advisory lock on `<output>/.pack.lock`, released when dropped or when the process dies.
+struct Lock {
+    _file: File,
+}
+
+fn lock(dir: &Path) -> Result<Lock, PackError> {
+    let path = dir.join(LOCK_FILE);
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io_err(&path))?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock(2) on a descriptor owned by `file`, which outlives the lock.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(Lock { _file: file });
+    }
+    let e = std::io::Error::last_os_error();
+    if e.kind() == std::io::ErrorKind::WouldBlock {
+        Err(PackError::Locked { path })
+    } else {
+        Err(io_err(&path)(e))
+    }
+}
+
 fn source_len(sources: &[PackSource]) -> u64 {
     sources
         .iter()
@@ -1335,6 +1367,7 @@ pub fn pack_spine(
     let int8 = open_int8(ckpt, opts.format)?;
     let model = model_digest(ckpt.root())?;
     std::fs::create_dir_all(&opts.output).map_err(io_err(&opts.output))?;
+    let _lock = lock(&opts.output)?;
     let specs = spine_specs(ckpt);
     let mut total_bytes = 0u64;
     for &id in &ids {
@@ -1424,7 +1457,12 @@ pub fn verify_packs(
         packs: ids.len(),
         ..Default::default()
     };
-    for (i, id) in ids.iter().enumerate() {
+    let total_bytes: u64 = ids
+        .iter()
+        .filter_map(|id| std::fs::metadata(output.join(id.file_name())).ok())
+        .map(|m| m.len())
+        .sum();
+    for id in &ids {
         let name = id.file_name();
         let path = output.join(&name);
         let p = SpinePack::open(&path)?;
@@ -1441,8 +1479,8 @@ pub fn verify_packs(
         report.skipped += 1;
         progress(&PackProgress {
             pack: &name,
-            done_bytes: (i + 1) as u64,
-            total_bytes: ids.len() as u64,
+            done_bytes: report.bytes,
+            total_bytes,
         });
     }
     report.seconds = t0.elapsed().as_secs_f64();
@@ -1681,6 +1719,21 @@ mod tests {
         };
         let e = pack_spine(&ckpt, &io, &mut |_| {}).unwrap_err();
         assert!(matches!(e, PackError::WrongFormat { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_second_packer_is_locked_out() {
+        let (_d, ckpt) = small(false);
+        let o = PackOptions {
+            layer: Some(0),
+            ..opts(&ckpt, SpineFormat::Bf16)
+        };
+        std::fs::create_dir_all(&o.output).unwrap();
+        let held = lock(&o.output).unwrap();
+        let e = pack_spine(&ckpt, &o, &mut |_| {}).unwrap_err();
+        assert!(matches!(e, PackError::Locked { .. }), "{e}");
+        drop(held);
+        pack_spine(&ckpt, &o, &mut |_| {}).unwrap();
     }
 
     #[test]
