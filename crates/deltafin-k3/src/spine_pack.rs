@@ -315,17 +315,30 @@ pub fn model_digest(root: &Path) -> Result<[u8; 32], PackError> {
 
 /// The source-inventory digest of `sources` (names, codecs, source dtypes, shapes).
 pub fn inventory_digest(sources: &[PackSource]) -> [u8; 32] {
-    let mut h = Sha256::new();
+    let mut h = InventoryHasher::default();
     for s in sources {
-        h.update(s.name.as_bytes());
-        h.update([0, s.codec as u8]);
-        h.update(s.source_dtype.as_str().as_bytes());
-        for d in &s.shape {
+        h.add(&s.name, s.codec, s.source_dtype, &s.shape);
+    }
+    h.finish()
+}
+
+#[derive(Default)]
+struct InventoryHasher(Sha256);
+
+impl InventoryHasher {
+    fn add(&mut self, name: &str, codec: Codec, dtype: DType, shape: &[usize]) {
+        let h = &mut self.0;
+        h.update(name.as_bytes());
+        h.update([0, codec as u8]);
+        h.update(dtype.as_str().as_bytes());
+        for d in shape {
             h.update((*d as u64).to_le_bytes());
         }
         h.update(b"\n");
     }
-    h.finalize().into()
+    fn finish(self) -> [u8; 32] {
+        self.0.finalize().into()
+    }
 }
 
 /// The tensors of pack `id` in inventory order, with their source bytes: the int8 spine's
@@ -1353,6 +1366,131 @@ fn expected_identity(model: [u8; 32], format: SpineFormat, sources: &[PackSource
     }
 }
 
+/// Every pack of one spine format under the model root, opened and validated, for loading:
+/// tensor name → pack.
+#[derive(Debug)]
+pub struct PackSet {
+    packs: Vec<SpinePack>,
+    index: std::collections::HashMap<String, usize>,
+}
+
+impl PackSet {
+    /// The packs of `format` under `<root>/k3-resident-packs[-bf16]/` when that root holds
+    /// every layer's pack and `globals.dfsp` (`None` when the root is absent or incomplete,
+    /// e.g. while `pack-spine` runs). Every pack is opened (superblock, header and directory
+    /// digests, records) and must match this model and format (identity digests), else an
+    /// error naming the file; the payload is not re-hashed (`pack-spine --verify-only` does).
+    pub fn open_if_complete(
+        ckpt: &Checkpoint,
+        format: SpineFormat,
+    ) -> Result<Option<PackSet>, PackError> {
+        let dir = ckpt.root().join(default_pack_dir(format));
+        let ids = selected_packs(ckpt.config().n_layers(), None)?;
+        if !ids.iter().all(|id| dir.join(id.file_name()).is_file()) {
+            return Ok(None);
+        }
+        let model = model_digest(ckpt.root())?;
+        let specs = spine_specs(ckpt);
+        let quantized: std::collections::HashSet<String> = match format {
+            SpineFormat::Int8 => crate::spine_int8::quantized_tensors(ckpt.config())
+                .into_iter()
+                .map(|t| t.name)
+                .collect(),
+            SpineFormat::Bf16 => Default::default(),
+        };
+        let mut set = PackSet {
+            packs: Vec::with_capacity(ids.len()),
+            index: Default::default(),
+        };
+        for id in ids {
+            let p = SpinePack::open(&dir.join(id.file_name()))?;
+            let want = match id {
+                PackId::Layer(l) => Some(l),
+                PackId::Globals => None,
+            };
+            let mut h = InventoryHasher::default();
+            for s in specs
+                .iter()
+                .filter(|s| s.kind == TensorKind::Spine { layer: want })
+            {
+                let codec = if quantized.contains(&s.name) {
+                    Codec::RowI8F16Scale
+                } else {
+                    Codec::Raw
+                };
+                h.add(&s.name, codec, s.dtype, &s.shape);
+            }
+            let identity = PackIdentity {
+                model,
+                inventory: h.finish(),
+                layout: sha(layout_schema(format).as_bytes()),
+            };
+            p.check_identity(format, &identity)?;
+            for t in p.tensors() {
+                set.index.insert(t.name.clone(), set.packs.len());
+            }
+            set.packs.push(p);
+        }
+        Ok(Some(set))
+    }
+
+    /// The pack holding full tensor name `name`.
+    pub fn pack_of(&self, name: &str) -> Option<&SpinePack> {
+        self.index.get(name).map(|&i| &self.packs[i])
+    }
+
+    /// How `name` is stored.
+    pub fn codec(&self, name: &str) -> Option<Codec> {
+        self.pack_of(name)
+            .and_then(|p| p.get(name))
+            .map(|t| t.codec)
+    }
+
+    fn missing(name: &str) -> PackError {
+        PackError::Source {
+            tensor: name.to_string(),
+            message: "in no spine pack".into(),
+        }
+    }
+
+    /// A 2-D BF16 raw tensor as a zero-copy matrix.
+    pub fn bf16_matrix(&self, name: &str) -> Result<Bf16Matrix, PackError> {
+        self.pack_of(name)
+            .ok_or_else(|| Self::missing(name))?
+            .bf16_matrix(name)
+    }
+
+    /// A quantized tensor as a zero-copy row-int8 matrix.
+    pub fn row_int8_matrix(&self, name: &str) -> Result<RowInt8Matrix, PackError> {
+        self.pack_of(name)
+            .ok_or_else(|| Self::missing(name))?
+            .row_int8_matrix(name)
+    }
+
+    /// A raw BF16 or F32 tensor of any rank widened to f32.
+    pub fn f32_vector(&self, name: &str) -> Result<Vec<f32>, PackError> {
+        let p = self.pack_of(name).ok_or_else(|| Self::missing(name))?;
+        let t = p.entry(name, Codec::Raw)?;
+        let b = p.component_bytes(&t.data);
+        match t.source_dtype {
+            DType::F32 => Ok(b
+                .as_slice()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()),
+            DType::BF16 => Ok(b
+                .as_slice()
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect()),
+            d => Err(PackError::Source {
+                tensor: name.to_string(),
+                message: format!("is {d}, not BF16 or F32"),
+            }),
+        }
+    }
+}
+
 /// Build the selected packs of `ckpt` under `opts.output`, resumably: a complete pack that
 /// verifies and matches the model is skipped, a `.part` leftover is redone, a pack of the
 /// other spine format is an error, any other invalid pack is rebuilt.
@@ -1719,6 +1857,67 @@ mod tests {
         };
         let e = pack_spine(&ckpt, &io, &mut |_| {}).unwrap_err();
         assert!(matches!(e, PackError::WrongFormat { .. }), "{e}");
+    }
+
+    /// The model loads from complete packs (and only then) with logits bit-identical to the
+    /// shard / int8-file spine.
+    #[test]
+    fn the_loader_uses_complete_packs_with_identical_logits() {
+        use crate::loader::{EngineOptions, load_model};
+        use crate::model::LogitRows;
+        let (_d, ckpt) = small(true);
+        let ckpt = Arc::new(ckpt);
+        let ids = [1u32, 17, 99, 512, 3];
+        for format in [SpineFormat::Bf16, SpineFormat::Int8] {
+            let eo = EngineOptions {
+                spine: format,
+                ..Default::default()
+            };
+            let logits = || {
+                let m = load_model(ckpt.clone(), &eo).unwrap();
+                m.forward(&mut m.new_state(), &ids, LogitRows::All)
+                    .unwrap()
+                    .values
+            };
+            assert!(PackSet::open_if_complete(&ckpt, format).unwrap().is_none());
+            let want = logits();
+            // Incomplete (one layer): not used.
+            let o = opts(&ckpt, format);
+            pack_spine(
+                &ckpt,
+                &PackOptions {
+                    layer: Some(0),
+                    ..o.clone()
+                },
+                &mut |_| {},
+            )
+            .unwrap();
+            assert!(PackSet::open_if_complete(&ckpt, format).unwrap().is_none());
+            pack_spine(&ckpt, &o, &mut |_| {}).unwrap();
+            let set = PackSet::open_if_complete(&ckpt, format).unwrap().unwrap();
+            let quantized = set
+                .packs
+                .iter()
+                .flat_map(|p| p.tensors())
+                .filter(|t| t.codec == Codec::RowI8F16Scale);
+            assert_eq!(quantized.count() > 0, format == SpineFormat::Int8);
+            assert_eq!(logits(), want, "{format:?}");
+            if format == SpineFormat::Int8 {
+                // The int8 files are not read at all: the packs carry the codes and scales.
+                let dir = ckpt.root().join(crate::spine_int8::INT8_DIR);
+                let away = ckpt.root().join("int8-away");
+                std::fs::rename(&dir, &away).unwrap();
+                assert_eq!(logits(), want);
+                std::fs::rename(&away, &dir).unwrap();
+            }
+            // A damaged directory makes loading fail, naming the pack.
+            let path = o.output.join("layer-002.dfsp");
+            let clean = std::fs::read(&path).unwrap();
+            flip(&path, SUPERBLOCK as u64 + 3);
+            let e = load_model(ckpt.clone(), &eo).map(|_| ()).unwrap_err();
+            assert!(e.to_string().contains("layer-002.dfsp"), "{e}");
+            std::fs::write(&path, clean).unwrap();
+        }
     }
 
     #[test]
