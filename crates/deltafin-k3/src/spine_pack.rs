@@ -71,6 +71,10 @@
 //! place (then syncs the directory). [`SpinePack::open`] maps the file and validates the
 //! superblock, header and directory digests and every record; [`SpinePack::verify`]
 //! re-hashes every chunk and component and checks every padding byte.
+//!
+//! Loading: [`PackSet::open_if_complete`] opens every pack of a complete default pack root
+//! (validation and identity, no payload re-hash); `crate::loader` then takes every spine
+//! tensor from it as zero-copy views (logits bit-identical to the shard / int8-file spine).
 
 use crate::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, INDEX_FILE};
 use crate::inventory::{TensorKind, TensorSpec, text_inventory};
