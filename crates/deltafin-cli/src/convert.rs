@@ -31,7 +31,8 @@ pub struct ConvertSpineInt8Args {
     pub check: bool,
 }
 
-fn progress_bar(total: u64) -> ProgressBar {
+/// A byte progress bar on stderr, hidden when stderr is not a terminal.
+pub(crate) fn progress_bar(total: u64) -> ProgressBar {
     let target = if std::io::stderr().is_terminal() {
         ProgressDrawTarget::stderr()
     } else {
@@ -47,7 +48,7 @@ fn progress_bar(total: u64) -> ProgressBar {
 }
 
 /// Sequential read bandwidth of the largest shard (up to 1 GB, the expert read path), GB/s.
-fn disk_gbps(ckpt: &Checkpoint) -> Option<(f64, String)> {
+pub(crate) fn disk_gbps(ckpt: &Checkpoint) -> Option<(f64, String)> {
     let largest: &Path = ckpt
         .shard_paths()
         .into_iter()

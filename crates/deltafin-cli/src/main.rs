@@ -10,6 +10,7 @@ mod device;
 mod doctor;
 mod elfdeps;
 mod events;
+mod pack;
 mod perplexity;
 mod run;
 mod scale4;
@@ -71,6 +72,8 @@ enum Command {
     ConvertExpertsScale4(scale4::Scale4Args),
     /// Quantize the BF16 spine to the row-int8 spine (the default; not weight-exact).
     ConvertSpineInt8(convert::ConvertSpineInt8Args),
+    /// Build or verify (--verify-only) the DFSP per-layer spine packs.
+    PackSpine(pack::PackSpineArgs),
 }
 
 /// Options shared by the commands that load the model.
@@ -187,6 +190,7 @@ fn main() -> ExitCode {
         Some(Command::WarmExpertCache(args)) => warm::warm_expert_cache(&args),
         Some(Command::ConvertExpertsScale4(args)) => scale4::convert(&args),
         Some(Command::ConvertSpineInt8(args)) => convert::convert_spine_int8(&args),
+        Some(Command::PackSpine(args)) => pack::pack_spine_cmd(&args),
         None => run::run(&cli.run),
     };
     match result {

@@ -22,6 +22,7 @@ pub mod norm;
 pub mod router;
 pub mod situ;
 pub mod spine_int8;
+pub mod spine_pack;
 pub mod spine_quality;
 pub mod state;
 pub mod synth;

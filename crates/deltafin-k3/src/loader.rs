@@ -16,6 +16,7 @@ use crate::router::RouterWeights;
 use crate::situ::SituMlp;
 pub use crate::spine_int8::SpineFormat;
 use crate::spine_int8::{Int8Spine, SpineError, is_quantized};
+use crate::spine_pack::{Codec, PackError, PackSet};
 use deltafin_experts::{ExpertLocation, ExpertShape, ExpertTable, StreamOptions, StreamingExperts};
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -29,6 +30,8 @@ pub enum LoadError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Spine(#[from] SpineError),
+    #[error(transparent)]
+    Pack(#[from] PackError),
 }
 
 /// Engine choices that are not part of `config.json`.
@@ -161,18 +164,32 @@ impl ExpertSource for CheckpointExperts {
 struct Names<'a> {
     ckpt: &'a Checkpoint,
     int8: Option<&'a Int8Spine>,
+    /// Complete DFSP packs of the chosen spine: every tensor comes from them when present.
+    packs: Option<&'a PackSet>,
     prefix: String,
 }
 
 impl Names<'_> {
+    fn full(&self, name: &str) -> String {
+        format!("{}{}{name}", crate::inventory::PREFIX, self.prefix)
+    }
     /// A matrix that is never quantized (the router, the embedding).
-    fn mat(&self, name: &str) -> Result<deltafin_tensor::Bf16Matrix, CheckpointError> {
-        self.ckpt.bf16_matrix(&format!("{}{name}", self.prefix))
+    fn mat(&self, name: &str) -> Result<deltafin_tensor::Bf16Matrix, LoadError> {
+        if let Some(p) = self.packs {
+            return Ok(p.bf16_matrix(&self.full(name))?);
+        }
+        Ok(self.ckpt.bf16_matrix(&format!("{}{name}", self.prefix))?)
     }
     /// A quantizable projection: row-int8 from the int8 spine when loaded, else bf16.
     fn lin(&self, name: &str) -> Result<Linear, LoadError> {
         let short = format!("{}{name}", self.prefix);
         let full = format!("{}{short}", crate::inventory::PREFIX);
+        if let Some(p) = self.packs {
+            return Ok(match p.codec(&full) {
+                Some(Codec::RowI8F16Scale) => Linear::RowInt8(p.row_int8_matrix(&full)?),
+                _ => Linear::Bf16(p.bf16_matrix(&full)?),
+            });
+        }
         let bf16 = self.ckpt.bf16_matrix(&short)?;
         match self.int8 {
             Some(spine) if is_quantized(&full) => {
@@ -198,10 +215,13 @@ impl Names<'_> {
             _ => Ok(Linear::Bf16(bf16)),
         }
     }
-    fn vec(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
-        self.ckpt.f32_vector(&format!("{}{name}", self.prefix))
+    fn vec(&self, name: &str) -> Result<Vec<f32>, LoadError> {
+        if let Some(p) = self.packs {
+            return Ok(p.f32_vector(&self.full(name))?);
+        }
+        Ok(self.ckpt.f32_vector(&format!("{}{name}", self.prefix))?)
     }
-    fn attn_res(&self, which: &str) -> Result<AttnResWeights, CheckpointError> {
+    fn attn_res(&self, which: &str) -> Result<AttnResWeights, LoadError> {
         Ok(AttnResWeights {
             norm: self.vec(&format!("{which}_norm.weight"))?,
             proj: self.vec(&format!("{which}_proj.weight"))?,
@@ -216,11 +236,17 @@ impl Names<'_> {
     }
 }
 
-fn load_layer(ckpt: &Checkpoint, int8: Option<&Int8Spine>, l: usize) -> Result<Layer, LoadError> {
+fn load_layer(
+    ckpt: &Checkpoint,
+    int8: Option<&Int8Spine>,
+    packs: Option<&PackSet>,
+    l: usize,
+) -> Result<Layer, LoadError> {
     let cfg = ckpt.config();
     let n = Names {
         ckpt,
         int8,
+        packs,
         prefix: format!("model.layers.{l}."),
     };
     let attn = match cfg.layer_kind(l) {
@@ -453,16 +479,19 @@ pub fn load_model_with_experts(
     experts: Box<dyn ExpertSource>,
 ) -> Result<K3Model, LoadError> {
     let dims = dims_from_config(ckpt.config(), opts);
-    let int8 = match opts.spine {
-        SpineFormat::Bf16 => None,
-        SpineFormat::Int8 => Some(Int8Spine::open(ckpt.root(), ckpt.config())?),
+    // Complete DFSP packs of the chosen spine (docs/DFSP.md) replace the shards / int8 files.
+    let packs = PackSet::open_if_complete(&ckpt, opts.spine)?;
+    let int8 = match (opts.spine, &packs) {
+        (SpineFormat::Int8, None) => Some(Int8Spine::open(ckpt.root(), ckpt.config())?),
+        _ => None,
     };
     let layers = (0..ckpt.config().n_layers())
-        .map(|l| load_layer(&ckpt, int8.as_ref(), l))
+        .map(|l| load_layer(&ckpt, int8.as_ref(), packs.as_ref(), l))
         .collect::<Result<Vec<_>, _>>()?;
     let g = Names {
         ckpt: &ckpt,
         int8: int8.as_ref(),
+        packs: packs.as_ref(),
         prefix: "model.".into(),
     };
     let embed = g.mat("embed_tokens.weight")?;
@@ -471,6 +500,7 @@ pub fn load_model_with_experts(
     let top = Names {
         ckpt: &ckpt,
         int8: int8.as_ref(),
+        packs: packs.as_ref(),
         prefix: String::new(),
     };
     let lm_head = top.lin("lm_head.weight")?;

@@ -178,6 +178,14 @@ impl RowInt8Matrix {
     pub fn cols(&self) -> usize {
         self.cols
     }
+    /// The codes' shared bytes (zero-copy, e.g. to write them elsewhere).
+    pub fn data_bytes(&self) -> &Bytes {
+        &self.data
+    }
+    /// The f16 scales' shared bytes (little endian).
+    pub fn scale_bytes(&self) -> &Bytes {
+        &self.scales
+    }
     /// All codes, row-major.
     pub fn data(&self) -> &[i8] {
         bytemuck::cast_slice(self.data.as_slice())
