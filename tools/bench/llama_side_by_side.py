@@ -62,10 +62,15 @@ def deltafin_run(binary: Path, root: Path, prompt: str, max_new: int, threads: i
 
 
 class Llama:
-    def __init__(self, gguf: Path, threads: int, n_ctx: int):
+    """One llama.cpp context. llama-cpp-python 0.3.36 fills `scores` only with
+    `logits_all=True`, so the decode context keeps every row's logits (one row per decode
+    step, the same work as llama.cpp's own decode) while the prefill context computes the
+    last row only, as llama.cpp's prompt processing does."""
+
+    def __init__(self, gguf: Path, threads: int, n_ctx: int, logits_all: bool):
         from llama_cpp import Llama as L
         self.llm = L(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                     logits_all=False, n_threads=threads, n_threads_batch=threads,
+                     logits_all=logits_all, n_threads=threads, n_threads_batch=threads,
                      flash_attn=False, seed=0, verbose=False)
 
     def tokens(self, text: str) -> list[int]:
@@ -116,7 +121,9 @@ def main() -> None:
         print(f"converting {args.model_root} -> {gguf} (bf16 spine, MXFP4 experts)", flush=True)
         conv.convert(args.model_root, gguf, "bf16", experts_f32=False, llama_src=args.llama_src)
 
-    llama = Llama(gguf, args.threads, n_ctx=max(1024, args.prefill_tokens + 64))
+    n_ctx = max(1024, args.prefill_tokens + 64)
+    llama = Llama(gguf, args.threads, n_ctx, logits_all=False)
+    llama_dec = Llama(gguf, args.threads, n_ctx, logits_all=True)
     # A prompt of exactly --prefill-tokens llama tokens, rebuilt as text both engines encode.
     text = PARAGRAPH
     while len(llama.tokens(text)) < args.prefill_tokens + 8:
@@ -147,7 +154,7 @@ def main() -> None:
                 ours_pre.append(p["prompt_tokens"] / p["prefill_s"])
                 ours_ids = d["ids"]
             else:
-                d = llama.decode(short_ids, args.decode_tokens)
+                d = llama_dec.decode(short_ids, args.decode_tokens)
                 theirs_dec.append(len(d["decode_s"]) / sum(d["decode_s"]))
                 pre = llama.prefill(long_ids)
                 theirs_pre.append(len(long_ids) / pre)

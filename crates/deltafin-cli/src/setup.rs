@@ -195,7 +195,9 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
     s.run(choice.mode, a.include_qwen, &mut log)?;
     // The last step of a one-shot setup (product-contract §5.1): the int8 spine that `run`
     // and `serve` use by default. Resumable: an interrupted setup rerun continues it.
-    println!("converting the row-int8 spine (the default --spine; about half the BF16 spine's size)");
+    println!(
+        "converting the row-int8 spine (the default --spine; about half the BF16 spine's size)"
+    );
     crate::convert::convert_spine_int8(&crate::convert::ConvertSpineInt8Args {
         model_root: root,
         checkpoint_rows: deltafin_k3::spine_int8::DEFAULT_CHECKPOINT_ROWS,

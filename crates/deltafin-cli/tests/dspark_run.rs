@@ -104,7 +104,8 @@ fn dspark_run_equals_plain_greedy() {
 
 fn run_env(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    c.env("K3_SPINE", "bf16").arg("run")
+    c.env("K3_SPINE", "bf16")
+        .arg("run")
         .args(args)
         .arg("--model-root")
         .arg(root)
