@@ -25,6 +25,7 @@
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::K3Config;
+use crate::filelock::{FileLock, try_lock};
 use crate::inventory::{TensorKind, TensorSpec, text_inventory};
 use deltafin_tensor::int8::quantize_row;
 use deltafin_tensor::{Bytes, DType, RowInt8Matrix};
@@ -430,30 +431,12 @@ pub struct ConvertReport {
     pub stopped: bool,
 }
 
-struct Lock {
-    _file: File,
-}
-
-fn lock(dir: &Path) -> Result<Lock, SpineError> {
+fn lock(dir: &Path) -> Result<FileLock, SpineError> {
     let path = dir.join(LOCK_FILE);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io_err(&path))?;
-    use std::os::fd::AsRawFd;
-    // SAFETY: flock(2) on a descriptor this function owns; the lock lives as long as `file`
-    // (and is released by the kernel when the process exits, e.g. when it is killed).
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc == 0 {
-        return Ok(Lock { _file: file });
-    }
-    let e = std::io::Error::last_os_error();
-    if e.kind() == std::io::ErrorKind::WouldBlock {
-        Err(SpineError::Locked { path })
-    } else {
-        Err(io_err(&path)(e))
+    match try_lock(&path) {
+        Ok(Some(l)) => Ok(l),
+        Ok(None) => Err(SpineError::Locked { path }),
+        Err(e) => Err(io_err(&path)(e)),
     }
 }
 

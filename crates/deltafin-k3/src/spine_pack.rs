@@ -77,6 +77,7 @@
 //! tensor from it as zero-copy views (logits bit-identical to the shard / int8-file spine).
 
 use crate::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, INDEX_FILE};
+use crate::filelock::{FileLock, try_lock};
 use crate::inventory::{TensorKind, TensorSpec, text_inventory};
 use crate::spine_int8::{Int8Spine, SpineError, SpineFormat};
 use deltafin_tensor::{Bf16Matrix, Bytes, DType, RowInt8Matrix};
@@ -1321,30 +1322,12 @@ pub fn selected_packs(layers: usize, layer: Option<usize>) -> Result<Vec<PackId>
     }
 }
 
-/// An advisory lock on `<output>/.pack.lock`, released when dropped or when the process dies.
-struct Lock {
-    _file: File,
-}
-
-fn lock(dir: &Path) -> Result<Lock, PackError> {
+fn lock(dir: &Path) -> Result<FileLock, PackError> {
     let path = dir.join(LOCK_FILE);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io_err(&path))?;
-    use std::os::fd::AsRawFd;
-    // SAFETY: flock(2) on a descriptor owned by `file`, which outlives the lock.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc == 0 {
-        return Ok(Lock { _file: file });
-    }
-    let e = std::io::Error::last_os_error();
-    if e.kind() == std::io::ErrorKind::WouldBlock {
-        Err(PackError::Locked { path })
-    } else {
-        Err(io_err(&path)(e))
+    match try_lock(&path) {
+        Ok(Some(l)) => Ok(l),
+        Ok(None) => Err(PackError::Locked { path }),
+        Err(e) => Err(io_err(&path)(e)),
     }
 }
 
