@@ -506,22 +506,7 @@ impl ExpertSource for HeatRecorder {
 mod tests {
     use super::*;
 
-    const DIMS: HeatDims = HeatDims {
-        layers: 3,
-        experts: 8,
-        top_k: 2,
-    };
-
-    struct Nothing;
-    impl ExpertSource for Nothing {
-        fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
-            Err(ExpertError::Unavailable {
-                layer,
-                expert,
-                message: "none".into(),
-            })
-        }
-    }
+    use crate::test_support::{DIMS, Nothing};
 
     #[test]
     fn k3_file_size_is_the_contract_size() {

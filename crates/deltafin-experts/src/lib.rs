@@ -24,6 +24,32 @@ pub mod stats;
 pub mod stream;
 pub mod trace;
 
+/// Shared fixtures of the heat and rank tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use crate::heat::HeatDims;
+    use crate::{ExpertError, ExpertSource, ExpertWeights};
+
+    /// A small layout: 3 MoE layers of 8 experts, top-2.
+    pub(crate) const DIMS: HeatDims = HeatDims {
+        layers: 3,
+        experts: 8,
+        top_k: 2,
+    };
+
+    /// A source with no experts (the tests only record routes).
+    pub(crate) struct Nothing;
+    impl ExpertSource for Nothing {
+        fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
+            Err(ExpertError::Unavailable {
+                layer,
+                expert,
+                message: "none".into(),
+            })
+        }
+    }
+}
+
 pub use layout::{ExpertLocation, ExpertShape, ExpertTable};
 pub use stats::{ExpertStats, LayerStats};
 pub use stream::{DirectIo, PilotGate, StreamOptions, StreamingExperts};

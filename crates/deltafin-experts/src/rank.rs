@@ -265,25 +265,10 @@ pub fn rank(counts: &RouteCounts, heat: Option<&HeatTable>) -> Vec<Ranked> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ExpertSource;
     use crate::trace::RouterTrace;
-    use crate::{ExpertError, ExpertSource, ExpertWeights};
 
-    const DIMS: HeatDims = HeatDims {
-        layers: 3,
-        experts: 8,
-        top_k: 2,
-    };
-
-    struct Nothing;
-    impl ExpertSource for Nothing {
-        fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
-            Err(ExpertError::Unavailable {
-                layer,
-                expert,
-                message: "none".into(),
-            })
-        }
-    }
+    use crate::test_support::{DIMS, Nothing};
 
     #[test]
     fn ranks_what_a_router_trace_wrote() {
