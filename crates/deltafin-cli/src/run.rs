@@ -236,11 +236,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
                                 n as f64 / elapsed.max(1e-9),
                                 elapsed / n as f64
                             );
-                            if live_stats {
-                                write!(out, "\r{line}")?;
-                            } else {
-                                writeln!(out, "{line}")?;
-                            }
+                            write_stats_line(&mut out, live_stats, &line)?;
                         } else {
                             write!(out, "{piece}")?;
                         }
@@ -458,11 +454,7 @@ fn run_speculative(
                             p.width,
                             percent(p.speedup),
                         );
-                        if live_stats {
-                            write!(out, "\r{line}")?;
-                        } else {
-                            writeln!(out, "{line}")?;
-                        }
+                        write_stats_line(&mut out, live_stats, &line)?;
                     } else {
                         write!(out, "{piece}")?;
                     }
@@ -595,4 +587,13 @@ fn run_speculative(
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// One `--stats` line: rewritten in place on a terminal (`\r`), one line per token otherwise.
+fn write_stats_line(out: &mut impl Write, live: bool, line: &str) -> std::io::Result<()> {
+    if live {
+        write!(out, "\r{line}")
+    } else {
+        writeln!(out, "{line}")
+    }
 }
