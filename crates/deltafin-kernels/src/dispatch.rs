@@ -31,6 +31,8 @@ pub enum KernelError {
     UnknownBackend { value: String },
     #[error("{ENV_VAR}={name} is not supported by this CPU (supported: {supported})")]
     Unsupported { name: String, supported: String },
+    #[error(transparent)]
+    Mxfp4Act(#[from] crate::mxfp4_q8::Mxfp4ActError),
 }
 
 impl Backend {
@@ -113,8 +115,11 @@ pub fn parse_backend(value: &str) -> Result<Backend, KernelError> {
     Ok(b)
 }
 
-/// Resolve the backend from the environment (unset → [`Backend::detect`]), once per process.
+/// Resolve the backend from the environment (unset → [`Backend::detect`]), once per process;
+/// also checks `DELTAFIN_MXFP4_ACT` ([`crate::mxfp4_q8::select_mxfp4_act`]), so binaries that
+/// call this at startup report either bad setting.
 pub fn select_backend() -> Result<Backend, KernelError> {
+    crate::mxfp4_q8::select_mxfp4_act()?;
     static SELECTED: OnceLock<Result<Backend, KernelError>> = OnceLock::new();
     SELECTED
         .get_or_init(|| match std::env::var(ENV_VAR) {
@@ -147,7 +152,7 @@ pub fn kernel_backend() -> &'static str {
 }
 
 /// One log line: the backend in use, the relevant CPU features present and the worker count,
-/// e.g. `kernels=avx512 cpu=[avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx2 fma] threads=2`.
+/// e.g. `kernels=avx512 mxfp4_act=q8 cpu=[avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx2 fma] threads=2`.
 ///
 /// # Panics
 /// As [`backend`].
@@ -174,9 +179,15 @@ pub fn kernel_summary() -> String {
     if std::arch::is_aarch64_feature_detected!("neon") {
         feats.push("neon");
     }
+    let be = kernel_backend();
+    // The MXFP4 activation format: int8 (q8) only on AVX-512 with VNNI unless forced to f32.
+    let mx = if be == "avx512" {
+        crate::mxfp4_q8::avx512_mxfp4_act().name()
+    } else {
+        "f32"
+    };
     format!(
-        "kernels={} cpu=[{}] threads={}",
-        kernel_backend(),
+        "kernels={be} mxfp4_act={mx} cpu=[{}] threads={}",
         feats.join(" "),
         rayon::current_num_threads()
     )

@@ -13,6 +13,7 @@
 pub mod cuda;
 pub mod dispatch;
 pub mod matvec;
+pub mod mxfp4_q8;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub mod ops;
@@ -29,6 +30,7 @@ pub use matvec::{
     matmul_group, matmul_group_with, matmul_mxfp4, matmul_rowint8, matmul_with, matvec_bf16,
     matvec_f32, matvec_mxfp4, matvec_rowint8,
 };
+pub use mxfp4_q8::{ACT_ENV_VAR as MXFP4_ACT_ENV_VAR, Mxfp4Act, avx512_mxfp4_act};
 pub use ops::{
     argmax, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, situ_glu, softmax_inplace,
 };

@@ -20,6 +20,7 @@ use deltafin_tensor::{Bf16Matrix, Mxfp4Matrix, RowInt8Matrix};
 use rayon::prelude::*;
 
 use crate::dispatch::{Backend, backend};
+use crate::mxfp4_q8::{Mxfp4Act, avx512_mxfp4_act, q8_image};
 use crate::scalar;
 
 /// Below this many multiply-adds a product runs on the calling thread.
@@ -130,14 +131,25 @@ impl Weights<'_> {
                 }
                 dispatch!(be, dot_i8(m.row(r), xs)).map(|v| s * v)
             }
-            Weights::Mxfp4(m) => dispatch!(be, dot_mxfp4(m.packed_row(r), m.scales_row(r), xs)),
+            Weights::Mxfp4(m) => {
+                #[cfg(target_arch = "x86_64")]
+                if be == Backend::Avx512 && avx512_mxfp4_act() == Mxfp4Act::Q8 {
+                    // SAFETY: `product` checked AVX-512; `avx512_mxfp4_act` checked VNNI.
+                    return unsafe {
+                        crate::x86::avx512::dot_mxfp4_q8(m.packed_row(r), m.scales_row(r), xs)
+                    };
+                }
+                dispatch!(be, dot_mxfp4(m.packed_row(r), m.scales_row(r), xs))
+            }
         }
     }
 
     /// The activation layout the backend's kernel expects (see `x86.rs`), and its row
     /// stride: the AVX2 and NEON MXFP4 kernels take each 32-column block as `[even columns,
     /// odd columns]` (paired); the AVX-512 one takes each full 128-column span transposed
-    /// (`xt[16j + i] = x[8i + j]`) and the remaining blocks paired. The x86 bf16 kernels take
+    /// (`xt[16j + i] = x[8i + j]`) and the remaining blocks paired — or, with int8
+    /// activations (AVX-512 VNNI, `DELTAFIN_MXFP4_ACT=q8`, the default there), the q8 image
+    /// of [`crate::mxfp4_q8`]. The x86 bf16 kernels take
     /// the bf16-paired layout: groups of 32 (AVX-512) or 16 (AVX2) columns as `[even, odd]`,
     /// the last group zero-padded (the stride is `cols` rounded up to a whole group).
     /// Everything else is unchanged.
@@ -151,37 +163,43 @@ impl Weights<'_> {
             (Weights::Bf16(_), Backend::Avx2) => {
                 (pair_groups(xs, cols, 16), cols.next_multiple_of(16))
             }
-            (Weights::Mxfp4(m), Backend::Avx512 | Backend::Avx2 | Backend::Neon) => {
-                let spans = if be == Backend::Avx512 {
-                    m.cols() / 128
-                } else {
-                    0
-                };
-                let mut p = vec![0f32; xs.len()];
-                for (dst, src) in p.chunks_exact_mut(cols).zip(xs.chunks_exact(cols)) {
-                    for s in 0..spans {
-                        for i in 0..16 {
-                            for j in 0..8 {
-                                dst[128 * s + 16 * j + i] = src[128 * s + 8 * i + j];
-                            }
-                        }
-                    }
-                    let tail = 128 * spans;
-                    for (d, x) in dst[tail..]
-                        .chunks_exact_mut(GROUP)
-                        .zip(src[tail..].chunks_exact(GROUP))
-                    {
-                        for j in 0..GROUP / 2 {
-                            d[j] = x[2 * j];
-                            d[GROUP / 2 + j] = x[2 * j + 1];
-                        }
-                    }
-                }
-                (Cow::Owned(p), cols)
+            (Weights::Mxfp4(_), Backend::Avx512) if avx512_mxfp4_act() == Mxfp4Act::Q8 => {
+                q8_image(xs, cols)
+            }
+            (Weights::Mxfp4(_), Backend::Avx512 | Backend::Avx2 | Backend::Neon) => {
+                let spans = if be == Backend::Avx512 { cols / 128 } else { 0 };
+                (mxfp4_f32_image(xs, cols, spans), cols)
             }
             _ => (Cow::Borrowed(xs), cols),
         }
     }
+}
+
+/// The f32 activation layout of the SIMD MXFP4 kernels: the first `spans` 128-column spans
+/// transposed (`xt[16j + i] = x[8i + j]`, AVX-512), every remaining 32-column block paired
+/// (`[even columns, odd columns]`).
+pub(crate) fn mxfp4_f32_image(xs: &[f32], cols: usize, spans: usize) -> Cow<'static, [f32]> {
+    let mut p = vec![0f32; xs.len()];
+    for (dst, src) in p.chunks_exact_mut(cols).zip(xs.chunks_exact(cols)) {
+        for s in 0..spans {
+            for i in 0..16 {
+                for j in 0..8 {
+                    dst[128 * s + 16 * j + i] = src[128 * s + 8 * i + j];
+                }
+            }
+        }
+        let tail = 128 * spans;
+        for (d, x) in dst[tail..]
+            .chunks_exact_mut(GROUP)
+            .zip(src[tail..].chunks_exact(GROUP))
+        {
+            for j in 0..GROUP / 2 {
+                d[j] = x[2 * j];
+                d[GROUP / 2 + j] = x[2 * j + 1];
+            }
+        }
+    }
+    Cow::Owned(p)
 }
 
 /// Columns per activation scale in the q16 image of row-int8 products.

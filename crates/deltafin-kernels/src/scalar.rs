@@ -120,3 +120,76 @@ pub(crate) fn dot_mxfp4<const NB: usize>(
     }
     total
 }
+
+/// The fixed reduction of 16 lane sums shared by the q8 MXFP4 kernels:
+/// `((l0 + l8) + (l4 + l12)) + …`, a pairwise tree over the halves.
+#[inline(always)]
+pub(crate) fn reduce16(v: &[f32; 16]) -> f32 {
+    let mut h = [0f32; 8];
+    for i in 0..8 {
+        h[i] = v[i] + v[i + 8];
+    }
+    let q = [h[0] + h[4], h[1] + h[5], h[2] + h[6], h[3] + h[7]];
+    (q[0] + q[2]) + (q[1] + q[3])
+}
+
+/// `Σ_lanes f32(Σ (2·E2M1+12)·q − corr) · (2^(e−127) · d/2)` over one MXFP4 row against the
+/// q8 image of [`crate::mxfp4_q8::q8_image`]: the exact arithmetic of the AVX-512 VNNI kernel
+/// (same lanes, same int32 sums, one fused multiply-add per lane and span into one of two
+/// accumulators by span parity, then `reduce16(acc0 + acc1)`), so the two agree bit for bit.
+/// Padding blocks of the last span take weight code 0 and scale byte 0, as the kernel's
+/// masked loads do. Test reference; no backend dispatches here.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn dot_mxfp4_q8<const NB: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    xs: [&[f32]; NB],
+) -> [f32; NB] {
+    use crate::mxfp4_q8::{E2M1_X2_PLUS_12, SPAN_SLOTS};
+    let nblk = scales.len();
+    let nspan = nblk.div_ceil(4);
+    let mut acc = [[[0f32; 16]; 2]; NB];
+    for span in 0..nspan {
+        for b in 0..NB {
+            let img = &xs[b][span * SPAN_SLOTS..(span + 1) * SPAN_SLOTS];
+            let corr: &[i32] = bytemuck::cast_slice(&img[16..32]);
+            let codes: &[i8] = bytemuck::cast_slice(&img[32..64]);
+            let (even, odd) = codes.split_at(64);
+            for lane in 0..16 {
+                let blk = 4 * span + lane / 4;
+                let (e, bytes) = if blk < nblk {
+                    let off = 64 * span + 4 * lane;
+                    (
+                        scales[blk],
+                        [
+                            packed[off],
+                            packed[off + 1],
+                            packed[off + 2],
+                            packed[off + 3],
+                        ],
+                    )
+                } else {
+                    (0, [0u8; 4])
+                };
+                let mut s = 0i32;
+                for (k, &byte) in bytes.iter().enumerate() {
+                    let lo = E2M1_X2_PLUS_12[(byte & 0x0f) as usize] as i32;
+                    let hi = E2M1_X2_PLUS_12[(byte >> 4) as usize] as i32;
+                    s += lo * even[4 * lane + k] as i32 + hi * odd[4 * lane + k] as i32;
+                }
+                let scale = e8m0(e) * img[lane];
+                let a = &mut acc[b][span % 2][lane];
+                *a = ((s - corr[lane]) as f32).mul_add(scale, *a);
+            }
+        }
+    }
+    let mut out = [0f32; NB];
+    for b in 0..NB {
+        let mut v = [0f32; 16];
+        for i in 0..16 {
+            v[i] = acc[b][0][i] + acc[b][1][i];
+        }
+        out[b] = reduce16(&v);
+    }
+    out
+}

@@ -127,6 +127,9 @@ fn q16_bound(be: Backend, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
     let vnni = false;
     let q16 = be == Backend::Avx512 && matches!(w, Weights::RowInt8(_)) && vnni;
     let mut out = vec![0f64; n * rows];
+    if be == Backend::Avx512 && matches!(w, Weights::Mxfp4(_)) && mxfp4_q8_active() {
+        return q8_bound(w, xs, n);
+    }
     if !q16 {
         return out;
     }
@@ -137,6 +140,31 @@ fn q16_bound(be: Backend, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
                 .iter()
                 .fold(0f64, |m, &v| m.max(v.abs() as f64));
             out[b * rows + r] = wabs * absmax / 65534.0;
+        }
+    }
+    out
+}
+
+/// Whether AVX-512 MXFP4 products take int8 activations in this process.
+fn mxfp4_q8_active() -> bool {
+    crate::mxfp4_q8::avx512_mxfp4_act() == crate::mxfp4_q8::Mxfp4Act::Q8
+}
+
+/// The activation-quantisation error bound of MXFP4 products on q8 activations, per output
+/// value: `Σ_c |W_rc| · absmax_blk(c)(x_b) / 254` (half a step of `absmax/127` per column).
+fn q8_bound(w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
+    let (rows, cols) = (w.rows(), w.cols());
+    let mut out = vec![0f64; n * rows];
+    for r in 0..rows {
+        let wr = row_f64(w, r);
+        for b in 0..n {
+            let x = &xs[b * cols..(b + 1) * cols];
+            let mut bound = 0f64;
+            for (wb, xb) in wr.chunks(32).zip(x.chunks(32)) {
+                let absmax = xb.iter().fold(0f64, |m, &v| m.max(v.abs() as f64));
+                bound += wb.iter().map(|v| v.abs()).sum::<f64>() * absmax / 254.0;
+            }
+            out[b * rows + r] = bound;
         }
     }
     out
@@ -184,7 +212,8 @@ fn every_backend_matches_f64_on_ragged_shapes() {
                 let what = format!("{} {} [{rows}x{cols}] n={n}", be.name(), w.dtype());
                 // f32 accumulation: error ≲ (terms per lane + reduction depth)·eps·Σ|w x|.
                 // AVX-512 row-int8 also quantises activations to int16 (q16 image): at most
-                // half a step, absmax(x)/65534, per value, i.e. Σ|w|·absmax(x)/65534.
+                // half a step, absmax(x)/65534, per value, i.e. Σ|w|·absmax(x)/65534; AVX-512
+                // VNNI MXFP4 to int8 per 32-column block: Σ|w|·absmax_blk/254 (`q8_bound`).
                 let q16 = q16_bound(be, &w, &xs, n);
                 let mag: Vec<f64> = mag.iter().zip(&q16).map(|(m, q)| m + q * 1e5).collect();
                 assert_close(&what, &ys, &want, &mag, 1e-5);
@@ -441,4 +470,278 @@ fn avx512_int8_f32_kernel_matches_scalar() {
             );
         }
     }
+}
+
+/// Random MXFP4 rows (`rows × cols`), scales incl. the subnormal code 0 and large exponents.
+fn mxfp4_matrix(rng: &mut Rng, rows: usize, cols: usize) -> Mxfp4Matrix {
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
+    let scales: Vec<u8> = (0..rows * cols / 32)
+        .map(|_| match rng.below(16) {
+            0 => 0,
+            1 => 140,
+            _ => 118 + rng.below(16) as u8,
+        })
+        .collect();
+    Mxfp4Matrix::new(
+        "t",
+        Bytes::from_vec(packed),
+        Bytes::from_vec(scales),
+        rows,
+        cols,
+    )
+    .unwrap()
+}
+
+/// Activation rows with an all-zero block, a block of wildly different magnitude and ties
+/// (values on exact half steps) now and then.
+fn q8_activations(rng: &mut Rng, n: usize, cols: usize) -> Vec<f32> {
+    let mut xs: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+    for row in xs.chunks_mut(cols) {
+        for blk in row.chunks_mut(32) {
+            match rng.below(6) {
+                0 => blk.fill(0.0),
+                1 => blk.iter_mut().for_each(|v| *v *= 1e4),
+                2 => {
+                    // absmax 127 → d = 1: k + 0.5 lies exactly on a tie.
+                    blk[0] = 127.0;
+                    for (i, v) in blk.iter_mut().enumerate().skip(1) {
+                        *v = (i as f32 - 16.0) + 0.5;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    xs
+}
+
+#[test]
+fn mxfp4_q8_image_follows_the_quantisation_rule() {
+    use crate::mxfp4_q8::{OFFSET, SPAN_SLOTS, q8_image, quantize_block};
+    let mut rng = Rng(0x0bad_cafe_1234);
+    for cols in [32usize, 64, 96, 128, 160, 256, 416, 1000] {
+        let n = 3;
+        let mut xs = q8_activations(&mut rng, n, cols);
+        xs[cols + 5] = f32::NAN; // row 1, block 0 is non-finite
+        let (img, stride) = q8_image(&xs, cols);
+        assert_eq!(stride, cols.div_ceil(128) * SPAN_SLOTS);
+        assert_eq!(img.len(), n * stride);
+        for b in 0..n {
+            let x = &xs[b * cols..(b + 1) * cols];
+            let row = &img[b * stride..(b + 1) * stride];
+            for c in 0..cols.next_multiple_of(128) {
+                let (s, t) = (c / 128, c % 128);
+                let span = &row[s * SPAN_SLOTS..(s + 1) * SPAN_SLOTS];
+                let codes: &[i8] = bytemuck::cast_slice(&span[32..64]);
+                let q = codes[(t % 2) * 64 + t / 2];
+                let (lane, blk) = (t / 8, c / 32);
+                if c >= cols {
+                    // Padding: code 0; a block wholly past the end also has scale 0 (a
+                    // partial last block keeps its own scale for its padded columns).
+                    assert_eq!(q, 0, "padding code at {c}");
+                    if 32 * blk >= cols {
+                        assert_eq!(span[lane], 0.0, "padding scale at {c}");
+                    }
+                    continue;
+                }
+                let bx = &x[32 * blk..(32 * blk + 32).min(cols)];
+                let absmax = bx.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let dh = span[lane];
+                if bx.iter().any(|v| !v.is_finite()) {
+                    assert!(dh.is_nan() && q == 0, "non-finite block at {c}");
+                } else if absmax == 0.0 {
+                    assert!(dh == 0.0 && q == 0, "zero block at {c}");
+                } else {
+                    let d = absmax / 127.0;
+                    assert_eq!(dh, d * 0.5, "scale at {c}");
+                    let want = (x[c] / d).round_ties_even();
+                    assert_eq!(q as f32, want, "code at {c}: x {} d {d}", x[c]);
+                    assert!((x[c] - d * q as f32).abs() <= d * 0.5 * (1.0 + 1e-6));
+                }
+            }
+            // Corrections: 12 · Σ q over each lane's 8 columns.
+            for s in 0..cols.div_ceil(128) {
+                let span = &row[s * SPAN_SLOTS..(s + 1) * SPAN_SLOTS];
+                let corr: &[i32] = bytemuck::cast_slice(&span[16..32]);
+                let codes: &[i8] = bytemuck::cast_slice(&span[32..64]);
+                for lane in 0..16 {
+                    let sum: i32 = (0..8)
+                        .map(|t| codes[(t % 2) * 64 + (8 * lane + t) / 2] as i32)
+                        .sum();
+                    assert_eq!(corr[lane], OFFSET * sum, "span {s} lane {lane}");
+                }
+            }
+        }
+    }
+    // Ties round to even: absmax 127 gives d = 1 exactly.
+    let mut blk = [0f32; 32];
+    blk[0] = 127.0;
+    blk[1] = 2.5;
+    blk[2] = -3.5;
+    blk[3] = 0.5;
+    let (d, q) = quantize_block(&blk);
+    assert_eq!((d, q[0], q[1], q[2], q[3]), (1.0, 127, 2, -4, 0));
+}
+
+#[test]
+fn mxfp4_q8_scalar_reference_is_the_quantised_product() {
+    // The reference equals Σ_blk 2^(e−127)·d·Σ E2M1·q computed in f64 (it is exact up to f32
+    // rounding of the lane sums), and lies within the documented bound of the f32 product.
+    use crate::mxfp4_q8::q8_image;
+    let mut rng = Rng(0x5eed_0008);
+    for cols in [32usize, 96, 128, 224, 512, 1056] {
+        let rows = 9;
+        let n = 2;
+        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let xs = q8_activations(&mut rng, n, cols);
+        let (img, stride) = q8_image(&xs, cols);
+        let w = Weights::Mxfp4(&m);
+        let (exact, mag) = reference(&w, &xs, n);
+        let bound = q8_bound(&w, &xs, n);
+        for r in 0..rows {
+            let xr: [&[f32]; 2] = [&img[..stride], &img[stride..2 * stride]];
+            let got = crate::scalar::dot_mxfp4_q8(m.packed_row(r), m.scales_row(r), xr);
+            let wr = row_f64(&w, r);
+            for b in 0..n {
+                let x = &xs[b * cols..(b + 1) * cols];
+                // The quantised product in f64: Σ_c W_c · d_blk · q_c.
+                let mut want = 0f64;
+                let mut qmag = 0f64;
+                for (wb, xb) in wr.chunks(32).zip(x.chunks(32)) {
+                    let (d, q) = crate::mxfp4_q8::quantize_block(xb);
+                    for (wc, &qc) in wb.iter().zip(&q) {
+                        want += wc * d as f64 * qc as f64;
+                        qmag += (wc * d as f64 * qc as f64).abs();
+                    }
+                }
+                let i = b * rows + r;
+                assert!(
+                    (got[b] as f64 - want).abs() <= 1e-5 * qmag + 1e-37,
+                    "[{rows}x{cols}] row {r} b {b}: reference {} vs quantised {want}",
+                    got[b]
+                );
+                assert!(
+                    (got[b] as f64 - exact[i]).abs() <= bound[i] + 1e-5 * mag[i] + 1e-37,
+                    "[{rows}x{cols}] row {r} b {b}: {} vs f32-activation {} beyond bound {}",
+                    got[b],
+                    exact[i],
+                    bound[i]
+                );
+            }
+        }
+    }
+}
+
+/// The AVX-512 VNNI kernel equals the scalar reference of the same arithmetic bit for bit, on
+/// spans, ragged last spans (1–3 blocks) and every batch width 1–5.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_mxfp4_q8_kernel_equals_scalar_reference_bitwise() {
+    use crate::mxfp4_q8::q8_image;
+    if !Backend::Avx512.is_supported() || !crate::mxfp4_q8::vnni_available() {
+        eprintln!("skipped: no AVX-512 VNNI on this CPU");
+        return;
+    }
+    let mut rng = Rng(0x7777_1234_5678);
+    let mut cols_list: Vec<usize> = (1..=20).map(|k| 32 * k).collect();
+    cols_list.extend([7168 / 4, 2048 + 96]);
+    for cols in cols_list {
+        let rows = 5;
+        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let n = 5;
+        let xs = q8_activations(&mut rng, n, cols);
+        let (img, stride) = q8_image(&xs, cols);
+        let x = |b: usize| &img[b * stride..(b + 1) * stride];
+        for r in 0..rows {
+            let (p, s) = (m.packed_row(r), m.scales_row(r));
+            let want: Vec<f32> = (0..n)
+                .map(|b| crate::scalar::dot_mxfp4_q8(p, s, [x(b)])[0])
+                .collect();
+            let check = |got: &[f32], what: &str| {
+                for (b, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "cols {cols} row {r} b {b} ({what}): {g} vs {w}"
+                    );
+                }
+            };
+            // SAFETY: AVX-512 VNNI checked above; image rows cover every span.
+            unsafe {
+                check(&crate::x86::avx512::dot_mxfp4_q8(p, s, [x(0)]), "NB=1");
+                check(
+                    &crate::x86::avx512::dot_mxfp4_q8(p, s, [x(0), x(1)]),
+                    "NB=2",
+                );
+                check(
+                    &crate::x86::avx512::dot_mxfp4_q8(p, s, [x(0), x(1), x(2), x(3)]),
+                    "NB=4",
+                );
+                check(
+                    &crate::x86::avx512::dot_mxfp4_q8(p, s, [x(0), x(1), x(2), x(3), x(4)]),
+                    "NB=5",
+                );
+            }
+            // The batch-width independence of the per-row reference itself.
+            let batched = crate::scalar::dot_mxfp4_q8(p, s, [x(0), x(1), x(2), x(3), x(4)]);
+            check(&batched, "scalar NB=5");
+        }
+    }
+}
+
+/// With int8 activations the default, the AVX-512 f32-activation MXFP4 kernel (forced by
+/// `DELTAFIN_MXFP4_ACT=f32`) is checked here directly against the scalar one.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_mxfp4_f32_kernel_matches_scalar() {
+    if !Backend::Avx512.is_supported() {
+        eprintln!("skipped: no AVX-512 on this CPU");
+        return;
+    }
+    let mut rng = Rng(0x3141_5926);
+    for cols in [32usize, 64, 96, 128, 160, 256, 352, 1024] {
+        let rows = 4;
+        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let w = Weights::Mxfp4(&m);
+        let xs: Vec<f32> = (0..2 * cols).map(|_| rng.f()).collect();
+        let img = mxfp4_f32_image(&xs, cols, cols / 128);
+        let (_, mag) = reference(&w, &xs, 2);
+        for r in 0..rows {
+            let (p, s) = (m.packed_row(r), m.scales_row(r));
+            // SAFETY: AVX-512 checked above; image rows have `cols` values.
+            let got = unsafe {
+                crate::x86::avx512::dot_mxfp4(p, s, [&img[..cols], &img[cols..2 * cols]])
+            };
+            let want = crate::scalar::dot_mxfp4(p, s, [&xs[..cols], &xs[cols..]]);
+            for b in 0..2 {
+                let tol = 2e-5 * mag[b * rows + r] + 1e-37;
+                assert!(
+                    ((got[b] - want[b]) as f64).abs() <= tol,
+                    "cols {cols} row {r} b {b}: {} vs {}",
+                    got[b],
+                    want[b]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn mxfp4_act_parsing_is_strict() {
+    use crate::mxfp4_q8::{Mxfp4Act, Mxfp4ActError, parse_mxfp4_act};
+    assert_eq!(parse_mxfp4_act("f32"), Ok(Mxfp4Act::F32));
+    assert_eq!(parse_mxfp4_act("q8"), Ok(Mxfp4Act::Q8));
+    for bad in ["", "F32", "q8 ", "int8", "bf16", "auto"] {
+        let e = parse_mxfp4_act(bad).unwrap_err();
+        assert!(matches!(e, Mxfp4ActError::Unknown { .. }), "{bad:?}");
+        assert!(e.to_string().contains("DELTAFIN_MXFP4_ACT"), "{e}");
+    }
+    // The summary names the activation format in use.
+    let summary = crate::kernel_summary();
+    let want = if crate::dispatch::backend() == Backend::Avx512 {
+        crate::mxfp4_q8::avx512_mxfp4_act().name()
+    } else {
+        "f32"
+    };
+    assert!(summary.contains(&format!("mxfp4_act={want}")), "{summary}");
 }

@@ -317,6 +317,83 @@ pub(crate) mod avx512 {
         }
         out
     }
+    /// `Σ_blk 2^(e−127) · d_blk · Σ E2M1(code)·q` over one MXFP4 row against int8
+    /// activations: the q8 image of [`crate::mxfp4_q8::q8_image`] (see that module for the
+    /// arithmetic and its error bound).
+    ///
+    /// Per 128-column span: one 64-byte load of codes (masked for a last span of 1–3 blocks);
+    /// low nibbles `v & 0x0F` and high nibbles `(v >> 4) & 0x0F` become the unsigned bytes
+    /// `2·E2M1 + 12` through `vpshufb`; two `vpdpbusd` against the even- and odd-column
+    /// int8 codes give each dword lane (8 columns of one block) an exact int32 sum; the
+    /// lane's correction `12·Σq` is subtracted, the result converted to f32 and multiplied
+    /// into the accumulator of the span's parity with the lane scale `2^(e−127) · d/2`.
+    /// The final sum is `reduce16(acc0 + acc1)`, as in the scalar reference
+    /// [`crate::scalar::dot_mxfp4_q8`], which this kernel equals bit for bit.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    pub(crate) unsafe fn dot_mxfp4_q8<const NB: usize>(
+        packed: &[u8],
+        scales: &[u8],
+        xs: [&[f32]; NB],
+    ) -> [f32; NB] {
+        use crate::mxfp4_q8::{E2M1_X2_PLUS_12, SPAN_SLOTS};
+        let nblk = scales.len();
+        let nspan = nblk.div_ceil(4);
+        let mut acc = [[_mm512_setzero_ps(); 2]; NB];
+        // SAFETY: packed holds 16 bytes per block (the last span's load is masked to the
+        // blocks that exist); scale loads are masked likewise; each image row holds
+        // SPAN_SLOTS f32 slots per span.
+        unsafe {
+            let lut =
+                _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_X2_PLUS_12.as_ptr() as *const __m128i));
+            let m4 = _mm512_set1_epi8(0x0f);
+            let quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            let mut sp = 0;
+            while sp < nspan {
+                // Scales of up to four spans (16 blocks) at once.
+                let sc = scales16(scales.as_ptr().add(4 * sp), (nblk - 4 * sp).min(L));
+                let mut k = 0;
+                while k < 4 && sp + k < nspan {
+                    let span = sp + k;
+                    let blocks = (nblk - 4 * span).min(4);
+                    let wp = packed.as_ptr().add(64 * span);
+                    let v = if blocks == 4 {
+                        _mm512_loadu_si512(wp as *const __m512i)
+                    } else {
+                        _mm512_maskz_loadu_epi8((1u64 << (16 * blocks)) - 1, wp as *const i8)
+                    };
+                    let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));
+                    let hi =
+                        _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4));
+                    let ws = _mm512_permutexvar_ps(
+                        _mm512_add_epi32(_mm512_set1_epi32(4 * k as i32), quarter),
+                        sc,
+                    );
+                    for b in 0..NB {
+                        let xp = xs[b].as_ptr().add(SPAN_SLOTS * span);
+                        let dh = _mm512_loadu_ps(xp);
+                        let corr = _mm512_loadu_si512(xp.add(16) as *const __m512i);
+                        let xe = _mm512_loadu_si512(xp.add(32) as *const __m512i);
+                        let xo = _mm512_loadu_si512(xp.add(48) as *const __m512i);
+                        let i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe);
+                        let i = _mm512_dpbusd_epi32(i, hi, xo);
+                        let f = _mm512_cvtepi32_ps(_mm512_sub_epi32(i, corr));
+                        let a = &mut acc[b][span % 2];
+                        *a = _mm512_fmadd_ps(f, _mm512_mul_ps(ws, dh), *a);
+                    }
+                    k += 1;
+                }
+                sp += 4;
+            }
+        }
+        let mut out = [0f32; NB];
+        for b in 0..NB {
+            let mut v = [0f32; 16];
+            // SAFETY: v holds 16 f32.
+            unsafe { _mm512_storeu_ps(v.as_mut_ptr(), _mm512_add_ps(acc[b][0], acc[b][1])) };
+            out[b] = crate::scalar::reduce16(&v);
+        }
+        out
+    }
 }
 
 /// AVX2 + FMA kernels.
