@@ -148,7 +148,7 @@ impl Weights<'_> {
     /// stride: the AVX2 and NEON MXFP4 kernels take each 32-column block as `[even columns,
     /// odd columns]` (paired); the AVX-512 one takes each full 128-column span transposed
     /// (`xt[16j + i] = x[8i + j]`) and the remaining blocks paired — or, with int8
-    /// activations (AVX-512 VNNI, `DELTAFIN_MXFP4_ACT=q8`, the default there), the q8 image
+    /// activations (AVX-512 VNNI, opt-in `DELTAFIN_MXFP4_ACT=q8`), the q8 image
     /// of [`crate::mxfp4_q8`]. The x86 bf16 kernels take
     /// the bf16-paired layout: groups of 32 (AVX-512) or 16 (AVX2) columns as `[even, odd]`,
     /// the last group zero-padded (the stride is `cols` rounded up to a whole group).

@@ -18,8 +18,10 @@
 //! (plus f32 rounding of the sum), about 0.4% of the block's largest activation per unit of
 //! weight — the same order as llama.cpp's Q8_0 activations for MXFP4.
 //!
-//! `DELTAFIN_MXFP4_ACT=f32|q8` chooses the activation format of AVX-512 MXFP4 products
-//! (default `q8` where AVX-512 VNNI is present; other backends always use f32 activations).
+//! `DELTAFIN_MXFP4_ACT=f32|q8` chooses the activation format of AVX-512 MXFP4 products.
+//! The default is `f32`: with int8 activations the forward-pass fidelity tests (f64 block
+//! oracles, prefill-vs-decode, the llama.cpp oracle with f32 experts) fail their bounds, see
+//! docs/NUMERICS.md; `q8` is opt-in (AVX-512 VNNI only; other backends always use f32).
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
@@ -67,12 +69,12 @@ pub fn parse_mxfp4_act(value: &str) -> Result<Mxfp4Act, Mxfp4ActError> {
     }
 }
 
-/// The requested activation format (unset → `q8`), resolved once per process.
+/// The requested activation format (unset → `f32`), resolved once per process.
 pub fn select_mxfp4_act() -> Result<Mxfp4Act, Mxfp4ActError> {
     static SELECTED: OnceLock<Result<Mxfp4Act, Mxfp4ActError>> = OnceLock::new();
     SELECTED
         .get_or_init(|| match std::env::var(ACT_ENV_VAR) {
-            Err(std::env::VarError::NotPresent) => Ok(Mxfp4Act::Q8),
+            Err(std::env::VarError::NotPresent) => Ok(Mxfp4Act::F32),
             Err(std::env::VarError::NotUnicode(v)) => Err(Mxfp4ActError::Unknown {
                 value: v.to_string_lossy().into_owned(),
             }),
@@ -93,8 +95,8 @@ pub(crate) fn vnni_available() -> bool {
     }
 }
 
-/// The activation format AVX-512 MXFP4 products use in this process: `q8` when requested and
-/// VNNI is present, else `f32`.
+/// The activation format AVX-512 MXFP4 products use in this process: `q8` when requested
+/// (`DELTAFIN_MXFP4_ACT=q8`) and VNNI is present, else `f32`.
 ///
 /// # Panics
 /// If `DELTAFIN_MXFP4_ACT` is invalid (binaries report it first through
@@ -163,7 +165,7 @@ pub(crate) fn q8_image(xs: &[f32], cols: usize) -> (Cow<'static, [f32]>, usize) 
                 let (d, q) = quantize_block(block);
                 for (i, &qc) in q.iter().enumerate() {
                     let col = k * GROUP + i; // column within the span
-                    if col % 2 == 0 {
+                    if col.is_multiple_of(2) {
                         even[col / 2] = qc;
                     } else {
                         odd[col / 2] = qc;

@@ -125,10 +125,7 @@ pub(crate) fn dot_mxfp4<const NB: usize>(
 /// `((l0 + l8) + (l4 + l12)) + …`, a pairwise tree over the halves.
 #[inline(always)]
 pub(crate) fn reduce16(v: &[f32; 16]) -> f32 {
-    let mut h = [0f32; 8];
-    for i in 0..8 {
-        h[i] = v[i] + v[i + 8];
-    }
+    let h: [f32; 8] = std::array::from_fn(|i| v[i] + v[i + 8]);
     let q = [h[0] + h[4], h[1] + h[5], h[2] + h[6], h[3] + h[7]];
     (q[0] + q[2]) + (q[1] + q[3])
 }
@@ -185,10 +182,7 @@ pub(crate) fn dot_mxfp4_q8<const NB: usize>(
     }
     let mut out = [0f32; NB];
     for b in 0..NB {
-        let mut v = [0f32; 16];
-        for i in 0..16 {
-            v[i] = acc[b][0][i] + acc[b][1][i];
-        }
+        let v: [f32; 16] = std::array::from_fn(|i| acc[b][0][i] + acc[b][1][i]);
         out[b] = reduce16(&v);
     }
     out
