@@ -140,16 +140,23 @@ impl Weights<'_> {
     /// (`xt[16j + i] = x[8i + j]`) and the remaining blocks paired. The x86 bf16 kernels take
     /// the bf16-paired layout: groups of 32 (AVX-512) or 16 (AVX2) columns as `[even, odd]`,
     /// the last group zero-padded (the stride is `cols` rounded up to a whole group).
-    /// Everything else is unchanged.
-    fn prepare<'x>(&self, be: Backend, xs: &'x [f32]) -> (Cow<'x, [f32]>, usize) {
+    /// Everything else is unchanged. Returns the image, the offset of its first row (the
+    /// bf16-paired images start on a 64-byte boundary, so no activation load splits a cache
+    /// line) and the row stride.
+    fn prepare<'x>(&self, be: Backend, xs: &'x [f32]) -> (Cow<'x, [f32]>, usize, usize) {
         let cols = self.cols();
         match (self, be) {
-            (Weights::RowInt8(_), Backend::Avx512) if q16_int8() => q16_image(xs, cols),
+            (Weights::RowInt8(_), Backend::Avx512) if q16_int8() => {
+                let (img, stride) = q16_image(xs, cols);
+                (img, 0, stride)
+            }
             (Weights::Bf16(_), Backend::Avx512) => {
-                (pair_groups(xs, cols, 32), cols.next_multiple_of(32))
+                let (img, base) = pair_groups(xs, cols, 32);
+                (img, base, cols.next_multiple_of(32))
             }
             (Weights::Bf16(_), Backend::Avx2) => {
-                (pair_groups(xs, cols, 16), cols.next_multiple_of(16))
+                let (img, base) = pair_groups(xs, cols, 16);
+                (img, base, cols.next_multiple_of(16))
             }
             (Weights::Mxfp4(m), Backend::Avx512 | Backend::Avx2 | Backend::Neon) => {
                 let spans = if be == Backend::Avx512 {
@@ -177,9 +184,9 @@ impl Weights<'_> {
                         }
                     }
                 }
-                (Cow::Owned(p), cols)
+                (Cow::Owned(p), 0, cols)
             }
-            _ => (Cow::Borrowed(xs), cols),
+            _ => (Cow::Borrowed(xs), 0, cols),
         }
     }
 }
@@ -241,19 +248,28 @@ fn q16_image(xs: &[f32], cols: usize) -> (Cow<'static, [f32]>, usize) {
 }
 
 /// Rows of `cols` values rearranged in groups of `g` columns as `[even, odd]`, the last
-/// group zero-padded; each output row is `cols` rounded up to a multiple of `g`.
-fn pair_groups(xs: &[f32], cols: usize, g: usize) -> Cow<'static, [f32]> {
+/// group zero-padded; each output row is `cols` rounded up to a multiple of `g`. The rows
+/// start at the returned offset, the first 64-byte boundary of the buffer (with `g` a
+/// multiple of 16, every row then starts on one).
+fn pair_groups(xs: &[f32], cols: usize, g: usize) -> (Cow<'static, [f32]>, usize) {
     let stride = cols.next_multiple_of(g);
     let rows = xs.len().checked_div(cols).unwrap_or(0);
-    let mut p = vec![0f32; rows * stride];
-    for (dst, src) in p.chunks_exact_mut(stride).zip(xs.chunks_exact(cols.max(1))) {
+    let mut p = vec![0f32; rows * stride + ALIGN_F32];
+    let base = (p.as_ptr() as usize).wrapping_neg() % (4 * ALIGN_F32) / 4;
+    for (dst, src) in p[base..]
+        .chunks_exact_mut(stride)
+        .zip(xs.chunks_exact(cols.max(1)))
+    {
         for (c, &v) in src.iter().enumerate() {
             let (grp, i) = (c / g, c % g);
             dst[grp * g + (i % 2) * (g / 2) + i / 2] = v;
         }
     }
-    Cow::Owned(p)
+    (Cow::Owned(p), base)
 }
+
+/// f32 values per 64-byte cache line.
+const ALIGN_F32: usize = 16;
 
 /// Output written by row ranges into a batch-major buffer: `ys[b * rows + r]`.
 struct BatchOut {
@@ -296,6 +312,7 @@ fn chunk_rows(rows: usize, work_per_row: usize) -> Option<usize> {
 struct Prepared<'a> {
     w: Weights<'a>,
     xs: Cow<'a, [f32]>,
+    base: usize,
     stride: usize,
     n: usize,
     out: BatchOut,
@@ -326,14 +343,15 @@ impl<'a> Prepared<'a> {
         if let Epilogue::Axpy(alpha) = epi {
             assert_eq!(alpha.len(), n, "{} product: alpha length", w.dtype());
         }
-        let (xs, stride) = if n == 0 || rows == 0 {
-            (Cow::Borrowed(xs), cols)
+        let (xs, base, stride) = if n == 0 || rows == 0 {
+            (Cow::Borrowed(xs), 0, cols)
         } else {
             w.prepare(be, xs)
         };
         Prepared {
             w,
             xs,
+            base,
             stride,
             n,
             out: BatchOut {
@@ -341,6 +359,79 @@ impl<'a> Prepared<'a> {
                 rows,
             },
             epi,
+        }
+    }
+
+    /// Activation row `b` in the kernel's layout.
+    #[inline(always)]
+    fn x(&self, b: usize) -> &[f32] {
+        let at = self.base + b * self.stride;
+        &self.xs[at..at + self.stride]
+    }
+
+    /// bf16 on AVX-512: rows `r0..r1` in register tiles of 2 weight rows × 4 activation rows
+    /// ([`crate::tile`]; ragged edges take the 1-row and 1–3-row instances of the same
+    /// kernel, whose per-value arithmetic is identical), weight rows in cache-sized blocks
+    /// as in [`Prepared::rows`].
+    ///
+    /// # Safety
+    /// As [`Prepared::rows`]; the backend must be AVX-512 (checked by [`Prepared::new`]).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn rows_bf16_tiled(&self, m: &Bf16Matrix, r0: usize, r1: usize) {
+        let n = self.n;
+        let block = (ROW_BLOCK_BYTES / (2 * m.cols()).max(1)).clamp(2, 64);
+        let mut rb = r0;
+        while rb < r1 {
+            let re = (rb + block).min(r1);
+            let mut b = 0;
+            while b < n {
+                let nb = (n - b).min(BATCH_TILE);
+                let mut r = rb;
+                while r < re {
+                    let nr = (re - r).min(2);
+                    // SAFETY: forwarded from the caller; r + nr <= r1, b + nb <= n.
+                    unsafe {
+                        match (nr, nb) {
+                            (2, 4) => self.bf16_tile::<2, 4>(m, r, b),
+                            (2, 3) => self.bf16_tile::<2, 3>(m, r, b),
+                            (2, 2) => self.bf16_tile::<2, 2>(m, r, b),
+                            (2, _) => self.bf16_tile::<2, 1>(m, r, b),
+                            (_, 4) => self.bf16_tile::<1, 4>(m, r, b),
+                            (_, 3) => self.bf16_tile::<1, 3>(m, r, b),
+                            (_, 2) => self.bf16_tile::<1, 2>(m, r, b),
+                            _ => self.bf16_tile::<1, 1>(m, r, b),
+                        }
+                    }
+                    r += nr;
+                }
+                b += nb;
+            }
+            rb = re;
+        }
+    }
+
+    /// One `NR × NB` tile at weight row `r`, activation row `b`.
+    ///
+    /// # Safety
+    /// As [`Prepared::rows_bf16_tiled`], with `r + NR` and `b + NB` in range.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn bf16_tile<const NR: usize, const NB: usize>(
+        &self,
+        m: &Bf16Matrix,
+        r: usize,
+        b: usize,
+    ) {
+        let ws: [&[deltafin_tensor::bf16]; NR] = std::array::from_fn(|i| m.row(r + i));
+        let xs: [&[f32]; NB] = std::array::from_fn(|j| self.x(b + j));
+        // SAFETY: `Prepared::new` checked AVX-512; rows of one matrix share a length and the
+        // paired image rows hold whole groups.
+        let v = unsafe { crate::tile::dot_bf16_tile::<NR, NB>(ws, xs) };
+        for (i, vr) in v.iter().enumerate() {
+            for (j, &vij) in vr.iter().enumerate() {
+                // SAFETY: the caller owns row r + i; b + j < n.
+                unsafe { self.out.apply(self.epi, b + j, r + i, vij) };
+            }
         }
     }
 
@@ -354,8 +445,13 @@ impl<'a> Prepared<'a> {
     /// # Safety
     /// No other task may write rows `r0..r1` of this product's output while this runs.
     unsafe fn rows(&self, be: Backend, r0: usize, r1: usize) {
-        let (w, n, stride, epi) = (self.w, self.n, self.stride, self.epi);
-        let x = |b: usize| &self.xs[b * stride..(b + 1) * stride];
+        #[cfg(target_arch = "x86_64")]
+        if let (Weights::Bf16(m), Backend::Avx512) = (self.w, be) {
+            // SAFETY: forwarded from the caller.
+            return unsafe { self.rows_bf16_tiled(m, r0, r1) };
+        }
+        let (w, n, epi) = (self.w, self.n, self.epi);
+        let x = |b: usize| self.x(b);
         // Prefill tiling: a block of weight rows (about ROW_BLOCK_BYTES, cache-resident)
         // meets every activation tile before the next block, so the activations stream
         // through the cache once per block instead of once per weight row. A decode product
