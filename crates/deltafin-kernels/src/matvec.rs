@@ -369,17 +369,19 @@ impl<'a> Prepared<'a> {
         &self.xs[at..at + self.stride]
     }
 
-    /// bf16 on AVX-512: rows `r0..r1` in register tiles of 2 weight rows × 4 activation rows
-    /// ([`crate::tile`]; ragged edges take the 1-row and 1–3-row instances of the same
-    /// kernel, whose per-value arithmetic is identical), weight rows in cache-sized blocks
-    /// as in [`Prepared::rows`].
+    /// bf16 and q16 row-int8 on AVX-512: rows `r0..r1` in register tiles of 2 weight rows ×
+    /// 4 activation rows ([`crate::tile`]; ragged edges take the 1-row and 1–3-row instances
+    /// of the same kernels, whose per-value arithmetic is identical), weight rows in
+    /// cache-sized blocks as in [`Prepared::rows`].
     ///
     /// # Safety
-    /// As [`Prepared::rows`]; the backend must be AVX-512 (checked by [`Prepared::new`]).
+    /// As [`Prepared::rows`]; the backend must be AVX-512 (checked by [`Prepared::new`]),
+    /// with VNNI for row-int8 ([`q16_int8`]).
     #[cfg(target_arch = "x86_64")]
-    unsafe fn rows_bf16_tiled(&self, m: &Bf16Matrix, r0: usize, r1: usize) {
+    unsafe fn rows_tiled(&self, r0: usize, r1: usize) {
         let n = self.n;
-        let block = (ROW_BLOCK_BYTES / (2 * m.cols()).max(1)).clamp(2, 64);
+        let row_bytes = (self.w.weight_bytes() / self.w.rows().max(1)).max(1);
+        let block = (ROW_BLOCK_BYTES / row_bytes).clamp(2, 64);
         let mut rb = r0;
         while rb < r1 {
             let re = (rb + block).min(r1);
@@ -392,14 +394,14 @@ impl<'a> Prepared<'a> {
                     // SAFETY: forwarded from the caller; r + nr <= r1, b + nb <= n.
                     unsafe {
                         match (nr, nb) {
-                            (2, 4) => self.bf16_tile::<2, 4>(m, r, b),
-                            (2, 3) => self.bf16_tile::<2, 3>(m, r, b),
-                            (2, 2) => self.bf16_tile::<2, 2>(m, r, b),
-                            (2, _) => self.bf16_tile::<2, 1>(m, r, b),
-                            (_, 4) => self.bf16_tile::<1, 4>(m, r, b),
-                            (_, 3) => self.bf16_tile::<1, 3>(m, r, b),
-                            (_, 2) => self.bf16_tile::<1, 2>(m, r, b),
-                            _ => self.bf16_tile::<1, 1>(m, r, b),
+                            (2, 4) => self.tile::<2, 4>(r, b),
+                            (2, 3) => self.tile::<2, 3>(r, b),
+                            (2, 2) => self.tile::<2, 2>(r, b),
+                            (2, _) => self.tile::<2, 1>(r, b),
+                            (_, 4) => self.tile::<1, 4>(r, b),
+                            (_, 3) => self.tile::<1, 3>(r, b),
+                            (_, 2) => self.tile::<1, 2>(r, b),
+                            _ => self.tile::<1, 1>(r, b),
                         }
                     }
                     r += nr;
@@ -413,20 +415,30 @@ impl<'a> Prepared<'a> {
     /// One `NR × NB` tile at weight row `r`, activation row `b`.
     ///
     /// # Safety
-    /// As [`Prepared::rows_bf16_tiled`], with `r + NR` and `b + NB` in range.
+    /// As [`Prepared::rows_tiled`], with `r + NR` and `b + NB` in range.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn bf16_tile<const NR: usize, const NB: usize>(
-        &self,
-        m: &Bf16Matrix,
-        r: usize,
-        b: usize,
-    ) {
-        let ws: [&[deltafin_tensor::bf16]; NR] = std::array::from_fn(|i| m.row(r + i));
+    unsafe fn tile<const NR: usize, const NB: usize>(&self, r: usize, b: usize) {
         let xs: [&[f32]; NB] = std::array::from_fn(|j| self.x(b + j));
-        // SAFETY: `Prepared::new` checked AVX-512; rows of one matrix share a length and the
-        // paired image rows hold whole groups.
-        let v = unsafe { crate::tile::dot_bf16_tile::<NR, NB>(ws, xs) };
+        let v: [[f32; NB]; NR] = match self.w {
+            Weights::Bf16(m) => {
+                let ws: [&[deltafin_tensor::bf16]; NR] = std::array::from_fn(|i| m.row(r + i));
+                // SAFETY: `Prepared::new` checked AVX-512; rows of one matrix share a length
+                // and the paired image rows hold whole groups.
+                unsafe { crate::tile::dot_bf16_tile::<NR, NB>(ws, xs) }
+            }
+            Weights::RowInt8(m) => {
+                let ws: [&[i8]; NR] = std::array::from_fn(|i| m.row(r + i));
+                // SAFETY: as above; the caller checked VNNI and the image is the q16 one.
+                let mut v = unsafe { crate::tile::dot_i8_q16_tile::<NR, NB>(ws, xs) };
+                for (i, vr) in v.iter_mut().enumerate() {
+                    let s = m.scale(r + i);
+                    vr.iter_mut().for_each(|x| *x *= s);
+                }
+                v
+            }
+            _ => unreachable!("only bf16 and q16 row-int8 products are tiled"),
+        };
         for (i, vr) in v.iter().enumerate() {
             for (j, &vij) in vr.iter().enumerate() {
                 // SAFETY: the caller owns row r + i; b + j < n.
@@ -446,9 +458,12 @@ impl<'a> Prepared<'a> {
     /// No other task may write rows `r0..r1` of this product's output while this runs.
     unsafe fn rows(&self, be: Backend, r0: usize, r1: usize) {
         #[cfg(target_arch = "x86_64")]
-        if let (Weights::Bf16(m), Backend::Avx512) = (self.w, be) {
+        if be == Backend::Avx512
+            && (matches!(self.w, Weights::Bf16(_))
+                || matches!(self.w, Weights::RowInt8(_)) && q16_int8())
+        {
             // SAFETY: forwarded from the caller.
-            return unsafe { self.rows_bf16_tiled(m, r0, r1) };
+            return unsafe { self.rows_tiled(r0, r1) };
         }
         let (w, n, epi) = (self.w, self.n, self.epi);
         let x = |b: usize| self.x(b);

@@ -486,7 +486,15 @@ mod tiled {
             .collect();
         // Ragged columns (partial 32-column groups, fewer than one group), odd row counts
         // (a 1-row tile at the end of each range), and shapes above the parallel threshold.
-        let shapes = [(1, 1), (3, 31), (5, 33), (17, 64), (33, 95), (130, 257), (67, 1030)];
+        let shapes = [
+            (1, 1),
+            (3, 31),
+            (5, 33),
+            (17, 64),
+            (33, 95),
+            (130, 257),
+            (67, 1030),
+        ];
         for &(rows, cols) in &shapes {
             let m = Mats::new(&mut rng, rows, cols);
             let nmax = 20;
@@ -545,7 +553,13 @@ mod tiled {
             let mut got = vec![0f32; n * rows];
             matmul_with(be, w, &xs, n, &mut got);
             let want64: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
-            assert_close(&format!("{} bf16 vs scalar", be.name()), &got, &want64, &mag, 2e-6);
+            assert_close(
+                &format!("{} bf16 vs scalar", be.name()),
+                &got,
+                &want64,
+                &mag,
+                2e-6,
+            );
         }
     }
 }

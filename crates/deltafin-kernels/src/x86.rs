@@ -18,7 +18,6 @@
 use deltafin_tensor::bf16;
 use deltafin_tensor::mxfp4::E2M1;
 
-pub(crate) use crate::matvec::Q16_BLOCK;
 use std::arch::x86_64::*;
 
 /// AVX-512 F/BW/VL kernels.
@@ -112,52 +111,13 @@ pub(crate) mod avx512 {
     );
 
     /// `Σ q·x` over an int8 row (unscaled) against activations quantised to int16 (the
-    /// *q16 image* of [`crate::matvec`]: per activation row, `ceil(n / Q16_BLOCK)` f32 block
-    /// scales, then the int16 codes, zero-padded to whole 32-column steps, two per f32 slot).
-    /// Per block `Σ q·c` is exact in int32 (`vpdpwssd`, |q| ≤ 127, |c| ≤ 32767, 256 terms
-    /// stay below 2^31), then converted and multiplied by the block scale in f32.
+    /// *q16 image* of [`crate::matvec`]): the 1-row instance of the register-tiled kernel
+    /// [`crate::tile::dot_i8_q16_tile`], so batched tiles give bit-identical values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-    #[allow(clippy::needless_range_loop)] // `blk` indexes weights, codes and scales together
     pub(crate) unsafe fn dot_i8_q16<const NB: usize>(w: &[i8], xs: [&[f32]; NB]) -> [f32; NB] {
-        let n = w.len();
-        let nblk = n.div_ceil(Q16_BLOCK);
-        let mut facc = [_mm512_setzero_ps(); NB];
-        // SAFETY: weight loads are in bounds or masked to columns < n; each image row holds
-        // nblk scales and codes for whole 32-column steps (zero-padded).
-        unsafe {
-            let wp = w.as_ptr();
-            let codes: [*const i16; NB] =
-                std::array::from_fn(|b| xs[b].as_ptr().add(nblk) as *const i16);
-            for blk in 0..nblk {
-                let (c0, c1) = (blk * Q16_BLOCK, ((blk + 1) * Q16_BLOCK).min(n));
-                let mut iacc = [[_mm512_setzero_si512(); 2]; NB];
-                let mut c = c0;
-                let mut u = 0;
-                while c < c1 {
-                    let wv = if c + 32 <= c1 {
-                        _mm512_cvtepi8_epi16(_mm256_loadu_si256(wp.add(c) as *const __m256i))
-                    } else {
-                        let k: __mmask32 = (1u32 << (c1 - c)) - 1;
-                        _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(k, wp.add(c)))
-                    };
-                    for b in 0..NB {
-                        let xv = _mm512_loadu_si512(codes[b].add(c) as *const __m512i);
-                        iacc[b][u] = _mm512_dpwssd_epi32(iacc[b][u], wv, xv);
-                    }
-                    u ^= 1;
-                    c += 32;
-                }
-                for b in 0..NB {
-                    let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(iacc[b][0], iacc[b][1]));
-                    facc[b] = _mm512_fmadd_ps(sum, _mm512_set1_ps(xs[b][blk]), facc[b]);
-                }
-            }
-        }
-        let mut out = [0f32; NB];
-        for b in 0..NB {
-            out[b] = _mm512_reduce_add_ps(facc[b]);
-        }
-        out
+        // SAFETY: forwarded from the caller.
+        let [v] = unsafe { crate::tile::dot_i8_q16_tile::<1, NB>([w], xs) };
+        v
     }
 
     /// One 32-column block: `acc += scale · Σ (E2M1(even)·x_even + E2M1(odd)·x_odd)`.
