@@ -30,6 +30,7 @@ use std::arch::x86_64::*;
 
 /// `[r][b] = Σ_c w_r[c] · x_b[c]` for `NR` bf16 weight rows and `NB` paired activation rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[allow(clippy::needless_range_loop)] // `r`, `b` index weights, activations and accumulators
 pub(crate) unsafe fn dot_bf16_tile<const NR: usize, const NB: usize>(
     ws: [&[bf16]; NR],
     xs: [&[f32]; NB],
@@ -89,6 +90,7 @@ pub(crate) unsafe fn dot_bf16_tile<const NR: usize, const NB: usize>(
 /// # Safety
 /// Also requires AVX-512 VNNI; all weight rows have length `n`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[allow(clippy::needless_range_loop)] // `blk`, `r`, `b` index weights, codes and scales together
 pub(crate) unsafe fn dot_i8_q16_tile<const NR: usize, const NB: usize>(
     ws: [&[i8]; NR],
     xs: [&[f32]; NB],
