@@ -22,6 +22,8 @@ mod scalar;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
+mod tile;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 
 pub use dispatch::{Backend, KernelError, kernel_backend, kernel_summary, select_backend};

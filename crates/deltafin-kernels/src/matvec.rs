@@ -152,25 +152,33 @@ impl Weights<'_> {
     /// of [`crate::mxfp4_q8`]. The x86 bf16 kernels take
     /// the bf16-paired layout: groups of 32 (AVX-512) or 16 (AVX2) columns as `[even, odd]`,
     /// the last group zero-padded (the stride is `cols` rounded up to a whole group).
-    /// Everything else is unchanged.
-    fn prepare<'x>(&self, be: Backend, xs: &'x [f32]) -> (Cow<'x, [f32]>, usize) {
+    /// Everything else is unchanged. Returns the image, the offset of its first row (the
+    /// bf16-paired images start on a 64-byte boundary, so no activation load splits a cache
+    /// line) and the row stride.
+    fn prepare<'x>(&self, be: Backend, xs: &'x [f32]) -> (Cow<'x, [f32]>, usize, usize) {
         let cols = self.cols();
         match (self, be) {
-            (Weights::RowInt8(_), Backend::Avx512) if q16_int8() => q16_image(xs, cols),
+            (Weights::RowInt8(_), Backend::Avx512) if q16_int8() => {
+                let (img, stride) = q16_image(xs, cols);
+                (img, 0, stride)
+            }
             (Weights::Bf16(_), Backend::Avx512) => {
-                (pair_groups(xs, cols, 32), cols.next_multiple_of(32))
+                let (img, base) = pair_groups(xs, cols, 32);
+                (img, base, cols.next_multiple_of(32))
             }
             (Weights::Bf16(_), Backend::Avx2) => {
-                (pair_groups(xs, cols, 16), cols.next_multiple_of(16))
+                let (img, base) = pair_groups(xs, cols, 16);
+                (img, base, cols.next_multiple_of(16))
             }
             (Weights::Mxfp4(_), Backend::Avx512) if avx512_mxfp4_act() == Mxfp4Act::Q8 => {
-                q8_image(xs, cols)
+                let (img, stride) = q8_image(xs, cols);
+                (img, 0, stride)
             }
             (Weights::Mxfp4(_), Backend::Avx512 | Backend::Avx2 | Backend::Neon) => {
                 let spans = if be == Backend::Avx512 { cols / 128 } else { 0 };
-                (mxfp4_f32_image(xs, cols, spans), cols)
+                (mxfp4_f32_image(xs, cols, spans), 0, cols)
             }
-            _ => (Cow::Borrowed(xs), cols),
+            _ => (Cow::Borrowed(xs), 0, cols),
         }
     }
 }
@@ -259,19 +267,28 @@ fn q16_image(xs: &[f32], cols: usize) -> (Cow<'static, [f32]>, usize) {
 }
 
 /// Rows of `cols` values rearranged in groups of `g` columns as `[even, odd]`, the last
-/// group zero-padded; each output row is `cols` rounded up to a multiple of `g`.
-fn pair_groups(xs: &[f32], cols: usize, g: usize) -> Cow<'static, [f32]> {
+/// group zero-padded; each output row is `cols` rounded up to a multiple of `g`. The rows
+/// start at the returned offset, the first 64-byte boundary of the buffer (with `g` a
+/// multiple of 16, every row then starts on one).
+fn pair_groups(xs: &[f32], cols: usize, g: usize) -> (Cow<'static, [f32]>, usize) {
     let stride = cols.next_multiple_of(g);
     let rows = xs.len().checked_div(cols).unwrap_or(0);
-    let mut p = vec![0f32; rows * stride];
-    for (dst, src) in p.chunks_exact_mut(stride).zip(xs.chunks_exact(cols.max(1))) {
+    let mut p = vec![0f32; rows * stride + ALIGN_F32];
+    let base = (p.as_ptr() as usize).wrapping_neg() % (4 * ALIGN_F32) / 4;
+    for (dst, src) in p[base..]
+        .chunks_exact_mut(stride)
+        .zip(xs.chunks_exact(cols.max(1)))
+    {
         for (c, &v) in src.iter().enumerate() {
             let (grp, i) = (c / g, c % g);
             dst[grp * g + (i % 2) * (g / 2) + i / 2] = v;
         }
     }
-    Cow::Owned(p)
+    (Cow::Owned(p), base)
 }
+
+/// f32 values per 64-byte cache line.
+const ALIGN_F32: usize = 16;
 
 /// Output written by row ranges into a batch-major buffer: `ys[b * rows + r]`.
 struct BatchOut {
@@ -314,6 +331,7 @@ fn chunk_rows(rows: usize, work_per_row: usize) -> Option<usize> {
 struct Prepared<'a> {
     w: Weights<'a>,
     xs: Cow<'a, [f32]>,
+    base: usize,
     stride: usize,
     n: usize,
     out: BatchOut,
@@ -344,14 +362,15 @@ impl<'a> Prepared<'a> {
         if let Epilogue::Axpy(alpha) = epi {
             assert_eq!(alpha.len(), n, "{} product: alpha length", w.dtype());
         }
-        let (xs, stride) = if n == 0 || rows == 0 {
-            (Cow::Borrowed(xs), cols)
+        let (xs, base, stride) = if n == 0 || rows == 0 {
+            (Cow::Borrowed(xs), 0, cols)
         } else {
             w.prepare(be, xs)
         };
         Prepared {
             w,
             xs,
+            base,
             stride,
             n,
             out: BatchOut {
@@ -359,6 +378,91 @@ impl<'a> Prepared<'a> {
                 rows,
             },
             epi,
+        }
+    }
+
+    /// Activation row `b` in the kernel's layout.
+    #[inline(always)]
+    fn x(&self, b: usize) -> &[f32] {
+        let at = self.base + b * self.stride;
+        &self.xs[at..at + self.stride]
+    }
+
+    /// bf16 and q16 row-int8 on AVX-512: rows `r0..r1` in register tiles of 2 weight rows ×
+    /// 4 activation rows ([`crate::tile`]; ragged edges take the 1-row and 1–3-row instances
+    /// of the same kernels, whose per-value arithmetic is identical), weight rows in
+    /// cache-sized blocks as in [`Prepared::rows`].
+    ///
+    /// # Safety
+    /// As [`Prepared::rows`]; the backend must be AVX-512 (checked by [`Prepared::new`]),
+    /// with VNNI for row-int8 ([`q16_int8`]).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn rows_tiled(&self, r0: usize, r1: usize) {
+        let n = self.n;
+        let row_bytes = (self.w.weight_bytes() / self.w.rows().max(1)).max(1);
+        let block = (ROW_BLOCK_BYTES / row_bytes).clamp(2, 64);
+        let mut rb = r0;
+        while rb < r1 {
+            let re = (rb + block).min(r1);
+            let mut b = 0;
+            while b < n {
+                let nb = (n - b).min(BATCH_TILE);
+                let mut r = rb;
+                while r < re {
+                    let nr = (re - r).min(2);
+                    // SAFETY: forwarded from the caller; r + nr <= r1, b + nb <= n.
+                    unsafe {
+                        match (nr, nb) {
+                            (2, 4) => self.tile::<2, 4>(r, b),
+                            (2, 3) => self.tile::<2, 3>(r, b),
+                            (2, 2) => self.tile::<2, 2>(r, b),
+                            (2, _) => self.tile::<2, 1>(r, b),
+                            (_, 4) => self.tile::<1, 4>(r, b),
+                            (_, 3) => self.tile::<1, 3>(r, b),
+                            (_, 2) => self.tile::<1, 2>(r, b),
+                            _ => self.tile::<1, 1>(r, b),
+                        }
+                    }
+                    r += nr;
+                }
+                b += nb;
+            }
+            rb = re;
+        }
+    }
+
+    /// One `NR × NB` tile at weight row `r`, activation row `b`.
+    ///
+    /// # Safety
+    /// As [`Prepared::rows_tiled`], with `r + NR` and `b + NB` in range.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn tile<const NR: usize, const NB: usize>(&self, r: usize, b: usize) {
+        let xs: [&[f32]; NB] = std::array::from_fn(|j| self.x(b + j));
+        let v: [[f32; NB]; NR] = match self.w {
+            Weights::Bf16(m) => {
+                let ws: [&[deltafin_tensor::bf16]; NR] = std::array::from_fn(|i| m.row(r + i));
+                // SAFETY: `Prepared::new` checked AVX-512; rows of one matrix share a length
+                // and the paired image rows hold whole groups.
+                unsafe { crate::tile::dot_bf16_tile::<NR, NB>(ws, xs) }
+            }
+            Weights::RowInt8(m) => {
+                let ws: [&[i8]; NR] = std::array::from_fn(|i| m.row(r + i));
+                // SAFETY: as above; the caller checked VNNI and the image is the q16 one.
+                let mut v = unsafe { crate::tile::dot_i8_q16_tile::<NR, NB>(ws, xs) };
+                for (i, vr) in v.iter_mut().enumerate() {
+                    let s = m.scale(r + i);
+                    vr.iter_mut().for_each(|x| *x *= s);
+                }
+                v
+            }
+            _ => unreachable!("only bf16 and q16 row-int8 products are tiled"),
+        };
+        for (i, vr) in v.iter().enumerate() {
+            for (j, &vij) in vr.iter().enumerate() {
+                // SAFETY: the caller owns row r + i; b + j < n.
+                unsafe { self.out.apply(self.epi, b + j, r + i, vij) };
+            }
         }
     }
 
@@ -372,8 +476,16 @@ impl<'a> Prepared<'a> {
     /// # Safety
     /// No other task may write rows `r0..r1` of this product's output while this runs.
     unsafe fn rows(&self, be: Backend, r0: usize, r1: usize) {
-        let (w, n, stride, epi) = (self.w, self.n, self.stride, self.epi);
-        let x = |b: usize| &self.xs[b * stride..(b + 1) * stride];
+        #[cfg(target_arch = "x86_64")]
+        if be == Backend::Avx512
+            && (matches!(self.w, Weights::Bf16(_))
+                || matches!(self.w, Weights::RowInt8(_)) && q16_int8())
+        {
+            // SAFETY: forwarded from the caller.
+            return unsafe { self.rows_tiled(r0, r1) };
+        }
+        let (w, n, epi) = (self.w, self.n, self.epi);
+        let x = |b: usize| self.x(b);
         // Prefill tiling: a block of weight rows (about ROW_BLOCK_BYTES, cache-resident)
         // meets every activation tile before the next block, so the activations stream
         // through the cache once per block instead of once per weight row. A decode product

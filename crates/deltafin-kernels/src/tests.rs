@@ -745,3 +745,124 @@ fn mxfp4_act_parsing_is_strict() {
     };
     assert!(summary.contains(&format!("mxfp4_act={want}")), "{summary}");
 }
+
+/// The register-tiled batched products (`tile.rs`): every value of a batched product equals
+/// the single-row decode product bit for bit, whatever the batch width (1..=20, so every
+/// tile shape and ragged edge occurs), the row range a thread gets and the thread count;
+/// and the values stay within f32 rounding of the exact product.
+mod tiled {
+    use super::*;
+
+    /// Each activation row alone, as decode computes it (`n = 1`, calling thread only).
+    fn single_rows(be: Backend, w: Weights<'_>, xs: &[f32], n: usize) -> Vec<f32> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let mut ys = vec![0f32; n * rows];
+        for b in 0..n {
+            pool.install(|| {
+                matmul_with(
+                    be,
+                    w,
+                    &xs[b * cols..(b + 1) * cols],
+                    1,
+                    &mut ys[b * rows..(b + 1) * rows],
+                )
+            });
+        }
+        ys
+    }
+
+    #[test]
+    fn batched_equals_single_row_bit_for_bit_on_random_shapes() {
+        let mut rng = Rng(0x7117_ed00_5eed_0001);
+        let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
+            .iter()
+            .map(|&t| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(t)
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        // Ragged columns (partial 32-column groups, fewer than one group), odd row counts
+        // (a 1-row tile at the end of each range), and shapes above the parallel threshold.
+        let shapes = [
+            (1, 1),
+            (3, 31),
+            (5, 33),
+            (17, 64),
+            (33, 95),
+            (130, 257),
+            (67, 1030),
+        ];
+        for &(rows, cols) in &shapes {
+            let m = Mats::new(&mut rng, rows, cols);
+            let nmax = 20;
+            let xs: Vec<f32> = (0..nmax * cols).map(|_| rng.f() * 4.0).collect();
+            for be in Backend::available() {
+                for w in [Weights::Bf16(&m.bf16), Weights::RowInt8(&m.i8)] {
+                    let what = format!("{} {} {rows}x{cols}", be.name(), w.dtype());
+                    let single = single_rows(be, w, &xs, nmax);
+                    for n in 1..=nmax {
+                        for pool in &pools {
+                            let mut ys = vec![0f32; n * rows];
+                            pool.install(|| matmul_with(be, w, &xs[..n * cols], n, &mut ys));
+                            for (i, (a, b)) in ys.iter().zip(&single).enumerate() {
+                                assert_eq!(
+                                    a.to_bits(),
+                                    b.to_bits(),
+                                    "{what}: n={n}, {} threads, value {i} (row {}, out {})",
+                                    pool.current_num_threads(),
+                                    i / rows,
+                                    i % rows
+                                );
+                            }
+                        }
+                    }
+                    // Against the exact product: f32 rounding of Σ|w·x| (plus the int16
+                    // activation bound of the VNNI row-int8 path).
+                    let n = 9;
+                    let mut ys = vec![0f32; n * rows];
+                    pools[1].install(|| matmul_with(be, w, &xs[..n * cols], n, &mut ys));
+                    let (want, mag) = reference(&w, &xs[..n * cols], n);
+                    let q = q16_bound(be, &w, &xs[..n * cols], n);
+                    for (i, &g) in ys.iter().enumerate() {
+                        let tol = 1e-5 * mag[i] + 2.0 * q[i] + 1e-30;
+                        assert!(
+                            (g as f64 - want[i]).abs() <= tol,
+                            "{what}: value {i}: got {g}, want {}, tol {tol}",
+                            want[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batched_matches_scalar_within_tolerance() {
+        let mut rng = Rng(0x7117_ed00_5eed_0002);
+        let (rows, cols, n) = (45, 1000, 13);
+        let m = Mats::new(&mut rng, rows, cols);
+        let xs: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+        let w = Weights::Bf16(&m.bf16);
+        let mut want = vec![0f32; n * rows];
+        matmul_with(Backend::Scalar, w, &xs, n, &mut want);
+        let (_, mag) = reference(&w, &xs, n);
+        for be in Backend::available() {
+            let mut got = vec![0f32; n * rows];
+            matmul_with(be, w, &xs, n, &mut got);
+            let want64: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
+            assert_close(
+                &format!("{} bf16 vs scalar", be.name()),
+                &got,
+                &want64,
+                &mag,
+                2e-6,
+            );
+        }
+    }
+}

@@ -18,7 +18,6 @@
 use deltafin_tensor::bf16;
 use deltafin_tensor::mxfp4::E2M1;
 
-pub(crate) use crate::matvec::Q16_BLOCK;
 use std::arch::x86_64::*;
 
 /// AVX-512 F/BW/VL kernels.
@@ -94,55 +93,15 @@ pub(crate) mod avx512 {
         |p| _mm512_loadu_ps(p),
         |p, k| _mm512_maskz_loadu_ps(k, p)
     );
-    /// `Σ w·x` over a bf16 row, activations in the *bf16-paired* layout of [`crate::matvec`]
-    /// (each 32-column group as `[16 even columns, 16 odd columns]`, zero-padded to a whole
-    /// group). One 64-byte load holds 32 weights; dword lane `i` is `w[2i] | w[2i+1] << 16`,
-    /// so a 16-bit left shift gives the even columns as f32 and masking the low half gives
-    /// the odd ones: no widening shuffle. Two groups per step into four accumulators.
+    /// `Σ w·x` over a bf16 row, activations in the *bf16-paired* layout of [`crate::matvec`]:
+    /// the 1-row instance of the register-tiled kernel [`crate::tile::dot_bf16_tile`] (two
+    /// accumulators per product, even and odd columns), so the batched products' tiles give
+    /// bit-identical values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
     pub(crate) unsafe fn dot_bf16<const NB: usize>(w: &[bf16], xs: [&[f32]; NB]) -> [f32; NB] {
-        let n = w.len();
-        let wp = w.as_ptr() as *const u8;
-        let full = n / 32;
-        let mut acc = [[_mm512_setzero_ps(); U]; NB];
-        // SAFETY: full groups are in bounds; the partial group's load is masked to the
-        // columns < n; activation rows hold whole zero-padded groups.
-        unsafe {
-            let hi = _mm512_set1_epi32(0xffff_0000_u32 as i32);
-            let group = |v: __m512i, c: usize, u: usize, acc: &mut [[__m512; U]; NB]| {
-                let we = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
-                let wo = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
-                for b in 0..NB {
-                    let xp = xs[b].as_ptr().add(32 * c);
-                    acc[b][2 * u] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xp), acc[b][2 * u]);
-                    acc[b][2 * u + 1] =
-                        _mm512_fmadd_ps(wo, _mm512_loadu_ps(xp.add(16)), acc[b][2 * u + 1]);
-                }
-            };
-            let mut c = 0;
-            while c + 2 <= full {
-                for u in 0..2 {
-                    let v = _mm512_loadu_si512(wp.add(64 * (c + u)) as *const __m512i);
-                    group(v, c + u, u, &mut acc);
-                }
-                c += 2;
-            }
-            // At most one full and one partial group remain.
-            let mut u = 0;
-            while 32 * c < n {
-                let cnt = n - 32 * c;
-                let k: __mmask32 = if cnt >= 32 { !0 } else { (1u32 << cnt) - 1 };
-                let v = _mm512_maskz_loadu_epi16(k, wp.add(64 * c) as *const i16);
-                group(v, c, u, &mut acc);
-                u += 1;
-                c += 1;
-            }
-        }
-        let mut out = [0f32; NB];
-        for b in 0..NB {
-            out[b] = hsum(acc[b]);
-        }
-        out
+        // SAFETY: forwarded from the caller.
+        let [v] = unsafe { crate::tile::dot_bf16_tile::<1, NB>([w], xs) };
+        v
     }
     dense_dot!(
         /// `Σ q·x` over an int8 row (unscaled).
@@ -152,52 +111,13 @@ pub(crate) mod avx512 {
     );
 
     /// `Σ q·x` over an int8 row (unscaled) against activations quantised to int16 (the
-    /// *q16 image* of [`crate::matvec`]: per activation row, `ceil(n / Q16_BLOCK)` f32 block
-    /// scales, then the int16 codes, zero-padded to whole 32-column steps, two per f32 slot).
-    /// Per block `Σ q·c` is exact in int32 (`vpdpwssd`, |q| ≤ 127, |c| ≤ 32767, 256 terms
-    /// stay below 2^31), then converted and multiplied by the block scale in f32.
+    /// *q16 image* of [`crate::matvec`]): the 1-row instance of the register-tiled kernel
+    /// [`crate::tile::dot_i8_q16_tile`], so batched tiles give bit-identical values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-    #[allow(clippy::needless_range_loop)] // `blk` indexes weights, codes and scales together
     pub(crate) unsafe fn dot_i8_q16<const NB: usize>(w: &[i8], xs: [&[f32]; NB]) -> [f32; NB] {
-        let n = w.len();
-        let nblk = n.div_ceil(Q16_BLOCK);
-        let mut facc = [_mm512_setzero_ps(); NB];
-        // SAFETY: weight loads are in bounds or masked to columns < n; each image row holds
-        // nblk scales and codes for whole 32-column steps (zero-padded).
-        unsafe {
-            let wp = w.as_ptr();
-            let codes: [*const i16; NB] =
-                std::array::from_fn(|b| xs[b].as_ptr().add(nblk) as *const i16);
-            for blk in 0..nblk {
-                let (c0, c1) = (blk * Q16_BLOCK, ((blk + 1) * Q16_BLOCK).min(n));
-                let mut iacc = [[_mm512_setzero_si512(); 2]; NB];
-                let mut c = c0;
-                let mut u = 0;
-                while c < c1 {
-                    let wv = if c + 32 <= c1 {
-                        _mm512_cvtepi8_epi16(_mm256_loadu_si256(wp.add(c) as *const __m256i))
-                    } else {
-                        let k: __mmask32 = (1u32 << (c1 - c)) - 1;
-                        _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(k, wp.add(c)))
-                    };
-                    for b in 0..NB {
-                        let xv = _mm512_loadu_si512(codes[b].add(c) as *const __m512i);
-                        iacc[b][u] = _mm512_dpwssd_epi32(iacc[b][u], wv, xv);
-                    }
-                    u ^= 1;
-                    c += 32;
-                }
-                for b in 0..NB {
-                    let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(iacc[b][0], iacc[b][1]));
-                    facc[b] = _mm512_fmadd_ps(sum, _mm512_set1_ps(xs[b][blk]), facc[b]);
-                }
-            }
-        }
-        let mut out = [0f32; NB];
-        for b in 0..NB {
-            out[b] = _mm512_reduce_add_ps(facc[b]);
-        }
-        out
+        // SAFETY: forwarded from the caller.
+        let [v] = unsafe { crate::tile::dot_i8_q16_tile::<1, NB>([w], xs) };
+        v
     }
 
     /// One 32-column block: `acc += scale · Σ (E2M1(even)·x_even + E2M1(odd)·x_odd)`.

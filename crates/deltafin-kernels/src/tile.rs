@@ -1,0 +1,147 @@
+//! Register-tiled products on AVX-512: `NR` weight rows × `NB` activation rows per call, for
+//! bf16 ([`dot_bf16_tile`]) and row-int8 against int16 activations ([`dot_i8_q16_tile`]).
+//!
+//! One bf16 kernel serves decode (`NR = 1`, `NB = 1`) and prefill (`NR = 2`, `NB = 4`): every
+//! product `(r, b)` owns two accumulators (even columns, odd columns) and sees exactly the
+//! same instruction sequence whatever `NR` and `NB` are — one FMA per 32-column group into
+//! each accumulator, in column order, the last group masked — followed by the same
+//! reduction, `reduce_add(acc_even + acc_odd)`. So a value does not depend on the tile it
+//! was computed in, the batch width or the thread count: it is bit-identical to the
+//! single-row result.
+//!
+//! Why a 2 × 4 tile: the weight group (one 64-byte load, a shift and a mask) is shared by
+//! four activation rows, and each activation load by two weight rows, so a 2 × 4 tile issues
+//! 10 loads per 16 FMAs where the former 1 × 4 tile with four accumulators per product
+//! issued 18; 16 accumulators + 4 weight registers + 2 activation registers fit the 32 zmm
+//! registers.
+//!
+//! Activations are in the *bf16-paired* layout of [`crate::matvec`]: each 32-column group
+//! as `[16 even columns, 16 odd columns]`, zero-padded to a whole group. Dword lane `i` of
+//! a 64-byte weight load is `w[2i] | w[2i+1] << 16`, so a 16-bit left shift gives the even
+//! columns as f32 and masking the low half gives the odd ones.
+//!
+//! # Safety
+//! The functions require AVX-512 F/BW/VL and FMA; all weight rows have the same length `n`,
+//! and every activation row holds at least `n` rounded up to 32 values.
+
+use crate::matvec::Q16_BLOCK;
+use deltafin_tensor::bf16;
+use std::arch::x86_64::*;
+
+/// `[r][b] = Σ_c w_r[c] · x_b[c]` for `NR` bf16 weight rows and `NB` paired activation rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[allow(clippy::needless_range_loop)] // `r`, `b` index weights, activations and accumulators
+pub(crate) unsafe fn dot_bf16_tile<const NR: usize, const NB: usize>(
+    ws: [&[bf16]; NR],
+    xs: [&[f32]; NB],
+) -> [[f32; NB]; NR] {
+    let n = ws[0].len();
+    let groups = n.div_ceil(32);
+    let mut acc = [[[_mm512_setzero_ps(); 2]; NB]; NR];
+    // SAFETY: full groups are in bounds of every weight row (all of length n); the last
+    // group's load is masked to the columns < n; activation rows hold whole zero-padded
+    // groups.
+    unsafe {
+        let hi = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+        let wp: [*const u8; NR] = std::array::from_fn(|r| ws[r].as_ptr() as *const u8);
+        for c in 0..groups {
+            let cnt = n - 32 * c;
+            let mut we = [_mm512_setzero_ps(); NR];
+            let mut wo = [_mm512_setzero_ps(); NR];
+            for r in 0..NR {
+                let v = if cnt >= 32 {
+                    _mm512_loadu_si512(wp[r].add(64 * c) as *const __m512i)
+                } else {
+                    let k: __mmask32 = (1u32 << cnt) - 1;
+                    _mm512_maskz_loadu_epi16(k, wp[r].add(64 * c) as *const i16)
+                };
+                we[r] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+                wo[r] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+            }
+            for b in 0..NB {
+                let xp = xs[b].as_ptr().add(32 * c);
+                let xe = _mm512_loadu_ps(xp);
+                let xo = _mm512_loadu_ps(xp.add(16));
+                for r in 0..NR {
+                    acc[r][b][0] = _mm512_fmadd_ps(we[r], xe, acc[r][b][0]);
+                    acc[r][b][1] = _mm512_fmadd_ps(wo[r], xo, acc[r][b][1]);
+                }
+            }
+        }
+    }
+    let mut out = [[0f32; NB]; NR];
+    for r in 0..NR {
+        for b in 0..NB {
+            out[r][b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][b][0], acc[r][b][1]));
+        }
+    }
+    out
+}
+
+/// `[r][b] = Σ_c q_r[c] · x_b[c]` (unscaled) for `NR` int8 weight rows against `NB`
+/// activation rows quantised to int16 (the *q16 image* of [`crate::matvec`]: per activation
+/// row, `ceil(n / Q16_BLOCK)` f32 block scales, then the int16 codes, zero-padded to whole
+/// 32-column steps, two per f32 slot). Per block `Σ q·c` is exact in int32 (`vpdpwssd`,
+/// |q| ≤ 127, |c| ≤ 32767, 256 terms stay below 2^31) in two accumulators alternating per
+/// 32-column step, then converted and multiplied by the block scale into one f32 accumulator
+/// per product. A 2 × 4 tile holds 16 + 8 accumulators; each product's instruction sequence
+/// is the same for every `NR`, `NB`.
+///
+/// # Safety
+/// Also requires AVX-512 VNNI; all weight rows have length `n`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[allow(clippy::needless_range_loop)] // `blk`, `r`, `b` index weights, codes and scales together
+pub(crate) unsafe fn dot_i8_q16_tile<const NR: usize, const NB: usize>(
+    ws: [&[i8]; NR],
+    xs: [&[f32]; NB],
+) -> [[f32; NB]; NR] {
+    let n = ws[0].len();
+    let nblk = n.div_ceil(Q16_BLOCK);
+    let mut facc = [[_mm512_setzero_ps(); NB]; NR];
+    // SAFETY: weight loads are in bounds or masked to columns < n; each image row holds
+    // nblk scales and codes for whole 32-column steps (zero-padded).
+    unsafe {
+        let codes: [*const i16; NB] =
+            std::array::from_fn(|b| xs[b].as_ptr().add(nblk) as *const i16);
+        for blk in 0..nblk {
+            let (c0, c1) = (blk * Q16_BLOCK, ((blk + 1) * Q16_BLOCK).min(n));
+            let mut iacc = [[[_mm512_setzero_si512(); 2]; NB]; NR];
+            let mut c = c0;
+            let mut u = 0;
+            while c < c1 {
+                let mut wv = [_mm512_setzero_si512(); NR];
+                for r in 0..NR {
+                    let wp = ws[r].as_ptr();
+                    wv[r] = if c + 32 <= c1 {
+                        _mm512_cvtepi8_epi16(_mm256_loadu_si256(wp.add(c) as *const __m256i))
+                    } else {
+                        let k: __mmask32 = (1u32 << (c1 - c)) - 1;
+                        _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(k, wp.add(c)))
+                    };
+                }
+                for b in 0..NB {
+                    let xv = _mm512_loadu_si512(codes[b].add(c) as *const __m512i);
+                    for r in 0..NR {
+                        iacc[r][b][u] = _mm512_dpwssd_epi32(iacc[r][b][u], wv[r], xv);
+                    }
+                }
+                u ^= 1;
+                c += 32;
+            }
+            for b in 0..NB {
+                let scale = _mm512_set1_ps(xs[b][blk]);
+                for r in 0..NR {
+                    let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(iacc[r][b][0], iacc[r][b][1]));
+                    facc[r][b] = _mm512_fmadd_ps(sum, scale, facc[r][b]);
+                }
+            }
+        }
+    }
+    let mut out = [[0f32; NB]; NR];
+    for r in 0..NR {
+        for b in 0..NB {
+            out[r][b] = _mm512_reduce_add_ps(facc[r][b]);
+        }
+    }
+    out
+}
