@@ -245,7 +245,7 @@ fn the_1_7b_is_tried_when_the_0_6b_is_rarely_accepted_and_kept_only_when_it_pays
     assert_eq!((esc.trials, esc.escalated), (1, 1), "{esc:?}");
     assert!(esc.large_rate.unwrap() > esc.small_rate.unwrap(), "{esc:?}");
     assert_eq!(small_calls, deltafin_spec::escalate::ESCALATE_WINDOW);
-    assert!(large_calls > TRIAL_STEPS, "{large_calls}");
+    assert!(large_calls >= TRIAL_STEPS, "{large_calls}");
     assert!(stats.accepted > 0, "{stats:?}");
 
     // The synthesized 1.7B-shaped Qwen (random weights, never accepted) costs more than the
