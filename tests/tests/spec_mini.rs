@@ -28,7 +28,7 @@ use deltafin_spec::{
 };
 use deltafin_tensor::{Bf16Matrix, bf16};
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
@@ -69,7 +69,7 @@ fn spine_name(s: SpineFormat) -> &'static str {
     }
 }
 
-fn load(root: &PathBuf, spine: SpineFormat) -> K3Model {
+fn load(root: &Path, spine: SpineFormat) -> K3Model {
     let opts = EngineOptions {
         spine,
         ..EngineOptions::default()
