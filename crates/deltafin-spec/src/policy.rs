@@ -14,7 +14,11 @@
 //! (the drafter's own confidence when it gives one, else the measured acceptance rate), a
 //! pass with `k` drafts emits `E(k) = 1 + Σ_{i≤k} Π_{j≤i} p_j` tokens on average. The policy
 //! verifies the `k ≤ K3_SPEC_DEPTH` that maximises `E(k) / (D + V(k))` (tokens per second of
-//! this step; `D` is already spent, so it favours using the proposal).
+//! this step; `D` is already spent, so it favours using the proposal). Every
+//! [`EXPLORE_STEPS`]-th drafting step with a measured acceptance of at least one half verifies
+//! the whole proposal instead, so `V(k)` of the wide widths is measured, not only
+//! extrapolated: one noisy `T(0)` or narrow-pass sample cannot lock the width narrow (seen on
+//! `mini`, docs/PERFORMANCE.md).
 //!
 //! **Auto.** [`BASELINE_STEPS`] plain steps measure `T(0)`; then [`PROBE_STEPS`] drafting
 //! steps measure the speed-up `s = emitted · T(0) / seconds − 1` (tokens per second with drafts
@@ -48,6 +52,8 @@ pub const REPROBE_TOKENS: usize = 32;
 pub const MAX_REPROBE_TOKENS: usize = 1024;
 /// Width of the first probe step (the original's probe with 2 drafts).
 pub const PROBE_WIDTH: usize = 2;
+/// Every this many drafting steps, a well-accepted drafter's whole proposal is verified.
+pub const EXPLORE_STEPS: usize = 16;
 /// Weight of a new measurement in the moving averages.
 const EMA: f64 = 0.3;
 /// Marginal cost per extra verified token, as a fraction of `T(0)`, before any is measured.
@@ -266,6 +272,12 @@ impl SpecPolicy {
             return n;
         }
         let alpha = self.acceptance();
+        if self.state == PolicyState::Drafting
+            && self.steps_in_state % EXPLORE_STEPS == EXPLORE_STEPS - 1
+            && alpha >= 0.5
+        {
+            return n;
+        }
         let mut best = (0usize, f64::MIN);
         let (mut expected, mut reach) = (1.0f64, 1.0f64);
         for k in 0..=n {
@@ -605,6 +617,32 @@ mod tests {
         }
         // Fixed stays fixed.
         assert_eq!(SpecPolicy::fixed(3).carry_over().ask(), 3);
+    }
+
+    #[test]
+    fn a_low_plain_sample_does_not_lock_the_width_narrow() {
+        // `on` measures T(0) once: a sample at half the true step time makes the marginal
+        // cost look 1.6 × T(0) after width-1 passes; the periodic full-width pass measures
+        // V(7) and the width widens.
+        let mut p = SpecPolicy::new(PolicyMode::On, 7, DEFAULT_MIN_SPEEDUP);
+        p.record(0, 0, 1, 0.5, 0.0);
+        let mut widths = Vec::new();
+        for _ in 0..48 {
+            let k = p.cut(&[], 7, 0.0);
+            p.record(k, k, k + 1, 1.0 + 0.3 * k as f64, 0.0);
+            widths.push(k);
+        }
+        assert_eq!(widths[0], 1, "{widths:?}");
+        assert!(widths[..EXPLORE_STEPS - 1].iter().all(|&k| k <= 2), "{widths:?}");
+        assert!(widths[EXPLORE_STEPS..].iter().all(|&k| k == 7), "{widths:?}");
+        // A drafter that is rarely accepted is not explored.
+        let mut q = SpecPolicy::new(PolicyMode::On, 7, DEFAULT_MIN_SPEEDUP);
+        q.record(0, 0, 1, 1.0, 0.0);
+        for _ in 0..40 {
+            let k = q.cut(&[], 7, 0.0);
+            assert!(k <= 1, "{k}");
+            q.record(k, 0, 1, 1.0 + 0.3 * k as f64, 0.0);
+        }
     }
 
     #[test]
