@@ -633,8 +633,14 @@ mod tests {
             widths.push(k);
         }
         assert_eq!(widths[0], 1, "{widths:?}");
-        assert!(widths[..EXPLORE_STEPS - 1].iter().all(|&k| k <= 2), "{widths:?}");
-        assert!(widths[EXPLORE_STEPS..].iter().all(|&k| k == 7), "{widths:?}");
+        assert!(
+            widths[..EXPLORE_STEPS - 1].iter().all(|&k| k <= 2),
+            "{widths:?}"
+        );
+        assert!(
+            widths[EXPLORE_STEPS..].iter().all(|&k| k == 7),
+            "{widths:?}"
+        );
         // A drafter that is rarely accepted is not explored.
         let mut q = SpecPolicy::new(PolicyMode::On, 7, DEFAULT_MIN_SPEEDUP);
         q.record(0, 0, 1, 1.0, 0.0);
