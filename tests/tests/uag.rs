@@ -106,3 +106,155 @@ fn qwen_drafting_is_exact_and_proposals_are_k3_reencodings() {
     assert!(d.propose(&split, 2).is_empty());
     assert_eq!(d.stats.history_mismatch, 1);
 }
+
+/// Advances by half a second at every reading (K3's share of a step) plus whatever the
+/// drafters charge to it (their proposal time).
+#[derive(Clone, Default)]
+struct FakeClock(Arc<std::sync::atomic::AtomicU64>);
+
+const TICK_NS: u64 = 500_000_000;
+
+impl FakeClock {
+    fn charge(&self, seconds: f64) {
+        self.0
+            .fetch_add((seconds * 1e9) as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl deltafin_spec::Clock for FakeClock {
+    fn now(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(
+            self.0
+                .fetch_add(TICK_NS, std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+}
+
+/// A drafter whose every proposal costs `seconds` on the fake clock.
+struct Timed {
+    inner: Box<dyn Drafter + Send>,
+    clock: FakeClock,
+    seconds: f64,
+    calls: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Drafter for Timed {
+    fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
+        self.clock.charge(self.seconds);
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.propose(history, max)
+    }
+    fn confidence(&self) -> &[f32] {
+        self.inner.confidence()
+    }
+}
+
+/// A stand-in for a 1.7B that agrees with K3: proposes K3's own greedy continuation.
+struct Oracle {
+    prompt_len: usize,
+    truth: Vec<u32>,
+}
+
+impl Drafter for Oracle {
+    fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
+        let done = history.len() - self.prompt_len;
+        self.truth.iter().skip(done).take(max).copied().collect()
+    }
+}
+
+#[test]
+fn the_1_7b_is_tried_when_the_0_6b_is_rarely_accepted_and_kept_only_when_it_pays() {
+    use deltafin_spec::escalate::{Escalating, TRIAL_STEPS};
+    use deltafin_spec::{PolicyMode, SpecPolicy, generate_with_policy};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const N: usize = 40;
+    let dir = tempfile::tempdir().unwrap();
+    let k3_dir = dir.path().join("k3");
+    synthesize(&k3_dir, &SynthSpec::new(SynthDims::tiny(), 21)).unwrap();
+    let (small_dir, large_dir) = (dir.path().join("q06"), dir.path().join("q17"));
+    synthesize_qwen3(&small_dir, 5, QwenSize::Small).unwrap();
+    synthesize_qwen3(&large_dir, 6, QwenSize::Large).unwrap();
+    let model = open_model(&k3_dir, &EngineOptions::default()).unwrap();
+    let tok = Arc::new(Tokenizer::from_dir(&k3_dir).unwrap());
+    let small = Arc::new(Qwen3Model::open(&small_dir).unwrap());
+    let large = Arc::new(Qwen3Model::open(&large_dir).unwrap());
+    assert!(large.config.hidden_size > small.config.hidden_size);
+    let prompt = tok.encode_ordinary("The capital of France is");
+    let opts = GenerateOptions {
+        max_new: Some(N),
+        stop_ids: STOP.to_vec(),
+        max_context: 1 << 20,
+        top_logits: 0,
+    };
+    let truth = generate(&model, &prompt, &opts, &AtomicBool::new(false), |_| Ok(()))
+        .unwrap()
+        .ids;
+    assert_eq!(truth.len(), N, "the tiny model should not stop early");
+
+    // Runs the escalating drafter: the 0.6B-shaped Qwen costs 0.1 s per proposal, the large
+    // one `large_s`; returns the drafter's stats and the large drafter's proposal count.
+    let run = |large_drafter: Box<dyn Drafter + Send>, large_s: f64| {
+        let clock = FakeClock::default();
+        let (small_calls, large_calls) =
+            (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let mut d = Escalating::new(
+            Box::new(Timed {
+                inner: Box::new(UagDrafter::new(small.clone(), Bytes, tok.clone())),
+                clock: clock.clone(),
+                seconds: 0.1,
+                calls: small_calls.clone(),
+            }),
+            Box::new(Timed {
+                inner: large_drafter,
+                clock: clock.clone(),
+                seconds: large_s,
+                calls: large_calls.clone(),
+            }),
+        );
+        let mut policy = SpecPolicy::new(PolicyMode::On, 4, 0.03);
+        let (ids, stats) = generate_with_policy(
+            &model,
+            &prompt,
+            N,
+            &STOP,
+            &mut d,
+            &mut policy,
+            &clock,
+            &AtomicBool::new(false),
+            |_| Ok(()),
+        )
+        .unwrap();
+        assert_eq!(ids, truth);
+        (
+            d.phase(),
+            d.stats.clone(),
+            stats,
+            small_calls.load(Ordering::Relaxed),
+            large_calls.load(Ordering::Relaxed),
+        )
+    };
+
+    // A 1.7B that agrees (K3's own continuation stands in for it) is kept.
+    let oracle = Box::new(Oracle {
+        prompt_len: prompt.len(),
+        truth: truth.clone(),
+    });
+    let (phase, esc, stats, small_calls, large_calls) = run(oracle, 0.3);
+    assert_eq!(phase, deltafin_spec::escalate::Phase::Large, "{esc:?}");
+    assert_eq!((esc.trials, esc.escalated), (1, 1), "{esc:?}");
+    assert!(esc.large_rate.unwrap() > esc.small_rate.unwrap(), "{esc:?}");
+    assert_eq!(small_calls, deltafin_spec::escalate::ESCALATE_WINDOW);
+    assert!(large_calls >= TRIAL_STEPS, "{large_calls}");
+    assert!(stats.accepted > 0, "{stats:?}");
+
+    // The synthesized 1.7B-shaped Qwen (random weights, never accepted) costs more than the
+    // 0.6B and gives nothing more: tried once in this short run, then the 0.6B drafts on.
+    let random = Box::new(UagDrafter::new(large.clone(), Bytes, tok.clone()));
+    let (phase, esc, _, small_calls, large_calls) = run(random, 0.3);
+    assert_eq!(phase, deltafin_spec::escalate::Phase::Small, "{esc:?}");
+    assert_eq!((esc.trials, esc.escalated), (1, 0), "{esc:?}");
+    assert!(esc.large_rate.unwrap() < esc.small_rate.unwrap(), "{esc:?}");
+    assert_eq!(large_calls, TRIAL_STEPS);
+    assert!(small_calls > deltafin_spec::escalate::ESCALATE_WINDOW);
+}

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 pub mod dspark;
+pub mod escalate;
 mod fields;
 pub mod policy;
 pub mod qwen3;
@@ -50,6 +51,27 @@ pub trait Drafter {
     fn confidence(&self) -> &[f32] {
         &[]
     }
+
+    /// The step this drafter was asked to draft for is committed: `step` says how many of
+    /// its drafts K3 verified and accepted, how many tokens came out and how long the whole
+    /// step took on the run's clock. The default ignores it; [`escalate::Escalating`] uses it
+    /// to compare drafters by measured tokens per second.
+    fn feedback(&mut self, step: &StepFeedback) {
+        let _ = step;
+    }
+}
+
+/// What a drafting step gave, reported to [`Drafter::feedback`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepFeedback {
+    /// Drafts K3 verified (the proposal after the policy's cut; 0 when there was none).
+    pub proposed: usize,
+    /// Drafts K3 accepted.
+    pub accepted: usize,
+    /// Tokens the step committed (accepted drafts and K3's own token).
+    pub emitted: usize,
+    /// Wall time of the step (proposal and verify pass), seconds.
+    pub seconds: f64,
 }
 
 /// Outcome of one verify pass.
@@ -384,6 +406,14 @@ fn run<E>(
             history.push(pending);
         }
         let duration = clock.now().saturating_sub(step);
+        if ask > 0 {
+            drafter.feedback(&StepFeedback {
+                proposed: drafts.len(),
+                accepted: v.accepted,
+                emitted: out.len() - first,
+                seconds: duration.as_secs_f64(),
+            });
+        }
         policy.record(
             drafts.len(),
             v.accepted,

@@ -14,7 +14,11 @@
 //! (the drafter's own confidence when it gives one, else the measured acceptance rate), a
 //! pass with `k` drafts emits `E(k) = 1 + Σ_{i≤k} Π_{j≤i} p_j` tokens on average. The policy
 //! verifies the `k ≤ K3_SPEC_DEPTH` that maximises `E(k) / (D + V(k))` (tokens per second of
-//! this step; `D` is already spent, so it favours using the proposal).
+//! this step; `D` is already spent, so it favours using the proposal). Every
+//! [`EXPLORE_STEPS`]-th drafting step with a measured acceptance of at least one half verifies
+//! the whole proposal instead, so `V(k)` of the wide widths is measured, not only
+//! extrapolated: one noisy `T(0)` or narrow-pass sample cannot lock the width narrow (seen on
+//! `mini`, docs/PERFORMANCE.md).
 //!
 //! **Auto.** [`BASELINE_STEPS`] plain steps measure `T(0)`; then [`PROBE_STEPS`] drafting
 //! steps measure the speed-up `s = emitted · T(0) / seconds − 1` (tokens per second with drafts
@@ -24,6 +28,12 @@
 //! doubling that interval after every failed probe up to [`MAX_REPROBE_TOKENS`]. A probe ends
 //! early when even perfect acceptance could not pay: `max_k (k + 1) / (D + V(k))` below
 //! `(1 + margin) / T(0)`.
+//!
+//! **Across generations.** [`SpecPolicy::carry_over`] starts the next generation of the same
+//! process from this one's measurements (`T(0)`, `V(k)`, `D`, acceptance, the speed-up window,
+//! the re-probe interval): the baseline is measured once per session, not once per prompt, and
+//! a drafter that was switched off stays off (its plain-token count keeps running towards the
+//! next probe) instead of paying a fresh probe on every short request.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -42,6 +52,8 @@ pub const REPROBE_TOKENS: usize = 32;
 pub const MAX_REPROBE_TOKENS: usize = 1024;
 /// Width of the first probe step (the original's probe with 2 drafts).
 pub const PROBE_WIDTH: usize = 2;
+/// Every this many drafting steps, a well-accepted drafter's whole proposal is verified.
+pub const EXPLORE_STEPS: usize = 16;
 /// Weight of a new measurement in the moving averages.
 const EMA: f64 = 0.3;
 /// Marginal cost per extra verified token, as a fraction of `T(0)`, before any is measured.
@@ -184,6 +196,22 @@ impl SpecPolicy {
         }
     }
 
+    /// The policy for the next generation with the same drafter and target: every
+    /// measurement carries over, so a session measures `T(0)` once. A policy that was drafting
+    /// keeps drafting (its window still decides), one that was plain stays plain until its
+    /// re-probe interval has passed in plain tokens, one still measuring its baseline or
+    /// probing continues where it was.
+    pub fn carry_over(&self) -> Self {
+        let mut next = self.clone();
+        next.steps_in_state = if self.state == PolicyState::Probing {
+            // A probe resumes at full width (its first narrow step is done).
+            self.steps_in_state.max(1)
+        } else {
+            self.steps_in_state
+        };
+        next
+    }
+
     /// Always `width` drafts per pass.
     pub fn fixed(width: usize) -> Self {
         Self::new(PolicyMode::Fixed, width, DEFAULT_MIN_SPEEDUP)
@@ -244,6 +272,12 @@ impl SpecPolicy {
             return n;
         }
         let alpha = self.acceptance();
+        if self.state == PolicyState::Drafting
+            && self.steps_in_state % EXPLORE_STEPS == EXPLORE_STEPS - 1
+            && alpha >= 0.5
+        {
+            return n;
+        }
         let mut best = (0usize, f64::MIN);
         let (mut expected, mut reach) = (1.0f64, 1.0f64);
         for k in 0..=n {
@@ -512,6 +546,109 @@ mod tests {
         a.state = PolicyState::Drafting;
         a.record(2, 2, 3, 2.8, 0.0);
         assert_eq!(a.cut(&[0.01; 8], 8, 0.0), 0);
+    }
+
+    /// One simulated generation of `tokens` tokens under `p` (costs as in [`simulate`]).
+    fn generation(
+        p: &mut SpecPolicy,
+        tokens: usize,
+        marginal: f64,
+        draft_s: f64,
+        accept: impl Fn(usize) -> bool,
+    ) -> (usize, f64) {
+        let (mut emitted, mut secs) = (0usize, 0f64);
+        while emitted < tokens {
+            let ask = p.ask();
+            let d = if ask > 0 { draft_s } else { 0.0 };
+            let k = p.cut(&[], ask, d);
+            let acc = (0..k).take_while(|&i| accept(i)).count();
+            let t = d + 1.0 + marginal * k as f64;
+            p.record(k, acc, acc + 1, t, d);
+            emitted += acc + 1;
+            secs += t;
+        }
+        (emitted, secs)
+    }
+
+    #[test]
+    fn carried_over_policies_measure_the_baseline_once_per_session() {
+        // A useless drafter (never accepted) on many short generations: per-prompt policies
+        // pay baseline and probe every time; a carried-over policy stays plain.
+        let (mut fresh_s, mut session_s) = (0f64, 0f64);
+        let mut session = SpecPolicy::new(PolicyMode::Auto, 7, DEFAULT_MIN_SPEEDUP);
+        let mut tokens = 0;
+        for _ in 0..20 {
+            let mut p = SpecPolicy::new(PolicyMode::Auto, 7, DEFAULT_MIN_SPEEDUP);
+            let (n, s) = generation(&mut p, 16, 0.1, 0.3, |_| false);
+            fresh_s += s;
+            tokens += n;
+            let mut q = session.carry_over();
+            let (_, s) = generation(&mut q, 16, 0.1, 0.3, |_| false);
+            session_s += s;
+            session = q;
+        }
+        // Plain decode would take `tokens` seconds.
+        let plain = tokens as f64;
+        assert!(
+            fresh_s > plain * 1.08,
+            "per prompt: {fresh_s} s vs plain {plain} s"
+        );
+        assert!(
+            session_s < plain * 1.03,
+            "session: {session_s} s vs plain {plain} s"
+        );
+        assert_eq!(session.state(), PolicyState::Plain);
+        // Re-probes still happen, at a doubling interval over the whole session.
+        assert!(session.report().switched_off >= 2, "{:?}", session.report());
+        // A perfect drafter keeps drafting across generations, never re-measuring T(0).
+        let mut session = SpecPolicy::new(PolicyMode::Auto, 7, DEFAULT_MIN_SPEEDUP);
+        generation(&mut session, 12, 0.1, 0.01, |_| true);
+        // The first generation ended inside its probe: the next resumes it at full width.
+        assert_eq!(session.state(), PolicyState::Probing);
+        assert_eq!(session.carry_over().ask(), 7);
+        generation(&mut session, 64, 0.1, 0.01, |_| true);
+        for _ in 0..5 {
+            let mut q = session.carry_over();
+            assert_eq!(q.state(), PolicyState::Drafting);
+            assert_eq!(q.ask(), 7);
+            let (n, s) = generation(&mut q, 16, 0.1, 0.01, |_| true);
+            assert!(n as f64 / s > 3.0, "{n} tokens in {s}");
+            session = q;
+        }
+        // Fixed stays fixed.
+        assert_eq!(SpecPolicy::fixed(3).carry_over().ask(), 3);
+    }
+
+    #[test]
+    fn a_low_plain_sample_does_not_lock_the_width_narrow() {
+        // `on` measures T(0) once: a sample at half the true step time makes the marginal
+        // cost look 1.6 × T(0) after width-1 passes; the periodic full-width pass measures
+        // V(7) and the width widens.
+        let mut p = SpecPolicy::new(PolicyMode::On, 7, DEFAULT_MIN_SPEEDUP);
+        p.record(0, 0, 1, 0.5, 0.0);
+        let mut widths = Vec::new();
+        for _ in 0..48 {
+            let k = p.cut(&[], 7, 0.0);
+            p.record(k, k, k + 1, 1.0 + 0.3 * k as f64, 0.0);
+            widths.push(k);
+        }
+        assert_eq!(widths[0], 1, "{widths:?}");
+        assert!(
+            widths[..EXPLORE_STEPS - 1].iter().all(|&k| k <= 2),
+            "{widths:?}"
+        );
+        assert!(
+            widths[EXPLORE_STEPS..].iter().all(|&k| k == 7),
+            "{widths:?}"
+        );
+        // A drafter that is rarely accepted is not explored.
+        let mut q = SpecPolicy::new(PolicyMode::On, 7, DEFAULT_MIN_SPEEDUP);
+        q.record(0, 0, 1, 1.0, 0.0);
+        for _ in 0..40 {
+            let k = q.cut(&[], 7, 0.0);
+            assert!(k <= 1, "{k}");
+            q.record(k, 0, 1, 1.0 + 0.3 * k as f64, 0.0);
+        }
     }
 
     #[test]

@@ -4,8 +4,8 @@
 //! made only where the re-encoding reproduces the K3 history exactly.
 //!
 //! Qwen's own `tokenizer.json` is read by [`QwenTokenizer`] (the `tokenizers` crate, pure
-//! Rust); [`open_draft_dir`] loads a `k3-draft-qwen3-*-base/` directory. Not yet here: the
-//! lazy 1.7B second opinion (§10 step 5): only the 0.6B model drafts.
+//! Rust); [`open_draft_dir`] loads a `k3-draft-qwen3-*-base/` directory. The lazy 1.7B
+//! second opinion (§10 step 5) is [`crate::escalate::Escalating`] over two of these drafters.
 
 use crate::Drafter;
 use crate::qwen3::{Qwen3Cache, Qwen3Error, Qwen3Model};
@@ -16,6 +16,8 @@ use std::sync::Arc;
 
 /// The directory of the 0.6B draft under the model root.
 pub const QWEN_SMALL_DIR: &str = "k3-draft-qwen3-0.6b-base";
+/// The directory of the 1.7B draft under the model root.
+pub const QWEN_LARGE_DIR: &str = "k3-draft-qwen3-1.7b-base";
 /// The files of a Qwen draft directory this engine reads.
 pub const QWEN_FILES: [&str; 3] = ["config.json", "model.safetensors", "tokenizer.json"];
 
