@@ -183,6 +183,8 @@ pub struct SpineStreamer {
     replies: Mutex<Receiver<Reply>>,
     worker: Option<std::thread::JoinHandle<()>>,
     split: SpineSplit,
+    /// One pass at a time (the reader serves layers in order).
+    pass_lock: Mutex<()>,
 }
 
 impl std::fmt::Debug for SpineStreamer {
@@ -676,6 +678,7 @@ impl SpineStreamer {
             replies: Mutex::new(rep_rx),
             worker: Some(worker),
             split,
+            pass_lock: Mutex::new(()),
         })
     }
 
@@ -707,6 +710,10 @@ impl SpineStreamer {
 
     /// Start a forward pass: the first streamed layer's read begins now.
     pub fn begin_pass(&self) -> Result<SpinePass<'_>, ModelError> {
+        let guard = self.pass_lock.lock().map_err(|_| ModelError::Layer {
+            layer: self.resident,
+            message: "spine streaming lock poisoned".into(),
+        })?;
         let first = self.resident;
         let pending = if first < self.shared.plans.len() {
             self.shared.passes.fetch_add(1, Ordering::Relaxed);
@@ -718,6 +725,7 @@ impl SpineStreamer {
         Ok(SpinePass {
             streamer: self,
             pending,
+            _one_at_a_time: guard,
         })
     }
 }
@@ -738,6 +746,7 @@ pub struct SpinePass<'a> {
     streamer: &'a SpineStreamer,
     /// The layer whose read is in flight.
     pending: Option<usize>,
+    _one_at_a_time: std::sync::MutexGuard<'a, ()>,
 }
 
 impl SpinePass<'_> {
