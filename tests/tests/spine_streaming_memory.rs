@@ -119,8 +119,10 @@ fn spine_streaming_peak_rss_stays_within_the_budget() {
         "the model ({file_total} B) must be several times the budget ({budget} B)"
     );
 
+    // A fresh mapping: the resident run above faulted in the pages of `ckpt`'s mmaps.
+    let fresh = Arc::new(Checkpoint::open(dir.path()).unwrap());
     let model = load_model_with_experts(
-        ckpt.clone(),
+        fresh.clone(),
         &EngineOptions {
             spine_resident_layers: Some(keep),
             ..Default::default()
@@ -153,7 +155,12 @@ fn spine_streaming_peak_rss_stays_within_the_budget() {
     drop(model);
 
     // The resident spine maps the streamed layers' pages in.
-    let resident = load_model(ckpt, &EngineOptions::default()).unwrap();
+    drop(fresh);
+    let resident = load_model(
+        Arc::new(Checkpoint::open(dir.path()).unwrap()),
+        &EngineOptions::default(),
+    )
+    .unwrap();
     let before = mem().unwrap();
     generate(&resident);
     let after = mem().unwrap();
