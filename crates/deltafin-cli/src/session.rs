@@ -11,6 +11,7 @@ use deltafin_k3::loader::{
 };
 use deltafin_k3::model::K3Model;
 use deltafin_k3::spine_int8::{SpineChoice, SpineFormat, quantized_tensors};
+use deltafin_k3::spine_stream::SpineStreamOptions;
 use deltafin_k3::tokenizer::Tokenizer;
 use std::path::Path;
 use std::sync::Arc;
@@ -87,6 +88,13 @@ pub struct MemoryPlan {
     pub experts: usize,
     /// Whether every expert's six tensors are gap-free in its shard (one read per expert).
     pub contiguous: bool,
+    /// Spine layers kept resident, of `spine_layers` (the rest are streamed per pass).
+    pub spine_resident_layers: usize,
+    pub spine_layers: usize,
+    /// Matrix bytes of the streamed layers (read once per forward pass), and the two
+    /// reusable layer buffers of streaming (both 0 when the whole spine is resident).
+    pub spine_streamed: u64,
+    pub spine_buffers: u64,
 }
 
 impl MemoryPlan {
@@ -94,9 +102,21 @@ impl MemoryPlan {
     pub fn describe(&self, io: &str, threads: usize, pilot: &str) -> String {
         let gb = |b: u64| b as f64 / 1e9;
         format!(
-            "memory budget {:.3} GB = spine {:.3} GB (mmap'd, resident as touched) + state {:.3} GB ({} tokens) + runtime {:.3} GB + scratch {:.3} GB + expert cache {:.3} GB ({} of {} experts, {:.1}%; pinned tier {:.3} GB of it); experts stream from the shards ({}; {}), io={io} read_threads={threads} pilot_gate={pilot}",
+            "memory budget {:.3} GB = spine {:.3} GB ({}) + state {:.3} GB ({} tokens) + runtime {:.3} GB + scratch {:.3} GB + expert cache {:.3} GB ({} of {} experts, {:.1}%; pinned tier {:.3} GB of it); experts stream from the shards ({}; {}), io={io} read_threads={threads} pilot_gate={pilot}",
             gb(self.budget),
             gb(self.spine),
+            if self.spine_resident_layers >= self.spine_layers {
+                "mmap'd, resident as touched".to_string()
+            } else {
+                format!(
+                    "resident part; {} of {} layers resident, {} streamed: {:.3} GB read per forward pass into 2 buffers of {:.3} GB",
+                    self.spine_resident_layers,
+                    self.spine_layers,
+                    self.spine_layers - self.spine_resident_layers,
+                    gb(self.spine_streamed),
+                    gb(self.spine_buffers / 2),
+                )
+            },
             gb(self.state),
             self.context_tokens,
             gb(self.runtime),
@@ -262,6 +282,61 @@ pub fn heat_dims(cfg: &deltafin_k3::config::K3Config) -> HeatDims {
     }
 }
 
+/// Matrix bytes of each layer's spine projections in `format` (what streaming a layer
+/// reads per pass): bf16 bytes, or int8 codes plus f16 row scales.
+pub fn layer_spine_bytes(cfg: &deltafin_k3::config::K3Config, format: SpineFormat) -> Vec<u64> {
+    let mut per = vec![0u64; cfg.n_layers()];
+    for t in quantized_tensors(cfg) {
+        let Some(rest) = t.name.split("model.layers.").nth(1) else {
+            continue;
+        };
+        let Some(l) = rest.split('.').next().and_then(|n| n.parse::<usize>().ok()) else {
+            continue;
+        };
+        let (rows, cols) = (t.shape[0] as u64, t.shape[1] as u64);
+        if let Some(b) = per.get_mut(l) {
+            *b += match format {
+                SpineFormat::Int8 => rows * cols + rows * 2,
+                _ => t.byte_len() as u64,
+            };
+        }
+    }
+    per
+}
+
+/// Spine streaming settings from `K3_PROVIDER_RESIDENT_LAYERS` (0…layers: at most this
+/// many resident layers; unset: as the memory budget allows), `K3_SPINE_READ_THREADS`
+/// (1…16, default 4) and `K3_SPINE_STREAM_NOCACHE` (`auto`/`1`: O_DIRECT where allowed,
+/// `0`: page cache), all parsed strictly.
+pub fn spine_stream_from_env(layers: usize) -> Result<(Option<usize>, SpineStreamOptions)> {
+    let cap = env_choice("K3_PROVIDER_RESIDENT_LAYERS", None, |v| {
+        v.parse::<usize>()
+            .ok()
+            .filter(|n| *n <= layers)
+            .map(Some)
+            .ok_or_else(|| format!("{v:?} is not an integer in 0…{layers}"))
+    })?;
+    let base = SpineStreamOptions::default();
+    let read_threads = env_choice("K3_SPINE_READ_THREADS", base.read_threads, |v| {
+        v.parse::<usize>()
+            .ok()
+            .filter(|n| (1..=16).contains(n))
+            .ok_or_else(|| format!("{v:?} is not an integer in 1…16"))
+    })?;
+    let direct_io = env_choice("K3_SPINE_STREAM_NOCACHE", DirectIo::Auto, |v| match v {
+        "auto" | "1" => Ok(DirectIo::Auto),
+        "0" => Ok(DirectIo::Off),
+        _ => Err(format!("{v:?} is not auto, 0 or 1")),
+    })?;
+    Ok((
+        cap,
+        SpineStreamOptions {
+            read_threads,
+            direct_io,
+        },
+    ))
+}
+
 /// Split `budget` and build the streaming model; `pin` bytes of the expert cache become the
 /// pinned tier, filled from the `learned` histogram's candidates (hottest first), and the
 /// cache's heat starts from the learned rates.
@@ -306,21 +381,49 @@ fn plan_and_load(
     // of logits, and one expert buffer that may outlive its eviction while multiplied.
     let scratch = (16 * 512 * dims.hidden_size * 4 + 2 * dims.vocab_size * 4) as u64
         + table.max_buffer_bytes();
-    let reserved = spine + state + runtime + scratch;
-    let cache = budget.saturating_sub(reserved);
     let gb = |b: u64| b as f64 / 1e9;
-    if cache < table.max_buffer_bytes() {
+    // The minimum expert cache: one token's routed experts of one layer.
+    let min_cache = cfg.text.num_experts_per_token.max(1) as u64 * table.max_buffer_bytes();
+    let per_layer = layer_spine_bytes(cfg, engine.spine);
+    let layers = per_layer.len();
+    let cap = engine.spine_resident_layers.unwrap_or(layers).min(layers);
+    // Resident spine with layers `k..` streamed: their matrices leave, two reusable layer
+    // buffers (current + prefetch, page-rounded) come in.
+    let with_resident = |k: usize| -> (u64, u64, u64) {
+        if k >= layers {
+            return (spine, 0, 0);
+        }
+        let streamed: u64 = per_layer[k..].iter().sum();
+        let buffers = 2 * per_layer[k..]
+            .iter()
+            .map(|b| b + 16 * 4096)
+            .max()
+            .unwrap_or(0);
+        (spine.saturating_sub(streamed), streamed, buffers)
+    };
+    let fixed = state + runtime + scratch + min_cache;
+    let fits = |k: usize| {
+        let (resident, _, buffers) = with_resident(k);
+        resident + buffers + fixed <= budget
+    };
+    let Some(resident_layers) = (0..=cap).rev().find(|&k| fits(k)) else {
+        let (resident, _, buffers) = with_resident(0);
         bail!(
-            "memory budget {:.3} GB is too small: the spine ({:.3} GB), the state ({:.3} GB for {context_tokens} tokens), the runtime ({:.3} GB) and scratch ({:.3} GB) leave {:.3} GB, less than one expert ({} bytes)",
+            "memory budget {:.3} GB is too small even with every spine layer streamed: the resident spine (embedding, lm_head, norms, routers: {:.3} GB), two spine layer buffers ({:.3} GB), the state ({:.3} GB for {context_tokens} tokens), the runtime ({:.3} GB), scratch ({:.3} GB) and the minimum expert cache ({} experts, {:.3} GB) need {:.3} GB",
             gb(budget),
-            gb(spine),
+            gb(resident),
+            gb(buffers),
             gb(state),
             gb(runtime),
             gb(scratch),
-            gb(cache),
-            table.max_buffer_bytes()
+            cfg.text.num_experts_per_token,
+            gb(min_cache),
+            gb(resident + buffers + fixed)
         );
-    }
+    };
+    let (spine, spine_streamed, spine_buffers) = with_resident(resident_layers);
+    let reserved = spine + spine_buffers + state + runtime + scratch;
+    let cache = budget.saturating_sub(reserved);
     if pin > 0 && pin + table.max_buffer_bytes() > cache {
         bail!(
             "K3_EXPERT_PIN_GB: a pinned tier of {:.3} GB does not fit the expert cache of {:.3} GB left by the memory budget (at least one expert buffer, {} bytes, must stay unpinned)",
@@ -342,6 +445,10 @@ fn plan_and_load(
         expert_bytes,
         experts,
         contiguous: table.all_contiguous(),
+        spine_resident_layers: resident_layers,
+        spine_layers: layers,
+        spine_streamed,
+        spine_buffers,
     };
     let fetch = match checkpoint.layout() {
         Layout::Shards => None,
@@ -379,7 +486,11 @@ fn plan_and_load(
             experts,
         ));
     }
-    let model = load_model_with_experts(checkpoint.clone(), engine, experts)?;
+    let engine = EngineOptions {
+        spine_resident_layers: Some(resident_layers),
+        ..engine.clone()
+    };
+    let model = load_model_with_experts(checkpoint.clone(), &engine, experts)?;
     Ok((model, plan, opts))
 }
 
@@ -437,8 +548,11 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
         HeatTable::empty(dims)
     };
     let candidates = learned.pin_candidates();
+    let (spine_cap, spine_stream) = spine_stream_from_env(checkpoint.config().n_layers())?;
     let engine = EngineOptions {
         spine: opts.spine,
+        spine_resident_layers: spine_cap,
+        spine_stream,
         ..EngineOptions::default()
     };
     let (mut model, memory) = match opts.memory_budget {
@@ -585,6 +699,9 @@ pub fn attach_router_trace(model: &mut K3Model, path: &Path, mode: TraceMode) ->
 
 /// With a memory plan, say at startup how the budget is split and how experts are read.
 pub fn report_memory_plan(model: &K3Model, plan: Option<&MemoryPlan>) {
+    if let Some(s) = &model.spine_stream {
+        eprintln!("[deltafin] {}", s.split().describe());
+    }
     let Some(plan) = plan else { return };
     let (io, threads) = model
         .experts
@@ -602,6 +719,19 @@ pub fn report_memory_plan(model: &K3Model, plan: Option<&MemoryPlan>) {
 /// GB/s, per-layer hit rates and recall, and the process memory (`/proc/self/status`:
 /// peak RSS = anonymous + file-backed + shmem pages).
 pub fn report_expert_stats(model: &K3Model) {
+    if let Some(s) = &model.spine_stream {
+        let st = s.stats();
+        eprintln!(
+            "[stats] spine streamed_layers={} passes={} layer_reads={} bytes_read={} read_s={:.3} read_gbps={:.3} wait_s={:.3}",
+            s.split().layers - s.split().resident,
+            st.passes,
+            st.layer_reads,
+            st.bytes_read,
+            st.read_seconds,
+            st.read_gbps(),
+            st.wait_seconds
+        );
+    }
     if let Some(st) = model.experts.stats() {
         eprintln!("[stats] experts {}", st.summary_line());
         eprintln!(

@@ -87,6 +87,60 @@ fn budgeted_run_streams_and_matches_the_resident_run() {
 }
 
 #[test]
+fn streamed_spine_layers_match_the_resident_run() {
+    let base = ["run", "--prompt", "Spine streaming keeps", "--max-new", "6"];
+    let resident = deltafin(&base, &[]);
+    assert!(resident.status.success(), "{:?}", text(&resident));
+    let mut budgeted = base.to_vec();
+    budgeted.extend(["--memory-budget-gb", "0.2", "--stats"]);
+    for (args, env) in [
+        (base.to_vec(), [("K3_PROVIDER_RESIDENT_LAYERS", "0")]),
+        (budgeted, [("K3_PROVIDER_RESIDENT_LAYERS", "5")]),
+    ] {
+        let o = deltafin(&args, &env);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{err}");
+        let want = text(&resident).0;
+        if args.contains(&"--stats") {
+            assert!(err.contains("[stats] spine streamed_layers=9"), "{err}");
+            assert!(err.contains("5 of 14 layers resident, 9 streamed"), "{err}");
+        } else {
+            assert_eq!(out, want, "{env:?}");
+            assert!(
+                err.contains("spine: 0 of 14 layers resident, 14 streamed"),
+                "{err}"
+            );
+        }
+    }
+    for (v, needle) in [
+        (
+            "15",
+            "K3_PROVIDER_RESIDENT_LAYERS: \"15\" is not an integer in 0…14",
+        ),
+        ("x", "K3_PROVIDER_RESIDENT_LAYERS"),
+    ] {
+        let o = deltafin(
+            &["run", "--max-new", "1"],
+            &[("K3_PROVIDER_RESIDENT_LAYERS", v)],
+        );
+        assert!(
+            !o.status.success() && text(&o).1.contains(needle),
+            "{:?}",
+            text(&o)
+        );
+    }
+    let o = deltafin(
+        &["run", "--max-new", "1"],
+        &[("K3_SPINE_READ_THREADS", "0")],
+    );
+    assert!(
+        text(&o).1.contains("K3_SPINE_READ_THREADS"),
+        "{:?}",
+        text(&o)
+    );
+}
+
+#[test]
 fn perplexity_with_a_budget_equals_resident() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("t.txt");
@@ -130,7 +184,11 @@ fn bad_budgets_and_knobs_are_clear_errors() {
             vec![("K3_MEMORY_BUDGET_GB", "0")],
             "environment variable K3_MEMORY_BUDGET_GB",
         ),
-        (vec!["--memory-budget-gb", "0.001"], vec![], "is too small"),
+        (
+            vec!["--memory-budget-gb", "0.001"],
+            vec![],
+            "is too small even with every spine layer streamed",
+        ),
         (
             vec!["--memory-budget-gb", "1"],
             vec![("K3_PILOT_GATE", "maybe")],

@@ -548,6 +548,38 @@ impl Checkpoint {
         Ok(self.find(name)?.bytes)
     }
 
+    /// The file, absolute byte offset and length of a text tensor (for explicit reads that
+    /// bypass the mmap, e.g. spine streaming).
+    pub fn tensor_file_range(&self, name: &str) -> Result<(PathBuf, u64, u64), CheckpointError> {
+        let full = if name.starts_with(PREFIX) {
+            name.to_string()
+        } else {
+            format!("{PREFIX}{name}")
+        };
+        match &self.store {
+            Store::Shards { shards, locate } => {
+                let Some(&i) = locate.get(&full) else {
+                    return Err(CheckpointError::Request {
+                        name: full,
+                        message: "not a text tensor of this checkpoint".into(),
+                    });
+                };
+                let shard = &shards[i];
+                let (off, len) = shard
+                    .absolute_range(&full)
+                    .map_err(|e| file_err(shard.path(), e.to_string()))?;
+                Ok((shard.path().to_path_buf(), off, len))
+            }
+            Store::Tensors { files } => match files.get(&full) {
+                Some(t) => Ok((t.path.clone(), 0, t.bytes.len() as u64)),
+                None => Err(CheckpointError::Request {
+                    name: full,
+                    message: "not a spine tensor of this stream install".into(),
+                }),
+            },
+        }
+    }
+
     /// Dtype and shape of a text tensor.
     pub fn tensor_info(&self, name: &str) -> Result<(DType, Vec<usize>), CheckpointError> {
         let found = self.find(name)?;

@@ -25,6 +25,7 @@ pub mod situ;
 pub mod spine_int8;
 pub mod spine_pack;
 pub mod spine_quality;
+pub mod spine_stream;
 pub mod state;
 pub mod synth;
 pub mod taps;

@@ -17,6 +17,7 @@ use crate::situ::SituMlp;
 pub use crate::spine_int8::SpineFormat;
 use crate::spine_int8::{Int8Spine, SpineError, is_quantized};
 use crate::spine_pack::{Codec, PackError, PackSet};
+use crate::spine_stream::{SpineSources, SpineStreamOptions, SpineStreamer};
 use deltafin_experts::{ExpertLocation, ExpertShape, ExpertTable, StreamOptions, StreamingExperts};
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -44,6 +45,12 @@ pub struct EngineOptions {
     /// The spine's format. The library default is [`SpineFormat::Bf16`] (weight-exact);
     /// the CLI's default `--spine auto` asks for [`SpineFormat::Int8`].
     pub spine: SpineFormat,
+    /// Spine streaming: `Some(k)` keeps layers `0..k` resident and reads the spine matrices
+    /// of layers `k..` per forward pass ([`crate::spine_stream`]); `None` (default) or
+    /// `k ≥ layers` keeps the whole spine resident.
+    pub spine_resident_layers: Option<usize>,
+    /// Reader threads and O_DIRECT policy of spine streaming.
+    pub spine_stream: SpineStreamOptions,
 }
 
 impl Default for EngineOptions {
@@ -52,6 +59,8 @@ impl Default for EngineOptions {
             mla_cache_dtype: CacheDtype::Bf16,
             kda_chunk: 64,
             spine: SpineFormat::Bf16,
+            spine_resident_layers: None,
+            spine_stream: SpineStreamOptions::default(),
         }
     }
 }
@@ -485,9 +494,20 @@ pub fn load_model_with_experts(
         (SpineFormat::Int8, None) => Some(Int8Spine::open(ckpt.root(), ckpt.config())?),
         _ => None,
     };
-    let layers = (0..ckpt.config().n_layers())
+    let mut layers = (0..ckpt.config().n_layers())
         .map(|l| load_layer(&ckpt, int8.as_ref(), packs.as_ref(), l))
         .collect::<Result<Vec<_>, _>>()?;
+    let streamer = match opts.spine_resident_layers {
+        Some(k) if k < layers.len() => {
+            let src = SpineSources {
+                ckpt: &ckpt,
+                int8_root: int8.as_ref().map(|_| ckpt.root()),
+                packs: packs.as_ref(),
+            };
+            Some(SpineStreamer::new(&src, &mut layers, k, opts.spine_stream)?)
+        }
+        _ => None,
+    };
     let g = Names {
         ckpt: &ckpt,
         int8: int8.as_ref(),
@@ -504,9 +524,9 @@ pub fn load_model_with_experts(
         prefix: String::new(),
     };
     let lm_head = top.lin("lm_head.weight")?;
-    Ok(K3Model::new(
-        dims, embed, layers, norm, output_res, lm_head, experts,
-    )?)
+    let mut model = K3Model::new(dims, embed, layers, norm, output_res, lm_head, experts)?;
+    model.spine_stream = streamer;
+    Ok(model)
 }
 
 /// Open the checkpoint under `root`, validate it, and build the model.

@@ -173,6 +173,9 @@ pub struct K3Model {
     pub lm_head: Linear,
     /// Routed experts of every MoE layer.
     pub experts: Box<dyn ExpertSource>,
+    /// Spine streaming (`crate::spine_stream`): when set, the layers it streams take their
+    /// projections from per-pass reads instead of `layers[l]`'s own (unread) views.
+    pub spine_stream: Option<crate::spine_stream::SpineStreamer>,
 }
 
 /// A matrix shape the model checks: a [`Bf16Matrix`] or a [`Linear`].
@@ -234,6 +237,7 @@ impl K3Model {
             output_res,
             lm_head,
             experts,
+            spine_stream: None,
         };
         model.validate()?;
         Ok(model)
@@ -485,7 +489,17 @@ impl K3Model {
         if let Some(tp) = taps.as_deref_mut() {
             tp.begin(t);
         }
-        for (l, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+        let mut spine_pass = match &self.spine_stream {
+            Some(s) => Some(s.begin_pass()?),
+            None => None,
+        };
+        for (l, (resident, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+            // A streamed layer's weights are resolved (read) before the layer runs.
+            let streamed = match spine_pass.as_mut() {
+                Some(pass) => pass.layer(l, resident)?,
+                None => None,
+            };
+            let layer = streamed.as_ref().unwrap_or(resident);
             let a = if snaps.is_empty() {
                 p.clone()
             } else {

@@ -1170,6 +1170,11 @@ impl SpinePack {
         })
     }
 
+    /// Absolute file offset and length of a component (for explicit reads of the pack).
+    pub fn component_file_range(&self, c: &Component) -> (u64, u64) {
+        (self.payload_off + c.offset, c.len)
+    }
+
     /// Zero-copy bytes of a component (raw tensor bytes, int8 codes or f16 scales).
     pub fn component_bytes(&self, c: &Component) -> Bytes {
         let at = (self.payload_off + c.offset) as usize;
