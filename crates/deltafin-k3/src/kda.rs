@@ -19,7 +19,7 @@
 
 use crate::dims::ModelDims;
 use crate::linear::{Linear, apply_group};
-use deltafin_kernels::{l2_normalize, sigmoid, silu};
+use deltafin_kernels::{kda_delta_step, l2_normalize, sigmoid, silu};
 use rayon::prelude::*;
 
 /// Weights of one KDA layer (`model.layers.N.self_attn.*`), bf16 matrices and f32 vectors.
@@ -155,9 +155,11 @@ impl KdaWeights {
 
         let mut g = vec![0f32; t * p];
         self.f_b_proj.matmul(&fa, t, &mut g);
+        // e^{A_log[h]} once per head (the same value for each of its d channels).
+        let a_exp: Vec<f32> = self.a_log[..h].iter().map(|a| a.exp()).collect();
         for row in g.chunks_exact_mut(p) {
             for (c, gc) in row.iter_mut().enumerate() {
-                let a = self.a_log[c / d].exp();
+                let a = a_exp[c / d];
                 *gc = dims.gate_lower_bound * sigmoid(a * (*gc + self.dt_bias[c]));
             }
         }
@@ -320,28 +322,8 @@ impl HeadIo<'_> {
                 self.g(ti),
                 self.beta(ti),
             );
-            // S′ = diag(α) S;  u = β (v − S′ᵀ k̂)
-            u.copy_from_slice(v);
-            for r in 0..d {
-                let alpha = g[r].exp();
-                let row = &mut s[r * d..(r + 1) * d];
-                for (x, ui) in row.iter_mut().zip(u.iter_mut()) {
-                    *x *= alpha;
-                    *ui -= k[r] * *x;
-                }
-            }
-            for ui in u.iter_mut() {
-                *ui *= beta;
-            }
-            // S = S′ + k̂ uᵀ;  o = Sᵀ q̂
             let oi = &mut o[ti * d..(ti + 1) * d];
-            for r in 0..d {
-                let row = &mut s[r * d..(r + 1) * d];
-                for ((x, &ui), oc) in row.iter_mut().zip(u.iter()).zip(oi.iter_mut()) {
-                    *x += k[r] * ui;
-                    *oc += q[r] * *x;
-                }
-            }
+            kda_delta_step(s, q, k, v, g, beta, &mut u, oi);
         }
         o
     }

@@ -14,7 +14,8 @@ use crate::linear::{Linear, apply_group};
 use crate::model::ModelError;
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
-use deltafin_kernels::{matmul_mxfp4, rms_norm_inplace, situ_glu};
+use deltafin_kernels::{Weights, matmul, matmul_serial, rms_norm_inplace, situ_glu};
+use deltafin_tensor::Mxfp4Matrix;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -154,6 +155,10 @@ impl MoeWeights {
         let shared_act: Mutex<Option<Vec<f32>>> = Mutex::new(None);
         let in_flight = AtomicUsize::new(0);
         let max_in_flight = rayon::current_num_threads().max(1);
+        // When the layer has at least one expert per worker, the expert tasks already fill
+        // the pool: each expert's products then run on its own task's thread, without a
+        // fork/join per product (same values, see `matmul_serial`).
+        let serial = users.len() >= max_in_flight;
         rayon::scope(|scope| {
             scope.spawn(|_| {
                 let a = sh.activation(dims, y, t);
@@ -185,7 +190,7 @@ impl MoeWeights {
                 scope.spawn(move |_| {
                     // Released on every exit, a panic included (the scope re-raises it).
                     let _held = InFlight(in_flight);
-                    let he = expert_rows(dims, &w, xl, list);
+                    let he = expert_rows(dims, &w, xl, list, serial);
                     drop(w);
                     if let Ok(mut s) = slot.lock() {
                         *s = Some(he);
@@ -256,13 +261,22 @@ impl Drop for InFlight<'_> {
 }
 
 /// One expert over the latent rows of the tokens that chose it (`list`: (token, slot)
-/// pairs): `W2 · SiTU(W1 x, W3 x)` per row, `[list.len(), Lr]`.
+/// pairs): `W2 · SiTU(W1 x, W3 x)` per row, `[list.len(), Lr]`. With `serial` the three
+/// products stay on the calling thread (bit-identical either way).
 fn expert_rows(
     dims: &ModelDims,
     w: &ExpertWeights,
     xl: &[f32],
     list: &[(usize, usize)],
+    serial: bool,
 ) -> Vec<f32> {
+    let mm = |m: &Mxfp4Matrix, xs: &[f32], n: usize, ys: &mut [f32]| {
+        if serial {
+            matmul_serial(Weights::Mxfp4(m), xs, n, ys)
+        } else {
+            matmul(Weights::Mxfp4(m), xs, n, ys)
+        }
+    };
     let lr = dims.latent_size;
     let n = list.len();
     let f = w.w1.rows();
@@ -272,12 +286,12 @@ fn expert_rows(
     }
     let mut g = vec![0f32; n * f];
     let mut u = vec![0f32; n * f];
-    matmul_mxfp4(&w.w1, &x, n, &mut g);
-    matmul_mxfp4(&w.w3, &x, n, &mut u);
+    mm(&w.w1, &x, n, &mut g);
+    mm(&w.w3, &x, n, &mut u);
     let mut a = vec![0f32; n * f];
     situ_glu(&g, &u, dims.situ_beta, dims.situ_linear_beta, &mut a);
     let mut he = vec![0f32; n * lr];
-    matmul_mxfp4(&w.w2, &a, n, &mut he);
+    mm(&w.w2, &a, n, &mut he);
     he
 }
 

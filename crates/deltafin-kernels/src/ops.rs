@@ -94,6 +94,124 @@ pub fn l2_normalize(x: &mut [f32], eps: f32) {
     }
 }
 
+/// One step of the KDA delta rule for one head (k3-model.md §4.3 step 6), the state `s`
+/// row-major `[d (key), d (value)]`, `d = q.len()`:
+///
+/// ```text
+/// S′ = diag(e^g) S;   u = β (v − S′ᵀ k̂);   S = S′ + k̂ uᵀ;   o += Sᵀ q̂
+/// ```
+///
+/// Every value is computed by the same element-wise f32 operations in the same order on
+/// every backend (a multiply, then a subtract or add: never fused), so the result does not
+/// depend on the vector width; the AVX-512 and AVX2 builds only process more columns per
+/// instruction. `u` is scratch of `d` values; `o` (of `d` values) is accumulated into.
+///
+/// # Panics
+/// If the lengths disagree (`s.len() == d²`, every vector of length `d`).
+#[allow(clippy::too_many_arguments)]
+pub fn kda_delta_step(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    u: &mut [f32],
+    o: &mut [f32],
+) {
+    let d = q.len();
+    assert_eq!(s.len(), d * d, "kda_delta_step: state size");
+    for (n, len) in [("k", k.len()), ("v", v.len()), ("g", g.len())] {
+        assert_eq!(len, d, "kda_delta_step: {n} length");
+    }
+    assert_eq!(u.len(), d, "kda_delta_step: scratch length");
+    assert_eq!(o.len(), d, "kda_delta_step: output length");
+    #[cfg(target_arch = "x86_64")]
+    match crate::dispatch::backend() {
+        crate::Backend::Avx512 => {
+            // SAFETY: the selected backend is supported by this CPU (checked at selection).
+            return unsafe { kda_delta_step_avx512(s, q, k, v, g, beta, u, o) };
+        }
+        crate::Backend::Avx2 => {
+            // SAFETY: as above.
+            return unsafe { kda_delta_step_avx2(s, q, k, v, g, beta, u, o) };
+        }
+        _ => {}
+    }
+    kda_delta_step_body(s, q, k, v, g, beta, u, o)
+}
+
+/// [`kda_delta_step`] compiled for AVX-512 (same operations, 16 lanes).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn kda_delta_step_avx512(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    u: &mut [f32],
+    o: &mut [f32],
+) {
+    kda_delta_step_body(s, q, k, v, g, beta, u, o)
+}
+
+/// [`kda_delta_step`] compiled for AVX2 (same operations, 8 lanes).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn kda_delta_step_avx2(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    u: &mut [f32],
+    o: &mut [f32],
+) {
+    kda_delta_step_body(s, q, k, v, g, beta, u, o)
+}
+
+/// The portable body of [`kda_delta_step`]; the lengths are checked by the caller. The
+/// inner loops run over whole rows through `zip`, so they carry no bounds checks and
+/// vectorise over the value columns.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn kda_delta_step_body(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    u: &mut [f32],
+    o: &mut [f32],
+) {
+    let d = u.len();
+    // S′ = diag(α) S;  u = β (v − S′ᵀ k̂)
+    u.copy_from_slice(v);
+    for ((row, &gr), &kr) in s.chunks_exact_mut(d).zip(g).zip(k) {
+        let alpha = gr.exp();
+        for (x, ui) in row.iter_mut().zip(u.iter_mut()) {
+            *x *= alpha;
+            *ui -= kr * *x;
+        }
+    }
+    for ui in u.iter_mut() {
+        *ui *= beta;
+    }
+    // S = S′ + k̂ uᵀ;  o += Sᵀ q̂
+    for ((row, &kr), &qr) in s.chunks_exact_mut(d).zip(k).zip(q) {
+        for ((x, &ui), oc) in row.iter_mut().zip(u.iter()).zip(o.iter_mut()) {
+            *x += kr * ui;
+            *oc += qr * *x;
+        }
+    }
+}
+
 /// Index of the first maximum (torch `argmax` semantics; a NaN counts as the maximum).
 /// `None` for an empty slice.
 pub fn argmax(x: &[f32]) -> Option<usize> {

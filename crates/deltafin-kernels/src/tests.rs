@@ -866,3 +866,86 @@ mod tiled {
         }
     }
 }
+
+#[test]
+fn serial_product_equals_parallel_product() {
+    let mut rng = Rng(0x5e71_a10d);
+    // Large enough that `matmul` forks (rows × cols × n above the parallel threshold).
+    let mats = Mats::new(&mut rng, 300, 256);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for w in mats.all() {
+        for n in [1usize, 2, 5] {
+            let xs: Vec<f32> = (0..n * w.cols()).map(|_| rng.f()).collect();
+            let mut want = vec![0f32; n * w.rows()];
+            pool.install(|| matmul(w, &xs, n, &mut want));
+            let mut got = vec![f32::NAN; n * w.rows()];
+            pool.install(|| matmul_serial(w, &xs, n, &mut got));
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{} n={n}: serial differs from the parallel product",
+                w.dtype()
+            );
+        }
+    }
+}
+
+/// The KDA step written out as plain scalar loops (the form it replaced in `deltafin-k3`).
+#[allow(clippy::too_many_arguments)]
+fn kda_step_scalar(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    o: &mut [f32],
+) {
+    let d = q.len();
+    let mut u = v.to_vec();
+    for r in 0..d {
+        let alpha = g[r].exp();
+        for c in 0..d {
+            s[r * d + c] *= alpha;
+            u[c] -= k[r] * s[r * d + c];
+        }
+    }
+    for x in u.iter_mut() {
+        *x *= beta;
+    }
+    for r in 0..d {
+        for c in 0..d {
+            s[r * d + c] += k[r] * u[c];
+            o[c] += q[r] * s[r * d + c];
+        }
+    }
+}
+
+#[test]
+fn kda_delta_step_is_bit_identical_to_scalar_loops() {
+    let mut rng = Rng(0x0cda_5eed);
+    for d in [1usize, 7, 16, 33, 128] {
+        let mut s: Vec<f32> = (0..d * d).map(|_| rng.f()).collect();
+        let mut s_ref = s.clone();
+        let mut o = vec![0f32; d];
+        let mut o_ref = vec![0f32; d];
+        let mut u = vec![0f32; d];
+        for _step in 0..3 {
+            let q: Vec<f32> = (0..d).map(|_| rng.f()).collect();
+            let k: Vec<f32> = (0..d).map(|_| rng.f()).collect();
+            let v: Vec<f32> = (0..d).map(|_| rng.f()).collect();
+            let g: Vec<f32> = (0..d).map(|_| -rng.f().abs()).collect();
+            let beta = 0.5 + 0.25 * rng.f();
+            crate::ops::kda_delta_step(&mut s, &q, &k, &v, &g, beta, &mut u, &mut o);
+            kda_step_scalar(&mut s_ref, &q, &k, &v, &g, beta, &mut o_ref);
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same(&s, &s_ref), "d={d}: state differs");
+            assert!(same(&o, &o_ref), "d={d}: output differs");
+        }
+    }
+}
