@@ -224,9 +224,9 @@ fn run_drafted(
         .max_new
         .min((engine.max_context + 1).saturating_sub(prompt.len()));
     let Chosen {
+        name,
         mut drafter,
         mut policy,
-        ..
     } = chosen;
     let mut asm = Assembler::new(&engine.tokenizer, chat, req.stop.clone());
     let mut client_gone = false;
@@ -267,6 +267,11 @@ fn run_drafted(
             },
         )
     });
+    // The next request with this drafter starts from this one's measurements (the plain
+    // baseline is measured once per server, not once per request).
+    if let Some(drafts) = &engine.drafts {
+        drafts.remember(name, &policy);
+    }
     let ids = match result {
         Ok((ids, _)) => ids,
         Err(e) => {
