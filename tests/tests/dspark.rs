@@ -13,7 +13,7 @@ use deltafin_spec::dspark::{BLOCK, DsparkDrafter, DsparkError, DsparkModel};
 use deltafin_spec::{
     Drafter, SpecError, SpecStats, generate_speculative, generate_speculative_streaming,
 };
-use deltafin_tensor::{Bf16Matrix, SafetensorsFile, SafetensorsWriter, TensorEntry, bf16};
+use deltafin_tensor::{SafetensorsFile, SafetensorsWriter, TensorEntry};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -164,7 +164,10 @@ fn dspark_speculation_equals_plain_greedy_and_is_deterministic() {
 fn streaming_reports_every_committed_token_once() {
     let s = setup();
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|t| s.tok.encode_ordinary(t)).collect();
-    let m = Arc::new(agreeing(&s.dspark, &bigrams(&s.model, &prompts)));
+    let m = Arc::new(deltafin_tests::agreeing_dspark(
+        &s.dspark,
+        &bigrams(&s.model, &prompts),
+    ));
     let p = &prompts[1];
     let mut d = DsparkDrafter::new(m.clone(), &s.model, 8192).unwrap();
     let mut seen = Vec::new();
@@ -365,41 +368,15 @@ fn loading_errors_name_the_tensor_or_field() {
 
 /// K3's greedy bigrams on the prompts' continuations (most frequent successor per token).
 fn bigrams(model: &K3Model, prompts: &[Vec<u32>]) -> Vec<(u32, u32)> {
-    let mut counts: std::collections::BTreeMap<(u32, u32), usize> = Default::default();
-    for p in prompts {
-        let mut seq = vec![*p.last().unwrap()];
-        seq.extend(plain_greedy(model, p));
-        for w in seq.windows(2) {
-            *counts.entry((w[0], w[1])).or_default() += 1;
-        }
-    }
-    let mut best: std::collections::BTreeMap<u32, (usize, u32)> = Default::default();
-    for (&(a, b), &n) in &counts {
-        let e = best.entry(a).or_insert((0, b));
-        if n > e.0 {
-            *e = (n, b);
-        }
-    }
-    best.into_iter().map(|(a, (_, b))| (a, b)).collect()
-}
-
-/// A DSpark whose block logits vanish (`final_norm = 0`) and whose rank-r Markov head
-/// (r = number of bigrams) maps each previous token `a` onto its bigram successor `b`:
-/// `markov_w1[a] = e_k`, `markov_w2[b] += e_k`, so `argmax(w2 · w1[a]) = b`.
-fn agreeing(base: &DsparkModel, table: &[(u32, u32)]) -> DsparkModel {
-    let mut m = base.clone();
-    let (v, r) = (m.config.vocab_size, table.len());
-    let (mut w1, mut w2) = (vec![bf16::ZERO; v * r], vec![bf16::ZERO; v * r]);
-    for (k, &(a, b)) in table.iter().enumerate() {
-        w1[a as usize * r + k] = bf16::ONE;
-        w2[b as usize * r + k] = bf16::ONE;
-    }
-    m.config.markov_rank = r;
-    m.markov_w1 = Bf16Matrix::from_values(v, r, &w1).unwrap();
-    m.markov_w2 = Bf16Matrix::from_values(v, r, &w2).unwrap();
-    m.final_norm.iter_mut().for_each(|w| *w = 0.0);
-    m.confidence = None;
-    m
+    let seqs: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut seq = vec![*p.last().unwrap()];
+            seq.extend(plain_greedy(model, p));
+            seq
+        })
+        .collect();
+    deltafin_tests::greedy_bigrams(&seqs)
 }
 
 #[test]
@@ -407,7 +384,7 @@ fn a_draft_built_to_agree_with_the_target_is_accepted() {
     let s = setup();
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|t| s.tok.encode_ordinary(t)).collect();
     let table = bigrams(&s.model, &prompts);
-    let m = Arc::new(agreeing(&s.dspark, &table));
+    let m = Arc::new(deltafin_tests::agreeing_dspark(&s.dspark, &table));
     let mut total = SpecStats::default();
     let (mut plain_s, mut spec_s) = (0f64, 0f64);
     for p in &prompts {
@@ -499,7 +476,7 @@ fn measure_agreeing_drafters_under_each_policy() {
         }
     }
     let table: Vec<(u32, u32)> = best.into_iter().map(|(a, (_, b))| (a, b)).collect();
-    let agreeing_dspark = Arc::new(agreeing(&s.dspark, &table));
+    let agreeing_dspark = Arc::new(deltafin_tests::agreeing_dspark(&s.dspark, &table));
     eprintln!(
         "plain greedy: {tokens} tokens in {plain_s:.3} s ({:.1} token/s)",
         tokens as f64 / plain_s

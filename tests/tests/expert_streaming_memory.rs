@@ -10,35 +10,6 @@ use deltafin_k3::model::K3Model;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use std::sync::Arc;
 
-#[derive(Debug, Clone, Copy)]
-struct Mem {
-    rss: u64,
-    hwm: u64,
-    anon: u64,
-    file: u64,
-}
-
-fn mem() -> Option<Mem> {
-    let text = std::fs::read_to_string("/proc/self/status").ok()?;
-    let field = |name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-    };
-    Some(Mem {
-        rss: field("VmRSS:")?,
-        hwm: field("VmHWM:")?,
-        anon: field("RssAnon:")?,
-        file: field("RssFile:")?,
-    })
-}
-
-fn reset_peak() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
 fn generate(model: &K3Model) {
     let mut st = model.new_state();
     let prompt: Vec<u32> = (0..48u32).map(|i| (i * 389 + 17) % 1000).collect();
@@ -56,7 +27,7 @@ fn generate(model: &K3Model) {
 
 #[test]
 fn streaming_rss_stays_within_the_cache_budget() {
-    if mem().is_none() || !reset_peak() {
+    if deltafin_tests::proc_mem().is_none() || !deltafin_tests::reset_peak_rss() {
         eprintln!("skipping: /proc/self/status or clear_refs is not available");
         return;
     }
@@ -89,10 +60,10 @@ fn streaming_rss_stays_within_the_cache_budget() {
     let model =
         load_model_with_experts(ckpt.clone(), &EngineOptions::default(), Box::new(src)).unwrap();
 
-    assert!(reset_peak());
-    let before = mem().unwrap();
+    assert!(deltafin_tests::reset_peak_rss());
+    let before = deltafin_tests::proc_mem().unwrap();
     generate(&model);
-    let after = mem().unwrap();
+    let after = deltafin_tests::proc_mem().unwrap();
     let st = model.experts.stats().unwrap();
     eprintln!(
         "streaming: before {before:?} after {after:?}; spine {spine} B; {}",
@@ -106,10 +77,11 @@ fn streaming_rss_stays_within_the_cache_budget() {
         file_growth <= spine + (1 << 20),
         "RssFile grew {file_growth} B"
     );
-    // Anonymous: the cache plus activations (a few MB at these sizes).
+    // Anonymous: the cache plus activations, the decode state's touched pages and the
+    // allocator's per-thread arenas (6–7 MB at these sizes, varying with thread timing).
     let anon_growth = after.anon.saturating_sub(before.anon);
     assert!(
-        anon_growth <= budget + (6 << 20),
+        anon_growth <= budget + (8 << 20),
         "RssAnon grew {anon_growth} B"
     );
     let peak_growth = after.hwm.saturating_sub(before.rss);
@@ -121,9 +93,9 @@ fn streaming_rss_stays_within_the_cache_budget() {
 
     // The same generation with resident experts maps most of the 65 MB of experts in.
     let resident = load_model(ckpt, &EngineOptions::default()).unwrap();
-    let before = mem().unwrap();
+    let before = deltafin_tests::proc_mem().unwrap();
     generate(&resident);
-    let after = mem().unwrap();
+    let after = deltafin_tests::proc_mem().unwrap();
     let file_growth = after.file.saturating_sub(before.file);
     eprintln!("resident: RssFile grew {file_growth} B");
     assert!(

@@ -26,8 +26,7 @@ use deltafin_spec::dspark::{BLOCK, DsparkDrafter, DsparkModel};
 use deltafin_spec::{
     Drafter, PolicyMode, PolicyReport, SpecPolicy, SpecStats, WallClock, generate_with_policy,
 };
-use deltafin_tensor::{Bf16Matrix, bf16};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -187,42 +186,6 @@ fn mini_verify_cost_against_a_decode_step() {
     }
 }
 
-/// K3's greedy bigrams on `seqs` (most frequent successor of each token).
-fn bigrams(seqs: &[Vec<u32>]) -> Vec<(u32, u32)> {
-    let mut counts: BTreeMap<(u32, u32), usize> = BTreeMap::new();
-    for seq in seqs {
-        for w in seq.windows(2) {
-            *counts.entry((w[0], w[1])).or_default() += 1;
-        }
-    }
-    let mut best: BTreeMap<u32, (usize, u32)> = BTreeMap::new();
-    for (&(a, b), &n) in &counts {
-        let e = best.entry(a).or_insert((0, b));
-        if n > e.0 {
-            *e = (n, b);
-        }
-    }
-    best.into_iter().map(|(a, (_, b))| (a, b)).collect()
-}
-
-/// The synthesized DSpark with its block logits off (`final_norm = 0`) and its Markov head
-/// set to the bigram table (as in `tests/tests/dspark.rs`).
-fn agreeing(base: &DsparkModel, table: &[(u32, u32)]) -> DsparkModel {
-    let mut m = base.clone();
-    let (v, r) = (m.config.vocab_size, table.len());
-    let (mut w1, mut w2) = (vec![bf16::ZERO; v * r], vec![bf16::ZERO; v * r]);
-    for (k, &(a, b)) in table.iter().enumerate() {
-        w1[a as usize * r + k] = bf16::ONE;
-        w2[b as usize * r + k] = bf16::ONE;
-    }
-    m.config.markov_rank = r;
-    m.markov_w1 = Bf16Matrix::from_values(v, r, &w1).unwrap();
-    m.markov_w2 = Bf16Matrix::from_values(v, r, &w2).unwrap();
-    m.final_norm.iter_mut().for_each(|w| *w = 0.0);
-    m.confidence = None;
-    m
-}
-
 /// The free bigram-table drafter.
 struct BigramTable(HashMap<u32, u32>);
 
@@ -306,8 +269,8 @@ fn mini_agreeing_drafters_under_each_policy() {
                     .collect()
             })
             .collect();
-        let table = bigrams(&seqs);
-        let dspark = Arc::new(agreeing(&base, &table));
+        let table = deltafin_tests::greedy_bigrams(&seqs);
+        let dspark = Arc::new(deltafin_tests::agreeing_dspark(&base, &table));
         let arms = [
             Arm::Plain,
             Arm::Bigram(PolicyMode::Fixed, false),

@@ -10,33 +10,6 @@ use deltafin_k3::spine_stream::layer_matrix_bytes;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use std::sync::Arc;
 
-#[derive(Debug, Clone, Copy)]
-struct Mem {
-    rss: u64,
-    hwm: u64,
-    file: u64,
-}
-
-fn mem() -> Option<Mem> {
-    let text = std::fs::read_to_string("/proc/self/status").ok()?;
-    let field = |name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-    };
-    Some(Mem {
-        rss: field("VmRSS:")?,
-        hwm: field("VmHWM:")?,
-        file: field("RssFile:")?,
-    })
-}
-
-fn reset_peak() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
 fn generate(model: &K3Model) -> Vec<u32> {
     let mut st = model.new_state();
     let prompt: Vec<u32> = (0..32u32).map(|i| (i * 389 + 17) % 1000).collect();
@@ -57,7 +30,7 @@ fn generate(model: &K3Model) -> Vec<u32> {
 
 #[test]
 fn spine_streaming_peak_rss_stays_within_the_budget() {
-    if mem().is_none() || !reset_peak() {
+    if deltafin_tests::proc_mem().is_none() || !deltafin_tests::reset_peak_rss() {
         eprintln!("skipping: /proc/self/status or clear_refs is not available");
         return;
     }
@@ -130,10 +103,10 @@ fn spine_streaming_peak_rss_stays_within_the_budget() {
         experts(),
     )
     .unwrap();
-    assert!(reset_peak());
-    let before = mem().unwrap();
+    assert!(deltafin_tests::reset_peak_rss());
+    let before = deltafin_tests::proc_mem().unwrap();
     let got = generate(&model);
-    let after = mem().unwrap();
+    let after = deltafin_tests::proc_mem().unwrap();
     let st = model.spine_stream.as_ref().unwrap().stats();
     eprintln!(
         "spine streaming: before {before:?} after {after:?}; file {file_total} B, streamed {streamed} B/pass, budget {budget} B; {st:?}"
@@ -161,9 +134,9 @@ fn spine_streaming_peak_rss_stays_within_the_budget() {
         &EngineOptions::default(),
     )
     .unwrap();
-    let before = mem().unwrap();
+    let before = deltafin_tests::proc_mem().unwrap();
     generate(&resident);
-    let after = mem().unwrap();
+    let after = deltafin_tests::proc_mem().unwrap();
     let file_growth = after.file.saturating_sub(before.file);
     eprintln!("resident: RssFile grew {file_growth} B");
     assert!(
