@@ -281,25 +281,42 @@ fn q16_image(xs: &[f32], cols: usize) -> (Cow<'static, [f32]>, usize) {
         let (scales, codes) = dst.split_at_mut(nblk);
         let codes: &mut [i16] = bytemuck::cast_slice_mut(codes);
         for (blk, chunk) in src.chunks(Q16_BLOCK).enumerate() {
-            let finite = chunk.iter().all(|v| v.is_finite());
-            let absmax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = if !finite {
-                f32::NAN
-            } else if absmax == 0.0 {
-                1.0
-            } else {
-                absmax / 32767.0
-            };
-            scales[blk] = scale;
-            if finite {
-                for (i, &v) in chunk.iter().enumerate() {
-                    let q = (v / scale).round_ties_even().clamp(-32767.0, 32767.0);
-                    codes[blk * Q16_BLOCK + i] = q as i16;
-                }
-            }
+            let dst = &mut codes[blk * Q16_BLOCK..blk * Q16_BLOCK + chunk.len()];
+            scales[blk] = q16_block(chunk, dst);
         }
     }
     (Cow::Owned(img), stride)
+}
+
+/// One q16 block: returns its scale (`absmax / 32767`; 1 when all zero; NaN when a value
+/// is not finite, leaving `codes` zero) and writes `round_half_even(x / scale)` clamped to
+/// ±32767 into `codes` (as long as `chunk`).
+pub(crate) fn q16_block(chunk: &[f32], codes: &mut [i16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dispatch::Backend::Avx512.is_supported() {
+        // SAFETY: AVX-512 F/BW/VL are present (checked above).
+        return unsafe { crate::x86::avx512::q16_block(chunk, codes) };
+    }
+    q16_block_scalar(chunk, codes)
+}
+
+/// The portable definition of [`q16_block`], which the SIMD version equals bit for bit.
+pub(crate) fn q16_block_scalar(chunk: &[f32], codes: &mut [i16]) -> f32 {
+    let finite = chunk.iter().all(|v| v.is_finite());
+    let absmax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = if !finite {
+        f32::NAN
+    } else if absmax == 0.0 {
+        1.0
+    } else {
+        absmax / 32767.0
+    };
+    if finite {
+        for (o, &v) in codes.iter_mut().zip(chunk) {
+            *o = (v / scale).round_ties_even().clamp(-32767.0, 32767.0) as i16;
+        }
+    }
+    scale
 }
 
 /// Rows of `cols` values rearranged in groups of `g` columns as `[even, odd]`, the last

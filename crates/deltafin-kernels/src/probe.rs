@@ -21,6 +21,10 @@ fn read_sum(data: &[u64]) -> u64 {
     let mut acc = [0u64; 8];
     let mut it = data.chunks_exact(8);
     for c in &mut it {
+        // The same software prefetch as the kernels (see `tile::PREFETCH_BYTES`), so the
+        // probe measures what a prefetching stream gets, not one core's demand-miss limit.
+        #[cfg(target_arch = "x86_64")]
+        crate::tile::prefetch(c.as_ptr() as *const u8);
         for k in 0..8 {
             acc[k] = acc[k].wrapping_add(c[k]);
         }

@@ -28,6 +28,23 @@ use crate::matvec::Q16_BLOCK;
 use deltafin_tensor::bf16;
 use std::arch::x86_64::*;
 
+/// Software prefetch distance in bytes ahead of the weight stream. One core keeps only
+/// about 16 demand misses in flight, which caps a single stream near 7 GB/s here; asking
+/// for the line [`PREFETCH_BYTES`] ahead (rows are contiguous, so past a row's end this is
+/// the next row) keeps the memory system busy. Measured on the 2-core machine: row-int8
+/// products from DRAM 14.3 → 19.0 GB/s (7168 columns) and 11.1 → 17.4 GB/s (1024).
+pub(crate) const PREFETCH_BYTES: usize = 2048;
+
+/// Hint the line [`PREFETCH_BYTES`] after `p` into L1. A prefetch never faults, so the
+/// address may lie past the end of the weights (it is computed with wrapping arithmetic
+/// and never dereferenced).
+#[inline(always)]
+pub(crate) fn prefetch(p: *const u8) {
+    // SAFETY: PREFETCHT0 is SSE (baseline x86-64) and does not access memory
+    // architecturally.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8) };
+}
+
 /// `[r][b] = Σ_c w_r[c] · x_b[c]` for `NR` bf16 weight rows and `NB` paired activation rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[allow(clippy::needless_range_loop)] // `r`, `b` index weights, activations and accumulators
@@ -49,6 +66,7 @@ pub(crate) unsafe fn dot_bf16_tile<const NR: usize, const NB: usize>(
             let mut we = [_mm512_setzero_ps(); NR];
             let mut wo = [_mm512_setzero_ps(); NR];
             for r in 0..NR {
+                prefetch(wp[r].wrapping_add(64 * c));
                 let v = if cnt >= 32 {
                     _mm512_loadu_si512(wp[r].add(64 * c) as *const __m512i)
                 } else {
@@ -106,27 +124,44 @@ pub(crate) unsafe fn dot_i8_q16_tile<const NR: usize, const NB: usize>(
         for blk in 0..nblk {
             let (c0, c1) = (blk * Q16_BLOCK, ((blk + 1) * Q16_BLOCK).min(n));
             let mut iacc = [[[_mm512_setzero_si512(); 2]; NB]; NR];
-            let mut c = c0;
-            let mut u = 0;
-            while c < c1 {
-                let mut wv = [_mm512_setzero_si512(); NR];
-                for r in 0..NR {
-                    let wp = ws[r].as_ptr();
-                    wv[r] = if c + 32 <= c1 {
-                        _mm512_cvtepi8_epi16(_mm256_loadu_si256(wp.add(c) as *const __m256i))
-                    } else {
-                        let k: __mmask32 = (1u32 << (c1 - c)) - 1;
-                        _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(k, wp.add(c)))
-                    };
-                }
-                for b in 0..NB {
-                    let xv = _mm512_loadu_si512(codes[b].add(c) as *const __m512i);
+            // One 32-column step into accumulator `U` (a constant, so the accumulators stay
+            // in registers); the int32 sums are exact, so how steps are spread over the two
+            // accumulators does not change any result.
+            macro_rules! step {
+                ($c:expr, $u:literal) => {{
+                    let c = $c;
+                    let mut wv = [_mm512_setzero_si512(); NR];
                     for r in 0..NR {
-                        iacc[r][b][u] = _mm512_dpwssd_epi32(iacc[r][b][u], wv[r], xv);
+                        let wp = ws[r].as_ptr();
+                        wv[r] = if c + 32 <= c1 {
+                            _mm512_cvtepi8_epi16(_mm256_loadu_si256(wp.add(c) as *const __m256i))
+                        } else {
+                            let k: __mmask32 = (1u32 << (c1 - c)) - 1;
+                            _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(k, wp.add(c)))
+                        };
                     }
+                    for b in 0..NB {
+                        let xv = _mm512_loadu_si512(codes[b].add(c) as *const __m512i);
+                        for r in 0..NR {
+                            iacc[r][b][$u] = _mm512_dpwssd_epi32(iacc[r][b][$u], wv[r], xv);
+                        }
+                    }
+                }};
+            }
+            let mut c = c0;
+            while c + 64 <= c1 {
+                for r in 0..NR {
+                    prefetch(ws[r].as_ptr().wrapping_add(c) as *const u8);
                 }
-                u ^= 1;
-                c += 32;
+                step!(c, 0);
+                step!(c + 32, 1);
+                c += 64;
+            }
+            if c < c1 {
+                step!(c, 0);
+                if c + 32 < c1 {
+                    step!(c + 32, 1);
+                }
             }
             for b in 0..NB {
                 let scale = _mm512_set1_ps(xs[b][blk]);

@@ -55,6 +55,7 @@ pub(crate) mod avx512 {
                 unsafe {
                     while c < main {
                         for u in 0..U {
+                            crate::tile::prefetch(wp.wrapping_add(c + u * L) as *const u8);
                             let $p = wp.add(c + u * L);
                             let wv: __m512 = $load;
                             for b in 0..NB {
@@ -118,6 +119,49 @@ pub(crate) mod avx512 {
         // SAFETY: forwarded from the caller.
         let [v] = unsafe { crate::tile::dot_i8_q16_tile::<1, NB>([w], xs) };
         v
+    }
+
+    /// [`crate::matvec::q16_block_scalar`] in AVX-512: the maximum is order-free, the
+    /// division is the same IEEE operation and `vcvtps2dq` rounds half to even (the MXCSR
+    /// default, which Rust never changes), so the codes are bit-identical.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    pub(crate) unsafe fn q16_block(chunk: &[f32], codes: &mut [i16]) -> f32 {
+        let n = chunk.len().min(codes.len());
+        let inf = _mm512_set1_epi32(0x7f80_0000);
+        let abs = _mm512_set1_epi32(0x7fff_ffff);
+        let mut m = _mm512_setzero_ps();
+        let mut bad: __mmask16 = 0;
+        // SAFETY: every load and store is masked to indices < n.
+        unsafe {
+            let mut c = 0;
+            while c < n {
+                let k = mask((n - c).min(L));
+                let v = _mm512_castps_si512(_mm512_maskz_loadu_ps(k, chunk.as_ptr().add(c)));
+                let a = _mm512_and_si512(v, abs);
+                // Not finite: exponent bits all ones.
+                bad |= _mm512_cmpge_epi32_mask(a, inf);
+                m = _mm512_max_ps(m, _mm512_castsi512_ps(a));
+                c += L;
+            }
+            if bad != 0 {
+                return f32::NAN;
+            }
+            let absmax = _mm512_reduce_max_ps(m);
+            let scale = if absmax == 0.0 { 1.0 } else { absmax / 32767.0 };
+            let s = _mm512_set1_ps(scale);
+            let lo = _mm512_set1_epi32(-32767);
+            let hi = _mm512_set1_epi32(32767);
+            let mut c = 0;
+            while c < n {
+                let k = mask((n - c).min(L));
+                let v = _mm512_maskz_loadu_ps(k, chunk.as_ptr().add(c));
+                let q = _mm512_cvtps_epi32(_mm512_div_ps(v, s));
+                let q = _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
+                _mm512_mask_cvtepi32_storeu_epi16(codes.as_mut_ptr().add(c), k, q);
+                c += L;
+            }
+            scale
+        }
     }
 
     /// One 32-column block: `acc += scale · Σ (E2M1(even)·x_even + E2M1(odd)·x_odd)`.
@@ -193,6 +237,7 @@ pub(crate) mod avx512 {
                         _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                     );
                     let s = _mm512_permutexvar_ps(idx, sc);
+                    crate::tile::prefetch(packed.as_ptr().wrapping_add(64 * span));
                     let v = _mm512_loadu_si512(packed.as_ptr().add(64 * span) as *const __m512i);
                     let w: [__m512; 8] = [
                         _mm512_permutexvar_ps(v, lut),
@@ -276,6 +321,7 @@ pub(crate) mod avx512 {
                     let span = sp + k;
                     let blocks = (nblk - 4 * span).min(4);
                     let wp = packed.as_ptr().add(64 * span);
+                    crate::tile::prefetch(wp);
                     let v = if blocks == 4 {
                         _mm512_loadu_si512(wp as *const __m512i)
                     } else {
@@ -349,6 +395,7 @@ pub(crate) mod avx2 {
                 unsafe {
                     while c < main {
                         for u in 0..U {
+                            crate::tile::prefetch(wp.wrapping_add(c + u * L) as *const u8);
                             let $p = wp.add(c + u * L);
                             let wv: __m256 = $load;
                             for b in 0..NB {
