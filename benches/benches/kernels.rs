@@ -12,115 +12,16 @@
 //! (`cargo test --benches`) the matrices are small and only a smoke run happens.
 
 use std::hint::black_box;
-use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{Criterion, Throughput};
+use deltafin_benches::{Rng, build};
 use deltafin_kernels::dispatch::{Backend, backend};
 use deltafin_kernels::probe::parallel_read_sum;
-use deltafin_kernels::{Weights, kernel_summary, matmul_with};
-use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix};
+use deltafin_kernels::{kernel_summary, matmul_with};
 
 /// Input width of every bench matrix (K3 hidden size).
 const COLS: usize = 7168;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
-/// `len` pseudo-random bytes, each passed through `map` (keeps values finite and normal).
-fn random_bytes(rng: &mut Rng, len: usize, map: impl Fn(usize, u8) -> u8) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    for (i, chunk) in v.chunks_mut(8).enumerate() {
-        let r = rng.next().to_le_bytes();
-        for (k, b) in chunk.iter_mut().enumerate() {
-            *b = map(i * 8 + k, r[k]);
-        }
-    }
-    v
-}
-
-fn owned(v: Vec<u8>) -> Bytes {
-    Bytes::from_owner(Arc::new(v))
-}
-
-/// Owned weights of one format.
-enum Owned {
-    F32(Vec<f32>, usize),
-    Bf16(Bf16Matrix),
-    RowInt8(RowInt8Matrix),
-    Mxfp4(Mxfp4Matrix),
-}
-
-impl Owned {
-    fn weights(&self) -> Weights<'_> {
-        match self {
-            Owned::F32(d, rows) => Weights::F32 {
-                data: d,
-                rows: *rows,
-                cols: COLS,
-            },
-            Owned::Bf16(m) => Weights::Bf16(m),
-            Owned::RowInt8(m) => Weights::RowInt8(m),
-            Owned::Mxfp4(m) => Weights::Mxfp4(m),
-        }
-    }
-}
-
-/// A matrix of `dtype` with about `target` weight bytes.
-fn build(dtype: &str, target: usize, rng: &mut Rng) -> Owned {
-    match dtype {
-        "f32" => {
-            let rows = target / (COLS * 4);
-            // Sign, exponent 2^-3..2^-2, random mantissa: finite and normal.
-            let v = random_bytes(rng, rows * COLS * 4, |i, b| match i % 4 {
-                3 => 0x3e | (b & 0x80),
-                _ => b,
-            });
-            let f: Vec<f32> = bytemuck_f32(&v);
-            Owned::F32(f, rows)
-        }
-        "bf16" => {
-            let rows = target / (COLS * 2);
-            let v = random_bytes(rng, rows * COLS * 2, |i, b| {
-                if i % 2 == 1 { 0x3e | (b & 0x80) } else { b }
-            });
-            Owned::Bf16(Bf16Matrix::new("bench", owned(v), rows, COLS).expect("bf16 matrix"))
-        }
-        "row-int8" => {
-            let rows = target / (COLS + 2);
-            let codes = random_bytes(rng, rows * COLS, |_, b| if b == 0x80 { 0x81 } else { b });
-            let scales = random_bytes(rng, rows * 2, |i, b| {
-                if i % 2 == 1 { 0x1c | (b & 0x01) } else { b }
-            });
-            Owned::RowInt8(
-                RowInt8Matrix::new("bench", owned(codes), owned(scales), rows, COLS)
-                    .expect("row-int8 matrix"),
-            )
-        }
-        _ => {
-            let rows = target / (COLS / 2 + COLS / 32);
-            let packed = random_bytes(rng, rows * COLS / 2, |_, b| b);
-            let scales = random_bytes(rng, rows * COLS / 32, |_, b| 118 + b % 16);
-            Owned::Mxfp4(
-                Mxfp4Matrix::new("bench", owned(packed), owned(scales), rows, COLS)
-                    .expect("mxfp4 matrix"),
-            )
-        }
-    }
-}
-
-fn bytemuck_f32(v: &[u8]) -> Vec<f32> {
-    v.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
 
 /// Median seconds of `reps` runs of `f` (after one warm-up run).
 fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
@@ -177,7 +78,7 @@ fn main() {
         {
             continue;
         }
-        let m = build(dtype, target, &mut rng);
+        let m = build(dtype, COLS, target, &mut rng);
         let w = m.weights();
         let wbytes = w.weight_bytes() as u64;
         let xs: Vec<f32> = (0..16 * COLS)

@@ -1,0 +1,148 @@
+//! One kernel product at one size, for questions the criterion sweep does not answer: is a
+//! kernel compute-bound (matrix in cache) or memory-bound (matrix ≫ last-level cache), and
+//! how does it scale with threads?
+//!
+//! ```sh
+//! cargo build --release -p deltafin-benches --bin kernel-point
+//! RAYON_NUM_THREADS=1 target/release/kernel-point row-int8 --cols 7168 --bytes 1M --n 1   # in L2
+//! target/release/kernel-point mxfp4 --cols 1024 --bytes 512M                            # DRAM
+//! target/release/kernel-point probe --bytes 1G                                           # read probe
+//! ```
+//!
+//! Prints the best of five timed rounds (each `--iters` products; default chosen so a round
+//! reads about 2 GB) as GB/s of weight bytes.
+
+use std::hint::black_box;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use deltafin_benches::{Rng, build};
+use deltafin_kernels::dispatch::backend;
+use deltafin_kernels::probe::parallel_read_sum;
+use deltafin_kernels::{kernel_summary, matmul_with};
+
+struct Args {
+    what: String,
+    cols: usize,
+    bytes: usize,
+    n: usize,
+    iters: Option<usize>,
+}
+
+const USAGE: &str = "usage: kernel-point <f32|bf16|row-int8|mxfp4|probe> [--cols N] [--bytes SIZE] [--n ROWS] [--iters K]\n  SIZE accepts K, M, G suffixes (binary); defaults: --cols 7168 --bytes 512M --n 1";
+
+fn size(s: &str) -> Result<usize, String> {
+    let (num, mul) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|v| v.checked_mul(mul))
+        .filter(|&v| v > 0)
+        .ok_or_else(|| format!("not a positive size: {s:?}"))
+}
+
+fn parse() -> Result<Args, String> {
+    let mut it = std::env::args().skip(1);
+    let what = it.next().ok_or_else(|| USAGE.to_string())?;
+    if !["f32", "bf16", "row-int8", "mxfp4", "probe"].contains(&what.as_str()) {
+        return Err(format!("unknown format {what:?}\n{USAGE}"));
+    }
+    let mut a = Args {
+        what,
+        cols: 7168,
+        bytes: 512 << 20,
+        n: 1,
+        iters: None,
+    };
+    while let Some(flag) = it.next() {
+        let v = it
+            .next()
+            .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+        let num = || {
+            v.parse::<usize>()
+                .ok()
+                .filter(|&x| x > 0)
+                .ok_or_else(|| format!("{flag}: not a positive integer: {v:?}"))
+        };
+        match flag.as_str() {
+            "--cols" => a.cols = num()?,
+            "--bytes" => a.bytes = size(&v)?,
+            "--n" => a.n = num()?,
+            "--iters" => a.iters = Some(num()?),
+            _ => return Err(format!("unknown option {flag:?}\n{USAGE}")),
+        }
+    }
+    if a.what == "mxfp4" && !a.cols.is_multiple_of(32) {
+        return Err(format!(
+            "mxfp4 needs --cols a multiple of 32, got {}",
+            a.cols
+        ));
+    }
+    Ok(a)
+}
+
+/// Best seconds per call over five rounds of `iters` calls (after one warm-up call).
+fn best_secs(iters: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..5)
+        .map(|_| {
+            let s = Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            s.elapsed().as_secs_f64() / iters as f64
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+fn main() -> ExitCode {
+    let a = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let threads = rayon::current_num_threads();
+    let iters = a
+        .iters
+        .unwrap_or(((2usize << 30) / a.bytes).clamp(1, 100_000));
+    if a.what == "probe" {
+        let buf = vec![1u64; a.bytes / 8];
+        let secs = best_secs(iters, || {
+            black_box(parallel_read_sum(black_box(&buf)));
+        });
+        println!(
+            "probe bytes={} threads={threads}: {:.2} GB/s",
+            a.bytes,
+            a.bytes as f64 / secs / 1e9
+        );
+        return ExitCode::SUCCESS;
+    }
+    let m = build(&a.what, a.cols, a.bytes, &mut Rng(0x2545_f491_4f6c_dd1d));
+    let w = m.weights();
+    let xs: Vec<f32> = (0..a.n * a.cols)
+        .map(|i| ((i * 2654435761) % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    let mut ys = vec![0f32; a.n * w.rows()];
+    let be = backend();
+    let secs = best_secs(iters, || {
+        matmul_with(be, w, black_box(&xs), a.n, &mut ys);
+    });
+    println!(
+        "{} rows={} cols={} bytes={} n={} threads={threads} ({}): {:.2} GB/s, {:.1} us/call",
+        a.what,
+        w.rows(),
+        a.cols,
+        w.weight_bytes(),
+        a.n,
+        kernel_summary(),
+        w.weight_bytes() as f64 / secs / 1e9,
+        secs * 1e6
+    );
+    ExitCode::SUCCESS
+}
