@@ -151,6 +151,11 @@ impl<'a> Raw<'a> {
                     // SAFETY: `product` checked AVX-512; `q16_int8` checked VNNI.
                     return unsafe { crate::x86::avx512::dot_i8_q16(row, xs) }.map(|v| s * v);
                 }
+                #[cfg(target_arch = "x86_64")]
+                if be == Backend::Avx2 {
+                    // SAFETY: `product` checked AVX2; the activations are the q16 image.
+                    return unsafe { crate::x86::avx2::dot_i8_q16(row, xs) }.map(|v| s * v);
+                }
                 dispatch!(be, dot_i8(row, xs)).map(|v| s * v)
             }
             Raw::Mxfp4(packed, scales, cols) => {
@@ -195,6 +200,10 @@ impl Weights<'_> {
         let cols = self.cols();
         match (self, be) {
             (Weights::RowInt8(_), Backend::Avx512) if q16_int8() => {
+                let (img, stride) = q16_image(xs, cols);
+                (img, 0, stride)
+            }
+            (Weights::RowInt8(_), Backend::Avx2) => {
                 let (img, stride) = q16_image(xs, cols);
                 (img, 0, stride)
             }
@@ -293,9 +302,15 @@ fn q16_image(xs: &[f32], cols: usize) -> (Cow<'static, [f32]>, usize) {
 /// ±32767 into `codes` (as long as `chunk`).
 pub(crate) fn q16_block(chunk: &[f32], codes: &mut [i16]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if crate::dispatch::Backend::Avx512.is_supported() {
-        // SAFETY: AVX-512 F/BW/VL are present (checked above).
-        return unsafe { crate::x86::avx512::q16_block(chunk, codes) };
+    {
+        if crate::dispatch::Backend::Avx512.is_supported() {
+            // SAFETY: AVX-512 F/BW/VL are present (checked above).
+            return unsafe { crate::x86::avx512::q16_block(chunk, codes) };
+        }
+        if crate::dispatch::Backend::Avx2.is_supported() {
+            // SAFETY: AVX2 and FMA are present (checked above).
+            return unsafe { crate::x86::avx2::q16_block(chunk, codes) };
+        }
     }
     q16_block_scalar(chunk, codes)
 }

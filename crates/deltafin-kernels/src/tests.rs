@@ -117,7 +117,8 @@ fn reference(w: &Weights<'_>, xs: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
     (want, mag)
 }
 
-/// The activation-quantisation error bound of the AVX-512 row-int8 path (0 elsewhere), per
+/// The activation-quantisation error bound of the AVX-512 (VNNI) and AVX2 row-int8 paths
+/// (0 elsewhere), per
 /// output value: `Σ_c |w_rc| · absmax(x_b) / 65534`.
 fn q16_bound(be: Backend, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
     let (rows, cols) = (w.rows(), w.cols());
@@ -125,7 +126,8 @@ fn q16_bound(be: Backend, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
     let vnni = std::arch::is_x86_feature_detected!("avx512vnni");
     #[cfg(not(target_arch = "x86_64"))]
     let vnni = false;
-    let q16 = be == Backend::Avx512 && matches!(w, Weights::RowInt8(_)) && vnni;
+    let q16 = matches!(w, Weights::RowInt8(_))
+        && ((be == Backend::Avx512 && vnni) || be == Backend::Avx2);
     let mut out = vec![0f64; n * rows];
     if be == Backend::Avx512 && matches!(w, Weights::Mxfp4(_)) && mxfp4_q8_active() {
         return q8_bound(w, xs, n);
@@ -211,7 +213,7 @@ fn every_backend_matches_f64_on_ragged_shapes() {
                 matmul_with(be, w, &xs, n, &mut ys);
                 let what = format!("{} {} [{rows}x{cols}] n={n}", be.name(), w.dtype());
                 // f32 accumulation: error ≲ (terms per lane + reduction depth)·eps·Σ|w x|.
-                // AVX-512 row-int8 also quantises activations to int16 (q16 image): at most
+                // AVX-512 (VNNI) and AVX2 row-int8 quantise activations to int16 (q16): at most
                 // half a step, absmax(x)/65534, per value, i.e. Σ|w|·absmax(x)/65534; AVX-512
                 // VNNI MXFP4 to int8 per 32-column block: Σ|w|·absmax_blk/254 (`q8_bound`).
                 let q16 = q16_bound(be, &w, &xs, n);
@@ -950,7 +952,7 @@ fn kda_delta_step_is_bit_identical_to_scalar_loops() {
     }
 }
 
-/// The AVX-512 q16 block quantiser equals the portable one bit for bit: random blocks of
+/// The AVX-512 and AVX2 q16 block quantisers equal the portable one bit for bit: random blocks of
 /// every length 1..=256, values that divide to exact halves (ties), zeros, and non-finite
 /// values.
 #[test]
@@ -979,5 +981,13 @@ fn q16_block_simd_equals_scalar() {
         let sb = q16_block_scalar(case, &mut b);
         assert_eq!(sa.to_bits(), sb.to_bits(), "scale, len {}", case.len());
         assert_eq!(a, b, "codes, len {}", case.len());
+        #[cfg(target_arch = "x86_64")]
+        if Backend::Avx2.is_supported() {
+            let mut c = vec![0i16; case.len()];
+            // SAFETY: AVX2 and FMA are present (checked above).
+            let sc = unsafe { crate::x86::avx2::q16_block(case, &mut c) };
+            assert_eq!(sc.to_bits(), sb.to_bits(), "avx2 scale, len {}", case.len());
+            assert_eq!(c, b, "avx2 codes, len {}", case.len());
+        }
     }
 }

@@ -495,6 +495,123 @@ pub(crate) mod avx2 {
         |v| v as f32
     );
 
+    /// `Σ q·x` over an int8 row (unscaled) against the q16 image of [`crate::matvec`] (per
+    /// activation row `ceil(n / Q16_BLOCK)` f32 block scales, then int16 codes zero-padded to
+    /// whole 32-column steps): per 16-column step `vpmovsxbw` + `vpmaddwd` (pairs of int16
+    /// products, exact) into two int32 accumulators, per block one convert and one FMA with
+    /// the block scale. `|Σ|` per lane and block ≤ 32 · 127 · 32767 < 2^31.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_i8_q16<const NB: usize>(w: &[i8], xs: [&[f32]; NB]) -> [f32; NB] {
+        use crate::matvec::Q16_BLOCK;
+        let n = w.len();
+        let nblk = n.div_ceil(Q16_BLOCK);
+        let mut facc = [_mm256_setzero_ps(); NB];
+        // SAFETY: full 16-column steps are in bounds of `w`; a partial one is copied to a
+        // zero-padded buffer; image rows hold nblk scales and codes for whole 32-column steps.
+        unsafe {
+            let codes: [*const i16; NB] =
+                std::array::from_fn(|b| xs[b].as_ptr().add(nblk) as *const i16);
+            let wp = w.as_ptr();
+            for blk in 0..nblk {
+                let (c0, c1) = (blk * Q16_BLOCK, ((blk + 1) * Q16_BLOCK).min(n));
+                let mut iacc = [[_mm256_setzero_si256(); 2]; NB];
+                macro_rules! step {
+                    ($c:expr, $u:literal) => {{
+                        let c = $c;
+                        let wv = if c + 16 <= c1 {
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(wp.add(c) as *const __m128i))
+                        } else {
+                            let mut t = [0i8; 16];
+                            t[..c1 - c].copy_from_slice(&w[c..c1]);
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(t.as_ptr() as *const __m128i))
+                        };
+                        for b in 0..NB {
+                            let xv = _mm256_loadu_si256(codes[b].add(c) as *const __m256i);
+                            iacc[b][$u] = _mm256_add_epi32(iacc[b][$u], _mm256_madd_epi16(wv, xv));
+                        }
+                    }};
+                }
+                let mut c = c0;
+                while c + 32 <= c1 {
+                    crate::tile::prefetch(wp.wrapping_add(c) as *const u8);
+                    step!(c, 0);
+                    step!(c + 16, 1);
+                    c += 32;
+                }
+                if c < c1 {
+                    step!(c, 0);
+                    if c + 16 < c1 {
+                        step!(c + 16, 1);
+                    }
+                }
+                for b in 0..NB {
+                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(iacc[b][0], iacc[b][1]));
+                    facc[b] = _mm256_fmadd_ps(sum, _mm256_set1_ps(xs[b][blk]), facc[b]);
+                }
+            }
+        }
+        facc.map(|v| hsum256(v))
+    }
+
+    /// [`crate::matvec::q16_block_scalar`] in AVX2, bit-identical for the same reasons as
+    /// the AVX-512 version (order-free max, same division, `vcvtps2dq` rounds half to even).
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn q16_block(chunk: &[f32], codes: &mut [i16]) -> f32 {
+        let n = chunk.len().min(codes.len());
+        let full = n - n % 8;
+        let abs = _mm256_set1_epi32(0x7fff_ffff);
+        let inf = _mm256_set1_epi32(0x7f80_0000 - 1);
+        let mut m = _mm256_setzero_ps();
+        let mut bad = _mm256_setzero_si256();
+        // SAFETY: vector loads and stores stay below `full` <= n; the tail is scalar.
+        unsafe {
+            let mut c = 0;
+            while c < full {
+                let a = _mm256_and_si256(
+                    _mm256_castps_si256(_mm256_loadu_ps(chunk.as_ptr().add(c))),
+                    abs,
+                );
+                // Not finite: the magnitude's bits exceed those of the largest finite value.
+                bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(a, inf));
+                m = _mm256_max_ps(m, _mm256_castsi256_ps(a));
+                c += 8;
+            }
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+            let mut absmax = lanes.iter().fold(0f32, |a, &v| a.max(v));
+            let mut finite = _mm256_testz_si256(bad, bad) == 1;
+            for &v in &chunk[full..n] {
+                finite &= v.is_finite();
+                absmax = absmax.max(v.abs());
+            }
+            if !finite {
+                return f32::NAN;
+            }
+            let scale = if absmax == 0.0 { 1.0 } else { absmax / 32767.0 };
+            let sv = _mm256_set1_ps(scale);
+            let lo = _mm256_set1_epi32(-32767);
+            let hi = _mm256_set1_epi32(32767);
+            let mut c = 0;
+            while c < full {
+                let q =
+                    _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(chunk.as_ptr().add(c)), sv));
+                let q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
+                // Pack to int16 (saturating, values already in range) and fix the lane order.
+                let p = _mm256_packs_epi32(q, q);
+                let p = _mm256_permute4x64_epi64::<0b1000>(p);
+                _mm_storeu_si128(
+                    codes.as_mut_ptr().add(c) as *mut __m128i,
+                    _mm256_castsi256_si128(p),
+                );
+                c += 8;
+            }
+            for (o, &v) in codes[full..n].iter_mut().zip(&chunk[full..n]) {
+                *o = (v / scale).round_ties_even().clamp(-32767.0, 32767.0) as i16;
+            }
+            scale
+        }
+    }
+
     /// `Σ_blk 2^(e−127) · Σ E2M1(code)·x` over one MXFP4 row, activations in paired layout.
     /// Magnitudes come from an 8-entry permute, the sign bit is xor-ed in.
     #[target_feature(enable = "avx2,fma")]
@@ -507,7 +624,10 @@ pub(crate) mod avx2 {
         // SAFETY: packed holds 16 bytes per block, activation rows 32 values per block.
         unsafe {
             let lut = _mm256_loadu_ps(E2M1.as_ptr());
-            for (blk, &e) in scales.iter().enumerate() {
+            // Block `blk` goes to accumulator `blk % 2`, written with a constant index so the
+            // accumulators stay in registers.
+            let one = |blk: usize, e: u8, acc: &mut [__m256; NB]| {
+                crate::tile::prefetch(packed.as_ptr().wrapping_add(blk * 16));
                 let s = _mm256_set1_ps(crate::scalar::e8m0(e));
                 let mut w = [_mm256_setzero_ps(); 4];
                 for h in 0..2 {
@@ -533,8 +653,22 @@ pub(crate) mod avx2 {
                     let t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), t);
                     let t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), t);
                     let t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), t);
-                    acc[b][blk % 2] = _mm256_fmadd_ps(t, s, acc[b][blk % 2]);
+                    acc[b] = _mm256_fmadd_ps(t, s, acc[b]);
                 }
+            };
+            let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); NB], [_mm256_setzero_ps(); NB]);
+            let mut pairs = scales.chunks_exact(2);
+            let mut blk = 0;
+            for pair in &mut pairs {
+                one(blk, pair[0], &mut acc0);
+                one(blk + 1, pair[1], &mut acc1);
+                blk += 2;
+            }
+            if let [e] = pairs.remainder() {
+                one(blk, *e, &mut acc0);
+            }
+            for b in 0..NB {
+                acc[b] = [acc0[b], acc1[b]];
             }
         }
         let mut out = [0f32; NB];
