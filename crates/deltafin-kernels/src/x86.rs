@@ -501,6 +501,7 @@ pub(crate) mod avx2 {
     /// products, exact) into two int32 accumulators, per block one convert and one FMA with
     /// the block scale. `|Σ|` per lane and block ≤ 32 · 127 · 32767 < 2^31.
     #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::needless_range_loop)] // `blk` indexes weights, codes and scales together
     pub(crate) unsafe fn dot_i8_q16<const NB: usize>(w: &[i8], xs: [&[f32]; NB]) -> [f32; NB] {
         use crate::matvec::Q16_BLOCK;
         let n = w.len();
