@@ -168,8 +168,7 @@ impl MoeWeights {
             });
             // Hits first, then misses as their reads complete (`next_ready`); each result
             // lands in its expert's slot, so the sum below keeps the fixed route order.
-            let mut todo: Vec<((&usize, &Vec<(usize, usize)>), &Mutex<_>)> =
-                users.iter().zip(&slots).collect();
+            let mut todo: Vec<_> = users.iter().zip(&slots).collect();
             let mut pending: Vec<usize> = union.clone();
             while !todo.is_empty() {
                 // At most `max_in_flight` experts are held by running tasks, so a long
