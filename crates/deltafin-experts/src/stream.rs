@@ -177,6 +177,11 @@ struct Pending {
     pieces: Vec<Region>,
     started: usize,
     done: usize,
+    /// Pieces that will land: all of them, or the ones already started when a wrong PILOT
+    /// guess was cancelled.
+    expected: usize,
+    /// A wrong PILOT guess: its buffer goes back to the free list when `expected` have landed.
+    cancelled: bool,
     reads: u64,
     direct: u64,
     device: u64,
@@ -603,6 +608,8 @@ impl Shared {
                         fill: Arc::new(Filling::new(buf)),
                         plan,
                         file,
+                        expected: pieces.len(),
+                        cancelled: false,
                         pieces,
                         started: 0,
                         done: 0,
@@ -799,7 +806,7 @@ fn worker(s: &Shared) {
                     p.err.get_or_insert(e);
                 }
             }
-            if p.done < p.pieces.len() {
+            if p.done < p.expected {
                 continue;
             }
             st.pending.remove(&key)
@@ -810,8 +817,26 @@ fn worker(s: &Shared) {
     }
 }
 
-/// Every piece of `p` has landed: build the weights and publish the slot.
+/// Every expected piece of `p` has landed: build the weights and publish the slot (or, for a
+/// cancelled guess, give the buffer back).
 fn finish(s: &Shared, (layer, expert): (usize, usize), p: Pending) {
+    if p.cancelled {
+        let mut st = s.lock();
+        st.reads += p.reads;
+        st.direct_reads += p.direct;
+        st.device_bytes += p.device;
+        if let Some(e) = st.entries.remove(&(layer, expert))
+            && e.pinned
+        {
+            st.pinned -= 1;
+        }
+        if let Ok(f) = Arc::try_unwrap(p.fill) {
+            st.free.push(f.into_inner());
+        }
+        drop(st);
+        s.loaded.notify_all();
+        return;
+    }
     let buf = Arc::try_unwrap(p.fill).map(Filling::into_inner);
     let result = match (p.err, buf) {
         (Some(e), Ok(b)) => Err((e, Some(b))),
@@ -1018,23 +1043,30 @@ impl ExpertSource for StreamingExperts {
         st.pinned = 0;
         // PILOT reads not started yet: promote right guesses, drop wrong ones (and stale
         // guesses of earlier layers).
-        // A wrong guess whose read has started finishes (its pieces keep their low priority).
+        // A wrong guess loses its unstarted pieces; one with pieces in flight gives its
+        // buffer back when they land.
         let mut keep = VecDeque::new();
-        let mut dropped = Vec::new();
+        let mut dropped = std::collections::BTreeSet::new();
         for job in std::mem::take(&mut st.pilot) {
             let key = (job.layer, job.expert);
             let wanted = job.layer == layer && experts.binary_search(&job.expert).is_ok();
             if wanted {
                 st.demand.push_back(job);
-            } else if job.layer <= layer && st.pending.get(&key).is_some_and(|p| p.started == 0) {
-                dropped.push(key);
+            } else if job.layer <= layer && st.pending.contains_key(&key) {
+                dropped.insert(key);
             } else {
                 keep.push_back(job);
             }
         }
         st.pilot = keep;
         for key in dropped {
-            if let Some(p) = st.pending.remove(&key) {
+            let Some(p) = st.pending.get_mut(&key) else {
+                continue;
+            };
+            if p.started > p.done {
+                p.expected = p.started;
+                p.cancelled = true;
+            } else if let Some(p) = st.pending.remove(&key) {
                 st.entries.remove(&key);
                 if let Ok(f) = Arc::try_unwrap(p.fill) {
                     st.free.push(f.into_inner());
@@ -1319,6 +1351,40 @@ mod tests {
         assert_eq!(st.total().bytes_read, 16 * SHAPE.expert_bytes());
         assert!(pieces > 16 * 2, "{pieces}");
         assert_eq!(st.reads, pieces, "{st:?}");
+    }
+
+    #[test]
+    fn wrong_guesses_cancelled_mid_read_keep_bytes_and_budget_right() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, want) = fixture(dir.path(), 4, 12);
+        let o = StreamOptions {
+            read_threads: 3,
+            ..opts(6, &table, PilotGate::Off)
+        };
+        let budget = o.cache_bytes;
+        let src = StreamingExperts::new(table.clone(), o).unwrap();
+        src.set_read_piece_bytes(ALIGN).unwrap();
+        for round in 0..40usize {
+            for l in 1..4 {
+                let union: Vec<usize> = (0..12).filter(|e| (e + round * l) % 4 == 0).collect();
+                src.begin_layer(l, &union);
+                if l < 3 {
+                    // Half right, half wrong guesses for the next layer.
+                    let guess: Vec<usize> =
+                        (0..12).filter(|e| (e + round) % 3 != 1).take(5).collect();
+                    src.predict(l + 1, &guess);
+                }
+                let mut pending = union.clone();
+                while !pending.is_empty() {
+                    let e = pending.remove(src.next_ready(l, &pending));
+                    check(&src.expert(l, e).unwrap(), &want[&(l, e)]);
+                    assert!(src.cache_bytes_now() <= budget);
+                }
+            }
+        }
+        let st = src.stats().unwrap();
+        assert!(st.cache_peak_bytes <= budget, "{st:?}");
+        assert!(st.total().prefetch_bytes > 0, "{st:?}");
     }
 
     #[test]
