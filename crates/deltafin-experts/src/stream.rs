@@ -11,8 +11,9 @@
 //! Each (layer, expert) of a pass is read at most once while the cache holds the window
 //! (`W = min(capacity − 1, 2 × threads)` entries), so a prefill with a cold cache reads exactly
 //! `|unique (layer, expert)| × expert bytes`. Reads are served by a bounded pool of threads:
-//! demand and window reads first (FIFO), PILOT reads after them; PILOT reads not yet started
-//! when their layer begins are promoted (right guesses) or dropped (wrong ones).
+//! demand and window reads first (FIFO), PILOT reads after them; PILOT pieces not yet started
+//! when their layer begins are promoted (right guesses) or dropped (wrong ones; a wrong guess
+//! with pieces in flight gives its buffer back when they land).
 //!
 //! Reads are split into aligned pieces of at most [`READ_PIECE_BYTES`]
 //! ([`StreamingExperts::set_read_piece_bytes`]): every piece is its own job in the queues, so
