@@ -5,7 +5,11 @@
 //! 2. Build the model with experts streamed into a cache of `--cache-gb`, prefill a prompt,
 //!    greedy-decode `--tokens` tokens, and report per phase: bytes read, achieved GB/s
 //!    (bytes ÷ busy I/O time) against the probe, decode tok/s against the I/O bound
-//!    (missed expert bytes per token ÷ probe bandwidth), cache hit rate, PILOT recall, peak RSS.
+//!    (missed expert bytes per token ÷ probe bandwidth), cache hit rate, PILOT recall, peak RSS,
+//!    and where each token's time goes: waiting for expert bytes vs computing.
+//!
+//! The spine is the product default, row-int8 (`--spine int8`, needs `deltafin
+//! convert-spine-int8` on the model root once), or the weight-exact `--spine bf16`.
 //!
 //! The page cache is dropped before each phase when `/proc/sys/vm/drop_caches` is writable.
 
@@ -16,6 +20,7 @@ use deltafin_k3::checkpoint::Checkpoint;
 use deltafin_k3::loader::{
     EngineOptions, expert_table, load_model_with_experts, streaming_experts,
 };
+use deltafin_k3::spine_int8::SpineFormat;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -49,6 +54,13 @@ pub struct Args {
     /// Use buffered reads instead of O_DIRECT.
     #[arg(long)]
     buffered: bool,
+    /// Spine format: int8 (the product default; run `deltafin convert-spine-int8` first) or
+    /// bf16.
+    #[arg(long, default_value = "int8")]
+    spine: String,
+    /// Largest sub-read of an expert in KiB (a multiple of 4); 0 reads each expert whole.
+    #[arg(long, default_value_t = 512)]
+    read_piece_kib: u64,
 }
 
 fn drop_caches() -> bool {
@@ -178,9 +190,21 @@ pub fn run(args: &Args) -> Result<()> {
         direct_io,
         pilot,
     };
+    let spine = match args.spine.as_str() {
+        "int8" => SpineFormat::Int8,
+        "bf16" => SpineFormat::Bf16,
+        other => bail!("--spine {other:?} is not int8 or bf16"),
+    };
     drop_caches();
     let src = streaming_experts(&ckpt, opts)?;
-    let model = load_model_with_experts(ckpt.clone(), &EngineOptions::default(), Box::new(src))?;
+    src.set_read_piece_bytes(args.read_piece_kib * 1024)
+        .context("--read-piece-kib")?;
+    let engine = EngineOptions {
+        spine,
+        ..EngineOptions::default()
+    };
+    let model = load_model_with_experts(ckpt.clone(), &engine, Box::new(src))
+        .with_context(|| format!("loading the model with the {} spine", spine.as_str()))?;
     let stats = || model.experts.stats().unwrap_or_default();
     let prompt: Vec<u32> = (0..args.prompt_tokens as u32).map(|i| 1000 + i).collect();
     let mut state = model.new_state();
@@ -205,13 +229,19 @@ pub fn run(args: &Args) -> Result<()> {
         delta("decode", &s1, &s2, args.tokens, decode_s),
     ];
     println!(
-        "io path: {}; threads {}; pilot {}",
-        s2.io_path, args.threads, args.pilot
+        "io path: {}; threads {}; pilot {}; spine {}; read pieces ≤ {} KiB",
+        s2.io_path,
+        args.threads,
+        args.pilot,
+        spine.as_str(),
+        args.read_piece_kib
     );
     println!(
-        "| phase | tokens | s | tok/s | GB read | misses | hits | hit % | read GB/s (busy) | ÷ probe random | wait s | I/O-bound tok/s | tok/s ÷ bound | recall |"
+        "| phase | tokens | s | tok/s | GB read | misses | hits | hit % | read GB/s (busy) | ÷ probe random | wait s | I/O-bound tok/s | tok/s ÷ bound | recall | wait ms/tok | compute ms/tok | I/O ms/tok at probe |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     for ph in &phases {
         let gbps = if ph.busy > 0.0 {
             ph.device_bytes as f64 / ph.busy / 1e9
@@ -220,14 +250,15 @@ pub fn run(args: &Args) -> Result<()> {
         };
         let tps = ph.tokens as f64 / ph.seconds.max(1e-9);
         // Missed expert bytes per token ÷ probe bandwidth = seconds of I/O per token.
-        let miss_bytes = ph.misses as f64 * eb as f64 / ph.tokens.max(1) as f64;
+        let n = ph.tokens.max(1) as f64;
+        let miss_bytes = ph.misses as f64 * eb as f64 / n;
         let bound = if miss_bytes > 0.0 {
             p.random_gbps * 1e9 / miss_bytes
         } else {
             f64::INFINITY
         };
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.1} | {:.1} | {:.1} |",
             ph.name,
             ph.tokens,
             ph.seconds,
@@ -243,6 +274,11 @@ pub fn run(args: &Args) -> Result<()> {
             tps / bound,
             ph.recall
                 .map_or("n/a".into(), |r| format!("{:.1}%", 100.0 * r)),
+            // Per token: the model blocked on expert bytes, everything else (compute), and
+            // what the missed bytes alone cost at the probe's bandwidth.
+            1e3 * ph.wait / n,
+            1e3 * (ph.seconds - ph.wait).max(0.0) / n,
+            1e3 * miss_bytes / (p.random_gbps * 1e9).max(1.0),
         );
     }
     println!(

@@ -83,6 +83,11 @@ impl ExpertSource for FetchingExperts {
     fn wants_prediction(&self) -> bool {
         self.inner.wants_prediction()
     }
+    fn next_ready(&self, layer: usize, pending: &[usize]) -> usize {
+        // `begin_layer` fetched what was missing, so the inner source knows every pending
+        // expert; it names the first one whose bytes are in memory.
+        self.inner.next_ready(layer, pending)
+    }
     fn predict(&self, layer: usize, experts: &[usize]) {
         // A guess never triggers a download; only experts already on disk are prefetched.
         let present: Vec<usize> = experts

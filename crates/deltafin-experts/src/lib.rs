@@ -185,6 +185,16 @@ pub trait ExpertSource: Send + Sync {
     /// will be requested. A streaming source starts reading them now.
     fn begin_layer(&self, _layer: usize, _experts: &[usize]) {}
 
+    /// Which of `pending` (experts of `layer` this pass still has to request, from the
+    /// route union) to request next, as an index into `pending`: a streaming source blocks
+    /// until one of them is in memory and names it, so the model multiplies hits first and
+    /// misses in the order their reads complete. The default, 0, keeps the union's order.
+    /// Only the request order changes, never a result (each expert's product lands in its
+    /// own slot and the weighted sum runs in route order).
+    fn next_ready(&self, _layer: usize, _pending: &[usize]) -> usize {
+        0
+    }
+
     /// Whether [`ExpertSource::predict`] is worth calling (it costs one extra router product).
     fn wants_prediction(&self) -> bool {
         false

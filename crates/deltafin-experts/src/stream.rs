@@ -11,8 +11,16 @@
 //! Each (layer, expert) of a pass is read at most once while the cache holds the window
 //! (`W = min(capacity − 1, 2 × threads)` entries), so a prefill with a cold cache reads exactly
 //! `|unique (layer, expert)| × expert bytes`. Reads are served by a bounded pool of threads:
-//! demand and window reads first (FIFO), PILOT reads after them; PILOT reads not yet started
-//! when their layer begins are promoted (right guesses) or dropped (wrong ones).
+//! demand and window reads first (FIFO), PILOT reads after them; PILOT pieces not yet started
+//! when their layer begins are promoted (right guesses) or dropped (wrong ones; a wrong guess
+//! with pieces in flight gives its buffer back when they land).
+//!
+//! Reads are split into aligned pieces of at most [`READ_PIECE_BYTES`]
+//! ([`StreamingExperts::set_read_piece_bytes`]): every piece is its own job in the queues, so
+//! all I/O threads stay busy however few experts miss (a layer missing 6 experts with 4
+//! threads would otherwise read its last 2 with 2 threads idle). An expert is ready when its
+//! last piece lands; [`ExpertSource::next_ready`] lets the model multiply experts in the order
+//! they become ready.
 //!
 //! Memory: every buffer the cache owns (resident, in flight, free for reuse) counts against
 //! `cache_bytes`; an expert evicted while the model still multiplies it stays alive until that
@@ -25,7 +33,7 @@
 
 use crate::buffer::ExpertBuffer;
 use crate::io::{IoPath, SourceFile};
-use crate::layout::{ExpertShape, ExpertTable, ReadPlan};
+use crate::layout::{ALIGN, ExpertShape, ExpertTable, ReadPlan, Region};
 use crate::policy::{Heat, default_half_life};
 use crate::stats::{ExpertStats, LayerStats};
 use crate::{ExpertError, ExpertSource, ExpertWeights};
@@ -41,6 +49,9 @@ pub use crate::io::DirectIo;
 /// Tables with more files than this (one file per expert) open each file per read instead of
 /// holding two descriptors per file.
 pub const MAX_OPEN_FILES: usize = 256;
+
+/// Default upper bound of one sub-read of an expert (a multiple of [`ALIGN`]).
+pub const READ_PIECE_BYTES: u64 = 512 << 10;
 
 /// The PILOT next-layer prefetch switch (`K3_PILOT_GATE`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -117,11 +128,92 @@ enum Look {
     Absent,
 }
 
+/// One piece of one expert's read.
 struct Job {
     layer: usize,
     expert: usize,
+    piece: usize,
+}
+
+/// An aligned buffer that several piece reads fill at once, each its own disjoint range.
+struct Filling {
     buf: ExpertBuffer,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is only written through `piece`, whose callers write disjoint ranges,
+// and it is read only after every writer is done (`into_inner` needs the last `Arc`).
+unsafe impl Send for Filling {}
+unsafe impl Sync for Filling {}
+
+impl Filling {
+    fn new(mut buf: ExpertBuffer) -> Filling {
+        let bytes = buf.as_mut_bytes();
+        let (ptr, len) = (bytes.as_mut_ptr(), bytes.len());
+        Filling { buf, ptr, len }
+    }
+
+    /// The writable range `[at, at + len)`.
+    ///
+    /// # Safety
+    /// No other live slice returned by this method may overlap the range.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn piece(&self, at: usize, len: usize) -> &mut [u8] {
+        assert!(at + len <= self.len, "piece outside its buffer");
+        // SAFETY: in bounds (checked), disjoint from other writers (the caller's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), len) }
+    }
+
+    fn into_inner(self) -> ExpertBuffer {
+        self.buf
+    }
+}
+
+/// An expert whose pieces are being read.
+struct Pending {
+    fill: Arc<Filling>,
+    plan: ReadPlan,
+    file: usize,
+    pieces: Vec<Region>,
+    started: usize,
+    done: usize,
+    /// Pieces that will land: all of them, or the ones already started when a wrong PILOT
+    /// guess was cancelled.
+    expected: usize,
+    /// A wrong PILOT guess: its buffer goes back to the free list when `expected` have landed.
+    cancelled: bool,
+    reads: u64,
+    direct: u64,
+    device: u64,
+    err: Option<ExpertError>,
     pilot: bool,
+}
+
+/// `plan`'s regions cut into aligned pieces of at most `piece` bytes (whole regions for
+/// `piece == 0`), equal-sized within a region.
+fn split_regions(plan: &ReadPlan, piece: u64) -> Vec<Region> {
+    let mut out = Vec::new();
+    for r in &plan.regions {
+        let n = if piece == 0 {
+            1
+        } else {
+            r.len.div_ceil(piece).max(1)
+        };
+        let size = (r.len / ALIGN).div_ceil(n) * ALIGN;
+        let mut off = 0;
+        while off < r.len {
+            let len = size.min(r.len - off);
+            out.push(Region {
+                file_offset: r.file_offset + off,
+                len,
+                buf_offset: r.buf_offset + off,
+                need_to: r.need_to.saturating_sub(off).min(len),
+            });
+            off += len;
+        }
+    }
+    out
 }
 
 struct Window {
@@ -133,6 +225,10 @@ struct Window {
 #[derive(Default)]
 struct State {
     entries: HashMap<(usize, usize), Entry>,
+    /// Experts being read, by key.
+    pending: HashMap<(usize, usize), Pending>,
+    /// Upper bound of one piece read (0: whole regions).
+    piece: u64,
     /// Decayed route heat of every expert ever requested (cached or not).
     heat: HashMap<(usize, usize), Heat>,
     demand: VecDeque<Job>,
@@ -232,6 +328,7 @@ impl StreamingExperts {
         let window = (capacity - 1).min(2 * opts.read_threads);
         let n_layers = table.layers.len();
         let st = State {
+            piece: READ_PIECE_BYTES,
             predictions: vec![None; n_layers],
             layers: vec![LayerStats::default(); n_layers],
             ..State::default()
@@ -327,6 +424,18 @@ impl StreamingExperts {
                 st.heat.insert(key, Heat::with_value(r * scale, now));
             }
         }
+    }
+
+    /// Split every later read into aligned pieces of at most `bytes` (a multiple of 4096),
+    /// each served by any I/O thread; 0 reads each contiguous region in one piece.
+    pub fn set_read_piece_bytes(&self, bytes: u64) -> Result<(), ExpertError> {
+        if !bytes.is_multiple_of(ALIGN) {
+            return Err(ExpertError::Setup(format!(
+                "the read piece size must be a multiple of {ALIGN} bytes, got {bytes}"
+            )));
+        }
+        self.shared.lock().piece = bytes;
+        Ok(())
     }
 
     /// Buffer bytes the cache owns now.
@@ -481,10 +590,48 @@ impl Shared {
         if pinned {
             st.pinned += 1;
         }
+        let located = self.table.get(layer, expert).map(|loc| {
+            let plan = ReadPlan::new(loc);
+            let pieces = split_regions(&plan, st.piece);
+            (loc.file, plan, pieces)
+        });
+        let slot = match located {
+            Ok((file, plan, pieces)) => {
+                let queue = if pilot { &mut st.pilot } else { &mut st.demand };
+                queue.extend((0..pieces.len()).map(|piece| Job {
+                    layer,
+                    expert,
+                    piece,
+                }));
+                st.pending.insert(
+                    (layer, expert),
+                    Pending {
+                        fill: Arc::new(Filling::new(buf)),
+                        plan,
+                        file,
+                        expected: pieces.len(),
+                        cancelled: false,
+                        pieces,
+                        started: 0,
+                        done: 0,
+                        reads: 0,
+                        direct: 0,
+                        device: 0,
+                        err: None,
+                        pilot,
+                    },
+                );
+                Slot::Loading
+            }
+            Err(e) => {
+                st.free.push(buf);
+                Slot::Failed(e)
+            }
+        };
         st.entries.insert(
             (layer, expert),
             Entry {
-                slot: Slot::Loading,
+                slot,
                 pinned,
                 fresh: true,
                 transient: false,
@@ -492,31 +639,35 @@ impl Shared {
                 sticky: false,
             },
         );
-        let job = Job {
-            layer,
-            expert,
-            buf,
-            pilot,
-        };
-        if pilot {
-            st.pilot.push_back(job);
-        } else {
-            st.demand.push_back(job);
-        }
     }
 
-    fn read(&self, job: &mut Job) -> Result<(ReadPlan, u64, u64, u64), ExpertError> {
-        let loc = self.table.get(job.layer, job.expert)?;
-        let plan = ReadPlan::new(loc);
+    /// Read one piece into its range of the expert's buffer. Returns the path taken and the
+    /// bytes transferred.
+    fn read_piece(
+        &self,
+        layer: usize,
+        expert: usize,
+        file: usize,
+        region: &Region,
+        fill: &Filling,
+    ) -> Result<(IoPath, u64), ExpertError> {
         let opened;
-        let file = match self.files.get(loc.file) {
+        let source = match self.files.get(file) {
             Some(f) => f,
             None => {
-                let path = &self.table.files[loc.file];
+                let path = self
+                    .table
+                    .files
+                    .get(file)
+                    .ok_or_else(|| ExpertError::Unavailable {
+                        layer,
+                        expert,
+                        message: format!("internal: file {file} is not in the table"),
+                    })?;
                 opened = SourceFile::open(path, self.opts.direct_io).map_err(|source| {
                     ExpertError::Io {
-                        layer: job.layer,
-                        expert: job.expert,
+                        layer,
+                        expert,
                         path: path.clone(),
                         offset: 0,
                         len: 0,
@@ -526,30 +677,29 @@ impl Shared {
                 &opened
             }
         };
-        let bytes = job.buf.as_mut_bytes();
-        let (mut reads, mut direct, mut device) = (0, 0, 0);
-        for r in &plan.regions {
-            let dst = &mut bytes[r.buf_offset as usize..(r.buf_offset + r.len) as usize];
-            let (path, n) = file.read_region(r, dst).map_err(|source| ExpertError::Io {
-                layer: job.layer,
-                expert: job.expert,
-                path: file.path().to_path_buf(),
-                offset: r.file_offset,
-                len: r.need_to,
-                source,
+        // SAFETY: the pieces of one expert cover disjoint buffer ranges and each piece is
+        // read by exactly one job.
+        let dst = unsafe { fill.piece(region.buf_offset as usize, region.len as usize) };
+        let piece = Region {
+            buf_offset: 0,
+            ..*region
+        };
+        let out = source
+            .read_region(&piece, dst)
+            .map_err(|e| ExpertError::Io {
+                layer,
+                expert,
+                path: source.path().to_path_buf(),
+                offset: region.file_offset,
+                len: region.need_to,
+                source: e,
             })?;
-            reads += 1;
-            device += n;
-            if path == IoPath::Direct {
-                direct += 1;
-            }
-        }
         if self.files.is_empty()
             && let Ok(mut g) = self.last_path.lock()
         {
-            *g = Some(file.io_path());
+            *g = Some(source.io_path());
         }
-        Ok((plan, reads, direct, device))
+        Ok(out)
     }
 }
 
@@ -603,74 +753,145 @@ fn weights(
 
 fn worker(s: &Shared) {
     loop {
-        let mut job = {
+        let (job, file, region, fill) = {
             let mut st = s.lock();
             loop {
                 if st.shutdown {
                     return;
                 }
-                if let Some(j) = st.demand.pop_front().or_else(|| st.pilot.pop_front()) {
-                    break j;
+                let Some(j) = st.demand.pop_front().or_else(|| st.pilot.pop_front()) else {
+                    st = s.work.wait(st).unwrap_or_else(|p| p.into_inner());
+                    continue;
+                };
+                // Pieces of a cancelled read are skipped.
+                let Some(p) = st.pending.get_mut(&(j.layer, j.expert)) else {
+                    continue;
+                };
+                let Some(region) = p.pieces.get(j.piece).copied() else {
+                    continue;
+                };
+                p.started += 1;
+                let (file, fill) = (p.file, p.fill.clone());
+                st.in_flight += 1;
+                if st.in_flight == 1 {
+                    st.busy_since = Some(Instant::now());
                 }
-                st = s.work.wait(st).unwrap_or_else(|p| p.into_inner());
+                break (j, file, region, fill);
             }
         };
-        {
+        let key = (job.layer, job.expert);
+        let outcome = s.read_piece(job.layer, job.expert, file, &region, &fill);
+        // The last piece to land must find the buffer's only `Arc` in `pending`.
+        drop(fill);
+        let finished = {
             let mut st = s.lock();
-            st.in_flight += 1;
-            if st.in_flight == 1 {
-                st.busy_since = Some(Instant::now());
+            st.in_flight -= 1;
+            if st.in_flight == 0
+                && let Some(t) = st.busy_since.take()
+            {
+                st.busy += t.elapsed();
             }
-        }
-        let outcome = s.read(&mut job);
-        let (layer, expert, pilot) = (job.layer, job.expert, job.pilot);
-        let buf = Arc::new(job.buf);
-        let result = outcome.and_then(|(plan, reads, direct, device)| {
-            weights(&buf, &plan, s.table.shape, layer, expert).map(|w| (w, reads, direct, device))
-        });
-        let mut st = s.lock();
-        st.in_flight -= 1;
-        if st.in_flight == 0
-            && let Some(t) = st.busy_since.take()
-        {
-            st.busy += t.elapsed();
-        }
-        let slot = match result {
-            Ok((w, reads, direct, device)) => {
-                st.reads += reads;
-                st.direct_reads += direct;
-                st.device_bytes += device;
-                let eb = s.table.shape.expert_bytes();
-                if let Some(l) = st.layers.get_mut(layer) {
-                    l.bytes_read += eb;
-                    if pilot {
-                        l.prefetch_bytes += eb;
+            let Some(p) = st.pending.get_mut(&key) else {
+                continue;
+            };
+            p.done += 1;
+            match outcome {
+                Ok((path, n)) => {
+                    p.reads += 1;
+                    p.device += n;
+                    if path == IoPath::Direct {
+                        p.direct += 1;
                     }
                 }
-                Slot::Ready(w, buf)
-            }
-            Err(e) => {
-                if let Ok(b) = Arc::try_unwrap(buf) {
-                    st.free.push(b);
+                Err(e) => {
+                    p.err.get_or_insert(e);
                 }
-                Slot::Failed(e)
             }
+            if p.done < p.expected {
+                continue;
+            }
+            st.pending.remove(&key)
         };
-        match st.entries.get_mut(&(layer, expert)) {
-            Some(entry) => entry.slot = slot,
-            None => {
-                // Cancelled while in flight: keep the buffer for reuse.
-                if let Slot::Ready(w, b) = slot {
-                    drop(w);
-                    if let Ok(b) = Arc::try_unwrap(b) {
-                        st.free.push(b);
-                    }
-                }
-            }
+        if let Some(p) = finished {
+            finish(s, key, p);
+        }
+    }
+}
+
+/// Every expected piece of `p` has landed: build the weights and publish the slot (or, for a
+/// cancelled guess, give the buffer back).
+fn finish(s: &Shared, (layer, expert): (usize, usize), p: Pending) {
+    if p.cancelled {
+        let mut st = s.lock();
+        st.reads += p.reads;
+        st.direct_reads += p.direct;
+        st.device_bytes += p.device;
+        if let Some(e) = st.entries.remove(&(layer, expert))
+            && e.pinned
+        {
+            st.pinned -= 1;
+        }
+        if let Ok(f) = Arc::try_unwrap(p.fill) {
+            st.free.push(f.into_inner());
         }
         drop(st);
         s.loaded.notify_all();
+        return;
     }
+    let buf = Arc::try_unwrap(p.fill).map(Filling::into_inner);
+    let result = match (p.err, buf) {
+        (Some(e), Ok(b)) => Err((e, Some(b))),
+        (Some(e), Err(_)) => Err((e, None)),
+        (None, Err(_)) => Err((
+            ExpertError::Unavailable {
+                layer,
+                expert,
+                message: "internal: a piece read still holds the buffer".into(),
+            },
+            None,
+        )),
+        (None, Ok(b)) => {
+            let buf = Arc::new(b);
+            match weights(&buf, &p.plan, s.table.shape, layer, expert) {
+                Ok(w) => Ok((w, buf)),
+                Err(e) => Err((e, Arc::try_unwrap(buf).ok())),
+            }
+        }
+    };
+    let mut st = s.lock();
+    st.reads += p.reads;
+    st.direct_reads += p.direct;
+    st.device_bytes += p.device;
+    let slot = match result {
+        Ok((w, buf)) => {
+            let eb = s.table.shape.expert_bytes();
+            if let Some(l) = st.layers.get_mut(layer) {
+                l.bytes_read += eb;
+                if p.pilot {
+                    l.prefetch_bytes += eb;
+                }
+            }
+            Slot::Ready(w, buf)
+        }
+        Err((e, buf)) => {
+            st.free.extend(buf);
+            Slot::Failed(e)
+        }
+    };
+    match st.entries.get_mut(&(layer, expert)) {
+        Some(entry) => entry.slot = slot,
+        None => {
+            // Cancelled while in flight: keep the buffer for reuse.
+            if let Slot::Ready(w, b) = slot {
+                drop(w);
+                if let Ok(b) = Arc::try_unwrap(b) {
+                    st.free.push(b);
+                }
+            }
+        }
+    }
+    drop(st);
+    s.loaded.notify_all();
 }
 
 impl ExpertSource for StreamingExperts {
@@ -823,19 +1044,36 @@ impl ExpertSource for StreamingExperts {
         st.pinned = 0;
         // PILOT reads not started yet: promote right guesses, drop wrong ones (and stale
         // guesses of earlier layers).
+        // A wrong guess loses its unstarted pieces; one with pieces in flight gives its
+        // buffer back when they land.
         let mut keep = VecDeque::new();
+        let mut dropped = std::collections::BTreeSet::new();
         for job in std::mem::take(&mut st.pilot) {
+            let key = (job.layer, job.expert);
             let wanted = job.layer == layer && experts.binary_search(&job.expert).is_ok();
             if wanted {
                 st.demand.push_back(job);
-            } else if job.layer <= layer {
-                st.entries.remove(&(job.layer, job.expert));
-                st.free.push(job.buf);
+            } else if job.layer <= layer && st.pending.contains_key(&key) {
+                dropped.insert(key);
             } else {
                 keep.push_back(job);
             }
         }
         st.pilot = keep;
+        for key in dropped {
+            let Some(p) = st.pending.get_mut(&key) else {
+                continue;
+            };
+            if p.started > p.done {
+                p.expected = p.started;
+                p.cancelled = true;
+            } else if let Some(p) = st.pending.remove(&key) {
+                st.entries.remove(&key);
+                if let Ok(f) = Arc::try_unwrap(p.fill) {
+                    st.free.push(f.into_inner());
+                }
+            }
+        }
         let (mut hits, mut pf_hits, mut pin_hits) = (0, 0, 0);
         for &e in experts {
             if let Some(entry) = st.entries.get_mut(&(layer, e)) {
@@ -867,6 +1105,34 @@ impl ExpertSource for StreamingExperts {
 
     fn wants_prediction(&self) -> bool {
         true
+    }
+
+    fn next_ready(&self, layer: usize, pending: &[usize]) -> usize {
+        let s = &*self.shared;
+        let started = Instant::now();
+        let mut st = s.lock();
+        let pick = loop {
+            let mut loading = false;
+            let mut ready = None;
+            for (i, &e) in pending.iter().enumerate() {
+                match st.entries.get(&(layer, e)).map(|en| &en.slot) {
+                    Some(Slot::Ready(..) | Slot::Failed(_)) => {
+                        ready = Some(i);
+                        break;
+                    }
+                    Some(Slot::Loading) => loading = true,
+                    None => {}
+                }
+            }
+            match ready {
+                Some(i) => break i,
+                // Nothing in flight: the first one is read on request.
+                None if !loading => break 0,
+                None => st = s.wait(st),
+            }
+        };
+        st.wait += started.elapsed();
+        pick
     }
 
     fn predict(&self, layer: usize, experts: &[usize]) {
@@ -1015,6 +1281,130 @@ mod tests {
         assert!(st.total().misses > 0 && st.reads > 0);
         // Unhinted requests work too.
         check(&src.expert(2, 7).unwrap(), &want[&(2, 7)]);
+    }
+
+    #[test]
+    fn regions_split_into_aligned_pieces_that_cover_them() {
+        let plan = ReadPlan {
+            regions: vec![
+                Region {
+                    file_offset: 8192,
+                    len: 5 * ALIGN,
+                    buf_offset: 0,
+                    need_to: 4 * ALIGN + 100,
+                },
+                Region {
+                    file_offset: 65536,
+                    len: ALIGN,
+                    buf_offset: 5 * ALIGN,
+                    need_to: ALIGN,
+                },
+            ],
+            tensor_at: [0; 6],
+            buf_len: 6 * ALIGN,
+        };
+        let pieces = split_regions(&plan, 2 * ALIGN);
+        let got: Vec<(u64, u64, u64, u64)> = pieces
+            .iter()
+            .map(|r| (r.file_offset, r.len, r.buf_offset, r.need_to))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (8192, 2 * ALIGN, 0, 2 * ALIGN),
+                (8192 + 2 * ALIGN, 2 * ALIGN, 2 * ALIGN, 2 * ALIGN),
+                (8192 + 4 * ALIGN, ALIGN, 4 * ALIGN, 100),
+                (65536, ALIGN, 5 * ALIGN, ALIGN),
+            ]
+        );
+        assert_eq!(split_regions(&plan, 0).len(), 2);
+        // Equal pieces: 5 blocks in pieces of ≤ 4 blocks are 3 + 2, not 4 + 1.
+        let lens: Vec<u64> = split_regions(&plan, 4 * ALIGN)
+            .iter()
+            .map(|r| r.len / ALIGN)
+            .collect();
+        assert_eq!(lens, vec![3, 2, 1]);
+    }
+
+    #[test]
+    fn piecewise_reads_give_the_same_bytes_and_count_every_piece() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, want) = fixture(dir.path(), 3, 8);
+        let o = StreamOptions {
+            read_threads: 4,
+            ..opts(4, &table, PilotGate::Measure)
+        };
+        let src = StreamingExperts::new(table.clone(), o).unwrap();
+        let e = src.set_read_piece_bytes(1000).unwrap_err().to_string();
+        assert!(e.contains("multiple of 4096"), "{e}");
+        src.set_read_piece_bytes(ALIGN).unwrap();
+        // One piece per aligned block of every expert (each is read once: a cold pass).
+        let mut pieces = 0;
+        for l in 1..3 {
+            let union: Vec<usize> = (0..8).collect();
+            src.begin_layer(l, &union);
+            for &e in &union {
+                pieces += ReadPlan::new(table.get(l, e).unwrap()).buf_len / ALIGN;
+                check(&src.expert(l, e).unwrap(), &want[&(l, e)]);
+            }
+        }
+        let st = src.stats().unwrap();
+        assert_eq!(st.total().bytes_read, 16 * SHAPE.expert_bytes());
+        assert!(pieces > 16 * 2, "{pieces}");
+        assert_eq!(st.reads, pieces, "{st:?}");
+    }
+
+    #[test]
+    fn wrong_guesses_cancelled_mid_read_keep_bytes_and_budget_right() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, want) = fixture(dir.path(), 4, 12);
+        let o = StreamOptions {
+            read_threads: 3,
+            ..opts(6, &table, PilotGate::Off)
+        };
+        let budget = o.cache_bytes;
+        let src = StreamingExperts::new(table.clone(), o).unwrap();
+        src.set_read_piece_bytes(ALIGN).unwrap();
+        for round in 0..40usize {
+            for l in 1..4 {
+                let union: Vec<usize> = (0..12).filter(|e| (e + round * l) % 4 == 0).collect();
+                src.begin_layer(l, &union);
+                if l < 3 {
+                    // Half right, half wrong guesses for the next layer.
+                    let guess: Vec<usize> =
+                        (0..12).filter(|e| (e + round) % 3 != 1).take(5).collect();
+                    src.predict(l + 1, &guess);
+                }
+                let mut pending = union.clone();
+                while !pending.is_empty() {
+                    let e = pending.remove(src.next_ready(l, &pending));
+                    check(&src.expert(l, e).unwrap(), &want[&(l, e)]);
+                    assert!(src.cache_bytes_now() <= budget);
+                }
+            }
+        }
+        let st = src.stats().unwrap();
+        assert!(st.cache_peak_bytes <= budget, "{st:?}");
+        assert!(st.total().prefetch_bytes > 0, "{st:?}");
+    }
+
+    #[test]
+    fn next_ready_names_a_resident_expert_before_a_missing_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, want) = fixture(dir.path(), 2, 8);
+        // Two buffers: a window of one, taken by the hit, so expert 0 is not read yet.
+        let src =
+            StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Measure)).unwrap();
+        src.begin_layer(1, &[3]);
+        src.expert(1, 3).unwrap();
+        src.begin_layer(1, &[0, 3]);
+        assert_eq!(src.next_ready(1, &[0, 3]), 1);
+        check(&src.expert(1, 3).unwrap(), &want[&(1, 3)]);
+        // Consuming the hit started expert 0's read; next_ready waits for it.
+        assert_eq!(src.next_ready(1, &[0]), 0);
+        check(&src.expert(1, 0).unwrap(), &want[&(1, 0)]);
+        let t = src.stats().unwrap().total();
+        assert_eq!((t.hits, t.misses), (1, 2));
     }
 
     #[test]

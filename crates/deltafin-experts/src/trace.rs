@@ -180,6 +180,9 @@ impl ExpertSource for RouterTrace {
     fn wants_prediction(&self) -> bool {
         self.inner.wants_prediction()
     }
+    fn next_ready(&self, layer: usize, pending: &[usize]) -> usize {
+        self.inner.next_ready(layer, pending)
+    }
     fn predict(&self, layer: usize, experts: &[usize]) {
         self.inner.predict(layer, experts)
     }

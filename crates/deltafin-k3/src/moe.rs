@@ -166,7 +166,11 @@ impl MoeWeights {
                     *s = Some(a);
                 }
             });
-            for ((&e, list), slot) in users.iter().zip(&slots) {
+            // Hits first, then misses as their reads complete (`next_ready`); each result
+            // lands in its expert's slot, so the sum below keeps the fixed route order.
+            let mut todo: Vec<_> = users.iter().zip(&slots).collect();
+            let mut pending: Vec<usize> = union.clone();
+            while !todo.is_empty() {
                 // At most `max_in_flight` experts are held by running tasks, so a long
                 // prefill's union never pins more than a few experts beyond the cache.
                 while in_flight.load(Ordering::Acquire) >= max_in_flight {
@@ -174,6 +178,9 @@ impl MoeWeights {
                         std::thread::yield_now();
                     }
                 }
+                let next = experts.next_ready(layer, &pending).min(pending.len() - 1);
+                pending.remove(next);
+                let ((&e, list), slot) = todo.remove(next);
                 let w = match experts
                     .expert(layer, e)
                     .map_err(ModelError::from)
