@@ -86,7 +86,7 @@ pub(crate) fn q16_image(
     let rows = xs.len().checked_div(cols).unwrap_or(0);
     let mut img = vec![0f32; rows * stride + 16];
     let base = (img.as_ptr() as usize).wrapping_neg() % 64 / 4;
-    let mut hi = [0i16; GROUP];
+    let (mut hi, mut lo) = ([0i16; GROUP], [0i16; GROUP]);
     for (dst, src) in img[base..]
         .chunks_exact_mut(stride.max(1))
         .zip(xs.chunks_exact(cols.max(1)))
@@ -99,18 +99,45 @@ pub(crate) fn q16_image(
             sp[4 * k..4 * k + 4].fill(s / 512.0);
             let (_, codes) = sp.split_at_mut(16);
             let codes: &mut [i16] = bytemuck::cast_slice_mut(codes);
-            for (i, (&h, &x)) in hi.iter().zip(chunk).enumerate() {
+            for (i, &h) in hi.iter().enumerate() {
                 let (j, m) = column_word(32 * k + i);
                 codes[32 * j + m] = h;
-                if levels == 2 && s.is_finite() {
-                    let rest = x - h as f32 * s;
-                    let l = (rest / (s * LO_STEP))
-                        .round_ties_even()
-                        .clamp(-32767.0, 32767.0);
-                    codes[128 + 32 * j + m] = l as i16;
+            }
+            if levels == 2 {
+                lo.fill(0);
+                lo_block(chunk, &hi[..chunk.len()], s, &mut lo[..chunk.len()]);
+                for (i, &l) in lo.iter().enumerate() {
+                    let (j, m) = column_word(32 * k + i);
+                    codes[128 + 32 * j + m] = l;
                 }
             }
         }
     }
     (Cow::Owned(img), base, stride)
+}
+
+/// The second-level codes of one block: `round_half_even((x − h·s) / (s/65536))` clamped to
+/// ±32767 (the remainder as `x − (h·s)`, two roundings, no fused multiply-add), or all zero
+/// when `s/65536` is not a normal number (a non-finite block, or a block so small that the
+/// finer step would underflow). AVX-512 when present, bit-identical to [`lo_block_scalar`].
+pub(crate) fn lo_block(chunk: &[f32], hi: &[i16], s: f32, lo: &mut [i16]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dispatch::Backend::Avx512.is_supported() {
+        // SAFETY: AVX-512 F/BW/VL are present (checked above).
+        return unsafe { crate::x86::avx512::q16_lo_block(chunk, hi, s, lo) };
+    }
+    lo_block_scalar(chunk, hi, s, lo)
+}
+
+/// The portable definition of [`lo_block`].
+pub(crate) fn lo_block_scalar(chunk: &[f32], hi: &[i16], s: f32, lo: &mut [i16]) {
+    let step = s * LO_STEP;
+    if !step.is_normal() {
+        lo.fill(0);
+        return;
+    }
+    for ((o, &x), &h) in lo.iter_mut().zip(chunk).zip(hi) {
+        let rest = x - h as f32 * s;
+        *o = (rest / step).round_ties_even().clamp(-32767.0, 32767.0) as i16;
+    }
 }

@@ -164,6 +164,35 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// [`crate::mxfp4_q16::lo_block_scalar`] in AVX-512: the same IEEE multiply, subtract and
+    /// divide, `vcvtps2dq` rounding half to even (the MXCSR default), the same clamp (the
+    /// quotients stay within ±32769, so clamping the int32 equals clamping the float).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    pub(crate) unsafe fn q16_lo_block(chunk: &[f32], hi: &[i16], s: f32, lo: &mut [i16]) {
+        let step = s * crate::mxfp4_q16::LO_STEP;
+        if !step.is_normal() {
+            lo.fill(0);
+            return;
+        }
+        let n = chunk.len().min(hi.len()).min(lo.len());
+        // SAFETY: every load and store is masked to indices < n.
+        unsafe {
+            let (sv, stepv) = (_mm512_set1_ps(s), _mm512_set1_ps(step));
+            let (mn, mx) = (_mm512_set1_epi32(-32767), _mm512_set1_epi32(32767));
+            let mut c = 0;
+            while c < n {
+                let k = mask((n - c).min(L));
+                let x = _mm512_maskz_loadu_ps(k, chunk.as_ptr().add(c));
+                let h = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(k, hi.as_ptr().add(c)));
+                let rest = _mm512_sub_ps(x, _mm512_mul_ps(_mm512_cvtepi32_ps(h), sv));
+                let q = _mm512_cvtps_epi32(_mm512_div_ps(rest, stepv));
+                let q = _mm512_min_epi32(_mm512_max_epi32(q, mn), mx);
+                _mm512_mask_cvtepi32_storeu_epi16(lo.as_mut_ptr().add(c), k, q);
+                c += L;
+            }
+        }
+    }
+
     /// One 32-column block: `acc += scale · Σ (E2M1(even)·x_even + E2M1(odd)·x_odd)`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
@@ -361,6 +390,26 @@ pub(crate) mod avx512 {
         out
     }
 
+    /// `acc + Σ pairs w·a` per dword lane (`vpdpwssd`), as one instruction: LLVM otherwise
+    /// splits the intrinsic into `vpmaddwd` + `vpaddd` (two µops, both on the vector ports
+    /// the decode also needs) for CPUs it does not know to have a fast `vpdpwssd`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    fn dpwssd(acc: __m512i, w: __m512i, a: __m512i) -> __m512i {
+        let mut acc = acc;
+        // SAFETY: register-only instruction; callers are AVX-512 VNNI functions.
+        unsafe {
+            std::arch::asm!(
+                "vpdpwssd {acc}, {w}, {a}",
+                acc = inout(zmm_reg) acc,
+                w = in(zmm_reg) w,
+                a = in(zmm_reg) a,
+                options(pure, nomem, nostack, preserves_flags),
+            );
+        }
+        acc
+    }
+
     /// `[r][b]` = the MXFP4 product of weight row `r` with activation row `b` in the q16
     /// image of [`crate::mxfp4_q16::q16_image`] with `LV` (1 or 2) levels, for a tile of `NR`
     /// weight rows × `NB` activation rows (see that module for the arithmetic and its error).
@@ -442,10 +491,10 @@ pub(crate) mod avx512 {
                                 _mm512_loadu_si512(cp.add(16 * j) as *const __m512i)
                             });
                             for r in 0..NR {
-                                let i = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w[r][0], a[0]);
-                                let i = _mm512_dpwssd_epi32(i, w[r][1], a[1]);
-                                let i = _mm512_dpwssd_epi32(i, w[r][2], a[2]);
-                                let i = _mm512_dpwssd_epi32(i, w[r][3], a[3]);
+                                let i = _mm512_madd_epi16(w[r][0], a[0]);
+                                let i = dpwssd(i, w[r][1], a[1]);
+                                let i = dpwssd(i, w[r][2], a[2]);
+                                let i = dpwssd(i, w[r][3], a[3]);
                                 let f = _mm512_mul_ps(_mm512_cvtepi32_ps(i), ls[lv]);
                                 $acc[r][b] = _mm512_fmadd_ps(f, ws[r], $acc[r][b]);
                             }
