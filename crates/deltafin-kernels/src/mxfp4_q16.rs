@@ -62,9 +62,34 @@ pub(crate) const fn word_column(j: usize, m: usize) -> usize {
 }
 
 /// The inverse of [`word_column`]: `(j, m)` of span column `c`.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) const fn column_word(c: usize) -> (usize, usize) {
     let t = c % 8;
     (VEC_OFFSET[t % 4], 2 * (c / 8) + t / 4)
+}
+
+/// Block-relative column of word `t` (0…7) of block `k`'s part of code vector `j`:
+/// `BLOCK_COLUMN[8j + t]` = [`word_column`]`(j, 8k + t) − 32k`.
+const BLOCK_COLUMN: [usize; 32] = {
+    let mut t = [0usize; 32];
+    let mut i = 0;
+    while i < 32 {
+        t[i] = 8 * ((i % 8) / 2) + 4 * (i % 2) + VEC_OFFSET[i / 8];
+        i += 1;
+    }
+    t
+};
+
+/// Write block `k`'s 32 codes (natural column order) into one level's 4 code vectors of a
+/// span: words `8k..8k+8` of each vector.
+#[inline]
+fn scatter_block(block: &[i16; GROUP], level: &mut [i16], k: usize) {
+    for j in 0..4 {
+        let dst = &mut level[32 * j + 8 * k..32 * j + 8 * k + 8];
+        for (t, d) in dst.iter_mut().enumerate() {
+            *d = block[BLOCK_COLUMN[8 * j + t]];
+        }
+    }
 }
 
 /// The q16 image of activation rows of `cols` values (a multiple of 32) with `levels`
@@ -99,17 +124,11 @@ pub(crate) fn q16_image(
             sp[4 * k..4 * k + 4].fill(s / 512.0);
             let (_, codes) = sp.split_at_mut(16);
             let codes: &mut [i16] = bytemuck::cast_slice_mut(codes);
-            for (i, &h) in hi.iter().enumerate() {
-                let (j, m) = column_word(32 * k + i);
-                codes[32 * j + m] = h;
-            }
+            scatter_block(&hi, &mut codes[..128], k);
             if levels == 2 {
                 lo.fill(0);
                 lo_block(chunk, &hi[..chunk.len()], s, &mut lo[..chunk.len()]);
-                for (i, &l) in lo.iter().enumerate() {
-                    let (j, m) = column_word(32 * k + i);
-                    codes[128 + 32 * j + m] = l;
-                }
+                scatter_block(&lo, &mut codes[128..], k);
             }
         }
     }
