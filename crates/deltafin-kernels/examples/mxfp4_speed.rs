@@ -4,7 +4,7 @@
 //! buffer of the same size measured in the same process (before and after; the larger is used).
 //!
 //! ```text
-//! for A in f32 q8 q8 f32; do DELTAFIN_MXFP4_ACT=$A nice cargo run --release \
+//! for A in f32 q16x2 q16x2 f32; do DELTAFIN_MXFP4_ACT=$A nice cargo run --release \
 //!     -p deltafin-kernels --example mxfp4_speed; done
 //! ```
 

@@ -13,6 +13,7 @@
 pub mod cuda;
 pub mod dispatch;
 pub mod matvec;
+pub mod mxfp4_q16;
 pub mod mxfp4_q8;
 #[cfg(target_arch = "aarch64")]
 mod neon;

@@ -171,6 +171,13 @@ impl<'a> Raw<'a> {
                         )
                     };
                 }
+                #[cfg(target_arch = "x86_64")]
+                if be == Backend::Avx512 && mxfp4_q16_levels().is_some() {
+                    let (p, s) = (&packed[r * pb..(r + 1) * pb], &scales[r * g..(r + 1) * g]);
+                    // SAFETY: `product` checked AVX-512; `mxfp4_q16_levels` checked VNNI and
+                    // `prepare` built the q16 image with that many levels.
+                    return unsafe { mxfp4_q16_tile::<1, NB>([p], [s], xs) }[0];
+                }
                 dispatch!(
                     be,
                     dot_mxfp4(
@@ -219,6 +226,10 @@ impl Weights<'_> {
                 let (img, stride) = q8_image(xs, cols);
                 (img, 0, stride)
             }
+            (Weights::Mxfp4(_), Backend::Avx512) if mxfp4_q16_levels().is_some() => {
+                let levels = mxfp4_q16_levels().unwrap_or(1);
+                crate::mxfp4_q16::q16_image(xs, cols, levels)
+            }
             (Weights::Mxfp4(_), Backend::Avx512 | Backend::Avx2 | Backend::Neon) => {
                 let spans = if be == Backend::Avx512 { cols / 128 } else { 0 };
                 (mxfp4_f32_image(xs, cols, spans), 0, cols)
@@ -253,6 +264,39 @@ pub(crate) fn mxfp4_f32_image(xs: &[f32], cols: usize, spans: usize) -> Cow<'sta
         }
     }
     Cow::Owned(p)
+}
+
+/// Code levels of the q16 image of AVX-512 MXFP4 products in this process (`q16`: 1,
+/// `q16x2`: 2), or `None` when they take f32 or q8 activations.
+#[inline]
+fn mxfp4_q16_levels() -> Option<usize> {
+    match avx512_mxfp4_act() {
+        Mxfp4Act::Q16 => Some(1),
+        Mxfp4Act::Q16x2 => Some(2),
+        Mxfp4Act::F32 | Mxfp4Act::Q8 => None,
+    }
+}
+
+/// The q16 MXFP4 tile kernel for this process's level count.
+///
+/// # Safety
+/// As [`crate::x86::avx512::dot_mxfp4_q16_tile`]; the images must have been built with
+/// [`mxfp4_q16_levels`] levels.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn mxfp4_q16_tile<const NR: usize, const NB: usize>(
+    packed: [&[u8]; NR],
+    scales: [&[u8]; NR],
+    xs: [&[f32]; NB],
+) -> [[f32; NB]; NR] {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        if mxfp4_q16_levels() == Some(2) {
+            crate::x86::avx512::dot_mxfp4_q16_tile::<2, NR, NB>(packed, scales, xs)
+        } else {
+            crate::x86::avx512::dot_mxfp4_q16_tile::<1, NR, NB>(packed, scales, xs)
+        }
+    }
 }
 
 /// Columns per activation scale in the q16 image of row-int8 products.
@@ -527,7 +571,16 @@ impl<'a> Prepared<'a> {
                 }
                 v
             }
-            _ => unreachable!("only bf16 and q16 row-int8 products are tiled"),
+            Raw::Mxfp4(packed, scales, cols) => {
+                let (pb, g) = (cols / 2, cols / GROUP);
+                let ps: [&[u8]; NR] =
+                    std::array::from_fn(|i| &packed[(r + i) * pb..(r + i + 1) * pb]);
+                let ss: [&[u8]; NR] =
+                    std::array::from_fn(|i| &scales[(r + i) * g..(r + i + 1) * g]);
+                // SAFETY: as above; the caller checked VNNI and the image is the q16 one.
+                unsafe { mxfp4_q16_tile::<NR, NB>(ps, ss, xs) }
+            }
+            _ => unreachable!("only bf16, q16 row-int8 and q16 MXFP4 products are tiled"),
         };
         for (i, vr) in v.iter().enumerate() {
             for (j, &vij) in vr.iter().enumerate() {
@@ -550,7 +603,8 @@ impl<'a> Prepared<'a> {
         #[cfg(target_arch = "x86_64")]
         if be == Backend::Avx512
             && (matches!(self.w, Weights::Bf16(_))
-                || matches!(self.w, Weights::RowInt8(_)) && q16_int8())
+                || matches!(self.w, Weights::RowInt8(_)) && q16_int8()
+                || matches!(self.w, Weights::Mxfp4(_)) && mxfp4_q16_levels().is_some())
         {
             // SAFETY: forwarded from the caller.
             return unsafe { self.rows_tiled(r0, r1) };

@@ -39,6 +39,12 @@ pub enum Mxfp4Act {
     /// int8 activations per 32-column block, exact int32 sums (AVX-512 VNNI only; elsewhere
     /// the f32 path runs).
     Q8,
+    /// int16 activations per 32-column block, one level ([`crate::mxfp4_q16`]; AVX-512
+    /// VNNI only).
+    Q16,
+    /// int16 activations per 32-column block, two levels (the remainder quantised again on a
+    /// 65536× finer step: about f32's own precision; [`crate::mxfp4_q16`]; AVX-512 VNNI only).
+    Q16x2,
 }
 
 impl Mxfp4Act {
@@ -47,6 +53,8 @@ impl Mxfp4Act {
         match self {
             Mxfp4Act::F32 => "f32",
             Mxfp4Act::Q8 => "q8",
+            Mxfp4Act::Q16 => "q16",
+            Mxfp4Act::Q16x2 => "q16x2",
         }
     }
 }
@@ -54,27 +62,33 @@ impl Mxfp4Act {
 /// A bad `DELTAFIN_MXFP4_ACT` setting.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Mxfp4ActError {
-    #[error("{ACT_ENV_VAR}={value:?} is not one of f32, q8")]
+    #[error("{ACT_ENV_VAR}={value:?} is not one of f32, q8, q16, q16x2")]
     Unknown { value: String },
 }
 
-/// Parse a `DELTAFIN_MXFP4_ACT` value strictly (`f32` or `q8`, nothing else).
+/// Parse a `DELTAFIN_MXFP4_ACT` value strictly (`f32`, `q8`, `q16` or `q16x2`, nothing else).
 pub fn parse_mxfp4_act(value: &str) -> Result<Mxfp4Act, Mxfp4ActError> {
     match value {
         "f32" => Ok(Mxfp4Act::F32),
         "q8" => Ok(Mxfp4Act::Q8),
+        "q16" => Ok(Mxfp4Act::Q16),
+        "q16x2" => Ok(Mxfp4Act::Q16x2),
         _ => Err(Mxfp4ActError::Unknown {
             value: value.to_string(),
         }),
     }
 }
 
-/// The requested activation format (unset → `f32`), resolved once per process.
+/// The activation format used when `DELTAFIN_MXFP4_ACT` is unset (on AVX-512 VNNI; every
+/// other CPU runs f32).
+pub const DEFAULT_ACT: Mxfp4Act = Mxfp4Act::Q16x2;
+
+/// The requested activation format (unset → [`DEFAULT_ACT`]), resolved once per process.
 pub fn select_mxfp4_act() -> Result<Mxfp4Act, Mxfp4ActError> {
     static SELECTED: OnceLock<Result<Mxfp4Act, Mxfp4ActError>> = OnceLock::new();
     SELECTED
         .get_or_init(|| match std::env::var(ACT_ENV_VAR) {
-            Err(std::env::VarError::NotPresent) => Ok(Mxfp4Act::F32),
+            Err(std::env::VarError::NotPresent) => Ok(DEFAULT_ACT),
             Err(std::env::VarError::NotUnicode(v)) => Err(Mxfp4ActError::Unknown {
                 value: v.to_string_lossy().into_owned(),
             }),
@@ -95,8 +109,8 @@ pub(crate) fn vnni_available() -> bool {
     }
 }
 
-/// The activation format AVX-512 MXFP4 products use in this process: `q8` when requested
-/// (`DELTAFIN_MXFP4_ACT=q8`) and VNNI is present, else `f32`.
+/// The activation format AVX-512 MXFP4 products use in this process: the requested (or
+/// default) `q8`, `q16` or `q16x2` when VNNI is present, else `f32`.
 ///
 /// # Panics
 /// If `DELTAFIN_MXFP4_ACT` is invalid (binaries report it first through
@@ -104,7 +118,8 @@ pub(crate) fn vnni_available() -> bool {
 pub fn avx512_mxfp4_act() -> Mxfp4Act {
     static ACTIVE: OnceLock<Mxfp4Act> = OnceLock::new();
     *ACTIVE.get_or_init(|| match select_mxfp4_act() {
-        Ok(Mxfp4Act::Q8) if vnni_available() => Mxfp4Act::Q8,
+        Ok(Mxfp4Act::F32) => Mxfp4Act::F32,
+        Ok(act) if vnni_available() => act,
         Ok(_) => Mxfp4Act::F32,
         Err(e) => panic!("{e}"),
     })

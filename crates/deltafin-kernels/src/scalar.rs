@@ -187,3 +187,59 @@ pub(crate) fn dot_mxfp4_q8<const NB: usize>(
     }
     out
 }
+
+/// `Σ_lanes (f32(Σ 256·2·E2M1·h)·s/512)·2^(e−127) [+ (f32(Σ 256·2·E2M1·l)·(s/512·2^−16))·2^(e−127)]`
+/// over `NR` MXFP4 rows against `NB` rows of the q16 image of
+/// [`crate::mxfp4_q16::q16_image`] with `levels` levels: the exact arithmetic of the AVX-512
+/// VNNI kernel (same lanes, exact int32 sums, per span and level one fused multiply-add per
+/// lane into one of two accumulators by span parity, then `reduce16(acc0 + acc1)`), so the two
+/// agree bit for bit. Padding blocks of the last span take weight code 0 and scale byte 0, as
+/// the kernel's masked loads do. Test reference; no backend dispatches here.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn dot_mxfp4_q16<const NB: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    xs: [&[f32]; NB],
+    levels: usize,
+) -> [f32; NB] {
+    use crate::mxfp4_q16::{E2M1_X2, LO_STEP, column_word, span_slots};
+    let slots = span_slots(levels);
+    let nblk = scales.len();
+    let nspan = nblk.div_ceil(4);
+    let mut acc = [[[0f32; 16]; 2]; NB];
+    for span in 0..nspan {
+        for b in 0..NB {
+            let img = &xs[b][span * slots..(span + 1) * slots];
+            for lane in 0..16 {
+                let blk = 4 * span + lane / 4;
+                let e = if blk < nblk { scales[blk] } else { 0 };
+                let ls = [img[lane], img[lane] * LO_STEP];
+                for lv in 0..levels {
+                    let codes: &[i16] =
+                        bytemuck::cast_slice(&img[16 + 64 * lv..16 + 64 * (lv + 1)]);
+                    let mut s = 0i32;
+                    for c in 8 * lane..8 * lane + 8 {
+                        let byte = if blk < nblk {
+                            packed[64 * span + c / 2]
+                        } else {
+                            0
+                        };
+                        let nib = if c % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                        let w = 256 * E2M1_X2[nib as usize] as i32;
+                        let (j, m) = column_word(c);
+                        s += w * codes[32 * j + m] as i32;
+                    }
+                    let f = s as f32 * ls[lv];
+                    let a = &mut acc[b][span % 2][lane];
+                    *a = f.mul_add(e8m0(e), *a);
+                }
+            }
+        }
+    }
+    let mut out = [0f32; NB];
+    for b in 0..NB {
+        let v: [f32; 16] = std::array::from_fn(|i| acc[b][0][i] + acc[b][1][i]);
+        out[b] = reduce16(&v);
+    }
+    out
+}

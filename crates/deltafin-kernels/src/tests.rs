@@ -129,8 +129,13 @@ fn q16_bound(be: Backend, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
     let q16 = matches!(w, Weights::RowInt8(_))
         && ((be == Backend::Avx512 && vnni) || be == Backend::Avx2);
     let mut out = vec![0f64; n * rows];
-    if be == Backend::Avx512 && matches!(w, Weights::Mxfp4(_)) && mxfp4_q8_active() {
-        return q8_bound(w, xs, n);
+    if be == Backend::Avx512 && matches!(w, Weights::Mxfp4(_)) {
+        match crate::mxfp4_q8::avx512_mxfp4_act() {
+            crate::mxfp4_q8::Mxfp4Act::Q8 => return q8_bound(w, xs, n),
+            crate::mxfp4_q8::Mxfp4Act::Q16 => return block_bound(w, xs, n, 65534.0),
+            crate::mxfp4_q8::Mxfp4Act::Q16x2 => return block_bound(w, xs, n, 2f64.powi(31)),
+            crate::mxfp4_q8::Mxfp4Act::F32 => {}
+        }
     }
     if !q16 {
         return out;
@@ -147,14 +152,14 @@ fn q16_bound(be: Backend, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
     out
 }
 
-/// Whether AVX-512 MXFP4 products take int8 activations in this process.
-fn mxfp4_q8_active() -> bool {
-    crate::mxfp4_q8::avx512_mxfp4_act() == crate::mxfp4_q8::Mxfp4Act::Q8
-}
-
 /// The activation-quantisation error bound of MXFP4 products on q8 activations, per output
 /// value: `Σ_c |W_rc| · absmax_blk(c)(x_b) / 254` (half a step of `absmax/127` per column).
 fn q8_bound(w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
+    block_bound(w, xs, n, 254.0)
+}
+
+/// `Σ_c |W_rc| · absmax_blk(c)(x_b) / div` per output value (32-column blocks).
+fn block_bound(w: &Weights<'_>, xs: &[f32], n: usize, div: f64) -> Vec<f64> {
     let (rows, cols) = (w.rows(), w.cols());
     let mut out = vec![0f64; n * rows];
     for r in 0..rows {
@@ -164,7 +169,7 @@ fn q8_bound(w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
             let mut bound = 0f64;
             for (wb, xb) in wr.chunks(32).zip(x.chunks(32)) {
                 let absmax = xb.iter().fold(0f64, |m, &v| m.max(v.abs() as f64));
-                bound += wb.iter().map(|v| v.abs()).sum::<f64>() * absmax / 254.0;
+                bound += wb.iter().map(|v| v.abs()).sum::<f64>() * absmax / div;
             }
             out[b * rows + r] = bound;
         }
@@ -733,7 +738,11 @@ fn mxfp4_act_parsing_is_strict() {
     use crate::mxfp4_q8::{Mxfp4Act, Mxfp4ActError, parse_mxfp4_act};
     assert_eq!(parse_mxfp4_act("f32"), Ok(Mxfp4Act::F32));
     assert_eq!(parse_mxfp4_act("q8"), Ok(Mxfp4Act::Q8));
-    for bad in ["", "F32", "q8 ", "int8", "bf16", "auto"] {
+    assert_eq!(parse_mxfp4_act("q16"), Ok(Mxfp4Act::Q16));
+    assert_eq!(parse_mxfp4_act("q16x2"), Ok(Mxfp4Act::Q16x2));
+    for bad in [
+        "", "F32", "q8 ", "int8", "bf16", "auto", "Q16", "q16x", "q32",
+    ] {
         let e = parse_mxfp4_act(bad).unwrap_err();
         assert!(matches!(e, Mxfp4ActError::Unknown { .. }), "{bad:?}");
         assert!(e.to_string().contains("DELTAFIN_MXFP4_ACT"), "{e}");
@@ -989,5 +998,297 @@ fn q16_block_simd_equals_scalar() {
             assert_eq!(sc.to_bits(), sb.to_bits(), "avx2 scale, len {}", case.len());
             assert_eq!(c, b, "avx2 codes, len {}", case.len());
         }
+    }
+}
+
+/// The q16 image: the span layout ([`crate::mxfp4_q16::word_column`] and its inverse), the
+/// lane scales `s/512`, codes as [`crate::matvec::q16_block_scalar`] gives them, the second
+/// level's remainder codes, the reconstruction error (≤ half a step `s/2 = absmax/65534` with
+/// one level, ≤ absmax·2^−32 + 2^−23·|x| with two; plus the f32 quotient's rounding on
+/// near-ties), zero padding and NaN for non-finite blocks.
+#[test]
+fn mxfp4_q16_image_follows_the_quantisation_rule() {
+    use crate::mxfp4_q16::{LO_STEP, column_word, q16_image, span_slots, word_column};
+    for j in 0..4 {
+        for m in 0..32 {
+            assert_eq!(column_word(word_column(j, m)), (j, m));
+        }
+    }
+    let mut rng = Rng(0x5151_2222_9999);
+    for cols in [32usize, 96, 128, 160, 416, 1024] {
+        for levels in 1..=2 {
+            let n = 3;
+            let mut xs = q8_activations(&mut rng, n, cols);
+            xs[cols + 5] = f32::NAN; // row 1, block 0
+            let (img, base, stride) = q16_image(&xs, cols, levels);
+            let slots = span_slots(levels);
+            assert_eq!(base % 16, (16 - (img.as_ptr() as usize / 4) % 16) % 16);
+            assert_eq!(stride, cols.div_ceil(128) * slots);
+            for b in 0..n {
+                let row = &img[base + b * stride..base + (b + 1) * stride];
+                let x = &xs[b * cols..(b + 1) * cols];
+                for span in 0..cols.div_ceil(128) {
+                    let sp = &row[span * slots..(span + 1) * slots];
+                    for k in 0..4 {
+                        let c0 = span * 128 + 32 * k;
+                        let code = |lv: usize, c: usize| {
+                            let codes: &[i16] =
+                                bytemuck::cast_slice(&sp[16 + 64 * lv..16 + 64 * (lv + 1)]);
+                            let (j, m) = column_word(c);
+                            codes[32 * j + m]
+                        };
+                        if c0 >= cols {
+                            assert!(sp[4 * k..4 * k + 4].iter().all(|&v| v == 0.0));
+                            for c in 32 * k..32 * k + 32 {
+                                for lv in 0..levels {
+                                    assert_eq!(code(lv, c), 0);
+                                }
+                            }
+                            continue;
+                        }
+                        let blk = &x[c0..c0 + 32];
+                        let mut want = [0i16; 32];
+                        let s = q16_block_scalar(blk, &mut want);
+                        for l in 0..4 {
+                            assert_eq!(sp[4 * k + l].to_bits(), (s / 512.0).to_bits());
+                        }
+                        if !s.is_finite() {
+                            assert!(b == 1 && k == 0 && span == 0, "NaN only where placed");
+                            continue;
+                        }
+                        let absmax = blk.iter().fold(0f64, |m, &v| m.max(v.abs() as f64));
+                        for (i, &v) in blk.iter().enumerate() {
+                            let h = code(0, 32 * k + i);
+                            assert_eq!(h, want[i], "cols {cols} b {b} col {}", c0 + i);
+                            let mut rec = s as f64 * h as f64;
+                            let bound = if levels == 1 {
+                                // Half a step, plus the f32 quotient's rounding (≤ 32767·2^−24
+                                // ≈ 0.002 steps) on a near-tie.
+                                s as f64 * 0.502
+                            } else {
+                                let l = code(1, 32 * k + i);
+                                rec += s as f64 * LO_STEP as f64 * l as f64;
+                                absmax * 2f64.powi(-32) * 1.01 + 2f64.powi(-23) * (v.abs() as f64)
+                            };
+                            let err = (rec - v as f64).abs();
+                            assert!(
+                                err <= bound,
+                                "cols {cols} lv {levels}: {v} → {rec} (s {s}, h {h}, absmax {absmax})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// q16 MXFP4 activations: the scalar reference of the quantised arithmetic stays within the
+/// activation-quantisation bound of the exact f32-activation product:
+/// `Σ_c |W_c|·absmax_blk/65534` (one level), `Σ_c |W_c|·absmax_blk·2^−31` (two levels), plus
+/// f32 rounding (1e-5·Σ|W x|).
+#[test]
+fn mxfp4_q16_scalar_reference_bounds_the_error() {
+    use crate::mxfp4_q16::q16_image;
+    let mut rng = Rng(0xabcd_4321_1111);
+    for (rows, cols) in [
+        (3usize, 32usize),
+        (4, 160),
+        (5, 416),
+        (2, 1056),
+        (3, 7168 / 4),
+    ] {
+        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let w = Weights::Mxfp4(&m);
+        let n = 3;
+        let xs = q8_activations(&mut rng, n, cols);
+        let (want, mag) = reference(&w, &xs, n);
+        for levels in 1..=2 {
+            let (img, base, stride) = q16_image(&xs, cols, levels);
+            let div = if levels == 1 { 65534.0 } else { 2f64.powi(31) };
+            let bound = block_bound(&w, &xs, n, div);
+            for r in 0..rows {
+                for b in 0..n {
+                    let x = &img[base + b * stride..base + (b + 1) * stride];
+                    let [got] =
+                        crate::scalar::dot_mxfp4_q16(m.packed_row(r), m.scales_row(r), [x], levels);
+                    let i = b * rows + r;
+                    let tol = bound[i] + 1e-5 * mag[i] + 1e-37;
+                    assert!(
+                        (got as f64 - want[i]).abs() <= tol,
+                        "[{rows}x{cols}] levels {levels} r {r} b {b}: {got} vs {} (tol {tol})",
+                        want[i]
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The AVX-512 VNNI q16 MXFP4 tile kernel equals the scalar reference bit for bit for both
+/// level counts, every tile shape (1–2 weight rows × 1–4 activation rows), 1…20 blocks
+/// (ragged last spans of 1–3 blocks) and K3-sized rows.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_mxfp4_q16_kernel_equals_scalar_reference_bitwise() {
+    use crate::mxfp4_q16::q16_image;
+    use crate::x86::avx512::dot_mxfp4_q16_tile as tile;
+    if !Backend::Avx512.is_supported() || !crate::mxfp4_q8::vnni_available() {
+        eprintln!("skipped: no AVX-512 VNNI on this CPU");
+        return;
+    }
+    let mut rng = Rng(0x1616_abab_0101);
+    let mut cols_list: Vec<usize> = (1..=20).map(|k| 32 * k).collect();
+    cols_list.extend([7168, 2048 + 96]);
+    for cols in cols_list {
+        let rows = 3;
+        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let n = 4;
+        let xs = q8_activations(&mut rng, n, cols);
+        for levels in 1..=2 {
+            let (img, base, stride) = q16_image(&xs, cols, levels);
+            let x = |b: usize| &img[base + b * stride..base + (b + 1) * stride];
+            let want: Vec<Vec<f32>> = (0..rows)
+                .map(|r| {
+                    let (p, s) = (m.packed_row(r), m.scales_row(r));
+                    (0..n)
+                        .map(|b| crate::scalar::dot_mxfp4_q16(p, s, [x(b)], levels)[0])
+                        .collect()
+                })
+                .collect();
+            let check = |r0: usize, got: &[Vec<f32>], what: &str| {
+                for (i, gr) in got.iter().enumerate() {
+                    for (b, g) in gr.iter().enumerate() {
+                        let w = want[r0 + i][b];
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "cols {cols} levels {levels} row {} b {b} ({what}): {g} vs {w}",
+                            r0 + i
+                        );
+                    }
+                }
+            };
+            let (p, s) = (|r: usize| m.packed_row(r), |r: usize| m.scales_row(r));
+            macro_rules! run {
+                ($nr:literal, $nb:literal) => {{
+                    for r0 in 0..=rows - $nr {
+                        let ps: [&[u8]; $nr] = std::array::from_fn(|i| p(r0 + i));
+                        let ss: [&[u8]; $nr] = std::array::from_fn(|i| s(r0 + i));
+                        let xb: [&[f32]; $nb] = std::array::from_fn(|b| x(b));
+                        // SAFETY: AVX-512 VNNI checked above; image rows cover every span
+                        // with `levels` levels.
+                        let got = unsafe {
+                            if levels == 2 {
+                                tile::<2, $nr, $nb>(ps, ss, xb)
+                            } else {
+                                tile::<1, $nr, $nb>(ps, ss, xb)
+                            }
+                        };
+                        let got: Vec<Vec<f32>> = got.iter().map(|v| v.to_vec()).collect();
+                        check(r0, &got, concat!("NR=", $nr, " NB=", $nb));
+                    }
+                }};
+            }
+            run!(1, 1);
+            run!(1, 2);
+            run!(1, 3);
+            run!(1, 4);
+            run!(2, 1);
+            run!(2, 2);
+            run!(2, 3);
+            run!(2, 4);
+        }
+    }
+}
+
+/// When the q16 MXFP4 path is active (the default on AVX-512 VNNI, or
+/// `DELTAFIN_MXFP4_ACT=q16|q16x2`), every value of the public AVX-512 product equals the
+/// scalar reference of the quantised arithmetic bit for bit, for ragged shapes, batch widths
+/// 1…16 and 1–3 threads.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn mxfp4_q16_products_equal_scalar_reference_across_batches_and_threads() {
+    use crate::mxfp4_q8::{Mxfp4Act, avx512_mxfp4_act};
+    let levels = match avx512_mxfp4_act() {
+        Mxfp4Act::Q16 => 1,
+        Mxfp4Act::Q16x2 => 2,
+        other => {
+            eprintln!("skipped: MXFP4 activations are {} here", other.name());
+            return;
+        }
+    };
+    if !Backend::Avx512.is_supported() {
+        eprintln!("skipped: no AVX-512 on this CPU");
+        return;
+    }
+    let mut rng = Rng(0x0016_0016_7777);
+    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
+        .iter()
+        .map(|&t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    for (rows, cols) in [
+        (1usize, 32usize),
+        (7, 160),
+        (37, 416),
+        (64, 1056),
+        (130, 544),
+    ] {
+        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let w = Weights::Mxfp4(&m);
+        let nmax = 16;
+        let xs = q8_activations(&mut rng, nmax, cols);
+        let (img, base, stride) = crate::mxfp4_q16::q16_image(&xs, cols, levels);
+        let want: Vec<f32> = (0..nmax * rows)
+            .map(|i| {
+                let (b, r) = (i / rows, i % rows);
+                let x = &img[base + b * stride..base + (b + 1) * stride];
+                crate::scalar::dot_mxfp4_q16(m.packed_row(r), m.scales_row(r), [x], levels)[0]
+            })
+            .collect();
+        for n in 1..=nmax {
+            for (t, pool) in pools.iter().enumerate() {
+                let mut ys = vec![f32::NAN; n * rows];
+                pool.install(|| matmul_with(Backend::Avx512, w, &xs[..n * cols], n, &mut ys));
+                for (i, (g, v)) in ys.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        v.to_bits(),
+                        "[{rows}x{cols}] n {n} threads {} value {i}: {g} vs {v}",
+                        t + 1
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The SIMD second-level quantiser of the q16x2 image equals its scalar definition bit for
+/// bit, on random blocks, ties, zero blocks, tiny blocks (the finer step underflows) and
+/// partial lengths.
+#[test]
+fn mxfp4_q16_lo_block_simd_equals_scalar() {
+    use crate::mxfp4_q16::{lo_block, lo_block_scalar};
+    let mut rng = Rng(0x10b1_0c4e_5eed);
+    for t in 0..400 {
+        let len = if t % 7 == 0 { 1 + rng.below(32) } else { 32 };
+        let mut x: Vec<f32> = (0..len).map(|_| rng.f()).collect();
+        match t % 5 {
+            0 => x.iter_mut().for_each(|v| *v *= 1e-36),
+            1 => x.fill(0.0),
+            2 => x.iter_mut().for_each(|v| *v *= 3e4),
+            _ => {}
+        }
+        let mut hi = vec![0i16; len];
+        let s = q16_block_scalar(&x, &mut hi);
+        let (mut a, mut b) = (vec![7i16; len], vec![7i16; len]);
+        lo_block(&x, &hi, s, &mut a);
+        lo_block_scalar(&x, &hi, s, &mut b);
+        assert_eq!(a, b, "block {t}");
     }
 }

@@ -164,6 +164,35 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// [`crate::mxfp4_q16::lo_block_scalar`] in AVX-512: the same IEEE multiply, subtract and
+    /// divide, `vcvtps2dq` rounding half to even (the MXCSR default), the same clamp (the
+    /// quotients stay within ±32769, so clamping the int32 equals clamping the float).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    pub(crate) unsafe fn q16_lo_block(chunk: &[f32], hi: &[i16], s: f32, lo: &mut [i16]) {
+        let step = s * crate::mxfp4_q16::LO_STEP;
+        if !step.is_normal() {
+            lo.fill(0);
+            return;
+        }
+        let n = chunk.len().min(hi.len()).min(lo.len());
+        // SAFETY: every load and store is masked to indices < n.
+        unsafe {
+            let (sv, stepv) = (_mm512_set1_ps(s), _mm512_set1_ps(step));
+            let (mn, mx) = (_mm512_set1_epi32(-32767), _mm512_set1_epi32(32767));
+            let mut c = 0;
+            while c < n {
+                let k = mask((n - c).min(L));
+                let x = _mm512_maskz_loadu_ps(k, chunk.as_ptr().add(c));
+                let h = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(k, hi.as_ptr().add(c)));
+                let rest = _mm512_sub_ps(x, _mm512_mul_ps(_mm512_cvtepi32_ps(h), sv));
+                let q = _mm512_cvtps_epi32(_mm512_div_ps(rest, stepv));
+                let q = _mm512_min_epi32(_mm512_max_epi32(q, mn), mx);
+                _mm512_mask_cvtepi32_storeu_epi16(lo.as_mut_ptr().add(c), k, q);
+                c += L;
+            }
+        }
+    }
+
     /// One 32-column block: `acc += scale · Σ (E2M1(even)·x_even + E2M1(odd)·x_odd)`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
@@ -357,6 +386,153 @@ pub(crate) mod avx512 {
             // SAFETY: v holds 16 f32.
             unsafe { _mm512_storeu_ps(v.as_mut_ptr(), _mm512_add_ps(acc[b][0], acc[b][1])) };
             out[b] = crate::scalar::reduce16(&v);
+        }
+        out
+    }
+
+    /// `acc + Σ pairs w·a` per dword lane (`vpdpwssd`), as one instruction: LLVM otherwise
+    /// splits the intrinsic into `vpmaddwd` + `vpaddd` (two µops, both on the vector ports
+    /// the decode also needs) for CPUs it does not know to have a fast `vpdpwssd`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    fn dpwssd(acc: __m512i, w: __m512i, a: __m512i) -> __m512i {
+        let mut acc = acc;
+        // SAFETY: register-only instruction; callers are AVX-512 VNNI functions.
+        unsafe {
+            std::arch::asm!(
+                "vpdpwssd {acc}, {w}, {a}",
+                acc = inout(zmm_reg) acc,
+                w = in(zmm_reg) w,
+                a = in(zmm_reg) a,
+                options(pure, nomem, nostack, preserves_flags),
+            );
+        }
+        acc
+    }
+
+    /// `[r][b]` = the MXFP4 product of weight row `r` with activation row `b` in the q16
+    /// image of [`crate::mxfp4_q16::q16_image`] with `LV` (1 or 2) levels, for a tile of `NR`
+    /// weight rows × `NB` activation rows (see that module for the arithmetic and its error).
+    ///
+    /// Per 128-column span and weight row: one 64-byte load of codes (masked for a last span
+    /// of 1–3 blocks); low nibbles `v & 0x0F` and high nibbles `(v >> 4) & 0x0F` become the
+    /// signed bytes `2·E2M1` through `vpshufb`; `vpsllw 8` and `& 0xFF00` put the even and odd
+    /// bytes in the high half of each 16-bit word (the weight × 256). Per activation row and
+    /// level: four `vpdpwssd` give each dword lane (8 columns of one block) an exact int32
+    /// sum, converted to f32 and multiplied by the lane's `s/512` (`· 2^−16` for the second
+    /// level; the activation scale first, so a tiny E8M0 scale cannot flush the product to
+    /// zero early), then multiplied into the accumulator of the span's parity with
+    /// `2^(e−127)` (one FMA). The final sum is
+    /// `reduce16(acc0 + acc1)`. Every `(r, b)` sees the same f32 operations whatever `NR` and
+    /// `NB` are, and equals the scalar reference [`crate::scalar::dot_mxfp4_q16`] bit for bit.
+    ///
+    /// # Safety
+    /// Also requires AVX-512 VNNI; all weight rows have the same number of blocks, `packed`
+    /// rows 16 bytes per block, image rows [`crate::mxfp4_q16::span_slots`]`(LV)` slots per
+    /// span.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    #[allow(clippy::needless_range_loop)] // `r`, `b` index weights, images and accumulators
+    pub(crate) unsafe fn dot_mxfp4_q16_tile<const LV: usize, const NR: usize, const NB: usize>(
+        packed: [&[u8]; NR],
+        scales: [&[u8]; NR],
+        xs: [&[f32]; NB],
+    ) -> [[f32; NB]; NR] {
+        use crate::mxfp4_q16::{E2M1_X2, LO_STEP, span_slots};
+        let slots = span_slots(LV);
+        let nblk = scales[0].len();
+        let nspan = nblk.div_ceil(4);
+        let mut acc0 = [[_mm512_setzero_ps(); NB]; NR];
+        let mut acc1 = [[_mm512_setzero_ps(); NB]; NR];
+        // SAFETY: packed rows hold 16 bytes per block (the last span's load is masked to the
+        // blocks that exist); scale loads are masked likewise; each image row holds `slots`
+        // f32 slots per span.
+        unsafe {
+            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_X2.as_ptr() as *const __m128i));
+            let m4 = _mm512_set1_epi8(0x0f);
+            let odd = _mm512_set1_epi16(0xff00_u16 as i16);
+            let quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            let lo_step = _mm512_set1_ps(LO_STEP);
+            // One span into the accumulators `$acc` (a fixed array, so they stay in registers).
+            macro_rules! span {
+                ($span:expr, $k:expr, $sc:expr, $acc:ident) => {{
+                    let span = $span;
+                    let blocks = (nblk - 4 * span).min(4);
+                    let qidx = _mm512_add_epi32(_mm512_set1_epi32(4 * $k as i32), quarter);
+                    let mut w = [[_mm512_setzero_si512(); 4]; NR];
+                    let mut ws = [_mm512_setzero_ps(); NR];
+                    for r in 0..NR {
+                        let wp = packed[r].as_ptr().add(64 * span);
+                        crate::tile::prefetch(wp);
+                        let v = if blocks == 4 {
+                            _mm512_loadu_si512(wp as *const __m512i)
+                        } else {
+                            _mm512_maskz_loadu_epi8((1u64 << (16 * blocks)) - 1, wp as *const i8)
+                        };
+                        let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));
+                        let hi = _mm512_shuffle_epi8(
+                            lut,
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4),
+                        );
+                        w[r] = [
+                            _mm512_slli_epi16::<8>(lo),
+                            _mm512_and_si512(lo, odd),
+                            _mm512_slli_epi16::<8>(hi),
+                            _mm512_and_si512(hi, odd),
+                        ];
+                        ws[r] = _mm512_permutexvar_ps(qidx, $sc[r]);
+                    }
+                    for b in 0..NB {
+                        let xp = xs[b].as_ptr().add(slots * span);
+                        let ls = _mm512_loadu_ps(xp);
+                        let ls = [ls, _mm512_mul_ps(ls, lo_step)];
+                        for lv in 0..LV {
+                            let cp = xp.add(16 + 64 * lv);
+                            let a: [__m512i; 4] = std::array::from_fn(|j| {
+                                _mm512_loadu_si512(cp.add(16 * j) as *const __m512i)
+                            });
+                            for r in 0..NR {
+                                let i = _mm512_madd_epi16(w[r][0], a[0]);
+                                let i = dpwssd(i, w[r][1], a[1]);
+                                let i = dpwssd(i, w[r][2], a[2]);
+                                let i = dpwssd(i, w[r][3], a[3]);
+                                let f = _mm512_mul_ps(_mm512_cvtepi32_ps(i), ls[lv]);
+                                $acc[r][b] = _mm512_fmadd_ps(f, ws[r], $acc[r][b]);
+                            }
+                        }
+                    }
+                }};
+            }
+            let mut sp = 0;
+            while sp < nspan {
+                // Scales of up to four spans (16 blocks) at once.
+                let sc: [__m512; NR] = std::array::from_fn(|r| {
+                    scales16(scales[r].as_ptr().add(4 * sp), (nblk - 4 * sp).min(L))
+                });
+                if sp + 4 <= nspan {
+                    span!(sp, 0, sc, acc0);
+                    span!(sp + 1, 1, sc, acc1);
+                    span!(sp + 2, 2, sc, acc0);
+                    span!(sp + 3, 3, sc, acc1);
+                } else {
+                    for k in 0..nspan - sp {
+                        if k % 2 == 0 {
+                            span!(sp + k, k, sc, acc0);
+                        } else {
+                            span!(sp + k, k, sc, acc1);
+                        }
+                    }
+                }
+                sp += 4;
+            }
+        }
+        let mut out = [[0f32; NB]; NR];
+        for r in 0..NR {
+            for b in 0..NB {
+                let mut v = [0f32; 16];
+                // SAFETY: v holds 16 f32.
+                unsafe { _mm512_storeu_ps(v.as_mut_ptr(), _mm512_add_ps(acc0[r][b], acc1[r][b])) };
+                out[r][b] = crate::scalar::reduce16(&v);
+            }
         }
         out
     }
