@@ -12,10 +12,12 @@
 //! 8. `out = W_o concat_h(o′_h)`.
 //!
 //! Two equivalent evaluations of step 6: [`KdaWeights::decode_step`] runs the recurrence, and
-//! [`KdaWeights::prefill`] runs the chunked form (chunk length `kda_chunk`), in which every
-//! exponent is a partial sum of `g ≤ 0` over a range of positions — `Γ_i − Γ_j` is formed as
-//! the sum of the `g` between `j` and `i` before exponentiating, so nothing ever overflows and
-//! `e^{Γ}` of a long range underflows only towards its true, negligible value.
+//! [`KdaWeights::prefill`] runs the chunked form (chunk length `kda_chunk`,
+//! [`deltafin_kernels::kda_chunked`]), in which every exponent is a partial sum of `g ≤ 0`
+//! over a range of positions: the pairwise decays `e^{Γ_i − Γ_j}` are products of two factors
+//! taken over tiles of at most 16 positions spanning at most 80 nats (FLA's `safe_gate`
+//! sub-chunking), so nothing overflows and a decay over a long range underflows only towards
+//! its true, negligible value.
 
 use crate::dims::ModelDims;
 use crate::linear::{Linear, apply_group};
