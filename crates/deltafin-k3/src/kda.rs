@@ -12,14 +12,16 @@
 //! 8. `out = W_o concat_h(o′_h)`.
 //!
 //! Two equivalent evaluations of step 6: [`KdaWeights::decode_step`] runs the recurrence, and
-//! [`KdaWeights::prefill`] runs the chunked form (chunk length `kda_chunk`), in which every
-//! exponent is a partial sum of `g ≤ 0` over a range of positions — `Γ_i − Γ_j` is formed as
-//! the sum of the `g` between `j` and `i` before exponentiating, so nothing ever overflows and
-//! `e^{Γ}` of a long range underflows only towards its true, negligible value.
+//! [`KdaWeights::prefill`] runs the chunked form (chunk length `kda_chunk`,
+//! [`deltafin_kernels::kda_chunked`]), in which every exponent is a partial sum of `g ≤ 0`
+//! over a range of positions: the pairwise decays `e^{Γ_i − Γ_j}` are products of two factors
+//! taken over tiles of at most 16 positions spanning at most 80 nats (FLA's `safe_gate`
+//! sub-chunking), so nothing overflows and a decay over a long range underflows only towards
+//! its true, negligible value.
 
 use crate::dims::ModelDims;
 use crate::linear::{Linear, apply_group};
-use deltafin_kernels::{kda_delta_step, l2_normalize, sigmoid, silu};
+use deltafin_kernels::{KdaRows, kda_chunked, kda_delta_step, l2_normalize, sigmoid, silu};
 use rayon::prelude::*;
 
 /// Weights of one KDA layer (`model.layers.N.self_attn.*`), bf16 matrices and f32 vectors.
@@ -104,13 +106,16 @@ fn conv_silu(
             &pre[(tau - km1) * p..(tau - km1 + 1) * p]
         }
     };
+    // Taps by position (`[K, p]`), so the inner loop runs over contiguous channels.
+    let by_tap: Vec<f32> = (0..k)
+        .flat_map(|j| (0..p).map(move |c| taps[c * k + j]))
+        .collect();
     let mut out = vec![0f32; t * p];
     for (ti, o) in out.chunks_exact_mut(p).enumerate() {
-        for j in 0..k {
+        for (j, w) in by_tap.chunks_exact(p).enumerate() {
             // Input at time ti − (K−1) + j is concatenated row ti + j.
-            let x = row(ti + j);
-            for c in 0..p {
-                o[c] += taps[c * k + j] * x[c];
+            for ((oc, &wc), &xc) in o.iter_mut().zip(w).zip(row(ti + j)) {
+                *oc += wc * xc;
             }
         }
         for v in o.iter_mut() {
@@ -328,118 +333,22 @@ impl HeadIo<'_> {
         o
     }
 
-    /// The chunked form; returns `t` rows of `d`. See the module docs for the exponents.
+    /// The chunked form; returns `t` rows of `d`. See the module docs for the exponents and
+    /// [`deltafin_kernels::kda_chunk`] for the tiles that keep them `O(t·d)`.
     fn chunked(&self, s: &mut [f32], t: usize, chunk: usize) -> Vec<f32> {
-        let d = self.d;
-        let mut o = vec![0f32; t * d];
-        let mut u = vec![0f32; chunk * d]; // pseudo values Ṽ of the current chunk
-        let mut eg = vec![0f32; chunk * d]; // e^{Γ_i}, Γ measured from the chunk start
-        let mut gam = vec![0f32; d];
-        let mut dsum = vec![0f32; d];
-        let mut arow = vec![0f32; chunk];
-        let mut brow = vec![0f32; chunk];
-        let mut x = vec![0f32; d];
-        let mut acc = vec![0f32; d];
-        for c0 in (0..t).step_by(chunk) {
-            let cl = chunk.min(t - c0);
-            gam.fill(0.0);
-            for i in 0..cl {
-                let gi = self.g(c0 + i);
-                for c in 0..d {
-                    gam[c] += gi[c];
-                    eg[i * d + c] = gam[c].exp();
-                }
-            }
-            for i in 0..cl {
-                let (qi, ki) = (self.q(c0 + i), self.k(c0 + i));
-                // A_ij = Σ_c k̂_i k̂_j e^{Γ_i − Γ_j},  B_ij = Σ_c q̂_i k̂_j e^{Γ_i − Γ_j}  (j < i),
-                // with Γ_i − Γ_j = Σ_{j < s ≤ i} g_s accumulated directly.
-                dsum.fill(0.0);
-                for j in (0..i).rev() {
-                    let gs = self.g(c0 + j + 1);
-                    let kj = self.k(c0 + j);
-                    let (mut a, mut b) = (0f32, 0f32);
-                    for c in 0..d {
-                        dsum[c] += gs[c];
-                        let ke = kj[c] * dsum[c].exp();
-                        a += ki[c] * ke;
-                        b += qi[c] * ke;
-                    }
-                    arow[j] = a;
-                    brow[j] = b;
-                }
-                brow[i] = qi.iter().zip(ki).map(|(a, b)| a * b).sum();
-                // u_i = β_i (v_i − S₀ᵀ(e^{Γ_i} ⊙ k̂_i) − Σ_{j<i} A_ij u_j)   (forward substitution)
-                let egi = &eg[i * d..(i + 1) * d];
-                for c in 0..d {
-                    x[c] = egi[c] * ki[c];
-                }
-                st_times(s, &x, &mut acc, d);
-                let vi = self.v(c0 + i);
-                let beta = self.beta(c0 + i);
-                let (done, rest) = u.split_at_mut(i * d);
-                let ui = &mut rest[..d];
-                for c in 0..d {
-                    ui[c] = vi[c] - acc[c];
-                }
-                for (j, uj) in done.chunks_exact(d).enumerate() {
-                    for c in 0..d {
-                        ui[c] -= arow[j] * uj[c];
-                    }
-                }
-                for v in ui.iter_mut() {
-                    *v *= beta;
-                }
-                // O_i = S₀ᵀ(e^{Γ_i} ⊙ q̂_i) + Σ_{j ≤ i} B_ij u_j
-                for c in 0..d {
-                    x[c] = egi[c] * qi[c];
-                }
-                st_times(s, &x, &mut acc, d);
-                let oi = &mut o[(c0 + i) * d..(c0 + i + 1) * d];
-                oi.copy_from_slice(&acc);
-                for (j, uj) in u[..(i + 1) * d].chunks_exact(d).enumerate() {
-                    for c in 0..d {
-                        oi[c] += brow[j] * uj[c];
-                    }
-                }
-            }
-            // S_C = diag(e^{Γ_C}) S₀ + Σ_j (e^{Γ_C − Γ_j} ⊙ k̂_j) u_jᵀ
-            let eg_last = &eg[(cl - 1) * d..cl * d];
-            for r in 0..d {
-                for v in s[r * d..(r + 1) * d].iter_mut() {
-                    *v *= eg_last[r];
-                }
-            }
-            dsum.fill(0.0);
-            for j in (0..cl).rev() {
-                if j + 1 < cl {
-                    let gs = self.g(c0 + j + 1);
-                    for c in 0..d {
-                        dsum[c] += gs[c];
-                    }
-                }
-                let kj = self.k(c0 + j);
-                let uj = &u[j * d..(j + 1) * d];
-                for r in 0..d {
-                    let w = kj[r] * dsum[r].exp();
-                    for (v, &uc) in s[r * d..(r + 1) * d].iter_mut().zip(uj) {
-                        *v += w * uc;
-                    }
-                }
-            }
-        }
+        let mut o = vec![0f32; t * self.d];
+        let rows = KdaRows {
+            q: &self.prep.q[self.off..],
+            k: &self.prep.k[self.off..],
+            v: &self.prep.v[self.off..],
+            g: &self.prep.g[self.off..],
+            stride: self.p,
+            beta: &self.prep.beta[self.head..],
+            beta_stride: self.heads,
+            d: self.d,
+        };
+        kda_chunked(s, &rows, t, chunk, &mut o);
         o
-    }
-}
-
-/// `acc = Sᵀ x` for a `d × d` state (row = key channel).
-fn st_times(s: &[f32], x: &[f32], acc: &mut [f32], d: usize) {
-    acc.fill(0.0);
-    for r in 0..d {
-        let xr = x[r];
-        for (a, &v) in acc.iter_mut().zip(&s[r * d..(r + 1) * d]) {
-            *a += xr * v;
-        }
     }
 }
 

@@ -14,7 +14,7 @@
 use crate::dims::{CacheDtype, ModelDims};
 use crate::linear::{Linear, apply_group};
 use crate::norm::rms_norm_rows;
-use deltafin_kernels::{sigmoid, softmax_inplace};
+use deltafin_kernels::{CacheValue, dot_bf16_f32, latent_attention, sigmoid};
 use deltafin_tensor::bf16;
 use rayon::prelude::*;
 
@@ -42,7 +42,9 @@ pub struct MlaWeights {
 }
 
 /// A value type the MLA cache can hold.
-pub trait CacheElem: Copy + Send + Sync + PartialEq + std::fmt::Debug + 'static {
+pub trait CacheElem:
+    CacheValue + Copy + Send + Sync + PartialEq + std::fmt::Debug + 'static
+{
     /// Round an f32 for storage.
     fn store(v: f32) -> Self;
     /// Widen for compute.
@@ -201,48 +203,69 @@ impl MlaWeights {
         let kvb = KvbRows::new(&self.kv_b_proj, kvl);
         let cache_ref = &*cache;
 
-        // One task per (new token, head): o[t·H + h] has v_head_dim values.
+        // One task per (new token, group of heads): each cached row is read once per task
+        // for all its heads. Short inputs (decode) split the heads so both workers run; a
+        // head's values do not depend on its group (`latent_attention`).
+        let groups = (2 * rayon::current_num_threads())
+            .div_ceil(t)
+            .clamp(1, h.max(1));
+        // Heads per task: a divisor of H, so no task straddles two tokens.
+        let per = (h.div_ceil(groups)..=h)
+            .find(|&p| p > 0 && h % p == 0)
+            .unwrap_or(h)
+            .max(1);
         let mut o = vec![0f32; t * h * dv];
-        o.par_chunks_mut(dv).enumerate().for_each(|(idx, oh)| {
-            let (ti, hh) = (idx / h, idx % h);
-            let qh = &q[ti * h * dq + hh * dq..ti * h * dq + (hh + 1) * dq];
-            let (qn, qt) = qh.split_at(dn);
-            let rows = hh * (dn + dv);
-            // q_lat = B_h^Kᵀ qn
-            let mut q_lat = vec![0f32; kvl];
-            for (i, &qi) in qn.iter().enumerate() {
-                kvb.axpy_row(rows + i, qi, &mut q_lat);
-            }
-            let n = base + ti + 1;
-            let mut p = vec![0f32; n];
-            for (s, ps) in p.iter_mut().enumerate() {
-                let c = &cache_ref.latent[s * kvl..(s + 1) * kvl];
-                let kt = &cache_ref.tail[s * dr..(s + 1) * dr];
-                let mut acc = 0f32;
-                for (a, &b) in q_lat.iter().zip(c) {
-                    acc += a * b.load();
+        o.par_chunks_mut(per * dv)
+            .enumerate()
+            .for_each(|(idx, og)| {
+                let tasks = h / per;
+                let (ti, h0) = (idx / tasks, (idx % tasks) * per);
+                let hn = og.len() / dv;
+                // q_lat = B_h^Kᵀ qn per head of the group, and the heads' rope tails.
+                let mut q_lat = vec![0f32; hn * kvl];
+                let mut q_tail = vec![0f32; hn * dr];
+                for (j, (ql, qtl)) in q_lat
+                    .chunks_exact_mut(kvl)
+                    .zip(q_tail.chunks_exact_mut(dr))
+                    .enumerate()
+                {
+                    let hh = h0 + j;
+                    let qh = &q[ti * h * dq + hh * dq..ti * h * dq + (hh + 1) * dq];
+                    let (qn, qt) = qh.split_at(dn);
+                    let rows = hh * (dn + dv);
+                    for (i, &qi) in qn.iter().enumerate() {
+                        kvb.axpy_row(rows + i, qi, ql);
+                    }
+                    qtl.copy_from_slice(qt);
                 }
-                let mut acc_t = 0f32;
-                for (a, &b) in qt.iter().zip(kt) {
-                    acc_t += a * b.load();
+                let n = base + ti + 1;
+                let mut p = vec![0f32; hn * n];
+                let mut ctx = vec![0f32; hn * kvl];
+                latent_attention(
+                    &q_lat,
+                    &q_tail,
+                    &cache_ref.latent,
+                    &cache_ref.tail,
+                    hn,
+                    n,
+                    scale,
+                    &mut p,
+                    &mut ctx,
+                );
+                // o_h = B_h^V ctx_h, gated.
+                for (j, (oh, ctx)) in og
+                    .chunks_exact_mut(dv)
+                    .zip(ctx.chunks_exact(kvl))
+                    .enumerate()
+                {
+                    let hh = h0 + j;
+                    let rows = hh * (dn + dv);
+                    let g = &gate[ti * h * dv + hh * dv..ti * h * dv + (hh + 1) * dv];
+                    for (j, oj) in oh.iter_mut().enumerate() {
+                        *oj = kvb.dot_row(rows + dn + j, ctx) * sigmoid(g[j]);
+                    }
                 }
-                *ps = (acc + acc_t) * scale;
-            }
-            softmax_inplace(&mut p);
-            // ctx = Σ_s p_s ĉ(s);  o_h = B_h^V ctx, gated.
-            let ctx = &mut q_lat;
-            ctx.fill(0.0);
-            for (s, &ps) in p.iter().enumerate() {
-                let c = &cache_ref.latent[s * kvl..(s + 1) * kvl];
-                for (a, &b) in ctx.iter_mut().zip(c) {
-                    *a += ps * b.load();
-                }
-            }
-            let g = &gate[ti * h * dv + hh * dv..ti * h * dv + (hh + 1) * dv];
-            for (j, oj) in oh.iter_mut().enumerate() {
-                *oj = kvb.dot_row(rows + dn + j, ctx) * sigmoid(g[j]);
-            }
-        });
+            });
         o
     }
 }
@@ -284,11 +307,7 @@ impl<'a> KvbRows<'a> {
     #[inline]
     fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
         match *self {
-            KvbRows::Bf16(d, cols) => d[r * cols..(r + 1) * cols]
-                .iter()
-                .zip(x)
-                .map(|(&b, &c)| b.to_f32() * c)
-                .sum(),
+            KvbRows::Bf16(d, cols) => dot_bf16_f32(&d[r * cols..(r + 1) * cols], x),
             KvbRows::Int8(m) => {
                 let s = m.scale(r);
                 m.row(r)

@@ -208,8 +208,11 @@ impl MoeWeights {
         if let Some(err) = fetch_err {
             return Err(err);
         }
-        let mut h = vec![0f32; t * k * lr];
-        for ((e, list), slot) in users.iter().zip(slots) {
+        // Each expert's rows stay where its task left them; `at[ti·k + slot]` says which
+        // expert result and row hold h_e for that token and slot (no t·k·Lr copy).
+        let mut hes = Vec::with_capacity(users.len());
+        let mut at = vec![(0usize, 0usize); t * k];
+        for (u, ((e, list), slot)) in users.iter().zip(slots).enumerate() {
             let he = slot
                 .into_inner()
                 .ok()
@@ -219,16 +222,17 @@ impl MoeWeights {
                     message: format!("expert {e}: its worker produced no result"),
                 })?;
             for (i, &(ti, slot)) in list.iter().enumerate() {
-                let at = (ti * k + slot) * lr;
-                h[at..at + lr].copy_from_slice(&he[i * lr..(i + 1) * lr]);
+                at[ti * k + slot] = (u, i);
             }
+            hes.push(he);
         }
         // r = Σ w_e h_e in route order, then the latent norm.
         let mut r = vec![0f32; t * lr];
         for (ti, route) in routes.iter().enumerate() {
             let rt = &mut r[ti * lr..(ti + 1) * lr];
             for (slot, &we) in route.weights.iter().enumerate() {
-                let he = &h[(ti * k + slot) * lr..(ti * k + slot + 1) * lr];
+                let (u, i) = at[ti * k + slot];
+                let he = &hes[u][i * lr..(i + 1) * lr];
                 for (a, &b) in rt.iter_mut().zip(he) {
                     *a += we * b;
                 }

@@ -10,8 +10,10 @@
 //! Shapes are internal invariants of the callers (the model validates every weight shape when
 //! it is built), so the kernels check them with assertions and document the panic.
 
+pub mod attn;
 pub mod cuda;
 pub mod dispatch;
+pub mod kda_chunk;
 pub mod matvec;
 pub mod mxfp4_q16;
 pub mod mxfp4_q8;
@@ -27,7 +29,9 @@ mod tile;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub use attn::{CacheValue, dot_bf16_f32, latent_attention};
 pub use dispatch::{Backend, KernelError, kernel_backend, kernel_summary, select_backend};
+pub use kda_chunk::{KdaRows, kda_chunked};
 pub use matvec::{
     GroupProduct, Weights, matmul, matmul_axpy, matmul_axpy_with, matmul_bf16, matmul_f32,
     matmul_group, matmul_group_with, matmul_mxfp4, matmul_rowint8, matmul_serial, matmul_with,

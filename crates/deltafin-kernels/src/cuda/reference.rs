@@ -70,14 +70,9 @@ pub fn mla_decode(
         for (s, ps) in p.iter_mut().enumerate() {
             let c = &latent[s * kvl..(s + 1) * kvl];
             let kt = &tail[s * dr..(s + 1) * dr];
-            let mut acc = 0f32;
-            for (a, &b) in q_lat.iter().zip(c) {
-                acc += a * ld(b);
-            }
-            let mut acc_t = 0f32;
-            for (a, &b) in qt.iter().zip(kt) {
-                acc_t += a * ld(b);
-            }
+            // The CPU path's fixed 16-lane order (`crate::attn`), so the two agree bit for bit.
+            let acc = crate::attn::dot_bf16_f32(c, &q_lat);
+            let acc_t = crate::attn::dot_bf16_f32(kt, qt);
             *ps = (acc + acc_t) * scale;
         }
         softmax_inplace(&mut p);
@@ -89,7 +84,7 @@ pub fn mla_decode(
         }
         for j in 0..dv {
             let r = &kvb[(rows + dn + j) * kvl..(rows + dn + j + 1) * kvl];
-            let val: f32 = r.iter().zip(&ctx).map(|(&b, &c)| ld(b) * c).sum();
+            let val = crate::attn::dot_bf16_f32(r, &ctx);
             let gj = gate[hh * dv + j];
             o[hh * dv + j] = val * (1.0 / (1.0 + (-gj).exp()));
         }

@@ -1,0 +1,287 @@
+//! Absorbed latent attention of one query position (k3-model.md §4.4), all heads of a group
+//! at once, so each cached row is read once per query position rather than once per head:
+//!
+//! ```text
+//! score_h(s) = (q_lat_h · ĉ(s) + q_tail_h · kt(s)) · scale,   s < n
+//! p_h = softmax(score_h);   ctx_h = Σ_s p_h(s) ĉ(s)
+//! ```
+//!
+//! Every dot product has one fixed order (16 lane sums, then a fixed pairwise reduction) and
+//! every head's values are computed by the same operations whatever the head group or the
+//! backend, so a row's result does not depend on how rows and heads are split into tasks.
+
+use crate::kda_chunk::dot;
+use crate::ops::softmax_inplace;
+use half::bf16;
+
+/// A cached value the attention can widen to f32.
+pub trait CacheValue: Copy + Send + Sync {
+    /// The value as f32 (exact).
+    fn widen(self) -> f32;
+}
+
+impl CacheValue for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl CacheValue for bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+/// One query position over the first `n` cached rows for `heads` heads: `q_lat` holds
+/// `heads` rows of `kvl`, `q_tail` `heads` rows of `dr`; `latent` / `tail` hold at least `n`
+/// rows of `kvl` / `dr`. Writes the probabilities to `p` (`heads` rows of `n`) and the
+/// contexts to `ctx` (`heads` rows of `kvl`).
+///
+/// # Panics
+/// If a length disagrees with `heads`, `n` or the row widths.
+#[allow(clippy::too_many_arguments)]
+pub fn latent_attention<E: CacheValue>(
+    q_lat: &[f32],
+    q_tail: &[f32],
+    latent: &[E],
+    tail: &[E],
+    heads: usize,
+    n: usize,
+    scale: f32,
+    p: &mut [f32],
+    ctx: &mut [f32],
+) {
+    assert!(heads > 0, "latent_attention: no heads");
+    let (kvl, dr) = (q_lat.len() / heads, q_tail.len() / heads);
+    assert_eq!(q_lat.len(), heads * kvl, "latent_attention: q_lat length");
+    assert_eq!(q_tail.len(), heads * dr, "latent_attention: q_tail length");
+    assert!(latent.len() >= n * kvl, "latent_attention: latent rows");
+    assert!(tail.len() >= n * dr, "latent_attention: tail rows");
+    assert_eq!(p.len(), heads * n, "latent_attention: probability length");
+    assert_eq!(ctx.len(), heads * kvl, "latent_attention: context length");
+    #[cfg(target_arch = "x86_64")]
+    match crate::dispatch::backend() {
+        crate::Backend::Avx512 => {
+            // SAFETY: the selected backend is supported by this CPU (checked at selection).
+            return unsafe {
+                latent_attention_avx512(q_lat, q_tail, latent, tail, heads, n, scale, p, ctx)
+            };
+        }
+        crate::Backend::Avx2 => {
+            // SAFETY: as above.
+            return unsafe {
+                latent_attention_avx2(q_lat, q_tail, latent, tail, heads, n, scale, p, ctx)
+            };
+        }
+        _ => {}
+    }
+    latent_attention_body(q_lat, q_tail, latent, tail, heads, n, scale, p, ctx)
+}
+
+/// [`latent_attention`] compiled for AVX-512 (same operations, wider vectors).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn latent_attention_avx512<E: CacheValue>(
+    q_lat: &[f32],
+    q_tail: &[f32],
+    latent: &[E],
+    tail: &[E],
+    heads: usize,
+    n: usize,
+    scale: f32,
+    p: &mut [f32],
+    ctx: &mut [f32],
+) {
+    latent_attention_body(q_lat, q_tail, latent, tail, heads, n, scale, p, ctx)
+}
+
+/// [`latent_attention`] compiled for AVX2 (same operations, wider vectors).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn latent_attention_avx2<E: CacheValue>(
+    q_lat: &[f32],
+    q_tail: &[f32],
+    latent: &[E],
+    tail: &[E],
+    heads: usize,
+    n: usize,
+    scale: f32,
+    p: &mut [f32],
+    ctx: &mut [f32],
+) {
+    latent_attention_body(q_lat, q_tail, latent, tail, heads, n, scale, p, ctx)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn latent_attention_body<E: CacheValue>(
+    q_lat: &[f32],
+    q_tail: &[f32],
+    latent: &[E],
+    tail: &[E],
+    heads: usize,
+    n: usize,
+    scale: f32,
+    p: &mut [f32],
+    ctx: &mut [f32],
+) {
+    let (kvl, dr) = (q_lat.len() / heads, q_tail.len() / heads);
+    let mut cw = vec![0f32; kvl];
+    let mut tw = vec![0f32; dr];
+    for s in 0..n {
+        widen_row(&latent[s * kvl..(s + 1) * kvl], &mut cw);
+        widen_row(&tail[s * dr..(s + 1) * dr], &mut tw);
+        for hh in 0..heads {
+            let a = dot(&q_lat[hh * kvl..(hh + 1) * kvl], &cw);
+            let b = dot(&q_tail[hh * dr..(hh + 1) * dr], &tw);
+            p[hh * n + s] = (a + b) * scale;
+        }
+    }
+    for ph in p.chunks_exact_mut(n) {
+        softmax_inplace(ph);
+    }
+    ctx.fill(0.0);
+    for s in 0..n {
+        widen_row(&latent[s * kvl..(s + 1) * kvl], &mut cw);
+        for (hh, ch) in ctx.chunks_exact_mut(kvl).enumerate() {
+            let ps = p[hh * n + s];
+            for (a, &b) in ch.iter_mut().zip(&cw) {
+                *a += ps * b;
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn widen_row<E: CacheValue>(x: &[E], out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = v.widen();
+    }
+}
+
+/// `Σ w_c x_c` over a bf16 row, in the fixed order of [`latent_attention`]'s dot products.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn dot_bf16_f32(w: &[bf16], x: &[f32]) -> f32 {
+    assert_eq!(w.len(), x.len(), "dot_bf16_f32: lengths");
+    #[cfg(target_arch = "x86_64")]
+    match crate::dispatch::backend() {
+        crate::Backend::Avx512 => {
+            // SAFETY: the selected backend is supported by this CPU (checked at selection).
+            return unsafe { dot_bf16_f32_avx512(w, x) };
+        }
+        crate::Backend::Avx2 => {
+            // SAFETY: as above.
+            return unsafe { dot_bf16_f32_avx2(w, x) };
+        }
+        _ => {}
+    }
+    dot_bf16_f32_body(w, x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_bf16_f32_avx512(w: &[bf16], x: &[f32]) -> f32 {
+    dot_bf16_f32_body(w, x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_bf16_f32_avx2(w: &[bf16], x: &[f32]) -> f32 {
+    dot_bf16_f32_body(w, x)
+}
+
+#[inline(always)]
+fn dot_bf16_f32_body(w: &[bf16], x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let (wc, xc) = (w.chunks_exact(16), x.chunks_exact(16));
+    let (wr, xr) = (wc.remainder(), xc.remainder());
+    for (a, b) in wc.zip(xc) {
+        for l in 0..16 {
+            lanes[l] += a[l].widen() * b[l];
+        }
+    }
+    for (l, (a, b)) in wr.iter().zip(xr).enumerate() {
+        lanes[l] += a.widen() * b;
+    }
+    crate::kda_chunk::reduce_lanes(lanes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_f64_and_is_head_group_invariant() {
+        let (heads, kvl, dr, n) = (4, 40, 8, 23);
+        let v = |i: usize| ((i * 37 % 101) as f32 / 50.0 - 1.0) * 0.7;
+        let q_lat: Vec<f32> = (0..heads * kvl).map(v).collect();
+        let q_tail: Vec<f32> = (0..heads * dr).map(|i| v(i + 7)).collect();
+        let latent: Vec<bf16> = (0..n * kvl).map(|i| bf16::from_f32(v(i + 3))).collect();
+        let tail: Vec<bf16> = (0..n * dr).map(|i| bf16::from_f32(v(i + 11))).collect();
+        let scale = 0.3;
+        let mut p = vec![0f32; heads * n];
+        let mut ctx = vec![0f32; heads * kvl];
+        latent_attention(
+            &q_lat, &q_tail, &latent, &tail, heads, n, scale, &mut p, &mut ctx,
+        );
+        for hh in 0..heads {
+            let sc: Vec<f64> = (0..n)
+                .map(|s| {
+                    let a: f64 = (0..kvl)
+                        .map(|c| q_lat[hh * kvl + c] as f64 * latent[s * kvl + c].to_f64())
+                        .sum();
+                    let b: f64 = (0..dr)
+                        .map(|c| q_tail[hh * dr + c] as f64 * tail[s * dr + c].to_f64())
+                        .sum();
+                    (a + b) * scale as f64
+                })
+                .collect();
+            let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+            for c in 0..kvl {
+                let want: f64 = (0..n)
+                    .map(|s| (sc[s] - m).exp() / z * latent[s * kvl + c].to_f64())
+                    .sum();
+                let got = ctx[hh * kvl + c] as f64;
+                assert!(
+                    (got - want).abs() < 1e-5,
+                    "head {hh} c {c}: {got} vs {want}"
+                );
+            }
+            // One head alone gives the same bits as inside the group.
+            let mut p1 = vec![0f32; n];
+            let mut c1 = vec![0f32; kvl];
+            latent_attention(
+                &q_lat[hh * kvl..(hh + 1) * kvl],
+                &q_tail[hh * dr..(hh + 1) * dr],
+                &latent,
+                &tail,
+                1,
+                n,
+                scale,
+                &mut p1,
+                &mut c1,
+            );
+            assert_eq!(&c1[..], &ctx[hh * kvl..(hh + 1) * kvl]);
+            assert_eq!(&p1[..], &p[hh * n..(hh + 1) * n]);
+        }
+    }
+
+    #[test]
+    fn bf16_dot_matches_portable_body() {
+        let w: Vec<bf16> = (0..75)
+            .map(|i| bf16::from_f32(i as f32 * 0.01 - 0.3))
+            .collect();
+        let x: Vec<f32> = (0..75).map(|i| (i as f32 * 0.37).sin()).collect();
+        let want: f64 = w.iter().zip(&x).map(|(a, &b)| a.to_f64() * b as f64).sum();
+        let got = dot_bf16_f32(&w, &x);
+        assert!((got as f64 - want).abs() < 1e-5);
+        assert_eq!(got, dot_bf16_f32_body(&w, &x));
+    }
+}
