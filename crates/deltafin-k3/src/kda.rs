@@ -19,7 +19,7 @@
 
 use crate::dims::ModelDims;
 use crate::linear::{Linear, apply_group};
-use deltafin_kernels::{kda_delta_step, l2_normalize, sigmoid, silu};
+use deltafin_kernels::{exp_inplace, kda_delta_step, l2_normalize, sigmoid_inplace, silu_inplace};
 use rayon::prelude::*;
 
 /// Weights of one KDA layer (`model.layers.N.self_attn.*`), bf16 matrices and f32 vectors.
@@ -113,9 +113,7 @@ fn conv_silu(
                 o[c] += taps[c * k + j] * x[c];
             }
         }
-        for v in o.iter_mut() {
-            *v = silu(*v);
-        }
+        silu_inplace(o);
     }
     let mut new_hist = vec![0f32; km1 * p];
     for r in 0..km1 {
@@ -159,13 +157,14 @@ impl KdaWeights {
         let a_exp: Vec<f32> = self.a_log[..h].iter().map(|a| a.exp()).collect();
         for row in g.chunks_exact_mut(p) {
             for (c, gc) in row.iter_mut().enumerate() {
-                let a = a_exp[c / d];
-                *gc = dims.gate_lower_bound * sigmoid(a * (*gc + self.dt_bias[c]));
+                *gc = a_exp[c / d] * (*gc + self.dt_bias[c]);
+            }
+            sigmoid_inplace(row);
+            for gc in row.iter_mut() {
+                *gc *= dims.gate_lower_bound;
             }
         }
-        for b in beta.iter_mut() {
-            *b = sigmoid(*b);
-        }
+        sigmoid_inplace(&mut beta);
         let qscale = 1.0 / (d as f32).sqrt();
         for head in q.chunks_exact_mut(d) {
             l2_normalize(head, dims.kda_l2_eps);
@@ -189,11 +188,13 @@ impl KdaWeights {
     /// Steps 7–8: gated output norm per head, then `o_proj`.
     fn finish(&self, dims: &ModelDims, mut o: Vec<f32>, gate: &[f32], t: usize) -> Vec<f32> {
         let d = dims.kda_head_dim;
-        for (oh, gh) in o.chunks_exact_mut(d).zip(gate.chunks_exact(d)) {
+        let mut sg = gate.to_vec();
+        sigmoid_inplace(&mut sg);
+        for (oh, gh) in o.chunks_exact_mut(d).zip(sg.chunks_exact(d)) {
             let ms = oh.iter().map(|x| x * x).sum::<f32>() / d as f32;
             let inv = 1.0 / (ms + dims.kda_o_norm_eps).sqrt();
             for i in 0..d {
-                oh[i] = self.o_norm[i] * (oh[i] * inv) * sigmoid(gh[i]);
+                oh[i] = self.o_norm[i] * (oh[i] * inv) * gh[i];
             }
         }
         let mut out = vec![0f32; t * self.o_proj.rows()];
@@ -336,6 +337,7 @@ impl HeadIo<'_> {
         let mut eg = vec![0f32; chunk * d]; // e^{Γ_i}, Γ measured from the chunk start
         let mut gam = vec![0f32; d];
         let mut dsum = vec![0f32; d];
+        let mut edsum = vec![0f32; d]; // e^{dsum}
         let mut arow = vec![0f32; chunk];
         let mut brow = vec![0f32; chunk];
         let mut x = vec![0f32; d];
@@ -347,8 +349,10 @@ impl HeadIo<'_> {
                 let gi = self.g(c0 + i);
                 for c in 0..d {
                     gam[c] += gi[c];
-                    eg[i * d + c] = gam[c].exp();
                 }
+                let egi = &mut eg[i * d..(i + 1) * d];
+                egi.copy_from_slice(&gam);
+                exp_inplace(egi);
             }
             for i in 0..cl {
                 let (qi, ki) = (self.q(c0 + i), self.k(c0 + i));
@@ -358,10 +362,14 @@ impl HeadIo<'_> {
                 for j in (0..i).rev() {
                     let gs = self.g(c0 + j + 1);
                     let kj = self.k(c0 + j);
-                    let (mut a, mut b) = (0f32, 0f32);
                     for c in 0..d {
                         dsum[c] += gs[c];
-                        let ke = kj[c] * dsum[c].exp();
+                    }
+                    edsum.copy_from_slice(&dsum);
+                    exp_inplace(&mut edsum);
+                    let (mut a, mut b) = (0f32, 0f32);
+                    for c in 0..d {
+                        let ke = kj[c] * edsum[c];
                         a += ki[c] * ke;
                         b += qi[c] * ke;
                     }
@@ -420,8 +428,10 @@ impl HeadIo<'_> {
                 }
                 let kj = self.k(c0 + j);
                 let uj = &u[j * d..(j + 1) * d];
+                edsum.copy_from_slice(&dsum);
+                exp_inplace(&mut edsum);
                 for r in 0..d {
-                    let w = kj[r] * dsum[r].exp();
+                    let w = kj[r] * edsum[r];
                     for (v, &uc) in s[r * d..(r + 1) * d].iter_mut().zip(uj) {
                         *v += w * uc;
                     }
