@@ -76,7 +76,8 @@ pub fn softmax_inplace(x: &mut [f32]) {
 }
 
 /// SiTU-GLU (k3-model.md §4.8): `out = [β₁·tanh(g/β₁)·σ(g)] · [β₂·tanh(u/β₂)]`; σ takes the
-/// raw `g`.
+/// raw `g`. Computed by [`crate::vmath::situ_glu`] (vectorised, bit-identical on every
+/// backend and at every slice position).
 ///
 /// # Panics
 /// If `g`, `u`, `out` differ in length.
