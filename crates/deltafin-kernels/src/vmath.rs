@@ -41,14 +41,8 @@ fn pow2i(n: i32) -> f32 {
 /// `e^x`, the portable definition every backend reproduces bit for bit.
 #[inline(always)]
 pub fn exp_one(x: f32) -> f32 {
-    // Comparisons (not min/max) so that NaN passes through unchanged.
-    let xc = if x > EXP_HI {
-        EXP_HI
-    } else if x < EXP_LO {
-        EXP_LO
-    } else {
-        x
-    };
+    // `clamp` (not min/max) so that NaN passes through unchanged.
+    let xc = x.clamp(EXP_LO, EXP_HI);
     let t = xc * LOG2E + ROUND;
     let n = t - ROUND;
     let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
@@ -58,7 +52,7 @@ pub fn exp_one(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = (p * (r * r) + r) + 1.0;
     let n1 = ni >> 1;
     let n2 = ni.wrapping_sub(n1);
@@ -71,10 +65,10 @@ pub fn tanh_one(x: f32) -> f32 {
     let a = x.abs();
     let z = a * a;
     let mut p = -5.704_988_7e-3f32;
-    p = p * z + 2.063_908_9e-2;
+    p = p * z + 2.063_909e-2;
     p = p * z - 5.373_971_6e-2;
     p = p * z + 1.333_144_2e-1;
-    p = p * z - 3.333_328_2e-1;
+    p = p * z - 3.333_328e-1;
     let small = p * z * a + a;
     let e = exp_one(a + a);
     let large = 1.0 - 2.0 / (e + 1.0);
@@ -273,7 +267,7 @@ mod tests {
     /// Inputs that exercise every branch: random bit patterns (NaN, ±∞, subnormals), the
     /// model's ranges, signed zeros, tiny values, and the overflow/underflow thresholds.
     fn inputs() -> Vec<f32> {
-        let mut rng = Rng(0x5eed_0f_e1e5);
+        let mut rng = Rng(0x5eed_0fe1_e5e5);
         let mut v: Vec<f32> = vec![
             0.0,
             -0.0,
@@ -345,7 +339,7 @@ mod tests {
 
     #[test]
     fn situ_backends_and_positions_are_bit_identical() {
-        let mut rng = Rng(0x51_7u64 << 20 | 0x9);
+        let mut rng = Rng(0x517_0009);
         let mut g = inputs();
         g.truncate(6000);
         let u: Vec<f32> = (0..g.len()).map(|_| rng.uniform(-60.0, 60.0)).collect();
