@@ -21,7 +21,9 @@
 
 use crate::dims::ModelDims;
 use crate::linear::{Linear, apply_group};
-use deltafin_kernels::{KdaRows, kda_chunked, kda_delta_step, l2_normalize, sigmoid, silu};
+use deltafin_kernels::{
+    KdaRows, kda_chunked, kda_delta_step, l2_normalize, sigmoid_inplace, silu_inplace,
+};
 use rayon::prelude::*;
 
 /// Weights of one KDA layer (`model.layers.N.self_attn.*`), bf16 matrices and f32 vectors.
@@ -118,9 +120,7 @@ fn conv_silu(
                 *oc += wc * xc;
             }
         }
-        for v in o.iter_mut() {
-            *v = silu(*v);
-        }
+        silu_inplace(o);
     }
     let mut new_hist = vec![0f32; km1 * p];
     for r in 0..km1 {
@@ -164,13 +164,14 @@ impl KdaWeights {
         let a_exp: Vec<f32> = self.a_log[..h].iter().map(|a| a.exp()).collect();
         for row in g.chunks_exact_mut(p) {
             for (c, gc) in row.iter_mut().enumerate() {
-                let a = a_exp[c / d];
-                *gc = dims.gate_lower_bound * sigmoid(a * (*gc + self.dt_bias[c]));
+                *gc = a_exp[c / d] * (*gc + self.dt_bias[c]);
+            }
+            sigmoid_inplace(row);
+            for gc in row.iter_mut() {
+                *gc *= dims.gate_lower_bound;
             }
         }
-        for b in beta.iter_mut() {
-            *b = sigmoid(*b);
-        }
+        sigmoid_inplace(&mut beta);
         let qscale = 1.0 / (d as f32).sqrt();
         for head in q.chunks_exact_mut(d) {
             l2_normalize(head, dims.kda_l2_eps);
@@ -194,11 +195,13 @@ impl KdaWeights {
     /// Steps 7–8: gated output norm per head, then `o_proj`.
     fn finish(&self, dims: &ModelDims, mut o: Vec<f32>, gate: &[f32], t: usize) -> Vec<f32> {
         let d = dims.kda_head_dim;
-        for (oh, gh) in o.chunks_exact_mut(d).zip(gate.chunks_exact(d)) {
+        let mut sg = gate.to_vec();
+        sigmoid_inplace(&mut sg);
+        for (oh, gh) in o.chunks_exact_mut(d).zip(sg.chunks_exact(d)) {
             let ms = oh.iter().map(|x| x * x).sum::<f32>() / d as f32;
             let inv = 1.0 / (ms + dims.kda_o_norm_eps).sqrt();
             for i in 0..d {
-                oh[i] = self.o_norm[i] * (oh[i] * inv) * sigmoid(gh[i]);
+                oh[i] = self.o_norm[i] * (oh[i] * inv) * gh[i];
             }
         }
         let mut out = vec![0f32; t * self.o_proj.rows()];

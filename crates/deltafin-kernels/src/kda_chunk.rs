@@ -135,12 +135,10 @@ unsafe fn kda_chunked_avx2(
     kda_chunked_body(s, rows, t, chunk, o)
 }
 
-/// `x ← e^x` element-wise.
+/// `x ← e^x` element-wise ([`crate::vmath`]: the same bits on every backend).
 #[inline(always)]
 fn exp_inplace(x: &mut [f32]) {
-    for v in x.iter_mut() {
-        *v = v.exp();
-    }
+    crate::vmath::exp_inplace(x);
 }
 
 /// `Σ a_c b_c` in a fixed order: 16 lane sums, then a fixed pairwise reduction.

@@ -2,7 +2,8 @@
 //!
 //! Matrix-vector and small-batch matrix products over f32, bf16, row-int8 and MXFP4 weights
 //! with f32 activations and f32 accumulation, plus the element-wise pieces the K3 blocks need
-//! (RMS norms, SiTU, sigmoid, softmax). The products dispatch at run time on the CPU's
+//! (RMS norms, SiTU, sigmoid, softmax; [`vmath`]: vectorised exp/tanh/sigmoid/silu that
+//! are bit-identical across backends). The products dispatch at run time on the CPU's
 //! features ([`dispatch`]: AVX-512, AVX2+FMA, NEON, portable scalar; `DELTAFIN_KERNEL`
 //! forces one) and are bit-identical across thread counts and batch widths within a backend.
 //! Kernels know shapes, not models.
@@ -26,6 +27,7 @@ mod scalar;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod tile;
+pub mod vmath;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -42,3 +44,4 @@ pub use ops::{
     argmax, kda_delta_step, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, situ_glu,
     softmax_inplace,
 };
+pub use vmath::{exp_inplace, sigmoid_inplace, silu_inplace, tanh_inplace};

@@ -39,10 +39,11 @@ pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
-/// `σ(x) = 1 / (1 + e^(−x))`.
+/// `σ(x) = 1 / (1 + e^(−x))`, with the vectorisable `e^x` of [`crate::vmath`] (bit-identical
+/// to [`crate::vmath::sigmoid_inplace`] on every element).
 #[inline]
 pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    crate::vmath::sigmoid_one(x)
 }
 
 /// `SiLU(x) = x · σ(x)`.
@@ -60,9 +61,12 @@ pub fn softmax_inplace(x: &mut [f32]) {
             return;
         }
     }
-    let mut sum = 0f32;
     for v in x.iter_mut() {
-        *v = (*v - max).exp();
+        *v -= max;
+    }
+    crate::vmath::exp_inplace(x);
+    let mut sum = 0f32;
+    for v in x.iter() {
         sum += *v;
     }
     let inv = 1.0 / sum;
@@ -72,18 +76,13 @@ pub fn softmax_inplace(x: &mut [f32]) {
 }
 
 /// SiTU-GLU (k3-model.md §4.8): `out = [β₁·tanh(g/β₁)·σ(g)] · [β₂·tanh(u/β₂)]`; σ takes the
-/// raw `g`.
+/// raw `g`. Computed by [`crate::vmath::situ_glu`] (vectorised, bit-identical on every
+/// backend and at every slice position).
 ///
 /// # Panics
 /// If `g`, `u`, `out` differ in length.
 pub fn situ_glu(g: &[f32], u: &[f32], beta1: f32, beta2: f32, out: &mut [f32]) {
-    assert_eq!(g.len(), u.len(), "situ_glu: up length");
-    assert_eq!(g.len(), out.len(), "situ_glu: output length");
-    for ((o, &gi), &ui) in out.iter_mut().zip(g).zip(u) {
-        let gate = beta1 * (gi / beta1).tanh() * sigmoid(gi);
-        let up = beta2 * (ui / beta2).tanh();
-        *o = gate * up;
-    }
+    crate::vmath::situ_glu(g, u, beta1, beta2, out)
 }
 
 /// `x ← x / √(Σ x² + eps)` (FLA `l2norm`: the epsilon is inside the root).
@@ -194,7 +193,7 @@ fn kda_delta_step_body(
     // S′ = diag(α) S;  u = β (v − S′ᵀ k̂)
     u.copy_from_slice(v);
     for ((row, &gr), &kr) in s.chunks_exact_mut(d).zip(g).zip(k) {
-        let alpha = gr.exp();
+        let alpha = crate::vmath::exp_one(gr);
         for (x, ui) in row.iter_mut().zip(u.iter_mut()) {
             *x *= alpha;
             *ui -= kr * *x;

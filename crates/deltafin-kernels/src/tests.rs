@@ -919,7 +919,7 @@ fn kda_step_scalar(
     let d = q.len();
     let mut u = v.to_vec();
     for r in 0..d {
-        let alpha = g[r].exp();
+        let alpha = crate::vmath::exp_one(g[r]);
         for c in 0..d {
             s[r * d + c] *= alpha;
             u[c] -= k[r] * s[r * d + c];

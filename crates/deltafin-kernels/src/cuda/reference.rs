@@ -1,7 +1,8 @@
 //! f32 CPU references for the CUDA KDA and MLA kernels: line-by-line ports of the recurrent
 //! step in `crates/deltafin-k3/src/kda.rs` and of `MlaWeights::attend` (one query token) in
 //! `crates/deltafin-k3/src/mla.rs`, on plain slices. Used by the GPU tests and the doctor
-//! canaries. (The products' reference is [`crate::matmul`].)
+//! canaries. Their `exp`/σ are [`crate::vmath`]'s, as in the model. (The products' reference
+//! is [`crate::matmul`].)
 
 use deltafin_tensor::bf16;
 
@@ -14,7 +15,7 @@ pub fn kda_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta:
     assert!(s.len() == d * d && k.len() == d && v.len() == d && g.len() == d);
     let mut u = v.to_vec();
     for r in 0..d {
-        let alpha = g[r].exp();
+        let alpha = crate::vmath::exp_one(g[r]);
         let row = &mut s[r * d..(r + 1) * d];
         for (x, ui) in row.iter_mut().zip(u.iter_mut()) {
             *x *= alpha;
@@ -86,7 +87,7 @@ pub fn mla_decode(
             let r = &kvb[(rows + dn + j) * kvl..(rows + dn + j + 1) * kvl];
             let val = crate::attn::dot_bf16_f32(r, &ctx);
             let gj = gate[hh * dv + j];
-            o[hh * dv + j] = val * (1.0 / (1.0 + (-gj).exp()));
+            o[hh * dv + j] = val * crate::vmath::sigmoid_one(gj);
         }
     }
     o
