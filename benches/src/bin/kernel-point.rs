@@ -7,7 +7,12 @@
 //! RAYON_NUM_THREADS=1 target/release/kernel-point row-int8 --cols 7168 --bytes 1M --n 1   # in L2
 //! target/release/kernel-point mxfp4 --cols 1024 --bytes 512M                            # DRAM
 //! target/release/kernel-point probe --bytes 1G                                           # read probe
+//! target/release/kernel-point bf16 --cols 1024 --bytes 4M --count 256   # model-sized, from DRAM
 //! ```
+//!
+//! `--count K` builds K matrices of `--bytes` each and multiplies them in turn, like a model's
+//! layers: small products whose weights still come from DRAM (K × bytes ≫ the last-level
+//! cache), paying each product's start-up (fork/join, activation layout, prefetch ramp).
 //!
 //! Prints the best of five timed rounds (each `--iters` products; default chosen so a round
 //! reads about 2 GB) as GB/s of weight bytes.
@@ -26,10 +31,11 @@ struct Args {
     cols: usize,
     bytes: usize,
     n: usize,
+    count: usize,
     iters: Option<usize>,
 }
 
-const USAGE: &str = "usage: kernel-point <f32|bf16|row-int8|mxfp4|probe> [--cols N] [--bytes SIZE] [--n ROWS] [--iters K]\n  SIZE accepts K, M, G suffixes (binary); defaults: --cols 7168 --bytes 512M --n 1";
+const USAGE: &str = "usage: kernel-point <f32|bf16|row-int8|mxfp4|probe> [--cols N] [--bytes SIZE] [--n ROWS] [--count K] [--iters K]\n  SIZE accepts K, M, G suffixes (binary); defaults: --cols 7168 --bytes 512M --n 1";
 
 fn size(s: &str) -> Result<usize, String> {
     let (num, mul) = match s.chars().last() {
@@ -56,6 +62,7 @@ fn parse() -> Result<Args, String> {
         cols: 7168,
         bytes: 512 << 20,
         n: 1,
+        count: 1,
         iters: None,
     };
     while let Some(flag) = it.next() {
@@ -72,6 +79,7 @@ fn parse() -> Result<Args, String> {
             "--cols" => a.cols = num()?,
             "--bytes" => a.bytes = size(&v)?,
             "--n" => a.n = num()?,
+            "--count" => a.count = num()?,
             "--iters" => a.iters = Some(num()?),
             _ => return Err(format!("unknown option {flag:?}\n{USAGE}")),
         }
@@ -123,26 +131,40 @@ fn main() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     }
-    let m = build(&a.what, a.cols, a.bytes, &mut Rng(0x2545_f491_4f6c_dd1d));
-    let w = m.weights();
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mats: Vec<_> = (0..a.count)
+        .map(|_| build(&a.what, a.cols, a.bytes, &mut rng))
+        .collect();
+    let w0 = mats[0].weights();
     let xs: Vec<f32> = (0..a.n * a.cols)
         .map(|i| ((i * 2654435761) % 2001) as f32 / 1000.0 - 1.0)
         .collect();
-    let mut ys = vec![0f32; a.n * w.rows()];
+    let mut ys = vec![0f32; a.n * w0.rows()];
     let be = backend();
-    let secs = best_secs(iters, || {
-        matmul_with(be, w, black_box(&xs), a.n, &mut ys);
+    let iters = a
+        .iters
+        .unwrap_or(((2usize << 30) / (a.bytes * a.count)).clamp(1, 100_000));
+    // Issue the products from a pool worker, as `deltafin run` does (a call from outside the
+    // pool would also pay a cross-thread hand-off per product).
+    let secs = rayon::scope(|_| {
+        best_secs(iters, || {
+            for m in &mats {
+                matmul_with(be, m.weights(), black_box(&xs), a.n, &mut ys);
+            }
+        })
     });
+    let bytes = w0.weight_bytes() * a.count;
     println!(
-        "{} rows={} cols={} bytes={} n={} threads={threads} ({}): {:.2} GB/s, {:.1} us/call",
+        "{} rows={} cols={} bytes={} count={} n={} threads={threads} ({}): {:.2} GB/s, {:.1} us/product",
         a.what,
-        w.rows(),
+        w0.rows(),
         a.cols,
-        w.weight_bytes(),
+        w0.weight_bytes(),
+        a.count,
         a.n,
         kernel_summary(),
-        w.weight_bytes() as f64 / secs / 1e9,
-        secs * 1e6
+        bytes as f64 / secs / 1e9,
+        secs * 1e6 / a.count as f64
     );
     ExitCode::SUCCESS
 }
