@@ -37,25 +37,9 @@ impl Mats {
         let bv: Vec<bf16> = f32.iter().map(|&v| bf16::from_f32(v)).collect();
         let bf16 = Bf16Matrix::from_values(rows, cols, &bv).unwrap();
         let i8 = RowInt8Matrix::quantize("t", rows, cols, &f32).unwrap();
-        let mx = cols.is_multiple_of(32).then(|| {
-            let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
-            // Include the subnormal scale code 0 and large exponents now and then.
-            let scales: Vec<u8> = (0..rows * cols / 32)
-                .map(|_| match rng.below(16) {
-                    0 => 0,
-                    1 => 140,
-                    _ => 118 + rng.below(16) as u8,
-                })
-                .collect();
-            Mxfp4Matrix::new(
-                "t",
-                Bytes::from_vec(packed),
-                Bytes::from_vec(scales),
-                rows,
-                cols,
-            )
-            .unwrap()
-        });
+        let mx = cols
+            .is_multiple_of(32)
+            .then(|| mxfp4_matrix(rng, rows, cols));
         Mats {
             f32,
             bf16,
