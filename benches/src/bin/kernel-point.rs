@@ -144,9 +144,10 @@ fn main() -> ExitCode {
     let iters = a
         .iters
         .unwrap_or(((2usize << 30) / (a.bytes * a.count)).clamp(1, 100_000));
-    // Issue the products from a pool worker, as `deltafin run` does (a call from outside the
-    // pool would also pay a cross-thread hand-off per product).
-    let secs = rayon::scope(|_| {
+    // Issue the products from a pool worker with the other workers kept warm, as `deltafin
+    // run` does (`DELTAFIN_POOL_SPIN`; a call from outside the pool would also pay a
+    // cross-thread hand-off per product).
+    let secs = deltafin_kernels::pool::run_warm(|| {
         best_secs(iters, || {
             for m in &mats {
                 matmul_with(be, m.weights(), black_box(&xs), a.n, &mut ys);

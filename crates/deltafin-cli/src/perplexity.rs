@@ -58,7 +58,7 @@ pub fn perplexity(args: &PerplexityArgs) -> Result<ExitCode> {
     };
     let t = Instant::now();
     // On a rayon worker, as in `run` (the kernels' loops then start by work-stealing).
-    let result = rayon::scope(|_| {
+    let result = deltafin_kernels::pool::run_warm(|| {
         score(&s.model, &tokens, chunk, false, &interrupt, |done, _| {
             if let Some(b) = &bar {
                 b.set_position(done as u64);

@@ -191,7 +191,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     // Run the whole generation on a pool worker: the kernels' parallel loops then start by
     // work-stealing from this thread instead of waking the pool from outside for every
     // matrix product.
-    let result = rayon::scope(|_| {
+    let result = deltafin_kernels::pool::run_warm(|| {
         generate(&model, &prompt_ids, &opts, &interrupt, |ev| {
             let r: Result<()> = (|| {
                 match ev {
@@ -415,7 +415,7 @@ fn run_speculative(
     let mut prefill_ns = 0u64;
     let gen_start = Instant::now();
     let clock = WallClock::new();
-    let result = rayon::scope(|_| {
+    let result = deltafin_kernels::pool::run_warm(|| {
         generate_with_policy(
             model,
             prompt_ids,

@@ -791,8 +791,13 @@ pub fn check_kernels() -> Result<()> {
 /// The compute backend line shared by the startup echo and the events file.
 pub fn backend_description() -> String {
     format!(
-        "device=cpu threads={} kernels={}",
+        "device=cpu threads={} kernels={} pool_spin={}",
         rayon::current_num_threads(),
-        deltafin_kernels::kernel_backend()
+        deltafin_kernels::kernel_backend(),
+        if deltafin_kernels::pool::spin_enabled().unwrap_or(false) {
+            "on"
+        } else {
+            "off"
+        }
     )
 }

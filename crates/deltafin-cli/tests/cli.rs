@@ -226,12 +226,65 @@ fn bad_inputs_are_clear_errors() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--events-jsonl"));
 
+    let out = deltafin(
+        &["run", "--model-root", &root_arg()],
+        &[("DELTAFIN_POOL_SPIN", "maybe")],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("DELTAFIN_POOL_SPIN") && err.contains("maybe"),
+        "{err}"
+    );
+
     let out = deltafin(&["run", "--top-logits", "101", "--events-jsonl", "x"], &[]);
     assert!(!out.status.success());
     let out = deltafin(&["run", "--max-new", "-3"], &[]);
     assert!(!out.status.success());
     let out = deltafin(&["run", "--no-such-flag"], &[]);
     assert!(!out.status.success());
+}
+
+#[test]
+fn pool_spin_changes_no_value() {
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = |spin: &str| {
+        let ev_path = tmp.path().join(format!("events-{spin}.jsonl"));
+        let out = deltafin(
+            &[
+                "run",
+                "--model-root",
+                &root_arg(),
+                "--max-new",
+                "5",
+                "--events-jsonl",
+                ev_path.to_str().unwrap(),
+                "--top-logits",
+                "8",
+            ],
+            &[("DELTAFIN_POOL_SPIN", spin)],
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("pool_spin={spin}")));
+        events(&ev_path)
+            .into_iter()
+            .filter(|e| e["event"] == "decode_step")
+            .map(|e| {
+                (
+                    e["token_id"].clone(),
+                    e["top_logits"].clone(),
+                    e["logsumexp"].clone(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let on = steps("on");
+    assert_eq!(on.len(), 5);
+    assert_eq!(on, steps("off"));
 }
 
 #[test]

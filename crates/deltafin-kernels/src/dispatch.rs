@@ -33,6 +33,8 @@ pub enum KernelError {
     Unsupported { name: String, supported: String },
     #[error(transparent)]
     Mxfp4Act(#[from] crate::mxfp4_q8::Mxfp4ActError),
+    #[error(transparent)]
+    PoolSpin(#[from] crate::pool::SpinEnvError),
 }
 
 impl Backend {
@@ -116,10 +118,12 @@ pub fn parse_backend(value: &str) -> Result<Backend, KernelError> {
 }
 
 /// Resolve the backend from the environment (unset → [`Backend::detect`]), once per process;
-/// also checks `DELTAFIN_MXFP4_ACT` ([`crate::mxfp4_q8::select_mxfp4_act`]), so binaries that
-/// call this at startup report either bad setting.
+/// also checks `DELTAFIN_MXFP4_ACT` ([`crate::mxfp4_q8::select_mxfp4_act`]) and
+/// `DELTAFIN_POOL_SPIN` ([`crate::pool::spin_enabled`]), so binaries that call this at startup
+/// report any bad setting.
 pub fn select_backend() -> Result<Backend, KernelError> {
     crate::mxfp4_q8::select_mxfp4_act()?;
+    crate::pool::spin_enabled()?;
     static SELECTED: OnceLock<Result<Backend, KernelError>> = OnceLock::new();
     SELECTED
         .get_or_init(|| match std::env::var(ENV_VAR) {
@@ -152,7 +156,7 @@ pub fn kernel_backend() -> &'static str {
 }
 
 /// One log line: the backend in use, the relevant CPU features present and the worker count,
-/// e.g. `kernels=avx512 mxfp4_act=q8 cpu=[avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx2 fma] threads=2`.
+/// e.g. `kernels=avx512 mxfp4_act=q16x2 cpu=[avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx2 fma] threads=2 pool_spin=on`.
 ///
 /// # Panics
 /// As [`backend`].
@@ -187,9 +191,14 @@ pub fn kernel_summary() -> String {
         "f32"
     };
     format!(
-        "kernels={be} mxfp4_act={mx} cpu=[{}] threads={}",
+        "kernels={be} mxfp4_act={mx} cpu=[{}] threads={} pool_spin={}",
         feats.join(" "),
-        rayon::current_num_threads()
+        rayon::current_num_threads(),
+        if crate::pool::spin_enabled().unwrap_or(false) {
+            "on"
+        } else {
+            "off"
+        }
     )
 }
 

@@ -21,6 +21,7 @@ pub mod mxfp4_q8;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub mod ops;
+pub mod pool;
 pub mod probe;
 mod scalar;
 #[cfg(test)]

@@ -233,7 +233,7 @@ fn run_drafted(
     let mut counted = 0usize;
     let mut sink_error: Option<ApiError> = None;
     let clock = WallClock::new();
-    let result = rayon::scope(|_| {
+    let result = deltafin_kernels::pool::run_warm(|| {
         generate_with_policy(
             &engine.model,
             prompt,
@@ -344,7 +344,7 @@ fn run_plain(
     let mut sink_error: Option<ApiError> = None;
     // On a rayon worker, as `deltafin run` does: the kernels' parallel loops then start by
     // work-stealing instead of waking the pool from outside for every product.
-    let result = rayon::scope(|_| {
+    let result = deltafin_kernels::pool::run_warm(|| {
         generate(&engine.model, prompt, &opts, interrupt, |ev| {
             let GenerateEvent::Token { id, summary, .. } = ev else {
                 return Ok(());

@@ -1,0 +1,178 @@
+//! Keeping the worker pool awake during a generation.
+//!
+//! A decoded token is a few hundred parallel loops of 10–300 µs each (one per matrix product
+//! group, one per MoE layer). Between two of them the other rayon workers go idle, and a
+//! rayon worker that finds no work for a few dozen rounds parks on a futex: waking it for the
+//! next product costs a system call on both sides and, in a VM, an inter-processor
+//! interrupt — tens of microseconds per hand-off, a sizeable share of a 30 ms token on two
+//! cores.
+//!
+//! [`run_warm`] runs a closure on a pool worker while every *other* worker of the pool runs a
+//! keep-warm loop: it takes pending pool work as soon as it appears ([`rayon::yield_now`]
+//! steals from the other workers' queues) and, when there is none, spins briefly and then
+//! yields its CPU to any other runnable thread (`sched_yield`) instead of parking. Products
+//! therefore start on both cores within a fraction of a microsecond. The loops end when the
+//! closure returns (or unwinds).
+//!
+//! Scheduling only: which thread runs a row range never changes a value (see
+//! [`crate::matvec`]), so results are bit-identical with and without it.
+//!
+//! `DELTAFIN_POOL_SPIN=on|off` (default `on`) switches it; `off` runs the closure on a pool
+//! worker exactly like `rayon::scope` with nothing else.
+
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The environment variable that switches the keep-warm loops.
+pub const SPIN_ENV_VAR: &str = "DELTAFIN_POOL_SPIN";
+
+/// Idle rounds a keep-warm loop spins (`pause`) before it starts yielding its CPU each round.
+const SPIN_ROUNDS: u32 = 2048;
+
+/// A bad `DELTAFIN_POOL_SPIN` value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{SPIN_ENV_VAR}={value:?} is not valid (expected `on` or `off`)")]
+pub struct SpinEnvError {
+    /// The rejected value.
+    pub value: String,
+}
+
+/// Parse a `DELTAFIN_POOL_SPIN` value strictly.
+pub fn parse_spin(value: &str) -> Result<bool, SpinEnvError> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(SpinEnvError {
+            value: other.to_string(),
+        }),
+    }
+}
+
+/// `DELTAFIN_POOL_SPIN` from the environment (unset = `on`), read once per process.
+pub fn spin_enabled() -> Result<bool, SpinEnvError> {
+    static SETTING: OnceLock<Result<bool, SpinEnvError>> = OnceLock::new();
+    SETTING
+        .get_or_init(|| match std::env::var(SPIN_ENV_VAR) {
+            Ok(v) => parse_spin(&v),
+            Err(std::env::VarError::NotPresent) => Ok(true),
+            Err(std::env::VarError::NotUnicode(v)) => Err(SpinEnvError {
+                value: v.to_string_lossy().into_owned(),
+            }),
+        })
+        .clone()
+}
+
+/// Run `f` on a worker of the current rayon pool; with `spin`, the pool's other workers run
+/// keep-warm loops until `f` returns. Returns `f`'s value; a panic in `f` is re-raised after
+/// the loops have stopped.
+pub fn run_warm_with<R: Send>(spin: bool, f: impl FnOnce() -> R + Send) -> R {
+    let stop = AtomicBool::new(false);
+    let stop = &stop;
+    let result = rayon::scope(|scope| {
+        if spin && rayon::current_num_threads() > 1 {
+            let me = rayon::current_thread_index();
+            scope.spawn_broadcast(move |_, ctx| {
+                if Some(ctx.index()) != me {
+                    keep_warm(stop);
+                }
+            });
+        }
+        let r = catch_unwind(AssertUnwindSafe(f));
+        stop.store(true, Ordering::Release);
+        r
+    });
+    match result {
+        Ok(r) => r,
+        Err(panic) => resume_unwind(panic),
+    }
+}
+
+/// [`run_warm_with`] switched by `DELTAFIN_POOL_SPIN` (an invalid value runs without the
+/// loops; binaries validate it at startup with [`spin_enabled`]).
+pub fn run_warm<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    run_warm_with(spin_enabled().unwrap_or(false), f)
+}
+
+/// Take pool work as it appears until `stop`; spin, then yield the CPU, while there is none.
+fn keep_warm(stop: &AtomicBool) {
+    let mut idle = 0u32;
+    while !stop.load(Ordering::Acquire) {
+        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            idle = 0;
+            continue;
+        }
+        if idle < SPIN_ROUNDS {
+            idle += 1;
+            for _ in 0..16 {
+                std::hint::spin_loop();
+            }
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rayon::prelude::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn parse_is_strict() {
+        assert_eq!(parse_spin("on"), Ok(true));
+        assert_eq!(parse_spin("off"), Ok(false));
+        for bad in ["", "ON", "1", "yes", " on"] {
+            let e = parse_spin(bad).unwrap_err();
+            assert!(e.to_string().contains(SPIN_ENV_VAR), "{e}");
+        }
+    }
+
+    #[test]
+    fn runs_parallel_work_and_returns_with_spinners_stopped() {
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for spin in [true, false] {
+                let hits = AtomicUsize::new(0);
+                let sum = pool.install(|| {
+                    run_warm_with(spin, || {
+                        let mut total = 0u64;
+                        for round in 0..50u64 {
+                            total += (0..1000u64)
+                                .into_par_iter()
+                                .map(|i| {
+                                    hits.fetch_add(1, Ordering::Relaxed);
+                                    i * round
+                                })
+                                .sum::<u64>();
+                        }
+                        total
+                    })
+                });
+                assert_eq!(sum, (0..50u64).map(|r| r * 499_500).sum::<u64>());
+                assert_eq!(hits.load(Ordering::Relaxed), 50_000);
+                // The pool is usable afterwards (no worker stuck in a loop).
+                let after: u64 = pool.install(|| (0..100u64).into_par_iter().sum());
+                assert_eq!(after, 4950);
+            }
+        }
+    }
+
+    #[test]
+    fn a_panic_is_re_raised_after_the_loops_stop() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.install(|| run_warm_with(true, || -> u32 { panic!("inside") }))
+        }));
+        let msg = r.unwrap_err();
+        assert_eq!(msg.downcast_ref::<&str>(), Some(&"inside"));
+        assert_eq!(pool.install(|| run_warm_with(true, || 7)), 7);
+    }
+}
