@@ -154,11 +154,13 @@ impl MoeWeights {
         let mut fetch_err = None;
         let shared_act: Mutex<Option<Vec<f32>>> = Mutex::new(None);
         let in_flight = AtomicUsize::new(0);
-        let max_in_flight = rayon::current_num_threads().max(1);
+        // Two experts per worker: this thread runs expert tasks too while it waits below, and
+        // a worker that finishes one meanwhile must find the next one already queued.
+        let max_in_flight = 2 * rayon::current_num_threads().max(1);
         // When the layer has at least one expert per worker, the expert tasks already fill
         // the pool: each expert's products then run on its own task's thread, without a
         // fork/join per product (same values, see `matmul_serial`).
-        let serial = users.len() >= max_in_flight;
+        let serial = users.len() >= rayon::current_num_threads().max(1);
         rayon::scope(|scope| {
             scope.spawn(|_| {
                 let a = sh.activation(dims, y, t);

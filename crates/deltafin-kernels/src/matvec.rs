@@ -427,7 +427,7 @@ impl BatchOut {
 }
 
 /// Rows per parallel task, or `None` to run on the calling thread.
-fn chunk_rows(rows: usize, work_per_row: usize) -> Option<usize> {
+fn chunk_rows(rows: usize, work_per_row: usize, row_bytes: usize, n: usize) -> Option<usize> {
     if rows * work_per_row < PAR_THRESHOLD || rows < 2 {
         return None;
     }
@@ -435,9 +435,24 @@ fn chunk_rows(rows: usize, work_per_row: usize) -> Option<usize> {
     if threads == 1 {
         return None;
     }
-    // About four even ranges per worker, at least 8 rows each.
-    Some(rows.div_ceil(threads * 4).max(8))
+    // About four even ranges per worker, at least 8 rows each; decode-sized batches also cap
+    // a range at `TASK_BYTES` of weights (see there).
+    let even = rows.div_ceil(threads * 4);
+    let chunk = if n < BATCH_TILE {
+        even.min(TASK_BYTES / row_bytes.max(1))
+    } else {
+        even
+    };
+    Some(chunk.max(8))
 }
+
+/// Largest weight slice of one parallel task in a decode-sized product (`n` below
+/// [`BATCH_TILE`]). The product ends when its last task does, so a big matrix (the 168–335 MB
+/// `lm_head`) split into only four ranges per worker would leave one core idle for up to a
+/// whole range (milliseconds) at its end; ranges of this size bound that tail to a few
+/// microseconds. Batched products keep the even split: their tasks must span whole
+/// `ROW_BLOCK_BYTES` blocks for the activations to stream through the cache once per block.
+const TASK_BYTES: usize = 128 * 1024;
 
 /// One product ready to run: weights, activations in the kernel's layout, the output.
 struct Prepared<'a> {
@@ -655,7 +670,8 @@ fn product(be: Backend, w: Weights<'_>, xs: &[f32], n: usize, ys: &mut [f32], ep
     }
     let rows = p.w.rows();
     let p = &p;
-    match chunk_rows(rows, p.work_per_row()) {
+    let row_bytes = p.w.weight_bytes() / rows;
+    match chunk_rows(rows, p.work_per_row(), row_bytes, n) {
         // SAFETY: one task owns all rows.
         None => unsafe { p.rows(be, 0, rows) },
         Some(chunk) => (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
@@ -699,12 +715,17 @@ pub fn matmul_group_with(be: Backend, products: &mut [GroupProduct<'_>]) {
         }
         return;
     }
-    // About four tasks per worker over the whole group, at least 8 rows each.
+    // About four tasks per worker over the whole group, at least 8 rows each; decode-sized
+    // members also cap a task at `TASK_BYTES` of weights (as `chunk_rows`).
     let target = total.div_ceil(threads * 4).max(1);
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (i, p) in prepared.iter().enumerate() {
         let rows = p.w.rows();
-        let chunk = target.div_ceil(p.work_per_row().max(1)).max(8).min(rows);
+        let mut chunk = target.div_ceil(p.work_per_row().max(1));
+        if p.n < BATCH_TILE {
+            chunk = chunk.min(TASK_BYTES / (p.w.weight_bytes() / rows).max(1));
+        }
+        let chunk = chunk.max(8).min(rows);
         let mut r0 = 0;
         while r0 < rows {
             let r1 = (r0 + chunk).min(rows);

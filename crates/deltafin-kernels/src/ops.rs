@@ -212,19 +212,47 @@ fn kda_delta_step_body(
 }
 
 /// Index of the first maximum (torch `argmax` semantics; a NaN counts as the maximum).
-/// `None` for an empty slice.
+/// `None` for an empty slice. Long slices (a vocabulary of logits) are scanned in parallel
+/// chunks; the combination (first NaN, else the largest value at its lowest index) gives the
+/// serial scan's answer whatever the split.
 pub fn argmax(x: &[f32]) -> Option<usize> {
+    use rayon::prelude::*;
+    /// Values per parallel chunk.
+    const CHUNK: usize = 8192;
+    if x.len() < 4 * CHUNK || rayon::current_num_threads() == 1 {
+        return argmax_serial(x).map(|(i, _)| i);
+    }
+    x.par_chunks(CHUNK)
+        .enumerate()
+        .filter_map(|(c, part)| argmax_serial(part).map(|(i, v)| (c * CHUNK + i, v)))
+        .reduce_with(|a, b| {
+            let (first, second) = if a.0 <= b.0 { (a, b) } else { (b, a) };
+            // `first` lies before `second`: it wins unless `second` is strictly larger or is
+            // a NaN that `first` is not.
+            match (first.1.is_nan(), second.1.is_nan()) {
+                (true, _) => first,
+                (false, true) => second,
+                (false, false) if second.1 > first.1 => second,
+                _ => first,
+            }
+        })
+        .map(|(i, _)| i)
+}
+
+/// The serial scan behind [`argmax`]: index and value of the first NaN, else of the first
+/// maximum.
+fn argmax_serial(x: &[f32]) -> Option<(usize, f32)> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &v) in x.iter().enumerate() {
         if v.is_nan() {
-            return Some(i);
+            return Some((i, v));
         }
         match best {
             Some((_, b)) if v <= b => {}
             _ => best = Some((i, v)),
         }
     }
-    best.map(|(i, _)| i)
+    best
 }
 
 #[cfg(test)]
@@ -251,6 +279,45 @@ mod tests {
         let mut y = x.clone();
         rms_norm_inplace(&mut y, &w, 1e-5);
         assert_eq!(y, out);
+    }
+
+    #[test]
+    fn parallel_argmax_equals_the_serial_scan() {
+        let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
+            .iter()
+            .map(|&t| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(t)
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let mut seed = 0x9e37_79b9_u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        for case in 0..40 {
+            let n = [40_000, 65_536, 100_003, 163_840][case % 4];
+            // Few distinct values, so the maximum is tied across chunks.
+            let mut x: Vec<f32> = (0..n).map(|_| (next() % 7) as f32 - 3.0).collect();
+            match case % 5 {
+                1 => x[(next() as usize) % n] = f32::NAN,
+                2 => {
+                    x[(next() as usize) % n] = f32::NAN;
+                    x[(next() as usize) % n] = f32::NAN;
+                }
+                3 => x.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
+                4 => x[n - 1] = 100.0,
+                _ => {}
+            }
+            let want = argmax_serial(&x).map(|(i, _)| i);
+            for pool in &pools {
+                assert_eq!(pool.install(|| argmax(&x)), want, "case {case}, n {n}");
+            }
+        }
     }
 
     #[test]
