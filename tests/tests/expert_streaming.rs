@@ -117,7 +117,10 @@ fn streaming_is_bit_identical_to_resident() {
         }
         if pilot != PilotGate::Measure {
             assert!(t.prefetch_issued > 0 && t.prefetch_right <= t.prefetch_issued);
-            assert!(!st.pilot_ranks.is_empty(), "decode passes judge guesses per rank");
+            assert!(
+                !st.pilot_ranks.is_empty(),
+                "decode passes judge guesses per rank"
+            );
         }
     }
 }

@@ -238,16 +238,12 @@ pub fn stream_options_from_env(cache_bytes: u64) -> Result<StreamOptions> {
             .filter(|n| (1..=100_000).contains(n))
             .ok_or_else(|| format!("{v:?} is not an integer in 1…100000"))
     })?;
-    let precision = env_choice(
-        "K3_PILOT_RANK_PRECISION",
-        PILOT_BREAK_EVEN_PRECISION,
-        |v| {
-            v.parse::<f64>()
-                .ok()
-                .filter(|x| (0.0..=1.0).contains(x))
-                .ok_or_else(|| format!("{v:?} is not a number in [0, 1]"))
-        },
-    )?;
+    let precision = env_choice("K3_PILOT_RANK_PRECISION", PILOT_BREAK_EVEN_PRECISION, |v| {
+        v.parse::<f64>()
+            .ok()
+            .filter(|x| (0.0..=1.0).contains(x))
+            .ok_or_else(|| format!("{v:?} is not a number in [0, 1]"))
+    })?;
     let max_guesses = env_choice("K3_PILOT_MAX_GUESSES", 0, |v| {
         v.parse::<usize>()
             .ok()

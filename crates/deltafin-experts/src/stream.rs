@@ -1684,8 +1684,7 @@ mod tests {
             src.settle();
             src.stats().unwrap().device_bytes
         };
-        let src =
-            StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Off)).unwrap();
+        let src = StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Off)).unwrap();
         src.predict(2, 1, &guesses(&[5, 2, 7]));
         src.settle();
         assert_eq!(src.stats().unwrap().device_bytes, alone(2, 5) + alone(2, 2));
@@ -1713,7 +1712,10 @@ mod tests {
         }
         let line = st.summary_line();
         assert!(line.contains("prefetch_precision=50.0%"), "{line}");
-        assert!(st.per_rank_precision().starts_with("0:100.0(100.0)"), "{st:?}");
+        assert!(
+            st.per_rank_precision().starts_with("0:100.0(100.0)"),
+            "{st:?}"
+        );
 
         // Wrong guesses cut at the layer's start (dropped unread, cancelled mid-read, or
         // landed whole, depending on timing) waste exactly the bytes they transferred.
@@ -1769,7 +1771,10 @@ mod tests {
         }
         let ranks = round(30);
         assert_eq!(ranks[0].prefetched, 31);
-        assert_eq!(ranks[1].prefetched, 4, "rank 1 read only during its warm-up");
+        assert_eq!(
+            ranks[1].prefetched, 4,
+            "rank 1 read only during its warm-up"
+        );
         let mut back_on = None;
         for r in 31..90 {
             let ranks = round(r);

@@ -20,8 +20,8 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
 use deltafin_experts::rank_guesses;
+pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
 
 /// Check an expert's three shapes against the dimensions (`w1`, `w3` `[F, Lr]`, `w2` `[Lr, F]`).
 pub fn validate_expert(
