@@ -5,7 +5,9 @@
 //!     hits   += |U ∩ cache|          (resident or in flight, pinned until consumed)
 //!     misses += |U \ cache|          read in U's order, ≤ W ahead of the consumer
 //! expert(L, e)        wait for e's bytes; unpin; issue the next window read
-//! predict(L+1, P)     PILOT guess: reads P \ cache at low priority (gate permitting)
+//! predict(L+1, n, P)  PILOT guess of an n-row pass, most confident first: reads P \ cache
+//!                     at low priority in that order (gate permitting; `ranked`: only ranks
+//!                     whose measured precision reaches the threshold)
 //! ```
 //!
 //! Each (layer, expert) of a pass is read at most once while the cache holds the window
