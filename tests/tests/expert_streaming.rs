@@ -88,6 +88,11 @@ fn streaming_is_bit_identical_to_resident() {
             threshold: 0.5,
             warmup: 2,
         },
+        PilotGate::Ranked {
+            precision: 0.5,
+            warmup: 2,
+            max_guesses: 3,
+        },
     ] {
         // 6 of 416 experts fit in the cache.
         let model = streaming(&ckpt, stream_opts(6, pilot));
@@ -109,6 +114,13 @@ fn streaming_is_bit_identical_to_resident() {
         }
         if pilot == PilotGate::Off {
             assert!(t.prefetch_bytes > 0);
+        }
+        if pilot != PilotGate::Measure {
+            assert!(t.prefetch_issued > 0 && t.prefetch_right <= t.prefetch_issued);
+            assert!(
+                !st.pilot_ranks.is_empty(),
+                "decode passes judge guesses per rank"
+            );
         }
     }
 }

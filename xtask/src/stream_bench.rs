@@ -42,9 +42,19 @@ pub struct Args {
     /// I/O threads for the probe and the stream.
     #[arg(long, default_value_t = 4)]
     threads: usize,
-    /// PILOT gate: off (prefetch), measure (no prefetch), on.
+    /// PILOT gate: off (prefetch), measure (no prefetch), on (per-layer recall gate), ranked
+    /// (per-rank precision gate).
     #[arg(long, default_value = "off")]
     pilot: String,
+    /// `ranked`: the least measured precision of a guess's rank for it to be read.
+    #[arg(long, default_value_t = deltafin_experts::stream::PILOT_BREAK_EVEN_PRECISION)]
+    pilot_precision: f64,
+    /// `ranked`: guesses of a rank judged before its gate applies.
+    #[arg(long, default_value_t = 16)]
+    pilot_warmup: u64,
+    /// `ranked`: at most this many PILOT reads per prediction (0: no cap).
+    #[arg(long, default_value_t = 0)]
+    pilot_max_guesses: usize,
     /// Sequential probe bytes in MB.
     #[arg(long, default_value_t = 2048)]
     probe_mb: u64,
@@ -92,6 +102,12 @@ struct Phase {
     busy: f64,
     wait: f64,
     recall: Option<f64>,
+    /// PILOT reads issued, the right ones, wasted bytes, and the union size they are judged
+    /// against.
+    issued: u64,
+    right: u64,
+    wasted: u64,
+    predicted_total: u64,
 }
 
 fn delta(
@@ -121,6 +137,10 @@ fn delta(
         busy: b.io_busy_seconds - a.io_busy_seconds,
         wait: b.wait_seconds - a.wait_seconds,
         recall,
+        issued: tb.prefetch_issued - ta.prefetch_issued,
+        right: tb.prefetch_right - ta.prefetch_right,
+        wasted: tb.prefetch_wasted_bytes - ta.prefetch_wasted_bytes,
+        predicted_total: tb.predicted_total - ta.predicted_total,
     }
 }
 
@@ -182,7 +202,12 @@ pub fn run(args: &Args) -> Result<()> {
             threshold: 0.10,
             warmup: 16,
         },
-        other => bail!("--pilot {other:?} is not off, measure or on"),
+        "ranked" => PilotGate::Ranked {
+            precision: args.pilot_precision,
+            warmup: args.pilot_warmup,
+            max_guesses: args.pilot_max_guesses,
+        },
+        other => bail!("--pilot {other:?} is not off, measure, on or ranked"),
     };
     let opts = StreamOptions {
         cache_bytes: cache,
@@ -237,10 +262,10 @@ pub fn run(args: &Args) -> Result<()> {
         args.read_piece_kib
     );
     println!(
-        "| phase | tokens | s | tok/s | GB read | misses | hits | hit % | read GB/s (busy) | ÷ probe random | wait s | I/O-bound tok/s | tok/s ÷ bound | recall | wait ms/tok | compute ms/tok | I/O ms/tok at probe |"
+        "| phase | tokens | s | tok/s | GB read | misses | hits | hit % | read GB/s (busy) | ÷ probe random | wait s | I/O-bound tok/s | tok/s ÷ bound | recall | wait ms/tok | compute ms/tok | I/O ms/tok at probe | PILOT reads/tok | prefetched precision | prefetched recall | wasted MB/tok |"
     );
     println!(
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for ph in &phases {
         let gbps = if ph.busy > 0.0 {
@@ -257,8 +282,15 @@ pub fn run(args: &Args) -> Result<()> {
         } else {
             f64::INFINITY
         };
+        let pct = |num: u64, den: u64| {
+            if den > 0 {
+                format!("{:.1}%", 100.0 * num as f64 / den as f64)
+            } else {
+                "n/a".into()
+            }
+        };
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.1} | {:.1} | {:.1} |",
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} |",
             ph.name,
             ph.tokens,
             ph.seconds,
@@ -279,6 +311,34 @@ pub fn run(args: &Args) -> Result<()> {
             1e3 * ph.wait / n,
             1e3 * (ph.seconds - ph.wait).max(0.0) / n,
             1e3 * miss_bytes / (p.random_gbps * 1e9).max(1.0),
+            ph.issued as f64 / n,
+            pct(ph.right, ph.issued),
+            pct(ph.right, ph.predicted_total),
+            ph.wasted as f64 / 1e6 / n,
+        );
+    }
+    // Decode guesses per rank (one-row passes): precision of all guesses and of the ones read.
+    println!("| decode rank | guesses | precision | read | read precision | gated at end |");
+    println!("|---:|---:|---:|---:|---:|---|");
+    for (j, r) in s2.pilot_ranks.iter().enumerate() {
+        let r1 = s1.pilot_ranks.get(j).cloned().unwrap_or_default();
+        let (g, right) = (r.guesses - r1.guesses, r.right - r1.right);
+        let (pf, pf_right) = (
+            r.prefetched - r1.prefetched,
+            r.prefetched_right - r1.prefetched_right,
+        );
+        let pct = |a: u64, b: u64| {
+            if b > 0 {
+                format!("{:.1}%", 100.0 * a as f64 / b as f64)
+            } else {
+                "n/a".into()
+            }
+        };
+        println!(
+            "| {j} | {g} | {} | {pf} | {} | {} |",
+            pct(right, g),
+            pct(pf_right, pf),
+            r.gated
         );
     }
     println!(

@@ -3,6 +3,7 @@
 
 use anyhow::{Context, Result, anyhow, bail};
 use deltafin_experts::heat::{self, HeatDims, HeatRecorder, HeatTable};
+use deltafin_experts::stream::PILOT_BREAK_EVEN_PRECISION;
 use deltafin_experts::{DirectIo, PilotGate, RouterTrace, StreamOptions, TraceMode};
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
 use deltafin_k3::loader::{
@@ -209,8 +210,9 @@ fn env_choice<T>(
 
 /// Streaming options from `K3_EXPERT_READ_THREADS` (1…16, default min(CPUs, 4)),
 /// `K3_EXPERT_STREAM_NOCACHE` (`auto`/`1`: O_DIRECT where allowed, `0`: page cache),
-/// `K3_PILOT_GATE` (`off`, `measure`, `on`), `K3_PILOT_GATE_THRESHOLD` ([0, 1), 0.10) and
-/// `K3_PILOT_GATE_WARMUP` (1…100000, 16), all parsed strictly.
+/// `K3_PILOT_GATE` (`off`, `measure`, `on`, `ranked`), `K3_PILOT_GATE_THRESHOLD` ([0, 1),
+/// 0.10), `K3_PILOT_GATE_WARMUP` (1…100000, 16), `K3_PILOT_RANK_PRECISION` ([0, 1], 0.5: the
+/// break-even) and `K3_PILOT_MAX_GUESSES` (0…4096, 0 = no cap), all parsed strictly.
 pub fn stream_options_from_env(cache_bytes: u64) -> Result<StreamOptions> {
     let base = StreamOptions::with_cache_bytes(cache_bytes);
     let read_threads = env_choice("K3_EXPERT_READ_THREADS", base.read_threads, |v| {
@@ -236,11 +238,28 @@ pub fn stream_options_from_env(cache_bytes: u64) -> Result<StreamOptions> {
             .filter(|n| (1..=100_000).contains(n))
             .ok_or_else(|| format!("{v:?} is not an integer in 1…100000"))
     })?;
+    let precision = env_choice("K3_PILOT_RANK_PRECISION", PILOT_BREAK_EVEN_PRECISION, |v| {
+        v.parse::<f64>()
+            .ok()
+            .filter(|x| (0.0..=1.0).contains(x))
+            .ok_or_else(|| format!("{v:?} is not a number in [0, 1]"))
+    })?;
+    let max_guesses = env_choice("K3_PILOT_MAX_GUESSES", 0, |v| {
+        v.parse::<usize>()
+            .ok()
+            .filter(|n| *n <= 4096)
+            .ok_or_else(|| format!("{v:?} is not an integer in 0…4096"))
+    })?;
     let pilot = env_choice("K3_PILOT_GATE", PilotGate::Off, |v| match v {
         "off" => Ok(PilotGate::Off),
         "measure" => Ok(PilotGate::Measure),
         "on" => Ok(PilotGate::On { threshold, warmup }),
-        _ => Err(format!("{v:?} is not off, measure or on")),
+        "ranked" => Ok(PilotGate::Ranked {
+            precision,
+            warmup,
+            max_guesses,
+        }),
+        _ => Err(format!("{v:?} is not off, measure, on or ranked")),
     })?;
     Ok(StreamOptions {
         cache_bytes,
@@ -741,6 +760,10 @@ pub fn report_expert_stats(model: &K3Model) {
         eprintln!(
             "[stats] experts recall% by layer: {}",
             st.per_layer_recall()
+        );
+        eprintln!(
+            "[stats] experts PILOT precision% by rank (decode; decayed, off = gated): {}",
+            st.per_rank_precision()
         );
     }
     if let Some(m) = proc_memory() {

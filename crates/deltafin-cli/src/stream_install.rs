@@ -5,7 +5,7 @@
 //! disk), then read by the wrapped expert source as if it had always been there.
 
 use anyhow::{Context, Result};
-use deltafin_experts::{ExpertError, ExpertSource, ExpertStats, ExpertWeights};
+use deltafin_experts::{ExpertError, ExpertSource, ExpertStats, ExpertWeights, PilotGuess};
 use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
 use deltafin_fetch::hub::HubClient;
 use deltafin_fetch::manifest::Manifests;
@@ -88,14 +88,14 @@ impl ExpertSource for FetchingExperts {
         // expert; it names the first one whose bytes are in memory.
         self.inner.next_ready(layer, pending)
     }
-    fn predict(&self, layer: usize, experts: &[usize]) {
+    fn predict(&self, layer: usize, rows: usize, guesses: &[PilotGuess]) {
         // A guess never triggers a download; only experts already on disk are prefetched.
-        let present: Vec<usize> = experts
+        let present: Vec<PilotGuess> = guesses
             .iter()
             .copied()
-            .filter(|&e| self.present(layer, e))
+            .filter(|g| self.present(layer, g.expert))
             .collect();
-        self.inner.predict(layer, &present)
+        self.inner.predict(layer, rows, &present)
     }
     fn stats(&self) -> Option<ExpertStats> {
         self.inner.stats()

@@ -57,7 +57,7 @@ fn budgeted_run_streams_and_matches_the_resident_run() {
     assert!(resident.status.success(), "{:?}", text(&resident));
     let mut args = base.to_vec();
     args.extend(["--memory-budget-gb", "0.2"]);
-    for gate in ["off", "measure", "on"] {
+    for gate in ["off", "measure", "on", "ranked"] {
         let streamed = deltafin(&args, &[("K3_PILOT_GATE", gate)]);
         let (out, err) = text(&streamed);
         assert!(streamed.status.success(), "{err}");
@@ -80,6 +80,9 @@ fn budgeted_run_streams_and_matches_the_resident_run() {
         "bytes_read=",
         "read_gbps=",
         "[stats] experts hit% by layer: 1:",
+        "prefetch_precision=",
+        "prefetch_wasted_bytes=",
+        "[stats] experts PILOT precision% by rank (decode; decayed, off = gated): 0:",
         "[stats] memory peak_rss=",
     ] {
         assert!(err.contains(needle), "missing {needle}: {err}");
@@ -192,7 +195,7 @@ fn bad_budgets_and_knobs_are_clear_errors() {
         (
             vec!["--memory-budget-gb", "1"],
             vec![("K3_PILOT_GATE", "maybe")],
-            "K3_PILOT_GATE: \"maybe\" is not off, measure or on",
+            "K3_PILOT_GATE: \"maybe\" is not off, measure, on or ranked",
         ),
         (
             vec!["--memory-budget-gb", "1"],
@@ -203,6 +206,16 @@ fn bad_budgets_and_knobs_are_clear_errors() {
             vec!["--memory-budget-gb", "1"],
             vec![("K3_PILOT_GATE_THRESHOLD", "1.5")],
             "K3_PILOT_GATE_THRESHOLD",
+        ),
+        (
+            vec!["--memory-budget-gb", "1"],
+            vec![("K3_PILOT_RANK_PRECISION", "-0.1")],
+            "K3_PILOT_RANK_PRECISION: \"-0.1\" is not a number in [0, 1]",
+        ),
+        (
+            vec!["--memory-budget-gb", "1"],
+            vec![("K3_PILOT_MAX_GUESSES", "lots")],
+            "K3_PILOT_MAX_GUESSES: \"lots\" is not an integer in 0…4096",
         ),
     ] {
         let mut a = vec!["run", "--max-new", "1"];

@@ -32,7 +32,7 @@
 //! up instead of overwriting each other. Reading fails **open**: a missing, short, corrupt,
 //! digest-mismatched or wrong-dimension file means "nothing learned" plus one warning line.
 
-use crate::{ExpertError, ExpertSource, ExpertStats, ExpertWeights};
+use crate::{ExpertError, ExpertSource, ExpertStats, ExpertWeights, PilotGuess};
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -494,8 +494,8 @@ impl ExpertSource for HeatRecorder {
     fn next_ready(&self, layer: usize, pending: &[usize]) -> usize {
         self.inner.next_ready(layer, pending)
     }
-    fn predict(&self, layer: usize, experts: &[usize]) {
-        self.inner.predict(layer, experts)
+    fn predict(&self, layer: usize, rows: usize, guesses: &[PilotGuess]) {
+        self.inner.predict(layer, rows, guesses)
     }
     fn stats(&self) -> Option<ExpertStats> {
         self.inner.stats()

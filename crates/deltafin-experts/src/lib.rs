@@ -51,7 +51,7 @@ pub(crate) mod test_support {
 }
 
 pub use layout::{ExpertLocation, ExpertShape, ExpertTable};
-pub use stats::{ExpertStats, LayerStats};
+pub use stats::{ExpertStats, LayerStats, RankStats};
 pub use stream::{DirectIo, PilotGate, StreamOptions, StreamingExperts};
 pub use trace::{RouterTrace, TraceMode};
 
@@ -170,6 +170,43 @@ pub struct ShapeMismatch {
     pub found: String,
 }
 
+/// One PILOT guess: an expert the next layer's router, run on this layer's input, chose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PilotGuess {
+    /// Expert id.
+    pub expert: usize,
+    /// Its best position over the pass's rows in the guessed route order (0 = some row's top
+    /// choice).
+    pub rank: usize,
+    /// Rows whose guessed route holds it.
+    pub votes: usize,
+}
+
+/// The guesses of one pass from each row's guessed route (ids in route order: descending
+/// router score), most confident first: by best rank, then by votes (descending), then by id.
+pub fn rank_guesses<'a>(routes: impl IntoIterator<Item = &'a [usize]>) -> Vec<PilotGuess> {
+    let mut by_id: std::collections::BTreeMap<usize, PilotGuess> = Default::default();
+    for ids in routes {
+        for (rank, &expert) in ids.iter().enumerate() {
+            let g = by_id.entry(expert).or_insert(PilotGuess {
+                expert,
+                rank,
+                votes: 0,
+            });
+            g.rank = g.rank.min(rank);
+            g.votes += 1;
+        }
+    }
+    let mut out: Vec<PilotGuess> = by_id.into_values().collect();
+    out.sort_by(|a, b| {
+        a.rank
+            .cmp(&b.rank)
+            .then(b.votes.cmp(&a.votes))
+            .then(a.expert.cmp(&b.expert))
+    });
+    out
+}
+
 /// Where routed-expert weights come from (memory, a page cache, a disk stream, ...).
 ///
 /// The model calls [`ExpertSource::begin_layer`] with the union of a pass's routes before it
@@ -201,8 +238,9 @@ pub trait ExpertSource: Send + Sync {
     }
 
     /// A guess (PILOT: the next layer's router on this layer's input) of the union `layer`
-    /// will need; recall is measured against the later [`ExpertSource::begin_layer`].
-    fn predict(&self, _layer: usize, _experts: &[usize]) {}
+    /// will need, for a pass of `rows` tokens, most confident first (see [`rank_guesses`]);
+    /// precision and recall are measured against the later [`ExpertSource::begin_layer`].
+    fn predict(&self, _layer: usize, _rows: usize, _guesses: &[PilotGuess]) {}
 
     /// Counters so far (`None` for sources that do no I/O).
     fn stats(&self) -> Option<ExpertStats> {

@@ -40,7 +40,7 @@
 //! converter and lists every layer file with its size, expert count and sha256.
 
 use crate::layout::{ExpertShape, ExpertTable};
-use crate::{ExpertError, ExpertSource, ExpertStats, ExpertWeights};
+use crate::{ExpertError, ExpertSource, ExpertStats, ExpertWeights, PilotGuess};
 use deltafin_tensor::mxfp4::GROUP;
 use deltafin_tensor::{Bytes, Mxfp4Matrix};
 use serde::{Deserialize, Serialize};
@@ -998,8 +998,8 @@ impl ExpertSource for Scale4Experts {
     fn next_ready(&self, layer: usize, pending: &[usize]) -> usize {
         self.inner.next_ready(layer, pending)
     }
-    fn predict(&self, layer: usize, experts: &[usize]) {
-        self.inner.predict(layer, experts)
+    fn predict(&self, layer: usize, rows: usize, guesses: &[PilotGuess]) {
+        self.inner.predict(layer, rows, guesses)
     }
     fn stats(&self) -> Option<ExpertStats> {
         self.inner.stats()

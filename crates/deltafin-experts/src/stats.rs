@@ -23,6 +23,37 @@ pub struct LayerStats {
     pub predictions: u64,
     /// Whether the gate (`K3_PILOT_GATE=on`) currently suppresses this layer's prefetch.
     pub gated: bool,
+    /// PILOT guesses whose read was issued (guesses already cached or gated are not).
+    pub prefetch_issued: u64,
+    /// Of those, the ones in the route union of the layer they were guessed for.
+    pub prefetch_right: u64,
+    /// Bytes transferred for issued guesses that were not in that union (wrong guesses,
+    /// including the landed pieces of cancelled reads).
+    pub prefetch_wasted_bytes: u64,
+}
+
+/// PILOT guesses of one rank (position in the guessed route; see
+/// [`crate::PilotGuess::rank`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RankStats {
+    /// Guesses of this rank judged against a route union.
+    pub guesses: u64,
+    /// Of those, the ones in the union.
+    pub right: u64,
+    /// Guesses of this rank whose read was issued, and of those the right ones.
+    pub prefetched: u64,
+    pub prefetched_right: u64,
+    /// The decayed precision the ranked gate uses now (`None` before any guess).
+    pub precision_now: Option<f64>,
+    /// Whether the ranked gate (`K3_PILOT_GATE=ranked`) suppresses this rank now.
+    pub gated: bool,
+}
+
+impl RankStats {
+    /// right / guesses, `None` without guesses.
+    pub fn precision(&self) -> Option<f64> {
+        (self.guesses > 0).then(|| self.right as f64 / self.guesses as f64)
+    }
 }
 
 impl LayerStats {
@@ -35,6 +66,17 @@ impl LayerStats {
     /// Fraction of the actual route union that PILOT predicted, `None` without predictions.
     pub fn recall(&self) -> Option<f64> {
         (self.predicted_total > 0).then(|| self.predicted_hits as f64 / self.predicted_total as f64)
+    }
+
+    /// Fraction of the issued PILOT reads that were right, `None` without any.
+    pub fn prefetch_precision(&self) -> Option<f64> {
+        (self.prefetch_issued > 0).then(|| self.prefetch_right as f64 / self.prefetch_issued as f64)
+    }
+
+    /// Fraction of the actual route union that issued PILOT reads covered (the recall of what
+    /// was prefetched), `None` without predictions.
+    pub fn prefetch_recall(&self) -> Option<f64> {
+        (self.predicted_total > 0).then(|| self.prefetch_right as f64 / self.predicted_total as f64)
     }
 }
 
@@ -65,6 +107,10 @@ pub struct ExpertStats {
     pub expert_bytes: u64,
     /// I/O worker threads.
     pub read_threads: usize,
+    /// PILOT guesses per rank in one-row (decode) passes.
+    pub pilot_ranks: Vec<RankStats>,
+    /// PILOT guesses per rank in passes of several rows (prefill, verification).
+    pub pilot_ranks_batch: Vec<RankStats>,
 }
 
 impl ExpertStats {
@@ -81,6 +127,9 @@ impl ExpertStats {
             t.predicted_hits += l.predicted_hits;
             t.predicted_total += l.predicted_total;
             t.predictions += l.predictions;
+            t.prefetch_issued += l.prefetch_issued;
+            t.prefetch_right += l.prefetch_right;
+            t.prefetch_wasted_bytes += l.prefetch_wasted_bytes;
         }
         t
     }
@@ -114,6 +163,24 @@ impl ExpertStats {
             .join(" ")
     }
 
+    /// `rank:precision%` of one-row passes' guesses, with the decayed precision the ranked
+    /// gate uses and `(off)` for gated ranks, e.g. `0:91.2(90.5) 1:80.0(78.1) 7:31.0(29.9,off)`.
+    pub fn per_rank_precision(&self) -> String {
+        self.pilot_ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(j, r)| {
+                let p = r.precision()?;
+                let now = r
+                    .precision_now
+                    .map_or(String::new(), |x| format!("{:.1}", 100.0 * x));
+                let off = if r.gated { ",off" } else { "" };
+                Some(format!("{j}:{:.1}({now}{off})", 100.0 * p))
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     /// The one-line summary `--stats` prints.
     pub fn summary_line(&self) -> String {
         let t = self.total();
@@ -122,7 +189,7 @@ impl ExpertStats {
                 .unwrap_or_else(|| "n/a".into())
         };
         format!(
-            "hits={} misses={} hit_rate={} pinned_hits={} pinned={} pin_budget={} prefetch_hits={} prefetch_recall={} bytes_read={} prefetch_bytes={} reads={} direct_reads={} read_gbps={:.3} io_busy={:.3}s wait={:.3}s cache_peak={} cache_budget={} io={} threads={}",
+            "hits={} misses={} hit_rate={} pinned_hits={} pinned={} pin_budget={} prefetch_hits={} prefetch_recall={} prefetch_issued={} prefetch_precision={} prefetched_recall={} prefetch_wasted_bytes={} bytes_read={} prefetch_bytes={} reads={} direct_reads={} read_gbps={:.3} io_busy={:.3}s wait={:.3}s cache_peak={} cache_budget={} io={} threads={}",
             t.hits,
             t.misses,
             pct(t.hit_rate()),
@@ -131,6 +198,10 @@ impl ExpertStats {
             self.pin_budget_bytes,
             t.prefetch_hits,
             pct(t.recall()),
+            t.prefetch_issued,
+            pct(t.prefetch_precision()),
+            pct(t.prefetch_recall()),
+            t.prefetch_wasted_bytes,
             t.bytes_read,
             t.prefetch_bytes,
             self.reads,

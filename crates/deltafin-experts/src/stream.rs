@@ -5,7 +5,9 @@
 //!     hits   += |U ∩ cache|          (resident or in flight, pinned until consumed)
 //!     misses += |U \ cache|          read in U's order, ≤ W ahead of the consumer
 //! expert(L, e)        wait for e's bytes; unpin; issue the next window read
-//! predict(L+1, P)     PILOT guess: reads P \ cache at low priority (gate permitting)
+//! predict(L+1, n, P)  PILOT guess of an n-row pass, most confident first: reads P \ cache
+//!                     at low priority in that order (gate permitting; `ranked`: only ranks
+//!                     whose measured precision reaches the threshold)
 //! ```
 //!
 //! Each (layer, expert) of a pass is read at most once while the cache holds the window
@@ -35,8 +37,8 @@ use crate::buffer::ExpertBuffer;
 use crate::io::{IoPath, SourceFile};
 use crate::layout::{ALIGN, ExpertShape, ExpertTable, ReadPlan, Region};
 use crate::policy::{Heat, default_half_life};
-use crate::stats::{ExpertStats, LayerStats};
-use crate::{ExpertError, ExpertSource, ExpertWeights};
+use crate::stats::{ExpertStats, LayerStats, RankStats};
+use crate::{ExpertError, ExpertSource, ExpertWeights, PilotGuess};
 use deltafin_tensor::storage::ByteOwner;
 use deltafin_tensor::{Bytes, Mxfp4Matrix};
 use std::collections::{HashMap, VecDeque};
@@ -63,6 +65,15 @@ pub enum PilotGate {
     /// Prefetch a layer's prediction only while its measured recall is at least `threshold`
     /// (after `warmup` predictions of that layer).
     On { threshold: f64, warmup: u64 },
+    /// Prefetch a guess only while the measured precision of its rank (decayed, per pass
+    /// kind: one row or several) is at least `precision`, once `warmup` guesses of that rank
+    /// have been judged; at most `max_guesses` reads per prediction (0: no cap). Guesses are
+    /// read most confident first in every mode.
+    Ranked {
+        precision: f64,
+        warmup: u64,
+        max_guesses: usize,
+    },
 }
 
 impl PilotGate {
@@ -72,8 +83,69 @@ impl PilotGate {
             PilotGate::Off => "off",
             PilotGate::Measure => "measure",
             PilotGate::On { .. } => "on",
+            PilotGate::Ranked { .. } => "ranked",
         }
     }
+}
+
+/// Break-even precision of one PILOT guess (the `ranked` gate's default threshold).
+///
+/// When a layer's reads are on the critical path, a right guess read in advance takes one
+/// expert read `τ` off the next layer's wait, and a wrong one adds `τ` of disk time that
+/// the next demand reads queue behind. Guessing with precision `p` pays `p·τ − (1 − p)·τ`,
+/// positive for `p > 1/2`. Cancellation only lowers a wrong guess's cost (its unstarted
+/// pieces are dropped), so 1/2 is the conservative break-even.
+pub const PILOT_BREAK_EVEN_PRECISION: f64 = 0.5;
+
+/// Half-life, in judged guesses of one rank, of the precision the `ranked` gate uses.
+pub const PILOT_RANK_HALF_LIFE: f64 = 128.0;
+
+/// Ranks at or beyond this share one counter.
+const MAX_PILOT_RANKS: usize = 256;
+
+/// One rank's counters: raw for the report, decayed for the gate.
+#[derive(Clone, Default)]
+struct RankCounter {
+    stats: RankStats,
+    hits: f64,
+    total: f64,
+}
+
+impl RankCounter {
+    fn precision(&self) -> Option<f64> {
+        (self.total > 0.0).then(|| self.hits / self.total)
+    }
+
+    /// Whether `gate` suppresses guesses of this rank now.
+    fn gated(&self, gate: PilotGate) -> bool {
+        match gate {
+            PilotGate::Ranked {
+                precision, warmup, ..
+            } => self.stats.guesses >= warmup && self.precision().unwrap_or(1.0) < precision,
+            _ => false,
+        }
+    }
+
+    fn judge(&mut self, right: bool, prefetched: bool, gate: PilotGate) {
+        let d = 0.5f64.powf(1.0 / PILOT_RANK_HALF_LIFE);
+        self.hits = self.hits * d + f64::from(u8::from(right));
+        self.total = self.total * d + 1.0;
+        let st = &mut self.stats;
+        st.guesses += 1;
+        st.right += u64::from(right);
+        st.prefetched += u64::from(prefetched);
+        st.prefetched_right += u64::from(prefetched && right);
+        self.stats.precision_now = self.precision();
+        self.stats.gated = self.gated(gate);
+    }
+}
+
+/// A layer's pending guess: the pass kind (0: one row, 1: several), the guesses in order,
+/// and which of them were read.
+struct Prediction {
+    class: usize,
+    guesses: Vec<PilotGuess>,
+    issued: Vec<bool>,
 }
 
 /// How a [`StreamingExperts`] reads and caches.
@@ -119,6 +191,9 @@ struct Entry {
     pilot_unused: bool,
     /// In the pinned tier: never evicted.
     sticky: bool,
+    /// Bytes a PILOT read transferred for this entry (counted as wasted if the guess was
+    /// wrong or the entry is evicted unused).
+    pilot_bytes: u64,
 }
 
 enum Look {
@@ -188,6 +263,8 @@ struct Pending {
     device: u64,
     err: Option<ExpertError>,
     pilot: bool,
+    /// A PILOT guess judged wrong at its layer's start: its transferred bytes are wasted.
+    wrong: bool,
 }
 
 /// `plan`'s regions cut into aligned pieces of at most `piece` bytes (whole regions for
@@ -239,7 +316,9 @@ struct State {
     pinned: usize,
     tick: u64,
     window: Option<Window>,
-    predictions: Vec<Option<Vec<usize>>>,
+    predictions: Vec<Option<Prediction>>,
+    /// PILOT precision per rank: one-row passes, then passes of several rows.
+    ranks: [Vec<RankCounter>; 2],
     layers: Vec<LayerStats>,
     reads: u64,
     direct_reads: u64,
@@ -304,6 +383,15 @@ impl StreamingExperts {
                 "PILOT gate threshold must be in [0, 1) and warmup ≥ 1, got {threshold} / {warmup}"
             )));
         }
+        if let PilotGate::Ranked {
+            precision, warmup, ..
+        } = opts.pilot
+            && (!(0.0..=1.0).contains(&precision) || warmup == 0)
+        {
+            return Err(ExpertError::Setup(format!(
+                "ranked PILOT precision must be in [0, 1] and warmup ≥ 1, got {precision} / {warmup}"
+            )));
+        }
         let buf_cap = table.max_buffer_bytes();
         if buf_cap == 0 {
             return Err(ExpertError::Setup("the table holds no experts".into()));
@@ -329,7 +417,7 @@ impl StreamingExperts {
         let n_layers = table.layers.len();
         let st = State {
             piece: READ_PIECE_BYTES,
-            predictions: vec![None; n_layers],
+            predictions: (0..n_layers).map(|_| None).collect(),
             layers: vec![LayerStats::default(); n_layers],
             ..State::default()
         };
@@ -473,6 +561,16 @@ impl StreamingExperts {
     pub(crate) fn files(&self) -> &[SourceFile] {
         &self.shared.files
     }
+
+    /// Block until no read is queued or in flight (tests: makes PILOT accounting exact).
+    #[cfg(test)]
+    pub(crate) fn settle(&self) {
+        let s = &*self.shared;
+        let mut st = s.lock();
+        while !st.pending.is_empty() {
+            st = s.wait(st);
+        }
+    }
 }
 
 impl Drop for StreamingExperts {
@@ -532,6 +630,12 @@ impl Shared {
         let e = st.entries.remove(&victim)?;
         if e.pinned {
             st.pinned -= 1;
+        }
+        if e.pilot_unused
+            && let Some(l) = st.layers.get_mut(victim.0)
+        {
+            // A guess evicted before its layer used it.
+            l.prefetch_wasted_bytes += e.pilot_bytes;
         }
         match e.slot {
             Slot::Ready(w, buf) => {
@@ -619,6 +723,7 @@ impl Shared {
                         device: 0,
                         err: None,
                         pilot,
+                        wrong: false,
                     },
                 );
                 Slot::Loading
@@ -637,6 +742,7 @@ impl Shared {
                 transient: false,
                 pilot_unused: pilot,
                 sticky: false,
+                pilot_bytes: 0,
             },
         );
     }
@@ -826,6 +932,9 @@ fn finish(s: &Shared, (layer, expert): (usize, usize), p: Pending) {
         st.reads += p.reads;
         st.direct_reads += p.direct;
         st.device_bytes += p.device;
+        if let Some(l) = st.layers.get_mut(layer) {
+            l.prefetch_wasted_bytes += p.device;
+        }
         if let Some(e) = st.entries.remove(&(layer, expert))
             && e.pinned
         {
@@ -870,6 +979,9 @@ fn finish(s: &Shared, (layer, expert): (usize, usize), p: Pending) {
                 if p.pilot {
                     l.prefetch_bytes += eb;
                 }
+                if p.wrong {
+                    l.prefetch_wasted_bytes += p.device;
+                }
             }
             Slot::Ready(w, buf)
         }
@@ -879,7 +991,14 @@ fn finish(s: &Shared, (layer, expert): (usize, usize), p: Pending) {
         }
     };
     match st.entries.get_mut(&(layer, expert)) {
-        Some(entry) => entry.slot = slot,
+        Some(entry) => {
+            entry.slot = slot;
+            if p.wrong {
+                entry.pilot_unused = false;
+            } else if p.pilot {
+                entry.pilot_bytes = p.device;
+            }
+        }
         None => {
             // Cancelled while in flight: keep the buffer for reuse.
             if let Slot::Ready(w, b) = slot {
@@ -1026,15 +1145,31 @@ impl ExpertSource for StreamingExperts {
         let s = &*self.shared;
         let mut st = s.lock();
         let st = &mut *st;
-        // Recall of this layer's PILOT prediction.
-        if let Some(pred) = st.predictions.get_mut(layer).and_then(Option::take)
+        // Recall of this layer's PILOT prediction, and precision per rank.
+        let pred = st.predictions.get_mut(layer).and_then(Option::take);
+        if let Some(pred) = &pred
             && let Some(l) = st.layers.get_mut(layer)
         {
             l.predictions += 1;
             l.predicted_total += experts.len() as u64;
-            l.predicted_hits += experts.iter().filter(|e| pred.contains(e)).count() as u64;
+            l.predicted_hits += pred
+                .guesses
+                .iter()
+                .filter(|g| experts.binary_search(&g.expert).is_ok())
+                .count() as u64;
             if let PilotGate::On { threshold, warmup } = s.opts.pilot {
                 l.gated = l.predictions >= warmup && l.recall().unwrap_or(0.0) < threshold;
+            }
+        }
+        if let Some(pred) = &pred {
+            let table = &mut st.ranks[pred.class];
+            for (g, &issued) in pred.guesses.iter().zip(&pred.issued) {
+                let rank = g.rank.min(MAX_PILOT_RANKS - 1);
+                if table.len() <= rank {
+                    table.resize(rank + 1, RankCounter::default());
+                }
+                let right = experts.binary_search(&g.expert).is_ok();
+                table[rank].judge(right, issued, s.opts.pilot);
             }
         }
         // Release the previous window's pins.
@@ -1069,9 +1204,36 @@ impl ExpertSource for StreamingExperts {
                 p.cancelled = true;
             } else if let Some(p) = st.pending.remove(&key) {
                 st.entries.remove(&key);
+                if let Some(l) = st.layers.get_mut(key.0) {
+                    l.prefetch_wasted_bytes += p.device;
+                }
                 if let Ok(f) = Arc::try_unwrap(p.fill) {
                     st.free.push(f.into_inner());
                 }
+            }
+        }
+        // Judge the issued guesses still held: right ones are useful prefetches; wrong ones
+        // waste what they transferred (now, or when their in-flight pieces land).
+        if let Some(pred) = &pred {
+            let (mut issued, mut right, mut wasted) = (0, 0, 0);
+            for (g, _) in pred.guesses.iter().zip(&pred.issued).filter(|(_, i)| **i) {
+                issued += 1;
+                let key = (layer, g.expert);
+                if experts.binary_search(&g.expert).is_ok() {
+                    right += u64::from(st.entries.contains_key(&key));
+                } else if let Some(p) = st.pending.get_mut(&key) {
+                    p.wrong |= p.pilot;
+                } else if let Some(e) = st.entries.get_mut(&key)
+                    && e.pilot_unused
+                {
+                    wasted += e.pilot_bytes;
+                    e.pilot_unused = false;
+                }
+            }
+            if let Some(l) = st.layers.get_mut(layer) {
+                l.prefetch_issued += issued;
+                l.prefetch_right += right;
+                l.prefetch_wasted_bytes += wasted;
             }
         }
         let (mut hits, mut pf_hits, mut pin_hits) = (0, 0, 0);
@@ -1135,32 +1297,55 @@ impl ExpertSource for StreamingExperts {
         pick
     }
 
-    fn predict(&self, layer: usize, experts: &[usize]) {
+    fn predict(&self, layer: usize, rows: usize, guesses: &[PilotGuess]) {
         let s = &*self.shared;
         if !matches!(s.table.layers.get(layer), Some(Some(_))) {
             return;
         }
         let mut st = s.lock();
         let st = &mut *st;
-        st.predictions[layer] = Some(experts.to_vec());
+        let class = usize::from(rows > 1);
+        let mut issued = vec![false; guesses.len()];
         let gated = st.layers.get(layer).is_some_and(|l| l.gated);
-        match s.opts.pilot {
-            PilotGate::Measure => return,
-            PilotGate::On { .. } if gated => return,
-            _ => {}
-        }
-        let mut issued = false;
-        for &e in experts {
-            if st.entries.contains_key(&(layer, e)) {
+        let read = match s.opts.pilot {
+            PilotGate::Measure => false,
+            PilotGate::On { .. } => !gated,
+            PilotGate::Off | PilotGate::Ranked { .. } => true,
+        };
+        let cap = match s.opts.pilot {
+            PilotGate::Ranked { max_guesses, .. } if max_guesses > 0 => max_guesses,
+            _ => usize::MAX,
+        };
+        let mut n = 0;
+        // Most confident first: what is still unstarted when the layer begins is the least
+        // likely to be needed.
+        for (g, issued) in guesses.iter().zip(issued.iter_mut()) {
+            if !read || n >= cap {
+                break;
+            }
+            if st.entries.contains_key(&(layer, g.expert)) {
+                continue;
+            }
+            let rank = g.rank.min(MAX_PILOT_RANKS - 1);
+            if st.ranks[class]
+                .get(rank)
+                .is_some_and(|c| c.gated(s.opts.pilot))
+            {
                 continue;
             }
             let Some(buf) = s.take_buffer(st, false) else {
                 break;
             };
-            s.insert_loading(st, layer, e, buf, false, true);
-            issued = true;
+            s.insert_loading(st, layer, g.expert, buf, false, true);
+            *issued = true;
+            n += 1;
         }
-        if issued {
+        st.predictions[layer] = Some(Prediction {
+            class,
+            guesses: guesses.to_vec(),
+            issued,
+        });
+        if n > 0 {
             s.work.notify_all();
         }
     }
@@ -1184,6 +1369,8 @@ impl ExpertSource for StreamingExperts {
             pinned_experts: st.sticky,
             expert_bytes: s.table.shape.expert_bytes(),
             read_threads: s.opts.read_threads,
+            pilot_ranks: st.ranks[0].iter().map(|c| c.stats.clone()).collect(),
+            pilot_ranks_batch: st.ranks[1].iter().map(|c| c.stats.clone()).collect(),
         })
     }
 }
@@ -1248,6 +1435,11 @@ mod tests {
         assert_eq!(w.w2.scales(), &parts[3][..]);
         assert_eq!(w.w3.packed(), &parts[4][..]);
         assert_eq!(w.w3.scales(), &parts[5][..]);
+    }
+
+    /// One row's guesses, most confident first.
+    fn guesses(ids: &[usize]) -> Vec<PilotGuess> {
+        crate::rank_guesses([ids])
     }
 
     fn opts(capacity: u64, table: &ExpertTable, pilot: PilotGate) -> StreamOptions {
@@ -1373,7 +1565,7 @@ mod tests {
                     // Half right, half wrong guesses for the next layer.
                     let guess: Vec<usize> =
                         (0..12).filter(|e| (e + round) % 3 != 1).take(5).collect();
-                    src.predict(l + 1, &guess);
+                    src.predict(l + 1, 1, &guesses(&guess));
                 }
                 let mut pending = union.clone();
                 while !pending.is_empty() {
@@ -1435,7 +1627,7 @@ mod tests {
         let (table, want) = fixture(dir.path(), 3, 8);
         let src = StreamingExperts::new(table.clone(), opts(8, &table, PilotGate::Off)).unwrap();
         src.begin_layer(1, &[0, 1]);
-        src.predict(2, &[2, 3, 4, 5]);
+        src.predict(2, 1, &guesses(&[2, 3, 4, 5]));
         src.expert(1, 0).unwrap();
         src.expert(1, 1).unwrap();
         src.begin_layer(2, &[3, 4, 6]);
@@ -1449,11 +1641,195 @@ mod tests {
         // `measure` predicts but reads nothing speculatively.
         let src =
             StreamingExperts::new(table.clone(), opts(8, &table, PilotGate::Measure)).unwrap();
-        src.predict(2, &[2, 3]);
+        src.predict(2, 1, &guesses(&[2, 3]));
         src.begin_layer(2, &[3]);
         src.expert(2, 3).unwrap();
         let l2 = &src.stats().unwrap().layers[2];
         assert_eq!((l2.prefetch_bytes, l2.hits, l2.predicted_hits), (0, 0, 1));
+    }
+
+    #[test]
+    fn guesses_rank_by_best_position_then_votes_then_id() {
+        let g = crate::rank_guesses([&[5usize, 2, 7][..], &[2, 9, 5], &[3, 9, 1]]);
+        let got: Vec<(usize, usize, usize)> =
+            g.iter().map(|g| (g.expert, g.rank, g.votes)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (2, 0, 2),
+                (5, 0, 2),
+                (3, 0, 1),
+                (9, 1, 2),
+                (1, 2, 1),
+                (7, 2, 1)
+            ]
+        );
+        assert_eq!(
+            guesses(&[4, 1])
+                .iter()
+                .map(|g| (g.expert, g.rank))
+                .collect::<Vec<_>>(),
+            vec![(4, 0), (1, 1)]
+        );
+    }
+
+    #[test]
+    fn pilot_reads_the_most_confident_guesses_first_and_accounts_waste() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, want) = fixture(dir.path(), 3, 8);
+        // Two buffers: only the two most confident guesses (5, then 2) can be read; id order
+        // would have read 2 and 5, router order 7 last.
+        let alone = |l: usize, e: usize| {
+            let src =
+                StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Off)).unwrap();
+            src.predict(l, 1, &guesses(&[e]));
+            src.settle();
+            src.stats().unwrap().device_bytes
+        };
+        let src = StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Off)).unwrap();
+        src.predict(2, 1, &guesses(&[5, 2, 7]));
+        src.settle();
+        assert_eq!(src.stats().unwrap().device_bytes, alone(2, 5) + alone(2, 2));
+        src.begin_layer(2, &[5, 7]);
+        let st = src.stats().unwrap();
+        let l2 = &st.layers[2];
+        assert_eq!((l2.hits, l2.prefetch_hits, l2.misses), (1, 1, 1));
+        assert_eq!((l2.prefetch_issued, l2.prefetch_right), (2, 1));
+        assert_eq!(
+            l2.prefetch_wasted_bytes,
+            alone(2, 2),
+            "the wrong guess 2 was read whole"
+        );
+        assert_eq!(l2.prefetch_precision(), Some(0.5));
+        assert_eq!(l2.prefetch_recall(), Some(0.5));
+        let ranks: Vec<(u64, u64, u64, u64)> = st
+            .pilot_ranks
+            .iter()
+            .map(|r| (r.guesses, r.right, r.prefetched, r.prefetched_right))
+            .collect();
+        assert_eq!(ranks, vec![(1, 1, 1, 1), (1, 0, 1, 0), (1, 1, 0, 0)]);
+        assert!(st.pilot_ranks_batch.is_empty());
+        for e in [5, 7] {
+            check(&src.expert(2, e).unwrap(), &want[&(2, e)]);
+        }
+        let line = st.summary_line();
+        assert!(line.contains("prefetch_precision=50.0%"), "{line}");
+        assert!(
+            st.per_rank_precision().starts_with("0:100.0(100.0)"),
+            "{st:?}"
+        );
+
+        // Wrong guesses cut at the layer's start (dropped unread, cancelled mid-read, or
+        // landed whole, depending on timing) waste exactly the bytes they transferred.
+        let src = StreamingExperts::new(
+            table.clone(),
+            StreamOptions {
+                read_threads: 1,
+                ..opts(8, &table, PilotGate::Off)
+            },
+        )
+        .unwrap();
+        src.set_read_piece_bytes(ALIGN).unwrap();
+        src.predict(1, 1, &guesses(&[0, 1, 2, 3, 4, 5]));
+        src.begin_layer(1, &[0]);
+        src.settle();
+        let st = src.stats().unwrap();
+        let l1 = &st.layers[1];
+        assert_eq!(l1.prefetch_issued, 6);
+        // Whatever was transferred for the five wrong guesses is wasted, nothing more.
+        assert_eq!(l1.prefetch_wasted_bytes, st.device_bytes - alone(1, 0));
+        let all: u64 = (0..6).map(|e| alone(1, e)).sum();
+        assert!(st.device_bytes <= all);
+    }
+
+    #[test]
+    fn ranked_gate_turns_a_rank_off_and_back_on_by_measured_precision() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, _) = fixture(dir.path(), 3, 64);
+        let gate = PilotGate::Ranked {
+            precision: 0.5,
+            warmup: 4,
+            max_guesses: 0,
+        };
+        let src = StreamingExperts::new(table.clone(), opts(4, &table, gate)).unwrap();
+        // Each round guesses two fresh experts; rank 0 is always right, rank 1 is right only
+        // from round 30 on.
+        let round = |r: usize| {
+            let (a, b) = ((2 * r) % 64, (2 * r + 1) % 64);
+            src.predict(2, 1, &guesses(&[a, b]));
+            src.settle();
+            let union: Vec<usize> = if r >= 30 { vec![a, b] } else { vec![a] };
+            src.begin_layer(2, &union);
+            for &e in &union {
+                src.expert(2, e).unwrap();
+            }
+            src.stats().unwrap().pilot_ranks
+        };
+        for r in 0..30 {
+            let ranks = round(r);
+            // Judged before the gate: warm-up prefetches, then rank 1 is switched off.
+            assert_eq!(ranks[1].gated, r >= 3, "round {r}: {ranks:?}");
+            assert!(!ranks[0].gated);
+        }
+        let ranks = round(30);
+        assert_eq!(ranks[0].prefetched, 31);
+        assert_eq!(
+            ranks[1].prefetched, 4,
+            "rank 1 read only during its warm-up"
+        );
+        let mut back_on = None;
+        for r in 31..90 {
+            let ranks = round(r);
+            if !ranks[1].gated {
+                back_on = Some(r);
+                break;
+            }
+        }
+        // ≈ 30 wrong then right guesses: precision passes 1/2 after ≈ 30 right ones.
+        let r = back_on.expect("rank 1 is measured while gated and comes back");
+        assert!((55..65).contains(&r), "back on at round {r}");
+        let before = round(r + 1)[1].prefetched;
+        assert_eq!(round(r + 2)[1].prefetched, before + 1);
+        // Batch passes keep their own table.
+        src.predict(1, 4, &crate::rank_guesses([&[0usize, 1][..], &[1, 2]]));
+        src.begin_layer(1, &[1]);
+        let st = src.stats().unwrap();
+        assert_eq!(st.pilot_ranks_batch.len(), 2);
+        assert_eq!(st.pilot_ranks_batch[0].guesses, 2);
+    }
+
+    #[test]
+    fn ranked_gate_caps_the_reads_of_one_prediction() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, _) = fixture(dir.path(), 3, 8);
+        let gate = PilotGate::Ranked {
+            precision: 0.0,
+            warmup: 1,
+            max_guesses: 2,
+        };
+        let src = StreamingExperts::new(table.clone(), opts(8, &table, gate)).unwrap();
+        src.predict(2, 1, &guesses(&[6, 1, 4, 3]));
+        src.settle();
+        src.begin_layer(2, &[1, 3, 6]);
+        let st = src.stats().unwrap();
+        let prefetched: Vec<u64> = st.pilot_ranks.iter().map(|r| r.prefetched).collect();
+        assert_eq!(prefetched, vec![1, 1, 0, 0]);
+        assert_eq!((st.layers[2].prefetch_issued, st.layers[2].hits), (2, 2));
+        let bad = StreamingExperts::new(
+            table.clone(),
+            opts(
+                8,
+                &table,
+                PilotGate::Ranked {
+                    precision: 1.5,
+                    warmup: 1,
+                    max_guesses: 0,
+                },
+            ),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(bad.contains("ranked PILOT precision"), "{bad}");
     }
 
     #[test]
@@ -1471,7 +1847,7 @@ mod tests {
             .unwrap();
         assert_eq!(slots, 3);
         // A PILOT guess of a candidate does not pin it.
-        src.predict(2, &[9]);
+        src.predict(2, 1, &guesses(&[9]));
         src.begin_layer(1, &[0, 1]);
         for e in [0, 1] {
             src.expert(1, e).unwrap();

@@ -7,7 +7,7 @@
 //! appends it when the next pass begins (or the trace is dropped); a pass over 4 MiB is
 //! discarded with a warning. [`TraceMode::Sync`] writes and flushes every line.
 
-use crate::{ExpertError, ExpertSource, ExpertStats, ExpertWeights};
+use crate::{ExpertError, ExpertSource, ExpertStats, ExpertWeights, PilotGuess};
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -183,8 +183,8 @@ impl ExpertSource for RouterTrace {
     fn next_ready(&self, layer: usize, pending: &[usize]) -> usize {
         self.inner.next_ready(layer, pending)
     }
-    fn predict(&self, layer: usize, experts: &[usize]) {
-        self.inner.predict(layer, experts)
+    fn predict(&self, layer: usize, rows: usize, guesses: &[PilotGuess]) {
+        self.inner.predict(layer, rows, guesses)
     }
     fn stats(&self) -> Option<ExpertStats> {
         self.inner.stats()

@@ -16,10 +16,11 @@ use crate::router::RouterWeights;
 use crate::situ::SituMlp;
 use deltafin_kernels::{Weights, matmul, matmul_serial, rms_norm_inplace, situ_glu};
 use deltafin_tensor::Mxfp4Matrix;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use deltafin_experts::rank_guesses;
 pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
 
 /// Check an expert's three shapes against the dimensions (`w1`, `w3` `[F, Lr]`, `w2` `[Lr, F]`).
@@ -138,12 +139,10 @@ impl MoeWeights {
         experts.record_routes(layer, k, &ids, &weights);
         experts.begin_layer(layer, &union);
         if let (Some((next_layer, router)), Some(next_logits)) = (pilot, &next_logits) {
-            let guess: BTreeSet<usize> = router
-                .routes_from_logits(dims, next_logits)
-                .into_iter()
-                .flat_map(|r| r.ids)
-                .collect();
-            experts.predict(next_layer, &guess.into_iter().collect::<Vec<_>>());
+            // Most confident first: a guess's best rank over the rows, then its votes.
+            let guessed = router.routes_from_logits(dims, next_logits);
+            let guesses = rank_guesses(guessed.iter().map(|r| r.ids.as_slice()));
+            experts.predict(next_layer, guessed.len(), &guesses);
         }
         // Experts are requested in id order on this thread (a streaming source may block
         // on reads) and each one's products run as a pool task as soon as it is here, so
