@@ -145,6 +145,7 @@ fn delta(
 }
 
 pub fn run(args: &Args) -> Result<()> {
+    deltafin_kernels::select_backend().map_err(|e| anyhow::anyhow!("{e}"))?;
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load average at start: {}", load.trim());
     let ckpt = Arc::new(Checkpoint::open(&args.model_root).context("opening the checkpoint")?);
@@ -233,22 +234,26 @@ pub fn run(args: &Args) -> Result<()> {
     let stats = || model.experts.stats().unwrap_or_default();
     let prompt: Vec<u32> = (0..args.prompt_tokens as u32).map(|i| 1000 + i).collect();
     let mut state = model.new_state();
-    let s0 = stats();
-    let t = Instant::now();
-    let mut logits = model.prefill(&mut state, &prompt)?;
-    let prefill_s = t.elapsed().as_secs_f64();
-    let s1 = stats();
-    let t = Instant::now();
-    for _ in 0..args.tokens {
-        let id = logits
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .map_or(0, |(i, _)| i as u32);
-        logits = model.decode(&mut state, id)?;
-    }
-    let decode_s = t.elapsed().as_secs_f64();
-    let s2 = stats();
+    // Threads as in `deltafin run`: the generation on a pool worker, the other workers kept
+    // warm (`DELTAFIN_POOL_SPIN`).
+    let (s0, s1, s2, prefill_s, decode_s) = deltafin_kernels::pool::run_warm(|| -> Result<_> {
+        let s0 = stats();
+        let t = Instant::now();
+        let mut logits = model.prefill(&mut state, &prompt)?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let s1 = stats();
+        let t = Instant::now();
+        for _ in 0..args.tokens {
+            let id = logits
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map_or(0, |(i, _)| i as u32);
+            logits = model.decode(&mut state, id)?;
+        }
+        let decode_s = t.elapsed().as_secs_f64();
+        Ok((s0, s1, stats(), prefill_s, decode_s))
+    })?;
     let phases = [
         delta("prefill", &s0, &s1, prompt.len(), prefill_s),
         delta("decode", &s1, &s2, args.tokens, decode_s),
