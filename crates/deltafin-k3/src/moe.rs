@@ -154,18 +154,20 @@ impl MoeWeights {
         let shared_act: Mutex<Option<Vec<f32>>> = Mutex::new(None);
         let threads = rayon::current_num_threads().max(1);
         // Up to two experts per worker are held by running or queued tasks, so a long
-        // prefill's union never pins more than a few experts beyond the cache, and a queued
-        // task is always there for a worker that finishes one.
+        // prefill's union never pins more than a few experts beyond the cache. Two, not one:
+        // the CLI and the server run generation on a pool worker, so this loop's thread also
+        // runs expert tasks (`InFlight::wait_for_slot`) and hands out none meanwhile; with
+        // one per worker the other workers ran dry whenever it was busy (mini prefill on 2
+        // threads: one worker took 60% of the samples, the other 38%, the expert products
+        // 23.6% against 8.8%); with two a queued task is left for them.
         let in_flight = InFlight::new(2 * threads);
         // When the layer has at least one expert per worker, the expert tasks already fill
         // the pool: each expert's products then run on its own task's thread, without a
         // fork/join per product (same values, see `matmul_serial`).
         let serial = users.len() >= threads;
-        // `in_place_scope`: called from outside the pool (the CLI, the server), this loop
-        // runs on the calling thread, which only fetches experts and sleeps while the slots
-        // are full, so every worker computes. (Under `rayon::scope` the loop ran on a worker
-        // that also ran expert tasks and could not hand out new ones meanwhile: on 2 threads
-        // one worker did 60% of a prefill's samples, the other 38%.)
+        // `in_place_scope`: from a thread outside the pool this loop stays on that thread,
+        // which only fetches experts and sleeps while the slots are full; on a worker it is
+        // the same as `rayon::scope`.
         rayon::in_place_scope(|scope| {
             scope.spawn(|_| {
                 let a = sh.activation(dims, y, t);
