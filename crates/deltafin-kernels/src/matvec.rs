@@ -33,6 +33,12 @@ const BATCH_TILE: usize = 4;
 /// reductions are shared by half as many more products: ≈ 8% less time per value on the
 /// mini prefill shape (512 × 1024, n = 64). Every value is the same either way.
 const BF16_WIDE_TILE: usize = 6;
+/// Weight rows of the MXFP4 (q16) register tiles on AVX-512 in batches: 3 weight rows × 4
+/// activation rows (the ragged rest of a batch takes the 2-row tiles). Each activation load
+/// and scale conversion then serves three weight rows instead of two: ≈ 7% less time per
+/// value on 1024-column experts (n = 80), ≈ 3% on 512 columns. Every value is the same
+/// either way.
+const MXFP4_WIDE_ROWS: usize = 3;
 /// Weight bytes of one row block in batched products (kept in L2 while every activation tile
 /// passes over it).
 const ROW_BLOCK_BYTES: usize = 96 * 1024;
@@ -528,7 +534,8 @@ impl<'a> Prepared<'a> {
     }
 
     /// bf16 and q16 row-int8 on AVX-512: rows `r0..r1` in register tiles of 2 weight rows ×
-    /// 4 activation rows (bf16: 2 × [`BF16_WIDE_TILE`] first, then 2 × 4 for the rest)
+    /// 4 activation rows (bf16: 2 × [`BF16_WIDE_TILE`] first, MXFP4: [`MXFP4_WIDE_ROWS`] × 4
+    /// first, then 2 × 4 for the rest)
     /// ([`crate::tile`]; ragged edges take the 1-row and 1–3-row instances
     /// of the same kernels, whose per-value arithmetic is identical), weight rows in
     /// cache-sized blocks as in [`Prepared::rows`].
@@ -549,6 +556,10 @@ impl<'a> Prepared<'a> {
             if let Raw::Bf16(..) = raw {
                 // SAFETY: forwarded from the caller.
                 b = unsafe { self.wide_tiles::<2, BF16_WIDE_TILE>(raw, rb, re) };
+            }
+            if let Raw::Mxfp4(..) = raw {
+                // SAFETY: forwarded from the caller.
+                b = unsafe { self.wide_tiles::<MXFP4_WIDE_ROWS, BATCH_TILE>(raw, rb, re) };
             }
             while b < n {
                 let nb = (n - b).min(BATCH_TILE);
