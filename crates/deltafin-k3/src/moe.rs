@@ -17,8 +17,7 @@ use crate::situ::SituMlp;
 use deltafin_kernels::{Weights, matmul, matmul_serial, rms_norm_inplace, situ_glu};
 use deltafin_tensor::Mxfp4Matrix;
 use std::collections::BTreeMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use deltafin_experts::rank_guesses;
 pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
@@ -152,15 +151,23 @@ impl MoeWeights {
         let xl = &xl;
         let mut fetch_err = None;
         let shared_act: Mutex<Option<Vec<f32>>> = Mutex::new(None);
-        let in_flight = AtomicUsize::new(0);
-        // Two experts per worker: this thread runs expert tasks too while it waits below, and
-        // a worker that finishes one meanwhile must find the next one already queued.
-        let max_in_flight = 2 * rayon::current_num_threads().max(1);
+        let threads = rayon::current_num_threads().max(1);
+        // Up to two experts per worker are held by running or queued tasks, so a long
+        // prefill's union never pins more than a few experts beyond the cache. Two, not one:
+        // the CLI and the server run generation on a pool worker, so this loop's thread also
+        // runs expert tasks (`InFlight::wait_for_slot`) and hands out none meanwhile; with
+        // one per worker the other workers ran dry whenever it was busy (mini prefill on 2
+        // threads: one worker took 60% of the samples, the other 38%, the expert products
+        // 23.6% against 8.8%); with two a queued task is left for them.
+        let in_flight = InFlight::new(2 * threads);
         // When the layer has at least one expert per worker, the expert tasks already fill
         // the pool: each expert's products then run on its own task's thread, without a
         // fork/join per product (same values, see `matmul_serial`).
-        let serial = users.len() >= rayon::current_num_threads().max(1);
-        rayon::scope(|scope| {
+        let serial = users.len() >= threads;
+        // `in_place_scope`: from a thread outside the pool this loop stays on that thread,
+        // which only fetches experts and sleeps while the slots are full; on a worker it is
+        // the same as `rayon::scope`.
+        rayon::in_place_scope(|scope| {
             scope.spawn(|_| {
                 let a = sh.activation(dims, y, t);
                 if let Ok(mut s) = shared_act.lock() {
@@ -172,13 +179,7 @@ impl MoeWeights {
             let mut todo: Vec<_> = users.iter().zip(&slots).collect();
             let mut pending: Vec<usize> = union.clone();
             while !todo.is_empty() {
-                // At most `max_in_flight` experts are held by running tasks, so a long
-                // prefill's union never pins more than a few experts beyond the cache.
-                while in_flight.load(Ordering::Acquire) >= max_in_flight {
-                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                        std::thread::yield_now();
-                    }
-                }
+                in_flight.wait_for_slot();
                 let next = experts.next_ready(layer, &pending).min(pending.len() - 1);
                 pending.remove(next);
                 let ((&e, list), slot) = todo.remove(next);
@@ -193,11 +194,10 @@ impl MoeWeights {
                         break;
                     }
                 };
-                in_flight.fetch_add(1, Ordering::AcqRel);
-                let in_flight = &in_flight;
+                let held = in_flight.take();
                 scope.spawn(move |_| {
                     // Released on every exit, a panic included (the scope re-raises it).
-                    let _held = InFlight(in_flight);
+                    let _held = held;
                     let he = expert_rows(dims, &w, xl, list, serial);
                     drop(w);
                     if let Ok(mut s) = slot.lock() {
@@ -263,12 +263,61 @@ impl MoeWeights {
     }
 }
 
-/// One expert held by a running task; dropping it releases the slot.
-struct InFlight<'a>(&'a AtomicUsize);
+/// The experts held by running or queued tasks, at most `max` at a time.
+struct InFlight {
+    held: Mutex<usize>,
+    freed: Condvar,
+    max: usize,
+}
 
-impl Drop for InFlight<'_> {
+impl InFlight {
+    fn new(max: usize) -> InFlight {
+        InFlight {
+            held: Mutex::new(0),
+            freed: Condvar::new(),
+            max: max.max(1),
+        }
+    }
+
+    fn count(&self) -> MutexGuard<'_, usize> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Return once fewer than `max` experts are held. A pool worker runs pending tasks
+    /// meanwhile (it must not sleep: the tasks may need it); any other thread sleeps until
+    /// a task releases its expert.
+    fn wait_for_slot(&self) {
+        if rayon::current_thread_index().is_some() {
+            while *self.count() >= self.max {
+                if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    std::thread::yield_now();
+                }
+            }
+        } else {
+            let mut held = self.count();
+            while *held >= self.max {
+                held = self
+                    .freed
+                    .wait(held)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+        }
+    }
+
+    /// Hold one more expert until the returned guard drops.
+    fn take(&self) -> Held<'_> {
+        *self.count() += 1;
+        Held(self)
+    }
+}
+
+/// One expert held by a task; dropping it releases the slot.
+struct Held<'a>(&'a InFlight);
+
+impl Drop for Held<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        *self.0.count() -= 1;
+        self.0.freed.notify_one();
     }
 }
 

@@ -1218,6 +1218,7 @@ fn mxfp4_q16_products_equal_scalar_reference_across_batches_and_threads() {
         .collect();
     for (rows, cols) in [
         (1usize, 32usize),
+        (5, 96),
         (7, 160),
         (37, 416),
         (64, 1056),

@@ -1,7 +1,8 @@
 //! Register-tiled products on AVX-512: `NR` weight rows × `NB` activation rows per call, for
 //! bf16 ([`dot_bf16_tile`]) and row-int8 against int16 activations ([`dot_i8_q16_tile`]).
 //!
-//! One bf16 kernel serves decode (`NR = 1`, `NB = 1`) and prefill (`NR = 2`, `NB = 4`): every
+//! One bf16 kernel serves decode (`NR = 1`, `NB = 1`) and prefill (`NR = 2`, `NB = 6`, the
+//! ragged rest of a batch in `NB = 1…4`): every
 //! product `(r, b)` owns two accumulators (even columns, odd columns) and sees exactly the
 //! same instruction sequence whatever `NR` and `NB` are — one FMA per 32-column group into
 //! each accumulator, in column order, the last group masked — followed by the same
@@ -13,7 +14,9 @@
 //! four activation rows, and each activation load by two weight rows, so a 2 × 4 tile issues
 //! 10 loads per 16 FMAs where the former 1 × 4 tile with four accumulators per product
 //! issued 18; 16 accumulators + 4 weight registers + 2 activation registers fit the 32 zmm
-//! registers.
+//! registers. The bf16 prefill takes the 2 × 6 instance (24 accumulators + 4 + 2 + the mask
+//! = 31 registers): 4 shifts/masks per 24 FMAs instead of per 16, and the reductions
+//! and the call shared by 12 products.
 //!
 //! Activations are in the *bf16-paired* layout of [`crate::matvec`]: each 32-column group
 //! as `[16 even columns, 16 odd columns]`, zero-padded to a whole group. Dword lane `i` of
