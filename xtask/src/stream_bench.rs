@@ -287,13 +287,6 @@ pub fn run(args: &Args) -> Result<()> {
         } else {
             f64::INFINITY
         };
-        let pct = |num: u64, den: u64| {
-            if den > 0 {
-                format!("{:.1}%", 100.0 * num as f64 / den as f64)
-            } else {
-                "n/a".into()
-            }
-        };
         println!(
             "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} |",
             ph.name,
@@ -332,13 +325,6 @@ pub fn run(args: &Args) -> Result<()> {
             r.prefetched - r1.prefetched,
             r.prefetched_right - r1.prefetched_right,
         );
-        let pct = |a: u64, b: u64| {
-            if b > 0 {
-                format!("{:.1}%", 100.0 * a as f64 / b as f64)
-            } else {
-                "n/a".into()
-            }
-        };
         println!(
             "| {j} | {g} | {} | {pf} | {} | {} |",
             pct(right, g),
@@ -436,5 +422,14 @@ pub fn cache_curve(layers: usize, experts: usize, k: usize, tokens: usize, s: f6
             100.0 * seeded,
             100.0 * pinned
         );
+    }
+}
+
+/// `num / den` as a percentage with one decimal, or `n/a` when `den` is 0.
+fn pct(num: u64, den: u64) -> String {
+    if den > 0 {
+        format!("{:.1}%", 100.0 * num as f64 / den as f64)
+    } else {
+        "n/a".into()
     }
 }
