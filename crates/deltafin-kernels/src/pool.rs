@@ -10,7 +10,8 @@
 //! [`run_warm`] runs a closure on a pool worker while every *other* worker of the pool runs a
 //! keep-warm loop: it takes pending pool work as soon as it appears ([`rayon::yield_now`]
 //! steals from the other workers' queues) and, when there is none, spins briefly and then
-//! yields its CPU to any other runnable thread (`sched_yield`) instead of parking. Products
+//! yields its CPU to any other runnable thread (`sched_yield`) instead of parking; after
+//! 20 ms without work (a generation blocked on a slow client) it naps 200 µs at a time. Products
 //! therefore start on both cores within a fraction of a microsecond. The loops end when the
 //! closure returns (or unwinds).
 //!
@@ -27,8 +28,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// The environment variable that switches the keep-warm loops.
 pub const SPIN_ENV_VAR: &str = "DELTAFIN_POOL_SPIN";
 
-/// Idle rounds a keep-warm loop spins (`pause`) before it starts yielding its CPU each round.
+/// Idle rounds a keep-warm loop spins (`pause`, ≈ 2 ms in all) before it starts yielding its
+/// CPU each round.
 const SPIN_ROUNDS: u32 = 2048;
+/// Idle time after which a keep-warm loop naps instead of yielding: far longer than any gap
+/// between two products of a token, far shorter than a human-visible delay.
+const NAP_AFTER: std::time::Duration = std::time::Duration::from_millis(20);
+/// One nap: the most a product can wait for this worker after a long stall.
+const NAP: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// A bad `DELTAFIN_POOL_SPIN` value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -94,12 +101,16 @@ pub fn run_warm<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     run_warm_with(spin_enabled().unwrap_or(false), f)
 }
 
-/// Take pool work as it appears until `stop`; spin, then yield the CPU, while there is none.
+/// Take pool work as it appears until `stop`; while there is none: spin, then yield the CPU,
+/// and after a long stall (the generation thread blocked on a slow client or a disk read)
+/// nap, so a stalled generation does not keep a core busy.
 fn keep_warm(stop: &AtomicBool) {
     let mut idle = 0u32;
+    let mut idle_since: Option<std::time::Instant> = None;
     while !stop.load(Ordering::Acquire) {
         if rayon::yield_now() == Some(rayon::Yield::Executed) {
             idle = 0;
+            idle_since = None;
             continue;
         }
         if idle < SPIN_ROUNDS {
@@ -107,8 +118,13 @@ fn keep_warm(stop: &AtomicBool) {
             for _ in 0..16 {
                 std::hint::spin_loop();
             }
-        } else {
+            continue;
+        }
+        let since = *idle_since.get_or_insert_with(std::time::Instant::now);
+        if since.elapsed() < NAP_AFTER {
             std::thread::yield_now();
+        } else {
+            std::thread::sleep(NAP);
         }
     }
 }
@@ -160,6 +176,52 @@ mod tests {
                 assert_eq!(after, 4950);
             }
         }
+    }
+
+    /// CPU time (user + system, clock ticks) of this process's threads named `name`.
+    #[cfg(target_os = "linux")]
+    fn cpu_ticks_of(name: &str) -> u64 {
+        let mut total = 0;
+        for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.trim() != name {
+                continue;
+            }
+            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+            // Fields after the parenthesised command: state is field 3, utime 14, stime 15.
+            let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            total += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+        }
+        total
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_stalled_generation_does_not_keep_a_core_busy() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .thread_name(|i| format!("warmnap-{i}"))
+            .build()
+            .unwrap();
+        let ticks = |pool: &rayon::ThreadPool| {
+            pool.broadcast(|_| ());
+            cpu_ticks_of("warmnap-0") + cpu_ticks_of("warmnap-1")
+        };
+        let before = ticks(&pool);
+        // The generation thread blocks for 1 s (as on a slow client); the other worker spins
+        // about 2 ms, yields up to 20 ms, then naps.
+        pool.install(|| {
+            run_warm_with(true, || {
+                std::thread::sleep(std::time::Duration::from_secs(1))
+            })
+        });
+        let used = ticks(&pool) - before;
+        // Clock ticks are 10 ms: without the naps the keep-warm loop would use ≈ 100.
+        assert!(
+            used <= 30,
+            "keep-warm loop used {used} ticks of CPU in a 1 s stall"
+        );
     }
 
     #[test]
