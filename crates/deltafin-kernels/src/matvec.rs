@@ -459,24 +459,18 @@ impl BatchOut {
     }
 }
 
-/// Rows per parallel task, or `None` to run on the calling thread.
-fn chunk_rows(rows: usize, work_per_row: usize, row_bytes: usize, n: usize) -> Option<usize> {
-    if rows * work_per_row < PAR_THRESHOLD || rows < 2 {
+/// Rows per parallel task of one product `p`, or `None` to run on the calling thread.
+fn chunk_rows(p: &Prepared<'_>) -> Option<usize> {
+    let rows = p.w.rows();
+    if rows * p.work_per_row() < PAR_THRESHOLD || rows < 2 {
         return None;
     }
     let threads = rayon::current_num_threads().max(1);
     if threads == 1 {
         return None;
     }
-    // About four even ranges per worker, at least 8 rows each; decode-sized batches also cap
-    // a range at `TASK_BYTES` of weights (see there).
-    let even = rows.div_ceil(threads * 4);
-    let chunk = if n < BATCH_TILE {
-        even.min(TASK_BYTES / row_bytes.max(1))
-    } else {
-        even
-    };
-    Some(chunk.max(8))
+    // About four even ranges per worker, at least 8 rows each.
+    Some(p.cap_rows(rows.div_ceil(threads * 4)).max(8))
 }
 
 /// Largest weight slice of one parallel task in a decode-sized product (`n` below
@@ -680,6 +674,16 @@ impl<'a> Prepared<'a> {
         }
     }
 
+    /// `rows` capped at `TASK_BYTES` of weights for a decode-sized batch (see there).
+    fn cap_rows(&self, rows: usize) -> usize {
+        if self.n < BATCH_TILE {
+            let row_bytes = self.w.weight_bytes() / self.w.rows().max(1);
+            rows.min(TASK_BYTES / row_bytes.max(1))
+        } else {
+            rows
+        }
+    }
+
     /// Multiply-adds of one output row over the whole batch.
     fn work_per_row(&self) -> usize {
         self.w.cols() * self.n
@@ -745,8 +749,7 @@ fn product(be: Backend, w: Weights<'_>, xs: &[f32], n: usize, ys: &mut [f32], ep
     }
     let rows = p.w.rows();
     let p = &p;
-    let row_bytes = p.w.weight_bytes() / rows;
-    match chunk_rows(rows, p.work_per_row(), row_bytes, n) {
+    match chunk_rows(p) {
         // SAFETY: one task owns all rows.
         None => unsafe { p.rows(be, 0, rows) },
         Some(chunk) => (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
@@ -791,16 +794,15 @@ pub fn matmul_group_with(be: Backend, products: &mut [GroupProduct<'_>]) {
         return;
     }
     // About four tasks per worker over the whole group, at least 8 rows each; decode-sized
-    // members also cap a task at `TASK_BYTES` of weights (as `chunk_rows`).
+    // members also cap a task at `TASK_BYTES` of weights (`Prepared::cap_rows`).
     let target = total.div_ceil(threads * 4).max(1);
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (i, p) in prepared.iter().enumerate() {
         let rows = p.w.rows();
-        let mut chunk = target.div_ceil(p.work_per_row().max(1));
-        if p.n < BATCH_TILE {
-            chunk = chunk.min(TASK_BYTES / (p.w.weight_bytes() / rows).max(1));
-        }
-        let chunk = chunk.max(8).min(rows);
+        let chunk = p
+            .cap_rows(target.div_ceil(p.work_per_row().max(1)))
+            .max(8)
+            .min(rows);
         let mut r0 = 0;
         while r0 < rows {
             let r1 = (r0 + chunk).min(rows);
