@@ -108,17 +108,20 @@ fn conv_silu(
             &pre[(tau - km1) * p..(tau - km1 + 1) * p]
         }
     };
-    // Taps by position (`[K, p]`), so the inner loop runs over contiguous channels.
-    let by_tap: Vec<f32> = (0..k)
-        .flat_map(|j| (0..p).map(move |c| taps[c * k + j]))
-        .collect();
+    // Per channel, the taps in order: `o_c = Σ_j w[c·K + j] · x_{t−K+1+j, c}`, summed from
+    // j = 0 (the oldest input) as the reference does.
     let mut out = vec![0f32; t * p];
+    let mut inputs: Vec<&[f32]> = Vec::with_capacity(k);
     for (ti, o) in out.chunks_exact_mut(p).enumerate() {
-        for (j, w) in by_tap.chunks_exact(p).enumerate() {
-            // Input at time ti − (K−1) + j is concatenated row ti + j.
-            for ((oc, &wc), &xc) in o.iter_mut().zip(w).zip(row(ti + j)) {
-                *oc += wc * xc;
+        inputs.clear();
+        // Input at time ti − (K−1) + j is concatenated row ti + j.
+        inputs.extend((0..k).map(|j| row(ti + j)));
+        for (c, (oc, w)) in o.iter_mut().zip(taps.chunks_exact(k)).enumerate() {
+            let mut acc = 0f32;
+            for (&wj, x) in w.iter().zip(&inputs) {
+                acc += wj * x[c];
             }
+            *oc = acc;
         }
         silu_inplace(o);
     }
@@ -163,8 +166,14 @@ impl KdaWeights {
         // e^{A_log[h]} once per head (the same value for each of its d channels).
         let a_exp: Vec<f32> = self.a_log[..h].iter().map(|a| a.exp()).collect();
         for row in g.chunks_exact_mut(p) {
-            for (c, gc) in row.iter_mut().enumerate() {
-                *gc = a_exp[c / d] * (*gc + self.dt_bias[c]);
+            for ((gh, bh), &a) in row
+                .chunks_exact_mut(d)
+                .zip(self.dt_bias.chunks_exact(d))
+                .zip(&a_exp)
+            {
+                for (gc, &b) in gh.iter_mut().zip(bh) {
+                    *gc = a * (*gc + b);
+                }
             }
             sigmoid_inplace(row);
             for gc in row.iter_mut() {

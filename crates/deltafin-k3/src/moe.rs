@@ -160,10 +160,12 @@ impl MoeWeights {
         // threads: one worker took 60% of the samples, the other 38%, the expert products
         // 23.6% against 8.8%); with two a queued task is left for them.
         let in_flight = InFlight::new(2 * threads);
-        // When the layer has at least one expert per worker, the expert tasks already fill
-        // the pool: each expert's products then run on its own task's thread, without a
-        // fork/join per product (same values, see `matmul_serial`).
-        let serial = users.len() >= threads;
+        // While at least one more expert per other worker is still to come, the expert
+        // tasks fill the pool: an expert's products then run on its own task's thread,
+        // without a fork/join per product (same values, see `matmul_serial`). The last ones
+        // split their rows over the pool, so the layer does not end with one worker
+        // computing a whole expert while the others wait.
+        let serial_while = threads - 1;
         // `in_place_scope`: from a thread outside the pool this loop stays on that thread,
         // which only fetches experts and sleeps while the slots are full; on a worker it is
         // the same as `rayon::scope`.
@@ -195,6 +197,7 @@ impl MoeWeights {
                     }
                 };
                 let held = in_flight.take();
+                let serial = todo.len() >= serial_while && serial_while > 0;
                 scope.spawn(move |_| {
                     // Released on every exit, a panic included (the scope re-raises it).
                     let _held = held;

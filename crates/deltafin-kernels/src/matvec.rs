@@ -18,6 +18,7 @@ use std::borrow::Cow;
 use deltafin_tensor::mxfp4::GROUP;
 use deltafin_tensor::{Bf16Matrix, Mxfp4Matrix, RowInt8Matrix};
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::dispatch::{Backend, backend};
 use crate::mxfp4_q8::{Mxfp4Act, avx512_mxfp4_act, q8_image};
@@ -204,6 +205,23 @@ impl<'a> Raw<'a> {
 }
 
 impl Weights<'_> {
+    /// Which activation image [`Weights::prepare`] builds for `be` (0: none, the input as
+    /// it is). Two products with the same kind and the same number of columns read the same
+    /// image of the same input, so a group builds it once.
+    fn image_kind(&self, be: Backend) -> u8 {
+        match (self, be) {
+            (Weights::RowInt8(_), Backend::Avx512) if q16_int8() => 1,
+            (Weights::RowInt8(_), Backend::Avx2) => 1,
+            (Weights::Bf16(_), Backend::Avx512) => 2,
+            (Weights::Bf16(_), Backend::Avx2) => 3,
+            (Weights::Mxfp4(_), Backend::Avx512) if avx512_mxfp4_act() == Mxfp4Act::Q8 => 4,
+            (Weights::Mxfp4(_), Backend::Avx512) if mxfp4_q16_levels().is_some() => 5,
+            (Weights::Mxfp4(_), Backend::Avx512) => 6,
+            (Weights::Mxfp4(_), Backend::Avx2 | Backend::Neon) => 7,
+            _ => 0,
+        }
+    }
+
     /// The activation layout the backend's kernel expects (see `x86.rs`), and its row
     /// stride: the AVX2 and NEON MXFP4 kernels take each 32-column block as `[even columns,
     /// odd columns]` (paired); the AVX-512 one takes each full 128-column span transposed
@@ -459,7 +477,8 @@ impl BatchOut {
     }
 }
 
-/// Rows per parallel task of one product `p`, or `None` to run on the calling thread.
+/// Rows per parallel task of one batched product `p` (`n ≥ BATCH_TILE`), or `None` to run on
+/// the calling thread. Decode-sized products are scheduled by [`run_guided`] instead.
 fn chunk_rows(p: &Prepared<'_>) -> Option<usize> {
     let rows = p.w.rows();
     if rows * p.work_per_row() < PAR_THRESHOLD || rows < 2 {
@@ -469,17 +488,80 @@ fn chunk_rows(p: &Prepared<'_>) -> Option<usize> {
     if threads == 1 {
         return None;
     }
-    // About four even ranges per worker, at least 8 rows each.
-    Some(p.cap_rows(rows.div_ceil(threads * 4)).max(8))
+    // About four even ranges per worker, at least 8 rows each: the tasks must span whole
+    // `ROW_BLOCK_BYTES` blocks for the activations to stream through the cache once per block.
+    Some(rows.div_ceil(threads * 4).max(8))
 }
 
-/// Largest weight slice of one parallel task in a decode-sized product (`n` below
-/// [`BATCH_TILE`]). The product ends when its last task does, so a big matrix (the 168–335 MB
-/// `lm_head`) split into only four ranges per worker would leave one core idle for up to a
-/// whole range (milliseconds) at its end; ranges of this size bound that tail to a few
-/// microseconds. Batched products keep the even split: their tasks must span whole
-/// `ROW_BLOCK_BYTES` blocks for the activations to stream through the cache once per block.
-const TASK_BYTES: usize = 128 * 1024;
+/// Weight bytes of the smallest piece of a decode-sized product that [`run_guided`] hands out.
+const UNIT_BYTES: usize = 16 * 1024;
+
+/// Decode-sized products (`n < BATCH_TILE`, memory-bound) by guided self-scheduling: their
+/// rows are cut into units of about [`UNIT_BYTES`] of weights, and each worker repeatedly takes
+/// `1/(2·threads)` of the units still left (at least one) from a shared counter, so the first
+/// pieces are large and the last ones small. All workers then finish within about one unit
+/// (≈ 1 µs of DRAM time) of each other. A fixed split into even ranges ends with one core
+/// idle for up to a whole range while the other finishes its last one: measured on `mini`
+/// decode (two cores), the second worker idled ≈ 17% of each token, two thirds of that
+/// while the generation thread was still inside a product. Which worker computes a row never
+/// changes its value.
+fn run_guided(be: Backend, prepared: &[Prepared<'_>], threads: usize) {
+    // starts[i]..starts[i + 1]: the units of member i, `unit_rows[i]` rows each.
+    let mut unit_rows = Vec::with_capacity(prepared.len());
+    let mut starts = Vec::with_capacity(prepared.len() + 1);
+    starts.push(0usize);
+    for p in prepared {
+        let rows = p.w.rows();
+        let row_bytes = (p.w.weight_bytes() / rows.max(1)).max(1);
+        let ur = (UNIT_BYTES / row_bytes).clamp(1, rows.max(1));
+        unit_rows.push(ur);
+        starts.push(starts[starts.len() - 1] + rows.div_ceil(ur));
+    }
+    let total = starts[prepared.len()];
+    let next = AtomicUsize::new(0);
+    let work = || {
+        loop {
+            let mut cur = next.load(Ordering::Relaxed);
+            let end = loop {
+                if cur >= total {
+                    return;
+                }
+                let take = ((total - cur) / (2 * threads)).max(1);
+                match next.compare_exchange_weak(
+                    cur,
+                    cur + take,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => break cur + take,
+                    Err(seen) => cur = seen,
+                }
+            };
+            // Units cur..end, member by member.
+            for (i, p) in prepared.iter().enumerate() {
+                let (lo, hi) = (cur.max(starts[i]), end.min(starts[i + 1]));
+                if lo < hi {
+                    let r0 = (lo - starts[i]) * unit_rows[i];
+                    let r1 = ((hi - starts[i]) * unit_rows[i]).min(p.w.rows());
+                    // SAFETY: the counter hands each unit to exactly one worker, so the row
+                    // ranges of all calls are disjoint.
+                    unsafe { p.rows(be, r0, r1) };
+                }
+            }
+        }
+    };
+    let work = &work;
+    rayon::scope(|scope| {
+        for _ in 1..threads {
+            scope.spawn(move |_| work());
+        }
+        work();
+    });
+}
+
+/// Activations in a kernel's layout: the image, the offset of its first row, the row stride
+/// (as [`Weights::prepare`] returns them).
+type Image<'a> = (Cow<'a, [f32]>, usize, usize);
 
 /// One product ready to run: weights, activations in the kernel's layout, the output.
 struct Prepared<'a> {
@@ -502,6 +584,20 @@ impl<'a> Prepared<'a> {
         ys: &mut [f32],
         epi: Epilogue<'a>,
     ) -> Prepared<'a> {
+        Prepared::with_image(be, w, xs, n, ys, epi, None)
+    }
+
+    /// [`Prepared::new`] with the activation image already built (`image`: the image of `xs`
+    /// for `w` on `be`, as [`Weights::prepare`] returns it), or built here when `None`.
+    fn with_image(
+        be: Backend,
+        w: Weights<'a>,
+        xs: &'a [f32],
+        n: usize,
+        ys: &mut [f32],
+        epi: Epilogue<'a>,
+        image: Option<Image<'a>>,
+    ) -> Prepared<'a> {
         assert!(
             be.is_supported(),
             "kernel backend {} is not supported by this CPU",
@@ -518,6 +614,8 @@ impl<'a> Prepared<'a> {
         }
         let (xs, base, stride) = if n == 0 || rows == 0 {
             (Cow::Borrowed(xs), 0, cols)
+        } else if let Some(image) = image {
+            image
         } else {
             w.prepare(be, xs)
         };
@@ -674,16 +772,6 @@ impl<'a> Prepared<'a> {
         }
     }
 
-    /// `rows` capped at `TASK_BYTES` of weights for a decode-sized batch (see there).
-    fn cap_rows(&self, rows: usize) -> usize {
-        if self.n < BATCH_TILE {
-            let row_bytes = self.w.weight_bytes() / self.w.rows().max(1);
-            rows.min(TASK_BYTES / row_bytes.max(1))
-        } else {
-            rows
-        }
-    }
-
     /// Multiply-adds of one output row over the whole batch.
     fn work_per_row(&self) -> usize {
         self.w.cols() * self.n
@@ -748,6 +836,11 @@ fn product(be: Backend, w: Weights<'_>, xs: &[f32], n: usize, ys: &mut [f32], ep
         return;
     }
     let rows = p.w.rows();
+    let threads = rayon::current_num_threads().max(1);
+    if n < BATCH_TILE && threads > 1 && rows * p.work_per_row() >= PAR_THRESHOLD {
+        run_guided(be, std::slice::from_ref(&p), threads);
+        return;
+    }
     let p = &p;
     match chunk_rows(p) {
         // SAFETY: one task owns all rows.
@@ -779,10 +872,38 @@ pub struct GroupProduct<'a> {
 /// # Panics
 /// As [`matmul_with`], for any member.
 pub fn matmul_group_with(be: Backend, products: &mut [GroupProduct<'_>]) {
-    let prepared: Vec<Prepared<'_>> = products
+    let products: Vec<&mut GroupProduct<'_>> = products
         .iter_mut()
         .filter(|g| g.n > 0 && g.w.rows() > 0)
-        .map(|g| Prepared::new(be, g.w, g.xs, g.n, g.ys, Epilogue::Store))
+        .collect();
+    // Members that read the same input in the same layout (a layer's projections of one
+    // normalised state) share one activation image: `first[j]` is the member whose image j
+    // reads, and only those members build one.
+    let key = |g: &GroupProduct<'_>| {
+        let kind = g.w.image_kind(be);
+        (kind != 0).then(|| (g.xs.as_ptr() as usize, g.xs.len(), g.w.cols(), kind))
+    };
+    let keys: Vec<_> = products.iter().map(|g| key(g)).collect();
+    let first: Vec<usize> = (0..keys.len())
+        .map(|j| match keys[j] {
+            Some(k) => keys.iter().position(|&o| o == Some(k)).unwrap_or(j),
+            None => j,
+        })
+        .collect();
+    let images: Vec<Option<Image<'_>>> = products
+        .iter()
+        .enumerate()
+        .map(|(j, g)| (keys[j].is_some() && first[j] == j).then(|| g.w.prepare(be, g.xs)))
+        .collect();
+    let prepared: Vec<Prepared<'_>> = products
+        .into_iter()
+        .enumerate()
+        .map(|(j, g)| {
+            let image = images[first[j]]
+                .as_ref()
+                .map(|(img, base, stride)| (Cow::Borrowed(&img[..]), *base, *stride));
+            Prepared::with_image(be, g.w, g.xs, g.n, g.ys, Epilogue::Store, image)
+        })
         .collect();
     let total: usize = prepared.iter().map(|p| p.w.rows() * p.work_per_row()).sum();
     let threads = rayon::current_num_threads().max(1);
@@ -793,16 +914,16 @@ pub fn matmul_group_with(be: Backend, products: &mut [GroupProduct<'_>]) {
         }
         return;
     }
-    // About four tasks per worker over the whole group, at least 8 rows each; decode-sized
-    // members also cap a task at `TASK_BYTES` of weights (`Prepared::cap_rows`).
+    if prepared.iter().all(|p| p.n < BATCH_TILE) {
+        run_guided(be, &prepared, threads);
+        return;
+    }
+    // About four tasks per worker over the whole group, at least 8 rows each.
     let target = total.div_ceil(threads * 4).max(1);
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (i, p) in prepared.iter().enumerate() {
         let rows = p.w.rows();
-        let chunk = p
-            .cap_rows(target.div_ceil(p.work_per_row().max(1)))
-            .max(8)
-            .min(rows);
+        let chunk = target.div_ceil(p.work_per_row().max(1)).max(8).min(rows);
         let mut r0 = 0;
         while r0 < rows {
             let r1 = (r0 + chunk).min(rows);

@@ -288,6 +288,73 @@ fn bit_identical_across_threads_and_batch_widths() {
     }
 }
 
+/// Members reading the same input share one activation image per layout (a layer's
+/// projections of one normalised state); every value still equals the member's own product,
+/// for decode widths (guided scheduling) and a batched one, on 1–3 threads.
+#[test]
+fn group_members_sharing_an_input_equal_separate_products() {
+    let mut rng = Rng(0x5aa3_d00d_0001);
+    let cols = 320;
+    let mats: Vec<Mats> = [97, 64, 130, 33]
+        .iter()
+        .map(|&r| Mats::new(&mut rng, r, cols))
+        .collect();
+    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
+        .iter()
+        .map(|&t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    for be in Backend::available() {
+        for n in [1, 2, 5] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+            let other: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+            // Every format of every matrix; all but the last member read `x`.
+            let ws: Vec<Weights<'_>> = mats.iter().flat_map(|m| m.all()).collect();
+            let input = |i: usize| -> &[f32] { if i + 1 == ws.len() { &other } else { &x } };
+            let want: Vec<Vec<f32>> = ws
+                .iter()
+                .enumerate()
+                .map(|(i, w)| {
+                    let mut ys = vec![0f32; n * w.rows()];
+                    matmul_with(be, *w, input(i), n, &mut ys);
+                    ys
+                })
+                .collect();
+            for pool in &pools {
+                let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; n * w.rows()]).collect();
+                let mut group: Vec<GroupProduct<'_>> = ws
+                    .iter()
+                    .zip(outs.iter_mut())
+                    .enumerate()
+                    .map(|(i, (w, ys))| GroupProduct {
+                        w: *w,
+                        xs: input(i),
+                        n,
+                        ys,
+                    })
+                    .collect();
+                pool.install(|| matmul_group_with(be, &mut group));
+                drop(group);
+                for (i, (got, want)) in outs.iter().zip(&want).enumerate() {
+                    assert!(
+                        got.iter()
+                            .zip(want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{} n={n} threads={} member {i} ({}): group differs",
+                        be.name(),
+                        pool.current_num_threads(),
+                        ws[i].dtype()
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn group_equals_separate_products() {
     let mut rng = Rng(0x0005_eed0_f6a0);

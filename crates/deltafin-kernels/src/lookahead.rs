@@ -1,0 +1,282 @@
+//! Pulling the next product's weights into a waiting worker's cache.
+//!
+//! Decode is a fixed sequence of matrix products separated by short serial stretches (norms,
+//! the KDA convolution and gates, AttnRes, routing, attention over the cache), during which the
+//! generation thread computes and every other worker of the pool waits in
+//! [`crate::pool::run_warm`]'s keep-warm loop — and DRAM idles. The next product then starts
+//! cold: both cores stream its weights from DRAM.
+//!
+//! This module learns the product sequence and lets the waiting worker use the gap:
+//!
+//! - Every decode-sized product (fewer than [`MAX_ROWS`] activation rows, weights other than
+//!   MXFP4 — the routed experts change with every token) reports its weight byte ranges with
+//!   [`note`], keyed by the address of its first weight byte. The first time through, the
+//!   reports are recorded in order; when a key comes round again the cycle (one token) is
+//!   complete and becomes the learned sequence. Afterwards a report only moves the cursor.
+//! - A keep-warm loop with nothing to run calls [`Prefetcher::step`]: it looks up the product
+//!   after the cursor and issues `prefetcht1` (into this core's L2) for the part of its weights
+//!   this worker will take — a product's row ranges are split in halves and a waiting worker
+//!   steals the second half first — starting at the middle of its bytes, at most
+//!   [`BUDGET`] bytes (a fraction of the 2 MiB L2 of current x86 server cores), a few lines
+//!   per round so it still picks up work within a fraction of a microsecond.
+//!
+//! When the product starts, the worker reads its first rows from L2 instead of DRAM and the
+//! generation thread has DRAM to itself for its half. Hints only: a prefetch never faults and
+//! never changes a value, and a wrong or stale sequence (another model loaded, a streamed
+//! spine whose buffers move) costs a few wasted reads. A sequence that keeps missing is
+//! dropped and relearned; a recording that never closes is capped at [`MAX_STEPS`].
+//!
+//! `DELTAFIN_POOL_PREFETCH=on|off` (default `on`, strict parse) switches it.
+
+use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
+
+/// The environment variable that switches idle-time prefetching.
+pub const PREFETCH_ENV_VAR: &str = "DELTAFIN_POOL_PREFETCH";
+
+/// Products with at least this many activation rows are compute-bound (prefill): not noted.
+pub const MAX_ROWS: usize = 4;
+/// Bytes of one upcoming product a waiting worker prefetches at most.
+pub const BUDGET: usize = 3 << 19;
+/// Upcoming products a plan may span.
+const LOOKAHEAD_STEPS: usize = 4;
+/// Bytes prefetched per keep-warm round (64 cache lines).
+const CHUNK: usize = 4096;
+/// Steps a recording may reach before it is dropped as not a cycle.
+pub const MAX_STEPS: usize = 1 << 14;
+/// Consecutive unknown keys after which a learned sequence is dropped and relearned.
+const MAX_MISSES: u32 = 64;
+/// Bits of [`NOW`] that hold the step index (+1); the rest count reports.
+const STEP_BITS: u32 = 24;
+
+/// A bad `DELTAFIN_POOL_PREFETCH` value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{PREFETCH_ENV_VAR}={value:?} is not valid (expected `on` or `off`)")]
+pub struct PrefetchEnvError {
+    /// The rejected value.
+    pub value: String,
+}
+
+/// Parse a `DELTAFIN_POOL_PREFETCH` value strictly.
+pub fn parse_prefetch(value: &str) -> Result<bool, PrefetchEnvError> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(PrefetchEnvError {
+            value: other.to_string(),
+        }),
+    }
+}
+
+/// `DELTAFIN_POOL_PREFETCH` from the environment (unset = `on`), read once per process.
+pub fn prefetch_enabled() -> Result<bool, PrefetchEnvError> {
+    static SETTING: OnceLock<Result<bool, PrefetchEnvError>> = OnceLock::new();
+    SETTING
+        .get_or_init(|| match std::env::var(PREFETCH_ENV_VAR) {
+            Ok(v) => parse_prefetch(&v),
+            Err(std::env::VarError::NotPresent) => Ok(true),
+            Err(std::env::VarError::NotUnicode(v)) => Err(PrefetchEnvError {
+                value: v.to_string_lossy().into_owned(),
+            }),
+        })
+        .clone()
+}
+
+/// One product (or product group) of the sequence: its weight byte ranges in task order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Step {
+    ranges: Vec<(usize, usize)>,
+    total: usize,
+}
+
+impl Step {
+    fn new(ranges: &[(*const u8, usize)]) -> Step {
+        Step {
+            ranges: ranges.iter().map(|&(p, l)| (p as usize, l)).collect(),
+            total: ranges.iter().map(|r| r.1).sum(),
+        }
+    }
+}
+
+/// Products in call order and the index of each key.
+#[derive(Debug, Default)]
+struct Sequence {
+    steps: Vec<Step>,
+    index: FxHashMap<usize, usize>,
+}
+
+impl Sequence {
+    fn push(&mut self, key: usize, step: Step) {
+        self.index.insert(key, self.steps.len());
+        self.steps.push(step);
+    }
+}
+
+/// The learned sequence, shared by the reporters and the waiting workers.
+static LEARNED: RwLock<Option<Arc<Sequence>>> = RwLock::new(None);
+/// The recording in progress (while nothing is learned).
+static RECORDING: Mutex<Option<Sequence>> = Mutex::new(None);
+/// Report count (high bits) and index + 1 of the last reported step (low [`STEP_BITS`]).
+static NOW: AtomicU64 = AtomicU64::new(0);
+pub static PF_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Consecutive reports of keys the learned sequence does not know.
+static MISSES: AtomicU32 = AtomicU32::new(0);
+
+fn publish(index: usize) {
+    let step = (index as u64 + 1) & ((1 << STEP_BITS) - 1);
+    let count = (NOW.load(Ordering::Relaxed) >> STEP_BITS).wrapping_add(1);
+    NOW.store((count << STEP_BITS) | step, Ordering::Release);
+}
+
+/// Report that a product over `ranges` (weight bytes in task order; the first range's address
+/// is the key) starts now. Cheap when the sequence is learned: one read lock and a hash lookup.
+pub(crate) fn note(ranges: &[(*const u8, usize)]) {
+    let Some(&(first, _)) = ranges.first() else {
+        return;
+    };
+    if !prefetch_enabled().unwrap_or(false) {
+        return;
+    }
+    let key = first as usize;
+    {
+        let learned = LEARNED.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(seq) = learned.as_ref() {
+            match seq.index.get(&key) {
+                Some(&i) => {
+                    MISSES.store(0, Ordering::Relaxed);
+                    publish(i);
+                    return;
+                }
+                None => {
+                    if MISSES.fetch_add(1, Ordering::Relaxed) + 1 < MAX_MISSES {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+    // Nothing learned, or the learned sequence keeps missing: (re)record.
+    let mut learned = LEARNED.write().unwrap_or_else(PoisonError::into_inner);
+    let mut rec = RECORDING.lock().unwrap_or_else(PoisonError::into_inner);
+    if learned.is_some() {
+        *learned = None;
+        *rec = None;
+        MISSES.store(0, Ordering::Relaxed);
+    }
+    let seq = rec.get_or_insert_with(Sequence::default);
+    if let Some(&i) = seq.index.get(&key) {
+        // The cycle closed: the recording is the sequence from here on.
+        *learned = rec.take().map(Arc::new);
+        if std::env::var("LA_DEBUG").is_ok() { let s = learned.as_ref().unwrap(); eprintln!("LA learned {} steps, {} bytes, closes at {}", s.steps.len(), s.steps.iter().map(|x| x.total).sum::<usize>(), i); }
+        publish(i);
+        return;
+    }
+    if seq.steps.len() >= MAX_STEPS {
+        *seq = Sequence::default();
+    }
+    seq.push(key, Step::new(ranges));
+    publish(seq.steps.len() - 1);
+}
+
+/// A waiting worker's prefetch progress: the upcoming product's byte segments still to hint.
+#[derive(Debug, Default)]
+pub(crate) struct Prefetcher {
+    seen: u64,
+    segments: Vec<(usize, usize)>,
+}
+
+impl Prefetcher {
+    /// Hint the next few lines of the upcoming product into this core's L2; `false` when
+    /// there is nothing (left) to hint.
+    pub(crate) fn step(&mut self) -> bool {
+        let now = NOW.load(Ordering::Acquire);
+        if now != self.seen {
+            self.seen = now;
+            self.plan(now);
+        }
+        let Some(&mut (ref mut at, ref mut len)) = self.segments.last_mut() else {
+            return false;
+        };
+        let n = (*len).min(CHUNK);
+        PF_BYTES.fetch_add(n as u64, Ordering::Relaxed);
+        hint_lines(*at, n);
+        *at += n;
+        *len -= n;
+        if *len == 0 {
+            self.segments.pop();
+        }
+        true
+    }
+
+    /// The second half of the step after the reported one, up to [`BUDGET`] bytes, as
+    /// segments in reverse order (the next one last).
+    fn plan(&mut self, now: u64) {
+        self.segments.clear();
+        let current = (now & ((1 << STEP_BITS) - 1)) as usize;
+        if current == 0 {
+            return;
+        }
+        let learned = LEARNED.read().unwrap_or_else(PoisonError::into_inner);
+        let Some(seq) = learned.as_ref() else {
+            return;
+        };
+        let mut budget = BUDGET;
+        for ahead in 0..LOOKAHEAD_STEPS {
+            let Some(step) = seq.steps.get((current + ahead) % seq.steps.len()) else {
+                return;
+            };
+            let mut skip = step.total / 2;
+            for &(p, l) in &step.ranges {
+                if budget == 0 {
+                    break;
+                }
+                if skip >= l {
+                    skip -= l;
+                    continue;
+                }
+                let take = (l - skip).min(budget);
+                self.segments.push((p + skip, take));
+                budget -= take;
+                skip = 0;
+            }
+        }
+        self.segments.reverse();
+    }
+}
+
+/// `prefetcht1` every cache line of `[at, at + len)`. A prefetch never faults, so a stale
+/// address is harmless.
+#[inline]
+fn hint_lines(at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let mut p = at & !63;
+        while p < at + len {
+            // SAFETY: PREFETCHT0 is SSE (baseline x86-64) and does not access memory
+            // architecturally.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+            p += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (at, len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_is_strict() {
+        assert_eq!(parse_prefetch("on"), Ok(true));
+        assert_eq!(parse_prefetch("off"), Ok(false));
+        for bad in ["", "ON", "1", "yes"] {
+            let e = parse_prefetch(bad).unwrap_err();
+            assert!(e.to_string().contains(PREFETCH_ENV_VAR), "{e}");
+        }
+    }
+}
