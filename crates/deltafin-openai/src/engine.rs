@@ -4,8 +4,8 @@ use crate::error::ApiError;
 use crate::output::{Assembler, Delta, TokenLogprob};
 use crate::request::{GenRequest, Prompt};
 use deltafin_k3::chat::{ChatOptions, encode_chat};
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, StopReason, generate};
+use deltafin_k3::install::{self, Missing};
 use deltafin_k3::loader::{EngineOptions, load_model};
 use deltafin_k3::model::K3Model;
 use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
@@ -18,13 +18,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// Why the model could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    /// No `config.json` at the root.
+    /// The root holds no install (no `config.json`, or no shards / stream-install spine).
     #[error(
-        "no K3 model installed at {root}: {CONFIG_FILE} is missing. Run `deltafin setup --model-root {root}` to install Kimi K3, or pass --model-root PATH pointing at an install"
+        "no K3 model installed at {root}: {what}. Run `deltafin setup --model-root {root}` to install Kimi K3, or pass --model-root PATH pointing at an install"
     )]
     NotInstalled {
         /// The model root.
         root: PathBuf,
+        /// What it lacks.
+        what: Missing,
     },
     /// The checkpoint, model or tokenizer failed to load.
     #[error("cannot load the K3 model from {root}: {reason}")]
@@ -58,26 +60,23 @@ const _: () = {
 impl Engine {
     /// Loads the install at `root` (checkpoint, model, tokenizer) as `deltafin run` does.
     pub fn load(root: &Path) -> Result<Engine, LoadError> {
-        if !root.join(CONFIG_FILE).is_file() {
+        if let Some(what) = install::missing(root) {
             return Err(LoadError::NotInstalled {
                 root: root.to_path_buf(),
+                what,
             });
         }
         let failed = |reason: String| LoadError::Failed {
             root: root.to_path_buf(),
             reason,
         };
-        let checkpoint = Arc::new(Checkpoint::open(root).map_err(|e| failed(e.to_string()))?);
+        // The failing part's own message: ours already names the root.
+        let (checkpoint, tokenizer) = install::open(root).map_err(|e| {
+            failed(std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string()))
+        })?;
         let model = load_model(checkpoint.clone(), &EngineOptions::default())
             .map_err(|e| failed(e.to_string()))?;
-        let tokenizer = Tokenizer::from_dir(root).map_err(|e| failed(e.to_string()))?;
-        if tokenizer.vocab_size() != model.dims.vocab_size {
-            return Err(failed(format!(
-                "tokenizer vocabulary ({}) does not match config.json vocab_size ({})",
-                tokenizer.vocab_size(),
-                model.dims.vocab_size
-            )));
-        }
+        install::check_vocab(&tokenizer, &model).map_err(|e| failed(e.to_string()))?;
         Ok(Engine {
             model,
             tokenizer: Arc::new(tokenizer),
