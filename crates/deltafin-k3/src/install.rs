@@ -71,12 +71,17 @@ pub enum InstallError {
     },
 }
 
-/// Open the checkpoint and the tokenizer of the install at `root`.
-pub fn open(root: &Path) -> Result<(Arc<Checkpoint>, Tokenizer), InstallError> {
-    let checkpoint = Checkpoint::open(root).map_err(|source| InstallError::Checkpoint {
+/// Open the checkpoint of the install at `root`.
+pub fn open_checkpoint(root: &Path) -> Result<Checkpoint, InstallError> {
+    Checkpoint::open(root).map_err(|source| InstallError::Checkpoint {
         root: root.to_path_buf(),
         source,
-    })?;
+    })
+}
+
+/// Open the checkpoint and the tokenizer of the install at `root`.
+pub fn open(root: &Path) -> Result<(Arc<Checkpoint>, Tokenizer), InstallError> {
+    let checkpoint = open_checkpoint(root)?;
     let tokenizer = Tokenizer::from_dir(root).map_err(|source| InstallError::Tokenizer {
         root: root.to_path_buf(),
         source,

@@ -273,11 +273,7 @@ fn run_drafted(
     }
     let ids = match result {
         Ok((ids, _)) => ids,
-        Err(e) => {
-            let err =
-                sink_error.unwrap_or_else(|| ApiError::server(format!("generation failed: {e}")));
-            return Ending::Event(GenEvent::Failed(err));
-        }
+        Err(e) => return generation_failed(sink_error, e),
     };
     let eos = ids
         .get(counted.wrapping_sub(1))
@@ -287,35 +283,14 @@ fn run_drafted(
     } else if ids.len() >= max_new {
         FinishReason::Length
     } else {
-        return if client_gone || !shutdown.load(Ordering::Relaxed) {
-            Ending::Cancelled(Cancelled::Client)
-        } else {
-            Ending::Event(GenEvent::Failed(ApiError::shutting_down()))
-        };
+        return interrupted(client_gone, shutdown);
     };
-    match asm.finish() {
-        Ok(delta) => {
-            if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
-                return Ending::Cancelled(Cancelled::Client);
-            }
-        }
-        Err(e) => {
-            return Ending::Event(GenEvent::Failed(ApiError::server(format!(
-                "cannot decode the output: {e}"
-            ))));
-        }
-    }
     let completion_tokens = if eos {
         counted.saturating_sub(1)
     } else {
         counted
     };
-    let usage = Usage {
-        prompt_tokens: prompt.len(),
-        completion_tokens,
-        reasoning_tokens: asm.reasoning_tokens().min(completion_tokens),
-    };
-    Ending::Event(GenEvent::Done { finish, usage })
+    done(asm, finish, prompt.len(), completion_tokens, send)
 }
 
 fn run_plain(
@@ -388,24 +363,48 @@ fn run_plain(
     });
     let outcome = match result {
         Ok(o) => o,
-        Err(e) => {
-            let err =
-                sink_error.unwrap_or_else(|| ApiError::server(format!("generation failed: {e}")));
-            return Ending::Event(GenEvent::Failed(err));
-        }
+        Err(e) => return generation_failed(sink_error, e),
     };
     let finish = match outcome.stop {
         _ if asm.stop_hit() => FinishReason::Stop,
         StopReason::Eos => FinishReason::Stop,
         StopReason::MaxNew | StopReason::ContextFull => FinishReason::Length,
         StopReason::Interrupted => {
-            return if client_gone || !shutdown.load(Ordering::Relaxed) {
-                Ending::Cancelled(Cancelled::Client)
-            } else {
-                Ending::Event(GenEvent::Failed(ApiError::shutting_down()))
-            };
+            return interrupted(client_gone, shutdown);
         }
     };
+    let completion_tokens = match outcome.stop {
+        StopReason::Eos => outcome.ids.len().saturating_sub(1),
+        _ => outcome.ids.len(),
+    };
+    done(asm, finish, prompt.len(), completion_tokens, send)
+}
+
+/// The generation failed: the sink's own error if it raised one, else the model's.
+fn generation_failed(sink_error: Option<ApiError>, e: impl std::fmt::Display) -> Ending {
+    let err = sink_error.unwrap_or_else(|| ApiError::server(format!("generation failed: {e}")));
+    Ending::Event(GenEvent::Failed(err))
+}
+
+/// Stopped by the interrupt flag: the client left (or its handler was dropped) unless the
+/// server is shutting down.
+fn interrupted(client_gone: bool, shutdown: &AtomicBool) -> Ending {
+    if client_gone || !shutdown.load(Ordering::Relaxed) {
+        Ending::Cancelled(Cancelled::Client)
+    } else {
+        Ending::Event(GenEvent::Failed(ApiError::shutting_down()))
+    }
+}
+
+/// A generation that ended with `finish`: send the text the assembler still holds, then
+/// the closing `Done` with its usage.
+fn done(
+    mut asm: Assembler<'_>,
+    finish: FinishReason,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    mut send: impl FnMut(GenEvent) -> bool,
+) -> Ending {
     match asm.finish() {
         Ok(delta) => {
             if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
@@ -418,12 +417,8 @@ fn run_plain(
             ))));
         }
     }
-    let completion_tokens = match outcome.stop {
-        StopReason::Eos => outcome.ids.len().saturating_sub(1),
-        _ => outcome.ids.len(),
-    };
     let usage = Usage {
-        prompt_tokens: prompt.len(),
+        prompt_tokens,
         completion_tokens,
         reasoning_tokens: asm.reasoning_tokens().min(completion_tokens),
     };
