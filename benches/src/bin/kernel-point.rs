@@ -8,6 +8,7 @@
 //! target/release/kernel-point mxfp4 --cols 1024 --bytes 512M                            # DRAM
 //! target/release/kernel-point probe --bytes 1G                                           # read probe
 //! target/release/kernel-point bf16 --cols 1024 --bytes 4M --count 256   # model-sized, from DRAM
+//! target/release/kernel-point mxfp4 --n 4 --probe          # and its ratio to the read probe
 //! ```
 //!
 //! `--count K` builds K matrices of `--bytes` each and multiplies them in turn, like a model's
@@ -15,7 +16,9 @@
 //! cache), paying each product's start-up (fork/join, activation layout, prefetch ramp).
 //!
 //! Prints the best of five timed rounds (each `--iters` products; default chosen so a round
-//! reads about 2 GB) as GB/s of weight bytes.
+//! reads about 2 GB) as GB/s of weight bytes. With `--probe`, also as a ratio to the parallel
+//! read probe over a buffer of the same bytes in the same process, measured before and after
+//! the product (the larger is used).
 
 use std::hint::black_box;
 use std::process::ExitCode;
@@ -33,9 +36,10 @@ struct Args {
     n: usize,
     count: usize,
     iters: Option<usize>,
+    probe: bool,
 }
 
-const USAGE: &str = "usage: kernel-point <f32|bf16|row-int8|mxfp4|probe> [--cols N] [--bytes SIZE] [--n ROWS] [--count K] [--iters K]\n  SIZE accepts K, M, G suffixes (binary); defaults: --cols 7168 --bytes 512M --n 1";
+const USAGE: &str = "usage: kernel-point <f32|bf16|row-int8|mxfp4|probe> [--cols N] [--bytes SIZE] [--n ROWS] [--count K] [--iters K] [--probe]\n  SIZE accepts K, M, G suffixes (binary); defaults: --cols 7168 --bytes 512M --n 1";
 
 fn size(s: &str) -> Result<usize, String> {
     let (num, mul) = match s.chars().last() {
@@ -64,8 +68,13 @@ fn parse() -> Result<Args, String> {
         n: 1,
         count: 1,
         iters: None,
+        probe: false,
     };
     while let Some(flag) = it.next() {
+        if flag == "--probe" {
+            a.probe = true;
+            continue;
+        }
         let v = it
             .next()
             .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
@@ -119,15 +128,19 @@ fn main() -> ExitCode {
     let iters = a
         .iters
         .unwrap_or(((2usize << 30) / a.bytes).clamp(1, 100_000));
-    if a.what == "probe" {
-        let buf = vec![1u64; a.bytes / 8];
+    // GB/s of the parallel read probe over `bytes`, best of five rounds of `iters` reads.
+    let read_probe = |bytes: usize, iters: usize| {
+        let buf = vec![1u64; bytes / 8];
         let secs = best_secs(iters, || {
             black_box(parallel_read_sum(black_box(&buf)));
         });
+        bytes as f64 / secs / 1e9
+    };
+    if a.what == "probe" {
         println!(
             "probe bytes={} threads={threads}: {:.2} GB/s",
             a.bytes,
-            a.bytes as f64 / secs / 1e9
+            read_probe(a.bytes, iters)
         );
         return ExitCode::SUCCESS;
     }
@@ -144,6 +157,9 @@ fn main() -> ExitCode {
     let iters = a
         .iters
         .unwrap_or(((2usize << 30) / (a.bytes * a.count)).clamp(1, 100_000));
+    let bytes = w0.weight_bytes() * a.count;
+    let probe_iters = ((2usize << 30) / bytes).clamp(1, 100_000);
+    let probe_before = a.probe.then(|| read_probe(bytes, probe_iters));
     // Issue the products from a pool worker with the other workers kept warm, as `deltafin
     // run` does (`DELTAFIN_POOL_SPIN`; a call from outside the pool would also pay a
     // cross-thread hand-off per product).
@@ -154,9 +170,16 @@ fn main() -> ExitCode {
             }
         })
     });
-    let bytes = w0.weight_bytes() * a.count;
+    let gbps = bytes as f64 / secs / 1e9;
+    let vs_probe = match probe_before {
+        Some(before) => {
+            let p = before.max(read_probe(bytes, probe_iters));
+            format!(" = {:.3} x probe {p:.2} GB/s", gbps / p)
+        }
+        None => String::new(),
+    };
     println!(
-        "{} rows={} cols={} bytes={} count={} n={} threads={threads} ({}): {:.2} GB/s, {:.1} us/product",
+        "{} rows={} cols={} bytes={} count={} n={} threads={threads} ({}): {gbps:.2} GB/s{vs_probe}, {:.1} us/product",
         a.what,
         w0.rows(),
         a.cols,
@@ -164,7 +187,6 @@ fn main() -> ExitCode {
         a.count,
         a.n,
         kernel_summary(),
-        bytes as f64 / secs / 1e9,
         secs * 1e6 / a.count as f64
     );
     ExitCode::SUCCESS

@@ -1,11 +1,12 @@
 //! `deltafin convert-spine-int8`: quantize the BF16 spine of the shards into the row-int8
 //! spine (`k3-resident-int8/`, product-contract §4.6), resumably, or check it (`--check`).
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Args;
 use deltafin_experts::DirectIo;
 use deltafin_experts::probe::{ProbeOptions, probe};
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
+use deltafin_k3::install;
 use deltafin_k3::spine_int8::{
     ConvertOptions, ConvertProgress, DEFAULT_CHECKPOINT_ROWS, INT8_DIR, MAX_CHECKPOINT_ROWS,
     convert_spine, verify_spine,
@@ -81,8 +82,7 @@ pub fn convert_spine_int8(args: &ConvertSpineInt8Args) -> Result<ExitCode> {
             args.checkpoint_rows
         );
     }
-    let ckpt = Checkpoint::open(root)
-        .with_context(|| format!("the K3 checkpoint at {} is not usable", root.display()))?;
+    let ckpt = install::open_checkpoint(root)?;
     let mut bar: Option<ProgressBar> = None;
     let mut on_progress = |p: &ConvertProgress| {
         let b = bar.get_or_insert_with(|| progress_bar(p.total_bytes));

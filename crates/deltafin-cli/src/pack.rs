@@ -3,9 +3,10 @@
 //! comparison.
 
 use crate::convert::{disk_gbps, progress_bar};
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Args;
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
+use deltafin_k3::checkpoint::CONFIG_FILE;
+use deltafin_k3::install;
 use deltafin_k3::spine_pack::{
     DEFAULT_CHUNK, PackOptions, PackProgress, default_pack_dir, pack_spine, verify_packs,
 };
@@ -48,8 +49,7 @@ pub fn pack_spine_cmd(args: &PackSpineArgs) -> Result<ExitCode> {
         .output
         .clone()
         .unwrap_or_else(|| root.join(default_pack_dir(format)));
-    let ckpt = Checkpoint::open(root)
-        .with_context(|| format!("the K3 checkpoint at {} is not usable", root.display()))?;
+    let ckpt = install::open_checkpoint(root)?;
     let mut bar: Option<ProgressBar> = None;
     let mut on_progress = |p: &PackProgress| {
         let b = bar.get_or_insert_with(|| progress_bar(p.total_bytes));

@@ -19,6 +19,7 @@ use deltafin_experts::scale4::{
 use deltafin_experts::{DirectIo, ExpertShape, ExpertSource};
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
 use deltafin_k3::config::K3Config;
+use deltafin_k3::install;
 use deltafin_k3::loader::{EXPERT_DIR, expert_table};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sha2::{Digest, Sha256};
@@ -212,8 +213,7 @@ fn raw_source(model: &Checkpoint, source_root: &Path) -> Result<RawSource> {
 pub fn convert_with(args: &Scale4Args, stop_after: Option<usize>) -> Result<ConvertReport> {
     let t0 = Instant::now();
     let root = &args.model_root;
-    let ckpt = Checkpoint::open(root)
-        .with_context(|| format!("the K3 checkpoint at {} is not usable", root.display()))?;
+    let ckpt = install::open_checkpoint(root)?;
     let (layout, moe) = layout_of(ckpt.config());
     let source_root = args.source_root.clone().unwrap_or_else(|| root.clone());
     let raw = raw_source(&ckpt, &source_root)?;

@@ -5,7 +5,8 @@ use anyhow::{Context, Result, anyhow, bail};
 use deltafin_experts::heat::{self, HeatDims, HeatRecorder, HeatTable};
 use deltafin_experts::stream::PILOT_BREAK_EVEN_PRECISION;
 use deltafin_experts::{DirectIo, PilotGate, RouterTrace, StreamOptions, TraceMode};
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
+use deltafin_k3::checkpoint::{Checkpoint, Layout};
+use deltafin_k3::install;
 use deltafin_k3::loader::{
     CheckpointExperts, EngineOptions, dims_from_config, expert_table, load_model_with_experts,
     stream_install_missing_experts, streaming_experts,
@@ -532,28 +533,18 @@ pub fn check_spine(root: &Path, spine: SpineFormat) -> Result<()> {
 pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
     check_kernels()?;
     crate::device::select(opts.device, opts.expert_backend)?;
-    if !root.join(CONFIG_FILE).is_file() || Layout::detect(root).is_none() {
+    if let Some(what) = install::missing(root) {
         bail!(
-            "no K3 model installed at {}: {}.\n\
+            "no K3 model installed at {}: {what}.\n\
              Run `deltafin setup --model-root {}` to install Kimi K3, or pass --model-root PATH \
              pointing at an install (a synthesized test checkpoint: `cargo xtask synth --preset tiny --out DIR`).",
             root.display(),
-            if root.join(CONFIG_FILE).is_file() {
-                "it has neither model.safetensors.index.json (shards) nor k3-resident/tensors/ (stream install)"
-            } else {
-                "config.json is missing"
-            },
             root.display()
         );
     }
     check_spine(root, opts.spine)?;
     let t = Instant::now();
-    let checkpoint = Arc::new(
-        Checkpoint::open(root)
-            .with_context(|| format!("the K3 checkpoint at {} is not usable", root.display()))?,
-    );
-    let tokenizer = Tokenizer::from_dir(root)
-        .with_context(|| format!("cannot load the tokenizer from {}", root.display()))?;
+    let (checkpoint, tokenizer) = install::open(root)?;
     let heat_cfg = heat_settings_from_env()?;
     let dims = heat_dims(checkpoint.config());
     let heat_path = root.join(heat::HEAT_FILE);
@@ -629,13 +620,7 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
             Ok(Box::new(HeatRecorder::new(heat_path.clone(), dims, inner)))
         })?;
     }
-    if tokenizer.vocab_size() != model.dims.vocab_size {
-        bail!(
-            "tokenizer vocabulary ({}) does not match config.json vocab_size ({})",
-            tokenizer.vocab_size(),
-            model.dims.vocab_size
-        );
-    }
+    install::check_vocab(&tokenizer, &model)?;
     Ok(Session {
         model,
         tokenizer,

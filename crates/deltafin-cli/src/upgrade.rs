@@ -61,15 +61,20 @@ fn locate_checkout() -> Result<PathBuf> {
     )
 }
 
-/// Run `git -C repo args…` and return its trimmed stdout; a failure is an error naming the
-/// command and carrying git's message.
-fn git(repo: &Path, args: &[&str]) -> Result<String> {
-    let out = Command::new("git")
+/// Run `git -C repo args…` to completion; only failing to start git is an error.
+fn git_output(repo: &Path, args: &[&str]) -> Result<std::process::Output> {
+    Command::new("git")
         .arg("-C")
         .arg(repo)
         .args(args)
         .output()
-        .context("cannot run git (is it installed and on PATH?)")?;
+        .context("cannot run git (is it installed and on PATH?)")
+}
+
+/// Run `git -C repo args…` and return its trimmed stdout; a failure is an error naming the
+/// command and carrying git's message.
+fn git(repo: &Path, args: &[&str]) -> Result<String> {
+    let out = git_output(repo, args)?;
     if !out.status.success() {
         bail!(
             "`git {}` failed ({}): {}",
@@ -83,12 +88,7 @@ fn git(repo: &Path, args: &[&str]) -> Result<String> {
 
 /// `git` that may fail: `None` on a non-zero exit.
 fn git_opt(repo: &Path, args: &[&str]) -> Result<Option<String>> {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(repo)
-        .args(args)
-        .output()
-        .context("cannot run git (is it installed and on PATH?)")?;
+    let out = git_output(repo, args)?;
     Ok(out
         .status
         .success()

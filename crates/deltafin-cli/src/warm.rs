@@ -19,6 +19,7 @@ use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
 use deltafin_fetch::transfer::parse_workers;
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE};
 use deltafin_k3::config::K3Config;
+use deltafin_k3::install;
 use deltafin_k3::loader::{EXPERT_DIR, expert_file_name};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -407,8 +408,7 @@ fn fetch(
         .collect();
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let (source, done) = if full {
-        let ckpt = Checkpoint::open(root)
-            .with_context(|| format!("the K3 checkpoint at {} is not usable", root.display()))?;
+        let ckpt = install::open_checkpoint(root)?;
         let done = parallel(&todo, a.workers, |&(l, e)| {
             write_from_shards(&ckpt, dir, l, e).map(|b| (l, e, b))
         })?;

@@ -10,6 +10,7 @@
 use crate::error::FetchError;
 use crate::hub::HubClient;
 use crate::manifest::{InventoryPin, K3Manifest};
+use deltafin_k3::chat::write_py_str;
 use deltafin_tensor::DType;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -209,9 +210,9 @@ impl Inventory {
             if i > 0 {
                 s.push_str(", ");
             }
-            py_str(&mut s, &r.name);
+            write_py_str(&mut s, &r.name, true);
             s.push_str(": {\"dtype\": ");
-            py_str(&mut s, &r.dtype);
+            write_py_str(&mut s, &r.dtype, true);
             s.push_str(", \"shape\": [");
             for (k, d) in r.shape.iter().enumerate() {
                 if k > 0 {
@@ -223,7 +224,7 @@ impl Inventory {
                 "], \"offsets\": [{}, {}], \"shard\": ",
                 r.start, r.end
             ));
-            py_str(&mut s, &r.shard);
+            write_py_str(&mut s, &r.shard, true);
             s.push_str(&format!(", \"hlen\": {}}}", r.hlen));
         }
         s.push('}');
@@ -353,29 +354,6 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FetchError> {
         .map_err(FetchError::io(&part))?;
     std::fs::rename(&part, path).map_err(FetchError::io(path))?;
     crate::transfer::sync_dir(dir)
-}
-
-fn py_str(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 || (c as u32) > 0x7e => {
-                let mut buf = [0u16; 2];
-                for u in c.encode_utf16(&mut buf) {
-                    out.push_str(&format!("\\u{u:04x}"));
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 /// Fetch the header of one shard: bytes `0..8` (little-endian length), then the JSON.

@@ -8,7 +8,7 @@ use crate::disk::free_bytes;
 use crate::error::FetchError;
 use crate::hub::HubClient;
 use crate::inventory::{Inventory, write_atomic};
-use crate::manifest::{Manifests, RepoManifest};
+use crate::manifest::{Manifests, PinnedFile, RepoManifest};
 use crate::plan::{FULL_HEADROOM, Mode, Plan, Selection, plan_setup, weight_jobs};
 use crate::transfer::{Job, TransferOptions, TransferReport, run_jobs};
 use std::path::{Path, PathBuf};
@@ -81,12 +81,13 @@ pub fn record_mode(root: &Path, mode: Mode) -> Result<(), FetchError> {
     )
 }
 
-fn repo_jobs(m: &RepoManifest, dir: &Path) -> Vec<Job> {
-    m.files
+/// One whole-file job per pinned file of `repo@revision`, each installed under `dir`.
+fn pinned_jobs(repo: &str, revision: &str, files: &[PinnedFile], dir: &Path) -> Vec<Job> {
+    files
         .iter()
         .map(|f| Job {
-            repo: m.repo.clone(),
-            revision: m.revision.clone(),
+            repo: repo.to_owned(),
+            revision: revision.to_owned(),
             file: f.path.clone(),
             range: None,
             dest: dir.join(&f.path),
@@ -101,19 +102,7 @@ impl Setup<'_> {
     /// inventory from the shard headers (skipped when the local one matches its pin).
     pub fn k3_meta(&self, log: &mut dyn FnMut(&str)) -> Result<Inventory, FetchError> {
         let m = &self.manifests.k3;
-        let jobs: Vec<Job> = m
-            .metadata
-            .iter()
-            .map(|f| Job {
-                repo: m.repo.clone(),
-                revision: m.revision.clone(),
-                file: f.path.clone(),
-                range: None,
-                dest: self.root.join(&f.path),
-                size: f.size,
-                sha256: f.sha256.clone(),
-            })
-            .collect();
+        let jobs = pinned_jobs(&m.repo, &m.revision, &m.metadata, &self.root);
         let r = run_jobs(self.client, &jobs, &self.transfer)?;
         log(&format!(
             "k3 metadata: {} files ({} fetched, {} already complete) from {}@{}",
@@ -146,7 +135,7 @@ impl Setup<'_> {
         dir: &Path,
         log: &mut dyn FnMut(&str),
     ) -> Result<TransferReport, FetchError> {
-        let jobs = repo_jobs(m, dir);
+        let jobs = pinned_jobs(&m.repo, &m.revision, &m.files, dir);
         let r = run_jobs(self.client, &jobs, &self.transfer)?;
         log(&format!(
             "{}@{}: {} files ({} fetched, {} already complete) in {}",

@@ -763,7 +763,7 @@ fn write_py_json(out: &mut String, value: &Value, item_sep: &str, key_sep: &str,
                 out.push_str(&py_float_repr(f));
             }
         }
-        Value::String(s) => write_py_str(out, s),
+        Value::String(s) => write_py_str(out, s, false),
         Value::Array(items) => {
             out.push('[');
             for (i, item) in items.iter().enumerate() {
@@ -784,7 +784,7 @@ fn write_py_json(out: &mut String, value: &Value, item_sep: &str, key_sep: &str,
                 if i > 0 {
                     out.push_str(item_sep);
                 }
-                write_py_str(out, k);
+                write_py_str(out, k, false);
                 out.push_str(key_sep);
                 write_py_json(out, v, item_sep, key_sep, sort);
             }
@@ -793,8 +793,9 @@ fn write_py_json(out: &mut String, value: &Value, item_sep: &str, key_sep: &str,
     }
 }
 
-/// Python's `encode_basestring` (ensure_ascii=False).
-fn write_py_str(out: &mut String, s: &str) {
+/// A string as Python's `json` writes it: `encode_basestring`, or with `ensure_ascii`
+/// `encode_basestring_ascii` (every character outside `' '..='~'` as `\uXXXX` UTF-16 units).
+pub fn write_py_str(out: &mut String, s: &str, ensure_ascii: bool) {
     out.push('"');
     for c in s.chars() {
         match c {
@@ -805,7 +806,12 @@ fn write_py_str(out: &mut String, s: &str) {
             '\t' => out.push_str("\\t"),
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c if (c as u32) < 0x20 || (ensure_ascii && (c as u32) > 0x7e) => {
+                let mut buf = [0u16; 2];
+                for u in c.encode_utf16(&mut buf) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
             c => out.push(c),
         }
     }
@@ -1102,5 +1108,16 @@ mod tests {
             ChatMessage::from_json(&json!({"role": "user", "content": [{"type": "image_url"}]}))
                 .unwrap_err();
         assert!(err.to_string().contains("content part 0"), "{err}");
+    }
+
+    #[test]
+    fn py_str_matches_python_json_both_ways() {
+        // json.dumps("é\x7f\n\x01😀") and json.dumps(..., ensure_ascii=False).
+        let s = "é\u{7f}\n\u{1}😀";
+        let (mut ascii, mut raw) = (String::new(), String::new());
+        write_py_str(&mut ascii, s, true);
+        write_py_str(&mut raw, s, false);
+        assert_eq!(ascii, r#""\u00e9\u007f\n\u0001\ud83d\ude00""#);
+        assert_eq!(raw, "\"é\u{7f}\\n\\u0001😀\"");
     }
 }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod dims;
 pub mod filelock;
 pub mod generate;
+pub mod install;
 pub mod inventory;
 pub mod kda;
 pub mod linear;

@@ -4,8 +4,8 @@ use crate::error::ApiError;
 use crate::output::{Assembler, Delta, TokenLogprob};
 use crate::request::{GenRequest, Prompt};
 use deltafin_k3::chat::{ChatOptions, encode_chat};
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, StopReason, generate};
+use deltafin_k3::install::{self, Missing};
 use deltafin_k3::loader::{EngineOptions, load_model};
 use deltafin_k3::model::K3Model;
 use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
@@ -18,13 +18,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// Why the model could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    /// No `config.json` at the root.
+    /// The root holds no install (no `config.json`, or no shards / stream-install spine).
     #[error(
-        "no K3 model installed at {root}: {CONFIG_FILE} is missing. Run `deltafin setup --model-root {root}` to install Kimi K3, or pass --model-root PATH pointing at an install"
+        "no K3 model installed at {root}: {what}. Run `deltafin setup --model-root {root}` to install Kimi K3, or pass --model-root PATH pointing at an install"
     )]
     NotInstalled {
         /// The model root.
         root: PathBuf,
+        /// What it lacks.
+        what: Missing,
     },
     /// The checkpoint, model or tokenizer failed to load.
     #[error("cannot load the K3 model from {root}: {reason}")]
@@ -58,26 +60,23 @@ const _: () = {
 impl Engine {
     /// Loads the install at `root` (checkpoint, model, tokenizer) as `deltafin run` does.
     pub fn load(root: &Path) -> Result<Engine, LoadError> {
-        if !root.join(CONFIG_FILE).is_file() {
+        if let Some(what) = install::missing(root) {
             return Err(LoadError::NotInstalled {
                 root: root.to_path_buf(),
+                what,
             });
         }
         let failed = |reason: String| LoadError::Failed {
             root: root.to_path_buf(),
             reason,
         };
-        let checkpoint = Arc::new(Checkpoint::open(root).map_err(|e| failed(e.to_string()))?);
+        // The failing part's own message: ours already names the root.
+        let (checkpoint, tokenizer) = install::open(root).map_err(|e| {
+            failed(std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string()))
+        })?;
         let model = load_model(checkpoint.clone(), &EngineOptions::default())
             .map_err(|e| failed(e.to_string()))?;
-        let tokenizer = Tokenizer::from_dir(root).map_err(|e| failed(e.to_string()))?;
-        if tokenizer.vocab_size() != model.dims.vocab_size {
-            return Err(failed(format!(
-                "tokenizer vocabulary ({}) does not match config.json vocab_size ({})",
-                tokenizer.vocab_size(),
-                model.dims.vocab_size
-            )));
-        }
+        install::check_vocab(&tokenizer, &model).map_err(|e| failed(e.to_string()))?;
         Ok(Engine {
             model,
             tokenizer: Arc::new(tokenizer),
@@ -274,11 +273,7 @@ fn run_drafted(
     }
     let ids = match result {
         Ok((ids, _)) => ids,
-        Err(e) => {
-            let err =
-                sink_error.unwrap_or_else(|| ApiError::server(format!("generation failed: {e}")));
-            return Ending::Event(GenEvent::Failed(err));
-        }
+        Err(e) => return generation_failed(sink_error, e),
     };
     let eos = ids
         .get(counted.wrapping_sub(1))
@@ -288,35 +283,14 @@ fn run_drafted(
     } else if ids.len() >= max_new {
         FinishReason::Length
     } else {
-        return if client_gone || !shutdown.load(Ordering::Relaxed) {
-            Ending::Cancelled(Cancelled::Client)
-        } else {
-            Ending::Event(GenEvent::Failed(ApiError::shutting_down()))
-        };
+        return interrupted(client_gone, shutdown);
     };
-    match asm.finish() {
-        Ok(delta) => {
-            if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
-                return Ending::Cancelled(Cancelled::Client);
-            }
-        }
-        Err(e) => {
-            return Ending::Event(GenEvent::Failed(ApiError::server(format!(
-                "cannot decode the output: {e}"
-            ))));
-        }
-    }
     let completion_tokens = if eos {
         counted.saturating_sub(1)
     } else {
         counted
     };
-    let usage = Usage {
-        prompt_tokens: prompt.len(),
-        completion_tokens,
-        reasoning_tokens: asm.reasoning_tokens().min(completion_tokens),
-    };
-    Ending::Event(GenEvent::Done { finish, usage })
+    done(asm, finish, prompt.len(), completion_tokens, send)
 }
 
 fn run_plain(
@@ -389,24 +363,48 @@ fn run_plain(
     });
     let outcome = match result {
         Ok(o) => o,
-        Err(e) => {
-            let err =
-                sink_error.unwrap_or_else(|| ApiError::server(format!("generation failed: {e}")));
-            return Ending::Event(GenEvent::Failed(err));
-        }
+        Err(e) => return generation_failed(sink_error, e),
     };
     let finish = match outcome.stop {
         _ if asm.stop_hit() => FinishReason::Stop,
         StopReason::Eos => FinishReason::Stop,
         StopReason::MaxNew | StopReason::ContextFull => FinishReason::Length,
         StopReason::Interrupted => {
-            return if client_gone || !shutdown.load(Ordering::Relaxed) {
-                Ending::Cancelled(Cancelled::Client)
-            } else {
-                Ending::Event(GenEvent::Failed(ApiError::shutting_down()))
-            };
+            return interrupted(client_gone, shutdown);
         }
     };
+    let completion_tokens = match outcome.stop {
+        StopReason::Eos => outcome.ids.len().saturating_sub(1),
+        _ => outcome.ids.len(),
+    };
+    done(asm, finish, prompt.len(), completion_tokens, send)
+}
+
+/// The generation failed: the sink's own error if it raised one, else the model's.
+fn generation_failed(sink_error: Option<ApiError>, e: impl std::fmt::Display) -> Ending {
+    let err = sink_error.unwrap_or_else(|| ApiError::server(format!("generation failed: {e}")));
+    Ending::Event(GenEvent::Failed(err))
+}
+
+/// Stopped by the interrupt flag: the client left (or its handler was dropped) unless the
+/// server is shutting down.
+fn interrupted(client_gone: bool, shutdown: &AtomicBool) -> Ending {
+    if client_gone || !shutdown.load(Ordering::Relaxed) {
+        Ending::Cancelled(Cancelled::Client)
+    } else {
+        Ending::Event(GenEvent::Failed(ApiError::shutting_down()))
+    }
+}
+
+/// A generation that ended with `finish`: send the text the assembler still holds, then
+/// the closing `Done` with its usage.
+fn done(
+    mut asm: Assembler<'_>,
+    finish: FinishReason,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    mut send: impl FnMut(GenEvent) -> bool,
+) -> Ending {
     match asm.finish() {
         Ok(delta) => {
             if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
@@ -419,12 +417,8 @@ fn run_plain(
             ))));
         }
     }
-    let completion_tokens = match outcome.stop {
-        StopReason::Eos => outcome.ids.len().saturating_sub(1),
-        _ => outcome.ids.len(),
-    };
     let usage = Usage {
-        prompt_tokens: prompt.len(),
+        prompt_tokens,
         completion_tokens,
         reasoning_tokens: asm.reasoning_tokens().min(completion_tokens),
     };

@@ -22,6 +22,7 @@ mod fields;
 pub mod policy;
 pub mod qwen3;
 pub mod select;
+mod tensors;
 pub mod uag;
 
 pub use policy::{Clock, PolicyMode, PolicyReport, PolicyState, SpecPolicy, WallClock};

@@ -4,8 +4,9 @@
 //! own token space; the K3-tokenizer bridge (re-encoding, §10 steps 1–3) is separate.
 
 use crate::fields::{FieldError, Fields};
+use crate::tensors::{TensorIssue, Tensors};
 use deltafin_kernels::{argmax, matmul_bf16, rms_norm, silu, softmax_inplace};
-use deltafin_tensor::{Bf16Matrix, DType, SafetensorsFile};
+use deltafin_tensor::{Bf16Matrix, SafetensorsFile};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -30,6 +31,15 @@ pub enum Qwen3Error {
     /// A token id outside the vocabulary.
     #[error("token id {0} is outside the Qwen3 vocabulary")]
     Token(u32),
+}
+
+impl From<TensorIssue> for Qwen3Error {
+    fn from(e: TensorIssue) -> Self {
+        Qwen3Error::Tensor {
+            tensor: e.tensor,
+            message: e.message,
+        }
+    }
 }
 
 impl From<FieldError> for Qwen3Error {
@@ -251,72 +261,32 @@ impl Qwen3Model {
         let c = &config;
         let (d, f, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
         let (h, kvh, v) = (c.num_attention_heads, c.num_key_value_heads, c.vocab_size);
-        let mut used: Vec<String> = Vec::new();
-        let mut get = |name: &str, shape: &[usize]| -> Result<deltafin_tensor::Bytes, Qwen3Error> {
-            let terr = |m: String| Qwen3Error::Tensor {
-                tensor: name.to_owned(),
-                message: m,
-            };
-            let info = file
-                .info(name)
-                .ok_or_else(|| terr("missing from model.safetensors".into()))?;
-            if info.dtype != DType::BF16 {
-                return Err(terr(format!("dtype {:?}, expected BF16", info.dtype)));
-            }
-            if info.shape != shape {
-                return Err(terr(format!("shape {:?}, expected {shape:?}", info.shape)));
-            }
-            used.push(name.to_owned());
-            Ok(file.bytes(name)?)
-        };
-        let mut mat = |name: &str, r: usize, cols: usize| -> Result<Bf16Matrix, Qwen3Error> {
-            let b = get(name, &[r, cols])?;
-            Ok(Bf16Matrix::new(name, b, r, cols)?)
-        };
-        let embed = mat("model.embed_tokens.weight", v, d)?;
+        let mut rd = Tensors::<Qwen3Error>::new(file);
+        let embed = rd.matrix("model.embed_tokens.weight", v, d)?;
         let mut layers = Vec::new();
         for n in 0..c.num_hidden_layers {
             let p = |s: &str| format!("model.layers.{n}.{s}");
             layers.push(Qwen3Layer {
-                q_proj: mat(&p("self_attn.q_proj.weight"), h * hd, d)?,
-                k_proj: mat(&p("self_attn.k_proj.weight"), kvh * hd, d)?,
-                v_proj: mat(&p("self_attn.v_proj.weight"), kvh * hd, d)?,
-                o_proj: mat(&p("self_attn.o_proj.weight"), d, h * hd)?,
-                gate_proj: mat(&p("mlp.gate_proj.weight"), f, d)?,
-                up_proj: mat(&p("mlp.up_proj.weight"), f, d)?,
-                down_proj: mat(&p("mlp.down_proj.weight"), d, f)?,
-                input_layernorm: Vec::new(),
-                post_attention_layernorm: Vec::new(),
-                q_norm: Vec::new(),
-                k_norm: Vec::new(),
+                q_proj: rd.matrix(&p("self_attn.q_proj.weight"), h * hd, d)?,
+                k_proj: rd.matrix(&p("self_attn.k_proj.weight"), kvh * hd, d)?,
+                v_proj: rd.matrix(&p("self_attn.v_proj.weight"), kvh * hd, d)?,
+                o_proj: rd.matrix(&p("self_attn.o_proj.weight"), d, h * hd)?,
+                gate_proj: rd.matrix(&p("mlp.gate_proj.weight"), f, d)?,
+                up_proj: rd.matrix(&p("mlp.up_proj.weight"), f, d)?,
+                down_proj: rd.matrix(&p("mlp.down_proj.weight"), d, f)?,
+                input_layernorm: rd.vector(&p("input_layernorm.weight"), &[d])?,
+                post_attention_layernorm: rd.vector(&p("post_attention_layernorm.weight"), &[d])?,
+                q_norm: rd.vector(&p("self_attn.q_norm.weight"), &[hd])?,
+                k_norm: rd.vector(&p("self_attn.k_norm.weight"), &[hd])?,
             });
         }
         let lm_head = if c.tie_word_embeddings {
             embed.clone()
         } else {
-            mat("lm_head.weight", v, d)?
+            rd.matrix("lm_head.weight", v, d)?
         };
-        let mut vector = |name: &str, len: usize| -> Result<Vec<f32>, Qwen3Error> {
-            let b = get(name, &[len])?;
-            Ok(b.as_slice()
-                .chunks_exact(2)
-                .map(|x| half::bf16::from_le_bytes([x[0], x[1]]).to_f32())
-                .collect())
-        };
-        for (n, l) in layers.iter_mut().enumerate() {
-            let p = |s: &str| format!("model.layers.{n}.{s}");
-            l.input_layernorm = vector(&p("input_layernorm.weight"), d)?;
-            l.post_attention_layernorm = vector(&p("post_attention_layernorm.weight"), d)?;
-            l.q_norm = vector(&p("self_attn.q_norm.weight"), hd)?;
-            l.k_norm = vector(&p("self_attn.k_norm.weight"), hd)?;
-        }
-        let norm = vector("model.norm.weight", d)?;
-        if let Some(extra) = file.tensors().iter().find(|t| !used.contains(&t.name)) {
-            return Err(Qwen3Error::Tensor {
-                tensor: extra.name.clone(),
-                message: "not part of the Qwen3 layout this config describes".into(),
-            });
-        }
+        let norm = rd.vector("model.norm.weight", &[d])?;
+        rd.finish("Qwen3")?;
         let inv_freq = (0..hd / 2)
             .map(|i| c.rope_theta.powf(-(2.0 * i as f64) / hd as f64))
             .collect();

@@ -35,3 +35,12 @@ pub enum DsparkError {
     #[error("DSpark does not fit the target model: {0}")]
     Target(String),
 }
+
+impl From<crate::tensors::TensorIssue> for DsparkError {
+    fn from(e: crate::tensors::TensorIssue) -> Self {
+        DsparkError::Tensor {
+            tensor: e.tensor,
+            message: e.message,
+        }
+    }
+}

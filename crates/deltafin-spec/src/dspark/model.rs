@@ -6,10 +6,11 @@
 use super::DsparkError;
 use super::config::{BLOCK, DsparkConfig};
 use super::rope::Yarn;
+use crate::tensors::Tensors;
 use deltafin_k3::linear::Linear;
 use deltafin_k3::model::K3Model;
 use deltafin_kernels::{argmax, matmul_bf16, matvec_bf16, rms_norm, silu, softmax_inplace};
-use deltafin_tensor::{Bf16Matrix, DType, SafetensorsFile};
+use deltafin_tensor::{Bf16Matrix, SafetensorsFile};
 use rayon::prelude::*;
 use std::path::Path;
 
@@ -63,48 +64,6 @@ pub struct DsparkModel {
     pub confidence: Option<(Vec<f32>, f32)>,
     /// YaRN frequencies of the rotary tail.
     pub rope: Yarn,
-}
-
-/// Tensor reader that checks dtype and shape and records which names were used.
-struct Reader<'a> {
-    file: &'a SafetensorsFile,
-    used: Vec<String>,
-}
-
-impl Reader<'_> {
-    fn shape_err(&self, name: &str, message: String) -> DsparkError {
-        DsparkError::Tensor {
-            tensor: name.to_owned(),
-            message,
-        }
-    }
-    fn checked(&mut self, name: &str, shape: &[usize]) -> Result<(), DsparkError> {
-        let info = self
-            .file
-            .info(name)
-            .ok_or_else(|| self.shape_err(name, "missing from model.safetensors".into()))?;
-        if info.dtype != DType::BF16 {
-            return Err(self.shape_err(name, format!("dtype {:?}, expected BF16", info.dtype)));
-        }
-        if info.shape != shape {
-            return Err(self.shape_err(name, format!("shape {:?}, expected {shape:?}", info.shape)));
-        }
-        self.used.push(name.to_owned());
-        Ok(())
-    }
-    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Bf16Matrix, DsparkError> {
-        self.checked(name, &[rows, cols])?;
-        Ok(Bf16Matrix::new(name, self.file.bytes(name)?, rows, cols)?)
-    }
-    fn vector(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, DsparkError> {
-        self.checked(name, shape)?;
-        let bytes = self.file.bytes(name)?;
-        Ok(bytes
-            .as_slice()
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect())
-    }
 }
 
 /// Per-layer cached context keys: `ĉ` rows (`kv_lora`) and rotated `k_rope` rows (`rope`).
@@ -229,15 +188,12 @@ impl DsparkModel {
             c.v_head_dim,
         );
         let (v, r) = (c.vocab_size, c.markov_rank);
-        let mut rd = Reader {
-            file,
-            used: Vec::new(),
-        };
+        let mut rd = Tensors::<DsparkError>::new(file);
         let taps_width = c.target_layer_ids.len() * c.target_hidden_size;
         let context_proj = rd.matrix("context_proj.weight", d, taps_width)?;
         let context_norm = rd.vector("context_norm.weight", &[d])?;
-        if file.info("embed_tokens.weight").is_some() {
-            rd.checked("embed_tokens.weight", &[v, d])?;
+        if rd.has("embed_tokens.weight") {
+            rd.check("embed_tokens.weight", &[v, d])?;
         }
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for n in 0..c.num_hidden_layers {
@@ -268,12 +224,7 @@ impl DsparkModel {
         } else {
             None
         };
-        if let Some(extra) = file.tensors().iter().find(|t| !rd.used.contains(&t.name)) {
-            return Err(DsparkError::Tensor {
-                tensor: extra.name.clone(),
-                message: "not part of the DSpark layout this config describes".into(),
-            });
-        }
+        rd.finish("DSpark")?;
         let rope = Yarn::new(&c.rope, dr, c.qk_head_dim());
         Ok(DsparkModel {
             config,
