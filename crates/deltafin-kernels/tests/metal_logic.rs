@@ -103,11 +103,27 @@ fn shim() -> Option<&'static Mutex<Shim>> {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("metal_stdlib"), STDLIB).unwrap();
         let unit = dir.path().join("metal_kernels.cpp");
-        std::fs::write(&unit, format!("{}\n// ---- launchers ----\n{LAUNCH}", library_source())).unwrap();
+        std::fs::write(
+            &unit,
+            format!("{}\n// ---- launchers ----\n{LAUNCH}", library_source()),
+        )
+        .unwrap();
         let so: PathBuf = dir.path().join("libmetal_shim.so");
         let out = Command::new(&cxx)
-            .args(["-std=c++17", "-O1", "-shared", "-fPIC", "-fsigned-char", "-ffp-contract=off"])
-            .args(["-Wall", "-Wno-attributes", "-Wno-unused-parameter", "-Werror"])
+            .args([
+                "-std=c++17",
+                "-O1",
+                "-shared",
+                "-fPIC",
+                "-fsigned-char",
+                "-ffp-contract=off",
+            ])
+            .args([
+                "-Wall",
+                "-Wno-attributes",
+                "-Wno-unused-parameter",
+                "-Werror",
+            ])
             .arg("-I")
             .arg(dir.path())
             .arg("-o")
@@ -156,7 +172,11 @@ fn shim_matmul(s: &Shim, w: Weights<'_>, xs: &[f32], n: usize) -> Vec<f32> {
         }
         Weights::RowInt8(m) => {
             i8_scales = (0..rows).map(|r| m.scale(r)).collect();
-            (c"rowint8", m.data().as_ptr().cast(), i8_scales.as_ptr().cast())
+            (
+                c"rowint8",
+                m.data().as_ptr().cast(),
+                i8_scales.as_ptr().cast(),
+            )
         }
         // The kernel reads the packed codes as u32 words: copy them to an aligned buffer.
         Weights::Mxfp4(m) => {
@@ -217,7 +237,7 @@ fn model_product(w: Weights<'_>, r: usize, x: &[f32]) -> f32 {
         }
         Weights::Bf16(m) => {
             let row = &m.data()[r * cols..(r + 1) * cols];
-            let chunk = if cols % 8 == 0 { 8 } else { 1 };
+            let chunk = if cols.is_multiple_of(8) { 8 } else { 1 };
             for c in 0..cols {
                 let l = (c / chunk) % 32;
                 lanes[l] = row[c].to_f32().mul_add(x[c], lanes[l]);
@@ -225,7 +245,7 @@ fn model_product(w: Weights<'_>, r: usize, x: &[f32]) -> f32 {
         }
         Weights::RowInt8(m) => {
             let row = m.row(r);
-            let chunk = if cols % 16 == 0 { 16 } else { 1 };
+            let chunk = if cols.is_multiple_of(16) { 16 } else { 1 };
             for c in 0..cols {
                 let l = (c / chunk) % 32;
                 lanes[l] = (row[c] as f32).mul_add(x[c], lanes[l]);
@@ -252,7 +272,14 @@ fn mxfp4(rng: &mut Rng, rows: usize, cols: usize) -> Mxfp4Matrix {
             _ => 118 + (rng.next() % 16) as u8,
         })
         .collect();
-    Mxfp4Matrix::new("t", Bytes::from_vec(packed), Bytes::from_vec(scales), rows, cols).unwrap()
+    Mxfp4Matrix::new(
+        "t",
+        Bytes::from_vec(packed),
+        Bytes::from_vec(scales),
+        rows,
+        cols,
+    )
+    .unwrap()
 }
 
 /// `|shim − cpu| ≤ 1e-5 · Σ|w x|` per value (the CUDA tests' bound).
@@ -284,7 +311,10 @@ fn check_vs_cpu(what: &str, w: Weights<'_>, xs: &[f32], n: usize, got: &[f32]) {
             let (g, c) = (got[b * rows + r] as f64, cpu[b * rows + r] as f64);
             let err = (g - c).abs() / (mag + 1e-30);
             worst = worst.max(err);
-            assert!(err <= 1e-5, "{what}: row {r}, batch row {b}: shim {g} vs cpu {c} (Σ|wx| {mag})");
+            assert!(
+                err <= 1e-5,
+                "{what}: row {r}, batch row {b}: shim {g} vs cpu {c} (Σ|wx| {mag})"
+            );
         }
     }
     eprintln!("  {what}: worst error / Σ|wx| = {worst:.2e}");
@@ -400,8 +430,18 @@ fn metal_kda_step_matches_the_reference_over_several_tokens() {
                     beta[h],
                 ));
             }
-            close(&format!("KDA H={heads} d={d} step {step} out"), &out, &o_cpu, 1e-5);
-            close(&format!("KDA H={heads} d={d} step {step} state"), &s_shim, &s_cpu, 1e-5);
+            close(
+                &format!("KDA H={heads} d={d} step {step} out"),
+                &out,
+                &o_cpu,
+                1e-5,
+            );
+            close(
+                &format!("KDA H={heads} d={d} step {step} state"),
+                &s_shim,
+                &s_cpu,
+                1e-5,
+            );
         }
     }
 }
@@ -426,7 +466,13 @@ fn metal_mla_decode_matches_the_reference() {
         kvl: 512,
     };
     // One token; fewer tokens than simdgroups; more tokens than threads (strided softmax).
-    for (sh, n) in [(small, 1usize), (small, 7), (small, 333), (k3ish, 1), (k3ish, 40)] {
+    for (sh, n) in [
+        (small, 1usize),
+        (small, 7),
+        (small, 333),
+        (k3ish, 1),
+        (k3ish, 40),
+    ] {
         let bfv = |rng: &mut Rng, len: usize, amp: f32| -> Vec<bf16> {
             (0..len).map(|_| bf16::from_f32(amp * rng.f())).collect()
         };

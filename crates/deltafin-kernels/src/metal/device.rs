@@ -33,7 +33,9 @@ type Pipeline = Retained<ProtocolObject<dyn MTLComputePipelineState>>;
 #[derive(Debug, thiserror::Error)]
 pub enum MetalError {
     /// `MTLCreateSystemDefaultDevice` returned no device.
-    #[error("Metal unavailable: this Mac reports no Metal device (MTLCreateSystemDefaultDevice returned nil)")]
+    #[error(
+        "Metal unavailable: this Mac reports no Metal device (MTLCreateSystemDefaultDevice returned nil)"
+    )]
     NoDevice,
     /// The kernel library did not compile.
     #[error("Metal: compiling kernels/metal failed: {0}")]
@@ -275,7 +277,9 @@ impl MetalDevice {
                 if max < MATVEC_THREADS.max(MLA_THREADS) {
                     return Err(MetalError::Pipeline {
                         kernel: entry.into(),
-                        detail: format!("at most {max} threads per threadgroup; the kernels need 256"),
+                        detail: format!(
+                            "at most {max} threads per threadgroup; the kernels need 256"
+                        ),
                     });
                 }
                 pipelines.insert(entry, p);
@@ -321,7 +325,12 @@ impl MetalDevice {
                 )
             }
         };
-        buf.ok_or_else(|| device_err(format!("uploading {what} ({len} bytes)"), "allocation failed"))
+        buf.ok_or_else(|| {
+            device_err(
+                format!("uploading {what} ({len} bytes)"),
+                "allocation failed",
+            )
+        })
     }
 
     /// A zeroed shared-storage buffer of `len` f32.
@@ -358,15 +367,21 @@ impl MetalDevice {
     }
 
     fn pipeline(&self, name: &str) -> Result<&Pipeline, MetalError> {
-        self.pipelines.get(name).ok_or_else(|| MetalError::Pipeline {
-            kernel: name.into(),
-            detail: "not compiled".into(),
-        })
+        self.pipelines
+            .get(name)
+            .ok_or_else(|| MetalError::Pipeline {
+                kernel: name.into(),
+                detail: "not compiled".into(),
+            })
     }
 
     /// Encode the dispatches `(kernel, bindings, threadgroups, threads, threadgroup bytes)`
     /// into one command buffer, commit it and wait.
-    fn run(&self, what: &str, launches: &[(String, Vec<Arg<'_>>, usize, usize, usize)]) -> Result<(), MetalError> {
+    fn run(
+        &self,
+        what: &str,
+        launches: &[(String, Vec<Arg<'_>>, usize, usize, usize)],
+    ) -> Result<(), MetalError> {
         let cb = self
             .queue
             .commandBuffer()
@@ -415,7 +430,10 @@ impl MetalDevice {
         cb.commit();
         cb.waitUntilCompleted();
         match cb.error() {
-            Some(e) => Err(device_err(what.to_string(), e.localizedDescription().to_string())),
+            Some(e) => Err(device_err(
+                what.to_string(),
+                e.localizedDescription().to_string(),
+            )),
             None => Ok(()),
         }
     }
@@ -451,7 +469,13 @@ impl MetalDevice {
         })
     }
 
-    fn matmul_buffers(&self, w: &DeviceMatrix, x: &Buffer, n: usize, y: &Buffer) -> Result<(), MetalError> {
+    fn matmul_buffers(
+        &self,
+        w: &DeviceMatrix,
+        x: &Buffer,
+        n: usize,
+        y: &Buffer,
+    ) -> Result<(), MetalError> {
         const K: &str = "matmul";
         let (rows, cols) = w.shape();
         let params = MatvecParams {
@@ -467,14 +491,25 @@ impl MetalDevice {
         for (done, nb) in batch_split(n) {
             let mut args = match w {
                 DeviceMatrix::Bf16 { data, .. } => vec![Arg::Buf(data, 0)],
-                DeviceMatrix::RowInt8 { data, scales, .. } | DeviceMatrix::Mxfp4 { packed: data, scales, .. } => {
+                DeviceMatrix::RowInt8 { data, scales, .. }
+                | DeviceMatrix::Mxfp4 {
+                    packed: data,
+                    scales,
+                    ..
+                } => {
                     vec![Arg::Buf(data, 0), Arg::Buf(scales, 0)]
                 }
             };
             args.push(Arg::Buf(x, done * cols * 4));
             args.push(Arg::Buf(y, done * rows * 4));
             args.push(Arg::Bytes(pb));
-            launches.push((format!("matmul_{}_nb{nb}", w.kind()), args, groups, MATVEC_THREADS, 0));
+            launches.push((
+                format!("matmul_{}_nb{nb}", w.kind()),
+                args,
+                groups,
+                MATVEC_THREADS,
+                0,
+            ));
         }
         self.run("matmul", &launches)
     }
@@ -523,7 +558,9 @@ impl MetalDevice {
             expect_len(K, name, x.len(), heads * d)?;
         }
         expect_len(K, "beta", beta.len(), heads)?;
-        let params = KdaParams { d: u32_dim(K, "d", d)? };
+        let params = KdaParams {
+            d: u32_dim(K, "d", d)?,
+        };
         u32_dim(K, "heads·d·d", heads * d * d)?;
         let s = self.upload("KDA state", state)?;
         let bufs = [
@@ -540,7 +577,13 @@ impl MetalDevice {
         args.push(Arg::Bytes(bytes_of(&params)));
         self.run(
             K,
-            &[(K.into(), args, heads, kda_threads(d), kda_threadgroup_bytes(d))],
+            &[(
+                K.into(),
+                args,
+                heads,
+                kda_threads(d),
+                kda_threadgroup_bytes(d),
+            )],
         )?;
         state.copy_from_slice(&self.download::<f32>("KDA state", &s, heads * d * d)?);
         self.download("KDA output", &out, heads * d)
@@ -605,7 +648,13 @@ impl MetalDevice {
         ];
         self.run(
             K,
-            &[(K.into(), args, heads, MLA_THREADS, mla_threadgroup_bytes(kvl, rope))],
+            &[(
+                K.into(),
+                args,
+                heads,
+                MLA_THREADS,
+                mla_threadgroup_bytes(kvl, rope),
+            )],
         )?;
         self.download("MLA output", &out, heads * v)
     }

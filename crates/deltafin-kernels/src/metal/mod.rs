@@ -28,7 +28,7 @@ mod device;
 pub use device::{DeviceInfo, DeviceMatrix, MetalDevice, MetalError, canaries, metal_available};
 
 pub use sources::{
-    BATCH_WIDTHS, KERNELS, KernelSource, KdaParams, MatvecParams, MlaParams, MlaShape, PRELUDE,
+    BATCH_WIDTHS, KERNELS, KdaParams, KernelSource, MatvecParams, MlaParams, MlaShape, PRELUDE,
     batch_split, library_source,
 };
 
