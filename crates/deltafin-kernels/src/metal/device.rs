@@ -193,6 +193,12 @@ enum Arg<'a> {
     Bytes(&'a [u8]),
 }
 
+/// A binding resolved for encoding.
+enum Bind<'a> {
+    Buf(&'a ProtocolObject<dyn MTLBuffer>, usize),
+    Bytes(NonNull<c_void>, usize),
+}
+
 fn bytes_of<T: Copy>(v: &T) -> &[u8] {
     // SAFETY: the params structs are #[repr(C)] plain old data without padding.
     unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
@@ -382,6 +388,23 @@ impl MetalDevice {
         what: &str,
         launches: &[(String, Vec<Arg<'_>>, usize, usize, usize)],
     ) -> Result<(), MetalError> {
+        // Everything fallible happens before encoding starts: an encoder must be ended.
+        let mut resolved = Vec::with_capacity(launches.len());
+        for (kernel, args, groups, threads, tg_bytes) in launches {
+            let mut binds = Vec::with_capacity(args.len());
+            for a in args {
+                binds.push(match a {
+                    Arg::Buf(b, off) => Bind::Buf(b, *off),
+                    Arg::Bytes(b) => Bind::Bytes(
+                        NonNull::new(b.as_ptr() as *mut c_void).ok_or_else(|| {
+                            device_err(format!("{what}: parameters"), "null pointer")
+                        })?,
+                        b.len(),
+                    ),
+                });
+            }
+            resolved.push((self.pipeline(kernel)?, binds, *groups, *threads, *tg_bytes));
+        }
         let cb = self
             .queue
             .commandBuffer()
@@ -389,38 +412,32 @@ impl MetalDevice {
         let enc = cb
             .computeCommandEncoder()
             .ok_or_else(|| device_err(format!("{what}: creating a compute encoder"), "nil"))?;
-        for (kernel, args, groups, threads, tg_bytes) in launches {
-            enc.setComputePipelineState(self.pipeline(kernel)?);
-            for (i, a) in args.iter().enumerate() {
-                match a {
+        for (pipeline, binds, groups, threads, tg_bytes) in resolved {
+            enc.setComputePipelineState(pipeline);
+            for (i, b) in binds.into_iter().enumerate() {
+                match b {
                     // SAFETY: the buffers outlive the command buffer (we wait below); offsets
                     // are within them (the callers check lengths).
-                    Arg::Buf(b, off) => unsafe { enc.setBuffer_offset_atIndex(Some(b), *off, i) },
-                    // SAFETY: Metal copies the bytes during the call.
-                    Arg::Bytes(b) => unsafe {
-                        enc.setBytes_length_atIndex(
-                            NonNull::new(b.as_ptr() as *mut c_void).ok_or_else(|| {
-                                device_err(format!("{what}: parameters"), "null pointer")
-                            })?,
-                            b.len(),
-                            i,
-                        )
+                    Bind::Buf(buf, off) => unsafe {
+                        enc.setBuffer_offset_atIndex(Some(buf), off, i)
                     },
+                    // SAFETY: `ptr` points at `len` bytes; Metal copies them during the call.
+                    Bind::Bytes(ptr, len) => unsafe { enc.setBytes_length_atIndex(ptr, len, i) },
                 }
             }
-            if *tg_bytes > 0 {
+            if tg_bytes > 0 {
                 // Threadgroup memory lengths must be multiples of 16 bytes.
                 // SAFETY: index 0 is the kernels' only [[threadgroup(0)]] argument.
                 unsafe { enc.setThreadgroupMemoryLength_atIndex(tg_bytes.next_multiple_of(16), 0) };
             }
             enc.dispatchThreadgroups_threadsPerThreadgroup(
                 MTLSize {
-                    width: *groups,
+                    width: groups,
                     height: 1,
                     depth: 1,
                 },
                 MTLSize {
-                    width: *threads,
+                    width: threads,
                     height: 1,
                     depth: 1,
                 },
