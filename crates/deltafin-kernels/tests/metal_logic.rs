@@ -165,6 +165,7 @@ fn shim_matmul(s: &Shim, w: Weights<'_>, xs: &[f32], n: usize) -> Vec<f32> {
     let mut ys = vec![f32::NAN; n * rows];
     let bf_bits: Vec<u16>;
     let i8_scales: Vec<f32>;
+    let mx_words: Vec<u32>;
     let (kind, wp, sp): (&std::ffi::CStr, *const u8, *const u8) = match w {
         Weights::Bf16(m) => {
             bf_bits = m.data().iter().map(|v| v.to_bits()).collect();
@@ -180,13 +181,12 @@ fn shim_matmul(s: &Shim, w: Weights<'_>, xs: &[f32], n: usize) -> Vec<f32> {
         }
         // The kernel reads the packed codes as u32 words: copy them to an aligned buffer.
         Weights::Mxfp4(m) => {
-            let words: Vec<u32> = m
+            mx_words = m
                 .packed()
                 .chunks_exact(4)
                 .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
-            let wp = Box::leak(words.into_boxed_slice()).as_ptr().cast();
-            (c"mxfp4", wp, m.scales().as_ptr())
+            (c"mxfp4", mx_words.as_ptr().cast(), m.scales().as_ptr())
         }
         Weights::F32 { .. } => unreachable!(),
     };
