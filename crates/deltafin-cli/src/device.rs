@@ -7,7 +7,8 @@
 //! GPU path yet (the CUDA kernels exist in `deltafin_kernels::cuda` and are checked, but are
 //! not wired into the model), so `auto` resolves to the CPU and an explicit GPU request is an
 //! error that says what was found and what would not run there: deltafin never runs on the
-//! CPU while claiming a GPU.
+//! CPU while claiming a GPU. The same holds for Metal (`deltafin_kernels::metal`, macOS with
+//! feature `metal`): `--device mps` names the Mac's GPU when it finds one, then refuses.
 
 use anyhow::{Result, anyhow, bail};
 
@@ -128,22 +129,47 @@ fn find_cuda(flag: &str, ordinal: usize) -> Result<String> {
     }
 }
 
-fn metal_unavailable(flag: &str) -> anyhow::Error {
-    if cfg!(target_os = "macos") {
-        anyhow!(
-            "{flag}: the Metal backend is not implemented in this build (kernels/metal is \
-             empty); use cpu"
-        )
-    } else {
-        anyhow!(
-            "{flag}: Metal is an Apple GPU API and exists only on macOS; this is {} — use cpu{}",
-            std::env::consts::OS,
-            if cfg!(feature = "cuda") {
+/// The Metal device this binary can use (its description), or why there is none: not macOS,
+/// built without the `metal` feature, or no device.
+pub fn metal_device() -> std::result::Result<String, String> {
+    #[cfg(all(target_os = "macos", feature = "metal"))]
+    {
+        deltafin_kernels::metal::metal_available()
+            .map(|d| d.to_string())
+            .map_err(|e| e.to_string())
+    }
+    #[cfg(all(target_os = "macos", not(feature = "metal")))]
+    {
+        Err("this deltafin was built without the `metal` feature".into())
+    }
+    #[cfg(not(target_os = "macos"))]
+    {
+        Err(format!(
+            "Metal is an Apple GPU API and exists only on macOS; this is {}",
+            std::env::consts::OS
+        ))
+    }
+}
+
+/// The error for an explicit Metal request: what is missing, or — with a device — that the
+/// model has no Metal path yet.
+fn metal_request(flag: &str, what: &str) -> anyhow::Error {
+    match metal_device() {
+        Ok(found) => anyhow!(
+            "{flag}: found {found}, but {what} has no Metal path in this build: the Metal kernels \
+             (deltafin_kernels::metal — MXFP4/bf16/int8 products, KDA step, MLA decode) are \
+             compiled but untested on Apple hardware and not yet wired into the K3 forward pass, \
+             so nothing of the model would run on the GPU. Use --device cpu (or auto) and \
+             --expert-backend cpu (or auto)"
+        ),
+        Err(why) => anyhow!(
+            "{flag}: {why} — use cpu{}",
+            if cfg!(feature = "cuda") && !cfg!(target_os = "macos") {
                 " (or cuda on an NVIDIA machine)"
             } else {
                 ""
             }
-        )
+        ),
     }
 }
 
@@ -164,7 +190,12 @@ pub fn select(device: DeviceRequest, experts: ExpertBackendRequest) -> Result<St
     };
     match device {
         DeviceRequest::Auto | DeviceRequest::Cpu => {}
-        DeviceRequest::Mps => return Err(metal_unavailable("--device mps")),
+        DeviceRequest::Mps => {
+            return Err(metal_request(
+                "--device mps",
+                "the K3 forward pass (spine, attention, experts)",
+            ));
+        }
         DeviceRequest::Cuda(_) => {
             let flag = format!("--device cuda:{ordinal}");
             let found = find_cuda(&flag, ordinal)?;
@@ -177,7 +208,12 @@ pub fn select(device: DeviceRequest, experts: ExpertBackendRequest) -> Result<St
     }
     match experts {
         ExpertBackendRequest::Auto | ExpertBackendRequest::Cpu => {}
-        ExpertBackendRequest::Metal => return Err(metal_unavailable("--expert-backend metal")),
+        ExpertBackendRequest::Metal => {
+            return Err(metal_request(
+                "--expert-backend metal",
+                "the routed-expert MoE path",
+            ));
+        }
         ExpertBackendRequest::Cuda => {
             let flag = "--expert-backend cuda";
             let found = find_cuda(flag, ordinal)?;
@@ -258,6 +294,13 @@ mod tests {
         assert!(e.contains("--expert-backend metal"), "{e}");
         if !cfg!(target_os = "macos") {
             assert!(e.contains("only on macOS"), "{e}");
+        } else {
+            assert!(
+                e.contains("without the `metal` feature")
+                    || e.contains("no Metal device")
+                    || e.contains("no Metal path"),
+                "{e}"
+            );
         }
     }
 }

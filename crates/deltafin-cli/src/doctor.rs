@@ -305,36 +305,100 @@ fn runtime_checks(r: &mut Report) {
 /// GPU backends compiled in and the devices they find (information only: the model runs on
 /// the CPU in this build, see `--device`).
 fn gpu_checks(r: &mut Report) {
-    let compiled: Vec<&str> = if cfg!(feature = "cuda") {
-        vec!["cuda"]
-    } else {
-        vec![]
-    };
+    let mut compiled: Vec<&str> = Vec::new();
+    if cfg!(feature = "cuda") {
+        compiled.push("cuda");
+    }
+    if deltafin_kernels::metal::COMPILED {
+        compiled.push("metal");
+    }
     r.facts.insert("gpu_backends".into(), json!(compiled));
     let devices = crate::device::cuda_devices();
     r.facts.insert(
         "cuda_devices".into(),
         json!(devices.clone().unwrap_or_default()),
     );
-    let detail = match (&devices, cfg!(feature = "cuda")) {
-        (_, false) => "none compiled in (built without the `cuda` feature); Metal: not built \
-                       (macOS only, not implemented); every kernel runs on the CPU"
-            .to_string(),
+    let metal = crate::device::metal_device();
+    r.facts
+        .insert("metal_device".into(), json!(metal.clone().ok()));
+    let cuda = match (&devices, cfg!(feature = "cuda")) {
+        (_, false) => "cuda not compiled in (built without the `cuda` feature)".to_string(),
         (Ok(v), true) if v.is_empty() => {
-            "cuda compiled in; the NVIDIA driver reports no device; Metal: not built".to_string()
+            "cuda compiled in; the NVIDIA driver reports no device".to_string()
         }
-        (Ok(v), true) => format!(
-            "cuda compiled in; devices: {}; the K3 forward pass still runs on the CPU (no GPU \
-             path yet); Metal: not built",
-            v.join("; ")
-        ),
-        (Err(e), true) => format!("cuda compiled in; no usable device: {e}; Metal: not built"),
+        (Ok(v), true) => format!("cuda compiled in; devices: {}", v.join("; ")),
+        (Err(e), true) => format!("cuda compiled in; no usable device: {e}"),
     };
-    r.add("gpu backends", Status::Info, detail);
+    let metal_detail = match (&metal, deltafin_kernels::metal::COMPILED) {
+        (Ok(d), _) => format!("Metal compiled in (untested on Apple hardware); device: {d}"),
+        (Err(e), true) => format!("Metal compiled in (untested on Apple hardware); no device: {e}"),
+        (Err(e), false) => format!("Metal not built: {e}"),
+    };
+    r.add(
+        "gpu backends",
+        Status::Info,
+        format!(
+            "{cuda}; {metal_detail}; the K3 forward pass runs on the CPU in this build (no GPU \
+             path yet)"
+        ),
+    );
     #[cfg(feature = "cuda")]
     if let Ok(v) = &devices {
         for ordinal in 0..v.len() {
             cuda_canaries(r, ordinal);
+        }
+    }
+    #[cfg(all(target_os = "macos", feature = "metal"))]
+    if metal.is_ok() {
+        metal_canaries(r);
+    }
+}
+
+/// Compile the Metal kernels and run the canaries against the CPU references. Problems are
+/// warnings: the model does not run on the GPU in this build.
+#[cfg(all(target_os = "macos", feature = "metal"))]
+fn metal_canaries(r: &mut Report) {
+    use deltafin_kernels::metal::{MetalDevice, canaries};
+    let dev = match MetalDevice::open() {
+        Ok(d) => d,
+        Err(e) => {
+            r.checks.push(Check {
+                name: "mps kernels".into(),
+                status: Status::Warn,
+                detail: e.to_string(),
+                fix: Some(
+                    "the Metal kernels are untested on Apple hardware: please report this \
+                     message; keep --device cpu"
+                        .into(),
+                ),
+            });
+            return;
+        }
+    };
+    r.add(
+        "mps kernels",
+        Status::Ok,
+        format!(
+            "MXFP4, bf16, row-int8 products, KDA and MLA decode compiled ({})",
+            dev.kernel_origin()
+        ),
+    );
+    for (name, res) in canaries(&dev) {
+        let name = format!("mps canary {name}");
+        match res {
+            Ok(err) => r.add(
+                name,
+                Status::Ok,
+                format!("worst relative error {err:.1e} vs the CPU"),
+            ),
+            Err(e) => r.checks.push(Check {
+                name,
+                status: Status::Warn,
+                detail: e,
+                fix: Some(
+                    "the Metal kernels disagree with the CPU on this Mac; keep --device cpu".into(),
+                ),
+            }),
         }
     }
 }

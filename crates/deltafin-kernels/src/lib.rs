@@ -16,6 +16,7 @@ pub mod cuda;
 pub mod dispatch;
 pub mod kda_chunk;
 pub mod matvec;
+pub mod metal;
 pub mod mxfp4_q16;
 pub mod mxfp4_q8;
 #[cfg(target_arch = "aarch64")]

@@ -1,0 +1,814 @@
+//! The Metal device wrapper (macOS with feature `metal`): device discovery, run-time library
+//! compilation, shared-storage buffers, dispatches, read-back, and the doctor canaries.
+//!
+//! Untested on Apple hardware until someone runs `cargo test -p deltafin-kernels --features
+//! metal` on a Mac; `.ci/run` type-checks it for `aarch64-apple-darwin`.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::time::Instant;
+
+use deltafin_tensor::bf16;
+use objc2::rc::Retained;
+use objc2::runtime::ProtocolObject;
+use objc2_foundation::NSString;
+use objc2_metal::{
+    MTLBuffer, MTLCommandBuffer, MTLCommandEncoder, MTLCommandQueue, MTLCompileOptions,
+    MTLComputeCommandEncoder, MTLComputePipelineState, MTLCreateSystemDefaultDevice, MTLDevice,
+    MTLLibrary, MTLResourceOptions, MTLSize,
+};
+
+use super::sources::{
+    KERNELS, KdaParams, MATVEC_THREADS, MLA_THREADS, MatvecParams, MlaShape, ROWS_PER_GROUP,
+    SIMD_WIDTH, batch_split, kda_threadgroup_bytes, kda_threads, library_source,
+    mla_threadgroup_bytes,
+};
+use crate::matvec::Weights;
+
+type Buffer = Retained<ProtocolObject<dyn MTLBuffer>>;
+type Pipeline = Retained<ProtocolObject<dyn MTLComputePipelineState>>;
+
+/// Errors of the Metal backend; each says what is missing or wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum MetalError {
+    /// `MTLCreateSystemDefaultDevice` returned no device.
+    #[error(
+        "Metal unavailable: this Mac reports no Metal device (MTLCreateSystemDefaultDevice returned nil)"
+    )]
+    NoDevice,
+    /// The kernel library did not compile.
+    #[error("Metal: compiling kernels/metal failed: {0}")]
+    Compile(String),
+    /// A pipeline could not be built or does not fit the kernels' assumptions.
+    #[error("Metal pipeline {kernel}: {detail}")]
+    Pipeline {
+        /// The kernel function.
+        kernel: String,
+        /// What went wrong.
+        detail: String,
+    },
+    /// A Metal object could not be created or a command buffer failed.
+    #[error("Metal {what}: {detail}")]
+    Device {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        detail: String,
+    },
+    /// Inputs disagree with the shapes (or a size exceeds the kernels' 32-bit indices).
+    #[error("Metal {kernel}: {detail}")]
+    Shape {
+        /// The kernel.
+        kernel: &'static str,
+        /// What disagrees.
+        detail: String,
+    },
+    /// The weight format has no Metal kernel.
+    #[error("Metal: no kernel for {0} weights")]
+    Unsupported(&'static str),
+}
+
+fn device_err(what: impl Into<String>, detail: impl Into<String>) -> MetalError {
+    MetalError::Device {
+        what: what.into(),
+        detail: detail.into(),
+    }
+}
+
+fn system_device() -> Option<Retained<ProtocolObject<dyn MTLDevice>>> {
+    std::panic::catch_unwind(|| MTLCreateSystemDefaultDevice())
+        .ok()
+        .flatten()
+}
+
+/// Whether a Metal device exists; `Err(NoDevice)` if not. Never panics.
+pub fn metal_available() -> Result<DeviceInfo, MetalError> {
+    system_device()
+        .map(|d| info_of(&d))
+        .ok_or(MetalError::NoDevice)
+}
+
+/// What the device is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device's name (e.g. "Apple M2 Max").
+    pub name: String,
+    /// Whether CPU and GPU share memory (Apple silicon).
+    pub unified_memory: bool,
+    /// Bytes the GPU can use without hurting performance.
+    pub recommended_working_set: u64,
+}
+
+impl std::fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "mps {} ({}, {:.1} GiB working set)",
+            self.name,
+            if self.unified_memory {
+                "unified memory"
+            } else {
+                "discrete memory"
+            },
+            self.recommended_working_set as f64 / (1u64 << 30) as f64
+        )
+    }
+}
+
+fn info_of(d: &ProtocolObject<dyn MTLDevice>) -> DeviceInfo {
+    DeviceInfo {
+        name: d.name().to_string(),
+        unified_memory: d.hasUnifiedMemory(),
+        recommended_working_set: d.recommendedMaxWorkingSetSize(),
+    }
+}
+
+/// A weight matrix resident in shared-storage Metal buffers.
+#[derive(Debug)]
+pub enum DeviceMatrix {
+    /// bf16 bits, row-major.
+    Bf16 {
+        /// `rows · cols` values.
+        data: Buffer,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+    },
+    /// int8 codes with the row scales widened to f32 (exact).
+    RowInt8 {
+        /// `rows · cols` codes.
+        data: Buffer,
+        /// One scale per row.
+        scales: Buffer,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+    },
+    /// MXFP4 packed nibbles and E8M0 scales, as in the checkpoint.
+    Mxfp4 {
+        /// `rows · cols / 2` bytes.
+        packed: Buffer,
+        /// `rows · cols / 32` bytes.
+        scales: Buffer,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+    },
+}
+
+impl DeviceMatrix {
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            DeviceMatrix::Bf16 { rows, cols, .. }
+            | DeviceMatrix::RowInt8 { rows, cols, .. }
+            | DeviceMatrix::Mxfp4 { rows, cols, .. } => (*rows, *cols),
+        }
+    }
+    /// Bytes one product reads (codes and scales as stored).
+    pub fn weight_bytes(&self) -> usize {
+        let (r, c) = self.shape();
+        match self {
+            DeviceMatrix::Bf16 { .. } => r * c * 2,
+            DeviceMatrix::RowInt8 { .. } => r * c + r * 4,
+            DeviceMatrix::Mxfp4 { .. } => r * c / 2 + r * c / 32,
+        }
+    }
+    fn kind(&self) -> &'static str {
+        match self {
+            DeviceMatrix::Bf16 { .. } => "bf16",
+            DeviceMatrix::RowInt8 { .. } => "rowint8",
+            DeviceMatrix::Mxfp4 { .. } => "mxfp4",
+        }
+    }
+}
+
+/// One buffer binding of a dispatch.
+enum Arg<'a> {
+    Buf(&'a ProtocolObject<dyn MTLBuffer>, usize),
+    Bytes(&'a [u8]),
+}
+
+/// A binding resolved for encoding.
+enum Bind<'a> {
+    Buf(&'a ProtocolObject<dyn MTLBuffer>, usize),
+    Bytes(NonNull<c_void>, usize),
+}
+
+fn bytes_of<T: Copy>(v: &T) -> &[u8] {
+    // SAFETY: the params structs are #[repr(C)] plain old data without padding.
+    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
+}
+
+fn u32_dim(kernel: &'static str, what: &str, v: usize) -> Result<u32, MetalError> {
+    u32::try_from(v).map_err(|_| MetalError::Shape {
+        kernel,
+        detail: format!("{what} = {v} exceeds the kernels' 32-bit index range"),
+    })
+}
+
+fn expect_len(kernel: &'static str, what: &str, got: usize, want: usize) -> Result<(), MetalError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(MetalError::Shape {
+            kernel,
+            detail: format!("{what} has {got} values, expected {want}"),
+        })
+    }
+}
+
+/// The system Metal device with the deltafin kernels compiled.
+pub struct MetalDevice {
+    device: Retained<ProtocolObject<dyn MTLDevice>>,
+    queue: Retained<ProtocolObject<dyn MTLCommandQueue>>,
+    pipelines: HashMap<&'static str, Pipeline>,
+    info: DeviceInfo,
+}
+
+impl std::fmt::Debug for MetalDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetalDevice")
+            .field("info", &self.info)
+            .finish()
+    }
+}
+
+impl MetalDevice {
+    /// Open the system default Metal device and compile `kernels/metal` from source (fast
+    /// math off), one pipeline per kernel function; every pipeline must run 32-wide SIMD groups
+    /// and at least 256 threads per threadgroup.
+    pub fn open() -> Result<MetalDevice, MetalError> {
+        let device = system_device().ok_or(MetalError::NoDevice)?;
+        let info = info_of(&device);
+        let options = MTLCompileOptions::new();
+        // The kernels' numerics assume IEEE f32 (no fast math); setFastMathEnabled exists on
+        // every macOS version (setMathMode only from macOS 15).
+        #[allow(deprecated)]
+        options.setFastMathEnabled(false);
+        let source = NSString::from_str(&library_source());
+        let library = device
+            .newLibraryWithSource_options_error(&source, Some(&options))
+            .map_err(|e| MetalError::Compile(e.localizedDescription().to_string()))?;
+        let mut pipelines = HashMap::new();
+        for k in KERNELS {
+            for &entry in k.entries {
+                let f = library
+                    .newFunctionWithName(&NSString::from_str(entry))
+                    .ok_or_else(|| MetalError::Pipeline {
+                        kernel: entry.into(),
+                        detail: format!("function missing from the compiled {}", k.file),
+                    })?;
+                let p = device
+                    .newComputePipelineStateWithFunction_error(&f)
+                    .map_err(|e| MetalError::Pipeline {
+                        kernel: entry.into(),
+                        detail: e.localizedDescription().to_string(),
+                    })?;
+                let width = p.threadExecutionWidth();
+                if width != SIMD_WIDTH {
+                    return Err(MetalError::Pipeline {
+                        kernel: entry.into(),
+                        detail: format!(
+                            "SIMD groups are {width} wide on {}; the kernels need 32",
+                            info.name
+                        ),
+                    });
+                }
+                let max = p.maxTotalThreadsPerThreadgroup();
+                if max < MATVEC_THREADS.max(MLA_THREADS) {
+                    return Err(MetalError::Pipeline {
+                        kernel: entry.into(),
+                        detail: format!(
+                            "at most {max} threads per threadgroup; the kernels need 256"
+                        ),
+                    });
+                }
+                pipelines.insert(entry, p);
+            }
+        }
+        let queue = device
+            .newCommandQueue()
+            .ok_or_else(|| device_err("creating a command queue", "the device returned nil"))?;
+        Ok(MetalDevice {
+            device,
+            queue,
+            pipelines,
+            info,
+        })
+    }
+
+    /// The device.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Where the kernels came from.
+    pub fn kernel_origin(&self) -> &'static str {
+        "kernels/metal compiled at run time (newLibraryWithSource, fast math off)"
+    }
+
+    /// A shared-storage buffer holding a copy of `v` (at least 4 bytes: Metal has no empty
+    /// buffers).
+    pub fn upload<T: Copy>(&self, what: &str, v: &[T]) -> Result<Buffer, MetalError> {
+        let len = std::mem::size_of_val(v);
+        let buf = if len == 0 {
+            self.device
+                .newBufferWithLength_options(4, MTLResourceOptions::StorageModeShared)
+        } else {
+            let ptr = NonNull::new(v.as_ptr() as *mut c_void)
+                .ok_or_else(|| device_err(format!("uploading {what}"), "null slice pointer"))?;
+            // SAFETY: `ptr` points at `len` readable bytes; Metal copies them.
+            unsafe {
+                self.device.newBufferWithBytes_length_options(
+                    ptr,
+                    len,
+                    MTLResourceOptions::StorageModeShared,
+                )
+            }
+        };
+        buf.ok_or_else(|| {
+            device_err(
+                format!("uploading {what} ({len} bytes)"),
+                "allocation failed",
+            )
+        })
+    }
+
+    /// A zeroed shared-storage buffer of `len` f32.
+    pub fn zeros(&self, len: usize) -> Result<Buffer, MetalError> {
+        self.upload("zeros", &vec![0f32; len])
+    }
+
+    /// Copy `len` values of type `T` out of a shared-storage buffer (after the work that wrote
+    /// it has completed).
+    pub fn download<T: Copy + Default>(
+        &self,
+        what: &str,
+        buf: &ProtocolObject<dyn MTLBuffer>,
+        len: usize,
+    ) -> Result<Vec<T>, MetalError> {
+        let bytes = len * std::mem::size_of::<T>();
+        if buf.length() < bytes {
+            return Err(device_err(
+                format!("downloading {what}"),
+                format!("buffer holds {} bytes, {bytes} requested", buf.length()),
+            ));
+        }
+        let mut out = vec![T::default(); len];
+        // SAFETY: shared storage is CPU-visible; `bytes` is within the buffer (checked above)
+        // and the command buffer that wrote it has completed.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                buf.contents().as_ptr().cast::<u8>(),
+                out.as_mut_ptr().cast::<u8>(),
+                bytes,
+            );
+        }
+        Ok(out)
+    }
+
+    fn pipeline(&self, name: &str) -> Result<&Pipeline, MetalError> {
+        self.pipelines
+            .get(name)
+            .ok_or_else(|| MetalError::Pipeline {
+                kernel: name.into(),
+                detail: "not compiled".into(),
+            })
+    }
+
+    /// Encode the dispatches `(kernel, bindings, threadgroups, threads, threadgroup bytes)`
+    /// into one command buffer, commit it and wait.
+    fn run(
+        &self,
+        what: &str,
+        launches: &[(String, Vec<Arg<'_>>, usize, usize, usize)],
+    ) -> Result<(), MetalError> {
+        // Everything fallible happens before encoding starts: an encoder must be ended.
+        let mut resolved = Vec::with_capacity(launches.len());
+        for (kernel, args, groups, threads, tg_bytes) in launches {
+            let mut binds = Vec::with_capacity(args.len());
+            for a in args {
+                binds.push(match a {
+                    Arg::Buf(b, off) => Bind::Buf(b, *off),
+                    Arg::Bytes(b) => Bind::Bytes(
+                        NonNull::new(b.as_ptr() as *mut c_void).ok_or_else(|| {
+                            device_err(format!("{what}: parameters"), "null pointer")
+                        })?,
+                        b.len(),
+                    ),
+                });
+            }
+            resolved.push((self.pipeline(kernel)?, binds, *groups, *threads, *tg_bytes));
+        }
+        let cb = self
+            .queue
+            .commandBuffer()
+            .ok_or_else(|| device_err(format!("{what}: creating a command buffer"), "nil"))?;
+        let enc = cb
+            .computeCommandEncoder()
+            .ok_or_else(|| device_err(format!("{what}: creating a compute encoder"), "nil"))?;
+        for (pipeline, binds, groups, threads, tg_bytes) in resolved {
+            enc.setComputePipelineState(pipeline);
+            for (i, b) in binds.into_iter().enumerate() {
+                match b {
+                    // SAFETY: the buffers outlive the command buffer (we wait below); offsets
+                    // are within them (the callers check lengths).
+                    Bind::Buf(buf, off) => unsafe {
+                        enc.setBuffer_offset_atIndex(Some(buf), off, i)
+                    },
+                    // SAFETY: `ptr` points at `len` bytes; Metal copies them during the call.
+                    Bind::Bytes(ptr, len) => unsafe { enc.setBytes_length_atIndex(ptr, len, i) },
+                }
+            }
+            if tg_bytes > 0 {
+                // Threadgroup memory lengths must be multiples of 16 bytes.
+                // SAFETY: index 0 is the kernels' only [[threadgroup(0)]] argument.
+                unsafe { enc.setThreadgroupMemoryLength_atIndex(tg_bytes.next_multiple_of(16), 0) };
+            }
+            enc.dispatchThreadgroups_threadsPerThreadgroup(
+                MTLSize {
+                    width: groups,
+                    height: 1,
+                    depth: 1,
+                },
+                MTLSize {
+                    width: threads,
+                    height: 1,
+                    depth: 1,
+                },
+            );
+        }
+        enc.endEncoding();
+        cb.commit();
+        cb.waitUntilCompleted();
+        match cb.error() {
+            Some(e) => Err(device_err(
+                what.to_string(),
+                e.localizedDescription().to_string(),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Upload a weight matrix (bf16, row-int8 or MXFP4) into shared-storage buffers.
+    pub fn upload_weights(&self, w: Weights<'_>) -> Result<DeviceMatrix, MetalError> {
+        let (rows, cols) = (w.rows(), w.cols());
+        Ok(match w {
+            Weights::F32 { .. } => return Err(MetalError::Unsupported("f32")),
+            Weights::Bf16(m) => {
+                let bits: Vec<u16> = m.data().iter().map(|v| v.to_bits()).collect();
+                DeviceMatrix::Bf16 {
+                    data: self.upload("bf16 weights", &bits)?,
+                    rows,
+                    cols,
+                }
+            }
+            Weights::RowInt8(m) => {
+                let scales: Vec<f32> = (0..rows).map(|r| m.scale(r)).collect();
+                DeviceMatrix::RowInt8 {
+                    data: self.upload("int8 codes", m.data())?,
+                    scales: self.upload("int8 row scales", &scales)?,
+                    rows,
+                    cols,
+                }
+            }
+            Weights::Mxfp4(m) => DeviceMatrix::Mxfp4 {
+                packed: self.upload("MXFP4 codes", m.packed())?,
+                scales: self.upload("MXFP4 scales", m.scales())?,
+                rows,
+                cols,
+            },
+        })
+    }
+
+    fn matmul_buffers(
+        &self,
+        w: &DeviceMatrix,
+        x: &Buffer,
+        n: usize,
+        y: &Buffer,
+    ) -> Result<(), MetalError> {
+        const K: &str = "matmul";
+        let (rows, cols) = w.shape();
+        let params = MatvecParams {
+            rows: u32_dim(K, "rows", rows)?,
+            cols: u32_dim(K, "cols", cols)?,
+        };
+        u32_dim(K, "rows·cols", rows * cols)?;
+        u32_dim(K, "n·cols", n * cols)?;
+        u32_dim(K, "n·rows", n * rows)?;
+        let groups = rows.div_ceil(ROWS_PER_GROUP);
+        let pb = bytes_of(&params);
+        let mut launches = Vec::new();
+        for (done, nb) in batch_split(n) {
+            let mut args = match w {
+                DeviceMatrix::Bf16 { data, .. } => vec![Arg::Buf(data, 0)],
+                DeviceMatrix::RowInt8 { data, scales, .. }
+                | DeviceMatrix::Mxfp4 {
+                    packed: data,
+                    scales,
+                    ..
+                } => {
+                    vec![Arg::Buf(data, 0), Arg::Buf(scales, 0)]
+                }
+            };
+            args.push(Arg::Buf(x, done * cols * 4));
+            args.push(Arg::Buf(y, done * rows * 4));
+            args.push(Arg::Bytes(pb));
+            launches.push((
+                format!("matmul_{}_nb{nb}", w.kind()),
+                args,
+                groups,
+                MATVEC_THREADS,
+                0,
+            ));
+        }
+        self.run("matmul", &launches)
+    }
+
+    /// `n` activation rows through `w` (`xs`: `n · cols`); returns `n · rows` products.
+    pub fn matmul(&self, w: &DeviceMatrix, xs: &[f32], n: usize) -> Result<Vec<f32>, MetalError> {
+        let (rows, cols) = w.shape();
+        expect_len("matmul", "xs", xs.len(), n * cols)?;
+        let x = self.upload("activations", xs)?;
+        let y = self.zeros(n * rows)?;
+        self.matmul_buffers(w, &x, n, &y)?;
+        self.download("products", &y, n * rows)
+    }
+
+    /// Seconds per product of `n` rows through `w` (one command buffer each, after a warm-up).
+    pub fn time_matmul(&self, w: &DeviceMatrix, n: usize, iters: usize) -> Result<f64, MetalError> {
+        let (rows, cols) = w.shape();
+        let x = self.upload("activations", &vec![0.5f32; n * cols])?;
+        let y = self.zeros(n * rows)?;
+        self.matmul_buffers(w, &x, n, &y)?;
+        let t = Instant::now();
+        for _ in 0..iters.max(1) {
+            self.matmul_buffers(w, &x, n, &y)?;
+        }
+        Ok(t.elapsed().as_secs_f64() / iters.max(1) as f64)
+    }
+
+    /// One KDA recurrent step for all `heads` (see `kda.metal`): `state` is `[heads, d, d]`
+    /// and is updated in place; q, k, v, g are `[heads, d]`, beta `[heads]`; returns
+    /// `[heads, d]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kda_step(
+        &self,
+        heads: usize,
+        d: usize,
+        state: &mut [f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        g: &[f32],
+        beta: &[f32],
+    ) -> Result<Vec<f32>, MetalError> {
+        const K: &str = "kda_step";
+        expect_len(K, "state", state.len(), heads * d * d)?;
+        for (name, x) in [("q", q), ("k", k), ("v", v), ("g", g)] {
+            expect_len(K, name, x.len(), heads * d)?;
+        }
+        expect_len(K, "beta", beta.len(), heads)?;
+        let params = KdaParams {
+            d: u32_dim(K, "d", d)?,
+        };
+        u32_dim(K, "heads·d·d", heads * d * d)?;
+        let s = self.upload("KDA state", state)?;
+        let bufs = [
+            self.upload("q", q)?,
+            self.upload("k", k)?,
+            self.upload("v", v)?,
+            self.upload("g", g)?,
+            self.upload("beta", beta)?,
+        ];
+        let out = self.zeros(heads * d)?;
+        let mut args = vec![Arg::Buf(&s, 0)];
+        args.extend(bufs.iter().map(|b| Arg::Buf(b, 0)));
+        args.push(Arg::Buf(&out, 0));
+        args.push(Arg::Bytes(bytes_of(&params)));
+        self.run(
+            K,
+            &[(
+                K.into(),
+                args,
+                heads,
+                kda_threads(d),
+                kda_threadgroup_bytes(d),
+            )],
+        )?;
+        state.copy_from_slice(&self.download::<f32>("KDA state", &s, heads * d * d)?);
+        self.download("KDA output", &out, heads * d)
+    }
+
+    /// Absorbed MLA decode for one token over `n` cached tokens (see `mla.metal`); returns
+    /// the gated head outputs `[heads, v]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_decode(
+        &self,
+        shape: MlaShape,
+        n: usize,
+        q: &[f32],
+        kv_b: &[bf16],
+        latent: &[bf16],
+        tail: &[bf16],
+        gate: &[f32],
+    ) -> Result<Vec<f32>, MetalError> {
+        const K: &str = "mla_decode";
+        let MlaShape {
+            heads,
+            nope,
+            rope,
+            v,
+            kvl,
+        } = shape;
+        if n == 0 {
+            return Err(MetalError::Shape {
+                kernel: K,
+                detail: "no cached tokens to attend to".into(),
+            });
+        }
+        expect_len(K, "q", q.len(), heads * (nope + rope))?;
+        expect_len(K, "kv_b_proj", kv_b.len(), heads * (nope + v) * kvl)?;
+        expect_len(K, "latent cache", latent.len(), n * kvl)?;
+        expect_len(K, "tail cache", tail.len(), n * rope)?;
+        expect_len(K, "gate", gate.len(), heads * v)?;
+        u32_dim(K, "kv_b_proj values", kv_b.len())?;
+        u32_dim(K, "cache values", n * kvl)?;
+        u32_dim(K, "scores", heads * n)?;
+        let params = shape.params(n).ok_or(MetalError::Shape {
+            kernel: K,
+            detail: "a dimension exceeds 32 bits".into(),
+        })?;
+        let bits = |x: &[bf16]| x.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
+        let qd = self.upload("q", q)?;
+        let kvd = self.upload("kv_b_proj", &bits(kv_b))?;
+        let lat = self.upload("latent cache", &bits(latent))?;
+        let tl = self.upload("tail cache", &bits(tail))?;
+        let gd = self.upload("gate", gate)?;
+        let scores = self.zeros(heads * n)?;
+        let out = self.zeros(heads * v)?;
+        let args = vec![
+            Arg::Buf(&qd, 0),
+            Arg::Buf(&kvd, 0),
+            Arg::Buf(&lat, 0),
+            Arg::Buf(&tl, 0),
+            Arg::Buf(&gd, 0),
+            Arg::Buf(&scores, 0),
+            Arg::Buf(&out, 0),
+            Arg::Bytes(bytes_of(&params)),
+        ];
+        self.run(
+            K,
+            &[(
+                K.into(),
+                args,
+                heads,
+                MLA_THREADS,
+                mla_threadgroup_bytes(kvl, rope),
+            )],
+        )?;
+        self.download("MLA output", &out, heads * v)
+    }
+}
+
+/// Deterministic test values in (−1, 1).
+fn pattern(i: usize, salt: usize) -> f32 {
+    let x = (i
+        .wrapping_mul(2_654_435_761)
+        .wrapping_add(salt.wrapping_mul(40_503)))
+        % 2001;
+    x as f32 / 1000.0 - 1.0
+}
+
+/// Worst `|a − b|` relative to the largest `|b|`.
+fn worst_rel(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12) as f64;
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs() / scale)
+        .fold(0.0, f64::max)
+}
+
+/// The doctor's device canaries: each kernel at a small shape against the CPU reference.
+/// Returns `(name, worst relative error or the failure)`; above 1e-4 is a failure.
+pub fn canaries(dev: &MetalDevice) -> Vec<(String, Result<f64, String>)> {
+    use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix};
+    let mut out = Vec::new();
+    let judge = |r: Result<f64, MetalError>| match r {
+        Ok(e) if e <= 1e-4 => Ok(e),
+        Ok(e) => Err(format!("worst relative error {e:.2e} > 1e-4")),
+        Err(e) => Err(e.to_string()),
+    };
+    let (rows, cols, n) = (32usize, 64usize, 3usize);
+    let vals: Vec<f32> = (0..rows * cols).map(|i| pattern(i, 1)).collect();
+    let xs: Vec<f32> = (0..n * cols).map(|i| pattern(i, 2)).collect();
+    let bv: Vec<bf16> = vals.iter().map(|&v| bf16::from_f32(v)).collect();
+    let mats = (
+        Bf16Matrix::from_values(rows, cols, &bv),
+        RowInt8Matrix::quantize("canary", rows, cols, &vals),
+        Mxfp4Matrix::new(
+            "canary",
+            Bytes::from_vec((0..rows * cols / 2).map(|i| (i * 37 % 256) as u8).collect()),
+            Bytes::from_vec((0..rows * cols / 32).map(|i| 120 + (i % 9) as u8).collect()),
+            rows,
+            cols,
+        ),
+    );
+    let (Ok(bf), Ok(i8m), Ok(mx)) = mats else {
+        out.push((
+            "matmul".into(),
+            Err("building the canary matrices failed".into()),
+        ));
+        return out;
+    };
+    for w in [
+        Weights::Bf16(&bf),
+        Weights::RowInt8(&i8m),
+        Weights::Mxfp4(&mx),
+    ] {
+        let r = dev
+            .upload_weights(w)
+            .and_then(|m| dev.matmul(&m, &xs, n))
+            .map(|gpu| {
+                let mut cpu = vec![0f32; n * rows];
+                crate::matmul(w, &xs, n, &mut cpu);
+                worst_rel(&gpu, &cpu)
+            });
+        out.push((format!("matmul_{}", w.dtype()), judge(r)));
+    }
+    let (h, d) = (2usize, 32usize);
+    let mut s_gpu = vec![0f32; h * d * d];
+    let mut s_cpu = s_gpu.clone();
+    let mut r = Ok(0.0);
+    for step in 0..2 {
+        let v = |salt: usize| {
+            (0..h * d)
+                .map(|i| pattern(i, salt + 10 * step))
+                .collect::<Vec<_>>()
+        };
+        let (q, k, vv) = (v(3), v(4), v(5));
+        let g: Vec<f32> = v(6).iter().map(|x| -0.5 * (x + 1.0)).collect();
+        let beta = [0.7f32, 0.3];
+        r = dev
+            .kda_step(h, d, &mut s_gpu, &q, &k, &vv, &g, &beta)
+            .map(|o| {
+                let mut cpu = Vec::new();
+                for hh in 0..h {
+                    let sl = hh * d..(hh + 1) * d;
+                    cpu.extend(crate::cuda::reference::kda_step(
+                        &mut s_cpu[hh * d * d..(hh + 1) * d * d],
+                        &q[sl.clone()],
+                        &k[sl.clone()],
+                        &vv[sl.clone()],
+                        &g[sl],
+                        beta[hh],
+                    ));
+                }
+                worst_rel(&o, &cpu).max(worst_rel(&s_gpu, &s_cpu))
+            });
+        if r.is_err() {
+            break;
+        }
+    }
+    out.push(("kda_decode".into(), judge(r)));
+    let sh = MlaShape {
+        heads: 2,
+        nope: 16,
+        rope: 8,
+        v: 16,
+        kvl: 64,
+    };
+    let tokens = 5;
+    let bfv = |len: usize, salt: usize| -> Vec<bf16> {
+        (0..len).map(|i| bf16::from_f32(pattern(i, salt))).collect()
+    };
+    let q: Vec<f32> = (0..sh.heads * (sh.nope + sh.rope))
+        .map(|i| pattern(i, 7))
+        .collect();
+    let kvb = bfv(sh.heads * (sh.nope + sh.v) * sh.kvl, 8);
+    let latent = bfv(tokens * sh.kvl, 9);
+    let tail = bfv(tokens * sh.rope, 10);
+    let gate: Vec<f32> = (0..sh.heads * sh.v).map(|i| pattern(i, 11)).collect();
+    let r = dev
+        .mla_decode(sh, tokens, &q, &kvb, &latent, &tail, &gate)
+        .map(|gpu| {
+            let cpu = crate::cuda::reference::mla_decode(
+                (sh.heads, sh.nope, sh.rope, sh.v, sh.kvl),
+                tokens,
+                &q,
+                &kvb,
+                &latent,
+                &tail,
+                &gate,
+            );
+            worst_rel(&gpu, &cpu)
+        });
+    out.push(("mla_decode".into(), judge(r)));
+    out
+}
