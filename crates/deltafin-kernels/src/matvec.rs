@@ -33,12 +33,14 @@ const BATCH_TILE: usize = 4;
 /// weight widening (a shift and a mask per weight row and 32-column group) and the final
 /// reductions are shared by half as many more products: ≈ 8% less time per value on the
 /// mini prefill shape (512 × 1024, n = 64). Every value is the same either way.
+#[cfg(target_arch = "x86_64")]
 const BF16_WIDE_TILE: usize = 6;
 /// Weight rows of the MXFP4 (q16) register tiles on AVX-512 in batches: 3 weight rows × 4
 /// activation rows (the ragged rest of a batch takes the 2-row tiles). Each activation load
 /// and scale conversion then serves three weight rows instead of two: ≈ 7% less time per
 /// value on 1024-column experts (n = 80), ≈ 3% on 512 columns. Every value is the same
 /// either way.
+#[cfg(target_arch = "x86_64")]
 const MXFP4_WIDE_ROWS: usize = 3;
 /// Weight bytes of one row block in batched products (kept in L2 while every activation tile
 /// passes over it).
