@@ -113,6 +113,7 @@ impl ModelArgs {
             expert_backend: device::resolve_expert_backend(self.expert_backend.as_deref())?,
             expert_scale4: scale4::Scale4Mode::from_env()?,
             spine: session::resolve_spine(self.spine.as_deref())?,
+            context_tokens: None,
         })
     }
 }

@@ -44,6 +44,10 @@ fn summary_json(s: &LogitSummary) -> (Value, Value) {
     (Value::Array(top), json!(s.logsumexp))
 }
 
+/// Context tokens reserved beyond the prompt and `--max-new`: a speculative verification
+/// window holds drafted tokens in the state before they are accepted or rolled back.
+const VERIFY_SLACK_TOKENS: usize = 32;
+
 pub fn run(args: &RunArgs) -> Result<ExitCode> {
     let (effort, effort_source) = resolve_effort(args.reasoning_effort.as_deref())?;
     if args.top_logits.is_some() && args.events_jsonl.is_none() {
@@ -67,7 +71,26 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .as_deref()
         .map(EventWriter::create)
         .transpose()?;
-    let load_opts = args.model.load_options()?;
+    let mut load_opts = args.model.load_options()?;
+    // With --max-new the context can never exceed the prompt plus max_new tokens (plus a
+    // speculative verification window): the memory budget reserves state for that, not for
+    // CONTEXT_RESERVE_TOKENS, and gives the rest to the spine and the expert cache.
+    let chat_opts = ChatOptions {
+        effort: Some(effort),
+        ..Default::default()
+    };
+    let chat_messages = [ChatMessage::new("user", &args.prompt)];
+    if let Some(max_new) = args.max_new {
+        let prompt_bound = if args.chat {
+            chat::token_bound(
+                &chat::render_segments(&chat_messages, &chat_opts)
+                    .context("cannot render the chat prompt")?,
+            )
+        } else {
+            args.prompt.len()
+        };
+        load_opts.context_tokens = Some(prompt_bound + max_new + VERIFY_SLACK_TOKENS);
+    }
     let router_trace = session::resolve_router_trace(
         args.router_trace.as_deref(),
         args.router_trace_mode.as_deref(),
@@ -107,11 +130,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     }
 
     let prompt_ids = if args.chat {
-        let opts = ChatOptions {
-            effort: Some(effort),
-            ..Default::default()
-        };
-        chat::encode_chat(&tokenizer, &[ChatMessage::new("user", &args.prompt)], &opts)
+        chat::encode_chat(&tokenizer, &chat_messages, &chat_opts)
             .context("cannot render the chat prompt")?
     } else {
         tokenizer.encode_ordinary(&args.prompt)
@@ -126,7 +145,20 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     } else {
         vec![END_OF_MSG, EOS]
     };
-    let max_context = checkpoint.config().text.max_position_embeddings;
+    // The admitted context: the model's, or what the memory budget reserved state for.
+    let mut max_context = checkpoint.config().text.max_position_embeddings;
+    if let Some(plan) = &memory {
+        if let Some(max_new) = args.max_new
+            && prompt_ids.len() + max_new + VERIFY_SLACK_TOKENS > plan.context_tokens
+        {
+            bail!(
+                "internal: the memory budget reserved state for {} tokens, but the prompt ({} tokens) plus --max-new {max_new} needs more",
+                plan.context_tokens,
+                prompt_ids.len()
+            );
+        }
+        max_context = max_context.min(plan.context_tokens);
+    }
     let top_n = args.top_logits.map(usize::from).unwrap_or(0);
     let opts = GenerateOptions {
         max_new: args.max_new,

@@ -45,6 +45,11 @@ pub struct LoadOptions {
     pub expert_scale4: crate::scale4::Scale4Mode,
     /// The spine format (`--spine` / `K3_SPINE`; the CLI default `auto` is int8).
     pub spine: SpineFormat,
+    /// The most tokens of context this session will ever hold, when the command knows it
+    /// (`run` with `--max-new`: the prompt's bound plus `max_new`); the memory budget then
+    /// reserves state for that many tokens instead of [`CONTEXT_RESERVE_TOKENS`], and the
+    /// rest goes to the spine and the expert cache.
+    pub context_tokens: Option<usize>,
 }
 
 /// The spine from `--spine`, else `K3_SPINE`, else `auto` (= int8). Both are parsed
@@ -65,7 +70,8 @@ pub fn resolve_spine(flag: Option<&str>) -> Result<SpineFormat> {
     Ok(choice.format())
 }
 
-/// Tokens of KV/state reserved inside a memory budget (capped by the model context).
+/// Tokens of KV/state reserved inside a memory budget (capped by the model context) when the
+/// command does not know how long its context can grow (the server, an open-ended `run`).
 pub const CONTEXT_RESERVE_TOKENS: usize = 32_768;
 
 /// The split of a memory budget (bytes).
@@ -367,6 +373,7 @@ fn plan_and_load(
     learned: &HeatTable,
     scale4: crate::scale4::Scale4Mode,
     engine: &EngineOptions,
+    context_tokens: Option<usize>,
 ) -> Result<(K3Model, MemoryPlan, StreamOptions)> {
     let cfg = checkpoint.config();
     let table = expert_table(checkpoint).context("cannot locate the routed experts")?;
@@ -392,7 +399,9 @@ fn plan_and_load(
         }
     }
     let dims = dims_from_config(cfg, &EngineOptions::default());
-    let context_tokens = cfg.text.max_position_embeddings.min(CONTEXT_RESERVE_TOKENS);
+    let context_tokens = context_tokens
+        .unwrap_or(CONTEXT_RESERVE_TOKENS)
+        .min(cfg.text.max_position_embeddings);
     let state = (dims.kda_state_bytes() + context_tokens * dims.mla_cache_bytes_per_token()) as u64;
     // Everything resident after loading: code and libraries (file-backed), the tokenizer,
     // the allocator (anonymous). Spine pages are hardly touched yet and counted above.
@@ -594,6 +603,7 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
                 &learned,
                 opts.expert_scale4,
                 &engine,
+                opts.context_tokens,
             )
             .with_context(|| format!("cannot build the model from {}", root.display()))?;
             (model, Some(plan))

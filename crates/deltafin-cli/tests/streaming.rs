@@ -510,3 +510,36 @@ fn pinned_tier_fills_from_the_heat_file_and_tokens_match_the_resident_run() {
         text(&o)
     );
 }
+
+/// `run --max-new N` reserves state for the prompt's bound plus N tokens (plus the
+/// verification window) instead of 32,768 (chat mode's bound counts the template), and the
+/// tokens are those of the resident run.
+#[test]
+fn the_budget_reserves_state_for_the_context_a_run_can_reach() {
+    let tokens_reserved = |err: &str| -> usize {
+        let at = err.find(" tokens) + runtime").expect(err);
+        let open = err[..at].rfind('(').expect(err);
+        err[open + 1..at].parse().expect(err)
+    };
+    let prompt = "Expert streaming keeps";
+    let base = ["run", "--prompt", prompt, "--max-new", "7"];
+    let resident = deltafin(&base, &[]);
+    assert!(resident.status.success(), "{:?}", text(&resident));
+    let mut budgeted = base.to_vec();
+    budgeted.extend(["--memory-budget-gb", "0.2"]);
+    let o = deltafin(&budgeted, &[]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(out, text(&resident).0);
+    assert_eq!(tokens_reserved(&err), prompt.len() + 7 + 32, "{err}");
+    let mut chat = budgeted.clone();
+    chat.push("--chat");
+    let o = deltafin(&chat, &[]);
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let chat_reserved = tokens_reserved(&err);
+    assert!(
+        chat_reserved > prompt.len() + 7 + 32 && chat_reserved < 32_768,
+        "{err}"
+    );
+}

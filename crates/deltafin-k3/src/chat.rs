@@ -710,6 +710,19 @@ pub fn encode_chat(
     Ok(encode_segments(tok, &segments))
 }
 
+/// An upper bound on the length of [`encode_segments`]`(segments)` that needs no tokenizer:
+/// one token per special, at most one per byte of text (byte-level BPE never emits a token for
+/// less than a byte).
+pub fn token_bound(segments: &[Segment]) -> usize {
+    segments
+        .iter()
+        .map(|s| match s {
+            Segment::Special(_) => 1,
+            Segment::Text(text) => text.len(),
+        })
+        .sum()
+}
+
 /// Encodes rendered segments (text segments with specials disallowed).
 pub fn encode_segments(tok: &Tokenizer, segments: &[Segment]) -> Vec<u32> {
     let mut ids = Vec::new();
