@@ -11,6 +11,10 @@
 //! target/release/kernel-point mxfp4 --n 4 --probe          # and its ratio to the read probe
 //! ```
 //!
+//! `--gap-us U` busy-waits U µs on the calling thread after each product (serial work between
+//! a model's products: the other workers wait, DRAM idles); GB/s then count the products' own
+//! time only, so a drop shows what a cold start after a gap costs.
+//!
 //! `--count K` builds K matrices of `--bytes` each and multiplies them in turn, like a model's
 //! layers: small products whose weights still come from DRAM (K × bytes ≫ the last-level
 //! cache), paying each product's start-up (fork/join, activation layout, prefetch ramp).
@@ -37,9 +41,10 @@ struct Args {
     count: usize,
     iters: Option<usize>,
     probe: bool,
+    gap_us: usize,
 }
 
-const USAGE: &str = "usage: kernel-point <f32|bf16|row-int8|mxfp4|probe> [--cols N] [--bytes SIZE] [--n ROWS] [--count K] [--iters K] [--probe]\n  SIZE accepts K, M, G suffixes (binary); defaults: --cols 7168 --bytes 512M --n 1";
+const USAGE: &str = "usage: kernel-point <f32|bf16|row-int8|mxfp4|probe> [--cols N] [--bytes SIZE] [--n ROWS] [--count K] [--iters K] [--gap-us U] [--probe]\n  SIZE accepts K, M, G suffixes (binary); defaults: --cols 7168 --bytes 512M --n 1";
 
 fn size(s: &str) -> Result<usize, String> {
     let (num, mul) = match s.chars().last() {
@@ -69,6 +74,7 @@ fn parse() -> Result<Args, String> {
         count: 1,
         iters: None,
         probe: false,
+        gap_us: 0,
     };
     while let Some(flag) = it.next() {
         if flag == "--probe" {
@@ -90,6 +96,11 @@ fn parse() -> Result<Args, String> {
             "--n" => a.n = num()?,
             "--count" => a.count = num()?,
             "--iters" => a.iters = Some(num()?),
+            "--gap-us" => {
+                a.gap_us = v
+                    .parse::<usize>()
+                    .map_err(|_| format!("{flag}: not an integer: {v:?}"))?
+            }
             _ => return Err(format!("unknown option {flag:?}\n{USAGE}")),
         }
     }
@@ -167,9 +178,19 @@ fn main() -> ExitCode {
         best_secs(iters, || {
             for m in &mats {
                 matmul_with(be, m.weights(), black_box(&xs), a.n, &mut ys);
+                if a.gap_us > 0 {
+                    // Serial work between products, as a model's norms and gates are: this
+                    // thread computes, the other workers wait, DRAM idles.
+                    let until = Instant::now() + std::time::Duration::from_micros(a.gap_us as u64);
+                    while Instant::now() < until {
+                        std::hint::spin_loop();
+                    }
+                }
             }
         })
     });
+    // GB/s over the products' own time: the gaps are not product time.
+    let secs = secs - (a.gap_us * a.count) as f64 * 1e-6;
     let gbps = bytes as f64 / secs / 1e9;
     let vs_probe = match probe_before {
         Some(before) => {
