@@ -14,7 +14,10 @@ use crate::linear::{Linear, apply_group};
 use crate::model::ModelError;
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
-use deltafin_kernels::{Weights, matmul, matmul_serial, rms_norm_inplace, situ_glu};
+use deltafin_kernels::{
+    GroupProduct, Weights, matmul, matmul_group, matmul_group_serial, matmul_serial,
+    rms_norm_inplace, situ_glu,
+};
 use deltafin_tensor::Mxfp4Matrix;
 use std::collections::BTreeMap;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
@@ -350,8 +353,26 @@ fn expert_rows(
     }
     let mut g = vec![0f32; n * f];
     let mut u = vec![0f32; n * f];
-    mm(&w.w1, &x, n, &mut g);
-    mm(&w.w3, &x, n, &mut u);
+    // w1 and w3 read the same rows: one group, one activation image.
+    let mut gate_up = [
+        GroupProduct {
+            w: Weights::Mxfp4(&w.w1),
+            xs: &x,
+            n,
+            ys: &mut g,
+        },
+        GroupProduct {
+            w: Weights::Mxfp4(&w.w3),
+            xs: &x,
+            n,
+            ys: &mut u,
+        },
+    ];
+    if serial {
+        matmul_group_serial(&mut gate_up);
+    } else {
+        matmul_group(&mut gate_up);
+    }
     let mut a = vec![0f32; n * f];
     situ_glu(&g, &u, dims.situ_beta, dims.situ_linear_beta, &mut a);
     let mut he = vec![0f32; n * lr];

@@ -38,8 +38,8 @@ pub use dispatch::{Backend, KernelError, kernel_backend, kernel_summary, select_
 pub use kda_chunk::{KdaRows, kda_chunked};
 pub use matvec::{
     GroupProduct, Weights, matmul, matmul_axpy, matmul_axpy_with, matmul_bf16, matmul_f32,
-    matmul_group, matmul_group_with, matmul_mxfp4, matmul_rowint8, matmul_serial, matmul_with,
-    matvec_bf16, matvec_f32, matvec_mxfp4, matvec_rowint8,
+    matmul_group, matmul_group_serial, matmul_group_with, matmul_mxfp4, matmul_rowint8,
+    matmul_serial, matmul_with, matvec_bf16, matvec_f32, matvec_mxfp4, matvec_rowint8,
 };
 pub use mxfp4_q8::{ACT_ENV_VAR as MXFP4_ACT_ENV_VAR, Mxfp4Act, avx512_mxfp4_act};
 pub use ops::{

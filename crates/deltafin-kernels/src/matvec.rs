@@ -874,6 +874,11 @@ pub struct GroupProduct<'a> {
 /// # Panics
 /// As [`matmul_with`], for any member.
 pub fn matmul_group_with(be: Backend, products: &mut [GroupProduct<'_>]) {
+    group_with(be, products, true);
+}
+
+/// [`matmul_group_with`] (or, with `parallel == false`, entirely on the calling thread).
+fn group_with(be: Backend, products: &mut [GroupProduct<'_>], parallel: bool) {
     let products: Vec<&mut GroupProduct<'_>> = products
         .iter_mut()
         .filter(|g| g.n > 0 && g.w.rows() > 0)
@@ -909,7 +914,7 @@ pub fn matmul_group_with(be: Backend, products: &mut [GroupProduct<'_>]) {
         .collect();
     let total: usize = prepared.iter().map(|p| p.w.rows() * p.work_per_row()).sum();
     let threads = rayon::current_num_threads().max(1);
-    if total < PAR_THRESHOLD || threads == 1 {
+    if total < PAR_THRESHOLD || threads == 1 || !parallel {
         for p in &prepared {
             // SAFETY: one task owns all rows of every member.
             unsafe { p.rows(be, 0, p.w.rows()) };
@@ -994,6 +999,17 @@ pub fn matmul_serial(w: Weights<'_>, xs: &[f32], n: usize, ys: &mut [f32]) {
     }
     // SAFETY: one task owns all rows.
     unsafe { p.rows(backend(), 0, p.w.rows()) }
+}
+
+/// [`matmul_group`] entirely on the calling thread (members that read the same input share
+/// its activation image, as in a group), for callers that run several groups side by side as
+/// separate pool tasks (a routed expert's `w1` and `w3`). Every value is bit-identical to
+/// the members' own [`matmul`].
+///
+/// # Panics
+/// As [`matmul_group_with`], or if `DELTAFIN_KERNEL` is invalid.
+pub fn matmul_group_serial(products: &mut [GroupProduct<'_>]) {
+    group_with(backend(), products, false);
 }
 
 /// [`matmul_axpy_with`] on the selected backend.
