@@ -1391,3 +1391,66 @@ fn mxfp4_q16_lo_block_simd_equals_scalar() {
         assert_eq!(a, b, "block {t}");
     }
 }
+
+/// The fused AVX-512 q16 image builder gives the same image, bit for bit, as the portable
+/// per-block path (quantiser, second level, table scatter) for both level counts, ragged
+/// columns (a last block of 1–31 values takes the portable path in both) and blocks that
+/// are all zero, non-finite, tiny (the second level's step underflows), huge, or full of
+/// ties.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn mxfp4_q16_fused_image_equals_portable_image() {
+    use crate::mxfp4_q16::q16_image_with;
+    if !Backend::Avx512.is_supported() {
+        eprintln!("skipped: no AVX-512 on this CPU");
+        return;
+    }
+    let mut rng = Rng(0x0f05_ed16_1111);
+    for cols in [
+        32usize,
+        64,
+        96,
+        128,
+        160,
+        200,
+        416,
+        1000,
+        1024,
+        2048 + 96,
+        7168,
+    ] {
+        for n in 1..=3 {
+            let mut xs = q8_activations(&mut rng, n, cols);
+            let blocks = cols.div_ceil(32);
+            for (i, x) in xs.iter_mut().enumerate() {
+                let (row, c) = (i / cols, i % cols);
+                let blk = c / 32 + row;
+                *x = match blk % 8 {
+                    0 => 0.0,
+                    1 if c % 32 == 7 => f32::NAN,
+                    2 if c % 32 == 3 => f32::INFINITY,
+                    3 => *x * 1e-38,
+                    4 => *x * 3e38,
+                    5 => (c % 5) as f32 * 0.5 - 1.0,
+                    6 => -0.0,
+                    _ => *x,
+                };
+            }
+            assert!(blocks > 0);
+            for levels in 1..=2 {
+                let (a, ba, sa) = q16_image_with(&xs, cols, levels, true);
+                let (b, bb, sb) = q16_image_with(&xs, cols, levels, false);
+                assert_eq!(sa, sb);
+                let ra = &a[ba..ba + n * sa];
+                let rb = &b[bb..bb + n * sb];
+                for (i, (x, y)) in ra.iter().zip(rb).enumerate() {
+                    assert_eq!(
+                        x.to_bits(),
+                        y.to_bits(),
+                        "cols {cols} n {n} levels {levels} slot {i}: {x} vs {y}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -193,6 +193,105 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// [`crate::mxfp4_q16::BLOCK_COLUMN`] as `vpermw` indices.
+    static WORD_ORDER: [i16; 32] = {
+        let mut t = [0i16; 32];
+        let mut p = 0;
+        while p < 32 {
+            t[p] = crate::mxfp4_q16::BLOCK_COLUMN[p] as i16;
+            p += 1;
+        }
+        t
+    };
+
+    /// One whole 32-column block of the q16 image ([`crate::mxfp4_q16::q16_image`]): the
+    /// codes of [`q16_block`] (level 1) and [`q16_lo_block`] (level 2, when `codes` holds
+    /// two levels of 128 words) computed in registers with the same IEEE operations in the
+    /// same order, so bit-identical to them, then put in the span's word order with one
+    /// `vpermw` ([`crate::mxfp4_q16::BLOCK_COLUMN`]) and stored as four 16-byte pieces,
+    /// words `8k..8k+8` of each of the level's four code vectors. Returns the block scale
+    /// `s` (NaN, with all codes 0, for a block holding a non-finite value).
+    ///
+    /// # Safety
+    /// Requires AVX-512 F/BW/VL; `codes.len()` is 128 or 256 and `k < 4`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    pub(crate) unsafe fn q16_image_block(x: &[f32; 32], codes: &mut [i16], k: usize) -> f32 {
+        use crate::mxfp4_q16::LO_STEP;
+        debug_assert!(k < 4 && (codes.len() == 128 || codes.len() == 256));
+        let levels = codes.len() / 128;
+        // SAFETY: x holds 32 values; the stores write codes[128·lv + 32·j + 8k ..][..8],
+        // inside `codes` for lv < levels, j < 4, k < 4.
+        unsafe {
+            let x0 = _mm512_loadu_ps(x.as_ptr());
+            let x1 = _mm512_loadu_ps(x.as_ptr().add(16));
+            let abs = _mm512_set1_epi32(0x7fff_ffff);
+            let inf = _mm512_set1_epi32(0x7f80_0000);
+            let a0 = _mm512_and_si512(_mm512_castps_si512(x0), abs);
+            let a1 = _mm512_and_si512(_mm512_castps_si512(x1), abs);
+            let base = codes.as_mut_ptr();
+            let order = _mm512_loadu_si512(WORD_ORDER.as_ptr() as *const __m512i);
+            let store = |lv: usize, h0: __m512i, h1: __m512i| {
+                // 32 int16 codes in column order, then in the span's word order: word
+                // `8j + t` of the result is column BLOCK_COLUMN[8j + t].
+                let w = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm512_cvtepi32_epi16(h0)),
+                    _mm512_cvtepi32_epi16(h1),
+                );
+                let w = _mm512_permutexvar_epi16(order, w);
+                let dst = base.add(128 * lv + 8 * k);
+                _mm_storeu_si128(dst as *mut __m128i, _mm512_castsi512_si128(w));
+                _mm_storeu_si128(
+                    dst.add(32) as *mut __m128i,
+                    _mm512_extracti32x4_epi32::<1>(w),
+                );
+                _mm_storeu_si128(
+                    dst.add(64) as *mut __m128i,
+                    _mm512_extracti32x4_epi32::<2>(w),
+                );
+                _mm_storeu_si128(
+                    dst.add(96) as *mut __m128i,
+                    _mm512_extracti32x4_epi32::<3>(w),
+                );
+            };
+            let zero = _mm512_setzero_si512();
+            let bad = _mm512_cmpge_epi32_mask(a0, inf) | _mm512_cmpge_epi32_mask(a1, inf);
+            if bad != 0 {
+                for lv in 0..levels {
+                    store(lv, zero, zero);
+                }
+                return f32::NAN;
+            }
+            let absmax = _mm512_reduce_max_ps(_mm512_max_ps(
+                _mm512_castsi512_ps(a0),
+                _mm512_castsi512_ps(a1),
+            ));
+            let scale = if absmax == 0.0 { 1.0 } else { absmax / 32767.0 };
+            let sv = _mm512_set1_ps(scale);
+            let (mn, mx) = (_mm512_set1_epi32(-32767), _mm512_set1_epi32(32767));
+            let q = |v: __m512, d: __m512| {
+                _mm512_min_epi32(
+                    _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(v, d)), mn),
+                    mx,
+                )
+            };
+            let (h0, h1) = (q(x0, sv), q(x1, sv));
+            store(0, h0, h1);
+            if levels == 2 {
+                let step = scale * LO_STEP;
+                if step.is_normal() {
+                    let stepv = _mm512_set1_ps(step);
+                    let rest = |v: __m512, h: __m512i| {
+                        _mm512_sub_ps(v, _mm512_mul_ps(_mm512_cvtepi32_ps(h), sv))
+                    };
+                    store(1, q(rest(x0, h0), stepv), q(rest(x1, h1), stepv));
+                } else {
+                    store(1, zero, zero);
+                }
+            }
+            scale
+        }
+    }
+
     /// One 32-column block: `acc += scale · Σ (E2M1(even)·x_even + E2M1(odd)·x_odd)`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
