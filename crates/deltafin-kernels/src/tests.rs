@@ -1283,8 +1283,7 @@ fn avx512_mxfp4_q16_kernel_equals_scalar_reference_bitwise() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn mxfp4_tile_prefetch_distance_is_whole_tiles() {
-    use crate::tile::PREFETCH_BYTES;
-    use crate::x86::avx512::tile_prefetch_distance;
+    use crate::x86::avx512::{MXFP4_PREFETCH_BYTES as PREFETCH_BYTES, tile_prefetch_distance};
     for cols in [32, 512, 1024, 2048, 7168] {
         for nr in 1..=3 {
             // Packed bytes of `nr` rows: 16 per 32-column block.
@@ -1296,8 +1295,9 @@ fn mxfp4_tile_prefetch_distance_is_whole_tiles() {
         }
     }
     assert_eq!(tile_prefetch_distance(2 * 3584), 7168);
-    assert_eq!(tile_prefetch_distance(2 * 512), 2048);
-    assert_eq!(tile_prefetch_distance(3 * 512), 3072);
+    assert_eq!(tile_prefetch_distance(2 * 512), 6144);
+    assert_eq!(tile_prefetch_distance(3 * 1024), 6144);
+    assert_eq!(tile_prefetch_distance(2 * 2048), 8192);
 }
 
 /// When the q16 MXFP4 path is active (the default on AVX-512 VNNI, or

@@ -541,8 +541,10 @@ pub(crate) mod avx512 {
         xs: [&[f32]; NB],
     ) -> [[f32; NB]; NR] {
         // SAFETY: forwarded from the caller; the VBMI kernel runs only where the CPU has it.
+        // The 2 × 3 tile keeps the `vpshufb` decode: with `vpermb` it measured ≈ 10% slower
+        // (n = 3, one thread, in cache), the other shapes 0–4% faster.
         unsafe {
-            if vbmi_available() {
+            if NB != 3 && vbmi_available() {
                 q16_tile_vbmi::<LV, NR, NB>(packed, scales, xs)
             } else {
                 q16_tile_bw::<LV, NR, NB>(packed, scales, xs)
@@ -556,18 +558,24 @@ pub(crate) mod avx512 {
         *VBMI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vbmi"))
     }
 
+    /// Least software-prefetch distance of the MXFP4 tiles, in bytes. Measured from DRAM
+    /// (2 threads, n = 1, a contended machine, so ±20% per run): 6144 read ≈ 10% more than
+    /// 2048 at 1024 and 2048 columns (one 2-row tile there is 1–2 KiB, ≈ 250–500 cycles of
+    /// work, so 2048 bytes ahead was shorter than the memory latency), 12288 less again.
+    pub(crate) const MXFP4_PREFETCH_BYTES: usize = 6144;
+
     /// Prefetch distance in bytes of a register tile over `tile_bytes` of weights (its `NR`
-    /// consecutive rows): [`crate::tile::PREFETCH_BYTES`] rounded up to a whole number of
-    /// tiles. Row `r`'s prefetch then lands on the same column of row `r + k·NR`, which the
-    /// same register of a later tile reads, so every row of the stream is fetched ahead, each
-    /// line once. (A fixed 2048 bytes on 3584-byte rows, K3's 7168 columns, in 2-row tiles
-    /// sent the first row's prefetches past its end into the second row, already loaded, and
-    /// never fetched the first 2048 bytes of every other row: 0.55 → 0.73 × the read probe
-    /// from DRAM with this distance.)
+    /// consecutive rows): [`MXFP4_PREFETCH_BYTES`] rounded up to a whole number of tiles.
+    /// Row `r`'s prefetch then lands on the same column of row `r + k·NR`, which the same
+    /// register of a later tile reads, so every row of the stream is fetched ahead, each
+    /// line once. (The former fixed 2048 bytes on 3584-byte rows, K3's 7168 columns, in
+    /// 2-row tiles sent the first row's prefetches past its end into the second row, already
+    /// loaded, and never fetched the first 2048 bytes of every other row: 0.56 → 0.8–0.93 ×
+    /// the read probe from DRAM with whole tiles.)
     #[inline]
     pub(crate) fn tile_prefetch_distance(tile_bytes: usize) -> usize {
         let t = tile_bytes.max(1);
-        t * crate::tile::PREFETCH_BYTES.div_ceil(t)
+        t * MXFP4_PREFETCH_BYTES.div_ceil(t)
     }
 
     /// Constants of the `vpshufb` decode.
