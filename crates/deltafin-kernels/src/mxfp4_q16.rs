@@ -70,7 +70,7 @@ pub(crate) const fn column_word(c: usize) -> (usize, usize) {
 
 /// Block-relative column of word `t` (0…7) of block `k`'s part of code vector `j`:
 /// `BLOCK_COLUMN[8j + t]` = [`word_column`]`(j, 8k + t) − 32k`.
-const BLOCK_COLUMN: [usize; 32] = {
+pub(crate) const BLOCK_COLUMN: [usize; 32] = {
     let mut t = [0usize; 32];
     let mut i = 0;
     while i < 32 {
@@ -105,7 +105,27 @@ pub(crate) fn q16_image(
     cols: usize,
     levels: usize,
 ) -> (Cow<'static, [f32]>, usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    let fused = crate::dispatch::Backend::Avx512.is_supported();
+    #[cfg(not(target_arch = "x86_64"))]
+    let fused = false;
+    q16_image_with(xs, cols, levels, fused)
+}
+
+/// [`q16_image`], whole blocks through the fused AVX-512 block quantiser
+/// ([`crate::x86::avx512::q16_image_block`]: both levels in registers, one `vpermw` into
+/// the span's word order, four 16-byte stores per level) when `fused`, else (and for a
+/// ragged last block) through [`crate::matvec::q16_block`], [`lo_block`] and the table
+/// scatter. Both give the same image bit for bit.
+pub(crate) fn q16_image_with(
+    xs: &[f32],
+    cols: usize,
+    levels: usize,
+    fused: bool,
+) -> (Cow<'static, [f32]>, usize, usize) {
     assert!((1..=2).contains(&levels), "q16 image: 1 or 2 levels");
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = fused;
     let slots = span_slots(levels);
     let stride = cols.div_ceil(SPAN) * slots;
     let rows = xs.len().checked_div(cols).unwrap_or(0);
@@ -119,6 +139,18 @@ pub(crate) fn q16_image(
         for (blk, chunk) in src.chunks(GROUP).enumerate() {
             let (span, k) = (blk / 4, blk % 4);
             let sp = &mut dst[span * slots..(span + 1) * slots];
+            #[cfg(target_arch = "x86_64")]
+            if fused && let Ok(block) = <&[f32; GROUP]>::try_from(chunk) {
+                let (scales, codes) = sp.split_at_mut(16);
+                let codes: &mut [i16] = bytemuck::cast_slice_mut(codes);
+                // SAFETY: `fused` is set only where AVX-512 F/BW/VL are present; the span
+                // holds `levels` levels of 128 codes.
+                let s = unsafe {
+                    crate::x86::avx512::q16_image_block(block, &mut codes[..128 * levels], k)
+                };
+                scales[4 * k..4 * k + 4].fill(s / 512.0);
+                continue;
+            }
             hi.fill(0);
             let s = crate::matvec::q16_block(chunk, &mut hi[..chunk.len()]);
             sp[4 * k..4 * k + 4].fill(s / 512.0);

@@ -1177,22 +1177,29 @@ fn mxfp4_q16_scalar_reference_bounds_the_error() {
 }
 
 /// The AVX-512 VNNI q16 MXFP4 tile kernel equals the scalar reference bit for bit for both
-/// level counts, every tile shape (1–2 weight rows × 1–4 activation rows), 1…20 blocks
-/// (ragged last spans of 1–3 blocks) and K3-sized rows.
+/// level counts, both weight decodes (`vpshufb`; `vpermb` where the CPU has AVX-512 VBMI),
+/// every tile shape (1–3 weight rows × 1–4 activation rows), 1…20 blocks (ragged last spans
+/// of 1–3 blocks) and K3-sized rows.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avx512_mxfp4_q16_kernel_equals_scalar_reference_bitwise() {
     use crate::mxfp4_q16::q16_image;
-    use crate::x86::avx512::dot_mxfp4_q16_tile as tile;
+    use crate::x86::avx512::{dot_mxfp4_q16_tile, q16_tile_bw, q16_tile_vbmi, vbmi_available};
     if !Backend::Avx512.is_supported() || !crate::mxfp4_q8::vnni_available() {
         eprintln!("skipped: no AVX-512 VNNI on this CPU");
         return;
     }
+    let decodes: &[bool] = if vbmi_available() {
+        &[false, true]
+    } else {
+        eprintln!("AVX-512 VBMI absent: only the vpshufb decode is checked");
+        &[false]
+    };
     let mut rng = Rng(0x1616_abab_0101);
     let mut cols_list: Vec<usize> = (1..=20).map(|k| 32 * k).collect();
     cols_list.extend([7168, 2048 + 96]);
     for cols in cols_list {
-        let rows = 3;
+        let rows = 4;
         let m = mxfp4_matrix(&mut rng, rows, cols);
         let n = 4;
         let xs = q8_activations(&mut rng, n, cols);
@@ -1227,17 +1234,32 @@ fn avx512_mxfp4_q16_kernel_equals_scalar_reference_bitwise() {
                         let ps: [&[u8]; $nr] = std::array::from_fn(|i| p(r0 + i));
                         let ss: [&[u8]; $nr] = std::array::from_fn(|i| s(r0 + i));
                         let xb: [&[f32]; $nb] = std::array::from_fn(|b| x(b));
-                        // SAFETY: AVX-512 VNNI checked above; image rows cover every span
-                        // with `levels` levels.
+                        for &vbmi in decodes {
+                            // SAFETY: AVX-512 VNNI checked above, VBMI when `vbmi`; image
+                            // rows cover every span with `levels` levels.
+                            let got = unsafe {
+                                match (levels, vbmi) {
+                                    (2, true) => q16_tile_vbmi::<2, $nr, $nb>(ps, ss, xb),
+                                    (2, false) => q16_tile_bw::<2, $nr, $nb>(ps, ss, xb),
+                                    (_, true) => q16_tile_vbmi::<1, $nr, $nb>(ps, ss, xb),
+                                    (_, false) => q16_tile_bw::<1, $nr, $nb>(ps, ss, xb),
+                                }
+                            };
+                            let got: Vec<Vec<f32>> = got.iter().map(|v| v.to_vec()).collect();
+                            let what = format!("NR={} NB={} vbmi={vbmi}", $nr, $nb);
+                            check(r0, &got, &what);
+                        }
+                        // The dispatching entry point gives the same values.
+                        // SAFETY: as above.
                         let got = unsafe {
                             if levels == 2 {
-                                tile::<2, $nr, $nb>(ps, ss, xb)
+                                dot_mxfp4_q16_tile::<2, $nr, $nb>(ps, ss, xb)
                             } else {
-                                tile::<1, $nr, $nb>(ps, ss, xb)
+                                dot_mxfp4_q16_tile::<1, $nr, $nb>(ps, ss, xb)
                             }
                         };
                         let got: Vec<Vec<f32>> = got.iter().map(|v| v.to_vec()).collect();
-                        check(r0, &got, concat!("NR=", $nr, " NB=", $nb));
+                        check(r0, &got, concat!("dispatch NR=", $nr, " NB=", $nb));
                     }
                 }};
             }
@@ -1249,8 +1271,33 @@ fn avx512_mxfp4_q16_kernel_equals_scalar_reference_bitwise() {
             run!(2, 2);
             run!(2, 3);
             run!(2, 4);
+            run!(3, 1);
+            run!(3, 2);
+            run!(3, 4);
         }
     }
+}
+
+/// The MXFP4 tiles' prefetch distance is a whole number of tiles and at least the shared
+/// distance, so each row's prefetch lands on the same column of a later tile's row.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn mxfp4_tile_prefetch_distance_is_whole_tiles() {
+    use crate::x86::avx512::{MXFP4_PREFETCH_BYTES as PREFETCH_BYTES, tile_prefetch_distance};
+    for cols in [32, 512, 1024, 2048, 7168] {
+        for nr in 1..=3 {
+            // Packed bytes of `nr` rows: 16 per 32-column block.
+            let tile = nr * 16 * (cols / 32);
+            let d = tile_prefetch_distance(tile);
+            assert_eq!(d % tile, 0, "cols {cols} nr {nr}: {d}");
+            assert!(d >= PREFETCH_BYTES, "cols {cols} nr {nr}: {d}");
+            assert!(d < PREFETCH_BYTES + tile, "cols {cols} nr {nr}: {d}");
+        }
+    }
+    assert_eq!(tile_prefetch_distance(2 * 3584), 7168);
+    assert_eq!(tile_prefetch_distance(2 * 512), 6144);
+    assert_eq!(tile_prefetch_distance(3 * 1024), 6144);
+    assert_eq!(tile_prefetch_distance(2 * 2048), 8192);
 }
 
 /// When the q16 MXFP4 path is active (the default on AVX-512 VNNI, or
@@ -1342,5 +1389,68 @@ fn mxfp4_q16_lo_block_simd_equals_scalar() {
         lo_block(&x, &hi, s, &mut a);
         lo_block_scalar(&x, &hi, s, &mut b);
         assert_eq!(a, b, "block {t}");
+    }
+}
+
+/// The fused AVX-512 q16 image builder gives the same image, bit for bit, as the portable
+/// per-block path (quantiser, second level, table scatter) for both level counts, ragged
+/// columns (a last block of 1–31 values takes the portable path in both) and blocks that
+/// are all zero, non-finite, tiny (the second level's step underflows), huge, or full of
+/// ties.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn mxfp4_q16_fused_image_equals_portable_image() {
+    use crate::mxfp4_q16::q16_image_with;
+    if !Backend::Avx512.is_supported() {
+        eprintln!("skipped: no AVX-512 on this CPU");
+        return;
+    }
+    let mut rng = Rng(0x0f05_ed16_1111);
+    for cols in [
+        32usize,
+        64,
+        96,
+        128,
+        160,
+        200,
+        416,
+        1000,
+        1024,
+        2048 + 96,
+        7168,
+    ] {
+        for n in 1..=3 {
+            let mut xs = q8_activations(&mut rng, n, cols);
+            let blocks = cols.div_ceil(32);
+            for (i, x) in xs.iter_mut().enumerate() {
+                let (row, c) = (i / cols, i % cols);
+                let blk = c / 32 + row;
+                *x = match blk % 8 {
+                    0 => 0.0,
+                    1 if c % 32 == 7 => f32::NAN,
+                    2 if c % 32 == 3 => f32::INFINITY,
+                    3 => *x * 1e-38,
+                    4 => *x * 3e38,
+                    5 => (c % 5) as f32 * 0.5 - 1.0,
+                    6 => -0.0,
+                    _ => *x,
+                };
+            }
+            assert!(blocks > 0);
+            for levels in 1..=2 {
+                let (a, ba, sa) = q16_image_with(&xs, cols, levels, true);
+                let (b, bb, sb) = q16_image_with(&xs, cols, levels, false);
+                assert_eq!(sa, sb);
+                let ra = &a[ba..ba + n * sa];
+                let rb = &b[bb..bb + n * sb];
+                for (i, (x, y)) in ra.iter().zip(rb).enumerate() {
+                    assert_eq!(
+                        x.to_bits(),
+                        y.to_bits(),
+                        "cols {cols} n {n} levels {levels} slot {i}: {x} vs {y}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -193,6 +193,105 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// [`crate::mxfp4_q16::BLOCK_COLUMN`] as `vpermw` indices.
+    static WORD_ORDER: [i16; 32] = {
+        let mut t = [0i16; 32];
+        let mut p = 0;
+        while p < 32 {
+            t[p] = crate::mxfp4_q16::BLOCK_COLUMN[p] as i16;
+            p += 1;
+        }
+        t
+    };
+
+    /// One whole 32-column block of the q16 image ([`crate::mxfp4_q16::q16_image`]): the
+    /// codes of [`q16_block`] (level 1) and [`q16_lo_block`] (level 2, when `codes` holds
+    /// two levels of 128 words) computed in registers with the same IEEE operations in the
+    /// same order, so bit-identical to them, then put in the span's word order with one
+    /// `vpermw` ([`crate::mxfp4_q16::BLOCK_COLUMN`]) and stored as four 16-byte pieces,
+    /// words `8k..8k+8` of each of the level's four code vectors. Returns the block scale
+    /// `s` (NaN, with all codes 0, for a block holding a non-finite value).
+    ///
+    /// # Safety
+    /// Requires AVX-512 F/BW/VL; `codes.len()` is 128 or 256 and `k < 4`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    pub(crate) unsafe fn q16_image_block(x: &[f32; 32], codes: &mut [i16], k: usize) -> f32 {
+        use crate::mxfp4_q16::LO_STEP;
+        debug_assert!(k < 4 && (codes.len() == 128 || codes.len() == 256));
+        let levels = codes.len() / 128;
+        // SAFETY: x holds 32 values; the stores write codes[128·lv + 32·j + 8k ..][..8],
+        // inside `codes` for lv < levels, j < 4, k < 4.
+        unsafe {
+            let x0 = _mm512_loadu_ps(x.as_ptr());
+            let x1 = _mm512_loadu_ps(x.as_ptr().add(16));
+            let abs = _mm512_set1_epi32(0x7fff_ffff);
+            let inf = _mm512_set1_epi32(0x7f80_0000);
+            let a0 = _mm512_and_si512(_mm512_castps_si512(x0), abs);
+            let a1 = _mm512_and_si512(_mm512_castps_si512(x1), abs);
+            let base = codes.as_mut_ptr();
+            let order = _mm512_loadu_si512(WORD_ORDER.as_ptr() as *const __m512i);
+            let store = |lv: usize, h0: __m512i, h1: __m512i| {
+                // 32 int16 codes in column order, then in the span's word order: word
+                // `8j + t` of the result is column BLOCK_COLUMN[8j + t].
+                let w = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm512_cvtepi32_epi16(h0)),
+                    _mm512_cvtepi32_epi16(h1),
+                );
+                let w = _mm512_permutexvar_epi16(order, w);
+                let dst = base.add(128 * lv + 8 * k);
+                _mm_storeu_si128(dst as *mut __m128i, _mm512_castsi512_si128(w));
+                _mm_storeu_si128(
+                    dst.add(32) as *mut __m128i,
+                    _mm512_extracti32x4_epi32::<1>(w),
+                );
+                _mm_storeu_si128(
+                    dst.add(64) as *mut __m128i,
+                    _mm512_extracti32x4_epi32::<2>(w),
+                );
+                _mm_storeu_si128(
+                    dst.add(96) as *mut __m128i,
+                    _mm512_extracti32x4_epi32::<3>(w),
+                );
+            };
+            let zero = _mm512_setzero_si512();
+            let bad = _mm512_cmpge_epi32_mask(a0, inf) | _mm512_cmpge_epi32_mask(a1, inf);
+            if bad != 0 {
+                for lv in 0..levels {
+                    store(lv, zero, zero);
+                }
+                return f32::NAN;
+            }
+            let absmax = _mm512_reduce_max_ps(_mm512_max_ps(
+                _mm512_castsi512_ps(a0),
+                _mm512_castsi512_ps(a1),
+            ));
+            let scale = if absmax == 0.0 { 1.0 } else { absmax / 32767.0 };
+            let sv = _mm512_set1_ps(scale);
+            let (mn, mx) = (_mm512_set1_epi32(-32767), _mm512_set1_epi32(32767));
+            let q = |v: __m512, d: __m512| {
+                _mm512_min_epi32(
+                    _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(v, d)), mn),
+                    mx,
+                )
+            };
+            let (h0, h1) = (q(x0, sv), q(x1, sv));
+            store(0, h0, h1);
+            if levels == 2 {
+                let step = scale * LO_STEP;
+                if step.is_normal() {
+                    let stepv = _mm512_set1_ps(step);
+                    let rest = |v: __m512, h: __m512i| {
+                        _mm512_sub_ps(v, _mm512_mul_ps(_mm512_cvtepi32_ps(h), sv))
+                    };
+                    store(1, q(rest(x0, h0), stepv), q(rest(x1, h1), stepv));
+                } else {
+                    store(1, zero, zero);
+                }
+            }
+            scale
+        }
+    }
+
     /// One 32-column block: `acc += scale · Σ (E2M1(even)·x_even + E2M1(odd)·x_odd)`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
@@ -415,10 +514,15 @@ pub(crate) mod avx512 {
     /// weight rows × `NB` activation rows (see that module for the arithmetic and its error).
     ///
     /// Per 128-column span and weight row: one 64-byte load of codes (masked for a last span
-    /// of 1–3 blocks); low nibbles `v & 0x0F` and high nibbles `(v >> 4) & 0x0F` become the
-    /// signed bytes `2·E2M1` through `vpshufb`; `vpsllw 8` and `& 0xFF00` put the even and odd
-    /// bytes in the high half of each 16-bit word (the weight × 256). Per activation row and
-    /// level: four `vpdpwssd` give each dword lane (8 columns of one block) an exact int32
+    /// of 1–3 blocks) becomes four vectors of 32 words, each word the weight `2·E2M1` of
+    /// one column × 256 (the signed byte in the high half of the word): with AVX-512 VBMI
+    /// ([`q16_tile_vbmi`]) one `vpermb` per vector from a 64-entry table, after a
+    /// `vpsllw`/`vpsrlw` that moves the wanted nibble into the word's high byte (7 µops);
+    /// otherwise ([`q16_tile_bw`]) low nibbles `v & 0x0F` and high nibbles `(v >> 4) & 0x0F`
+    /// become the signed bytes through `vpshufb`, then `vpsllw 8` and `& 0xFF00` put the
+    /// even and odd bytes in the high halves (9 µops). Both give the same words, so the same
+    /// values. Weights are prefetched [`tile_prefetch_distance`] ahead. Per activation row
+    /// and level: four `vpdpwssd` give each dword lane (8 columns of one block) an exact int32
     /// sum, converted to f32 and multiplied by the lane's `s/512` (`· 2^−16` for the second
     /// level; the activation scale first, so a tiny E8M0 scale cannot flush the product to
     /// zero early), then multiplied into the accumulator of the span's parity with
@@ -431,111 +535,262 @@ pub(crate) mod avx512 {
     /// rows 16 bytes per block, image rows [`crate::mxfp4_q16::span_slots`]`(LV)` slots per
     /// span.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-    #[allow(clippy::needless_range_loop)] // `r`, `b` index weights, images and accumulators
     pub(crate) unsafe fn dot_mxfp4_q16_tile<const LV: usize, const NR: usize, const NB: usize>(
         packed: [&[u8]; NR],
         scales: [&[u8]; NR],
         xs: [&[f32]; NB],
     ) -> [[f32; NB]; NR] {
-        use crate::mxfp4_q16::{E2M1_X2, LO_STEP, span_slots};
-        let slots = span_slots(LV);
-        let nblk = scales[0].len();
-        let nspan = nblk.div_ceil(4);
-        let mut acc0 = [[_mm512_setzero_ps(); NB]; NR];
-        let mut acc1 = [[_mm512_setzero_ps(); NB]; NR];
-        // SAFETY: packed rows hold 16 bytes per block (the last span's load is masked to the
-        // blocks that exist); scale loads are masked likewise; each image row holds `slots`
-        // f32 slots per span.
+        // SAFETY: forwarded from the caller; the VBMI kernel runs only where the CPU has it.
+        // The 2 × 3 tile keeps the `vpshufb` decode: with `vpermb` it measured ≈ 10% slower
+        // (n = 3, one thread, in cache), the other shapes 0–4% faster.
         unsafe {
-            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_X2.as_ptr() as *const __m128i));
-            let m4 = _mm512_set1_epi8(0x0f);
-            let odd = _mm512_set1_epi16(0xff00_u16 as i16);
-            let quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-            let lo_step = _mm512_set1_ps(LO_STEP);
-            // One span into the accumulators `$acc` (a fixed array, so they stay in registers).
-            macro_rules! span {
-                ($span:expr, $k:expr, $sc:expr, $acc:ident) => {{
-                    let span = $span;
-                    let blocks = (nblk - 4 * span).min(4);
-                    let qidx = _mm512_add_epi32(_mm512_set1_epi32(4 * $k as i32), quarter);
-                    let mut w = [[_mm512_setzero_si512(); 4]; NR];
-                    let mut ws = [_mm512_setzero_ps(); NR];
-                    for r in 0..NR {
-                        let wp = packed[r].as_ptr().add(64 * span);
-                        crate::tile::prefetch(wp);
-                        let v = if blocks == 4 {
-                            _mm512_loadu_si512(wp as *const __m512i)
-                        } else {
-                            _mm512_maskz_loadu_epi8((1u64 << (16 * blocks)) - 1, wp as *const i8)
-                        };
-                        let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));
-                        let hi = _mm512_shuffle_epi8(
-                            lut,
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4),
-                        );
-                        w[r] = [
-                            _mm512_slli_epi16::<8>(lo),
-                            _mm512_and_si512(lo, odd),
-                            _mm512_slli_epi16::<8>(hi),
-                            _mm512_and_si512(hi, odd),
-                        ];
-                        ws[r] = _mm512_permutexvar_ps(qidx, $sc[r]);
-                    }
-                    for b in 0..NB {
-                        let xp = xs[b].as_ptr().add(slots * span);
-                        let ls = _mm512_loadu_ps(xp);
-                        let ls = [ls, _mm512_mul_ps(ls, lo_step)];
-                        for lv in 0..LV {
-                            let cp = xp.add(16 + 64 * lv);
-                            let a: [__m512i; 4] = std::array::from_fn(|j| {
-                                _mm512_loadu_si512(cp.add(16 * j) as *const __m512i)
-                            });
-                            for r in 0..NR {
-                                let i = _mm512_madd_epi16(w[r][0], a[0]);
-                                let i = dpwssd(i, w[r][1], a[1]);
-                                let i = dpwssd(i, w[r][2], a[2]);
-                                let i = dpwssd(i, w[r][3], a[3]);
-                                let f = _mm512_mul_ps(_mm512_cvtepi32_ps(i), ls[lv]);
-                                $acc[r][b] = _mm512_fmadd_ps(f, ws[r], $acc[r][b]);
-                            }
-                        }
-                    }
-                }};
-            }
-            let mut sp = 0;
-            while sp < nspan {
-                // Scales of up to four spans (16 blocks) at once.
-                let sc: [__m512; NR] = std::array::from_fn(|r| {
-                    scales16(scales[r].as_ptr().add(4 * sp), (nblk - 4 * sp).min(L))
-                });
-                if sp + 4 <= nspan {
-                    span!(sp, 0, sc, acc0);
-                    span!(sp + 1, 1, sc, acc1);
-                    span!(sp + 2, 2, sc, acc0);
-                    span!(sp + 3, 3, sc, acc1);
-                } else {
-                    for k in 0..nspan - sp {
-                        if k % 2 == 0 {
-                            span!(sp + k, k, sc, acc0);
-                        } else {
-                            span!(sp + k, k, sc, acc1);
-                        }
-                    }
-                }
-                sp += 4;
+            if NB != 3 && vbmi_available() {
+                q16_tile_vbmi::<LV, NR, NB>(packed, scales, xs)
+            } else {
+                q16_tile_bw::<LV, NR, NB>(packed, scales, xs)
             }
         }
-        let mut out = [[0f32; NB]; NR];
-        for r in 0..NR {
-            for b in 0..NB {
-                let mut v = [0f32; 16];
-                // SAFETY: v holds 16 f32.
-                unsafe { _mm512_storeu_ps(v.as_mut_ptr(), _mm512_add_ps(acc0[r][b], acc1[r][b])) };
-                out[r][b] = crate::scalar::reduce16(&v);
-            }
+    }
+
+    /// Whether this CPU has AVX-512 VBMI (`vpermb`), detected once.
+    pub(crate) fn vbmi_available() -> bool {
+        static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *VBMI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vbmi"))
+    }
+
+    /// Least software-prefetch distance of the MXFP4 tiles, in bytes. Measured from DRAM
+    /// (2 threads, n = 1, a contended machine, so ±20% per run): 6144 read ≈ 10% more than
+    /// 2048 at 1024 and 2048 columns (one 2-row tile there is 1–2 KiB, ≈ 250–500 cycles of
+    /// work, so 2048 bytes ahead was shorter than the memory latency), 12288 less again.
+    pub(crate) const MXFP4_PREFETCH_BYTES: usize = 6144;
+
+    /// Prefetch distance in bytes of a register tile over `tile_bytes` of weights (its `NR`
+    /// consecutive rows): [`MXFP4_PREFETCH_BYTES`] rounded up to a whole number of tiles.
+    /// Row `r`'s prefetch then lands on the same column of row `r + k·NR`, which the same
+    /// register of a later tile reads, so every row of the stream is fetched ahead, each
+    /// line once. (The former fixed 2048 bytes on 3584-byte rows, K3's 7168 columns, in
+    /// 2-row tiles sent the first row's prefetches past its end into the second row, already
+    /// loaded, and never fetched the first 2048 bytes of every other row: 0.56 → 0.8–0.93 ×
+    /// the read probe from DRAM with whole tiles.)
+    #[inline]
+    pub(crate) fn tile_prefetch_distance(tile_bytes: usize) -> usize {
+        let t = tile_bytes.max(1);
+        t * MXFP4_PREFETCH_BYTES.div_ceil(t)
+    }
+
+    /// Constants of the `vpshufb` decode.
+    macro_rules! setup_bw {
+        () => {{
+            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(
+                crate::mxfp4_q16::E2M1_X2.as_ptr() as *const __m128i
+            ));
+            (
+                lut,
+                _mm512_set1_epi8(0x0f),
+                _mm512_set1_epi16(0xff00_u16 as i16),
+            )
+        }};
+    }
+    /// The four weight-word vectors of one span's 64 code bytes `v` (`vpshufb` decode).
+    macro_rules! decode_bw {
+        ($v:expr, $c:expr) => {{
+            let v = $v;
+            let (lut, m4, odd) = $c;
+            let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));
+            let hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4));
+            [
+                _mm512_slli_epi16::<8>(lo),
+                _mm512_and_si512(lo, odd),
+                _mm512_slli_epi16::<8>(hi),
+                _mm512_and_si512(hi, odd),
+            ]
+        }};
+    }
+    /// `2·E2M1(i & 15)` for `i` in 0…63.
+    static E2M1_X2_64: [i8; 64] = {
+        let mut t = [0i8; 64];
+        let mut i = 0;
+        while i < 64 {
+            t[i] = crate::mxfp4_q16::E2M1_X2[i % 16];
+            i += 1;
+        }
+        t
+    };
+    /// Constants of the `vpermb` decode: the table `2·E2M1(i & 15)` for `i` in 0…63 (so
+    /// index bits 4–5 do not matter; `vpermb` ignores bits 6–7).
+    macro_rules! setup_vbmi {
+        () => {{
+            (
+                _mm512_loadu_si512(E2M1_X2_64.as_ptr() as *const __m512i),
+                0xAAAA_AAAA_AAAA_AAAA_u64,
+            )
+        }};
+    }
+
+    /// `vpermb` with a zero mask (`{k}{z}`) in one instruction: LLVM otherwise turns the
+    /// constant mask into a separate `vpandq`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    fn vpermb_high(k: u64, idx: __m512i, tab: __m512i) -> __m512i {
+        let out: __m512i;
+        // SAFETY: register-only instruction; callers are AVX-512 VBMI functions.
+        unsafe {
+            std::arch::asm!(
+                "vpermb {out} {{{k}}}{{z}}, {idx}, {tab}",
+                out = lateout(zmm_reg) out,
+                k = in(kreg) k,
+                idx = in(zmm_reg) idx,
+                tab = in(zmm_reg) tab,
+                options(pure, nomem, nostack, preserves_flags),
+            );
         }
         out
     }
+    /// The four weight-word vectors of one span's 64 code bytes `v` (`vpermb` decode), the
+    /// same words as [`decode_bw`]: word `m` of `v` is `b0 | b1 << 8` (`b0` the even byte);
+    /// `v << 8`, `v`, `v << 4` and `v >> 4` (16-bit shifts) hold the low nibble of `b0`, of
+    /// `b1`, the high nibble of `b0`, of `b1` in bits 8–11, where `vpermb` of the high byte
+    /// reads its index. The low byte must give 0: after `<< 8` it is 0 and after `<< 4` a
+    /// multiple of 16, both table entry `2·E2M1(0) = 0`; `v` and `v >> 4` keep a code
+    /// there, so those two `vpermb` zero the low bytes with a mask.
+    macro_rules! decode_vbmi {
+        ($v:expr, $c:expr) => {{
+            let v = $v;
+            let tab = $c;
+            let (tab, high) = tab;
+            [
+                _mm512_permutexvar_epi8(_mm512_slli_epi16::<8>(v), tab),
+                vpermb_high(high, v, tab),
+                _mm512_permutexvar_epi8(_mm512_slli_epi16::<4>(v), tab),
+                vpermb_high(high, _mm512_srli_epi16::<4>(v), tab),
+            ]
+        }};
+    }
+
+    /// The body of [`dot_mxfp4_q16_tile`] with a given weight decode.
+    macro_rules! q16_tile {
+        ($(#[$m:meta])* $name:ident, $feat:literal, $setup:ident, $decode:ident) => {
+            $(#[$m])*
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::needless_range_loop)] // `r`, `b` index weights, images and accumulators
+            pub(crate) unsafe fn $name<const LV: usize, const NR: usize, const NB: usize>(
+                packed: [&[u8]; NR],
+                scales: [&[u8]; NR],
+                xs: [&[f32]; NB],
+            ) -> [[f32; NB]; NR] {
+                use crate::mxfp4_q16::{LO_STEP, span_slots};
+                let slots = span_slots(LV);
+                let nblk = scales[0].len();
+                let nspan = nblk.div_ceil(4);
+                let mut acc0 = [[_mm512_setzero_ps(); NB]; NR];
+                let mut acc1 = [[_mm512_setzero_ps(); NB]; NR];
+                let pfd = tile_prefetch_distance(NR * 16 * nblk);
+                // SAFETY: packed rows hold 16 bytes per block (the last span's load is masked
+                // to the blocks that exist); scale loads are masked likewise; each image row
+                // holds `slots` f32 slots per span.
+                unsafe {
+                    let consts = $setup!();
+                    let quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+                    let lo_step = _mm512_set1_ps(LO_STEP);
+                    // One span into the accumulators `$acc` (a fixed array, so they stay in
+                    // registers).
+                    macro_rules! span {
+                        ($span:expr, $k:expr, $sc:expr, $acc:ident) => {{
+                            let span = $span;
+                            let blocks = (nblk - 4 * span).min(4);
+                            let qidx = _mm512_add_epi32(_mm512_set1_epi32(4 * $k as i32), quarter);
+                            let mut w = [[_mm512_setzero_si512(); 4]; NR];
+                            let mut ws = [_mm512_setzero_ps(); NR];
+                            for r in 0..NR {
+                                let wp = packed[r].as_ptr().add(64 * span);
+                                // A prefetch never faults: the address may lie past the
+                                // weights (wrapping arithmetic, never dereferenced).
+                                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pfd) as *const i8);
+                                let v = if blocks == 4 {
+                                    _mm512_loadu_si512(wp as *const __m512i)
+                                } else {
+                                    _mm512_maskz_loadu_epi8(
+                                        (1u64 << (16 * blocks)) - 1,
+                                        wp as *const i8,
+                                    )
+                                };
+                                w[r] = $decode!(v, consts);
+                                ws[r] = _mm512_permutexvar_ps(qidx, $sc[r]);
+                            }
+                            for b in 0..NB {
+                                let xp = xs[b].as_ptr().add(slots * span);
+                                let ls = _mm512_loadu_ps(xp);
+                                let ls = [ls, _mm512_mul_ps(ls, lo_step)];
+                                for lv in 0..LV {
+                                    let cp = xp.add(16 + 64 * lv);
+                                    let a: [__m512i; 4] = std::array::from_fn(|j| {
+                                        _mm512_loadu_si512(cp.add(16 * j) as *const __m512i)
+                                    });
+                                    for r in 0..NR {
+                                        let i = _mm512_madd_epi16(w[r][0], a[0]);
+                                        let i = dpwssd(i, w[r][1], a[1]);
+                                        let i = dpwssd(i, w[r][2], a[2]);
+                                        let i = dpwssd(i, w[r][3], a[3]);
+                                        let f = _mm512_mul_ps(_mm512_cvtepi32_ps(i), ls[lv]);
+                                        $acc[r][b] = _mm512_fmadd_ps(f, ws[r], $acc[r][b]);
+                                    }
+                                }
+                            }
+                        }};
+                    }
+                    let mut sp = 0;
+                    while sp < nspan {
+                        // Scales of up to four spans (16 blocks) at once.
+                        let sc: [__m512; NR] = std::array::from_fn(|r| {
+                            scales16(scales[r].as_ptr().add(4 * sp), (nblk - 4 * sp).min(L))
+                        });
+                        if sp + 4 <= nspan {
+                            span!(sp, 0, sc, acc0);
+                            span!(sp + 1, 1, sc, acc1);
+                            span!(sp + 2, 2, sc, acc0);
+                            span!(sp + 3, 3, sc, acc1);
+                        } else {
+                            for k in 0..nspan - sp {
+                                if k % 2 == 0 {
+                                    span!(sp + k, k, sc, acc0);
+                                } else {
+                                    span!(sp + k, k, sc, acc1);
+                                }
+                            }
+                        }
+                        sp += 4;
+                    }
+                }
+                let mut out = [[0f32; NB]; NR];
+                for r in 0..NR {
+                    for b in 0..NB {
+                        let mut v = [0f32; 16];
+                        // SAFETY: v holds 16 f32.
+                        unsafe {
+                            _mm512_storeu_ps(v.as_mut_ptr(), _mm512_add_ps(acc0[r][b], acc1[r][b]))
+                        };
+                        out[r][b] = crate::scalar::reduce16(&v);
+                    }
+                }
+                out
+            }
+        };
+    }
+
+    q16_tile!(
+        /// [`dot_mxfp4_q16_tile`] with the `vpshufb` decode (AVX-512 BW).
+        q16_tile_bw,
+        "avx512f,avx512bw,avx512vl,avx512vnni,fma",
+        setup_bw,
+        decode_bw
+    );
+    q16_tile!(
+        /// [`dot_mxfp4_q16_tile`] with the `vpermb` decode (AVX-512 VBMI).
+        q16_tile_vbmi,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma",
+        setup_vbmi,
+        decode_vbmi
+    );
 }
 
 /// AVX2 + FMA kernels.
