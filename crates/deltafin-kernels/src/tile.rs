@@ -38,6 +38,30 @@ use std::arch::x86_64::*;
 /// products from DRAM 14.3 → 19.0 GB/s (7168 columns) and 11.1 → 17.4 GB/s (1024).
 pub(crate) const PREFETCH_BYTES: usize = 2048;
 
+/// Prefetch distance of a register tile over `tile_bytes` of weights (its `NR` consecutive
+/// rows): [`PREFETCH_BYTES`] rounded up to a whole number of tiles, so that row `r`'s
+/// prefetch lands on the same column of row `r + k·NR`, which the same register of a later
+/// tile reads: every row is fetched ahead, each line once. A fixed distance that is not a
+/// multiple of the tile sends some rows' prefetches into a row the tile is already loading.
+/// Used by the row-int8 tiles: from DRAM, 2 threads, A B B A × 2 (session 6), 2816 columns
+/// 0.71–0.82 → 0.94–1.00 × the read probe, 7168 columns 0.91–0.94 → 0.95–1.04 ×, 512 and 1024
+/// columns unchanged (their 2-row tiles are already 1–2 KiB). The bf16 tiles keep the fixed
+/// distance: whole tiles measured no better at 1024 columns and worse at 7168 (0.79–0.89 against
+/// 0.95–1.11 ×: a 28 KiB distance).
+#[inline]
+pub(crate) fn tile_distance(tile_bytes: usize) -> usize {
+    let t = tile_bytes.max(1);
+    t * PREFETCH_BYTES.div_ceil(t)
+}
+
+/// Hint the line `dist` bytes after `p` into L1 (see [`prefetch`]).
+#[inline(always)]
+pub(crate) fn prefetch_at(p: *const u8, dist: usize) {
+    // SAFETY: PREFETCHT0 is SSE (baseline x86-64) and does not access memory
+    // architecturally.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(dist) as *const i8) };
+}
+
 /// Hint the line [`PREFETCH_BYTES`] after `p` into L1. A prefetch never faults, so the
 /// address may lie past the end of the weights (it is computed with wrapping arithmetic
 /// and never dereferenced).
@@ -118,6 +142,7 @@ pub(crate) unsafe fn dot_i8_q16_tile<const NR: usize, const NB: usize>(
 ) -> [[f32; NB]; NR] {
     let n = ws[0].len();
     let nblk = n.div_ceil(Q16_BLOCK);
+    let pfd = tile_distance(NR * n);
     let mut facc = [[_mm512_setzero_ps(); NB]; NR];
     // SAFETY: weight loads are in bounds or masked to columns < n; each image row holds
     // nblk scales and codes for whole 32-column steps (zero-padded).
@@ -154,7 +179,7 @@ pub(crate) unsafe fn dot_i8_q16_tile<const NR: usize, const NB: usize>(
             let mut c = c0;
             while c + 64 <= c1 {
                 for r in 0..NR {
-                    prefetch(ws[r].as_ptr().wrapping_add(c) as *const u8);
+                    prefetch_at(ws[r].as_ptr().wrapping_add(c) as *const u8, pfd);
                 }
                 step!(c, 0);
                 step!(c + 32, 1);
