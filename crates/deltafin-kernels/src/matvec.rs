@@ -568,6 +568,9 @@ type Image<'a> = (Cow<'a, [f32]>, usize, usize);
 /// One product ready to run: weights, activations in the kernel's layout, the output.
 struct Prepared<'a> {
     w: Weights<'a>,
+    /// `w`'s raw slices, fetched once (the byte owner's accessor is a dynamic call, and a
+    /// decode product runs its rows in many small pieces).
+    raw: Raw<'a>,
     xs: Cow<'a, [f32]>,
     base: usize,
     stride: usize,
@@ -623,6 +626,7 @@ impl<'a> Prepared<'a> {
         };
         Prepared {
             w,
+            raw: Raw::of(w),
             xs,
             base,
             stride,
@@ -657,7 +661,7 @@ impl<'a> Prepared<'a> {
         let n = self.n;
         let row_bytes = (self.w.weight_bytes() / self.w.rows().max(1)).max(1);
         let block = (ROW_BLOCK_BYTES / row_bytes).clamp(2, 64);
-        let raw = Raw::of(self.w);
+        let raw = self.raw;
         let mut rb = r0;
         while rb < r1 {
             let re = (rb + block).min(r1);
@@ -794,7 +798,7 @@ impl<'a> Prepared<'a> {
             return unsafe { self.rows_tiled(r0, r1) };
         }
         let (w, n, epi) = (self.w, self.n, self.epi);
-        let raw = Raw::of(w);
+        let raw = self.raw;
         let x = |b: usize| self.x(b);
         // Prefill tiling: a block of weight rows (about ROW_BLOCK_BYTES, cache-resident)
         // meets every activation tile before the next block, so the activations stream
