@@ -14,6 +14,7 @@
 pub mod attn;
 pub mod cuda;
 pub mod dispatch;
+pub mod gpu;
 pub mod kda_chunk;
 pub mod matvec;
 pub mod metal;

@@ -147,20 +147,7 @@ pub struct MlaParams {
     pub scale: f32,
 }
 
-/// Shapes of one MLA absorbed decode (k3-model.md §4.4).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MlaShape {
-    /// Heads `H`.
-    pub heads: usize,
-    /// `qk_nope_head_dim`.
-    pub nope: usize,
-    /// `qk_rope_head_dim`.
-    pub rope: usize,
-    /// `v_head_dim`.
-    pub v: usize,
-    /// `kv_lora_rank`.
-    pub kvl: usize,
-}
+pub use crate::gpu::MlaShape;
 
 impl MlaShape {
     /// The kernel parameters for `n` cached tokens, or `None` if a size exceeds 32 bits.
