@@ -57,6 +57,58 @@ pub trait CanaryDevice {
     ) -> Result<Vec<f32>, Self::Error>;
 }
 
+/// `impl CanaryDevice for $dev` by delegating to the backend's own inherent methods of the
+/// same names (`DeviceMatrix` and `MlaShape` in scope, errors `$err`). Used only by the
+/// device modules, which build with feature `cuda` or on macOS with feature `metal`.
+#[cfg_attr(
+    not(any(feature = "cuda", all(target_os = "macos", feature = "metal"))),
+    allow(unused_macros)
+)]
+macro_rules! impl_canary_device {
+    ($dev:ty, $err:ty) => {
+        impl $crate::gpu::CanaryDevice for $dev {
+            type Matrix = DeviceMatrix;
+            type Error = $err;
+            fn upload_weights(&self, w: $crate::matvec::Weights<'_>) -> Result<DeviceMatrix, $err> {
+                <$dev>::upload_weights(self, w)
+            }
+            fn matmul(&self, w: &DeviceMatrix, xs: &[f32], n: usize) -> Result<Vec<f32>, $err> {
+                <$dev>::matmul(self, w, xs, n)
+            }
+            fn kda_step(
+                &self,
+                h: usize,
+                d: usize,
+                state: &mut [f32],
+                q: &[f32],
+                k: &[f32],
+                v: &[f32],
+                g: &[f32],
+                beta: &[f32],
+            ) -> Result<Vec<f32>, $err> {
+                <$dev>::kda_step(self, h, d, state, q, k, v, g, beta)
+            }
+            fn mla_decode(
+                &self,
+                shape: MlaShape,
+                tokens: usize,
+                q: &[f32],
+                kv_b: &[deltafin_tensor::bf16],
+                latent: &[deltafin_tensor::bf16],
+                tail: &[deltafin_tensor::bf16],
+                gate: &[f32],
+            ) -> Result<Vec<f32>, $err> {
+                <$dev>::mla_decode(self, shape, tokens, q, kv_b, latent, tail, gate)
+            }
+        }
+    };
+}
+#[cfg_attr(
+    not(any(feature = "cuda", all(target_os = "macos", feature = "metal"))),
+    allow(unused_imports)
+)]
+pub(crate) use impl_canary_device;
+
 /// Deterministic test values in (−1, 1).
 fn pattern(i: usize, salt: usize) -> f32 {
     let x = (i

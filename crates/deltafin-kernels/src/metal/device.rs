@@ -677,41 +677,7 @@ impl MetalDevice {
     }
 }
 
-impl crate::gpu::CanaryDevice for MetalDevice {
-    type Matrix = DeviceMatrix;
-    type Error = MetalError;
-    fn upload_weights(&self, w: Weights<'_>) -> Result<DeviceMatrix, MetalError> {
-        MetalDevice::upload_weights(self, w)
-    }
-    fn matmul(&self, w: &DeviceMatrix, xs: &[f32], n: usize) -> Result<Vec<f32>, MetalError> {
-        MetalDevice::matmul(self, w, xs, n)
-    }
-    fn kda_step(
-        &self,
-        h: usize,
-        d: usize,
-        state: &mut [f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        g: &[f32],
-        beta: &[f32],
-    ) -> Result<Vec<f32>, MetalError> {
-        MetalDevice::kda_step(self, h, d, state, q, k, v, g, beta)
-    }
-    fn mla_decode(
-        &self,
-        shape: MlaShape,
-        tokens: usize,
-        q: &[f32],
-        kv_b: &[bf16],
-        latent: &[bf16],
-        tail: &[bf16],
-        gate: &[f32],
-    ) -> Result<Vec<f32>, MetalError> {
-        MetalDevice::mla_decode(self, shape, tokens, q, kv_b, latent, tail, gate)
-    }
-}
+crate::gpu::impl_canary_device!(MetalDevice, MetalError);
 
 /// The doctor's device canaries ([`crate::gpu::canaries`] on this device).
 pub fn canaries(dev: &MetalDevice) -> Vec<(String, Result<f64, String>)> {
