@@ -1,5 +1,5 @@
 //! Speculative decoding on `mini` (a synthesized, memory-bound K3: hidden 1024, 24 layers,
-//! 64 experts top-8, the real vocabulary; 0.85 GB of weights read per decoded token): the
+//! 128 experts top-8, the real vocabulary; 0.85 GB of weights read per decoded token): the
 //! cost of a verify pass against a decode step, and the speed-up of drafters built to agree
 //! with the target (recorded in docs/PERFORMANCE.md, "Speculative decoding on mini").
 //!

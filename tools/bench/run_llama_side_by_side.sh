@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # deltafin vs llama.cpp on the synthesized `mini` K3 checkpoint (same threads, prompts, formats):
-# builds the release binary, synthesizes mini (1.7 GB) when absent, reuses or creates the
+# builds the release binary, synthesizes mini (2.35 GB) when absent, reuses or creates the
 # llama.cpp oracle venv (tools/oracle/run_llama_oracle.sh documents it; ~25 min to build), converts
 # the checkpoint to GGUF (bf16 spine, MXFP4 experts) once and runs llama_side_by_side.py.
 #

@@ -26,7 +26,7 @@ struct Cli {
 enum Preset {
     /// ≈ 36 MB, 14 layers, hidden 48, real vocabulary (tests).
     Tiny,
-    /// ≈ 1.7 GB, 24 layers, hidden 1024, 64 experts (benchmarks).
+    /// ≈ 2.35 GB, 24 layers, hidden 1024, 128 experts top-8 (benchmarks).
     Mini,
     /// Routed experts exceed `--ram-gb` (streaming benchmarks).
     Stream,

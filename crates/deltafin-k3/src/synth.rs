@@ -120,8 +120,8 @@ impl SynthDims {
         }
     }
 
-    /// ≈ 1.7 GB, for benchmarks: hidden 1024, 24 layers, 64 experts top-8, latent and
-    /// expert width 512, KDA 8×128, MLA 8 heads.
+    /// ≈ 2.35 GB (issue #4 asks for a `mini` of at least 2 GB), for benchmarks: hidden 1024,
+    /// 24 layers, 128 experts top-8, latent and expert width 512, KDA 8×128, MLA 8 heads.
     pub fn mini() -> SynthDims {
         SynthDims {
             hidden: 1024,
@@ -137,7 +137,7 @@ impl SynthDims {
             qk_nope: 64,
             qk_rope: 32,
             v_head: 64,
-            experts: 64,
+            experts: 128,
             top_k: 8,
             shared_experts: 2,
             latent: 512,
