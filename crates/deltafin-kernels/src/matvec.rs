@@ -42,16 +42,17 @@ const BF16_WIDE_TILE: usize = 6;
 /// either way.
 #[cfg(target_arch = "x86_64")]
 const MXFP4_WIDE_ROWS: usize = 3;
-/// Row-int8 matrix-vector products (one activation row) with rows of at most this many
-/// columns take 4-row register tiles instead of 2-row ones: the per-tile work (row slices,
-/// the final reductions, the row scales, the epilogue) is shared by twice the bytes, and the
-/// whole-tile prefetch distance becomes 4 KiB. From DRAM, 1024 columns, 2 threads
-/// (`kernel-point row-int8 --cols 1024 --bytes 2M --count 256`, alternated, session 7):
-/// 20.8–21.5 → 22.6–24.1 GB/s; wider rows keep 2-row tiles (7168 columns: 4-row tiles put the
-/// prefetch 28 KiB ahead and measured 19.5 against 23.5 GB/s). Every value is the same either
-/// way (each output row has its own accumulators).
+/// Row-int8 and bf16 matrix-vector products (one activation row) with rows of at most this
+/// many columns take 4-row register tiles instead of 2-row ones: the per-tile work (row
+/// slices, the final reductions, the row scales, the epilogue) is shared by twice the bytes,
+/// and the whole-tile prefetch distance grows with the tile (row-int8 4 KiB, bf16 8 KiB).
+/// Row-int8 from DRAM, 1024 columns, 2 threads (`kernel-point row-int8 --cols 1024 --bytes 2M
+/// --count 256`, alternated, session 7): 20.8–21.5 → 22.6–24.1 GB/s; `mini` decode, A B B A:
+/// int8 spine 1.06 ×, bf16 spine 1.04–1.05 ×. Wider rows keep 2-row tiles (7168 columns: 4-row
+/// int8 tiles put the prefetch 28 KiB ahead and measured 19.5 against 23.5 GB/s). Every value
+/// is the same either way (each output row has its own accumulators).
 #[cfg(target_arch = "x86_64")]
-const INT8_TALL_TILE_MAX_COLS: usize = 1024;
+const TALL_TILE_MAX_COLS: usize = 1024;
 /// Weight bytes of one row block in batched products (kept in L2 while every activation tile
 /// passes over it).
 const ROW_BLOCK_BYTES: usize = 96 * 1024;
@@ -688,8 +689,8 @@ impl<'a> Prepared<'a> {
                 let nb = (n - b).min(BATCH_TILE);
                 let mut r = rb;
                 if nb == 1
-                    && matches!(raw, Raw::RowInt8(..))
-                    && self.w.cols() <= INT8_TALL_TILE_MAX_COLS
+                    && matches!(raw, Raw::RowInt8(..) | Raw::Bf16(..))
+                    && self.w.cols() <= TALL_TILE_MAX_COLS
                 {
                     while r + 4 <= re {
                         // SAFETY: forwarded from the caller; r + 4 <= re <= r1, b < n.

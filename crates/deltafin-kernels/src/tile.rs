@@ -61,17 +61,17 @@ fn whole_tiles(tile_bytes: usize, at_least: usize) -> usize {
 }
 
 /// Prefetch distance of a bf16 tile of `NR` rows of `n` values against `NB` activation rows.
-/// Decode tiles (`NB = 1`) of at most 4 KiB prefetch whole tiles, at least 4 KiB ahead: with
-/// the fixed 2 KiB, a 2-row tile of 1024-column rows sends its first row's prefetches into
-/// its own second row, so half of them are wasted and the other row runs one tile ahead
-/// only. Measured on `mini` (1024- and 512-column products), bf16 decode A B B A × 4,
-/// session 7: 20.2 → 23.0 token/s; 3 and 8 KiB measured the same as 4. Wider rows (a 7168-
-/// column row is 14 KiB: the fixed distance stays inside the row) and batched tiles keep
+/// Decode tiles (`NB = 1`) of at most 8 KiB prefetch whole tiles, at least 4 KiB ahead: with
+/// the fixed 2 KiB, a 2-row tile of 1024-column rows sent its first row's prefetches into its
+/// own second row, so half of them were wasted and the other row ran one tile ahead only.
+/// Measured on `mini` (1024- and 512-column products), bf16 decode A B B A × 4, session 7:
+/// 20.2 → 23.0 token/s; 3 and 8 KiB measured the same as 4. Wider rows (a 7168-column row is
+/// 14 KiB: the fixed distance stays inside the row) and batched tiles keep
 /// [`PREFETCH_BYTES`], which measured better there.
 #[inline]
 fn bf16_distance<const NR: usize, const NB: usize>(n: usize) -> usize {
     let tile = NR * n * 2;
-    if NB == 1 && tile <= 4096 {
+    if NB == 1 && tile <= 8192 {
         whole_tiles(tile, 4096)
     } else {
         PREFETCH_BYTES
