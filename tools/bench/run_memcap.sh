@@ -12,7 +12,10 @@
 # Env: MINI (/work/mini-k3, read only: runs use a symlink view in /tmp), GGUF
 # (/work/mini-k3.bf16.gguf), PY (/work/oracle/venv/bin/python, llama-cpp-python 0.3.36),
 # BIN (target/release/deltafin), CAP_GB (1.3), BUDGET_GB (deltafin --memory-budget-gb, 1.2),
-# SPINE (int8), TOKENS (16 decode tokens), REPS (2 per engine, even), THREADS (2).
+# SPINE (int8), TOKENS (16 decode tokens), REPS (2 per engine, even), THREADS (2),
+# LLAMA_REPACK (1; 0 = llama.cpp keeps every weight in the mmap instead of repacking the MXFP4
+# experts into anonymous memory — with repacking, llama.cpp's anonymous memory alone is 1.38 GB
+# on the 2.35 GB `mini` and a 1.2 GB cap kills it).
 # cgroup v1 memory controller where mounted (root); else `systemd-run --scope -p MemoryMax=`.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -60,10 +63,20 @@ fi
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "note: page cache not dropped" >&2; }
 
 cat > "$WORK/llama.py" <<'EOF'
-import sys, time
+import os, sys, time
 import numpy as np
+import llama_cpp.llama_cpp as lc
 from llama_cpp import Llama
 gguf, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if os.environ.get("LLAMA_REPACK", "1") == "0":
+    # llama.cpp repacks MXFP4 (and other) weights into anonymous CPU buffers for its AVX-512
+    # kernels: those bytes are no longer mmap'd. LLAMA_REPACK=0 keeps every weight in the mmap.
+    default_params = lc.llama_model_default_params
+    def no_repack():
+        p = default_params()
+        p.use_extra_bufts = False
+        return p
+    lc.llama_model_default_params = no_repack
 llm = Llama(model_path=gguf, n_ctx=512, n_batch=512, logits_all=True, use_mmap=True,
             n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
 ids = llm.tokenize(prompt.encode(), add_bos=False, special=False)
