@@ -419,7 +419,11 @@ mod tests {
 
     fn bf16_matrix(rows: usize, cols: usize, seed: u32) -> Bf16Matrix {
         let v: Vec<bf16> = (0..rows * cols)
-            .map(|i| bf16::from_f32(((i as u32 * 2654435761 ^ seed) % 97) as f32 / 48.0 - 1.0))
+            .map(|i| {
+                bf16::from_f32(
+                    (((i as u32).wrapping_mul(2654435761) ^ seed) % 97) as f32 / 48.0 - 1.0,
+                )
+            })
             .collect();
         Bf16Matrix::from_values(rows, cols, &v).unwrap()
     }
