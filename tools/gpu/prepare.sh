@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the GPU check bundle on a CPU machine: the release test binary of the CUDA kernel
-# tests and precompiled PTX (for GPU machines without NVRTC). Writes target/gpu-bundle/.
+# tests, precompiled PTX (for GPU machines without NVRTC), the release `deltafin` and a tiny
+# synthesized checkpoint for the forward-pass check. Writes target/gpu-bundle/.
 # Needs the pip wheels nvidia-cuda-nvrtc-cu12 + nvidia-cuda-nvcc-cu12 in $DELTAFIN_CUDA_PYTHON
 # (default python3), e.g. python3 -m venv /work/cuda-venv && /work/cuda-venv/bin/pip install
 # nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12.
@@ -19,6 +20,12 @@ for l in sys.stdin:
         print(m["executable"])')
 cp "$exe" "$bundle/cuda_device"
 strip "$bundle/cuda_device" 2>/dev/null || true
+# The K3 forward-pass check (check.sh `model_on_device`): the release binary and a tiny
+# synthesized checkpoint (real vocabulary and tokenizer, hidden 48, 14 layers).
+cargo build --locked --release -p deltafin-cli 2>&1 | tail -1
+cp target/release/deltafin "$bundle/deltafin"
+strip "$bundle/deltafin" 2>/dev/null || true
+cargo xtask synth --preset tiny --seed 7 --out "$bundle/model" 2>&1 | tail -1
 git rev-parse HEAD > "$bundle/commit"
 du -sh "$bundle"/* | sed 's/^/  /'
 echo "bundle ready: $bundle (carry it to the GPU machine, then run tools/gpu/check.sh)"

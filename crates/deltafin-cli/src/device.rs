@@ -1,23 +1,31 @@
 //! Compute device selection: `--device auto|cpu|mps|cuda|cuda:N` (`K3_DEV`) and
 //! `--expert-backend auto|cpu|metal|cuda` (`K3_MOE`), product-contract §1.3/§1.4.
 //!
-//! Selection is capability-gated: `auto` picks a GPU only for work that has a GPU path in this
-//! build, and asking for a backend that cannot run is an error naming what is missing (the
-//! feature, the driver library, the device, or the model path). The K3 forward pass has no
-//! GPU path yet (the CUDA kernels exist in `deltafin_kernels::cuda` and are checked, but are
-//! not wired into the model), so `auto` resolves to the CPU and an explicit GPU request is an
-//! error that says what was found and what would not run there: deltafin never runs on the
-//! CPU while claiming a GPU. The same holds for Metal (`deltafin_kernels::metal`, macOS with
-//! feature `metal`): `--device mps` names the Mac's GPU when it finds one, then refuses.
+//! Selection is capability-gated: asking for a backend that cannot run is an error naming
+//! what is missing (the feature, the driver library, the device, the kernels, or the model
+//! path); deltafin never runs on the CPU while claiming a GPU.
+//!
+//! CUDA (issue 11, `deltafin_kernels::cuda::CudaProducts`): `--device cuda[:N]` opens the
+//! device (NVRTC compiles the kernels) and the session offloads the spine to it while it fits
+//! (`deltafin_k3::offload`); `--expert-backend cuda` runs the routed experts' products there
+//! through a device expert cache; with `--device cuda`, `--expert-backend auto` follows the
+//! device. `auto` stays on the CPU: the CUDA path is tested through a CPU stand-in device
+//! but has not yet run the model on a GPU, so it is not chosen without being asked for.
+//!
+//! Metal (`deltafin_kernels::metal`, macOS with feature `metal`): `--device mps` names the
+//! Mac's GPU when it finds one, then refuses — the forward pass has no Metal path.
+
+use std::sync::Arc;
 
 use anyhow::{Result, anyhow, bail};
+use deltafin_kernels::ProductDevice;
 
 use crate::session::env_var;
 
 /// What `--device` / `K3_DEV` asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DeviceRequest {
-    /// The best device with a model path: the CPU in this build.
+    /// The CPU (a GPU only when asked for: the CUDA path is untested on hardware).
     #[default]
     Auto,
     /// The CPU.
@@ -31,7 +39,7 @@ pub enum DeviceRequest {
 /// What `--expert-backend` / `K3_MOE` asks for (where routed-expert products run).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ExpertBackendRequest {
-    /// Follow the device: the CPU in this build.
+    /// Follow the device: CUDA with `--device cuda[:N]`, else the CPU.
     #[default]
     Auto,
     /// The CPU kernels.
@@ -173,60 +181,101 @@ fn metal_request(flag: &str, what: &str) -> anyhow::Error {
     }
 }
 
-/// Decide where the model runs. Returns the description for the startup line, or an error
-/// naming what is missing for an explicit request that cannot be honoured.
-pub fn select(device: DeviceRequest, experts: ExpertBackendRequest) -> Result<String> {
-    let no_path = |flag: &str, found: &str, what: &str| {
-        anyhow!(
-            "{flag}: found {found}, but {what} has no CUDA path in this build: the CUDA kernels \
-             (deltafin_kernels::cuda — MXFP4/bf16/int8 products, KDA step, MLA decode) are \
-             compiled and tested but not yet wired into the K3 forward pass, so nothing of the \
-             model would run on the GPU. Use --device cpu (or auto) and --expert-backend cpu (or auto)"
-        )
-    };
+/// Where the model's products run, decided before loading ([`select`]).
+#[derive(Clone, Default)]
+pub struct Placement {
+    /// The startup line (`device=cpu`, `device=cuda:0 NVIDIA … (spine, experts)`).
+    pub line: String,
+    /// The device products are offloaded to; `None`: everything runs on the CPU.
+    pub device: Option<Arc<dyn ProductDevice>>,
+    /// Offload the spine to `device` (`--device cuda[:N]`).
+    pub spine: bool,
+    /// Run the routed experts' products on `device` (`--expert-backend cuda`, or `auto`
+    /// with `--device cuda[:N]`).
+    pub experts: bool,
+}
+
+impl std::fmt::Debug for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Placement")
+            .field("line", &self.line)
+            .field("spine", &self.spine)
+            .field("experts", &self.experts)
+            .finish()
+    }
+}
+
+/// Open `cuda:ordinal` for products (kernels compiled by NVRTC, or `DELTAFIN_CUDA_PTX_DIR`).
+#[cfg(feature = "cuda")]
+fn open_cuda(flag: &str, found: &str, ordinal: usize) -> Result<Arc<dyn ProductDevice>> {
+    let dev = deltafin_kernels::cuda::CudaProducts::open(ordinal).map_err(|e| {
+        anyhow!("{flag}: found {found}, but could not open it for the K3 forward pass: {e}")
+    })?;
+    Ok(Arc::new(dev))
+}
+
+/// Without the `cuda` feature [`find_cuda`] has already refused.
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(flag: &str, _found: &str, _ordinal: usize) -> Result<Arc<dyn ProductDevice>> {
+    bail!("{flag}: this deltafin was built without the `cuda` feature")
+}
+
+/// Decide where the model runs: open the CUDA device when one is asked for (an error names
+/// what is missing: the feature, libcuda, the device, the kernels), refuse Metal with its
+/// reason, or the CPU.
+pub fn select(device: DeviceRequest, experts: ExpertBackendRequest) -> Result<Placement> {
     let ordinal = match device {
         DeviceRequest::Cuda(n) => n.unwrap_or(0),
         _ => 0,
     };
-    match device {
-        DeviceRequest::Auto | DeviceRequest::Cpu => {}
-        DeviceRequest::Mps => {
-            return Err(metal_request(
-                "--device mps",
-                "the K3 forward pass (spine, attention, experts)",
-            ));
-        }
-        DeviceRequest::Cuda(_) => {
-            let flag = format!("--device cuda:{ordinal}");
-            let found = find_cuda(&flag, ordinal)?;
-            return Err(no_path(
-                &flag,
-                &found,
-                "the K3 forward pass (spine, attention, experts)",
-            ));
-        }
+    if device == DeviceRequest::Mps {
+        return Err(metal_request(
+            "--device mps",
+            "the K3 forward pass (spine, attention, experts)",
+        ));
     }
-    match experts {
-        ExpertBackendRequest::Auto | ExpertBackendRequest::Cpu => {}
-        ExpertBackendRequest::Metal => {
-            return Err(metal_request(
-                "--expert-backend metal",
-                "the routed-expert MoE path",
-            ));
-        }
-        ExpertBackendRequest::Cuda => {
-            let flag = "--expert-backend cuda";
-            let found = find_cuda(flag, ordinal)?;
-            return Err(no_path(flag, &found, "the routed-expert MoE path"));
-        }
+    if experts == ExpertBackendRequest::Metal {
+        return Err(metal_request(
+            "--expert-backend metal",
+            "the routed-expert MoE path",
+        ));
     }
-    Ok(match device {
-        DeviceRequest::Auto => {
-            "device=cpu (auto: the K3 forward pass runs on the CPU in this build)"
-        }
-        _ => "device=cpu",
+    let spine = matches!(device, DeviceRequest::Cuda(_));
+    let on_cuda = match experts {
+        ExpertBackendRequest::Cuda => true,
+        ExpertBackendRequest::Auto => spine,
+        ExpertBackendRequest::Cpu | ExpertBackendRequest::Metal => false,
+    };
+    if !spine && !on_cuda {
+        return Ok(Placement {
+            line: match device {
+                DeviceRequest::Auto => {
+                    "device=cpu (auto: a GPU is used only when asked for, --device cuda)"
+                }
+                _ => "device=cpu",
+            }
+            .to_string(),
+            ..Placement::default()
+        });
     }
-    .to_string())
+    let flag = if spine {
+        format!("--device cuda:{ordinal}")
+    } else {
+        "--expert-backend cuda".to_string()
+    };
+    let found = find_cuda(&flag, ordinal)?;
+    let dev = open_cuda(&flag, &found, ordinal)?;
+    let what = match (spine, on_cuda) {
+        (true, true) => "spine and routed experts",
+        (true, false) => "spine; routed experts on the CPU",
+        _ => "routed experts; spine on the CPU",
+    };
+    Ok(Placement {
+        line: format!("device={} ({what})", dev.describe()),
+        device: Some(dev),
+        spine,
+        experts: on_cuda,
+    })
 }
 
 #[cfg(test)]
@@ -254,15 +303,12 @@ mod tests {
 
     #[test]
     fn cpu_and_auto_select_the_cpu() {
-        assert_eq!(
-            select(DeviceRequest::Cpu, ExpertBackendRequest::Cpu).unwrap(),
-            "device=cpu"
-        );
-        assert!(
-            select(DeviceRequest::Auto, ExpertBackendRequest::Auto)
-                .unwrap()
-                .starts_with("device=cpu (auto")
-        );
+        let p = select(DeviceRequest::Cpu, ExpertBackendRequest::Cpu).unwrap();
+        assert_eq!(p.line, "device=cpu");
+        assert!(p.device.is_none() && !p.spine && !p.experts);
+        let p = select(DeviceRequest::Auto, ExpertBackendRequest::Auto).unwrap();
+        assert!(p.line.starts_with("device=cpu (auto"), "{}", p.line);
+        assert!(p.device.is_none());
     }
 
     #[test]
@@ -271,19 +317,24 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.starts_with("--device cuda:7: "), "{e}");
-        // Whatever this machine has, the message names the missing piece.
+        // Whatever this machine has, the message names the missing piece (no machine in CI
+        // has eight GPUs).
         assert!(
             e.contains("built without the `cuda` feature")
                 || e.contains("libcuda")
                 || e.contains("no CUDA device")
-                || e.contains("does not exist")
-                || e.contains("no CUDA path"),
+                || e.contains("does not exist"),
             "{e}"
         );
-        let e = select(DeviceRequest::Cpu, ExpertBackendRequest::Cuda)
-            .unwrap_err()
-            .to_string();
-        assert!(e.starts_with("--expert-backend cuda: "), "{e}");
+        // Without a device (CI), asking for CUDA experts names what is missing; on a GPU
+        // machine it opens cuda:0.
+        match select(DeviceRequest::Cpu, ExpertBackendRequest::Cuda) {
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.starts_with("--expert-backend cuda: "), "{e}");
+            }
+            Ok(p) => assert!(p.experts && !p.spine && p.device.is_some()),
+        }
         let e = select(DeviceRequest::Mps, ExpertBackendRequest::Auto)
             .unwrap_err()
             .to_string();

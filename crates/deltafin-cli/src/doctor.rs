@@ -302,8 +302,9 @@ fn runtime_checks(r: &mut Report) {
     }
 }
 
-/// GPU backends compiled in and the devices they find (information only: the model runs on
-/// the CPU in this build, see `--device`).
+/// GPU backends compiled in, the devices they find and the device path of the model
+/// (information only: the model runs on a GPU only when `--device cuda` / `--expert-backend
+/// cuda` asks for it).
 fn gpu_checks(r: &mut Report) {
     let mut compiled: Vec<&str> = Vec::new();
     if cfg!(feature = "cuda") {
@@ -334,13 +335,25 @@ fn gpu_checks(r: &mut Report) {
         (Err(e), true) => format!("Metal compiled in (untested on Apple hardware); no device: {e}"),
         (Err(e), false) => format!("Metal not built: {e}"),
     };
+    let path = if cfg!(feature = "cuda") {
+        "device path: --device cuda[:N] offloads the spine (and, with --expert-backend \
+         auto|cuda, the routed experts) to a CUDA device, tested through a CPU stand-in but not \
+         yet on a GPU; --device auto stays on the CPU; no Metal path"
+    } else {
+        "device path: the CPU only (no `cuda` feature); no Metal path"
+    };
+    r.facts.insert(
+        "device_path".into(),
+        json!(if cfg!(feature = "cuda") {
+            "cpu (auto), cuda on request"
+        } else {
+            "cpu"
+        }),
+    );
     r.add(
         "gpu backends",
         Status::Info,
-        format!(
-            "{cuda}; {metal_detail}; the K3 forward pass runs on the CPU in this build (no GPU \
-             path yet)"
-        ),
+        format!("{cuda}; {metal_detail}; {path}"),
     );
     #[cfg(feature = "cuda")]
     if let Ok(v) = &devices {
@@ -404,7 +417,8 @@ fn metal_canaries(r: &mut Report) {
 }
 
 /// Open `cuda:ordinal` (NVRTC compiles the kernels) and run the kernel canaries against the
-/// CPU references. Problems are warnings: the model does not run on the GPU in this build.
+/// CPU references. Problems are warnings: the model runs on the GPU only when asked for
+/// (`--device cuda`), and a run that asks fails with the same error.
 #[cfg(feature = "cuda")]
 fn cuda_canaries(r: &mut Report, ordinal: usize) {
     use deltafin_kernels::cuda::{CudaDevice, canaries};

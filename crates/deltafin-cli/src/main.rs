@@ -90,8 +90,9 @@ pub struct ModelArgs {
     #[arg(long, value_name = "GB")]
     pub memory_budget_gb: Option<String>,
     /// Compute device: auto, cpu, mps, cuda or cuda:N [env: K3_DEV; default auto]. auto runs
-    /// on the CPU (the K3 forward pass has no GPU path yet); an explicit GPU is an error that
-    /// names what is missing or what would not run there.
+    /// on the CPU; cuda[:N] offloads the spine (while it fits; K3_DEV_RESERVE_GB stays free)
+    /// and, with --expert-backend auto, the routed experts to that GPU; a GPU that cannot be
+    /// used is an error naming what is missing (mps: no Metal path).
     #[arg(long, value_name = "DEV")]
     pub device: Option<String>,
     /// Where routed-expert products run: auto, cpu, metal or cuda [env: K3_MOE; default auto

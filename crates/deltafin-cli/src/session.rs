@@ -541,7 +541,8 @@ pub fn check_spine(root: &Path, spine: SpineFormat) -> Result<()> {
 /// reported with what is missing and how to get it.
 pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
     check_kernels()?;
-    crate::device::select(opts.device, opts.expert_backend)?;
+    let reserve = device_reserve()?;
+    let placement = crate::device::select(opts.device, opts.expert_backend)?;
     if let Some(what) = install::missing(root) {
         bail!(
             "no K3 model installed at {}: {what}.\n\
@@ -631,6 +632,7 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
         })?;
     }
     install::check_vocab(&tokenizer, &model)?;
+    place_on_device(&mut model, &placement, reserve)?;
     Ok(Session {
         model,
         tokenizer,
@@ -639,6 +641,78 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
         memory,
         spine: opts.spine,
     })
+}
+
+/// Default of `K3_DEV_RESERVE_GB`: device memory left free for the CUDA context and the
+/// per-product activation and result buffers (a prefill of `n` tokens needs `n · width · 4`
+/// bytes per product; `lm_head` over every row, as `perplexity` does, `n · vocab · 4`).
+pub const DEVICE_RESERVE_GB: f64 = 2.0;
+
+/// `K3_DEV_RESERVE_GB` (GB of device memory kept free, default [`DEVICE_RESERVE_GB`]);
+/// a value that is not a finite non-negative number is an error.
+pub fn device_reserve() -> Result<u64> {
+    match env_var("K3_DEV_RESERVE_GB")? {
+        None => Ok((DEVICE_RESERVE_GB * 1e9) as u64),
+        Some(v) => match v.trim().parse::<f64>() {
+            Ok(gb) if gb.is_finite() && gb >= 0.0 => Ok((gb * 1e9) as u64),
+            _ => bail!(
+                "environment variable K3_DEV_RESERVE_GB: {v:?} is not a number of GB (>= 0) of device memory to keep free"
+            ),
+        },
+    }
+}
+
+/// The device part of [`backend_description`], set once the model is placed.
+static DEVICE_LINE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// Put the model on the device `placement` names (nothing for the CPU): the spine while it
+/// fits the free device memory minus `reserve`, then a device expert cache in what is left
+/// minus `reserve`. Says at startup what went where.
+pub fn place_on_device(
+    model: &mut K3Model,
+    placement: &crate::device::Placement,
+    reserve: u64,
+) -> Result<()> {
+    let gb = |b: u64| b as f64 / 1e9;
+    let mut line = "device=cpu".to_string();
+    if let Some(dev) = &placement.device {
+        line = format!("device={}", dev.describe());
+        if placement.spine {
+            let free = dev.free_bytes()?;
+            let budget = free.saturating_sub(reserve);
+            let report = model
+                .offload_spine(dev.clone(), budget)
+                .context("offloading the spine to the device")?;
+            eprintln!(
+                "[deltafin] {} (device had {:.3} GB free, {:.3} GB reserved: K3_DEV_RESERVE_GB)",
+                report.describe(),
+                gb(free),
+                gb(reserve)
+            );
+            line += &format!(
+                " spine={}/{} matrices",
+                report.on_device.len(),
+                report.on_device.len() + report.on_cpu.len()
+            );
+        }
+        if placement.experts {
+            let free = dev.free_bytes()?;
+            let budget = free.saturating_sub(reserve);
+            let cache = Arc::new(deltafin_k3::offload::DeviceExpertCache::new(
+                dev.clone(),
+                budget,
+            ));
+            eprintln!(
+                "[deltafin] routed experts on {}: device expert cache {:.3} GB (LRU; experts are read on the host as before and uploaded on a miss)",
+                dev.describe(),
+                gb(budget)
+            );
+            line += &format!(" expert_cache={:.3}GB", gb(budget));
+            model.set_device_experts(cache);
+        }
+    }
+    *DEVICE_LINE.lock().unwrap_or_else(|p| p.into_inner()) = Some(line);
+    Ok(())
 }
 
 /// Replace the model's expert source by `wrap(old source)`.
@@ -733,6 +807,9 @@ pub fn report_memory_plan(model: &K3Model, plan: Option<&MemoryPlan>) {
 /// GB/s, per-layer hit rates and recall, and the process memory (`/proc/self/status`:
 /// peak RSS = anonymous + file-backed + shmem pages).
 pub fn report_expert_stats(model: &K3Model) {
+    if let Some(c) = &model.device_experts {
+        eprintln!("[stats] {}", c.stats().describe(c.budget()));
+    }
     if let Some(s) = &model.spine_stream {
         let st = s.stats();
         eprintln!(
@@ -808,8 +885,13 @@ pub fn check_kernels() -> Result<()> {
 
 /// The compute backend line shared by the startup echo and the events file.
 pub fn backend_description() -> String {
+    let device = DEVICE_LINE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .unwrap_or_else(|| "device=cpu".into());
     format!(
-        "device=cpu threads={} kernels={} pool_spin={}",
+        "{device} threads={} kernels={} pool_spin={}",
         rayon::current_num_threads(),
         deltafin_kernels::kernel_backend(),
         if deltafin_kernels::pool::spin_enabled().unwrap_or(false) {

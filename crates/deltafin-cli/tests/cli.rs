@@ -245,6 +245,76 @@ fn bad_inputs_are_clear_errors() {
     assert!(!out.status.success());
 }
 
+/// Device requests that cannot be honoured are errors naming what is missing, never a panic
+/// and never a CPU run claiming a GPU; `auto` and `cpu` run on the CPU.
+#[test]
+fn device_requests_name_what_is_missing() {
+    let out = deltafin(
+        &["run", "--model-root", &root_arg(), "--max-new", "1"],
+        &[("K3_DEV_RESERVE_GB", "lots")],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("K3_DEV_RESERVE_GB") && err.contains("lots"),
+        "{err}"
+    );
+    for (flags, prefix) in [
+        (&["--device", "cuda:7"][..], "--device cuda:7: "),
+        (
+            &["--expert-backend", "cuda", "--device", "cuda:7"][..],
+            "--device cuda:7: ",
+        ),
+        (&["--device", "mps"][..], "--device mps: "),
+        (
+            &["--expert-backend", "metal"][..],
+            "--expert-backend metal: ",
+        ),
+    ] {
+        let mut args = vec!["run", "--model-root", model_root().to_str().unwrap()];
+        args.extend_from_slice(&["--max-new", "1"]);
+        args.extend_from_slice(flags);
+        let out = deltafin(&args, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flags:?}: {err}");
+        assert!(err.contains(prefix), "{flags:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // No test machine has eight GPUs: cuda:7 names the missing piece.
+    let out = deltafin(
+        &["run", "--model-root", &root_arg(), "--device", "cuda:7"],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("built without the `cuda` feature")
+            || err.contains("libcuda")
+            || err.contains("no CUDA device")
+            || err.contains("does not exist"),
+        "{err}"
+    );
+    let out = deltafin(
+        &[
+            "run",
+            "--model-root",
+            &root_arg(),
+            "--max-new",
+            "1",
+            "--device",
+            "auto",
+            "--expert-backend",
+            "auto",
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("device=cpu"));
+}
+
 #[test]
 fn pool_spin_changes_no_value() {
     let tmp = tempfile::tempdir().unwrap();

@@ -121,6 +121,12 @@ fn runtime_only_skips_model_data_and_conflicts_with_a_root() {
     assert_eq!(v["model_root"], Value::Null);
     assert_eq!(v["model_contract"], Value::Null);
     assert_eq!(check(&v, "gpu backends")["status"], "info");
+    let gpu = check(&v, "gpu backends")["detail"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(gpu.contains("device path: "), "{gpu}");
+    assert!(v["facts"]["device_path"].is_string());
     if cfg!(target_os = "linux") {
         assert_eq!(check(&v, "loader")["status"], "ok");
     }

@@ -21,6 +21,7 @@
 
 use crate::dims::ModelDims;
 use crate::linear::{Linear, apply_group};
+use crate::model::ModelError;
 use deltafin_kernels::{
     KdaRows, kda_chunked, kda_delta_step, l2_normalize, sigmoid_inplace, silu_inplace,
 };
@@ -135,22 +136,28 @@ fn conv_silu(
 
 impl KdaWeights {
     /// Steps 1–5 and the gate projection of step 7 for `t` rows.
-    fn prepare(&self, dims: &ModelDims, y: &[f32], t: usize, state: &mut KdaState) -> Prepared {
+    fn prepare(
+        &self,
+        dims: &ModelDims,
+        y: &[f32],
+        t: usize,
+        state: &mut KdaState,
+    ) -> Result<Prepared, ModelError> {
         let (h, d) = (dims.kda_heads, dims.kda_head_dim);
         let p = h * d;
         let km1 = dims.conv_kernel - 1;
         // The six projections of y in one parallel region.
         let outs = apply_group(
             &[
-                (self.q_proj.weights(), y),
-                (self.k_proj.weights(), y),
-                (self.v_proj.weights(), y),
-                (self.f_a_proj.weights(), y),
-                (self.b_proj.weights(), y),
-                (self.g_proj.weights(), y),
+                (self.q_proj.product(), y),
+                (self.k_proj.product(), y),
+                (self.v_proj.product(), y),
+                (self.f_a_proj.product(), y),
+                (self.b_proj.product(), y),
+                (self.g_proj.product(), y),
             ],
             t,
-        );
+        )?;
         let Ok([qt, kt, vt, fa, mut beta, gate]) = <[Vec<f32>; 6]>::try_from(outs) else {
             unreachable!("apply_group returns one result per product")
         };
@@ -162,7 +169,7 @@ impl KdaWeights {
         let v = conv_silu(&vt, &self.v_conv, hv, t, p, kk);
 
         let mut g = vec![0f32; t * p];
-        self.f_b_proj.matmul(&fa, t, &mut g);
+        self.f_b_proj.matmul(&fa, t, &mut g)?;
         // e^{A_log[h]} once per head (the same value for each of its d channels).
         let a_exp: Vec<f32> = self.a_log[..h].iter().map(|a| a.exp()).collect();
         for row in g.chunks_exact_mut(p) {
@@ -191,18 +198,24 @@ impl KdaWeights {
         for head in k.chunks_exact_mut(d) {
             l2_normalize(head, dims.kda_l2_eps);
         }
-        Prepared {
+        Ok(Prepared {
             q,
             k,
             v,
             g,
             beta,
             gate,
-        }
+        })
     }
 
     /// Steps 7–8: gated output norm per head, then `o_proj`.
-    fn finish(&self, dims: &ModelDims, mut o: Vec<f32>, gate: &[f32], t: usize) -> Vec<f32> {
+    fn finish(
+        &self,
+        dims: &ModelDims,
+        mut o: Vec<f32>,
+        gate: &[f32],
+        t: usize,
+    ) -> Result<Vec<f32>, ModelError> {
         let d = dims.kda_head_dim;
         let mut sg = gate.to_vec();
         sigmoid_inplace(&mut sg);
@@ -214,8 +227,8 @@ impl KdaWeights {
             }
         }
         let mut out = vec![0f32; t * self.o_proj.rows()];
-        self.o_proj.matmul(&o, t, &mut out);
-        out
+        self.o_proj.matmul(&o, t, &mut out)?;
+        Ok(out)
     }
 
     /// Run every head (in parallel) and gather the per-head outputs into rows of `H·d`.
@@ -260,15 +273,26 @@ impl KdaWeights {
     }
 
     /// One token through the layer with the recurrent form (decode). `y` has width D.
-    pub fn decode_step(&self, dims: &ModelDims, y: &[f32], state: &mut KdaState) -> Vec<f32> {
-        let prep = self.prepare(dims, y, 1, state);
+    pub fn decode_step(
+        &self,
+        dims: &ModelDims,
+        y: &[f32],
+        state: &mut KdaState,
+    ) -> Result<Vec<f32>, ModelError> {
+        let prep = self.prepare(dims, y, 1, state)?;
         let o = self.run_heads(dims, &prep, 1, state, false);
         self.finish(dims, o, &prep.gate, 1)
     }
 
     /// `t` tokens through the layer with the chunked form (prefill). `y` holds `t` rows of D.
-    pub fn prefill(&self, dims: &ModelDims, y: &[f32], t: usize, state: &mut KdaState) -> Vec<f32> {
-        let prep = self.prepare(dims, y, t, state);
+    pub fn prefill(
+        &self,
+        dims: &ModelDims,
+        y: &[f32],
+        t: usize,
+        state: &mut KdaState,
+    ) -> Result<Vec<f32>, ModelError> {
+        let prep = self.prepare(dims, y, t, state)?;
         let o = self.run_heads(dims, &prep, t, state, true);
         self.finish(dims, o, &prep.gate, t)
     }
@@ -282,15 +306,21 @@ impl KdaWeights {
         y: &[f32],
         t: usize,
         state: &mut KdaState,
-    ) -> Vec<f32> {
-        let prep = self.prepare(dims, y, t, state);
+    ) -> Result<Vec<f32>, ModelError> {
+        let prep = self.prepare(dims, y, t, state)?;
         let o = self.run_heads(dims, &prep, t, state, false);
         self.finish(dims, o, &prep.gate, t)
     }
 
     /// [`Self::decode_step`] for one row, [`Self::prefill`] otherwise (the reference's mode
     /// selection).
-    pub fn forward(&self, dims: &ModelDims, y: &[f32], t: usize, state: &mut KdaState) -> Vec<f32> {
+    pub fn forward(
+        &self,
+        dims: &ModelDims,
+        y: &[f32],
+        t: usize,
+        state: &mut KdaState,
+    ) -> Result<Vec<f32>, ModelError> {
         if t == 1 {
             self.decode_step(dims, y, state)
         } else {
@@ -504,14 +534,14 @@ pub(crate) mod tests {
         for &t in &[1usize, 5, 64, 65, 150] {
             let y = rng.vec(t * dm, 1.0);
             let mut st_p = KdaState::new(&dims);
-            let pre = w.prefill(&dims, &y, t, &mut st_p);
+            let pre = w.prefill(&dims, &y, t, &mut st_p).unwrap();
             let mut st_d = KdaState::new(&dims);
             let mut st_64 = Kda64::new(&dims);
             let mut dec = Vec::new();
             let mut ref64 = Vec::new();
             for ti in 0..t {
                 let row = &y[ti * dm..(ti + 1) * dm];
-                dec.extend(w.decode_step(&dims, row, &mut st_d));
+                dec.extend(w.decode_step(&dims, row, &mut st_d).unwrap());
                 ref64.extend(kda64_step(&w, &dims, &to64(row), &mut st_64));
             }
             let e_pd = rel_l2_32(&pre, &dec);
@@ -538,10 +568,10 @@ pub(crate) mod tests {
         let dm = dims.hidden_size;
         let y = Rng(8).vec(110 * dm, 1.0);
         let mut a = KdaState::new(&dims);
-        let whole = w.prefill(&dims, &y, 110, &mut a);
+        let whole = w.prefill(&dims, &y, 110, &mut a).unwrap();
         let mut b = KdaState::new(&dims);
-        let mut parts = w.prefill(&dims, &y[..40 * dm], 40, &mut b);
-        parts.extend(w.prefill(&dims, &y[40 * dm..], 70, &mut b));
+        let mut parts = w.prefill(&dims, &y[..40 * dm], 40, &mut b).unwrap();
+        parts.extend(w.prefill(&dims, &y[40 * dm..], 70, &mut b).unwrap());
         assert!(rel_l2_32(&parts, &whole) < 1e-5);
         assert!(rel_l2_32(&b.recurrent, &a.recurrent) < 1e-5);
     }
@@ -553,8 +583,8 @@ pub(crate) mod tests {
         let y = Rng(1).vec(dims.hidden_size, 1.0);
         let mut w2 = w.clone();
         w2.a_log[1] += 0.5;
-        let p1 = w.prepare(&dims, &y, 1, &mut KdaState::new(&dims));
-        let p2 = w2.prepare(&dims, &y, 1, &mut KdaState::new(&dims));
+        let p1 = w.prepare(&dims, &y, 1, &mut KdaState::new(&dims)).unwrap();
+        let p2 = w2.prepare(&dims, &y, 1, &mut KdaState::new(&dims)).unwrap();
         let d = dims.kda_head_dim;
         for c in 0..dims.kda_width() {
             assert_eq!(p1.g[c] == p2.g[c], c / d != 1, "channel {c}");

@@ -21,6 +21,7 @@ pub mod mla;
 pub mod model;
 pub mod moe;
 pub mod norm;
+pub mod offload;
 pub mod router;
 pub mod situ;
 pub mod spine_int8;

@@ -13,6 +13,7 @@
 
 use crate::dims::{CacheDtype, ModelDims};
 use crate::linear::{Linear, apply_group};
+use crate::model::ModelError;
 use crate::norm::rms_norm_rows;
 use deltafin_kernels::{CacheValue, dot_bf16_f32, latent_attention, sigmoid};
 use deltafin_tensor::bf16;
@@ -141,29 +142,35 @@ impl MlaCache {
 impl MlaWeights {
     /// `t` new tokens (rows of D in `y`), appended to `cache`, each attending causally to the
     /// cache and to the new tokens up to itself. Returns `t` rows of D.
-    pub fn forward(&self, dims: &ModelDims, y: &[f32], t: usize, cache: &mut MlaCache) -> Vec<f32> {
+    pub fn forward(
+        &self,
+        dims: &ModelDims,
+        y: &[f32],
+        t: usize,
+        cache: &mut MlaCache,
+    ) -> Result<Vec<f32>, ModelError> {
         // The three projections of y in one parallel region, then the queries' second step.
         let outs = apply_group(
             &[
-                (self.q_a_proj.weights(), y),
-                (self.kv_a_proj.weights(), y),
-                (self.g_proj.weights(), y),
+                (self.q_a_proj.product(), y),
+                (self.kv_a_proj.product(), y),
+                (self.g_proj.product(), y),
             ],
             t,
-        );
+        )?;
         let Ok([cq_raw, kv, gate]) = <[Vec<f32>; 3]>::try_from(outs) else {
             unreachable!("apply_group returns one result per product")
         };
         let mut cq = vec![0f32; cq_raw.len()];
         rms_norm_rows(&cq_raw, &self.q_a_layernorm, dims.mla_norm_eps, &mut cq);
-        let q = self.q_b_proj.apply(&cq, t);
+        let q = self.q_b_proj.apply(&cq, t)?;
         let o = match cache {
             MlaCache::Bf16(c) => self.attend(dims, &q, &kv, &gate, t, c),
             MlaCache::F32(c) => self.attend(dims, &q, &kv, &gate, t, c),
         };
         let mut out = vec![0f32; t * self.o_proj.rows()];
-        self.o_proj.matmul(&o, t, &mut out);
-        out
+        self.o_proj.matmul(&o, t, &mut out)?;
+        Ok(out)
     }
 
     /// Append the new `ĉ` (normalised latent) and `kt` rows to the cache, then run the
@@ -279,9 +286,10 @@ enum KvbRows<'a> {
 
 impl<'a> KvbRows<'a> {
     fn new(w: &'a Linear, cols: usize) -> KvbRows<'a> {
-        match w {
-            Linear::Bf16(m) => KvbRows::Bf16(m.data(), cols),
+        match w.host() {
             Linear::RowInt8(m) => KvbRows::Int8(m),
+            Linear::Bf16(m) => KvbRows::Bf16(m.data(), cols),
+            Linear::Device(_) => unreachable!("host() never returns Linear::Device"),
         }
     }
 
@@ -431,9 +439,12 @@ pub(crate) mod tests {
         let y = rng.vec(t * dm, 1.0);
         // Prefill 30, then 7 one by one.
         let mut cache = MlaCache::new(&dims);
-        let mut out = w.forward(&dims, &y[..30 * dm], 30, &mut cache);
+        let mut out = w.forward(&dims, &y[..30 * dm], 30, &mut cache).unwrap();
         for ti in 30..t {
-            out.extend(w.forward(&dims, &y[ti * dm..(ti + 1) * dm], 1, &mut cache));
+            out.extend(
+                w.forward(&dims, &y[ti * dm..(ti + 1) * dm], 1, &mut cache)
+                    .unwrap(),
+            );
         }
         assert_eq!(cache.len(&dims), t);
         assert_eq!(
@@ -456,7 +467,10 @@ pub(crate) mod tests {
         let mut c2 = MlaCache::new(&dims);
         let mut step = Vec::new();
         for ti in 0..t {
-            step.extend(w.forward(&dims, &y[ti * dm..(ti + 1) * dm], 1, &mut c2));
+            step.extend(
+                w.forward(&dims, &y[ti * dm..(ti + 1) * dm], 1, &mut c2)
+                    .unwrap(),
+            );
         }
         assert_eq!(c2, cache, "cache contents must not depend on batching");
         let e = rel_l2_32(&out, &step);
@@ -471,9 +485,9 @@ pub(crate) mod tests {
         let dm = dims.hidden_size;
         let y = rng.vec(12 * dm, 1.0);
         let mut cache = MlaCache::new(&dims);
-        let full = w.forward(&dims, &y, 12, &mut cache);
+        let full = w.forward(&dims, &y, 12, &mut cache).unwrap();
         cache.truncate(9, &dims);
-        let tail = w.forward(&dims, &y[9 * dm..], 3, &mut cache);
+        let tail = w.forward(&dims, &y[9 * dm..], 3, &mut cache).unwrap();
         assert_eq!(&full[9 * dm..], &tail[..]);
     }
 }

@@ -56,6 +56,10 @@ pub enum ModelError {
     /// A `State` built for different dimensions.
     #[error("state does not fit this model: {0}")]
     StateMismatch(String),
+    /// A product, upload or other operation on the compute device failed (`matrix`: the
+    /// tensor, or `layer L expert E` for a routed expert).
+    #[error("device: {matrix}: {message}")]
+    Device { matrix: String, message: String },
     /// A routed expert could not be obtained.
     #[error("expert {expert} of layer {layer}: {message}")]
     Expert {
@@ -176,6 +180,9 @@ pub struct K3Model {
     /// Spine streaming (`crate::spine_stream`): when set, the layers it streams take their
     /// projections from per-pass reads instead of `layers[l]`'s own (unread) views.
     pub spine_stream: Option<crate::spine_stream::SpineStreamer>,
+    /// Routed experts on a device (`crate::offload`, `--expert-backend cuda`): when set, the
+    /// MoE layers run their expert products there.
+    pub device_experts: Option<std::sync::Arc<crate::offload::DeviceExpertCache>>,
 }
 
 /// A matrix shape the model checks: a [`Bf16Matrix`] or a [`Linear`].
@@ -238,6 +245,7 @@ impl K3Model {
             lm_head,
             experts,
             spine_stream: None,
+            device_experts: None,
         };
         model.validate()?;
         Ok(model)
@@ -512,10 +520,10 @@ impl K3Model {
             let x = rms_norm_rows_new(&a, &layer.input_layernorm, d.rms_norm_eps);
             let o = match (&layer.attn, ls) {
                 (Attention::Kda(w), LayerState::Kda(s)) => match kda_form {
-                    KdaForm::Chunked => w.forward(d, &x, t, s),
-                    KdaForm::Recurrent => w.forward_recurrent(d, &x, t, s),
+                    KdaForm::Chunked => w.forward(d, &x, t, s)?,
+                    KdaForm::Recurrent => w.forward_recurrent(d, &x, t, s)?,
                 },
-                (Attention::Mla(w), LayerState::Mla(c)) => w.forward(d, &x, t, c),
+                (Attention::Mla(w), LayerState::Mla(c)) => w.forward(d, &x, t, c)?,
                 _ => {
                     return Err(ModelError::StateMismatch(format!(
                         "layer {l} state has the wrong kind"
@@ -530,10 +538,16 @@ impl K3Model {
             let m = layer.mlp_res.mix_rows(&snaps, &p, t, d.attn_res_eps);
             let x = rms_norm_rows_new(&m, &layer.post_attention_layernorm, d.rms_norm_eps);
             let f = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(d, &x, t),
-                Ffn::Moe(moe) => {
-                    moe.forward_with_pilot(d, l, self.experts.as_ref(), &x, t, next_router(l))?
-                }
+                Ffn::Dense(mlp) => mlp.forward(d, &x, t)?,
+                Ffn::Moe(moe) => moe.forward_with_pilot(
+                    d,
+                    l,
+                    self.experts.as_ref(),
+                    &x,
+                    t,
+                    next_router(l),
+                    self.device_experts.as_deref(),
+                )?,
             };
             add_into(&mut p, &f);
             if let Some(tp) = taps.as_deref_mut() {
@@ -554,7 +568,7 @@ impl K3Model {
             .mix_rows(&snap_rows, &p[first * dm..], rows, d.attn_res_eps);
         let x = rms_norm_rows_new(&x, &self.norm, d.rms_norm_eps);
         let mut values = vec![0f32; rows * d.vocab_size];
-        self.lm_head.matmul(&x, rows, &mut values);
+        self.lm_head.matmul(&x, rows, &mut values)?;
         Ok(Logits {
             rows,
             vocab: d.vocab_size,

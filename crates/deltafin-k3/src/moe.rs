@@ -12,6 +12,7 @@
 use crate::dims::ModelDims;
 use crate::linear::{Linear, apply_group};
 use crate::model::ModelError;
+use crate::offload::DeviceExpertCache;
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
 use deltafin_kernels::{
@@ -88,14 +89,17 @@ impl MoeWeights {
         y: &[f32],
         t: usize,
     ) -> Result<Vec<f32>, ModelError> {
-        self.forward_with_pilot(dims, layer, experts, y, t, None)
+        self.forward_with_pilot(dims, layer, experts, y, t, None, None)
     }
 
     /// [`MoeWeights::forward`], first telling `experts` the pass's route union (each expert
     /// is then requested once, ascending, however many rows chose it) and, when the source
     /// wants predictions and `next` is given, PILOT's guess for the next MoE layer: `next`
     /// (that layer's router) applied to this layer's input `y`. The hints only schedule reads;
-    /// the result is bit-identical with or without them.
+    /// the result is bit-identical with or without them. With `device`, the routed experts'
+    /// products run on its device (`crate::offload`: each expert of the union is uploaded on
+    /// this thread as it arrives, unless cached, before its products are handed to a task).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_with_pilot(
         &self,
         dims: &ModelDims,
@@ -104,6 +108,7 @@ impl MoeWeights {
         y: &[f32],
         t: usize,
         next: Option<(usize, &RouterWeights)>,
+        device: Option<&DeviceExpertCache>,
     ) -> Result<Vec<f32>, ModelError> {
         let (lr, k) = (dims.latent_size, dims.experts_per_token);
         // The router and the latent down projection (and PILOT's guess for the next layer
@@ -112,13 +117,13 @@ impl MoeWeights {
         let sh = &self.shared;
         let pilot = next.filter(|_| experts.wants_prediction());
         let mut jobs = vec![
-            (deltafin_kernels::Weights::Bf16(&self.router.weight), y),
-            (self.latent_down.weights(), y),
+            (Weights::Bf16(&self.router.weight).into(), y),
+            (self.latent_down.product(), y),
         ];
         if let Some((_, router)) = pilot {
-            jobs.push((deltafin_kernels::Weights::Bf16(&router.weight), y));
+            jobs.push((Weights::Bf16(&router.weight).into(), y));
         }
-        let mut outs = apply_group(&jobs, t).into_iter();
+        let mut outs = apply_group(&jobs, t)?.into_iter();
         let (Some(logits), Some(xl)) = (outs.next(), outs.next()) else {
             unreachable!("apply_group returns one result per product")
         };
@@ -153,7 +158,10 @@ impl MoeWeights {
         let slots: Vec<Mutex<Option<Vec<f32>>>> = users.iter().map(|_| Mutex::new(None)).collect();
         let xl = &xl;
         let mut fetch_err = None;
-        let shared_act: Mutex<Option<Vec<f32>>> = Mutex::new(None);
+        let shared_act: Mutex<Option<Result<Vec<f32>, ModelError>>> = Mutex::new(None);
+        // The first device error of an expert task (`device` only).
+        let task_err: Mutex<Option<ModelError>> = Mutex::new(None);
+        let task_err = &task_err;
         let threads = rayon::current_num_threads().max(1);
         // Up to two experts per worker are held by running or queued tasks, so a long
         // prefill's union never pins more than a few experts beyond the cache. Two, not one:
@@ -199,13 +207,38 @@ impl MoeWeights {
                         break;
                     }
                 };
+                let on_device = match device.map(|c| c.get_or_upload(layer, e, &w)) {
+                    None => None,
+                    Some(Ok(d)) => Some(d),
+                    Some(Err(err)) => {
+                        fetch_err = Some(err);
+                        break;
+                    }
+                };
                 let held = in_flight.take();
                 let serial = todo.len() >= serial_while && serial_while > 0;
                 scope.spawn(move |_| {
                     // Released on every exit, a panic included (the scope re-raises it).
                     let _held = held;
-                    let he = expert_rows(dims, &w, xl, list, serial);
-                    drop(w);
+                    let he = match (&on_device, device) {
+                        (Some(d), Some(cache)) => {
+                            drop(w);
+                            match cache.expert_rows(dims, d, &gather(xl, list, lr), list.len()) {
+                                Ok(he) => he,
+                                Err(err) => {
+                                    if let Ok(mut s) = task_err.lock() {
+                                        s.get_or_insert(err);
+                                    }
+                                    return;
+                                }
+                            }
+                        }
+                        _ => {
+                            let he = expert_rows(dims, &w, xl, list, serial);
+                            drop(w);
+                            he
+                        }
+                    };
                     if let Ok(mut s) = slot.lock() {
                         *s = Some(he);
                     }
@@ -213,6 +246,9 @@ impl MoeWeights {
             }
         });
         if let Some(err) = fetch_err {
+            return Err(err);
+        }
+        if let Some(err) = task_err.lock().ok().and_then(|mut s| s.take()) {
             return Err(err);
         }
         // Each expert's rows stay where its task left them; `at[ti·k + slot]` says which
@@ -254,11 +290,11 @@ impl MoeWeights {
             .ok_or_else(|| ModelError::Layer {
                 layer,
                 message: "shared experts: their worker produced no result".into(),
-            })?;
+            })??;
         let outs = apply_group(
-            &[(self.latent_up.weights(), &r), (sh.down_proj.weights(), &a)],
+            &[(self.latent_up.product(), &r), (sh.down_proj.product(), &a)],
             t,
-        );
+        )?;
         let Ok([mut out, shared]) = <[Vec<f32>; 2]>::try_from(outs) else {
             unreachable!("apply_group returns one result per product")
         };
@@ -327,6 +363,15 @@ impl Drop for Held<'_> {
     }
 }
 
+/// The latent rows of the tokens in `list` ((token, slot) pairs), `[list.len(), lr]`.
+fn gather(xl: &[f32], list: &[(usize, usize)], lr: usize) -> Vec<f32> {
+    let mut x = Vec::with_capacity(list.len() * lr);
+    for &(ti, _) in list {
+        x.extend_from_slice(&xl[ti * lr..(ti + 1) * lr]);
+    }
+    x
+}
+
 /// One expert over the latent rows of the tokens that chose it (`list`: (token, slot)
 /// pairs): `W2 · SiTU(W1 x, W3 x)` per row, `[list.len(), Lr]`. With `serial` the three
 /// products stay on the calling thread (bit-identical either way).
@@ -347,10 +392,7 @@ fn expert_rows(
     let lr = dims.latent_size;
     let n = list.len();
     let f = w.w1.rows();
-    let mut x = Vec::with_capacity(n * lr);
-    for &(ti, _) in list {
-        x.extend_from_slice(&xl[ti * lr..(ti + 1) * lr]);
-    }
+    let x = gather(xl, list, lr);
     let mut g = vec![0f32; n * f];
     let mut u = vec![0f32; n * f];
     // w1 and w3 read the same rows: one group, one activation image.

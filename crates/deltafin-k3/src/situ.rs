@@ -3,6 +3,7 @@
 
 use crate::dims::ModelDims;
 use crate::linear::{Linear, apply_group};
+use crate::model::ModelError;
 use deltafin_kernels::situ_glu;
 
 /// A SiTU-GLU MLP (bf16 or row-int8 weights, [`Linear`]): `gate_proj`, `up_proj` `[F, D]`, `down_proj` `[D, F]`.
@@ -26,22 +27,27 @@ impl SituMlp {
     }
 
     /// `out[t] = W_down · SiTU(W_gate y_t, W_up y_t)` for `n` rows of `ys`.
-    pub fn forward(&self, dims: &ModelDims, ys: &[f32], n: usize) -> Vec<f32> {
-        let a = self.activation(dims, ys, n);
+    pub fn forward(&self, dims: &ModelDims, ys: &[f32], n: usize) -> Result<Vec<f32>, ModelError> {
+        let a = self.activation(dims, ys, n)?;
         self.down_proj.apply(&a, n)
     }
 
     /// `SiTU(W_gate y_t, W_up y_t)` for `n` rows of `ys`, the two products in one parallel
     /// region: the input of `down_proj`.
-    pub fn activation(&self, dims: &ModelDims, ys: &[f32], n: usize) -> Vec<f32> {
+    pub fn activation(
+        &self,
+        dims: &ModelDims,
+        ys: &[f32],
+        n: usize,
+    ) -> Result<Vec<f32>, ModelError> {
         let gu = apply_group(
-            &[(self.gate_proj.weights(), ys), (self.up_proj.weights(), ys)],
+            &[(self.gate_proj.product(), ys), (self.up_proj.product(), ys)],
             n,
-        );
+        )?;
         let Ok([g, u]) = <[Vec<f32>; 2]>::try_from(gu) else {
             unreachable!("apply_group returns one result per product")
         };
-        self.situ(dims, &g, &u)
+        Ok(self.situ(dims, &g, &u))
     }
 
     /// `SiTU(g, u)` elementwise (`g`, `u`: the gate and up products).
@@ -79,7 +85,7 @@ pub(crate) mod tests {
             ..crate::model::tests::tiny_dims()
         };
         let ys = rng.vec(n * d, 1.5);
-        let out = m.forward(&dims, &ys, n);
+        let out = m.forward(&dims, &ys, n).unwrap();
         for t in 0..n {
             let want = situ_mlp64(&m, &to64(&ys[t * d..(t + 1) * d]), 4.0, 25.0);
             let e = rel_l2(&out[t * d..(t + 1) * d], &want);

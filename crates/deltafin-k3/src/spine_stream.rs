@@ -284,9 +284,10 @@ pub fn layer_matrix_bytes(layer: &Layer) -> u64 {
     let mut l = layer.clone();
     linears_mut(&mut l)
         .into_iter()
-        .map(|(_, m)| match m {
-            Linear::Bf16(b) => b.bytes().len() as u64,
+        .map(|(_, m)| match m.host() {
             Linear::RowInt8(q) => (q.data_bytes().len() + q.scale_bytes().len()) as u64,
+            Linear::Bf16(b) => b.bytes().len() as u64,
+            Linear::Device(_) => unreachable!("host() never returns Linear::Device"),
         })
         .sum()
 }
@@ -353,7 +354,7 @@ impl SpineSources<'_> {
                 },
             });
         }
-        match (m, self.int8_root) {
+        match (m.host(), self.int8_root) {
             (Linear::RowInt8(_), Some(root)) => {
                 let tf = TensorFiles::new(root, full);
                 let len = |p: &Path| {
@@ -389,6 +390,7 @@ impl SpineSources<'_> {
                     cols,
                 })
             }
+            (Linear::Device(_), _) => unreachable!("host() never returns Linear::Device"),
             (Linear::RowInt8(_), None) => Err(CheckpointError::Request {
                 name: full.to_string(),
                 message: "row-int8 matrix without an int8 spine or packs to stream it from".into(),

@@ -22,6 +22,7 @@ pub mod mxfp4_q16;
 pub mod mxfp4_q8;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+pub mod offload;
 pub mod ops;
 pub mod pool;
 pub mod probe;
@@ -43,6 +44,7 @@ pub use matvec::{
     matmul_serial, matmul_with, matvec_bf16, matvec_f32, matvec_mxfp4, matvec_rowint8,
 };
 pub use mxfp4_q8::{ACT_ENV_VAR as MXFP4_ACT_ENV_VAR, Mxfp4Act, avx512_mxfp4_act};
+pub use offload::{DeviceError, DeviceWeights, HostCounters, HostDevice, ProductDevice};
 pub use ops::{
     argmax, kda_delta_step, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, situ_glu,
     softmax_inplace,

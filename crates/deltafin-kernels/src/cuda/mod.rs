@@ -7,6 +7,9 @@
 //! - `device` (feature `cuda`, cudarc with dynamic loading: no toolkit at build time) checks
 //!   for `libcuda` before touching cudarc, opens a device, uploads weights, launches the
 //!   kernels and downloads results.
+//! - `products` (feature `cuda`): `CudaProducts`, the device as a
+//!   [`crate::offload::ProductDevice`] (what `deltafin --device cuda` offloads the spine and
+//!   the routed experts to).
 //!
 //! Kernel numerics: f32 accumulation; each output value's reduction order is fixed by the
 //! shape alone (documented in each `.cu` file), so results are bit-identical run to run on one
@@ -20,10 +23,14 @@ pub mod sources;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod products;
+#[cfg(feature = "cuda")]
 pub use device::{
     CudaDevice, CudaError, DeviceInfo, DeviceMatrix, MlaShape, canaries, cuda_available,
     device_count, list_devices,
 };
+#[cfg(feature = "cuda")]
+pub use products::CudaProducts;
 
 pub use nvrtc::{Nvrtc, NvrtcError, Ptx};
 pub use sources::{BATCH_WIDTHS, KERNELS, KernelSource, PRELUDE};

@@ -334,7 +334,7 @@ impl DsparkModel {
         }
         let rows = rows.min(BLOCK);
         let hidden = rms_rows(&x[..rows * d], &self.final_norm, eps);
-        let logits = lm_head.apply(&hidden, rows);
+        let logits = lm_head.apply_host(&hidden, rows);
         BlockOutput { hidden, logits }
     }
 
