@@ -6,7 +6,10 @@
 //!    greedy-decode `--tokens` tokens, and report per phase: bytes read, achieved GB/s
 //!    (bytes ÷ busy I/O time) against the probe, decode tok/s against the I/O bound
 //!    (missed expert bytes per token ÷ probe bandwidth), cache hit rate, PILOT recall, peak RSS,
-//!    and where each token's time goes: waiting for expert bytes vs computing.
+//!    and where each token's time goes: waiting for expert bytes vs computing. With PILOT the
+//!    demand misses undercount what the disk must bring in (a right guess is a miss read
+//!    early), so the last column also gives the bound on the *needed* bytes: bytes read less
+//!    the bytes read for wrong guesses.
 //!
 //! The spine is the product default, row-int8 (`--spine int8`, needs `deltafin
 //! convert-spine-int8` on the model root once), or the weight-exact `--spine bf16`.
@@ -267,10 +270,10 @@ pub fn run(args: &Args) -> Result<()> {
         args.read_piece_kib
     );
     println!(
-        "| phase | tokens | s | tok/s | GB read | misses | hits | hit % | read GB/s (busy) | ÷ probe random | wait s | I/O-bound tok/s | tok/s ÷ bound | recall | wait ms/tok | compute ms/tok | I/O ms/tok at probe | PILOT reads/tok | prefetched precision | prefetched recall | wasted MB/tok |"
+        "| phase | tokens | s | tok/s | GB read | misses | hits | hit % | read GB/s (busy) | ÷ probe random | wait s | I/O-bound tok/s | tok/s ÷ bound | recall | wait ms/tok | compute ms/tok | I/O ms/tok at probe | PILOT reads/tok | prefetched precision | prefetched recall | wasted MB/tok | tok/s ÷ bound (needed bytes) |"
     );
     println!(
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for ph in &phases {
         let gbps = if ph.busy > 0.0 {
@@ -287,8 +290,17 @@ pub fn run(args: &Args) -> Result<()> {
         } else {
             f64::INFINITY
         };
+        // The bound with every expert byte the phase had to bring in: bytes read less what
+        // PILOT read for wrong guesses (a right guess is a miss read early; without PILOT
+        // this is the demand misses, as above).
+        let needed_bytes = ph.bytes.saturating_sub(ph.wasted) as f64 / n;
+        let needed_bound = if needed_bytes > 0.0 {
+            p.random_gbps * 1e9 / needed_bytes
+        } else {
+            f64::INFINITY
+        };
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} |",
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {:.2} |",
             ph.name,
             ph.tokens,
             ph.seconds,
@@ -313,6 +325,7 @@ pub fn run(args: &Args) -> Result<()> {
             pct(ph.right, ph.issued),
             pct(ph.right, ph.predicted_total),
             ph.wasted as f64 / 1e6 / n,
+            tps / needed_bound,
         );
     }
     // Decode guesses per rank (one-row passes): precision of all guesses and of the ones read.
