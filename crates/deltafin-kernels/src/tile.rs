@@ -45,9 +45,11 @@ pub(crate) const PREFETCH_BYTES: usize = 2048;
 /// multiple of the tile sends some rows' prefetches into a row the tile is already loading.
 /// Used by the row-int8 tiles: from DRAM, 2 threads, A B B A × 2 (session 6), 2816 columns
 /// 0.71–0.82 → 0.94–1.00 × the read probe, 7168 columns 0.91–0.94 → 0.95–1.04 ×, 512 and 1024
-/// columns unchanged (their 2-row tiles are already 1–2 KiB). The bf16 tiles keep the fixed
-/// distance: whole tiles measured no better at 1024 columns and worse at 7168 (0.79–0.89 against
-/// 0.95–1.11 ×: a 28 KiB distance).
+/// columns unchanged (their 2-row tiles are already 1–2 KiB; since session 7 rows of at most
+/// 1024 columns take 4-row tiles, see `matvec::TALL_TILE_MAX_COLS`). The bf16 tiles use
+/// [`bf16_distance`]: whole tiles of at least 4 KiB for decode tiles up to 8 KiB, the fixed
+/// distance otherwise (whole tiles were worse at 7168 columns: 0.79–0.89 against 0.95–1.11 ×,
+/// a 28 KiB distance).
 #[inline]
 pub(crate) fn tile_distance(tile_bytes: usize) -> usize {
     whole_tiles(tile_bytes, PREFETCH_BYTES)
