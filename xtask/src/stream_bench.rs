@@ -292,21 +292,20 @@ pub fn run(args: &Args) -> Result<()> {
         let tps = ph.tokens as f64 / ph.seconds.max(1e-9);
         // Missed expert bytes per token ÷ probe bandwidth = seconds of I/O per token.
         let n = ph.tokens.max(1) as f64;
-        let miss_bytes = ph.misses as f64 * eb as f64 / n;
-        let bound = if miss_bytes > 0.0 {
-            random_gbps * 1e9 / miss_bytes
-        } else {
-            f64::INFINITY
+        // Tokens per second the disk allows for `bytes` per token at the probe's rate.
+        let bound_for = |bytes: f64| {
+            if bytes > 0.0 {
+                random_gbps * 1e9 / bytes
+            } else {
+                f64::INFINITY
+            }
         };
+        let miss_bytes = ph.misses as f64 * eb as f64 / n;
+        let bound = bound_for(miss_bytes);
         // The bound with every expert byte the phase had to bring in: bytes read less what
         // PILOT read for wrong guesses (a right guess is a miss read early; without PILOT
         // this is the demand misses, as above).
-        let needed_bytes = ph.bytes.saturating_sub(ph.wasted) as f64 / n;
-        let needed_bound = if needed_bytes > 0.0 {
-            random_gbps * 1e9 / needed_bytes
-        } else {
-            f64::INFINITY
-        };
+        let needed_bound = bound_for(ph.bytes.saturating_sub(ph.wasted) as f64 / n);
         println!(
             "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {:.2} |",
             ph.name,

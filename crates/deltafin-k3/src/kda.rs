@@ -279,9 +279,21 @@ impl KdaWeights {
         y: &[f32],
         state: &mut KdaState,
     ) -> Result<Vec<f32>, ModelError> {
-        let prep = self.prepare(dims, y, 1, state)?;
-        let o = self.run_heads(dims, &prep, 1, state, false);
-        self.finish(dims, o, &prep.gate, 1)
+        self.forward_with(dims, y, 1, state, false)
+    }
+
+    /// `t` rows through projections, heads (chunked or recurrent form) and the output.
+    fn forward_with(
+        &self,
+        dims: &ModelDims,
+        y: &[f32],
+        t: usize,
+        state: &mut KdaState,
+        chunked: bool,
+    ) -> Result<Vec<f32>, ModelError> {
+        let prep = self.prepare(dims, y, t, state)?;
+        let o = self.run_heads(dims, &prep, t, state, chunked);
+        self.finish(dims, o, &prep.gate, t)
     }
 
     /// `t` tokens through the layer with the chunked form (prefill). `y` holds `t` rows of D.
@@ -292,9 +304,7 @@ impl KdaWeights {
         t: usize,
         state: &mut KdaState,
     ) -> Result<Vec<f32>, ModelError> {
-        let prep = self.prepare(dims, y, t, state)?;
-        let o = self.run_heads(dims, &prep, t, state, true);
-        self.finish(dims, o, &prep.gate, t)
+        self.forward_with(dims, y, t, state, true)
     }
 
     /// `t` tokens through the layer with the recurrent form, one token after another: the
@@ -307,9 +317,7 @@ impl KdaWeights {
         t: usize,
         state: &mut KdaState,
     ) -> Result<Vec<f32>, ModelError> {
-        let prep = self.prepare(dims, y, t, state)?;
-        let o = self.run_heads(dims, &prep, t, state, false);
-        self.finish(dims, o, &prep.gate, t)
+        self.forward_with(dims, y, t, state, false)
     }
 
     /// [`Self::decode_step`] for one row, [`Self::prefill`] otherwise (the reference's mode
