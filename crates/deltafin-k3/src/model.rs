@@ -489,7 +489,7 @@ impl K3Model {
             p.extend(self.embed.row(token as usize).iter().map(|v| v.to_f32()));
         }
         let mut snaps: Vec<Vec<f32>> = Vec::new();
-        // PILOT: each MoE layer's router on the previous MoE layer's input.
+        // PILOT: each MoE layer's router on the previous layer's FFN input (MoE or dense).
         let next_router = |l: usize| match self.layers.get(l + 1).map(|x| &x.ffn) {
             Some(Ffn::Moe(m)) => Some((l + 1, &m.router)),
             _ => None,
@@ -538,7 +538,19 @@ impl K3Model {
             let m = layer.mlp_res.mix_rows(&snaps, &p, t, d.attn_res_eps);
             let x = rms_norm_rows_new(&m, &layer.post_attention_layernorm, d.rms_norm_eps);
             let f = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(d, &x, t)?,
+                Ffn::Dense(mlp) => {
+                    if let Some((next, router)) = next_router(l) {
+                        crate::moe::predict_across_dense(
+                            d,
+                            self.experts.as_ref(),
+                            next,
+                            router,
+                            &x,
+                            t,
+                        );
+                    }
+                    mlp.forward(d, &x, t)?
+                }
                 Ffn::Moe(moe) => moe.forward_with_pilot(
                     d,
                     l,
@@ -955,6 +967,79 @@ pub(crate) mod tests {
             assert!(
                 mean <= 1e-4 && max <= 1e-3,
                 "n={n}: bf16 cache, prefill vs decode rel L2 max {max} mean {mean}"
+            );
+        }
+    }
+
+    /// Hints an expert source received: ("begin" | "predict", layer, experts).
+    type HintEvents = std::sync::Arc<std::sync::Mutex<Vec<(&'static str, usize, Vec<usize>)>>>;
+
+    /// An expert source that records the hints it gets (and wants PILOT guesses).
+    struct HintLog {
+        inner: InMemoryExperts,
+        events: HintEvents,
+    }
+
+    impl ExpertSource for HintLog {
+        fn expert(
+            &self,
+            layer: usize,
+            expert: usize,
+        ) -> Result<crate::moe::ExpertWeights, crate::moe::ExpertError> {
+            self.inner.expert(layer, expert)
+        }
+        fn begin_layer(&self, layer: usize, experts: &[usize]) {
+            let mut e = self.events.lock().unwrap();
+            e.push(("begin", layer, experts.to_vec()));
+        }
+        fn wants_prediction(&self) -> bool {
+            true
+        }
+        fn predict(&self, layer: usize, _rows: usize, guesses: &[deltafin_experts::PilotGuess]) {
+            let ids = guesses.iter().map(|g| g.expert).collect();
+            self.events.lock().unwrap().push(("predict", layer, ids));
+        }
+    }
+
+    #[test]
+    fn pilot_guesses_the_first_moe_layer_across_the_dense_layer() {
+        // Layer 0 is dense: the first MoE layer's guess comes from layer 0's FFN input,
+        // before layer 1 begins; every later MoE layer is guessed from the one before, and
+        // the last layer guesses nothing. The hints never change a value.
+        let (plain, experts) = random_model(4);
+        let (mut hinted, _) = random_model(4);
+        let events = HintEvents::default();
+        hinted.experts = Box::new(HintLog {
+            inner: experts,
+            events: events.clone(),
+        });
+        let d = tiny_dims();
+        let n = d.num_layers();
+        assert_eq!(d.ffn_kind(0), FfnKind::Dense);
+        assert!((1..n).all(|l| d.ffn_kind(l) == FfnKind::Moe));
+        // Layer l's guess for l + 1 follows its own begin.
+        let expected: Vec<(&str, usize)> = (1..n)
+            .flat_map(|l| [("predict", l), ("begin", l)])
+            .collect();
+        let toks = prompt(9, 3);
+        let (mut s1, mut s2) = (plain.new_state(), hinted.new_state());
+        let a = plain.prefill(&mut s1, &toks).unwrap();
+        let b = hinted.prefill(&mut s2, &toks).unwrap();
+        assert_eq!(a, b);
+        for step in 0..2 {
+            let seen: Vec<(&str, usize, Vec<usize>)> = std::mem::take(&mut *events.lock().unwrap());
+            let order: Vec<(&str, usize)> = seen.iter().map(|(k, l, _)| (*k, *l)).collect();
+            assert_eq!(order, expected, "pass {step}");
+            // The guess is layer 1's router on layer 0's FFN input: it names real expert
+            // ids, at most k per row.
+            let (_, _, first_guess) = &seen[0];
+            let rows = if step == 0 { toks.len() } else { 1 };
+            assert!(!first_guess.is_empty() && first_guess.len() <= rows * d.experts_per_token);
+            assert!(first_guess.iter().all(|&e| e < d.num_experts));
+            let t = argmax(&a).unwrap() as u32;
+            assert_eq!(
+                plain.decode(&mut s1, t).unwrap(),
+                hinted.decode(&mut s2, t).unwrap()
             );
         }
     }

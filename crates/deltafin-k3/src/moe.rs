@@ -13,7 +13,7 @@ use crate::dims::ModelDims;
 use crate::linear::{Linear, apply_group};
 use crate::model::ModelError;
 use crate::offload::DeviceExpertCache;
-use crate::router::RouterWeights;
+use crate::router::{Route, RouterWeights};
 use crate::situ::SituMlp;
 use deltafin_kernels::{
     GroupProduct, Weights, matmul, matmul_group, matmul_group_serial, matmul_serial,
@@ -25,6 +25,46 @@ use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use deltafin_experts::rank_guesses;
 pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
+
+/// PILOT's guess for MoE layer `next_layer` from its router's logits on an earlier layer's
+/// FFN input: most confident first (a guess's best rank over the rows, then its votes),
+/// handed to `experts` as a read hint. Values never depend on it.
+fn predict_from_logits(
+    dims: &ModelDims,
+    experts: &dyn ExpertSource,
+    next_layer: usize,
+    router: &RouterWeights,
+    logits: &[f32],
+) {
+    predict_routes(
+        experts,
+        next_layer,
+        &router.routes_from_logits(dims, logits),
+    );
+}
+
+fn predict_routes(experts: &dyn ExpertSource, next_layer: usize, guessed: &[Route]) {
+    let guesses = rank_guesses(guessed.iter().map(|r| r.ids.as_slice()));
+    experts.predict(next_layer, guessed.len(), &guesses);
+}
+
+/// PILOT across a dense layer: `router` (MoE layer `next_layer`'s) applied to the dense
+/// layer's FFN input `y` (`t` rows), when the source wants predictions. The MoE path makes
+/// the same guess inside [`MoeWeights::forward_with_pilot`]; this one lets the first MoE
+/// layer's reads start while the dense layer before it still computes (at a token boundary
+/// the disk is otherwise idle until the first MoE router has run).
+pub(crate) fn predict_across_dense(
+    dims: &ModelDims,
+    experts: &dyn ExpertSource,
+    next_layer: usize,
+    router: &RouterWeights,
+    y: &[f32],
+    t: usize,
+) {
+    if experts.wants_prediction() {
+        predict_routes(experts, next_layer, &router.route(dims, y, t));
+    }
+}
 
 /// Check an expert's three shapes against the dimensions (`w1`, `w3` `[F, Lr]`, `w2` `[Lr, F]`).
 pub fn validate_expert(
@@ -146,10 +186,7 @@ impl MoeWeights {
         experts.record_routes(layer, k, &ids, &weights);
         experts.begin_layer(layer, &union);
         if let (Some((next_layer, router)), Some(next_logits)) = (pilot, &next_logits) {
-            // Most confident first: a guess's best rank over the rows, then its votes.
-            let guessed = router.routes_from_logits(dims, next_logits);
-            let guesses = rank_guesses(guessed.iter().map(|r| r.ids.as_slice()));
-            experts.predict(next_layer, guessed.len(), &guesses);
+            predict_from_logits(dims, experts, next_layer, router, next_logits);
         }
         // Experts are requested in id order on this thread (a streaming source may block
         // on reads) and each one's products run as a pool task as soon as it is here, so
