@@ -119,7 +119,6 @@ static LEARNED: RwLock<Option<Arc<Sequence>>> = RwLock::new(None);
 static RECORDING: Mutex<Option<Sequence>> = Mutex::new(None);
 /// Report count (high bits) and index + 1 of the last reported step (low [`STEP_BITS`]).
 static NOW: AtomicU64 = AtomicU64::new(0);
-pub static PF_BYTES: AtomicU64 = AtomicU64::new(0);
 /// Consecutive reports of keys the learned sequence does not know.
 static MISSES: AtomicU32 = AtomicU32::new(0);
 
@@ -168,7 +167,6 @@ pub(crate) fn note(ranges: &[(*const u8, usize)]) {
     if let Some(&i) = seq.index.get(&key) {
         // The cycle closed: the recording is the sequence from here on.
         *learned = rec.take().map(Arc::new);
-        if std::env::var("LA_DEBUG").is_ok() { let s = learned.as_ref().unwrap(); eprintln!("LA learned {} steps, {} bytes, closes at {}", s.steps.len(), s.steps.iter().map(|x| x.total).sum::<usize>(), i); }
         publish(i);
         return;
     }
@@ -199,7 +197,6 @@ impl Prefetcher {
             return false;
         };
         let n = (*len).min(CHUNK);
-        PF_BYTES.fetch_add(n as u64, Ordering::Relaxed);
         hint_lines(*at, n);
         *at += n;
         *len -= n;
