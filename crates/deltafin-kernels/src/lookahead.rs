@@ -14,7 +14,7 @@
 //!   reports are recorded in order; when a key comes round again the cycle (one token) is
 //!   complete and becomes the learned sequence. Afterwards a report only moves the cursor.
 //! - A keep-warm loop with nothing to run calls [`Prefetcher::step`]: it looks up the product
-//!   after the cursor and issues `prefetcht1` (into this core's L2) for the part of its weights
+//!   after the cursor and issues `prefetcht0` for the part of its weights
 //!   this worker will take — a product's row ranges are split in halves and a waiting worker
 //!   steals the second half first — starting at the middle of its bytes, at most
 //!   [`BUDGET`] bytes (a fraction of the 2 MiB L2 of current x86 server cores), a few lines
@@ -242,7 +242,7 @@ impl Prefetcher {
     }
 }
 
-/// `prefetcht1` every cache line of `[at, at + len)`. A prefetch never faults, so a stale
+/// `prefetcht0` every cache line of `[at, at + len)`. A prefetch never faults, so a stale
 /// address is harmless.
 #[inline]
 fn hint_lines(at: usize, len: usize) {
