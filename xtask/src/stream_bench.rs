@@ -10,7 +10,8 @@
 //!    and where each token's time goes: waiting for expert bytes vs computing. With PILOT the
 //!    demand misses undercount what the disk must bring in (a right guess is a miss read
 //!    early), so the last column also gives the bound on the *needed* bytes: bytes read less
-//!    the bytes read for wrong guesses.
+//!    the bytes read for wrong guesses, and the share of the phase the disk was busy (at least
+//!    one read in flight), which does not depend on the probe's sample.
 //!
 //! The spine is the product default, row-int8 (`--spine int8`, needs `deltafin
 //! convert-spine-int8` on the model root once), or the weight-exact `--spine bf16`.
@@ -278,10 +279,10 @@ pub fn run(args: &Args) -> Result<()> {
         args.read_piece_kib
     );
     println!(
-        "| phase | tokens | s | tok/s | GB read | misses | hits | hit % | read GB/s (busy) | ÷ probe random | wait s | I/O-bound tok/s | tok/s ÷ bound | recall | wait ms/tok | compute ms/tok | I/O ms/tok at probe | PILOT reads/tok | prefetched precision | prefetched recall | wasted MB/tok | tok/s ÷ bound (needed bytes) |"
+        "| phase | tokens | s | tok/s | GB read | misses | hits | hit % | read GB/s (busy) | ÷ probe random | wait s | I/O-bound tok/s | tok/s ÷ bound | recall | wait ms/tok | compute ms/tok | I/O ms/tok at probe | PILOT reads/tok | prefetched precision | prefetched recall | wasted MB/tok | tok/s ÷ bound (needed bytes) | disk busy % |"
     );
     println!(
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for ph in &phases {
         let gbps = if ph.busy > 0.0 {
@@ -307,7 +308,7 @@ pub fn run(args: &Args) -> Result<()> {
         // this is the demand misses, as above).
         let needed_bound = bound_for(ph.bytes.saturating_sub(ph.wasted) as f64 / n);
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {:.2} |",
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.1} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {:.2} | {:.1} |",
             ph.name,
             ph.tokens,
             ph.seconds,
@@ -333,6 +334,9 @@ pub fn run(args: &Args) -> Result<()> {
             pct(ph.right, ph.predicted_total),
             ph.wasted as f64 / 1e6 / n,
             tps / needed_bound,
+            // Share of the phase with at least one expert read in flight: the disk's idle
+            // share is what no read order can recover without a guess to read.
+            100.0 * ph.busy / ph.seconds.max(1e-9),
         );
     }
     // Decode guesses per rank (one-row passes): precision of all guesses and of the ones read.
