@@ -489,7 +489,8 @@ impl K3Model {
             p.extend(self.embed.row(token as usize).iter().map(|v| v.to_f32()));
         }
         let mut snaps: Vec<Vec<f32>> = Vec::new();
-        // PILOT: each MoE layer's router on the previous layer's FFN input (MoE or dense).
+        // PILOT: each MoE layer's router on the previous MoE layer's FFN input, or on the
+        // input of the dense layer before it.
         let next_router = |l: usize| match self.layers.get(l + 1).map(|x| &x.ffn) {
             Some(Ffn::Moe(m)) => Some((l + 1, &m.router)),
             _ => None,
@@ -518,6 +519,11 @@ impl K3Model {
                 snaps.push(std::mem::take(&mut p));
             }
             let x = rms_norm_rows_new(&a, &layer.input_layernorm, d.rms_norm_eps);
+            // PILOT for the MoE layer after a dense one, from the dense layer's input: its
+            // reads start before this layer's attention and MLP.
+            if let (Ffn::Dense(_), Some((next, router))) = (&layer.ffn, next_router(l)) {
+                crate::moe::predict_across_dense(d, self.experts.as_ref(), next, router, &x, t);
+            }
             let o = match (&layer.attn, ls) {
                 (Attention::Kda(w), LayerState::Kda(s)) => match kda_form {
                     KdaForm::Chunked => w.forward(d, &x, t, s)?,
@@ -538,19 +544,7 @@ impl K3Model {
             let m = layer.mlp_res.mix_rows(&snaps, &p, t, d.attn_res_eps);
             let x = rms_norm_rows_new(&m, &layer.post_attention_layernorm, d.rms_norm_eps);
             let f = match &layer.ffn {
-                Ffn::Dense(mlp) => {
-                    if let Some((next, router)) = next_router(l) {
-                        crate::moe::predict_across_dense(
-                            d,
-                            self.experts.as_ref(),
-                            next,
-                            router,
-                            &x,
-                            t,
-                        );
-                    }
-                    mlp.forward(d, &x, t)?
-                }
+                Ffn::Dense(mlp) => mlp.forward(d, &x, t)?,
                 Ffn::Moe(moe) => moe.forward_with_pilot(
                     d,
                     l,
@@ -1003,8 +997,8 @@ pub(crate) mod tests {
 
     #[test]
     fn pilot_guesses_the_first_moe_layer_across_the_dense_layer() {
-        // Layer 0 is dense: the first MoE layer's guess comes from layer 0's FFN input,
-        // before layer 1 begins; every later MoE layer is guessed from the one before, and
+        // Layer 0 is dense: the first MoE layer's guess comes from layer 0's input, before
+        // layer 1 begins; every later MoE layer is guessed from the one before, and
         // the last layer guesses nothing. The hints never change a value.
         let (plain, experts) = random_model(4);
         let (mut hinted, _) = random_model(4);
@@ -1030,8 +1024,8 @@ pub(crate) mod tests {
             let seen: Vec<(&str, usize, Vec<usize>)> = std::mem::take(&mut *events.lock().unwrap());
             let order: Vec<(&str, usize)> = seen.iter().map(|(k, l, _)| (*k, *l)).collect();
             assert_eq!(order, expected, "pass {step}");
-            // The guess is layer 1's router on layer 0's FFN input: it names real expert
-            // ids, at most k per row.
+            // The guess is layer 1's router on layer 0's input: it names real expert ids, at
+            // most k per row.
             let (_, _, first_guess) = &seen[0];
             let rows = if step == 0 { toks.len() } else { 1 };
             assert!(!first_guess.is_empty() && first_guess.len() <= rows * d.experts_per_token);
