@@ -51,7 +51,7 @@ fn predict_routes(experts: &dyn ExpertSource, next_layer: usize, guessed: &[Rout
 /// PILOT across a dense layer: `router` (MoE layer `next_layer`'s) applied to `y` (`t`
 /// rows), the dense layer's normalised input, when the source wants predictions. The MoE
 /// path guesses inside [`MoeWeights::forward_with_pilot`] from its own FFN input; this one
-/// lets the first MoE layer's reads start before the dense layer before it computes (at a
+/// starts the first MoE layer's reads before the dense layer ahead of it computes (at a
 /// token boundary the disk is otherwise idle until the first MoE router has run). On the
 /// `stream` preset the dense layer's input guesses layer 1 better than its FFN input does
 /// (recall 77.7% against 72.1%, docs/PERFORMANCE.md).
