@@ -26,23 +26,9 @@ use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use deltafin_experts::rank_guesses;
 pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
 
-/// PILOT's guess for MoE layer `next_layer` from its router's logits on an earlier layer's
-/// FFN input: most confident first (a guess's best rank over the rows, then its votes),
-/// handed to `experts` as a read hint. Values never depend on it.
-fn predict_from_logits(
-    dims: &ModelDims,
-    experts: &dyn ExpertSource,
-    next_layer: usize,
-    router: &RouterWeights,
-    logits: &[f32],
-) {
-    predict_routes(
-        experts,
-        next_layer,
-        &router.routes_from_logits(dims, logits),
-    );
-}
-
+/// PILOT's guess for MoE layer `next_layer` from its router's routes on an earlier layer's
+/// input: most confident first (a guess's best rank over the rows, then its votes), handed
+/// to `experts` as a read hint. Values never depend on it.
 fn predict_routes(experts: &dyn ExpertSource, next_layer: usize, guessed: &[Route]) {
     let guesses = rank_guesses(guessed.iter().map(|r| r.ids.as_slice()));
     experts.predict(next_layer, guessed.len(), &guesses);
@@ -188,7 +174,11 @@ impl MoeWeights {
         experts.record_routes(layer, k, &ids, &weights);
         experts.begin_layer(layer, &union);
         if let (Some((next_layer, router)), Some(next_logits)) = (pilot, &next_logits) {
-            predict_from_logits(dims, experts, next_layer, router, next_logits);
+            predict_routes(
+                experts,
+                next_layer,
+                &router.routes_from_logits(dims, next_logits),
+            );
         }
         // Experts are requested in id order on this thread (a streaming source may block
         // on reads) and each one's products run as a pool task as soon as it is here, so
