@@ -407,9 +407,15 @@ fn plan_and_load(
     // the allocator (anonymous). Spine pages are hardly touched yet and counted above.
     let runtime = proc_memory().map_or(0, |m| m.rss);
     // Prefill activations of a 512-token chunk (≈16 live f32 rows of width D), two rows
-    // of logits, and one expert buffer that may outlive its eviction while multiplied.
+    // of logits, one expert buffer that may outlive its eviction while multiplied, and the
+    // `lm_head` rows gathered for the provisional next token (`deltafin_k3::next_token`).
     let scratch = (16 * 512 * dims.hidden_size * 4 + 2 * dims.vocab_size * 4) as u64
-        + table.max_buffer_bytes();
+        + table.max_buffer_bytes()
+        + deltafin_k3::next_token::provisional_bytes(
+            dims.vocab_size,
+            dims.hidden_size,
+            engine.spine == SpineFormat::Int8,
+        );
     let gb = |b: u64| b as f64 / 1e9;
     // The minimum expert cache: one token's routed experts of one layer.
     let min_cache = cfg.text.num_experts_per_token.max(1) as u64 * table.max_buffer_bytes();

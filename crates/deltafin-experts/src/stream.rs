@@ -338,6 +338,72 @@ struct State {
     sticky: usize,
 }
 
+impl State {
+    /// A wrong PILOT guess whose read has unstarted pieces (already taken off the queues):
+    /// with pieces in flight it gives its buffer back when they land; otherwise it leaves the
+    /// cache now.
+    fn cut_unstarted(&mut self, key: (usize, usize)) {
+        let Some(p) = self.pending.get_mut(&key) else {
+            return;
+        };
+        if p.started > p.done {
+            p.expected = p.started;
+            p.cancelled = true;
+        } else if let Some(p) = self.pending.remove(&key) {
+            self.entries.remove(&key);
+            if let Some(l) = self.layers.get_mut(key.0) {
+                l.prefetch_wasted_bytes += p.device;
+            }
+            if let Ok(f) = Arc::try_unwrap(p.fill) {
+                self.free.push(f.into_inner());
+            }
+        }
+    }
+
+    /// Judge the PILOT read of `key` wrong: a read still in flight counts its bytes as wasted
+    /// when it lands; a finished, still unused one returns its bytes (wasted now).
+    fn judge_wrong(&mut self, key: (usize, usize)) -> u64 {
+        if let Some(p) = self.pending.get_mut(&key) {
+            p.wrong |= p.pilot;
+        } else if let Some(e) = self.entries.get_mut(&key)
+            && e.pilot_unused
+        {
+            e.pilot_unused = false;
+            return e.pilot_bytes;
+        }
+        0
+    }
+
+    /// A newer guess for `layer` replaced one that issued reads of `experts` it does not
+    /// repeat: their unstarted pieces leave the queue now, so they do not hold up the newer
+    /// guess's reads, and what they transferred counts as wasted. Returns how many there were.
+    fn discard_superseded(&mut self, layer: usize, experts: &[usize]) -> u64 {
+        if experts.is_empty() {
+            return 0;
+        }
+        let mut cut = std::collections::BTreeSet::new();
+        self.pilot.retain(|job| {
+            let gone = job.layer == layer && experts.contains(&job.expert);
+            if gone {
+                cut.insert((job.layer, job.expert));
+            }
+            !gone
+        });
+        for key in cut {
+            self.cut_unstarted(key);
+        }
+        let mut wasted = 0;
+        for &e in experts {
+            wasted += self.judge_wrong((layer, e));
+        }
+        if let Some(l) = self.layers.get_mut(layer) {
+            l.prefetch_issued += experts.len() as u64;
+            l.prefetch_wasted_bytes += wasted;
+        }
+        experts.len() as u64
+    }
+}
+
 struct Shared {
     table: ExpertTable,
     /// Files opened once (tables of at most [`MAX_OPEN_FILES`] files); empty otherwise, and
@@ -1204,21 +1270,7 @@ impl ExpertSource for StreamingExperts {
         }
         st.pilot = keep;
         for key in dropped {
-            let Some(p) = st.pending.get_mut(&key) else {
-                continue;
-            };
-            if p.started > p.done {
-                p.expected = p.started;
-                p.cancelled = true;
-            } else if let Some(p) = st.pending.remove(&key) {
-                st.entries.remove(&key);
-                if let Some(l) = st.layers.get_mut(key.0) {
-                    l.prefetch_wasted_bytes += p.device;
-                }
-                if let Ok(f) = Arc::try_unwrap(p.fill) {
-                    st.free.push(f.into_inner());
-                }
-            }
+            st.cut_unstarted(key);
         }
         // Judge the issued guesses still held: right ones are useful prefetches; wrong ones
         // waste what they transferred (now, or when their in-flight pieces land).
@@ -1229,13 +1281,8 @@ impl ExpertSource for StreamingExperts {
                 let key = (layer, g.expert);
                 if experts.binary_search(&g.expert).is_ok() {
                     right += u64::from(st.entries.contains_key(&key));
-                } else if let Some(p) = st.pending.get_mut(&key) {
-                    p.wrong |= p.pilot;
-                } else if let Some(e) = st.entries.get_mut(&key)
-                    && e.pilot_unused
-                {
-                    wasted += e.pilot_bytes;
-                    e.pilot_unused = false;
+                } else {
+                    wasted += st.judge_wrong(key);
                 }
             }
             if let Some(l) = st.layers.get_mut(layer) {
@@ -1324,6 +1371,30 @@ impl ExpertSource for StreamingExperts {
             PilotGate::Ranked { max_guesses, .. } if max_guesses > 0 => max_guesses,
             _ => usize::MAX,
         };
+        // An earlier guess for this layer that has not been judged yet (the next token's
+        // first MoE layer is guessed at the end of a pass from a provisional token, then
+        // again from the real one): the reads it issued that this guess repeats are judged
+        // with this one; the others are wrong and discarded now.
+        let earlier: Vec<usize> = st.predictions[layer]
+            .take()
+            .map(|p| {
+                p.guesses
+                    .iter()
+                    .zip(&p.issued)
+                    .filter(|(_, i)| **i)
+                    .map(|(g, _)| g.expert)
+                    .collect()
+            })
+            .unwrap_or_default();
+        for (g, issued) in guesses.iter().zip(issued.iter_mut()) {
+            *issued = earlier.contains(&g.expert) && st.entries.contains_key(&(layer, g.expert));
+        }
+        let superseded: Vec<usize> = earlier
+            .iter()
+            .copied()
+            .filter(|e| !guesses.iter().any(|g| g.expert == *e))
+            .collect();
+        st.discard_superseded(layer, &superseded);
         let mut n = 0;
         // Most confident first: what is still unstarted when the layer begins is the least
         // likely to be needed.
@@ -1748,6 +1819,63 @@ mod tests {
         assert_eq!(l1.prefetch_wasted_bytes, st.device_bytes - alone(1, 0));
         let all: u64 = (0..6).map(|e| alone(1, e)).sum();
         assert!(st.device_bytes <= all);
+    }
+
+    #[test]
+    fn a_newer_guess_for_the_same_layer_keeps_what_it_repeats_and_discards_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, want) = fixture(dir.path(), 3, 8);
+        let alone = |e: usize| {
+            let src =
+                StreamingExperts::new(table.clone(), opts(8, &table, PilotGate::Off)).unwrap();
+            src.predict(1, 1, &guesses(&[e]));
+            src.settle();
+            src.stats().unwrap().device_bytes
+        };
+        // The same guess twice (a provisional next token that turned out right): nothing is
+        // read twice, and the reads count as the guess's, right and prefetched.
+        let src = StreamingExperts::new(table.clone(), opts(8, &table, PilotGate::Off)).unwrap();
+        src.predict(1, 1, &guesses(&[2, 5]));
+        src.settle();
+        src.predict(1, 1, &guesses(&[2, 5]));
+        src.settle();
+        let once = alone(2) + alone(5);
+        assert_eq!(src.stats().unwrap().device_bytes, once);
+        src.begin_layer(1, &[2, 5]);
+        let l1 = src.stats().unwrap().layers[1].clone();
+        assert_eq!((l1.hits, l1.prefetch_hits, l1.misses), (2, 2, 0));
+        assert_eq!((l1.prefetch_issued, l1.prefetch_right), (2, 2));
+        assert_eq!(l1.prefetch_wasted_bytes, 0);
+        assert_eq!((l1.predictions, l1.predicted_hits), (1, 2));
+
+        // A different second guess: the first's reads it does not repeat are wrong (issued,
+        // their bytes wasted, whether they had landed or not); the repeated one is judged
+        // with the second guess.
+        let src = StreamingExperts::new(
+            table.clone(),
+            StreamOptions {
+                read_threads: 1,
+                ..opts(8, &table, PilotGate::Off)
+            },
+        )
+        .unwrap();
+        src.set_read_piece_bytes(ALIGN).unwrap();
+        src.predict(1, 1, &guesses(&[0, 1, 2, 3]));
+        src.predict(1, 1, &guesses(&[3, 6]));
+        src.begin_layer(1, &[3, 6]);
+        src.settle();
+        let st = src.stats().unwrap();
+        let l1 = &st.layers[1];
+        assert_eq!(l1.prefetch_issued, 5, "{l1:?}");
+        assert_eq!(l1.prefetch_right, 2, "{l1:?}");
+        assert_eq!(
+            l1.prefetch_wasted_bytes,
+            st.device_bytes - alone(3) - alone(6)
+        );
+        assert_eq!((l1.predictions, l1.predicted_hits), (1, 2));
+        for e in [3, 6] {
+            check(&src.expert(1, e).unwrap(), &want[&(1, e)]);
+        }
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod loader;
 pub mod mla;
 pub mod model;
 pub mod moe;
+pub mod next_token;
 pub mod norm;
 pub mod offload;
 pub mod router;

@@ -183,6 +183,9 @@ pub struct K3Model {
     /// Routed experts on a device (`crate::offload`, `--expert-backend cuda`): when set, the
     /// MoE layers run their expert products there.
     pub device_experts: Option<std::sync::Arc<crate::offload::DeviceExpertCache>>,
+    /// The provisional next-token rows of `lm_head` (`crate::next_token`), built at the first
+    /// pass that can use them: an expert source that wants PILOT guesses.
+    provisional: std::sync::OnceLock<Result<crate::next_token::ProvisionalHead, String>>,
 }
 
 /// A matrix shape the model checks: a [`Bf16Matrix`] or a [`Linear`].
@@ -246,6 +249,7 @@ impl K3Model {
             experts,
             spine_stream: None,
             device_experts: None,
+            provisional: std::sync::OnceLock::new(),
         };
         model.validate()?;
         Ok(model)
@@ -573,6 +577,9 @@ impl K3Model {
             .output_res
             .mix_rows(&snap_rows, &p[first * dm..], rows, d.attn_res_eps);
         let x = rms_norm_rows_new(&x, &self.norm, d.rms_norm_eps);
+        if rows == 1 {
+            self.guess_next_token_routes(&x);
+        }
         let mut values = vec![0f32; rows * d.vocab_size];
         self.lm_head.matmul(&x, rows, &mut values)?;
         Ok(Logits {
@@ -580,6 +587,49 @@ impl K3Model {
             vocab: d.vocab_size,
             values,
         })
+    }
+
+    /// PILOT across the token boundary (`crate::next_token`): before `lm_head` runs on the
+    /// last position's normalised row `x`, guess the next pass's first MoE layer from a
+    /// provisional token, so its reads overlap `lm_head`. Only for an expert source that
+    /// wants guesses, a resident layer 0 that is dense and a layer 1 that is MoE (K3's
+    /// schedule); changes no value.
+    fn guess_next_token_routes(&self, x: &[f32]) {
+        let experts = self.experts.as_ref();
+        if self.spine_stream.is_some() || !experts.wants_prediction() {
+            return;
+        }
+        let (Some(first), Some(Ffn::Moe(next))) =
+            (self.layers.first(), self.layers.get(1).map(|l| &l.ffn))
+        else {
+            return;
+        };
+        if !matches!(first.ffn, Ffn::Dense(_)) {
+            return;
+        }
+        let head = self
+            .provisional
+            .get_or_init(|| crate::next_token::ProvisionalHead::build(&self.lm_head));
+        let Some(token) = head.as_ref().ok().and_then(|h| h.token(x)) else {
+            return;
+        };
+        let d = &self.dims;
+        let e: Vec<f32> = self
+            .embed
+            .row(token as usize)
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        let y = rms_norm_rows_new(&e, &first.input_layernorm, d.rms_norm_eps);
+        crate::moe::predict_across_dense(d, experts, 1, &next.router, &y, 1);
+    }
+
+    /// The provisional next-token rows (`crate::next_token`), once a pass has built them:
+    /// `Err` names why they could not be gathered (the guess is then skipped).
+    pub fn provisional_head(&self) -> Option<Result<&crate::next_token::ProvisionalHead, &str>> {
+        self.provisional
+            .get()
+            .map(|r| r.as_ref().map_err(String::as_str))
     }
 
     /// Process a prompt; returns the logits of its last position.
@@ -998,8 +1048,11 @@ pub(crate) mod tests {
     #[test]
     fn pilot_guesses_the_first_moe_layer_across_the_dense_layer() {
         // Layer 0 is dense: the first MoE layer's guess comes from layer 0's input, before
-        // layer 1 begins; every later MoE layer is guessed from the one before, and
-        // the last layer guesses nothing. The hints never change a value.
+        // layer 1 begins; every later MoE layer is guessed from the one before, and the
+        // last layer guesses nothing. Before `lm_head`, a pass of one output row guesses the
+        // next pass's layer 1 from the provisional token (`crate::next_token`), the same
+        // guess the next pass makes when it decodes that token. The hints never change a
+        // value.
         let (plain, experts) = random_model(4);
         let (mut hinted, _) = random_model(4);
         let events = HintEvents::default();
@@ -1011,16 +1064,18 @@ pub(crate) mod tests {
         let n = d.num_layers();
         assert_eq!(d.ffn_kind(0), FfnKind::Dense);
         assert!((1..n).all(|l| d.ffn_kind(l) == FfnKind::Moe));
-        // Layer l's guess for l + 1 follows its own begin.
+        // Layer l's guess for l + 1 follows its own begin; the next token's guess ends it.
         let expected: Vec<(&str, usize)> = (1..n)
             .flat_map(|l| [("predict", l), ("begin", l)])
+            .chain([("predict", 1)])
             .collect();
         let toks = prompt(9, 3);
         let (mut s1, mut s2) = (plain.new_state(), hinted.new_state());
         let a = plain.prefill(&mut s1, &toks).unwrap();
-        let b = hinted.prefill(&mut s2, &toks).unwrap();
+        let mut b = hinted.prefill(&mut s2, &toks).unwrap();
         assert_eq!(a, b);
-        for step in 0..2 {
+        let mut provisional_guess: Option<Vec<usize>> = None;
+        for step in 0..3 {
             let seen: Vec<(&str, usize, Vec<usize>)> = std::mem::take(&mut *events.lock().unwrap());
             let order: Vec<(&str, usize)> = seen.iter().map(|(k, l, _)| (*k, *l)).collect();
             assert_eq!(order, expected, "pass {step}");
@@ -1030,12 +1085,69 @@ pub(crate) mod tests {
             let rows = if step == 0 { toks.len() } else { 1 };
             assert!(!first_guess.is_empty() && first_guess.len() <= rows * d.experts_per_token);
             assert!(first_guess.iter().all(|&e| e < d.num_experts));
-            let t = argmax(&a).unwrap() as u32;
-            assert_eq!(
-                plain.decode(&mut s1, t).unwrap(),
-                hinted.decode(&mut s2, t).unwrap()
-            );
+            if let Some(g) = &provisional_guess {
+                assert_eq!(g, first_guess, "pass {step}: the provisional token's guess");
+            }
+            provisional_guess = seen.last().map(|(_, _, g)| g.clone());
+            // τ̂: the largest of this pass's logits over the provisional rows (lowest id on
+            // ties); decoding it makes the next pass repeat the provisional guess.
+            let head = hinted.provisional_head().unwrap().unwrap();
+            assert_eq!(head.len(), d.vocab_size.div_ceil(32));
+            let ids = head.ids();
+            let mut tau = ids[0];
+            for &id in ids {
+                if b[id as usize] > b[tau as usize] {
+                    tau = id;
+                }
+            }
+            let c = plain.decode(&mut s1, tau).unwrap();
+            b = hinted.decode(&mut s2, tau).unwrap();
+            assert_eq!(c, b);
         }
+    }
+
+    #[test]
+    fn provisional_rows_are_the_largest_lm_head_rows_and_name_the_greedy_token() {
+        let (model, _) = random_model(4);
+        let head = crate::next_token::ProvisionalHead::build(&model.lm_head).unwrap();
+        let v = model.dims.vocab_size;
+        let dm = model.dims.hidden_size;
+        assert_eq!(head.len(), v.div_ceil(32));
+        let norm = |r: usize| {
+            let mut row = vec![0f32; dm];
+            model.lm_head.row_f32(r, &mut row);
+            row.iter().map(|&w| f64::from(w).powi(2)).sum::<f64>()
+        };
+        let ids = head.ids();
+        assert!(ids.windows(2).all(|w| w[0] < w[1]));
+        let least_in = ids
+            .iter()
+            .map(|&i| norm(i as usize))
+            .fold(f64::MAX, f64::min);
+        let most_out = (0..v)
+            .filter(|r| !ids.contains(&(*r as u32)))
+            .map(norm)
+            .fold(0.0, f64::max);
+        assert!(least_in >= most_out, "{least_in} < {most_out}");
+        // Its token is the argmax of the full product over the set: the greedy token
+        // whenever that row is in the set. A hidden row along row `ids[1]` makes it win.
+        let mut x = vec![0f32; dm];
+        model.lm_head.row_f32(ids[1] as usize, &mut x);
+        let full = model.lm_head.apply(&x, 1).unwrap();
+        let best = ids
+            .iter()
+            .copied()
+            .reduce(|a, b| {
+                if full[b as usize] > full[a as usize] {
+                    b
+                } else {
+                    a
+                }
+            })
+            .unwrap();
+        assert_eq!(head.token(&x), Some(best));
+        assert_eq!(head.token(&x), Some(ids[1]));
+        assert!(head.bytes() > 0);
     }
 
     #[test]

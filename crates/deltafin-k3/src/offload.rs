@@ -710,7 +710,14 @@ mod tests {
         dev.fail_products_from(7);
         let msg = run(&m).unwrap_err().to_string();
         assert!(msg.contains(".block_sparse_moe.experts."), "{msg}");
-        assert!(msg.contains("injected failure of product 7"), "{msg}");
+        // Expert products run concurrently, so the error reported may be that of any
+        // product from the 7th on (the one whose expert comes first in route order).
+        let k: Option<u64> = msg
+            .split("injected failure of product ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|k| k.parse().ok());
+        assert!(k.is_some_and(|k| k >= 7), "{msg}");
 
         // A device too small for an expert fails the upload with the expert's name.
         let mut m = load(&ckpt, SpineFormat::Bf16, None);
