@@ -362,6 +362,10 @@ pub fn run(args: &Args) -> Result<()> {
         cache as f64 / 1e9,
         peak_rss() as f64 / 1e9
     );
+    let (right, judged) = model.provisional_accuracy();
+    println!(
+        "next-token PILOT (provisional token from the largest lm_head rows): right {right} of {judged} passes"
+    );
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load average at end: {}", load.trim());
     Ok(())

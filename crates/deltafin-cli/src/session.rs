@@ -843,6 +843,18 @@ pub fn report_expert_stats(model: &K3Model) {
             "[stats] experts PILOT precision% by rank (decode; decayed, off = gated): {}",
             st.per_rank_precision()
         );
+        match model.provisional_head() {
+            Some(Ok(h)) => {
+                let (right, judged) = model.provisional_accuracy();
+                eprintln!(
+                    "[stats] experts PILOT next token (guessed from {} lm_head rows before lm_head): right {right} of {judged} ({:.1}%)",
+                    h.len(),
+                    100.0 * right as f64 / judged.max(1) as f64
+                );
+            }
+            Some(Err(e)) => eprintln!("[stats] experts PILOT next token: off ({e})"),
+            None => {}
+        }
     }
     if let Some(m) = proc_memory() {
         eprintln!(

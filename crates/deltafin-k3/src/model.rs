@@ -186,6 +186,9 @@ pub struct K3Model {
     /// The provisional next-token rows of `lm_head` (`crate::next_token`), built at the first
     /// pass that can use them: an expert source that wants PILOT guesses.
     provisional: std::sync::OnceLock<Result<crate::next_token::ProvisionalHead, String>>,
+    /// The last provisional token not yet compared with the next pass's first token, and how
+    /// often it was right.
+    provisional_tally: std::sync::Mutex<crate::next_token::Tally>,
 }
 
 /// A matrix shape the model checks: a [`Bf16Matrix`] or a [`Linear`].
@@ -250,6 +253,7 @@ impl K3Model {
             spine_stream: None,
             device_experts: None,
             provisional: std::sync::OnceLock::new(),
+            provisional_tally: std::sync::Mutex::new(Default::default()),
         };
         model.validate()?;
         Ok(model)
@@ -486,6 +490,10 @@ impl K3Model {
         }
         self.check_state(state)?;
         let t = tokens.len();
+        self.provisional_tally
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .judge(tokens[0]);
 
         // P ← E[token]
         let mut p = Vec::with_capacity(t * dm);
@@ -613,6 +621,10 @@ impl K3Model {
         let Some(token) = head.as_ref().ok().and_then(|h| h.token(x)) else {
             return;
         };
+        self.provisional_tally
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pending = Some(token);
         let d = &self.dims;
         let e: Vec<f32> = self
             .embed
@@ -630,6 +642,17 @@ impl K3Model {
         self.provisional
             .get()
             .map(|r| r.as_ref().map_err(String::as_str))
+    }
+
+    /// How often the provisional next token was the token the next pass began with:
+    /// `(right, judged)` (`--stats`). With several sequences on one model a guess made at
+    /// the end of one sequence's pass is judged against whichever pass comes next.
+    pub fn provisional_accuracy(&self) -> (u64, u64) {
+        let t = self
+            .provisional_tally
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (t.right, t.judged)
     }
 
     /// Process a prompt; returns the logits of its last position.
@@ -1104,6 +1127,16 @@ pub(crate) mod tests {
             b = hinted.decode(&mut s2, tau).unwrap();
             assert_eq!(c, b);
         }
+        // Every decoded token was the provisional one; then one that is not.
+        assert_eq!(hinted.provisional_accuracy(), (3, 3));
+        let ids = hinted.provisional_head().unwrap().unwrap().ids().to_vec();
+        let other = (0..d.vocab_size as u32).find(|t| !ids.contains(t)).unwrap();
+        hinted.decode(&mut s2, other).unwrap();
+        assert_eq!(hinted.provisional_accuracy(), (3, 4));
+        // A source that wants no guesses gets none, and nothing is built or judged.
+        plain.decode(&mut s1, other).unwrap();
+        assert!(plain.provisional_head().is_none());
+        assert_eq!(plain.provisional_accuracy(), (0, 0));
     }
 
     #[test]

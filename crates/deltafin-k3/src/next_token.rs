@@ -57,6 +57,28 @@ pub fn provisional_bytes(vocab: usize, hidden: usize, int8: bool) -> u64 {
     (provisional_rows(vocab) * per_row) as u64
 }
 
+/// Provisional tokens judged against the token the next pass began with.
+#[derive(Debug, Default)]
+pub struct Tally {
+    /// The last provisional token, not yet judged.
+    pub pending: Option<u32>,
+    /// Provisional tokens that were the next pass's first token.
+    pub right: u64,
+    /// Provisional tokens judged.
+    pub judged: u64,
+}
+
+impl Tally {
+    /// Judge the pending provisional token (if any) against `first`, the first token of the
+    /// pass that follows it.
+    pub fn judge(&mut self, first: u32) {
+        if let Some(p) = self.pending.take() {
+            self.judged += 1;
+            self.right += u64::from(p == first);
+        }
+    }
+}
+
 /// The `lm_head` rows of the provisional set, gathered into one small matrix.
 pub struct ProvisionalHead {
     /// Vocabulary id of each gathered row, ascending.
