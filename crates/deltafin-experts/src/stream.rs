@@ -146,6 +146,9 @@ struct Prediction {
     class: usize,
     guesses: Vec<PilotGuess>,
     issued: Vec<bool>,
+    /// Reads an earlier guess for the same layer issued that this one does not name (see
+    /// `State::discard_superseded`): judged with it, outside the per-rank counts.
+    carried: Vec<usize>,
 }
 
 /// How a [`StreamingExperts`] reads and caches.
@@ -376,11 +379,10 @@ impl State {
 
     /// A newer guess for `layer` replaced one that issued reads of `experts` it does not
     /// repeat: their unstarted pieces leave the queue now, so they do not hold up the newer
-    /// guess's reads, and what they transferred counts as wasted. Returns how many there were.
-    fn discard_superseded(&mut self, layer: usize, experts: &[usize]) -> u64 {
-        if experts.is_empty() {
-            return 0;
-        }
+    /// guess's reads (what those reads transferred is wasted: their buffers go back). Returns
+    /// the ones whose reads finished or have every piece in flight: they stay cached and are
+    /// judged with the newer guess when the layer begins.
+    fn discard_superseded(&mut self, layer: usize, experts: &[usize]) -> Vec<usize> {
         let mut cut = std::collections::BTreeSet::new();
         self.pilot.retain(|job| {
             let gone = job.layer == layer && experts.contains(&job.expert);
@@ -389,18 +391,21 @@ impl State {
             }
             !gone
         });
+        let n_cut = cut.len() as u64;
         for key in cut {
             self.cut_unstarted(key);
         }
-        let mut wasted = 0;
-        for &e in experts {
-            wasted += self.judge_wrong((layer, e));
-        }
         if let Some(l) = self.layers.get_mut(layer) {
-            l.prefetch_issued += experts.len() as u64;
-            l.prefetch_wasted_bytes += wasted;
+            l.prefetch_issued += n_cut;
         }
-        experts.len() as u64
+        experts
+            .iter()
+            .copied()
+            .filter(|&e| {
+                self.entries.contains_key(&(layer, e))
+                    && self.pending.get(&(layer, e)).is_none_or(|p| !p.cancelled)
+            })
+            .collect()
     }
 }
 
@@ -1276,10 +1281,17 @@ impl ExpertSource for StreamingExperts {
         // waste what they transferred (now, or when their in-flight pieces land).
         if let Some(pred) = &pred {
             let (mut issued, mut right, mut wasted) = (0, 0, 0);
-            for (g, _) in pred.guesses.iter().zip(&pred.issued).filter(|(_, i)| **i) {
+            let judged = pred
+                .guesses
+                .iter()
+                .zip(&pred.issued)
+                .filter(|(_, i)| **i)
+                .map(|(g, _)| g.expert)
+                .chain(pred.carried.iter().copied());
+            for e in judged {
                 issued += 1;
-                let key = (layer, g.expert);
-                if experts.binary_search(&g.expert).is_ok() {
+                let key = (layer, e);
+                if experts.binary_search(&e).is_ok() {
                     right += u64::from(st.entries.contains_key(&key));
                 } else {
                     wasted += st.judge_wrong(key);
@@ -1383,6 +1395,7 @@ impl ExpertSource for StreamingExperts {
                     .zip(&p.issued)
                     .filter(|(_, i)| **i)
                     .map(|(g, _)| g.expert)
+                    .chain(p.carried)
                     .collect()
             })
             .unwrap_or_default();
@@ -1394,7 +1407,7 @@ impl ExpertSource for StreamingExperts {
             .copied()
             .filter(|e| !guesses.iter().any(|g| g.expert == *e))
             .collect();
-        st.discard_superseded(layer, &superseded);
+        let carried = st.discard_superseded(layer, &superseded);
         let mut n = 0;
         // Most confident first: what is still unstarted when the layer begins is the least
         // likely to be needed.
@@ -1423,6 +1436,7 @@ impl ExpertSource for StreamingExperts {
             class,
             guesses: guesses.to_vec(),
             issued,
+            carried,
         });
         if n > 0 {
             s.work.notify_all();
@@ -1874,6 +1888,22 @@ mod tests {
         );
         assert_eq!((l1.predictions, l1.predicted_hits), (1, 2));
         for e in [3, 6] {
+            check(&src.expert(1, e).unwrap(), &want[&(1, e)]);
+        }
+
+        // A superseded read that had landed stays cached and is judged when the layer
+        // begins: here it is needed after all, so it is a right prefetch, not waste.
+        let src = StreamingExperts::new(table.clone(), opts(8, &table, PilotGate::Off)).unwrap();
+        src.predict(1, 1, &guesses(&[4]));
+        src.settle();
+        src.predict(1, 1, &guesses(&[5]));
+        src.settle();
+        src.begin_layer(1, &[4, 5]);
+        let l1 = src.stats().unwrap().layers[1].clone();
+        assert_eq!((l1.hits, l1.prefetch_hits, l1.misses), (2, 2, 0));
+        assert_eq!((l1.prefetch_issued, l1.prefetch_right), (2, 2));
+        assert_eq!(l1.prefetch_wasted_bytes, 0);
+        for e in [4, 5] {
             check(&src.expert(1, e).unwrap(), &want[&(1, e)]);
         }
     }
