@@ -1741,6 +1741,21 @@ mod tests {
         assert_eq!((l2.prefetch_bytes, l2.hits, l2.predicted_hits), (0, 0, 1));
     }
 
+    /// A source with one I/O thread and pieces of [`ALIGN`] bytes (reads stay in flight long
+    /// enough for a test to act between them), 8 buffers, PILOT reads on.
+    fn one_thread_small_pieces(table: &ExpertTable) -> StreamingExperts {
+        let src = StreamingExperts::new(
+            table.clone(),
+            StreamOptions {
+                read_threads: 1,
+                ..opts(8, table, PilotGate::Off)
+            },
+        )
+        .unwrap();
+        src.set_read_piece_bytes(ALIGN).unwrap();
+        src
+    }
+
     #[test]
     fn guesses_rank_by_best_position_then_votes_then_id() {
         let g = crate::rank_guesses([&[5usize, 2, 7][..], &[2, 9, 5], &[3, 9, 1]]);
@@ -1814,15 +1829,7 @@ mod tests {
 
         // Wrong guesses cut at the layer's start (dropped unread, cancelled mid-read, or
         // landed whole, depending on timing) waste exactly the bytes they transferred.
-        let src = StreamingExperts::new(
-            table.clone(),
-            StreamOptions {
-                read_threads: 1,
-                ..opts(8, &table, PilotGate::Off)
-            },
-        )
-        .unwrap();
-        src.set_read_piece_bytes(ALIGN).unwrap();
+        let src = one_thread_small_pieces(&table);
         src.predict(1, 1, &guesses(&[0, 1, 2, 3, 4, 5]));
         src.begin_layer(1, &[0]);
         src.settle();
@@ -1862,18 +1869,10 @@ mod tests {
         assert_eq!(l1.prefetch_wasted_bytes, 0);
         assert_eq!((l1.predictions, l1.predicted_hits), (1, 2));
 
-        // A different second guess: the first's reads it does not repeat are wrong (issued,
-        // their bytes wasted, whether they had landed or not); the repeated one is judged
+        // A different second guess: the first's reads it does not repeat lose their unstarted
+        // pieces at once (issued, what they transferred wasted); the repeated one is judged
         // with the second guess.
-        let src = StreamingExperts::new(
-            table.clone(),
-            StreamOptions {
-                read_threads: 1,
-                ..opts(8, &table, PilotGate::Off)
-            },
-        )
-        .unwrap();
-        src.set_read_piece_bytes(ALIGN).unwrap();
+        let src = one_thread_small_pieces(&table);
         src.predict(1, 1, &guesses(&[0, 1, 2, 3]));
         src.predict(1, 1, &guesses(&[3, 6]));
         src.begin_layer(1, &[3, 6]);
