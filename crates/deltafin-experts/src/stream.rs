@@ -1741,6 +1741,14 @@ mod tests {
         assert_eq!((l2.prefetch_bytes, l2.hits, l2.predicted_hits), (0, 0, 1));
     }
 
+    /// Bytes a fresh source transfers for a PILOT guess of expert `e` of `layer` alone.
+    fn guess_read_alone(table: &ExpertTable, layer: usize, e: usize) -> u64 {
+        let src = StreamingExperts::new(table.clone(), opts(2, table, PilotGate::Off)).unwrap();
+        src.predict(layer, 1, &guesses(&[e]));
+        src.settle();
+        src.stats().unwrap().device_bytes
+    }
+
     /// A source with one I/O thread and pieces of [`ALIGN`] bytes (reads stay in flight long
     /// enough for a test to act between them), 8 buffers, PILOT reads on.
     fn one_thread_small_pieces(table: &ExpertTable) -> StreamingExperts {
@@ -1787,13 +1795,7 @@ mod tests {
         let (table, want) = fixture(dir.path(), 3, 8);
         // Two buffers: only the two most confident guesses (5, then 2) can be read; id order
         // would have read 2 and 5, router order 7 last.
-        let alone = |l: usize, e: usize| {
-            let src =
-                StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Off)).unwrap();
-            src.predict(l, 1, &guesses(&[e]));
-            src.settle();
-            src.stats().unwrap().device_bytes
-        };
+        let alone = |l: usize, e: usize| guess_read_alone(&table, l, e);
         let src = StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Off)).unwrap();
         src.predict(2, 1, &guesses(&[5, 2, 7]));
         src.settle();
@@ -1846,13 +1848,7 @@ mod tests {
     fn a_newer_guess_for_the_same_layer_keeps_what_it_repeats_and_discards_the_rest() {
         let dir = tempfile::tempdir().unwrap();
         let (table, want) = fixture(dir.path(), 3, 8);
-        let alone = |e: usize| {
-            let src =
-                StreamingExperts::new(table.clone(), opts(8, &table, PilotGate::Off)).unwrap();
-            src.predict(1, 1, &guesses(&[e]));
-            src.settle();
-            src.stats().unwrap().device_bytes
-        };
+        let alone = |e: usize| guess_read_alone(&table, 1, e);
         // The same guess twice (a provisional next token that turned out right): nothing is
         // read twice, and the reads count as the guess's, right and prefetched.
         let src = StreamingExperts::new(table.clone(), opts(8, &table, PilotGate::Off)).unwrap();
