@@ -148,8 +148,32 @@ fn main() -> ExitCode {
         bytes as f64 / secs / 1e9
     };
     if a.what == "probe" {
+        // The same read over anonymous memory advised for transparent huge pages, the memory
+        // the resident spine and experts are copied into (`deltafin_k3::resident`).
+        let huge = deltafin_tensor::storage::copy_to_anonymous(
+            &[deltafin_tensor::Bytes::from_vec(vec![1u8; a.bytes / 8 * 8])],
+            true,
+        );
+        let huge_gbps = match &huge {
+            Ok(c) => {
+                let words: &[u64] = bytemuck::cast_slice(c.views[0].as_slice());
+                let secs = best_secs(iters, || {
+                    black_box(parallel_read_sum(black_box(words)));
+                });
+                format!(
+                    "{:.2} GB/s ({})",
+                    words.len() as f64 * 8.0 / secs / 1e9,
+                    if c.huge_advised {
+                        "huge pages advised"
+                    } else {
+                        "huge-page advice refused"
+                    }
+                )
+            }
+            Err(e) => format!("not measured ({e})"),
+        };
         println!(
-            "probe bytes={} threads={threads}: {:.2} GB/s",
+            "probe bytes={} threads={threads}: {:.2} GB/s (heap, 4 KiB pages); anonymous mapping: {huge_gbps}",
             a.bytes,
             read_probe(a.bytes, iters)
         );

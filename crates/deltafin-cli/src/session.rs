@@ -12,6 +12,7 @@ use deltafin_k3::loader::{
     stream_install_missing_experts, streaming_experts,
 };
 use deltafin_k3::model::K3Model;
+use deltafin_k3::resident::HugePages;
 use deltafin_k3::spine_int8::{SpineChoice, SpineFormat, quantized_tensors};
 use deltafin_k3::spine_stream::SpineStreamOptions;
 use deltafin_k3::tokenizer::Tokenizer;
@@ -153,6 +154,9 @@ pub struct ProcMemory {
     pub peak_rss: u64,
     pub rss_anon: u64,
     pub rss_file: u64,
+    /// Anonymous memory in transparent huge pages (`/proc/self/smaps_rollup`; 0 where the
+    /// file does not exist).
+    pub anon_huge: u64,
 }
 
 /// Read `/proc/self/status`; `None` where it does not exist.
@@ -173,6 +177,12 @@ pub fn proc_memory() -> Option<ProcMemory> {
             _ => {}
         }
     }
+    let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
+    m.anon_huge = rollup
+        .lines()
+        .find_map(|l| l.strip_prefix("AnonHugePages:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024);
     Some(m)
 }
 
@@ -579,6 +589,7 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
         spine: opts.spine,
         spine_resident_layers: spine_cap,
         spine_stream,
+        huge_pages: huge_pages_from_env(placement.spine)?,
         ..EngineOptions::default()
     };
     let (mut model, memory) = match opts.memory_budget {
@@ -588,9 +599,12 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
                     "deltafin: note: K3_EXPERT_PIN_GB has no effect without a memory budget: every expert is resident"
                 );
             }
-            let resident = Box::new(CheckpointExperts::new(checkpoint.clone()));
+            let resident = CheckpointExperts::new(checkpoint.clone());
+            if engine.huge_pages.copies() && checkpoint.layout() == Layout::Shards {
+                copy_experts_if_they_fit(&resident)?;
+            }
             let mut experts =
-                crate::scale4::wrap_experts(&checkpoint, resident, opts.expert_scale4)?;
+                crate::scale4::wrap_experts(&checkpoint, Box::new(resident), opts.expert_scale4)?;
             if checkpoint.layout() == Layout::StreamInstall {
                 experts = Box::new(crate::stream_install::FetchingExperts::new(
                     root,
@@ -637,6 +651,9 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
             Ok(Box::new(HeatRecorder::new(heat_path.clone(), dims, inner)))
         })?;
     }
+    if let Some(c) = &model.resident_copy {
+        eprintln!("[deltafin] {}", c.describe());
+    }
     install::check_vocab(&tokenizer, &model)?;
     place_on_device(&mut model, &placement, reserve)?;
     Ok(Session {
@@ -646,6 +663,48 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
         load_seconds: t.elapsed().as_secs_f64(),
         memory,
         spine: opts.spine,
+    })
+}
+
+/// With every expert resident (no memory budget), copy the experts into huge-page memory
+/// when they take at most half of the memory available now; otherwise they stay mapped
+/// from the shards (paged in as used) and a note says why.
+fn copy_experts_if_they_fit(experts: &CheckpointExperts) -> Result<()> {
+    let need = experts.total_bytes();
+    let available = crate::doctor::meminfo().map(|m| m.available);
+    match available {
+        Some(avail) if need.saturating_mul(2) <= avail => {
+            let c = experts
+                .copy_to_huge_pages()
+                .context("copying the routed experts into huge-page memory")?;
+            eprintln!("[deltafin] {}", c.describe());
+        }
+        _ => eprintln!(
+            "deltafin: note: routed experts stay mapped from the shards: {:.3} GB is more than half of the {} available ({}=off skips this check)",
+            need as f64 / 1e9,
+            available.map_or("(unknown) memory".into(), |a| format!(
+                "{:.3} GB",
+                a as f64 / 1e9
+            )),
+            HugePages::ENV
+        ),
+    }
+    Ok(())
+}
+
+/// `DELTAFIN_HUGE_PAGES` (`auto`, the default, or `off`): whether the resident spine is
+/// copied into huge-page memory at load (`deltafin_k3::resident`). A spine that goes to a
+/// device is not copied: the host copy would only be uploaded and kept.
+pub fn huge_pages_from_env(spine_on_device: bool) -> Result<HugePages> {
+    let mode = match env_var(HugePages::ENV)? {
+        None => HugePages::Auto,
+        Some(v) => HugePages::parse(&v)
+            .map_err(|e| anyhow!("environment variable {}: {e}", HugePages::ENV))?,
+    };
+    Ok(if spine_on_device {
+        HugePages::Off
+    } else {
+        mode
     })
 }
 
@@ -856,10 +915,13 @@ pub fn report_expert_stats(model: &K3Model) {
             None => {}
         }
     }
+    if let Some(c) = &model.resident_copy {
+        eprintln!("[stats] {}", c.describe());
+    }
     if let Some(m) = proc_memory() {
         eprintln!(
-            "[stats] memory peak_rss={} rss={} rss_anon={} rss_file={}",
-            m.peak_rss, m.rss, m.rss_anon, m.rss_file
+            "[stats] memory peak_rss={} rss={} rss_anon={} rss_file={} anon_huge_pages={}",
+            m.peak_rss, m.rss, m.rss_anon, m.rss_file, m.anon_huge
         );
     }
 }

@@ -23,6 +23,7 @@ pub mod moe;
 pub mod next_token;
 pub mod norm;
 pub mod offload;
+pub mod resident;
 pub mod router;
 pub mod situ;
 pub mod spine_int8;

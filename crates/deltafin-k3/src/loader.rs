@@ -12,6 +12,7 @@ use crate::linear::Linear;
 use crate::mla::MlaWeights;
 use crate::model::{Attention, Ffn, K3Model, Layer, ModelError};
 use crate::moe::{ExpertError, ExpertSource, ExpertWeights, MoeWeights};
+use crate::resident::{HugePages, ResidentCopy};
 use crate::router::RouterWeights;
 use crate::situ::SituMlp;
 pub use crate::spine_int8::SpineFormat;
@@ -19,6 +20,7 @@ use crate::spine_int8::{Int8Spine, SpineError, is_quantized};
 use crate::spine_pack::{Codec, PackError, PackSet};
 use crate::spine_stream::{SpineSources, SpineStreamOptions, SpineStreamer};
 use deltafin_experts::{ExpertLocation, ExpertShape, ExpertTable, StreamOptions, StreamingExperts};
+use deltafin_tensor::storage::copy_to_anonymous;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
@@ -51,6 +53,9 @@ pub struct EngineOptions {
     pub spine_resident_layers: Option<usize>,
     /// Reader threads and O_DIRECT policy of spine streaming.
     pub spine_stream: SpineStreamOptions,
+    /// Whether the resident spine is copied into huge-page memory at load
+    /// ([`crate::resident`]; default `auto`: where the system grants huge pages).
+    pub huge_pages: HugePages,
 }
 
 impl Default for EngineOptions {
@@ -61,6 +66,7 @@ impl Default for EngineOptions {
             spine: SpineFormat::Bf16,
             spine_resident_layers: None,
             spine_stream: SpineStreamOptions::default(),
+            huge_pages: HugePages::default(),
         }
     }
 }
@@ -134,6 +140,80 @@ impl CheckpointExperts {
             num_experts,
             cells,
         }
+    }
+
+    /// Bytes of every routed expert of every MoE layer (codes and scales of the three
+    /// matrices).
+    pub fn total_bytes(&self) -> u64 {
+        let cfg = self.ckpt.config();
+        (0..cfg.n_layers())
+            .filter(|&l| !cfg.is_dense(l))
+            .map(|l| {
+                let one = crate::inventory::expert_layout(cfg, l, 0).total_bytes() as u64;
+                one * self.num_experts as u64
+            })
+            .sum()
+    }
+
+    /// Copy every routed expert into one anonymous mapping advised for transparent huge
+    /// pages ([`crate::resident`]) and serve the copies from then on. Meant for a model whose
+    /// experts all stay resident (no memory budget) on a system where
+    /// [`HugePages::copies`] holds; each expert is validated as on first use.
+    pub fn copy_to_huge_pages(&self) -> Result<ResidentCopy, LoadError> {
+        let cfg = self.ckpt.config();
+        let ids: Vec<(usize, usize)> = (0..cfg.n_layers())
+            .filter(|&l| !cfg.is_dense(l))
+            .flat_map(|l| (0..self.num_experts).map(move |e| (l, e)))
+            .collect();
+        let mut parts = Vec::with_capacity(ids.len() * 6);
+        let mut shapes = Vec::with_capacity(ids.len());
+        for &(l, e) in &ids {
+            let m = self.ckpt.expert_matrices(l, e)?;
+            for w in [&m.w1, &m.w2, &m.w3] {
+                parts.extend(w.parts().into_iter().cloned());
+            }
+            shapes.push(m);
+        }
+        let copies = copy_to_anonymous(&parts, true).map_err(|e| ModelError::Weights {
+            name: "routed experts".into(),
+            message: format!("cannot map anonymous memory for the copy: {e}"),
+        })?;
+        drop(parts);
+        let mut views = copies.views.into_iter();
+        for (&(l, e), m) in ids.iter().zip(shapes) {
+            let name = format!("layer {l} expert {e}");
+            let mut moved = |w: &deltafin_tensor::Mxfp4Matrix| -> Result<_, LoadError> {
+                let (Some(p), Some(s)) = (views.next(), views.next()) else {
+                    return Err(ModelError::Weights {
+                        name: name.clone(),
+                        message: "no copy for this expert".into(),
+                    }
+                    .into());
+                };
+                w.with_bytes(&name, p, s).map_err(|err| {
+                    ModelError::Weights {
+                        name: name.clone(),
+                        message: err.to_string(),
+                    }
+                    .into()
+                })
+            };
+            let w = ExpertWeights {
+                w1: moved(&m.w1)?,
+                w2: moved(&m.w2)?,
+                w3: moved(&m.w3)?,
+            };
+            if let Some(cell) = self.cells.get(l * self.num_experts + e) {
+                // A cell filled earlier keeps its (identical) mapped view.
+                let _ = cell.set(w);
+            }
+        }
+        Ok(ResidentCopy {
+            what: "routed experts",
+            matrices: ids.len() * 3,
+            bytes: copies.mapped as u64,
+            huge_advised: copies.huge_advised,
+        })
     }
 }
 
@@ -480,8 +560,10 @@ pub fn streaming_experts(
     Ok(StreamingExperts::new(table, stream).map_err(ModelError::from)?)
 }
 
-/// Assemble the model with routed experts from `experts` (the spine stays zero-copy over the
-/// shard mmaps).
+/// Assemble the model with routed experts from `experts`. The spine's matrices are views of
+/// the shard (or int8 spine, or pack) mappings; with [`EngineOptions::huge_pages`] `auto` on
+/// a system with transparent huge pages the resident ones are then copied once into
+/// huge-page memory ([`crate::resident`]).
 pub fn load_model_with_experts(
     ckpt: Arc<Checkpoint>,
     opts: &EngineOptions,
@@ -526,7 +608,13 @@ pub fn load_model_with_experts(
     };
     let lm_head = top.lin("lm_head.weight")?;
     let mut model = K3Model::new(dims, embed, layers, norm, output_res, lm_head, experts)?;
+    let resident = streamer
+        .as_ref()
+        .map_or(model.layers.len(), |s| s.split().resident);
     model.spine_stream = streamer;
+    if opts.huge_pages.copies() {
+        model.resident_copy = Some(model.copy_spine_to_huge_pages(resident)?);
+    }
     Ok(model)
 }
 

@@ -60,6 +60,10 @@ pub enum ModelError {
     /// tensor, or `layer L expert E` for a routed expert).
     #[error("device: {matrix}: {message}")]
     Device { matrix: String, message: String },
+    /// A weight matrix could not be moved to other memory
+    /// ([`K3Model::copy_spine_to_huge_pages`]).
+    #[error("{name}: {message}")]
+    Weights { name: String, message: String },
     /// A routed expert could not be obtained.
     #[error("expert {expert} of layer {layer}: {message}")]
     Expert {
@@ -183,6 +187,9 @@ pub struct K3Model {
     /// Routed experts on a device (`crate::offload`, `--expert-backend cuda`): when set, the
     /// MoE layers run their expert products there.
     pub device_experts: Option<std::sync::Arc<crate::offload::DeviceExpertCache>>,
+    /// What [`K3Model::copy_spine_to_huge_pages`] copied at load, if it ran
+    /// (`crate::resident`).
+    pub resident_copy: Option<crate::resident::ResidentCopy>,
     /// The provisional next-token rows of `lm_head` (`crate::next_token`), built at the first
     /// pass that can use them: an expert source that wants PILOT guesses.
     provisional: std::sync::OnceLock<Result<crate::next_token::ProvisionalHead, String>>,
@@ -254,6 +261,7 @@ impl K3Model {
             device_experts: None,
             provisional: std::sync::OnceLock::new(),
             provisional_tally: std::sync::Mutex::new(Default::default()),
+            resident_copy: None,
         };
         model.validate()?;
         Ok(model)

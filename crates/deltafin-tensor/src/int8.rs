@@ -179,6 +179,12 @@ impl RowInt8Matrix {
         self.cols
     }
     /// The codes' shared bytes (zero-copy, e.g. to write them elsewhere).
+    /// The same shape over other bytes: copies of the codes and scales moved to other
+    /// memory (sizes and scales are validated as [`RowInt8Matrix::new_unscanned`] does).
+    pub fn with_bytes(&self, name: &str, data: Bytes, scales: Bytes) -> Result<Self, TensorError> {
+        Self::build(name, data, scales, self.rows, self.cols, false)
+    }
+
     pub fn data_bytes(&self) -> &Bytes {
         &self.data
     }

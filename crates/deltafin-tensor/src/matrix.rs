@@ -67,6 +67,11 @@ impl Bf16Matrix {
     pub fn bytes(&self) -> &Bytes {
         &self.bytes
     }
+    /// The same shape over other bytes: a copy of [`Bf16Matrix::bytes`] moved to other
+    /// memory (sizes are checked as [`Bf16Matrix::new`] does; the content is the caller's).
+    pub fn with_bytes(&self, name: &str, bytes: Bytes) -> Result<Self, TensorError> {
+        Self::new(name, bytes, self.rows, self.cols)
+    }
 }
 
 /// A row-major MXFP4 matrix: packed E2M1 codes `[rows, cols/2]` and E8M0 scales
@@ -144,6 +149,20 @@ impl Mxfp4Matrix {
     /// [`Mxfp4Matrix::new`] does.
     pub fn with_scales(&self, name: &str, scales: Bytes) -> Result<Mxfp4Matrix, TensorError> {
         Mxfp4Matrix::new(name, self.packed.clone(), scales, self.rows, self.cols)
+    }
+    /// The same shape over other bytes: copies of the codes and scales moved to other
+    /// memory, validated as [`Mxfp4Matrix::new`] does.
+    pub fn with_bytes(
+        &self,
+        name: &str,
+        packed: Bytes,
+        scales: Bytes,
+    ) -> Result<Mxfp4Matrix, TensorError> {
+        Mxfp4Matrix::new(name, packed, scales, self.rows, self.cols)
+    }
+    /// The codes' and the scales' views.
+    pub fn parts(&self) -> [&Bytes; 2] {
+        [&self.packed, &self.scales]
     }
     pub fn packed(&self) -> &[u8] {
         self.packed.as_slice()
