@@ -185,6 +185,9 @@ impl ByteOwner for AnonArena {
     }
 }
 
+/// Bytes copied between releases of the source ([`copy_parts`]).
+const RELEASE_CHUNK: usize = 8 << 20;
+
 /// Copy each part to its offset in `dst` and release its source, on up to four threads,
 /// each taking a contiguous run of parts of about equal bytes: the first write to each new
 /// page of an anonymous mapping is a page fault that zeroes the page, which is most of the
@@ -216,7 +219,15 @@ fn copy_parts(dst: &mut [u8], parts: &[Bytes], offsets: &[usize]) {
             consumed = stop;
             let run = move |mine: &mut [u8]| {
                 for (p, &at) in parts[first..end].iter().zip(&offsets[first..end]) {
-                    mine[at - base..at - base + p.len()].copy_from_slice(p.as_slice());
+                    let dst = &mut mine[at - base..at - base + p.len()];
+                    // Chunk by chunk, so a large part's source pages leave as they are copied.
+                    for (k, d) in dst.chunks_mut(RELEASE_CHUNK).enumerate() {
+                        let from = k * RELEASE_CHUNK;
+                        d.copy_from_slice(&p.as_slice()[from..from + d.len()]);
+                        if let Some(done) = p.slice(from..from + d.len()) {
+                            done.release();
+                        }
+                    }
                     p.release();
                 }
             };
