@@ -6,6 +6,7 @@
 //! - `cargo xtask spine-quality --model-root DIR [--convert] [--json]`: the int8-vs-bf16
 //!   quality report (docs/NUMERICS.md)
 
+mod resident_bench;
 mod stream_bench;
 
 use std::path::PathBuf;
@@ -92,6 +93,10 @@ enum Cmd {
     /// Expert-streaming benchmark: read-bandwidth probe, then prefill + greedy decode with
     /// experts streamed under a cache budget; prints ratios against the probe (not in CI).
     StreamBench(stream_bench::Args),
+    /// Whole-model resident decode benchmark: memory read probe, then greedy decode with
+    /// every weight resident, per spine; bytes per token from the loaded weights, effective
+    /// GB/s and the ratio to the probe per round (not in CI).
+    ResidentBench(resident_bench::Args),
     /// Write `k3-experts/L{layer}-E{expert}.bin` (one raw expert per file) from the shards;
     /// the streaming loader then reads experts from those files.
     ConvertExperts {
@@ -227,6 +232,7 @@ fn summary(r: &SynthReport) {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::StreamBench(args) => stream_bench::run(&args)?,
+        Cmd::ResidentBench(args) => resident_bench::run(&args)?,
         Cmd::ConvertExperts { model_root } => {
             let ckpt = deltafin_k3::checkpoint::Checkpoint::open(&model_root)
                 .with_context(|| format!("opening {}", model_root.display()))?;
