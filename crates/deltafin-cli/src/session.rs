@@ -79,8 +79,11 @@ pub const CONTEXT_RESERVE_TOKENS: usize = 32_768;
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemoryPlan {
     pub budget: u64,
-    /// Non-expert tensor bytes of the shards: the mmap'd spine, resident as it is touched.
+    /// Non-expert tensor bytes of the shards: the resident spine (copied into huge-page
+    /// memory at load when `spine_copied`, else mmap'd and resident as it is touched).
     pub spine: u64,
+    /// Whether the resident spine is copied into huge-page memory (`DELTAFIN_HUGE_PAGES`).
+    pub spine_copied: bool,
     /// KDA state plus the MLA cache for `context_tokens`.
     pub state: u64,
     pub context_tokens: usize,
@@ -115,7 +118,11 @@ impl MemoryPlan {
             gb(self.budget),
             gb(self.spine),
             if self.spine_resident_layers >= self.spine_layers {
-                "mmap'd, resident as touched".to_string()
+                if self.spine_copied {
+                    "resident, copied into huge-page memory at load".to_string()
+                } else {
+                    "mmap'd, resident as touched".to_string()
+                }
             } else {
                 format!(
                     "resident part; {} of {} layers resident, {} streamed: {:.3} GB read per forward pass into 2 buffers of {:.3} GB",
@@ -481,6 +488,7 @@ fn plan_and_load(
     let plan = MemoryPlan {
         budget,
         spine,
+        spine_copied: engine.huge_pages.copies(),
         state,
         context_tokens,
         runtime,
