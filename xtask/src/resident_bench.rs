@@ -14,7 +14,9 @@
 //! projection (int8 codes and scales, or bf16), every router, `lm_head`, one embedding row,
 //! and per MoE layer `num_experts_per_token` routed experts (codes and scales). The norm,
 //! bias and convolution vectors (under 0.1% of the bytes) are left out. Each round's ratio
-//! is (bytes per token × decode tok/s) ÷ that round's probe; the summary gives medians.
+//! is (bytes per token × decode tok/s) ÷ that round's probe; the summary gives medians, and
+//! also the median effective GB/s ÷ the median probe (the probe alone swings by ±15% from one
+//! round to the next on a shared host, more than decode does).
 
 use anyhow::{Context, Result, bail};
 use deltafin_k3::checkpoint::Checkpoint;
@@ -220,17 +222,18 @@ pub fn run(args: &Args) -> Result<()> {
         println!("{line}");
     }
     println!(
-        "| spine | bytes/token GB | decode tok/s (median) | effective GB/s | probe GB/s (median) | × probe per round | × probe (median) |"
+        "| spine | bytes/token GB | decode tok/s (median) | effective GB/s | probe GB/s (median) | median ÷ median probe | × probe per round | × probe (median of rounds) |"
     );
-    println!("|---|---:|---:|---:|---:|---|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---|---:|");
     for (i, l) in loaded.iter().enumerate() {
         let bytes = (l.spine_bytes + l.expert_bytes) as f64 / 1e9;
         let tps = median(&rates[i]);
         println!(
-            "| {} | {bytes:.4} | {tps:.2} | {:.2} | {:.2} | {} | **{:.3}** |",
+            "| {} | {bytes:.4} | {tps:.2} | {:.2} | {:.2} | {:.3} | {} | **{:.3}** |",
             l.spine.as_str(),
             bytes * tps,
             median(&probes),
+            bytes * tps / median(&probes),
             ratios[i]
                 .iter()
                 .map(|r| format!("{r:.3}"))

@@ -315,6 +315,65 @@ fn device_requests_name_what_is_missing() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("device=cpu"));
 }
 
+/// `DELTAFIN_HUGE_PAGES`: copying the resident weights into huge-page memory changes no
+/// token and no logit; the startup lines say what was copied; a bad value is an error naming
+/// the variable.
+#[test]
+fn huge_page_copies_change_no_value() {
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = |mode: &str| {
+        let ev_path = tmp.path().join(format!("events-{mode}.jsonl"));
+        let out = deltafin(
+            &[
+                "run",
+                "--model-root",
+                &root_arg(),
+                "--max-new",
+                "4",
+                "--events-jsonl",
+                ev_path.to_str().unwrap(),
+                "--top-logits",
+                "8",
+            ],
+            &[("DELTAFIN_HUGE_PAGES", mode)],
+        );
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        let steps: Vec<_> = events(&ev_path)
+            .into_iter()
+            .filter(|e| e["event"] == "decode_step")
+            .map(|e| (e["token_id"].clone(), e["top_logits"].clone()))
+            .collect();
+        (steps, err)
+    };
+    let (off, off_err) = steps("off");
+    assert_eq!(off.len(), 4);
+    assert!(
+        !off_err.contains("copied into anonymous memory"),
+        "{off_err}"
+    );
+    let (auto, auto_err) = steps("auto");
+    assert_eq!(auto, off);
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    if thp.contains("[always]") || thp.contains("[madvise]") {
+        assert!(
+            auto_err.contains("resident spine: ") && auto_err.contains("routed experts: "),
+            "{auto_err}"
+        );
+    }
+    let out = deltafin(
+        &["run", "--model-root", &root_arg(), "--max-new", "1"],
+        &[("DELTAFIN_HUGE_PAGES", "always")],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("DELTAFIN_HUGE_PAGES") && err.contains("\"always\""),
+        "{err}"
+    );
+}
+
 #[test]
 fn pool_spin_changes_no_value() {
     let tmp = tempfile::tempdir().unwrap();
