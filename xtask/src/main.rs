@@ -219,6 +219,20 @@ fn spine_quality(root: &std::path::Path, convert: bool, json: bool) -> Result<()
     Ok(())
 }
 
+/// A `kB` field of `/proc/self/status` (`key` with its colon, e.g. `VmHWM:`) in bytes; 0 where
+/// the file or the field does not exist.
+fn proc_status_bytes(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with(key))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
 fn summary(r: &SynthReport) {
     println!(
         "wrote {} files, {} bytes ({} tensor bytes); config.json sha256 {}",

@@ -256,13 +256,5 @@ fn median(v: &[f64]) -> f64 {
 }
 
 fn rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+    crate::proc_status_bytes("VmRSS:")
 }

@@ -85,15 +85,7 @@ fn drop_caches() -> bool {
 }
 
 fn peak_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+    crate::proc_status_bytes("VmHWM:")
 }
 
 struct Phase {

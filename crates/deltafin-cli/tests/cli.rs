@@ -315,44 +315,53 @@ fn device_requests_name_what_is_missing() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("device=cpu"));
 }
 
+/// `deltafin run --max-new N` on the tiny model with one environment setting: every decode
+/// step's (token id, top logits, log-sum-exp) from the events, and stderr. Fails on a failed run.
+fn decode_steps(dir: &Path, max_new: usize, var: &str, value: &str) -> (Vec<[Value; 3]>, String) {
+    let ev_path = dir.join(format!("events-{var}-{value}.jsonl"));
+    let out = deltafin(
+        &[
+            "run",
+            "--model-root",
+            &root_arg(),
+            "--max-new",
+            &max_new.to_string(),
+            "--events-jsonl",
+            ev_path.to_str().unwrap(),
+            "--top-logits",
+            "8",
+        ],
+        &[(var, value)],
+    );
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{err}");
+    let steps = events(&ev_path)
+        .into_iter()
+        .filter(|e| e["event"] == "decode_step")
+        .map(|e| {
+            [
+                e["token_id"].clone(),
+                e["top_logits"].clone(),
+                e["logsumexp"].clone(),
+            ]
+        })
+        .collect();
+    (steps, err)
+}
+
 /// `DELTAFIN_HUGE_PAGES`: copying the resident weights into huge-page memory changes no
 /// token and no logit; the startup lines say what was copied; a bad value is an error naming
 /// the variable.
 #[test]
 fn huge_page_copies_change_no_value() {
     let tmp = tempfile::tempdir().unwrap();
-    let steps = |mode: &str| {
-        let ev_path = tmp.path().join(format!("events-{mode}.jsonl"));
-        let out = deltafin(
-            &[
-                "run",
-                "--model-root",
-                &root_arg(),
-                "--max-new",
-                "4",
-                "--events-jsonl",
-                ev_path.to_str().unwrap(),
-                "--top-logits",
-                "8",
-            ],
-            &[("DELTAFIN_HUGE_PAGES", mode)],
-        );
-        let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(out.status.success(), "{err}");
-        let steps: Vec<_> = events(&ev_path)
-            .into_iter()
-            .filter(|e| e["event"] == "decode_step")
-            .map(|e| (e["token_id"].clone(), e["top_logits"].clone()))
-            .collect();
-        (steps, err)
-    };
-    let (off, off_err) = steps("off");
+    let (off, off_err) = decode_steps(tmp.path(), 4, "DELTAFIN_HUGE_PAGES", "off");
     assert_eq!(off.len(), 4);
     assert!(
         !off_err.contains("copied into anonymous memory"),
         "{off_err}"
     );
-    let (auto, auto_err) = steps("auto");
+    let (auto, auto_err) = decode_steps(tmp.path(), 4, "DELTAFIN_HUGE_PAGES", "auto");
     assert_eq!(auto, off);
     let thp =
         std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
@@ -377,43 +386,12 @@ fn huge_page_copies_change_no_value() {
 #[test]
 fn pool_spin_changes_no_value() {
     let tmp = tempfile::tempdir().unwrap();
-    let steps = |spin: &str| {
-        let ev_path = tmp.path().join(format!("events-{spin}.jsonl"));
-        let out = deltafin(
-            &[
-                "run",
-                "--model-root",
-                &root_arg(),
-                "--max-new",
-                "5",
-                "--events-jsonl",
-                ev_path.to_str().unwrap(),
-                "--top-logits",
-                "8",
-            ],
-            &[("DELTAFIN_POOL_SPIN", spin)],
-        );
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("pool_spin={spin}")));
-        events(&ev_path)
-            .into_iter()
-            .filter(|e| e["event"] == "decode_step")
-            .map(|e| {
-                (
-                    e["token_id"].clone(),
-                    e["top_logits"].clone(),
-                    e["logsumexp"].clone(),
-                )
-            })
-            .collect::<Vec<_>>()
-    };
-    let on = steps("on");
+    let (on, on_err) = decode_steps(tmp.path(), 5, "DELTAFIN_POOL_SPIN", "on");
+    assert!(on_err.contains("pool_spin=on"), "{on_err}");
     assert_eq!(on.len(), 5);
-    assert_eq!(on, steps("off"));
+    let (off, off_err) = decode_steps(tmp.path(), 5, "DELTAFIN_POOL_SPIN", "off");
+    assert!(off_err.contains("pool_spin=off"), "{off_err}");
+    assert_eq!(on, off);
 }
 
 #[test]

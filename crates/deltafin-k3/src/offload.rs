@@ -401,8 +401,7 @@ mod tests {
     use crate::loader::{EngineOptions, load_model};
     use crate::model::LogitRows;
     use crate::moe::{ExpertError, ExpertSource};
-    use crate::spine_int8::{ConvertOptions, SpineFormat, convert_spine};
-    use crate::synth::{SynthDims, SynthSpec, synthesize};
+    use crate::spine_int8::SpineFormat;
     use deltafin_kernels::HostDevice;
     use std::collections::VecDeque;
 
@@ -412,14 +411,7 @@ mod tests {
     const PASSES: u64 = 1 + DECODE.len() as u64;
 
     fn small() -> (tempfile::TempDir, Arc<Checkpoint>) {
-        let dir = tempfile::tempdir().unwrap();
-        let dims = SynthDims {
-            vocab: 1024,
-            ..SynthDims::tiny()
-        };
-        synthesize(dir.path(), &SynthSpec::new(dims, 11)).unwrap();
-        let ckpt = Checkpoint::open(dir.path()).unwrap();
-        convert_spine(&ckpt, &ConvertOptions::default(), &mut |_| {}).unwrap();
+        let (dir, ckpt) = crate::test_util::small_checkpoint(11, true);
         (dir, Arc::new(ckpt))
     }
 

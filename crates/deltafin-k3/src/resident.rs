@@ -219,19 +219,11 @@ mod tests {
     use crate::checkpoint::Checkpoint;
     use crate::loader::{CheckpointExperts, EngineOptions, load_model_with_experts};
     use crate::model::LogitRows;
-    use crate::spine_int8::{ConvertOptions, SpineFormat, convert_spine};
-    use crate::synth::{SynthDims, SynthSpec, synthesize};
+    use crate::spine_int8::SpineFormat;
     use std::sync::Arc;
 
     fn small() -> (tempfile::TempDir, Arc<Checkpoint>) {
-        let dir = tempfile::tempdir().unwrap();
-        let dims = SynthDims {
-            vocab: 1024,
-            ..SynthDims::tiny()
-        };
-        synthesize(dir.path(), &SynthSpec::new(dims, 5)).unwrap();
-        let ckpt = Checkpoint::open(dir.path()).unwrap();
-        convert_spine(&ckpt, &ConvertOptions::default(), &mut |_| {}).unwrap();
+        let (dir, ckpt) = crate::test_util::small_checkpoint(5, true);
         (dir, Arc::new(ckpt))
     }
 

@@ -825,18 +825,10 @@ mod tests {
     use crate::linear::Linear;
     use crate::loader::{EngineOptions, load_model};
     use crate::model::{Attention, Ffn, LogitRows};
-    use crate::synth::{SynthDims, SynthSpec, synthesize};
 
     /// 14 layers (KDA, MLA, dense, MoE), a 1,024-token vocabulary.
     fn small() -> (tempfile::TempDir, Checkpoint) {
-        let dir = tempfile::tempdir().unwrap();
-        let dims = SynthDims {
-            vocab: 1024,
-            ..SynthDims::tiny()
-        };
-        synthesize(dir.path(), &SynthSpec::new(dims, 3)).unwrap();
-        let ckpt = Checkpoint::open(dir.path()).unwrap();
-        (dir, ckpt)
+        crate::test_util::small_checkpoint(3, false)
     }
 
     fn convert_all(ckpt: &Checkpoint, opts: &ConvertOptions) -> ConvertReport {

@@ -1620,22 +1620,10 @@ pub fn verify_packs(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spine_int8::{ConvertOptions, convert_spine};
-    use crate::synth::{SynthDims, SynthSpec, synthesize};
 
     /// A tiny checkpoint with a 1,024-token vocabulary and its int8 spine.
     fn small(int8: bool) -> (tempfile::TempDir, Checkpoint) {
-        let dir = tempfile::tempdir().unwrap();
-        let dims = SynthDims {
-            vocab: 1024,
-            ..SynthDims::tiny()
-        };
-        synthesize(dir.path(), &SynthSpec::new(dims, 5)).unwrap();
-        let ckpt = Checkpoint::open(dir.path()).unwrap();
-        if int8 {
-            convert_spine(&ckpt, &ConvertOptions::default(), &mut |_| {}).unwrap();
-        }
-        (dir, ckpt)
+        crate::test_util::small_checkpoint(5, int8)
     }
 
     fn opts(ckpt: &Checkpoint, format: SpineFormat) -> PackOptions {

@@ -904,19 +904,11 @@ mod tests {
     use crate::checkpoint::Checkpoint;
     use crate::loader::{EngineOptions, load_model};
     use crate::model::LogitRows;
-    use crate::spine_int8::{ConvertOptions, SpineFormat, convert_spine};
+    use crate::spine_int8::SpineFormat;
     use crate::spine_pack::{PackOptions, default_pack_dir, pack_spine};
-    use crate::synth::{SynthDims, SynthSpec, synthesize};
 
     fn small() -> (tempfile::TempDir, Arc<Checkpoint>) {
-        let dir = tempfile::tempdir().unwrap();
-        let dims = SynthDims {
-            vocab: 1024,
-            ..SynthDims::tiny()
-        };
-        synthesize(dir.path(), &SynthSpec::new(dims, 7)).unwrap();
-        let ckpt = Checkpoint::open(dir.path()).unwrap();
-        convert_spine(&ckpt, &ConvertOptions::default(), &mut |_| {}).unwrap();
+        let (dir, ckpt) = crate::test_util::small_checkpoint(7, true);
         (dir, Arc::new(ckpt))
     }
 

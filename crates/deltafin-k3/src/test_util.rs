@@ -148,3 +148,22 @@ pub fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
 pub fn rel_l2_32(a: &[f32], b: &[f32]) -> f64 {
     rel_l2(a, &to64(b))
 }
+
+/// A synthesized tiny checkpoint (14 layers: KDA, MLA, dense, MoE) with a 1,024-token
+/// vocabulary from `seed`, opened; with `int8`, its row-int8 spine converted too.
+pub fn small_checkpoint(
+    seed: u64,
+    int8: bool,
+) -> (tempfile::TempDir, crate::checkpoint::Checkpoint) {
+    let dir = tempfile::tempdir().unwrap();
+    let dims = crate::synth::SynthDims {
+        vocab: 1024,
+        ..crate::synth::SynthDims::tiny()
+    };
+    crate::synth::synthesize(dir.path(), &crate::synth::SynthSpec::new(dims, seed)).unwrap();
+    let ckpt = crate::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    if int8 {
+        crate::spine_int8::convert_spine(&ckpt, &Default::default(), &mut |_| {}).unwrap();
+    }
+    (dir, ckpt)
+}
