@@ -132,7 +132,7 @@ pub fn run(args: &Args) -> Result<()> {
         let t = Instant::now();
         let experts = CheckpointExperts::new(ckpt.clone());
         if huge.copies() {
-            let c = experts.copy_to_huge_pages()?;
+            let c = experts.copy_to_huge_pages(&|_, _| {})?;
             println!("{name}: {}", c.describe());
         }
         let engine = EngineOptions {
@@ -172,6 +172,7 @@ pub fn run(args: &Args) -> Result<()> {
     let anon = deltafin_tensor::storage::copy_to_anonymous(
         &[deltafin_tensor::Bytes::from_vec(vec![1u8; words * 8])],
         true,
+        &|_, _| {},
     )
     .context("mapping the huge-page probe buffer")?;
     let anon_words: &[u64] = bytemuck::cast_slice(anon.views[0].as_slice());

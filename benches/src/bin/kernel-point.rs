@@ -153,6 +153,7 @@ fn main() -> ExitCode {
         let huge = deltafin_tensor::storage::copy_to_anonymous(
             &[deltafin_tensor::Bytes::from_vec(vec![1u8; a.bytes / 8 * 8])],
             true,
+            &|_, _| {},
         );
         let huge_gbps = match &huge {
             Ok(c) => {

@@ -539,8 +539,10 @@ fn plan_and_load(
             experts,
         ));
     }
+    // The huge-page copy runs after loading, with a progress bar (`copy_spine_with_progress`).
     let engine = EngineOptions {
         spine_resident_layers: Some(resident_layers),
+        huge_pages: HugePages::Off,
         ..engine.clone()
     };
     let model = load_model_with_experts(checkpoint.clone(), &engine, experts)?;
@@ -620,7 +622,11 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
                     experts,
                 ));
             }
-            let model = load_model_with_experts(checkpoint.clone(), &engine, experts)
+            let loader = EngineOptions {
+                huge_pages: HugePages::Off,
+                ..engine.clone()
+            };
+            let model = load_model_with_experts(checkpoint.clone(), &loader, experts)
                 .with_context(|| format!("cannot build the model from {}", root.display()))?;
             (model, None)
         }
@@ -659,8 +665,11 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
             Ok(Box::new(HeatRecorder::new(heat_path.clone(), dims, inner)))
         })?;
     }
-    if let Some(c) = &model.resident_copy {
+    if engine.huge_pages.copies() {
+        let c = with_copy_progress("resident spine", |p| model.copy_spine_to_huge_pages(p))
+            .context("copying the resident spine into huge-page memory")?;
         eprintln!("[deltafin] {}", c.describe());
+        model.resident_copy = Some(c);
     }
     install::check_vocab(&tokenizer, &model)?;
     place_on_device(&mut model, &placement, reserve)?;
@@ -682,8 +691,7 @@ fn copy_experts_if_they_fit(experts: &CheckpointExperts) -> Result<()> {
     let available = crate::doctor::meminfo().map(|m| m.available);
     match available {
         Some(avail) if need.saturating_mul(2) <= avail => {
-            let c = experts
-                .copy_to_huge_pages()
+            let c = with_copy_progress("routed experts", |p| experts.copy_to_huge_pages(p))
                 .context("copying the routed experts into huge-page memory")?;
             eprintln!("[deltafin] {}", c.describe());
         }
@@ -698,6 +706,19 @@ fn copy_experts_if_they_fit(experts: &CheckpointExperts) -> Result<()> {
         ),
     }
     Ok(())
+}
+
+/// Run a huge-page copy with a byte progress bar on stderr (hidden when stderr is not a
+/// terminal; a K3 spine is tens of GB).
+fn with_copy_progress<T>(what: &str, copy: impl FnOnce(&(dyn Fn(u64, u64) + Sync)) -> T) -> T {
+    let bar = crate::convert::progress_bar(0);
+    bar.set_message(format!("copying the {what} into huge-page memory"));
+    let out = copy(&|bytes, total| {
+        bar.set_length(total);
+        bar.inc(bytes);
+    });
+    bar.finish_and_clear();
+    out
 }
 
 /// `DELTAFIN_HUGE_PAGES` (`auto`, the default, or `off`): whether the resident spine is

@@ -159,7 +159,11 @@ impl CheckpointExperts {
     /// pages ([`crate::resident`]) and serve the copies from then on. Meant for a model whose
     /// experts all stay resident (no memory budget) on a system where
     /// [`HugePages::copies`] holds; each expert is validated as on first use.
-    pub fn copy_to_huge_pages(&self) -> Result<ResidentCopy, LoadError> {
+    /// `progress(bytes, total)` as [`copy_to_anonymous`] calls it.
+    pub fn copy_to_huge_pages(
+        &self,
+        progress: &(dyn Fn(u64, u64) + Sync),
+    ) -> Result<ResidentCopy, LoadError> {
         let cfg = self.ckpt.config();
         let ids: Vec<(usize, usize)> = (0..cfg.n_layers())
             .filter(|&l| !cfg.is_dense(l))
@@ -174,10 +178,11 @@ impl CheckpointExperts {
             }
             shapes.push(m);
         }
-        let copies = copy_to_anonymous(&parts, true).map_err(|e| ModelError::Weights {
-            name: "routed experts".into(),
-            message: format!("cannot map anonymous memory for the copy: {e}"),
-        })?;
+        let copies =
+            copy_to_anonymous(&parts, true, progress).map_err(|e| ModelError::Weights {
+                name: "routed experts".into(),
+                message: format!("cannot map anonymous memory for the copy: {e}"),
+            })?;
         drop(parts);
         let mut views = copies.views.into_iter();
         for (&(l, e), m) in ids.iter().zip(shapes) {
@@ -608,12 +613,9 @@ pub fn load_model_with_experts(
     };
     let lm_head = top.lin("lm_head.weight")?;
     let mut model = K3Model::new(dims, embed, layers, norm, output_res, lm_head, experts)?;
-    let resident = streamer
-        .as_ref()
-        .map_or(model.layers.len(), |s| s.split().resident);
     model.spine_stream = streamer;
     if opts.huge_pages.copies() {
-        model.resident_copy = Some(model.copy_spine_to_huge_pages(resident)?);
+        model.resident_copy = Some(model.copy_spine_to_huge_pages(&|_, _| {})?);
     }
     Ok(model)
 }

@@ -156,15 +156,20 @@ impl Slot<'_> {
 }
 
 impl K3Model {
-    /// Copy every resident spine matrix (the projections of the layers `0..resident_layers`
-    /// in their order of use, each MoE layer's router, then `lm_head`) into one anonymous
-    /// mapping advised for transparent huge pages, and point the model at the copies. The
-    /// embedding stays mapped: decode reads one row of it per token. Matrices already on a
-    /// device are left alone.
+    /// Copy every resident spine matrix (the projections of the resident layers — all of
+    /// them, or those before the streamed ones — in their order of use, each MoE layer's
+    /// router, then `lm_head`) into one anonymous mapping advised for transparent huge pages,
+    /// and point the model at the copies. The embedding stays mapped: decode reads one row of
+    /// it per token. Matrices already on a device are left alone. `progress(bytes, total)`
+    /// as [`copy_to_anonymous`] calls it.
     pub fn copy_spine_to_huge_pages(
         &mut self,
-        resident_layers: usize,
+        progress: &(dyn Fn(u64, u64) + Sync),
     ) -> Result<ResidentCopy, ModelError> {
+        let resident_layers = self
+            .spine_stream
+            .as_ref()
+            .map_or(self.layers.len(), |s| s.split().resident);
         let mut parts: Vec<Bytes> = Vec::new();
         let mut matrices = 0;
         self.for_each_spine_matrix(resident_layers, |slot| {
@@ -173,13 +178,14 @@ impl K3Model {
             parts.extend(p);
             Ok(())
         })?;
-        let copies = copy_to_anonymous(&parts, true).map_err(|e| ModelError::Weights {
-            name: "resident spine".into(),
-            message: format!(
-                "cannot map {} bytes of anonymous memory for the copy: {e}",
-                parts.iter().map(Bytes::len).sum::<usize>()
-            ),
-        })?;
+        let copies =
+            copy_to_anonymous(&parts, true, progress).map_err(|e| ModelError::Weights {
+                name: "resident spine".into(),
+                message: format!(
+                    "cannot map {} bytes of anonymous memory for the copy: {e}",
+                    parts.iter().map(Bytes::len).sum::<usize>()
+                ),
+            })?;
         drop(parts);
         let mut views = copies.views.into_iter();
         self.for_each_spine_matrix(resident_layers, |mut slot| slot.rebase(&mut views))?;
@@ -235,7 +241,7 @@ mod tests {
         copy: bool,
     ) -> (K3Model, Option<(ResidentCopy, ResidentCopy)>) {
         let experts = CheckpointExperts::new(ckpt.clone());
-        let expert_copy = copy.then(|| experts.copy_to_huge_pages().unwrap());
+        let expert_copy = copy.then(|| experts.copy_to_huge_pages(&|_, _| {}).unwrap());
         let mut m = load_model_with_experts(
             ckpt.clone(),
             &EngineOptions {
@@ -248,8 +254,19 @@ mod tests {
         .unwrap();
         assert!(m.resident_copy.is_none());
         let copies = expert_copy.map(|e| {
-            let n = m.layers.len();
-            (m.copy_spine_to_huge_pages(n).unwrap(), e)
+            let done = std::sync::atomic::AtomicU64::new(0);
+            let total = std::sync::atomic::AtomicU64::new(0);
+            let c = m
+                .copy_spine_to_huge_pages(&|bytes, of| {
+                    done.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+                    total.store(of, std::sync::atomic::Ordering::Relaxed);
+                })
+                .unwrap();
+            // Progress covers exactly the bytes copied, every one once.
+            let (done, total) = (done.into_inner(), total.into_inner());
+            assert_eq!(done, total);
+            assert!(c.bytes >= done && c.bytes - done < 64 * c.matrices as u64 * 2);
+            (c, e)
         });
         (m, copies)
     }

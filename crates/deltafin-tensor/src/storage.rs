@@ -192,7 +192,13 @@ const RELEASE_CHUNK: usize = 8 << 20;
 /// each taking a contiguous run of parts of about equal bytes: the first write to each new
 /// page of an anonymous mapping is a page fault that zeroes the page, which is most of the
 /// cost of a copy, and faults on different threads proceed in parallel.
-fn copy_parts(dst: &mut [u8], parts: &[Bytes], offsets: &[usize]) {
+fn copy_parts(
+    dst: &mut [u8],
+    parts: &[Bytes],
+    offsets: &[usize],
+    progress: &(dyn Fn(u64, u64) + Sync),
+) {
+    let to_copy: u64 = parts.iter().map(|p| p.len() as u64).sum();
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, 4);
@@ -227,6 +233,7 @@ fn copy_parts(dst: &mut [u8], parts: &[Bytes], offsets: &[usize]) {
                         if let Some(done) = p.slice(from..from + d.len()) {
                             done.release();
                         }
+                        progress(d.len() as u64, to_copy);
                     }
                     p.release();
                 }
@@ -261,7 +268,14 @@ pub struct AnonCopies {
 /// `huge_advised` is false). Weights read once per token from 2 MiB pages need 512 times fewer
 /// page-table walks than from the 4 KiB pages of a file mapping; in a virtual machine each
 /// walk is a nested one.
-pub fn copy_to_anonymous(parts: &[Bytes], huge_pages: bool) -> std::io::Result<AnonCopies> {
+///
+/// `progress(bytes, total)` is called (from the copying threads) after each piece of at most
+/// 8 MiB, with the bytes just copied and the total to copy.
+pub fn copy_to_anonymous(
+    parts: &[Bytes],
+    huge_pages: bool,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> std::io::Result<AnonCopies> {
     let mut offsets = Vec::with_capacity(parts.len());
     let mut total = 0usize;
     for p in parts {
@@ -285,7 +299,7 @@ pub fn copy_to_anonymous(parts: &[Bytes], huge_pages: bool) -> std::io::Result<A
         let _ = huge_pages;
         false
     };
-    copy_parts(&mut map, parts, &offsets);
+    copy_parts(&mut map, parts, &offsets, progress);
     let arena = Bytes::from_owner(Arc::new(AnonArena(map)));
     let views = parts
         .iter()
@@ -340,7 +354,7 @@ mod tests {
             Bytes::from_vec(vec![9u8; 3]).slice(1..3).unwrap(),
         ];
         for huge in [false, true] {
-            let c = copy_to_anonymous(&parts, huge).unwrap();
+            let c = copy_to_anonymous(&parts, huge, &|_, _| {}).unwrap();
             assert_eq!(c.views.len(), parts.len());
             for (v, p) in c.views.iter().zip(&parts) {
                 assert_eq!(v.as_slice(), p.as_slice());
@@ -352,7 +366,7 @@ mod tests {
                 assert!(!c.huge_advised);
             }
         }
-        let none = copy_to_anonymous(&[], true).unwrap();
+        let none = copy_to_anonymous(&[], true, &|_, _| {}).unwrap();
         assert!(none.views.is_empty());
         assert_eq!(none.mapped, 0);
     }
@@ -370,7 +384,8 @@ mod tests {
         // SAFETY: a private test file nobody else writes.
         let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
         let all = Bytes::from_owner(Arc::new(map));
-        let copies = copy_to_anonymous(&[all.slice(100..3 * 4096 + 5).unwrap()], true).unwrap();
+        let copies =
+            copy_to_anonymous(&[all.slice(100..3 * 4096 + 5).unwrap()], true, &|_, _| {}).unwrap();
         all.release();
         assert_eq!(all.as_slice(), &data[..]);
         assert_eq!(copies.views[0].as_slice(), &data[100..3 * 4096 + 5]);
