@@ -119,6 +119,7 @@ pub fn doctor(args: &DoctorArgs) -> Result<ExitCode> {
     runtime_checks(&mut report);
     let mem = meminfo();
     memory_check(&mut report, mem);
+    huge_pages_check(&mut report, deltafin_k3::resident::transparent_huge_pages());
     let mut probe_file: Option<PathBuf> = None;
     if let Some(root) = &root {
         probe_file = model_checks(&mut report, root, mem.map(|m| m.available));
@@ -730,6 +731,36 @@ fn memory_check(r: &mut Report, mem: Option<MemInfo>) {
     }
 }
 
+/// Transparent huge pages: whether `DELTAFIN_HUGE_PAGES=auto` copies the resident weights
+/// into huge-page memory on this host (`mode`: the bracketed choice of
+/// `/sys/kernel/mm/transparent_hugepage/enabled`, `None` where there is none).
+fn huge_pages_check(r: &mut Report, mode: Option<String>) {
+    r.facts
+        .insert("transparent_huge_pages".into(), json!(mode.clone()));
+    match mode.as_deref() {
+        Some("always") | Some("madvise") => r.add(
+            "huge pages",
+            Status::Ok,
+            format!(
+                "transparent huge pages: {}; resident weights are copied into huge pages at load (DELTAFIN_HUGE_PAGES=auto)",
+                mode.as_deref().unwrap_or_default()
+            ),
+        ),
+        Some(other) => r.add(
+            "huge pages",
+            Status::Info,
+            format!(
+                "transparent huge pages: {other}; resident weights stay mapped in 4 KiB pages (decode measured ≈ 1.15 × faster from huge pages; enable with `echo madvise > /sys/kernel/mm/transparent_hugepage/enabled`)"
+            ),
+        ),
+        None => r.add(
+            "huge pages",
+            Status::Info,
+            "no transparent huge pages on this system: resident weights stay mapped from their files",
+        ),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Disk read probe
 
@@ -1150,6 +1181,23 @@ mod tests {
         let scale = [1.0f64, 2.0];
         assert!(worst_ratio(&y, &reference, &scale) > 1.0);
         assert!(worst_ratio(&[f32::NAN], &[0.0], &[0.0]).is_infinite());
+    }
+
+    #[test]
+    fn the_huge_page_check_says_what_load_will_do() {
+        for (mode, status, says) in [
+            (Some("madvise"), Status::Ok, "copied into huge pages"),
+            (Some("always"), Status::Ok, "copied into huge pages"),
+            (Some("never"), Status::Info, "stay mapped in 4 KiB pages"),
+            (None, Status::Info, "no transparent huge pages"),
+        ] {
+            let mut r = Report::default();
+            huge_pages_check(&mut r, mode.map(String::from));
+            assert_eq!(r.checks.len(), 1);
+            assert_eq!(r.checks[0].status, status, "{mode:?}");
+            assert!(r.checks[0].detail.contains(says), "{}", r.checks[0].detail);
+            assert_eq!(r.facts["transparent_huge_pages"], json!(mode));
+        }
     }
 
     #[test]
