@@ -539,7 +539,7 @@ fn plan_and_load(
             experts,
         ));
     }
-    // The huge-page copy runs after loading, with a progress bar (`copy_spine_with_progress`).
+    // The huge-page copy runs after loading, with a progress bar (`load_with`, `with_copy_progress`).
     let engine = EngineOptions {
         spine_resident_layers: Some(resident_layers),
         huge_pages: HugePages::Off,
@@ -696,7 +696,7 @@ fn copy_experts_if_they_fit(experts: &CheckpointExperts) -> Result<()> {
             eprintln!("[deltafin] {}", c.describe());
         }
         _ => eprintln!(
-            "deltafin: note: routed experts stay mapped from the shards: {:.3} GB is more than half of the {} available ({}=off skips this check)",
+            "deltafin: note: routed experts stay mapped from the shards: {:.3} GB is more than half of the {} available ({}=off never copies them)",
             need as f64 / 1e9,
             available.map_or("(unknown) memory".into(), |a| format!(
                 "{:.3} GB",
