@@ -20,6 +20,7 @@ pub mod matvec;
 pub mod metal;
 pub mod mxfp4_q16;
 pub mod mxfp4_q8;
+pub mod mxfp4_q8x3;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub mod offload;

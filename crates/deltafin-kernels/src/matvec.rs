@@ -175,7 +175,7 @@ impl<'a> Raw<'a> {
                 #[cfg(target_arch = "x86_64")]
                 if be == Backend::Avx512 && q16_int8() {
                     // SAFETY: `product` checked AVX-512; `q16_int8` checked VNNI.
-                    return unsafe { crate::x86::avx512::dot_i8_q16(row, xs) }.map(|v| s * v);
+                    return unsafe { crate::x86::avx512::dot_i8_q16(row, scales[r].to_bits(), xs) };
                 }
                 #[cfg(target_arch = "x86_64")]
                 if be == Backend::Avx2 {
@@ -198,11 +198,11 @@ impl<'a> Raw<'a> {
                     };
                 }
                 #[cfg(target_arch = "x86_64")]
-                if be == Backend::Avx512 && mxfp4_q16_levels().is_some() {
+                if be == Backend::Avx512 && mxfp4_int_tiles() {
                     let (p, s) = (&packed[r * pb..(r + 1) * pb], &scales[r * g..(r + 1) * g]);
-                    // SAFETY: `product` checked AVX-512; `mxfp4_q16_levels` checked VNNI and
-                    // `prepare` built the q16 image with that many levels.
-                    return unsafe { mxfp4_q16_tile::<1, NB>([p], [s], xs) }[0];
+                    // SAFETY: `product` checked AVX-512; `mxfp4_int_tiles` checked VNNI and
+                    // `prepare` built the image of this process's activation format.
+                    return unsafe { mxfp4_int_tile::<1, NB>([p], [s], xs) }[0];
                 }
                 dispatch!(
                     be,
@@ -229,6 +229,7 @@ impl Weights<'_> {
             (Weights::Bf16(_), Backend::Avx2) => 3,
             (Weights::Mxfp4(_), Backend::Avx512) if avx512_mxfp4_act() == Mxfp4Act::Q8 => 4,
             (Weights::Mxfp4(_), Backend::Avx512) if mxfp4_q16_levels().is_some() => 5,
+            (Weights::Mxfp4(_), Backend::Avx512) if avx512_mxfp4_act() == Mxfp4Act::Q8x3 => 8,
             (Weights::Mxfp4(_), Backend::Avx512) => 6,
             (Weights::Mxfp4(_), Backend::Avx2 | Backend::Neon) => 7,
             _ => 0,
@@ -273,6 +274,9 @@ impl Weights<'_> {
                 let levels = mxfp4_q16_levels().unwrap_or(1);
                 crate::mxfp4_q16::q16_image(xs, cols, levels)
             }
+            (Weights::Mxfp4(_), Backend::Avx512) if avx512_mxfp4_act() == Mxfp4Act::Q8x3 => {
+                crate::mxfp4_q8x3::q8x3_image(xs, cols)
+            }
             (Weights::Mxfp4(_), Backend::Avx512 | Backend::Avx2 | Backend::Neon) => {
                 let spans = if be == Backend::Avx512 { cols / 128 } else { 0 };
                 (mxfp4_f32_image(xs, cols, spans), 0, cols)
@@ -316,25 +320,38 @@ fn mxfp4_q16_levels() -> Option<usize> {
     match avx512_mxfp4_act() {
         Mxfp4Act::Q16 => Some(1),
         Mxfp4Act::Q16x2 => Some(2),
-        Mxfp4Act::F32 | Mxfp4Act::Q8 => None,
+        Mxfp4Act::F32 | Mxfp4Act::Q8 | Mxfp4Act::Q8x3 => None,
     }
 }
 
-/// The q16 MXFP4 tile kernel for this process's level count.
+/// Whether AVX-512 MXFP4 products in this process run in the integer register tiles
+/// (`q16`, `q16x2`, `q8x3`).
+#[inline]
+fn mxfp4_int_tiles() -> bool {
+    matches!(
+        avx512_mxfp4_act(),
+        Mxfp4Act::Q16 | Mxfp4Act::Q16x2 | Mxfp4Act::Q8x3
+    )
+}
+
+/// The integer MXFP4 tile kernel of this process's activation format (`q8x3`, or q16 with
+/// its level count).
 ///
 /// # Safety
-/// As [`crate::x86::avx512::dot_mxfp4_q16_tile`]; the images must have been built with
-/// [`mxfp4_q16_levels`] levels.
+/// As [`crate::x86::avx512::dot_mxfp4_q16_tile`] / [`crate::x86::avx512::dot_mxfp4_q8x3_tile`];
+/// the images must have been built for this process's format.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn mxfp4_q16_tile<const NR: usize, const NB: usize>(
+unsafe fn mxfp4_int_tile<const NR: usize, const NB: usize>(
     packed: [&[u8]; NR],
     scales: [&[u8]; NR],
     xs: [&[f32]; NB],
 ) -> [[f32; NB]; NR] {
     // SAFETY: forwarded from the caller.
     unsafe {
-        if mxfp4_q16_levels() == Some(2) {
+        if avx512_mxfp4_act() == Mxfp4Act::Q8x3 {
+            crate::x86::avx512::dot_mxfp4_q8x3_tile::<NR, NB>(packed, scales, xs)
+        } else if mxfp4_q16_levels() == Some(2) {
             crate::x86::avx512::dot_mxfp4_q16_tile::<2, NR, NB>(packed, scales, xs)
         } else {
             crate::x86::avx512::dot_mxfp4_q16_tile::<1, NR, NB>(packed, scales, xs)
@@ -773,12 +790,8 @@ impl<'a> Prepared<'a> {
                 let ws: [&[i8]; NR] =
                     std::array::from_fn(|i| &data[(r + i) * cols..(r + i + 1) * cols]);
                 // SAFETY: as above; the caller checked VNNI and the image is the q16 one.
-                let mut v = unsafe { crate::tile::dot_i8_q16_tile::<NR, NB>(ws, xs) };
-                for (i, vr) in v.iter_mut().enumerate() {
-                    let s = scales[r + i].to_f32();
-                    vr.iter_mut().for_each(|x| *x *= s);
-                }
-                v
+                let ss: [u16; NR] = std::array::from_fn(|i| scales[r + i].to_bits());
+                unsafe { crate::tile::dot_i8_q16_tile::<NR, NB>(ws, ss, xs) }
             }
             Raw::Mxfp4(packed, scales, cols) => {
                 let (pb, g) = (cols / 2, cols / GROUP);
@@ -787,7 +800,7 @@ impl<'a> Prepared<'a> {
                 let ss: [&[u8]; NR] =
                     std::array::from_fn(|i| &scales[(r + i) * g..(r + i + 1) * g]);
                 // SAFETY: as above; the caller checked VNNI and the image is the q16 one.
-                unsafe { mxfp4_q16_tile::<NR, NB>(ps, ss, xs) }
+                unsafe { mxfp4_int_tile::<NR, NB>(ps, ss, xs) }
             }
             _ => unreachable!("only bf16, q16 row-int8 and q16 MXFP4 products are tiled"),
         };
@@ -813,7 +826,7 @@ impl<'a> Prepared<'a> {
         if be == Backend::Avx512
             && (matches!(self.w, Weights::Bf16(_))
                 || matches!(self.w, Weights::RowInt8(_)) && q16_int8()
-                || matches!(self.w, Weights::Mxfp4(_)) && mxfp4_q16_levels().is_some())
+                || matches!(self.w, Weights::Mxfp4(_)) && mxfp4_int_tiles())
         {
             // SAFETY: forwarded from the caller.
             return unsafe { self.rows_tiled(r0, r1) };

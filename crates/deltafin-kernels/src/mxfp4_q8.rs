@@ -45,6 +45,9 @@ pub enum Mxfp4Act {
     /// int16 activations per 32-column block, two levels (the remainder quantised again on a
     /// 65536× finer step: about f32's own precision; [`crate::mxfp4_q16`]; AVX-512 VNNI only).
     Q16x2,
+    /// int8 activations per 32-column block, three levels folded into one exact int32 sum
+    /// (about f32's own precision; [`crate::mxfp4_q8x3`]; AVX-512 VNNI only).
+    Q8x3,
 }
 
 impl Mxfp4Act {
@@ -55,6 +58,7 @@ impl Mxfp4Act {
             Mxfp4Act::Q8 => "q8",
             Mxfp4Act::Q16 => "q16",
             Mxfp4Act::Q16x2 => "q16x2",
+            Mxfp4Act::Q8x3 => "q8x3",
         }
     }
 }
@@ -62,7 +66,7 @@ impl Mxfp4Act {
 /// A bad `DELTAFIN_MXFP4_ACT` setting.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Mxfp4ActError {
-    #[error("{ACT_ENV_VAR}={value:?} is not one of f32, q8, q16, q16x2")]
+    #[error("{ACT_ENV_VAR}={value:?} is not one of f32, q8, q16, q16x2, q8x3")]
     Unknown { value: String },
 }
 
@@ -73,6 +77,7 @@ pub fn parse_mxfp4_act(value: &str) -> Result<Mxfp4Act, Mxfp4ActError> {
         "q8" => Ok(Mxfp4Act::Q8),
         "q16" => Ok(Mxfp4Act::Q16),
         "q16x2" => Ok(Mxfp4Act::Q16x2),
+        "q8x3" => Ok(Mxfp4Act::Q8x3),
         _ => Err(Mxfp4ActError::Unknown {
             value: value.to_string(),
         }),

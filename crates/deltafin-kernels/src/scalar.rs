@@ -188,6 +188,57 @@ pub(crate) fn dot_mxfp4_q8<const NB: usize>(
     out
 }
 
+/// `Σ_lanes f32(S) · (d·2^−17) · 2^(e−127)` over one MXFP4 row against the q8x3 image of
+/// [`crate::mxfp4_q8x3::q8x3_image`], `S` the exact lane sum of the three levels less the
+/// correction: the arithmetic of the AVX-512 VNNI kernel
+/// ([`crate::x86::avx512::dot_mxfp4_q8x3_tile`]; same lanes, same integer sums, one multiply
+/// and one fused multiply-add per lane and span into one of two accumulators by span parity,
+/// then [`reduce16`]), which equals this bit for bit.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn dot_mxfp4_q8x3<const NB: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    xs: [&[f32]; NB],
+) -> [f32; NB] {
+    use crate::mxfp4_q8x3::{E2M1_X2_PLUS_12, SPAN_SLOTS};
+    let nblk = scales.len();
+    let nspan = nblk.div_ceil(4);
+    let mut acc = [[[0f32; 16]; 2]; NB];
+    for span in 0..nspan {
+        for b in 0..NB {
+            let img = &xs[b][span * SPAN_SLOTS..(span + 1) * SPAN_SLOTS];
+            let corr: &[i32] = bytemuck::cast_slice(&img[16..32]);
+            let codes: &[i8] = bytemuck::cast_slice(&img[32..]);
+            for lane in 0..16 {
+                let blk = 4 * span + lane / 4;
+                let e = if blk < nblk { scales[blk] } else { 0 };
+                let mut s = 0i64;
+                for c in 8 * lane..8 * lane + 8 {
+                    let byte = if blk < nblk {
+                        packed[64 * span + c / 2]
+                    } else {
+                        0
+                    };
+                    let nib = if c % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                    let u = E2M1_X2_PLUS_12[nib as usize] as i64;
+                    let at = |lv: usize| codes[128 * lv + 64 * (c % 2) + c / 2] as i64;
+                    s += u * (65536 * at(0) + 256 * at(1) + at(2));
+                }
+                let s = (s - corr[lane] as i64) as i32;
+                let f = s as f32 * img[lane];
+                let a = &mut acc[b][span % 2][lane];
+                *a = f.mul_add(e8m0(e), *a);
+            }
+        }
+    }
+    let mut out = [0f32; NB];
+    for b in 0..NB {
+        let v: [f32; 16] = std::array::from_fn(|i| acc[b][0][i] + acc[b][1][i]);
+        out[b] = reduce16(&v);
+    }
+    out
+}
+
 /// `Σ_lanes (f32(Σ 256·2·E2M1·h)·s/512)·2^(e−127) [+ (f32(Σ 256·2·E2M1·l)·(s/512·2^−16))·2^(e−127)]`
 /// over `NR` MXFP4 rows against `NB` rows of the q16 image of
 /// [`crate::mxfp4_q16::q16_image`] with `levels` levels: the exact arithmetic of the AVX-512

@@ -118,6 +118,7 @@ fn q16_bound(be: Backend, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
             crate::mxfp4_q8::Mxfp4Act::Q8 => return q8_bound(w, xs, n),
             crate::mxfp4_q8::Mxfp4Act::Q16 => return block_bound(w, xs, n, 65534.0),
             crate::mxfp4_q8::Mxfp4Act::Q16x2 => return block_bound(w, xs, n, 2f64.powi(31)),
+            crate::mxfp4_q8::Mxfp4Act::Q8x3 => return block_bound(w, xs, n, Q8X3_DIV),
             crate::mxfp4_q8::Mxfp4Act::F32 => {}
         }
     }
@@ -791,8 +792,9 @@ fn mxfp4_act_parsing_is_strict() {
     assert_eq!(parse_mxfp4_act("q8"), Ok(Mxfp4Act::Q8));
     assert_eq!(parse_mxfp4_act("q16"), Ok(Mxfp4Act::Q16));
     assert_eq!(parse_mxfp4_act("q16x2"), Ok(Mxfp4Act::Q16x2));
+    assert_eq!(parse_mxfp4_act("q8x3"), Ok(Mxfp4Act::Q8x3));
     for bad in [
-        "", "F32", "q8 ", "int8", "bf16", "auto", "Q16", "q16x", "q32",
+        "", "F32", "q8 ", "int8", "bf16", "auto", "Q16", "q16x", "q32", "q8x2", "Q8X3",
     ] {
         let e = parse_mxfp4_act(bad).unwrap_err();
         assert!(matches!(e, Mxfp4ActError::Unknown { .. }), "{bad:?}");
@@ -1300,7 +1302,7 @@ fn mxfp4_tile_prefetch_distance_is_whole_tiles() {
     assert_eq!(tile_prefetch_distance(2 * 2048), 8192);
 }
 
-/// When the q16 MXFP4 path is active (the default on AVX-512 VNNI, or
+/// When an integer MXFP4 path is active (`q8x3`, the default on AVX-512 VNNI, or
 /// `DELTAFIN_MXFP4_ACT=q16|q16x2`), every value of the public AVX-512 product equals the
 /// scalar reference of the quantised arithmetic bit for bit, for ragged shapes, batch widths
 /// 1…16 and 1–3 threads.
@@ -1308,9 +1310,11 @@ fn mxfp4_tile_prefetch_distance_is_whole_tiles() {
 #[test]
 fn mxfp4_q16_products_equal_scalar_reference_across_batches_and_threads() {
     use crate::mxfp4_q8::{Mxfp4Act, avx512_mxfp4_act};
+    // 0: q8x3 (its own image and reference), else the q16 level count.
     let levels = match avx512_mxfp4_act() {
         Mxfp4Act::Q16 => 1,
         Mxfp4Act::Q16x2 => 2,
+        Mxfp4Act::Q8x3 => 0,
         other => {
             eprintln!("skipped: MXFP4 activations are {} here", other.name());
             return;
@@ -1342,12 +1346,21 @@ fn mxfp4_q16_products_equal_scalar_reference_across_batches_and_threads() {
         let w = Weights::Mxfp4(&m);
         let nmax = 16;
         let xs = q8_activations(&mut rng, nmax, cols);
-        let (img, base, stride) = crate::mxfp4_q16::q16_image(&xs, cols, levels);
+        let (img, base, stride) = if levels == 0 {
+            crate::mxfp4_q8x3::q8x3_image(&xs, cols)
+        } else {
+            crate::mxfp4_q16::q16_image(&xs, cols, levels)
+        };
         let want: Vec<f32> = (0..nmax * rows)
             .map(|i| {
                 let (b, r) = (i / rows, i % rows);
                 let x = &img[base + b * stride..base + (b + 1) * stride];
-                crate::scalar::dot_mxfp4_q16(m.packed_row(r), m.scales_row(r), [x], levels)[0]
+                let (p, s) = (m.packed_row(r), m.scales_row(r));
+                if levels == 0 {
+                    crate::scalar::dot_mxfp4_q8x3(p, s, [x])[0]
+                } else {
+                    crate::scalar::dot_mxfp4_q16(p, s, [x], levels)[0]
+                }
             })
             .collect();
         for n in 1..=nmax {
@@ -1450,6 +1463,286 @@ fn mxfp4_q16_fused_image_equals_portable_image() {
                         "cols {cols} n {n} levels {levels} slot {i}: {x} vs {y}"
                     );
                 }
+            }
+        }
+    }
+}
+
+/// `block_bound`'s divisor for q8x3 activations: one fine step `d/65536 = absmax/(127·65536)`
+/// per column (the error is at most three quarters of one).
+const Q8X3_DIV: f64 = 127.0 * 65536.0;
+
+/// Column `c` of a q8x3 image row: `(d·2^−17, correction of its lane, [q1, q2, q3])`.
+fn q8x3_column(row: &[f32], c: usize) -> (f32, i32, [i8; 3]) {
+    use crate::mxfp4_q8x3::SPAN_SLOTS;
+    let (span, col) = (c / 128, c % 128);
+    let sp = &row[span * SPAN_SLOTS..(span + 1) * SPAN_SLOTS];
+    let corr: &[i32] = bytemuck::cast_slice(&sp[16..32]);
+    let codes: &[i8] = bytemuck::cast_slice(&sp[32..]);
+    let lane = col / 8;
+    let q = std::array::from_fn(|lv| codes[128 * lv + 64 * (col % 2) + col / 2]);
+    (sp[lane], corr[lane], q)
+}
+
+/// The q8x3 image: the layout (lane scales `d·2^−17`, corrections `12·Σ T`, even/odd code
+/// bytes per digit), the digits of [`crate::mxfp4_q8x3::q8x3_block`]'s `T` (q2, q3 in
+/// −128…127, q1 in −127…127), the reconstruction error `|x − d·T/65536| ≤ 0.75·d/65536`,
+/// zero padding, 0 for zero blocks and NaN for non-finite ones.
+#[test]
+fn mxfp4_q8x3_image_follows_the_quantisation_rule() {
+    use crate::mxfp4_q8x3::{OFFSET, digits, q8x3_block, q8x3_image};
+    let mut rng = Rng(0x0083_0083_1234);
+    for cols in [32usize, 96, 128, 160, 416, 1024, 1056, 7168] {
+        let n = 3;
+        let mut xs = q8_activations(&mut rng, n, cols);
+        if cols == 160 {
+            xs[5] = f32::NAN;
+            xs[cols + 40] = f32::NEG_INFINITY;
+        }
+        let (img, base, stride) = q8x3_image(&xs, cols);
+        assert_eq!((img.as_ptr() as usize + 4 * base) % 64, 0);
+        assert_eq!(stride, cols.div_ceil(128) * crate::mxfp4_q8x3::SPAN_SLOTS);
+        for b in 0..n {
+            let row = &img[base + b * stride..base + (b + 1) * stride];
+            let x = &xs[b * cols..(b + 1) * cols];
+            for (blk, chunk) in x.chunks(32).enumerate() {
+                let (d, q) = q8x3_block(chunk);
+                let absmax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (i, &v) in chunk.iter().enumerate() {
+                    let c = 32 * blk + i;
+                    let (ls, corr, got) = q8x3_column(row, c);
+                    assert_eq!(got, digits(q[i]), "cols {cols} b {b} c {c}");
+                    assert_eq!(
+                        65536 * got[0] as i32 + 256 * got[1] as i32 + got[2] as i32,
+                        q[i]
+                    );
+                    assert!(got[0] >= -127, "cols {cols} b {b} c {c}: {got:?}");
+                    let lane0 = 8 * (i / 8);
+                    let want_corr = OFFSET * q[lane0..lane0 + 8].iter().sum::<i32>();
+                    assert_eq!(corr, want_corr, "cols {cols} b {b} c {c}");
+                    if d.is_nan() {
+                        assert!(ls.is_nan() && got == [0; 3], "cols {cols} b {b} c {c}");
+                        continue;
+                    }
+                    assert_eq!(ls.to_bits(), (d / 131072.0).to_bits(), "cols {cols} c {c}");
+                    if absmax == 0.0 {
+                        assert_eq!((ls, got), (0.0, [0; 3]));
+                        continue;
+                    }
+                    assert_eq!(d, absmax / 127.0);
+                    let step = d as f64 / 65536.0;
+                    let rec = step * q[i] as f64;
+                    assert!(
+                        (rec - v as f64).abs() <= 0.75 * step,
+                        "cols {cols} b {b} c {c}: {v} → {rec} (d {d}, T {})",
+                        q[i]
+                    );
+                }
+            }
+            // Padding columns of the last span: codes 0, scale 0, correction 0.
+            for c in cols..cols.next_multiple_of(128) {
+                let (ls, corr, got) = q8x3_column(row, c);
+                assert_eq!((ls, corr, got), (0.0, 0, [0; 3]), "cols {cols} pad {c}");
+            }
+        }
+    }
+    // Digits: balanced base 256, at the extremes too.
+    for t in [
+        0, 1, -1, 127, 128, -128, -129, 255, 256, 32767, 32768, -32768, 8323072, -8323199,
+    ] {
+        let [a, b, c] = digits(t);
+        assert_eq!(65536 * a as i32 + 256 * b as i32 + c as i32, t, "{t}");
+    }
+    // When the fine step would underflow, T is a whole number of 65536ths.
+    let (d, q) = q8x3_block(&[1e-36f32; 32]);
+    assert!(d > 0.0 && q == [127 * 65536; 32]);
+}
+
+/// q8x3 MXFP4 activations: the scalar reference of the quantised arithmetic stays within
+/// the activation-quantisation bound of the exact f32-activation product (`Σ_c
+/// |W_c|·absmax_blk/(127·65536)`) plus f32 rounding (1e-5·Σ|W x|).
+#[test]
+fn mxfp4_q8x3_scalar_reference_bounds_the_error() {
+    use crate::mxfp4_q8x3::q8x3_image;
+    let mut rng = Rng(0x0083_4321_2222);
+    for (rows, cols) in [
+        (3usize, 32usize),
+        (4, 160),
+        (5, 416),
+        (2, 1056),
+        (3, 7168 / 4),
+    ] {
+        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let w = Weights::Mxfp4(&m);
+        let n = 3;
+        let xs = q8_activations(&mut rng, n, cols);
+        let (want, mag) = reference(&w, &xs, n);
+        let (img, base, stride) = q8x3_image(&xs, cols);
+        let bound = block_bound(&w, &xs, n, Q8X3_DIV);
+        for r in 0..rows {
+            for b in 0..n {
+                let x = &img[base + b * stride..base + (b + 1) * stride];
+                let [got] = crate::scalar::dot_mxfp4_q8x3(m.packed_row(r), m.scales_row(r), [x]);
+                let i = b * rows + r;
+                let tol = bound[i] + 1e-5 * mag[i] + 1e-37;
+                assert!(
+                    (got as f64 - want[i]).abs() <= tol,
+                    "[{rows}x{cols}] r {r} b {b}: {got} vs {} (tol {tol})",
+                    want[i]
+                );
+            }
+        }
+    }
+}
+
+/// The AVX-512 VNNI q8x3 MXFP4 tile kernel equals the scalar reference bit for bit for both
+/// weight decodes (`vpshufb`; `vpermb` where the CPU has AVX-512 VBMI), every tile shape
+/// (1–3 weight rows × 1–4 activation rows), 1…20 blocks (ragged last spans of 1–3 blocks)
+/// and K3-sized rows.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
+    use crate::mxfp4_q8x3::q8x3_image;
+    use crate::x86::avx512::{
+        dot_mxfp4_q8x3_tile, dot_mxfp4_q8x3_tile_bw, dot_mxfp4_q8x3_tile_vbmi, vbmi_available,
+    };
+    if !Backend::Avx512.is_supported() || !crate::mxfp4_q8::vnni_available() {
+        eprintln!("skipped: no AVX-512 VNNI on this CPU");
+        return;
+    }
+    let decodes: &[bool] = if vbmi_available() {
+        &[false, true]
+    } else {
+        eprintln!("AVX-512 VBMI absent: only the vpshufb decode is checked");
+        &[false]
+    };
+    let mut rng = Rng(0x0083_abab_0303);
+    let mut cols_list: Vec<usize> = (1..=20).map(|k| 32 * k).collect();
+    cols_list.extend([7168, 2048 + 96]);
+    for cols in cols_list {
+        let rows = 4;
+        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let n = 4;
+        let xs = q8_activations(&mut rng, n, cols);
+        let (img, base, stride) = q8x3_image(&xs, cols);
+        let x = |b: usize| &img[base + b * stride..base + (b + 1) * stride];
+        let want: Vec<Vec<f32>> = (0..rows)
+            .map(|r| {
+                let (p, s) = (m.packed_row(r), m.scales_row(r));
+                (0..n)
+                    .map(|b| crate::scalar::dot_mxfp4_q8x3(p, s, [x(b)])[0])
+                    .collect()
+            })
+            .collect();
+        let check = |r0: usize, got: &[Vec<f32>], what: &str| {
+            for (i, gr) in got.iter().enumerate() {
+                for (b, g) in gr.iter().enumerate() {
+                    let w = want[r0 + i][b];
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "cols {cols} row {} b {b} ({what}): {g} vs {w}",
+                        r0 + i
+                    );
+                }
+            }
+        };
+        let (p, s) = (|r: usize| m.packed_row(r), |r: usize| m.scales_row(r));
+        macro_rules! run {
+            ($nr:literal, $nb:literal) => {{
+                for r0 in 0..=rows - $nr {
+                    let ps: [&[u8]; $nr] = std::array::from_fn(|i| p(r0 + i));
+                    let ss: [&[u8]; $nr] = std::array::from_fn(|i| s(r0 + i));
+                    let xb: [&[f32]; $nb] = std::array::from_fn(|b| x(b));
+                    for &vbmi in decodes {
+                        // SAFETY: AVX-512 VNNI checked above, VBMI when `vbmi`; image rows
+                        // cover every span.
+                        let got = unsafe {
+                            if vbmi {
+                                dot_mxfp4_q8x3_tile_vbmi::<$nr, $nb>(ps, ss, xb)
+                            } else {
+                                dot_mxfp4_q8x3_tile_bw::<$nr, $nb>(ps, ss, xb)
+                            }
+                        };
+                        let got: Vec<Vec<f32>> = got.iter().map(|v| v.to_vec()).collect();
+                        check(r0, &got, &format!("NR={} NB={} vbmi={vbmi}", $nr, $nb));
+                    }
+                    // SAFETY: as above.
+                    let got = unsafe { dot_mxfp4_q8x3_tile::<$nr, $nb>(ps, ss, xb) };
+                    let got: Vec<Vec<f32>> = got.iter().map(|v| v.to_vec()).collect();
+                    check(r0, &got, concat!("dispatch NR=", $nr, " NB=", $nb));
+                }
+            }};
+        }
+        run!(1, 1);
+        run!(1, 2);
+        run!(1, 3);
+        run!(1, 4);
+        run!(2, 1);
+        run!(2, 2);
+        run!(2, 3);
+        run!(2, 4);
+        run!(3, 1);
+        run!(3, 2);
+        run!(3, 4);
+    }
+}
+
+/// The AVX-512 q8x3 image builder gives the same image, bit for bit, as the portable
+/// per-block path, for ragged columns (a last block of 1–31 values takes the portable path
+/// in both) and blocks that are all zero, non-finite, tiny (the finer steps underflow),
+/// huge, or full of ties.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn mxfp4_q8x3_fused_image_equals_portable_image() {
+    use crate::mxfp4_q8x3::q8x3_image_with;
+    if !Backend::Avx512.is_supported() {
+        eprintln!("skipped: no AVX-512 on this CPU");
+        return;
+    }
+    let mut rng = Rng(0x0f05_ed83_2222);
+    for cols in [
+        32usize,
+        64,
+        96,
+        128,
+        160,
+        200,
+        416,
+        1000,
+        1024,
+        2048 + 96,
+        7168,
+    ] {
+        for n in 1..=3 {
+            let mut xs = q8_activations(&mut rng, n, cols);
+            for (i, x) in xs.iter_mut().enumerate() {
+                let (row, c) = (i / cols, i % cols);
+                *x = match (c / 32 + row) % 9 {
+                    0 => 0.0,
+                    1 if c % 32 == 7 => f32::NAN,
+                    2 if c % 32 == 3 => f32::INFINITY,
+                    3 => *x * 1e-38,
+                    4 => *x * 3e38,
+                    5 => (c % 5) as f32 * 0.5 - 1.0,
+                    6 => -0.0,
+                    7 => *x * 1e-33,
+                    _ => *x,
+                };
+            }
+            let (a, ba, sa) = q8x3_image_with(&xs, cols, true);
+            let (b, bb, sb) = q8x3_image_with(&xs, cols, false);
+            assert_eq!(sa, sb);
+            for (i, (x, y)) in a[ba..ba + n * sa]
+                .iter()
+                .zip(&b[bb..bb + n * sb])
+                .enumerate()
+            {
+                assert_eq!(
+                    x.to_bits(),
+                    y.to_bits(),
+                    "cols {cols} n {n} slot {i}: {x} vs {y}"
+                );
             }
         }
     }

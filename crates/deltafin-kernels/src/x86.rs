@@ -111,13 +111,18 @@ pub(crate) mod avx512 {
         |p, k| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)))
     );
 
-    /// `Σ q·x` over an int8 row (unscaled) against activations quantised to int16 (the
-    /// *q16 image* of [`crate::matvec`]): the 1-row instance of the register-tiled kernel
-    /// [`crate::tile::dot_i8_q16_tile`], so batched tiles give bit-identical values.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-    pub(crate) unsafe fn dot_i8_q16<const NB: usize>(w: &[i8], xs: [&[f32]; NB]) -> [f32; NB] {
+    /// `s · Σ q·x` over an int8 row with f16 scale `s` (its bit pattern) against activations
+    /// quantised to int16 (the *q16 image* of [`crate::matvec`]): the 1-row instance of the
+    /// register-tiled kernel [`crate::tile::dot_i8_q16_tile`], so batched tiles give
+    /// bit-identical values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    pub(crate) unsafe fn dot_i8_q16<const NB: usize>(
+        w: &[i8],
+        scale: u16,
+        xs: [&[f32]; NB],
+    ) -> [f32; NB] {
         // SAFETY: forwarded from the caller.
-        let [v] = unsafe { crate::tile::dot_i8_q16_tile::<1, NB>([w], xs) };
+        let [v] = unsafe { crate::tile::dot_i8_q16_tile::<1, NB>([w], [scale], xs) };
         v
     }
 
@@ -289,6 +294,78 @@ pub(crate) mod avx512 {
                 }
             }
             scale
+        }
+    }
+
+    /// One whole 32-column block `k` of the q8x3 image ([`crate::mxfp4_q8x3::q8x3_image`]):
+    /// the fixed-point codes `T` of [`crate::mxfp4_q8x3::q8x3_block`] computed in registers
+    /// with the same IEEE operations (the division, `vcvtps2dq` rounding half to even, the
+    /// integer clamp), so bit-identical to it, on the block's even and odd columns separately
+    /// (one `vpermt2ps` each); the digits split off with shifts and stored with `vpmovdb`,
+    /// the lane corrections summed from `T`. A block holding a non-finite value or only
+    /// zeros, or whose fine step underflows, takes the portable path.
+    ///
+    /// # Safety
+    /// Requires AVX-512 F/BW/VL; `sp` is one span of the image
+    /// ([`crate::mxfp4_q8x3::SPAN_SLOTS`] slots) and `k < 4`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn q8x3_image_block(x: &[f32; 32], sp: &mut [f32], k: usize) {
+        use crate::mxfp4_q8x3::{LANE_SCALE, OFFSET, SPAN_SLOTS, STEP, T_MAX};
+        debug_assert!(k < 4 && sp.len() == SPAN_SLOTS);
+        // SAFETY: x holds 32 values; the stores write sp[4k..4k+4], sp[16+4k..16+4k+4] and
+        // 16 bytes at byte offsets 128 + 128·lv + 64·parity + 16k, all inside the span.
+        unsafe {
+            let x0 = _mm512_loadu_ps(x.as_ptr());
+            let x1 = _mm512_loadu_ps(x.as_ptr().add(16));
+            let abs = _mm512_set1_epi32(0x7fff_ffff);
+            let inf = _mm512_set1_epi32(0x7f80_0000);
+            let a0 = _mm512_and_si512(_mm512_castps_si512(x0), abs);
+            let a1 = _mm512_and_si512(_mm512_castps_si512(x1), abs);
+            let bad = _mm512_cmpge_epi32_mask(a0, inf) | _mm512_cmpge_epi32_mask(a1, inf);
+            let absmax = _mm512_reduce_max_ps(_mm512_max_ps(
+                _mm512_castsi512_ps(a0),
+                _mm512_castsi512_ps(a1),
+            ));
+            let d = absmax / 127.0;
+            let t = d * STEP;
+            if bad != 0 || absmax == 0.0 || !t.is_normal() {
+                let (d, q) = crate::mxfp4_q8x3::q8x3_block(x);
+                crate::mxfp4_q8x3::write_block(sp, k, d, &q);
+                return;
+            }
+            let tv = _mm512_set1_ps(t);
+            let (mn, mx) = (_mm512_set1_epi32(-T_MAX), _mm512_set1_epi32(T_MAX));
+            let even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+            let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+            let bytes = sp.as_mut_ptr().add(32) as *mut u8;
+            let mut sum = _mm512_setzero_si512();
+            for (parity, idx) in [even, odd].into_iter().enumerate() {
+                let v = _mm512_permutex2var_ps(x0, idx, x1);
+                let q = _mm512_min_epi32(
+                    _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(v, tv)), mn),
+                    mx,
+                );
+                sum = _mm512_add_epi32(sum, q);
+                // Balanced base-256 digits: the low byte as a signed byte, then the rest.
+                let low = |t: __m512i| _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(t));
+                let q3 = low(q);
+                let t1 = _mm512_srai_epi32::<8>(_mm512_sub_epi32(q, q3));
+                let q2 = low(t1);
+                let q1 = _mm512_srai_epi32::<8>(_mm512_sub_epi32(t1, q2));
+                for (lv, digit) in [q1, q2, q3].into_iter().enumerate() {
+                    let dst = bytes.add(128 * lv + 64 * parity + 16 * k);
+                    _mm_storeu_si128(dst as *mut __m128i, _mm512_cvtepi32_epi8(digit));
+                }
+            }
+            // Position m of `sum` holds columns 2m and 2m + 1; lane l is positions 4l..4l+4.
+            let mut pos = [0i32; 16];
+            _mm512_storeu_si512(pos.as_mut_ptr() as *mut __m512i, sum);
+            let (scales, rest) = sp.split_at_mut(16);
+            scales[4 * k..4 * k + 4].fill(d * LANE_SCALE);
+            let corr: &mut [i32] = bytemuck::cast_slice_mut(&mut rest[..16]);
+            for l in 0..4 {
+                corr[4 * k + l] = OFFSET * pos[4 * l..4 * l + 4].iter().sum::<i32>();
+            }
         }
     }
 
@@ -799,6 +876,206 @@ pub(crate) mod avx512 {
         "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma",
         setup_vbmi,
         decode_vbmi
+    );
+    /// `[r][b] = Σ_c 2^(e−127)·E2M1(w_rc) · x_bc` for `NR` MXFP4 weight rows against `NB`
+    /// activation rows in the q8x3 image of [`crate::mxfp4_q8x3`] (three int8 levels; see that
+    /// module for the arithmetic and its error).
+    ///
+    /// Per 128-column span and weight row: one 64-byte load of codes (masked for a last span
+    /// of 1–3 blocks) becomes the unsigned weight bytes `2·E2M1 + 12` of the low and of the
+    /// high nibbles — with AVX-512 VBMI ([`dot_mxfp4_q8x3_tile_vbmi`]) one `vpermb` each from
+    /// a 64-entry table (the high nibbles after one `vpsrlw`), otherwise
+    /// ([`dot_mxfp4_q8x3_tile_bw`]) a mask and a `vpshufb` each; both give the same bytes, so
+    /// the same values. Per activation row: six `vpdpbusd` (two per level, the int32 lanes
+    /// shifted left 8 bits between levels), the correction subtracted, the exact int32 lane
+    /// sum converted to f32, multiplied by the lane's `d·2^−17`, then multiplied into the
+    /// accumulator of the span's parity with `2^(e−127)` (one FMA). The final sum is
+    /// `reduce16(acc0 + acc1)`. Every `(r, b)` sees the same f32 operations whatever `NR` and
+    /// `NB` are, and equals the scalar reference [`crate::scalar::dot_mxfp4_q8x3`] bit for bit.
+    /// Weights are prefetched [`tile_prefetch_distance`] ahead.
+    ///
+    /// # Safety
+    /// Requires AVX-512 F/BW/VL and VNNI; all weight rows have the same number of blocks,
+    /// `packed` rows 16 bytes per block, image rows [`crate::mxfp4_q8x3::SPAN_SLOTS`] slots
+    /// per span.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    pub(crate) unsafe fn dot_mxfp4_q8x3_tile<const NR: usize, const NB: usize>(
+        packed: [&[u8]; NR],
+        scales: [&[u8]; NR],
+        xs: [&[f32]; NB],
+    ) -> [[f32; NB]; NR] {
+        // SAFETY: forwarded from the caller; the VBMI kernel runs only where the CPU has it.
+        unsafe {
+            if vbmi_available() {
+                dot_mxfp4_q8x3_tile_vbmi::<NR, NB>(packed, scales, xs)
+            } else {
+                dot_mxfp4_q8x3_tile_bw::<NR, NB>(packed, scales, xs)
+            }
+        }
+    }
+
+    /// `2·E2M1(i & 15) + 12` for `i` in 0…63.
+    static E2M1_X2_PLUS_12_64: [u8; 64] = {
+        let mut t = [0u8; 64];
+        let mut i = 0;
+        while i < 64 {
+            t[i] = crate::mxfp4_q8x3::E2M1_X2_PLUS_12[i % 16];
+            i += 1;
+        }
+        t
+    };
+    /// The unsigned weight bytes of one span's 64 code bytes `v` (low nibbles, high
+    /// nibbles) with `vpermb` (only index bits 0–5 count and the table repeats every 16).
+    macro_rules! decode_u8_vbmi {
+        ($v:expr, $tab:expr) => {{
+            let v = $v;
+            (
+                _mm512_permutexvar_epi8(v, $tab),
+                _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(v), $tab),
+            )
+        }};
+    }
+    /// The same bytes with `vpshufb` (index bits 0–3 after a mask).
+    macro_rules! decode_u8_bw {
+        ($v:expr, $tab:expr) => {{
+            let v = $v;
+            let m4 = _mm512_set1_epi8(0x0f);
+            (
+                _mm512_shuffle_epi8($tab, _mm512_and_si512(v, m4)),
+                _mm512_shuffle_epi8($tab, _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4)),
+            )
+        }};
+    }
+
+    /// The body of [`dot_mxfp4_q8x3_tile`] with a given weight decode.
+    macro_rules! q8x3_tile {
+        ($(#[$m:meta])* $name:ident, $feat:literal, $tab:expr, $decode:ident) => {
+            $(#[$m])*
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::needless_range_loop)] // `r`, `b` index weights, images and accumulators
+            pub(crate) unsafe fn $name<const NR: usize, const NB: usize>(
+                packed: [&[u8]; NR],
+                scales: [&[u8]; NR],
+                xs: [&[f32]; NB],
+            ) -> [[f32; NB]; NR] {
+                use crate::mxfp4_q8x3::SPAN_SLOTS;
+                let nblk = scales[0].len();
+                let nspan = nblk.div_ceil(4);
+                let mut acc0 = [[_mm512_setzero_ps(); NB]; NR];
+                let mut acc1 = [[_mm512_setzero_ps(); NB]; NR];
+                let pfd = tile_prefetch_distance(NR * 16 * nblk);
+                // SAFETY: packed rows hold 16 bytes per block (the last span's load is masked
+                // to the blocks that exist); scale loads are masked likewise; each image row
+                // holds SPAN_SLOTS f32 slots per span.
+                unsafe {
+                    let tab = $tab;
+                    let quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+                    macro_rules! span {
+                        ($span:expr, $k:expr, $sc:expr, $acc:ident) => {{
+                            let span = $span;
+                            let blocks = (nblk - 4 * span).min(4);
+                            let qidx = _mm512_add_epi32(_mm512_set1_epi32(4 * $k as i32), quarter);
+                            let mut ul = [_mm512_setzero_si512(); NR];
+                            let mut uh = [_mm512_setzero_si512(); NR];
+                            let mut ws = [_mm512_setzero_ps(); NR];
+                            for r in 0..NR {
+                                let wp = packed[r].as_ptr().add(64 * span);
+                                // A prefetch never faults: the address may lie past the
+                                // weights (wrapping arithmetic, never dereferenced).
+                                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pfd) as *const i8);
+                                let v = if blocks == 4 {
+                                    _mm512_loadu_si512(wp as *const __m512i)
+                                } else {
+                                    _mm512_maskz_loadu_epi8(
+                                        (1u64 << (16 * blocks)) - 1,
+                                        wp as *const i8,
+                                    )
+                                };
+                                (ul[r], uh[r]) = $decode!(v, tab);
+                                ws[r] = _mm512_permutexvar_ps(qidx, $sc[r]);
+                            }
+                            for b in 0..NB {
+                                let xp = xs[b].as_ptr().add(SPAN_SLOTS * span);
+                                let ls = _mm512_loadu_ps(xp);
+                                let ncorr = _mm512_sub_epi32(
+                                    _mm512_setzero_si512(),
+                                    _mm512_loadu_si512(xp.add(16) as *const __m512i),
+                                );
+                                let a: [__m512i; 6] = std::array::from_fn(|j| {
+                                    _mm512_loadu_si512(xp.add(32 + 16 * j) as *const __m512i)
+                                });
+                                for r in 0..NR {
+                                    // Three independent chains (short latency), the
+                                    // correction folded into the third one's start.
+                                    let z = _mm512_setzero_si512();
+                                    let i1 = _mm512_dpbusd_epi32(z, ul[r], a[0]);
+                                    let i2 = _mm512_dpbusd_epi32(z, ul[r], a[2]);
+                                    let i3 = _mm512_dpbusd_epi32(ncorr, ul[r], a[4]);
+                                    let i1 = _mm512_dpbusd_epi32(i1, uh[r], a[1]);
+                                    let i2 = _mm512_dpbusd_epi32(i2, uh[r], a[3]);
+                                    let i3 = _mm512_dpbusd_epi32(i3, uh[r], a[5]);
+                                    let i = _mm512_add_epi32(
+                                        _mm512_add_epi32(
+                                            _mm512_slli_epi32::<16>(i1),
+                                            _mm512_slli_epi32::<8>(i2),
+                                        ),
+                                        i3,
+                                    );
+                                    let f = _mm512_mul_ps(_mm512_cvtepi32_ps(i), ls);
+                                    $acc[r][b] = _mm512_fmadd_ps(f, ws[r], $acc[r][b]);
+                                }
+                            }
+                        }};
+                    }
+                    let mut sp = 0;
+                    while sp < nspan {
+                        // Scales of up to four spans (16 blocks) at once.
+                        let sc: [__m512; NR] = std::array::from_fn(|r| {
+                            scales16(scales[r].as_ptr().add(4 * sp), (nblk - 4 * sp).min(L))
+                        });
+                        if sp + 4 <= nspan {
+                            span!(sp, 0, sc, acc0);
+                            span!(sp + 1, 1, sc, acc1);
+                            span!(sp + 2, 2, sc, acc0);
+                            span!(sp + 3, 3, sc, acc1);
+                        } else {
+                            for k in 0..nspan - sp {
+                                if k % 2 == 0 {
+                                    span!(sp + k, k, sc, acc0);
+                                } else {
+                                    span!(sp + k, k, sc, acc1);
+                                }
+                            }
+                        }
+                        sp += 4;
+                    }
+                }
+                let mut out = [[0f32; NB]; NR];
+                for r in 0..NR {
+                    for b in 0..NB {
+                        out[r][b] = reduce16_ps(_mm512_add_ps(acc0[r][b], acc1[r][b]));
+                    }
+                }
+                out
+            }
+        };
+    }
+
+    q8x3_tile!(
+        /// [`dot_mxfp4_q8x3_tile`] with the `vpshufb` decode (AVX-512 BW).
+        dot_mxfp4_q8x3_tile_bw,
+        "avx512f,avx512bw,avx512vl,avx512vnni,fma",
+        _mm512_broadcast_i32x4(_mm_loadu_si128(
+            crate::mxfp4_q8x3::E2M1_X2_PLUS_12.as_ptr() as *const __m128i
+        )),
+        decode_u8_bw
+    );
+    q8x3_tile!(
+        /// [`dot_mxfp4_q8x3_tile`] with the `vpermb` decode (AVX-512 VBMI).
+        dot_mxfp4_q8x3_tile_vbmi,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma",
+        _mm512_loadu_si512(E2M1_X2_PLUS_12_64.as_ptr() as *const __m512i),
+        decode_u8_vbmi
     );
 }
 
