@@ -156,7 +156,7 @@ pub fn kernel_backend() -> &'static str {
 }
 
 /// One log line: the backend in use, the relevant CPU features present and the worker count,
-/// e.g. `kernels=avx512 mxfp4_act=q16x2 cpu=[avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx2 fma] threads=2 pool_spin=on`.
+/// e.g. `kernels=avx512 mxfp4_act=q8x3 cpu=[avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx2 fma] threads=2 pool_spin=on`.
 ///
 /// # Panics
 /// As [`backend`].

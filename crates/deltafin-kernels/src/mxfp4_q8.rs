@@ -18,10 +18,11 @@
 //! (plus f32 rounding of the sum), about 0.4% of the block's largest activation per unit of
 //! weight — the same order as llama.cpp's Q8_0 activations for MXFP4.
 //!
-//! `DELTAFIN_MXFP4_ACT=f32|q8` chooses the activation format of AVX-512 MXFP4 products.
-//! The default is `f32`: with int8 activations the forward-pass fidelity tests (f64 block
-//! oracles, prefill-vs-decode, the llama.cpp oracle with f32 experts) fail their bounds, see
-//! docs/NUMERICS.md; `q8` is opt-in (AVX-512 VNNI only; other backends always use f32).
+//! `DELTAFIN_MXFP4_ACT=f32|q8|q16|q16x2|q8x3` chooses the activation format of AVX-512 MXFP4
+//! products. The default is `q8x3` ([`crate::mxfp4_q8x3`]: three int8 digits, about f32's own
+//! precision). This one-level `q8` fails the forward-pass fidelity tests (f64 block oracles,
+//! prefill-vs-decode, the llama.cpp oracle with f32 experts), see docs/NUMERICS.md, so it is
+//! opt-in (AVX-512 VNNI only; other backends always use f32).
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
@@ -70,7 +71,8 @@ pub enum Mxfp4ActError {
     Unknown { value: String },
 }
 
-/// Parse a `DELTAFIN_MXFP4_ACT` value strictly (`f32`, `q8`, `q16` or `q16x2`, nothing else).
+/// Parse a `DELTAFIN_MXFP4_ACT` value strictly (`f32`, `q8`, `q16`, `q16x2` or `q8x3`, nothing
+/// else).
 pub fn parse_mxfp4_act(value: &str) -> Result<Mxfp4Act, Mxfp4ActError> {
     match value {
         "f32" => Ok(Mxfp4Act::F32),
@@ -86,7 +88,9 @@ pub fn parse_mxfp4_act(value: &str) -> Result<Mxfp4Act, Mxfp4ActError> {
 
 /// The activation format used when `DELTAFIN_MXFP4_ACT` is unset (on AVX-512 VNNI; every
 /// other CPU runs f32).
-pub const DEFAULT_ACT: Mxfp4Act = Mxfp4Act::Q16x2;
+/// `q8x3`: f32's precision like `q16x2`, and on `mini` (AVX-512 VNNI + VBMI, 2 threads) its
+/// products are 1.1–1.25× faster (docs/PERFORMANCE.md, "Session 11").
+pub const DEFAULT_ACT: Mxfp4Act = Mxfp4Act::Q8x3;
 
 /// The requested activation format (unset → [`DEFAULT_ACT`]), resolved once per process.
 pub fn select_mxfp4_act() -> Result<Mxfp4Act, Mxfp4ActError> {
@@ -115,7 +119,7 @@ pub(crate) fn vnni_available() -> bool {
 }
 
 /// The activation format AVX-512 MXFP4 products use in this process: the requested (or
-/// default) `q8`, `q16` or `q16x2` when VNNI is present, else `f32`.
+/// default) `q8`, `q16`, `q16x2` or `q8x3` when VNNI is present, else `f32`.
 ///
 /// # Panics
 /// If `DELTAFIN_MXFP4_ACT` is invalid (binaries report it first through

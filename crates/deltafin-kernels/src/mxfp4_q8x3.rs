@@ -20,20 +20,22 @@
 //! `q1 = round_half_even(x/d)` clamped to ±127.
 //!
 //! The weight code `w_c` (E2M1) is looked up as the unsigned byte `u_c = 2·E2M1(w_c) + 12`
-//! (0…24). `vpdpbusd` sums four byte products per dword lane exactly, and the three levels
-//! are folded in the integer domain — two `vpdpbusd` per level, the lane shifted left by 8
-//! bits between levels — so per 8-column lane
+//! (0…24). `vpdpbusd` sums four byte products per dword lane exactly, and the three digits
+//! are folded in the integer domain — two `vpdpbusd` per digit, the first digit's lane sum
+//! shifted left by 16 bits, the second's by 8, the correction taken as the third's starting
+//! value — so per 8-column lane
 //!
 //! ```text
-//! S = ((Σ u·q1)·256 + Σ u·q2)·256 + Σ u·q3 − C,   C = 12·Σ T
+//! S = 65536·Σ u·q1 + 256·Σ u·q2 + (Σ u·q3 − C),     C = 12·Σ T
 //!   = Σ 2·E2M1(w_c)·T_c                                   (exact: |S| < 2^31 throughout)
 //! y = Σ_lanes f32(S) · (d·2^−17) · 2^(e−127)               (one multiply, one FMA per lane)
 //! ```
 //!
 //! The correction `C` depends on the activations only and is part of the image. Per span
-//! and weight row that is six `vpdpbusd`, two shifts and one subtraction, one conversion,
-//! one multiply and one FMA, where `q16x2` takes eight `vpdpwssd` and twice the f32 work:
-//! measured in the kernel docs of [`crate::x86::avx512::dot_mxfp4_q8x3_tile`].
+//! and weight row that is six `vpdpbusd` (in three independent pairs), two shifts, two
+//! additions, one conversion, one multiply and one FMA, where `q16x2` takes eight `vpdpwssd`
+//! and twice the f32 work: 1.1–1.25× faster products (docs/PERFORMANCE.md, "Session 11"). It is
+//! the default on AVX-512 VNNI (`DELTAFIN_MXFP4_ACT`, [`crate::mxfp4_q8`]).
 
 use std::borrow::Cow;
 

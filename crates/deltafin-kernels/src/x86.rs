@@ -886,9 +886,10 @@ pub(crate) mod avx512 {
     /// high nibbles — with AVX-512 VBMI ([`dot_mxfp4_q8x3_tile_vbmi`]) one `vpermb` each from
     /// a 64-entry table (the high nibbles after one `vpsrlw`), otherwise
     /// ([`dot_mxfp4_q8x3_tile_bw`]) a mask and a `vpshufb` each; both give the same bytes, so
-    /// the same values. Per activation row: six `vpdpbusd` (two per level, the int32 lanes
-    /// shifted left 8 bits between levels), the correction subtracted, the exact int32 lane
-    /// sum converted to f32, multiplied by the lane's `d·2^−17`, then multiplied into the
+    /// the same values. Per activation row: six `vpdpbusd` in three independent pairs
+    /// (one per digit, the third starting from the negated correction), the first pair's
+    /// lanes shifted left 16 bits and the second's 8 and all added: the exact int32 lane
+    /// sum, converted to f32, multiplied by the lane's `d·2^−17`, then multiplied into the
     /// accumulator of the span's parity with `2^(e−127)` (one FMA). The final sum is
     /// `reduce16(acc0 + acc1)`. Every `(r, b)` sees the same f32 operations whatever `NR` and
     /// `NB` are, and equals the scalar reference [`crate::scalar::dot_mxfp4_q8x3`] bit for bit.

@@ -148,8 +148,8 @@ fn matmul_kernels_match_cpu_on_ragged_shapes() {
                 let mut cpu = vec![0f32; n * rows];
                 // The GPU takes f32 activations; where the CPU's MXFP4 path quantises them
                 // coarser than f32 (AVX-512 VNNI, `DELTAFIN_MXFP4_ACT=q8|q16`), compare with
-                // the scalar f32-activation kernel instead (the default `q16x2` keeps f32's
-                // precision and is compared directly).
+                // the scalar f32-activation kernel instead (the default `q8x3` and `q16x2`
+                // keep f32's precision and are compared directly).
                 if matches!(w, Weights::Mxfp4(_))
                     && kernel_backend() == "avx512"
                     && matches!(avx512_mxfp4_act(), Mxfp4Act::Q8 | Mxfp4Act::Q16)
