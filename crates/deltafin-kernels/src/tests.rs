@@ -1747,3 +1747,20 @@ fn mxfp4_q8x3_fused_image_equals_portable_image() {
         }
     }
 }
+
+/// The far (L2) prefetch distance of the row-int8 and bf16 tiles is a whole number of tiles
+/// and at least [`crate::tile::FAR_PREFETCH_BYTES`], so each row's far prefetch lands on the
+/// same column of a later tile's row and every line of the stream is asked for once.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn far_prefetch_distance_is_whole_tiles() {
+    use crate::tile::{FAR_PREFETCH_BYTES, far_distance};
+    for tile in [1usize, 512, 1024, 4096, 3 * 1024, 2 * 7168, 4 * 2048, 2 * 14336, 40000] {
+        let d = far_distance(tile);
+        assert_eq!(d % tile, 0, "tile {tile}: {d}");
+        assert!(d >= FAR_PREFETCH_BYTES, "tile {tile}: {d}");
+        assert!(d < FAR_PREFETCH_BYTES + tile, "tile {tile}: {d}");
+    }
+    assert_eq!(far_distance(4096), 16 * 1024);
+    assert_eq!(far_distance(2 * 7168), 28672);
+}
