@@ -1755,7 +1755,17 @@ fn mxfp4_q8x3_fused_image_equals_portable_image() {
 #[test]
 fn far_prefetch_distance_is_whole_tiles() {
     use crate::tile::{FAR_PREFETCH_BYTES, far_distance};
-    for tile in [1usize, 512, 1024, 4096, 3 * 1024, 2 * 7168, 4 * 2048, 2 * 14336, 40000] {
+    for tile in [
+        1usize,
+        512,
+        1024,
+        4096,
+        3 * 1024,
+        2 * 7168,
+        4 * 2048,
+        2 * 14336,
+        40000,
+    ] {
         let d = far_distance(tile);
         assert_eq!(d % tile, 0, "tile {tile}: {d}");
         assert!(d >= FAR_PREFETCH_BYTES, "tile {tile}: {d}");
