@@ -326,6 +326,7 @@ fn mxfp4_q16_levels() -> Option<usize> {
 
 /// Whether AVX-512 MXFP4 products in this process run in the integer register tiles
 /// (`q16`, `q16x2`, `q8x3`).
+#[cfg(target_arch = "x86_64")]
 #[inline]
 fn mxfp4_int_tiles() -> bool {
     matches!(
