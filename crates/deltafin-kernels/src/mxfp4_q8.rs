@@ -212,16 +212,21 @@ pub(crate) fn q8_image(xs: &[f32], cols: usize) -> (Cow<'static, [f32]>, usize) 
 /// a non-finite value → `(NaN, 0…)`.
 pub(crate) fn quantize_block(block: &[f32]) -> (f32, [i8; GROUP]) {
     let mut q = [0i8; GROUP];
-    if !block.iter().all(|v| v.is_finite()) {
-        return (f32::NAN, q);
+    let d = int8_step(block);
+    if d.is_nan() || d == 0.0 {
+        return (d, q);
     }
-    let absmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-    if absmax == 0.0 {
-        return (0.0, q);
-    }
-    let d = absmax / 127.0;
     for (o, &v) in q.iter_mut().zip(block) {
         *o = (v / d).round_ties_even().clamp(-127.0, 127.0) as i8;
     }
     (d, q)
+}
+
+/// The int8 step of one block: `absmax/127`, 0 for an all-zero block, NaN when the block
+/// holds a non-finite value (shared by the q8 and q8x3 quantisers).
+pub(crate) fn int8_step(block: &[f32]) -> f32 {
+    if !block.iter().all(|v| v.is_finite()) {
+        return f32::NAN;
+    }
+    block.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0
 }

@@ -39,7 +39,7 @@
 
 use std::borrow::Cow;
 
-use deltafin_tensor::mxfp4::{E2M1, GROUP};
+use deltafin_tensor::mxfp4::GROUP;
 
 /// Columns of one span: four MXFP4 blocks, one 64-byte load of weight codes.
 pub(crate) const SPAN: usize = 128;
@@ -48,19 +48,9 @@ pub(crate) const SPAN: usize = 128;
 /// 64 even-column codes and 64 odd-column codes (32 slots).
 pub(crate) const SPAN_SLOTS: usize = 32 + 3 * 32;
 
-/// `2·E2M1(code) + 12` for codes 0…15: the unsigned weight bytes.
-pub(crate) const E2M1_X2_PLUS_12: [u8; 16] = {
-    let mut t = [0u8; 16];
-    let mut i = 0;
-    while i < 16 {
-        t[i] = (2.0 * E2M1[i] + 12.0) as u8;
-        i += 1;
-    }
-    t
-};
-
-/// The weight-byte offset removed by the correction.
-pub(crate) const OFFSET: i32 = 12;
+/// The unsigned weight bytes `2·E2M1(code) + 12` and the offset the correction removes: the
+/// same as the one-level q8 product's.
+pub(crate) use crate::mxfp4_q8::{E2M1_X2_PLUS_12, OFFSET};
 
 /// The fine step relative to `d` (exact power of two).
 pub(crate) const STEP: f32 = 1.0 / 65536.0;
@@ -75,14 +65,10 @@ pub(crate) const T_MAX: i32 = 127 * 65536 + 127;
 /// for the rule).
 pub(crate) fn q8x3_block(block: &[f32]) -> (f32, [i32; GROUP]) {
     let mut q = [0i32; GROUP];
-    if !block.iter().all(|v| v.is_finite()) {
-        return (f32::NAN, q);
+    let d = crate::mxfp4_q8::int8_step(block);
+    if d.is_nan() || d == 0.0 {
+        return (d, q);
     }
-    let absmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-    if absmax == 0.0 {
-        return (0.0, q);
-    }
-    let d = absmax / 127.0;
     let t = d * STEP;
     for (o, &x) in q.iter_mut().zip(block) {
         *o = if t.is_normal() {

@@ -1178,6 +1178,41 @@ fn mxfp4_q16_scalar_reference_bounds_the_error() {
     }
 }
 
+/// Every value of a register tile's rows `r0…` equals the wanted bits (`want[row][b]`).
+#[cfg(target_arch = "x86_64")]
+fn assert_tile_bits(want: &[Vec<f32>], r0: usize, got: &[Vec<f32>], what: &str) {
+    for (i, gr) in got.iter().enumerate() {
+        for (b, g) in gr.iter().enumerate() {
+            let w = want[r0 + i][b];
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "{what} row {} b {b}: {g} vs {w}",
+                r0 + i
+            );
+        }
+    }
+}
+
+/// `$run!(NR, NB)` for every MXFP4 register-tile shape the products use (1–3 weight rows ×
+/// 1–4 activation rows; 3 × 3 does not occur).
+#[cfg(target_arch = "x86_64")]
+macro_rules! each_tile_shape {
+    ($run:ident) => {
+        $run!(1, 1);
+        $run!(1, 2);
+        $run!(1, 3);
+        $run!(1, 4);
+        $run!(2, 1);
+        $run!(2, 2);
+        $run!(2, 3);
+        $run!(2, 4);
+        $run!(3, 1);
+        $run!(3, 2);
+        $run!(3, 4);
+    };
+}
+
 /// The AVX-512 VNNI q16 MXFP4 tile kernel equals the scalar reference bit for bit for both
 /// level counts, both weight decodes (`vpshufb`; `vpermb` where the CPU has AVX-512 VBMI),
 /// every tile shape (1–3 weight rows × 1–4 activation rows), 1…20 blocks (ragged last spans
@@ -1217,17 +1252,12 @@ fn avx512_mxfp4_q16_kernel_equals_scalar_reference_bitwise() {
                 })
                 .collect();
             let check = |r0: usize, got: &[Vec<f32>], what: &str| {
-                for (i, gr) in got.iter().enumerate() {
-                    for (b, g) in gr.iter().enumerate() {
-                        let w = want[r0 + i][b];
-                        assert_eq!(
-                            g.to_bits(),
-                            w.to_bits(),
-                            "cols {cols} levels {levels} row {} b {b} ({what}): {g} vs {w}",
-                            r0 + i
-                        );
-                    }
-                }
+                assert_tile_bits(
+                    &want,
+                    r0,
+                    got,
+                    &format!("cols {cols} levels {levels} {what}"),
+                )
             };
             let (p, s) = (|r: usize| m.packed_row(r), |r: usize| m.scales_row(r));
             macro_rules! run {
@@ -1265,17 +1295,7 @@ fn avx512_mxfp4_q16_kernel_equals_scalar_reference_bitwise() {
                     }
                 }};
             }
-            run!(1, 1);
-            run!(1, 2);
-            run!(1, 3);
-            run!(1, 4);
-            run!(2, 1);
-            run!(2, 2);
-            run!(2, 3);
-            run!(2, 4);
-            run!(3, 1);
-            run!(3, 2);
-            run!(3, 4);
+            each_tile_shape!(run);
         }
     }
 }
@@ -1635,17 +1655,7 @@ fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
             })
             .collect();
         let check = |r0: usize, got: &[Vec<f32>], what: &str| {
-            for (i, gr) in got.iter().enumerate() {
-                for (b, g) in gr.iter().enumerate() {
-                    let w = want[r0 + i][b];
-                    assert_eq!(
-                        g.to_bits(),
-                        w.to_bits(),
-                        "cols {cols} row {} b {b} ({what}): {g} vs {w}",
-                        r0 + i
-                    );
-                }
-            }
+            assert_tile_bits(&want, r0, got, &format!("cols {cols} {what}"))
         };
         let (p, s) = (|r: usize| m.packed_row(r), |r: usize| m.scales_row(r));
         macro_rules! run {
@@ -1674,17 +1684,7 @@ fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
                 }
             }};
         }
-        run!(1, 1);
-        run!(1, 2);
-        run!(1, 3);
-        run!(1, 4);
-        run!(2, 1);
-        run!(2, 2);
-        run!(2, 3);
-        run!(2, 4);
-        run!(3, 1);
-        run!(3, 2);
-        run!(3, 4);
+        each_tile_shape!(run);
     }
 }
 

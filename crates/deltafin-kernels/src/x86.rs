@@ -758,6 +758,70 @@ pub(crate) mod avx512 {
         }};
     }
 
+    /// The 64 code bytes of span `span` of one packed MXFP4 row (`blocks` of its four blocks
+    /// exist; the load is masked to them), prefetching the byte `pfd` ahead into L1 (a
+    /// prefetch never faults: the address may lie past the weights, wrapping arithmetic,
+    /// never dereferenced).
+    ///
+    /// # Safety
+    /// Requires AVX-512 BW; the row holds `16·blocks` bytes from `64·span`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn span_codes(row: &[u8], span: usize, blocks: usize, pfd: usize) -> __m512i {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            let wp = row.as_ptr().add(64 * span);
+            _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pfd) as *const i8);
+            if blocks == 4 {
+                _mm512_loadu_si512(wp as *const __m512i)
+            } else {
+                _mm512_maskz_loadu_epi8((1u64 << (16 * blocks)) - 1, wp as *const i8)
+            }
+        }
+    }
+
+    /// The span loop of the MXFP4 register tiles: per four spans one [`scales16`] per weight
+    /// row, then the tile's `$span!(span, k, scales, accumulator)` for each span, spans
+    /// alternating between the two accumulator sets (`$span` is the tile's own macro).
+    macro_rules! spans {
+        ($span:ident, $scales:ident, $nblk:ident, $nspan:ident, $acc0:ident, $acc1:ident) => {{
+            let mut sp = 0;
+            while sp < $nspan {
+                // Scales of up to four spans (16 blocks) at once.
+                let sc: [__m512; NR] = std::array::from_fn(|r| {
+                    scales16($scales[r].as_ptr().add(4 * sp), ($nblk - 4 * sp).min(L))
+                });
+                if sp + 4 <= $nspan {
+                    $span!(sp, 0, sc, $acc0);
+                    $span!(sp + 1, 1, sc, $acc1);
+                    $span!(sp + 2, 2, sc, $acc0);
+                    $span!(sp + 3, 3, sc, $acc1);
+                } else {
+                    for k in 0..$nspan - sp {
+                        if k % 2 == 0 {
+                            $span!(sp + k, k, sc, $acc0);
+                        } else {
+                            $span!(sp + k, k, sc, $acc1);
+                        }
+                    }
+                }
+                sp += 4;
+            }
+        }};
+    }
+
+    /// `reduce16(acc0 + acc1)` of every product of a tile (the final sum of the MXFP4 tiles).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn reduce_pairs<const NR: usize, const NB: usize>(
+        acc0: &[[__m512; NB]; NR],
+        acc1: &[[__m512; NB]; NR],
+    ) -> [[f32; NB]; NR] {
+        std::array::from_fn(|r| {
+            std::array::from_fn(|b| reduce16_ps(_mm512_add_ps(acc0[r][b], acc1[r][b])))
+        })
+    }
+
     /// The body of [`dot_mxfp4_q16_tile`] with a given weight decode.
     macro_rules! q16_tile {
         ($(#[$m:meta])* $name:ident, $feat:literal, $setup:ident, $decode:ident) => {
@@ -793,18 +857,7 @@ pub(crate) mod avx512 {
                             let mut w = [[_mm512_setzero_si512(); 4]; NR];
                             let mut ws = [_mm512_setzero_ps(); NR];
                             for r in 0..NR {
-                                let wp = packed[r].as_ptr().add(64 * span);
-                                // A prefetch never faults: the address may lie past the
-                                // weights (wrapping arithmetic, never dereferenced).
-                                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pfd) as *const i8);
-                                let v = if blocks == 4 {
-                                    _mm512_loadu_si512(wp as *const __m512i)
-                                } else {
-                                    _mm512_maskz_loadu_epi8(
-                                        (1u64 << (16 * blocks)) - 1,
-                                        wp as *const i8,
-                                    )
-                                };
+                                let v = span_codes(packed[r], span, blocks, pfd);
                                 w[r] = $decode!(v, consts);
                                 ws[r] = _mm512_permutexvar_ps(qidx, $sc[r]);
                             }
@@ -829,36 +882,9 @@ pub(crate) mod avx512 {
                             }
                         }};
                     }
-                    let mut sp = 0;
-                    while sp < nspan {
-                        // Scales of up to four spans (16 blocks) at once.
-                        let sc: [__m512; NR] = std::array::from_fn(|r| {
-                            scales16(scales[r].as_ptr().add(4 * sp), (nblk - 4 * sp).min(L))
-                        });
-                        if sp + 4 <= nspan {
-                            span!(sp, 0, sc, acc0);
-                            span!(sp + 1, 1, sc, acc1);
-                            span!(sp + 2, 2, sc, acc0);
-                            span!(sp + 3, 3, sc, acc1);
-                        } else {
-                            for k in 0..nspan - sp {
-                                if k % 2 == 0 {
-                                    span!(sp + k, k, sc, acc0);
-                                } else {
-                                    span!(sp + k, k, sc, acc1);
-                                }
-                            }
-                        }
-                        sp += 4;
-                    }
+                    spans!(span, scales, nblk, nspan, acc0, acc1);
                 }
-                let mut out = [[0f32; NB]; NR];
-                for r in 0..NR {
-                    for b in 0..NB {
-                        out[r][b] = reduce16_ps(_mm512_add_ps(acc0[r][b], acc1[r][b]));
-                    }
-                }
-                out
+                reduce_pairs(&acc0, &acc1)
             }
         };
     }
@@ -980,18 +1006,7 @@ pub(crate) mod avx512 {
                             let mut uh = [_mm512_setzero_si512(); NR];
                             let mut ws = [_mm512_setzero_ps(); NR];
                             for r in 0..NR {
-                                let wp = packed[r].as_ptr().add(64 * span);
-                                // A prefetch never faults: the address may lie past the
-                                // weights (wrapping arithmetic, never dereferenced).
-                                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pfd) as *const i8);
-                                let v = if blocks == 4 {
-                                    _mm512_loadu_si512(wp as *const __m512i)
-                                } else {
-                                    _mm512_maskz_loadu_epi8(
-                                        (1u64 << (16 * blocks)) - 1,
-                                        wp as *const i8,
-                                    )
-                                };
+                                let v = span_codes(packed[r], span, blocks, pfd);
                                 (ul[r], uh[r]) = $decode!(v, tab);
                                 ws[r] = _mm512_permutexvar_ps(qidx, $sc[r]);
                             }
@@ -1028,36 +1043,9 @@ pub(crate) mod avx512 {
                             }
                         }};
                     }
-                    let mut sp = 0;
-                    while sp < nspan {
-                        // Scales of up to four spans (16 blocks) at once.
-                        let sc: [__m512; NR] = std::array::from_fn(|r| {
-                            scales16(scales[r].as_ptr().add(4 * sp), (nblk - 4 * sp).min(L))
-                        });
-                        if sp + 4 <= nspan {
-                            span!(sp, 0, sc, acc0);
-                            span!(sp + 1, 1, sc, acc1);
-                            span!(sp + 2, 2, sc, acc0);
-                            span!(sp + 3, 3, sc, acc1);
-                        } else {
-                            for k in 0..nspan - sp {
-                                if k % 2 == 0 {
-                                    span!(sp + k, k, sc, acc0);
-                                } else {
-                                    span!(sp + k, k, sc, acc1);
-                                }
-                            }
-                        }
-                        sp += 4;
-                    }
+                    spans!(span, scales, nblk, nspan, acc0, acc1);
                 }
-                let mut out = [[0f32; NB]; NR];
-                for r in 0..NR {
-                    for b in 0..NB {
-                        out[r][b] = reduce16_ps(_mm512_add_ps(acc0[r][b], acc1[r][b]));
-                    }
-                }
-                out
+                reduce_pairs(&acc0, &acc1)
             }
         };
     }
