@@ -1425,6 +1425,33 @@ fn mxfp4_q16_lo_block_simd_equals_scalar() {
     }
 }
 
+/// Column counts of the image-builder tests: whole spans, ragged spans and blocks, K3 rows.
+#[cfg(target_arch = "x86_64")]
+const IMAGE_COLS: [usize; 11] = [32, 64, 96, 128, 160, 200, 416, 1000, 1024, 2048 + 96, 7168];
+
+/// Activation rows whose 32-column blocks are, in turn (shifted by one block per row): all
+/// zero, holding a NaN, holding an infinity, tiny (×1e-38), huge (×3e38), full of ties, all
+/// negative zero, small (×1e-33), or as drawn.
+#[cfg(target_arch = "x86_64")]
+fn awkward_activations(rng: &mut Rng, n: usize, cols: usize) -> Vec<f32> {
+    let mut xs = q8_activations(rng, n, cols);
+    for (i, x) in xs.iter_mut().enumerate() {
+        let (row, c) = (i / cols, i % cols);
+        *x = match (c / 32 + row) % 9 {
+            0 => 0.0,
+            1 if c % 32 == 7 => f32::NAN,
+            2 if c % 32 == 3 => f32::INFINITY,
+            3 => *x * 1e-38,
+            4 => *x * 3e38,
+            5 => (c % 5) as f32 * 0.5 - 1.0,
+            6 => -0.0,
+            7 => *x * 1e-33,
+            _ => *x,
+        };
+    }
+    xs
+}
+
 /// The fused AVX-512 q16 image builder gives the same image, bit for bit, as the portable
 /// per-block path (quantiser, second level, table scatter) for both level counts, ragged
 /// columns (a last block of 1–31 values takes the portable path in both) and blocks that
@@ -1439,36 +1466,10 @@ fn mxfp4_q16_fused_image_equals_portable_image() {
         return;
     }
     let mut rng = Rng(0x0f05_ed16_1111);
-    for cols in [
-        32usize,
-        64,
-        96,
-        128,
-        160,
-        200,
-        416,
-        1000,
-        1024,
-        2048 + 96,
-        7168,
-    ] {
+    for cols in IMAGE_COLS {
         for n in 1..=3 {
-            let mut xs = q8_activations(&mut rng, n, cols);
+            let xs = awkward_activations(&mut rng, n, cols);
             let blocks = cols.div_ceil(32);
-            for (i, x) in xs.iter_mut().enumerate() {
-                let (row, c) = (i / cols, i % cols);
-                let blk = c / 32 + row;
-                *x = match blk % 8 {
-                    0 => 0.0,
-                    1 if c % 32 == 7 => f32::NAN,
-                    2 if c % 32 == 3 => f32::INFINITY,
-                    3 => *x * 1e-38,
-                    4 => *x * 3e38,
-                    5 => (c % 5) as f32 * 0.5 - 1.0,
-                    6 => -0.0,
-                    _ => *x,
-                };
-            }
             assert!(blocks > 0);
             for levels in 1..=2 {
                 let (a, ba, sa) = q16_image_with(&xs, cols, levels, true);
@@ -1701,35 +1702,9 @@ fn mxfp4_q8x3_fused_image_equals_portable_image() {
         return;
     }
     let mut rng = Rng(0x0f05_ed83_2222);
-    for cols in [
-        32usize,
-        64,
-        96,
-        128,
-        160,
-        200,
-        416,
-        1000,
-        1024,
-        2048 + 96,
-        7168,
-    ] {
+    for cols in IMAGE_COLS {
         for n in 1..=3 {
-            let mut xs = q8_activations(&mut rng, n, cols);
-            for (i, x) in xs.iter_mut().enumerate() {
-                let (row, c) = (i / cols, i % cols);
-                *x = match (c / 32 + row) % 9 {
-                    0 => 0.0,
-                    1 if c % 32 == 7 => f32::NAN,
-                    2 if c % 32 == 3 => f32::INFINITY,
-                    3 => *x * 1e-38,
-                    4 => *x * 3e38,
-                    5 => (c % 5) as f32 * 0.5 - 1.0,
-                    6 => -0.0,
-                    7 => *x * 1e-33,
-                    _ => *x,
-                };
-            }
+            let xs = awkward_activations(&mut rng, n, cols);
             let (a, ba, sa) = q8x3_image_with(&xs, cols, true);
             let (b, bb, sb) = q8x3_image_with(&xs, cols, false);
             assert_eq!(sa, sb);
