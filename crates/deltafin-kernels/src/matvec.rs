@@ -171,12 +171,13 @@ impl<'a> Raw<'a> {
             Raw::Bf16(data, cols) => dispatch!(be, dot_bf16(&data[r * cols..(r + 1) * cols], xs)),
             Raw::RowInt8(data, scales, cols) => {
                 let row = &data[r * cols..(r + 1) * cols];
-                let s = scales[r].to_f32();
                 #[cfg(target_arch = "x86_64")]
                 if be == Backend::Avx512 && q16_int8() {
-                    // SAFETY: `product` checked AVX-512; `q16_int8` checked VNNI.
+                    // SAFETY: `product` checked AVX-512; `q16_int8` checked VNNI. The kernel
+                    // applies the row scale itself.
                     return unsafe { crate::x86::avx512::dot_i8_q16(row, scales[r].to_bits(), xs) };
                 }
+                let s = scales[r].to_f32();
                 #[cfg(target_arch = "x86_64")]
                 if be == Backend::Avx2 {
                     // SAFETY: `product` checked AVX2; the activations are the q16 image.
