@@ -1000,13 +1000,14 @@ pub fn backend_description() -> String {
         .clone()
         .unwrap_or_else(|| "device=cpu".into());
     format!(
-        "{device} threads={} kernels={} pool_spin={}",
+        "{device} threads={} kernels={} pool_spin={} pool_prefetch={}",
         rayon::current_num_threads(),
         deltafin_kernels::kernel_backend(),
-        if deltafin_kernels::pool::spin_enabled().unwrap_or(false) {
-            "on"
-        } else {
-            "off"
-        }
+        on_off(deltafin_kernels::pool::spin_enabled().unwrap_or(false)),
+        on_off(deltafin_kernels::lookahead::prefetch_enabled().unwrap_or(false)),
     )
+}
+
+fn on_off(on: bool) -> &'static str {
+    if on { "on" } else { "off" }
 }

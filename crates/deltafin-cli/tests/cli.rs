@@ -237,6 +237,17 @@ fn bad_inputs_are_clear_errors() {
         "{err}"
     );
 
+    let out = deltafin(
+        &["run", "--model-root", &root_arg()],
+        &[("DELTAFIN_POOL_PREFETCH", "ON")],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("DELTAFIN_POOL_PREFETCH") && err.contains("\"ON\""),
+        "{err}"
+    );
+
     let out = deltafin(&["run", "--top-logits", "101", "--events-jsonl", "x"], &[]);
     assert!(!out.status.success());
     let out = deltafin(&["run", "--max-new", "-3"], &[]);
@@ -391,6 +402,19 @@ fn pool_spin_changes_no_value() {
     assert_eq!(on.len(), 5);
     let (off, off_err) = decode_steps(tmp.path(), 5, "DELTAFIN_POOL_SPIN", "off");
     assert!(off_err.contains("pool_spin=off"), "{off_err}");
+    assert_eq!(on, off);
+}
+
+/// The idle worker's lookahead prefetch is a hint: tokens and log-probabilities are the same
+/// with it on and off.
+#[test]
+fn pool_prefetch_changes_no_value() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (on, on_err) = decode_steps(tmp.path(), 5, "DELTAFIN_POOL_PREFETCH", "on");
+    assert!(on_err.contains("pool_prefetch=on"), "{on_err}");
+    assert_eq!(on.len(), 5);
+    let (off, off_err) = decode_steps(tmp.path(), 5, "DELTAFIN_POOL_PREFETCH", "off");
+    assert!(off_err.contains("pool_prefetch=off"), "{off_err}");
     assert_eq!(on, off);
 }
 

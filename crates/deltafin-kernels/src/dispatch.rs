@@ -35,6 +35,8 @@ pub enum KernelError {
     Mxfp4Act(#[from] crate::mxfp4_q8::Mxfp4ActError),
     #[error(transparent)]
     PoolSpin(#[from] crate::pool::SpinEnvError),
+    #[error(transparent)]
+    PoolPrefetch(#[from] crate::lookahead::PrefetchEnvError),
 }
 
 impl Backend {
@@ -118,12 +120,14 @@ pub fn parse_backend(value: &str) -> Result<Backend, KernelError> {
 }
 
 /// Resolve the backend from the environment (unset → [`Backend::detect`]), once per process;
-/// also checks `DELTAFIN_MXFP4_ACT` ([`crate::mxfp4_q8::select_mxfp4_act`]) and
-/// `DELTAFIN_POOL_SPIN` ([`crate::pool::spin_enabled`]), so binaries that call this at startup
-/// report any bad setting.
+/// also checks `DELTAFIN_MXFP4_ACT` ([`crate::mxfp4_q8::select_mxfp4_act`]),
+/// `DELTAFIN_POOL_SPIN` ([`crate::pool::spin_enabled`]) and `DELTAFIN_POOL_PREFETCH`
+/// ([`crate::lookahead::prefetch_enabled`]), so binaries that call this at startup report
+/// any bad setting.
 pub fn select_backend() -> Result<Backend, KernelError> {
     crate::mxfp4_q8::select_mxfp4_act()?;
     crate::pool::spin_enabled()?;
+    crate::lookahead::prefetch_enabled()?;
     static SELECTED: OnceLock<Result<Backend, KernelError>> = OnceLock::new();
     SELECTED
         .get_or_init(|| match std::env::var(ENV_VAR) {
@@ -156,7 +160,7 @@ pub fn kernel_backend() -> &'static str {
 }
 
 /// One log line: the backend in use, the relevant CPU features present and the worker count,
-/// e.g. `kernels=avx512 mxfp4_act=q8x3 cpu=[avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx2 fma] threads=2 pool_spin=on`.
+/// e.g. `kernels=avx512 mxfp4_act=q8x3 cpu=[avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx2 fma] threads=2 pool_spin=on pool_prefetch=on`.
 ///
 /// # Panics
 /// As [`backend`].
@@ -191,15 +195,16 @@ pub fn kernel_summary() -> String {
         "f32"
     };
     format!(
-        "kernels={be} mxfp4_act={mx} cpu=[{}] threads={} pool_spin={}",
+        "kernels={be} mxfp4_act={mx} cpu=[{}] threads={} pool_spin={} pool_prefetch={}",
         feats.join(" "),
         rayon::current_num_threads(),
-        if crate::pool::spin_enabled().unwrap_or(false) {
-            "on"
-        } else {
-            "off"
-        }
+        on_off(crate::pool::spin_enabled().unwrap_or(false)),
+        on_off(crate::lookahead::prefetch_enabled().unwrap_or(false)),
     )
+}
+
+fn on_off(on: bool) -> &'static str {
+    if on { "on" } else { "off" }
 }
 
 #[cfg(test)]

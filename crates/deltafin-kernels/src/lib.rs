@@ -16,6 +16,7 @@ pub mod cuda;
 pub mod dispatch;
 pub mod gpu;
 pub mod kda_chunk;
+pub mod lookahead;
 pub mod matvec;
 pub mod metal;
 pub mod mxfp4_q16;

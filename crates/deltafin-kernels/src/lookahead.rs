@@ -13,22 +13,25 @@
 //!   [`note`], keyed by the address of its first weight byte. The first time through, the
 //!   reports are recorded in order; when a key comes round again the cycle (one token) is
 //!   complete and becomes the learned sequence. Afterwards a report only moves the cursor.
-//! - A keep-warm loop with nothing to run calls [`Prefetcher::step`]: it looks up the product
-//!   after the cursor and issues `prefetcht0` for the part of its weights
-//!   this worker will take — a product's row ranges are split in halves and a waiting worker
-//!   steals the second half first — starting at the middle of its bytes, at most
-//!   [`BUDGET`] bytes (a fraction of the 2 MiB L2 of current x86 server cores), a few lines
-//!   per round so it still picks up work within a fraction of a microsecond.
+//! - A keep-warm loop with nothing to run ([`crate::pool`]) calls [`Prefetcher::step`]: it
+//!   looks up the products after the cursor and issues `prefetcht0` for the second half of
+//!   each one's weights, at most [`BUDGET`] bytes over [`LOOKAHEAD_STEPS`] products (a
+//!   fraction of the 2 MiB L2 of current x86 server cores), [`CHUNK`] bytes per round so it
+//!   still picks up work within a fraction of a microsecond.
 //!
-//! When the product starts, the worker reads its first rows from L2 instead of DRAM and the
-//! generation thread has DRAM to itself for its half. Hints only: a prefetch never faults and
-//! never changes a value, and a wrong or stale sequence (another model loaded, a streamed
-//! spine whose buffers move) costs a few wasted reads. A sequence that keeps missing is
-//! dropped and relearned; a recording that never closes is capped at [`MAX_STEPS`].
+//! A decode product hands out its rows front to back ([`crate::matvec`]'s guided
+//! scheduling), so the waiting worker's lines are read back by whichever core reaches the
+//! second half: from its own L2, or from the other core's through the shared L3, instead of
+//! DRAM. Measured on `mini` (int8 spine, two cores, A B B A × 4 against
+//! `DELTAFIN_POOL_PREFETCH=off`): 1.012× decode; prefetching the first half instead, 0.978×
+//! (docs/PERFORMANCE.md, "Session 12"). Hints only: a prefetch never faults and never
+//! changes a value, and a wrong or stale sequence (another model loaded, a streamed spine
+//! whose buffers move) costs a few wasted reads. A sequence that keeps missing is dropped
+//! and relearned; a recording that never closes is capped at [`MAX_STEPS`].
 //!
 //! `DELTAFIN_POOL_PREFETCH=on|off` (default `on`, strict parse) switches it.
 
-use rustc_hash::FxHashMap;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
@@ -103,7 +106,7 @@ impl Step {
 #[derive(Debug, Default)]
 struct Sequence {
     steps: Vec<Step>,
-    index: FxHashMap<usize, usize>,
+    index: HashMap<usize, usize>,
 }
 
 impl Sequence {
@@ -175,6 +178,34 @@ pub(crate) fn note(ranges: &[(*const u8, usize)]) {
     }
     seq.push(key, Step::new(ranges));
     publish(seq.steps.len() - 1);
+}
+
+/// [`note`] for a product group about to run, given each member's weights and activation
+/// rows: the weight bytes of its members other than MXFP4 (the routed experts differ from
+/// token to token); nothing when a member has [`MAX_ROWS`] rows or more.
+pub(crate) fn note_products<'a>(
+    members: impl Iterator<Item = (crate::matvec::Weights<'a>, usize)>,
+) {
+    use crate::matvec::Weights;
+    if !prefetch_enabled().unwrap_or(false) {
+        return;
+    }
+    let mut ranges: Vec<(*const u8, usize)> = Vec::with_capacity(8);
+    for (w, n) in members {
+        if n >= MAX_ROWS {
+            return;
+        }
+        match w {
+            Weights::F32 { data, .. } => ranges.push((data.as_ptr().cast(), 4 * data.len())),
+            Weights::Bf16(m) => ranges.push((m.data().as_ptr().cast(), 2 * m.data().len())),
+            Weights::RowInt8(m) => {
+                ranges.push((m.data().as_ptr().cast(), m.data().len()));
+                ranges.push((m.scales().as_ptr().cast(), 2 * m.scales().len()));
+            }
+            Weights::Mxfp4(_) => {}
+        }
+    }
+    note(&ranges);
 }
 
 /// A waiting worker's prefetch progress: the upcoming product's byte segments still to hint.

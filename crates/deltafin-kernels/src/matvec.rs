@@ -336,6 +336,14 @@ fn mxfp4_int_tiles() -> bool {
     )
 }
 
+/// Whether the two-row `q8x3` kernel ([`crate::x86::avx512::dot_mxfp4_q8x3_pair_vbmi`])
+/// serves this process's one-activation-row MXFP4 tiles: the format is `q8x3` and the CPU
+/// has AVX-512 VBMI.
+#[cfg(target_arch = "x86_64")]
+fn q8x3_pair() -> bool {
+    avx512_mxfp4_act() == Mxfp4Act::Q8x3 && crate::x86::avx512::vbmi_available()
+}
+
 /// The integer MXFP4 tile kernel of this process's activation format (`q8x3`, or q16 with
 /// its level count).
 ///
@@ -538,6 +546,7 @@ const UNIT_BYTES: usize = 16 * 1024;
 /// while the generation thread was still inside a product. Which worker computes a row never
 /// changes its value.
 fn run_guided(be: Backend, prepared: &[Prepared<'_>], threads: usize) {
+    crate::lookahead::note_products(prepared.iter().map(|p| (p.w, p.n)));
     // starts[i]..starts[i + 1]: the units of member i, `unit_rows[i]` rows each.
     let mut unit_rows = Vec::with_capacity(prepared.len());
     let mut starts = Vec::with_capacity(prepared.len() + 1);
@@ -774,43 +783,164 @@ impl<'a> Prepared<'a> {
 
     /// One `NR × NB` tile at weight row `r`, activation row `b`.
     ///
+    /// Each format's tile is a function compiled with its kernel's CPU features, so that the
+    /// kernel inlines into it and its results reach the output in registers. Across a call
+    /// they went through memory: the kernel's 4-byte result stores, then a wider load here,
+    /// which the store buffer cannot forward — that load waited until every older instruction
+    /// (the whole tile before it) had retired, and consecutive tiles stopped overlapping.
+    ///
     /// # Safety
     /// As [`Prepared::rows_tiled`], with `r + NR` and `b + NB` in range.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn tile<const NR: usize, const NB: usize>(&self, raw: Raw<'_>, r: usize, b: usize) {
-        let xs: [&[f32]; NB] = std::array::from_fn(|j| self.x(b + j));
-        let v: [[f32; NB]; NR] = match raw {
-            Raw::Bf16(data, cols) => {
-                let ws: [&[deltafin_tensor::bf16]; NR] =
-                    std::array::from_fn(|i| &data[(r + i) * cols..(r + i + 1) * cols]);
-                // SAFETY: `Prepared::new` checked AVX-512; rows of one matrix share a length
-                // and the paired image rows hold whole groups.
-                unsafe { crate::tile::dot_bf16_tile::<NR, NB>(ws, xs) }
+        // SAFETY: forwarded from the caller; `Prepared::new` checked AVX-512, and the caller
+        // VNNI for the integer formats.
+        unsafe {
+            match raw {
+                Raw::Bf16(data, cols) => self.tile_bf16::<NR, NB>(data, cols, r, b),
+                Raw::RowInt8(data, scales, cols) => {
+                    self.tile_i8::<NR, NB>(data, scales, cols, r, b)
+                }
+                Raw::Mxfp4(packed, scales, cols) => {
+                    self.tile_mxfp4::<NR, NB>(packed, scales, cols, r, b)
+                }
+                _ => unreachable!("only bf16, q16 row-int8 and q16 MXFP4 products are tiled"),
             }
-            Raw::RowInt8(data, scales, cols) => {
-                let ws: [&[i8]; NR] =
-                    std::array::from_fn(|i| &data[(r + i) * cols..(r + i + 1) * cols]);
-                // SAFETY: as above; the caller checked VNNI and the image is the q16 one.
-                let ss: [u16; NR] = std::array::from_fn(|i| scales[r + i].to_bits());
-                unsafe { crate::tile::dot_i8_q16_tile::<NR, NB>(ws, ss, xs) }
-            }
-            Raw::Mxfp4(packed, scales, cols) => {
-                let (pb, g) = (cols / 2, cols / GROUP);
-                let ps: [&[u8]; NR] =
-                    std::array::from_fn(|i| &packed[(r + i) * pb..(r + i + 1) * pb]);
-                let ss: [&[u8]; NR] =
-                    std::array::from_fn(|i| &scales[(r + i) * g..(r + i + 1) * g]);
-                // SAFETY: as above; the caller checked VNNI and the image is the q16 one.
-                unsafe { mxfp4_int_tile::<NR, NB>(ps, ss, xs) }
-            }
-            _ => unreachable!("only bf16, q16 row-int8 and q16 MXFP4 products are tiled"),
-        };
+        }
+    }
+
+    /// The activation rows `b..b + NB` of a tile.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn tile_xs<const NB: usize>(&self, b: usize) -> [&[f32]; NB] {
+        // Loops, not `array::from_fn`: called from the tiles' feature-enabled functions it
+        // stayed a call, whose array came back through memory (see `Prepared::tile`).
+        let mut xs: [&[f32]; NB] = [&[]; NB];
+        for (j, x) in xs.iter_mut().enumerate() {
+            *x = self.x(b + j);
+        }
+        xs
+    }
+
+    /// A tile's results into the output.
+    ///
+    /// # Safety
+    /// The caller owns rows `r..r + NR`; `b + NB <= n`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn tile_out<const NR: usize, const NB: usize>(
+        &self,
+        v: [[f32; NB]; NR],
+        r: usize,
+        b: usize,
+    ) {
         for (i, vr) in v.iter().enumerate() {
             for (j, &vij) in vr.iter().enumerate() {
-                // SAFETY: the caller owns row r + i; b + j < n.
+                // SAFETY: upheld by the caller.
                 unsafe { self.out.apply(self.epi, b + j, r + i, vij) };
             }
+        }
+    }
+
+    /// [`Prepared::tile`] of bf16 weights.
+    ///
+    /// # Safety
+    /// As [`Prepared::tile`]; AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn tile_bf16<const NR: usize, const NB: usize>(
+        &self,
+        data: &[deltafin_tensor::bf16],
+        cols: usize,
+        r: usize,
+        b: usize,
+    ) {
+        let mut ws: [&[deltafin_tensor::bf16]; NR] = [&[]; NR];
+        for (i, w) in ws.iter_mut().enumerate() {
+            *w = &data[(r + i) * cols..(r + i + 1) * cols];
+        }
+        // SAFETY: rows of one matrix share a length and the paired image rows hold whole
+        // groups; the rest as the caller guarantees.
+        unsafe {
+            let v = crate::tile::dot_bf16_tile::<NR, NB>(ws, self.tile_xs::<NB>(b));
+            self.tile_out(v, r, b);
+        }
+    }
+
+    /// [`Prepared::tile`] of row-int8 weights (q16 image).
+    ///
+    /// # Safety
+    /// As [`Prepared::tile`]; AVX-512 VNNI and F16C.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    unsafe fn tile_i8<const NR: usize, const NB: usize>(
+        &self,
+        data: &[i8],
+        scales: &[half::f16],
+        cols: usize,
+        r: usize,
+        b: usize,
+    ) {
+        let mut ws: [&[i8]; NR] = [&[]; NR];
+        let mut ss = [0u16; NR];
+        for i in 0..NR {
+            ws[i] = &data[(r + i) * cols..(r + i + 1) * cols];
+            ss[i] = scales[r + i].to_bits();
+        }
+        // SAFETY: the image is the q16 one; the rest as the caller guarantees.
+        unsafe {
+            let v = crate::tile::dot_i8_q16_tile::<NR, NB>(ws, ss, self.tile_xs::<NB>(b));
+            self.tile_out(v, r, b);
+        }
+    }
+
+    /// [`Prepared::tile`] of MXFP4 weights (the integer image of this process's format).
+    ///
+    /// # Safety
+    /// As [`Prepared::tile`]; AVX-512 VNNI.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    unsafe fn tile_mxfp4<const NR: usize, const NB: usize>(
+        &self,
+        packed: &[u8],
+        scales: &[u8],
+        cols: usize,
+        r: usize,
+        b: usize,
+    ) {
+        let (pb, g) = (cols / 2, cols / GROUP);
+        let (packed, scales) = (&packed[r * pb..(r + NR) * pb], &scales[r * g..(r + NR) * g]);
+        if NR == 2 && NB == 1 && g % 16 == 0 && q8x3_pair() {
+            let x = self.x(b);
+            assert!(x.len() >= g / 4 * crate::mxfp4_q8x3::SPAN_SLOTS);
+            // SAFETY: two rows of `pb` code bytes and `g` scales each, `g` a multiple of 16,
+            // the image row holds `g / 4` spans; the CPU has what `pair_kernel` checks.
+            let v = unsafe {
+                crate::x86::avx512::dot_mxfp4_q8x3_pair_vbmi(
+                    packed.as_ptr(),
+                    packed.as_ptr().add(pb),
+                    scales.as_ptr(),
+                    scales.as_ptr().add(g),
+                    g,
+                    x.as_ptr(),
+                )
+            };
+            // SAFETY: as the caller guarantees.
+            unsafe { self.tile_out::<2, 1>([[v[0]], [v[1]]], r, b) };
+            return;
+        }
+        let mut ps: [&[u8]; NR] = [&[]; NR];
+        let mut ss: [&[u8]; NR] = [&[]; NR];
+        for i in 0..NR {
+            ps[i] = &packed[i * pb..(i + 1) * pb];
+            ss[i] = &scales[i * g..(i + 1) * g];
+        }
+        // SAFETY: the image is the one of this process's integer format; the rest as the
+        // caller guarantees.
+        unsafe {
+            let v = mxfp4_int_tile::<NR, NB>(ps, ss, self.tile_xs::<NB>(b));
+            self.tile_out(v, r, b);
         }
     }
 

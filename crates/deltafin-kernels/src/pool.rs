@@ -107,10 +107,14 @@ pub fn run_warm<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 fn keep_warm(stop: &AtomicBool) {
     let mut idle = 0u32;
     let mut idle_since: Option<std::time::Instant> = None;
+    let mut prefetcher = crate::lookahead::Prefetcher::default();
     while !stop.load(Ordering::Acquire) {
         if rayon::yield_now() == Some(rayon::Yield::Executed) {
             idle = 0;
             idle_since = None;
+            continue;
+        }
+        if prefetcher.step() {
             continue;
         }
         if idle < SPIN_ROUNDS {

@@ -1625,7 +1625,8 @@ fn mxfp4_q8x3_scalar_reference_bounds_the_error() {
 fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
     use crate::mxfp4_q8x3::q8x3_image;
     use crate::x86::avx512::{
-        dot_mxfp4_q8x3_tile, dot_mxfp4_q8x3_tile_bw, dot_mxfp4_q8x3_tile_vbmi, vbmi_available,
+        dot_mxfp4_q8x3_pair_vbmi, dot_mxfp4_q8x3_tile, dot_mxfp4_q8x3_tile_bw,
+        dot_mxfp4_q8x3_tile_vbmi, vbmi_available,
     };
     if !Backend::Avx512.is_supported() || !crate::mxfp4_q8::vnni_available() {
         eprintln!("skipped: no AVX-512 VNNI on this CPU");
@@ -1639,7 +1640,7 @@ fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
     };
     let mut rng = Rng(0x0083_abab_0303);
     let mut cols_list: Vec<usize> = (1..=20).map(|k| 32 * k).collect();
-    cols_list.extend([7168, 2048 + 96]);
+    cols_list.extend([7168, 2048 + 96, 1024]);
     for cols in cols_list {
         let rows = 4;
         let m = mxfp4_matrix(&mut rng, rows, cols);
@@ -1686,6 +1687,36 @@ fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
             }};
         }
         each_tile_shape!(run);
+        // The two-row kernel of one-activation-row tiles (whole groups of 16 blocks).
+        if vbmi_available() && cols % 512 == 0 {
+            for r0 in 0..rows - 1 {
+                #[allow(clippy::needless_range_loop)] // `b` indexes the image and `want`
+                for b in 0..n {
+                    let (p0, p1, s0, s1) = (p(r0), p(r0 + 1), s(r0), s(r0 + 1));
+                    // SAFETY: AVX-512 VNNI and VBMI checked above; two rows of `cols / 32`
+                    // blocks, a multiple of 16; the image row covers every span.
+                    let got = unsafe {
+                        dot_mxfp4_q8x3_pair_vbmi(
+                            p0.as_ptr(),
+                            p1.as_ptr(),
+                            s0.as_ptr(),
+                            s1.as_ptr(),
+                            cols / 32,
+                            x(b).as_ptr(),
+                        )
+                    };
+                    for (i, g) in got.iter().enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            want[r0 + i][b].to_bits(),
+                            "cols {cols} pair row {} activation {b}: {g} vs {}",
+                            r0 + i,
+                            want[r0 + i][b]
+                        );
+                    }
+                }
+            }
+        }
     }
 }
 

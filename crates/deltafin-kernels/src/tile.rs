@@ -127,6 +127,7 @@ pub(crate) fn prefetch(p: *const u8) {
 }
 
 /// `[r][b] = Σ_c w_r[c] · x_b[c]` for `NR` bf16 weight rows and `NB` paired activation rows.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[allow(clippy::needless_range_loop)] // `r`, `b` index weights, activations and accumulators
 pub(crate) unsafe fn dot_bf16_tile<const NR: usize, const NB: usize>(
@@ -196,6 +197,7 @@ pub(crate) unsafe fn dot_bf16_tile<const NR: usize, const NB: usize>(
 ///
 /// # Safety
 /// Also requires AVX-512 VNNI; all weight rows have length `n`.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // `blk`, `r`, `b` index weights, codes and scales together
 pub(crate) unsafe fn dot_i8_q16_tile<const NR: usize, const NB: usize>(

@@ -625,7 +625,7 @@ pub(crate) mod avx512 {
     /// Also requires AVX-512 VNNI; all weight rows have the same number of blocks, `packed`
     /// rows 16 bytes per block, image rows [`crate::mxfp4_q16::span_slots`]`(LV)` slots per
     /// span.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    #[inline(always)]
     pub(crate) unsafe fn dot_mxfp4_q16_tile<const LV: usize, const NR: usize, const NB: usize>(
         packed: [&[u8]; NR],
         scales: [&[u8]; NR],
@@ -925,7 +925,7 @@ pub(crate) mod avx512 {
     /// Requires AVX-512 F/BW/VL and VNNI; all weight rows have the same number of blocks,
     /// `packed` rows 16 bytes per block, image rows [`crate::mxfp4_q8x3::SPAN_SLOTS`] slots
     /// per span.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    #[inline(always)]
     pub(crate) unsafe fn dot_mxfp4_q8x3_tile<const NR: usize, const NB: usize>(
         packed: [&[u8]; NR],
         scales: [&[u8]; NR],
@@ -1048,6 +1048,105 @@ pub(crate) mod avx512 {
                 reduce_pairs(&acc0, &acc1)
             }
         };
+    }
+
+    /// [`dot_mxfp4_q8x3_tile_vbmi`] for two weight rows and one activation row whose blocks
+    /// fill whole spans (`scales.len() % 4 == 0`): the same instructions per span and the same
+    /// order of every floating-point operation, so the same bits; written out for registers.
+    ///
+    /// # Safety
+    /// As [`dot_mxfp4_q8x3_tile`], with AVX-512 VBMI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma")]
+    pub(crate) unsafe fn dot_mxfp4_q8x3_pair_vbmi(
+        p0: *const u8,
+        p1: *const u8,
+        s0: *const u8,
+        s1: *const u8,
+        nblk: usize,
+        xp0: *const f32,
+    ) -> [f32; 2] {
+        use crate::mxfp4_q8x3::SPAN_SLOTS;
+        let nspan = nblk / 4;
+        let pfd = tile_prefetch_distance(2 * 16 * nblk);
+        // SAFETY: packed rows hold 16 bytes per block, scale rows one byte per block, the
+        // image SPAN_SLOTS slots per span; nblk is a multiple of 16.
+        unsafe {
+            let tab = _mm512_loadu_si512(E2M1_X2_PLUS_12_64.as_ptr() as *const __m512i);
+            let quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            let mut a00 = _mm512_setzero_ps();
+            let mut a01 = _mm512_setzero_ps();
+            let mut a10 = _mm512_setzero_ps();
+            let mut a11 = _mm512_setzero_ps();
+            let mut sp = 0;
+            while sp < nspan {
+                let sc0 = scales16(s0.add(4 * sp), L);
+                let sc1 = scales16(s1.add(4 * sp), L);
+                macro_rules! span {
+                    ($k:expr, $acc0:ident, $acc1:ident) => {{
+                        let span = sp + $k;
+                        let w0 = p0.add(64 * span);
+                        let w1 = p1.add(64 * span);
+                        _mm_prefetch::<_MM_HINT_T0>(w0.wrapping_add(pfd) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(w1.wrapping_add(pfd) as *const i8);
+                        let v0 = _mm512_loadu_si512(w0 as *const __m512i);
+                        let v1 = _mm512_loadu_si512(w1 as *const __m512i);
+                        let ul0 = _mm512_permutexvar_epi8(v0, tab);
+                        let uh0 = _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(v0), tab);
+                        let ul1 = _mm512_permutexvar_epi8(v1, tab);
+                        let uh1 = _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(v1), tab);
+                        let qidx = _mm512_add_epi32(_mm512_set1_epi32(4 * $k), quarter);
+                        let ws0 = _mm512_permutexvar_ps(qidx, sc0);
+                        let ws1 = _mm512_permutexvar_ps(qidx, sc1);
+                        let xp = xp0.add(SPAN_SLOTS * span);
+                        let ls = _mm512_loadu_ps(xp);
+                        let ncorr = _mm512_sub_epi32(
+                            _mm512_setzero_si512(),
+                            _mm512_loadu_si512(xp.add(16) as *const __m512i),
+                        );
+                        let a0 = _mm512_loadu_si512(xp.add(32) as *const __m512i);
+                        let a1 = _mm512_loadu_si512(xp.add(48) as *const __m512i);
+                        let a2 = _mm512_loadu_si512(xp.add(64) as *const __m512i);
+                        let a3 = _mm512_loadu_si512(xp.add(80) as *const __m512i);
+                        let a4 = _mm512_loadu_si512(xp.add(96) as *const __m512i);
+                        let a5 = _mm512_loadu_si512(xp.add(112) as *const __m512i);
+                        let z = _mm512_setzero_si512();
+                        let i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, ul0, a0), uh0, a1);
+                        let i2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, ul0, a2), uh0, a3);
+                        let i3 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ncorr, ul0, a4), uh0, a5);
+                        let j1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, ul1, a0), uh1, a1);
+                        let j2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, ul1, a2), uh1, a3);
+                        let j3 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ncorr, ul1, a4), uh1, a5);
+                        let i = _mm512_add_epi32(
+                            _mm512_add_epi32(
+                                _mm512_slli_epi32::<16>(i1),
+                                _mm512_slli_epi32::<8>(i2),
+                            ),
+                            i3,
+                        );
+                        let j = _mm512_add_epi32(
+                            _mm512_add_epi32(
+                                _mm512_slli_epi32::<16>(j1),
+                                _mm512_slli_epi32::<8>(j2),
+                            ),
+                            j3,
+                        );
+                        $acc0 =
+                            _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), ls), ws0, $acc0);
+                        $acc1 =
+                            _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(j), ls), ws1, $acc1);
+                    }};
+                }
+                span!(0, a00, a10);
+                span!(1, a01, a11);
+                span!(2, a00, a10);
+                span!(3, a01, a11);
+                sp += 4;
+            }
+            [
+                reduce16_ps(_mm512_add_ps(a00, a01)),
+                reduce16_ps(_mm512_add_ps(a10, a11)),
+            ]
+        }
     }
 
     q8x3_tile!(
