@@ -15,7 +15,9 @@ use crate::dims::{CacheDtype, ModelDims};
 use crate::linear::{Linear, apply_group};
 use crate::model::ModelError;
 use crate::norm::rms_norm_rows;
-use deltafin_kernels::{CacheValue, dot_bf16_f32, latent_attention, sigmoid};
+use deltafin_kernels::{
+    CacheValue, axpy_bf16_f32, axpy_i8_f32, dot_bf16_f32, dot_i8_f32, latent_attention, sigmoid,
+};
 use deltafin_tensor::bf16;
 use rayon::prelude::*;
 
@@ -297,17 +299,8 @@ impl<'a> KvbRows<'a> {
     #[inline]
     fn axpy_row(&self, r: usize, alpha: f32, out: &mut [f32]) {
         match *self {
-            KvbRows::Bf16(d, cols) => {
-                for (a, &b) in out.iter_mut().zip(&d[r * cols..(r + 1) * cols]) {
-                    *a += alpha * b.to_f32();
-                }
-            }
-            KvbRows::Int8(m) => {
-                let s = m.scale(r);
-                for (a, &q) in out.iter_mut().zip(m.row(r)) {
-                    *a += alpha * (s * q as f32);
-                }
-            }
+            KvbRows::Bf16(d, cols) => axpy_bf16_f32(&d[r * cols..(r + 1) * cols], alpha, out),
+            KvbRows::Int8(m) => axpy_i8_f32(m.row(r), m.scale(r), alpha, out),
         }
     }
 
@@ -316,14 +309,7 @@ impl<'a> KvbRows<'a> {
     fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
         match *self {
             KvbRows::Bf16(d, cols) => dot_bf16_f32(&d[r * cols..(r + 1) * cols], x),
-            KvbRows::Int8(m) => {
-                let s = m.scale(r);
-                m.row(r)
-                    .iter()
-                    .zip(x)
-                    .map(|(&q, &c)| (s * q as f32) * c)
-                    .sum()
-            }
+            KvbRows::Int8(m) => dot_i8_f32(m.row(r), m.scale(r), x),
         }
     }
 }

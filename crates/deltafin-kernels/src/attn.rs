@@ -169,48 +169,112 @@ fn widen_row<E: CacheValue>(x: &[E], out: &mut [f32]) {
 /// If the lengths differ.
 pub fn dot_bf16_f32(w: &[bf16], x: &[f32]) -> f32 {
     assert_eq!(w.len(), x.len(), "dot_bf16_f32: lengths");
+    dot_widened(w, x, |v| v.widen())
+}
+
+/// `Σ (s·q_c) x_c` over a row-int8 row with scale `s` (each weight dequantised as `s·q`, then
+/// multiplied), in the fixed order of [`dot_bf16_f32`].
+///
+/// # Panics
+/// If the lengths differ.
+pub fn dot_i8_f32(q: &[i8], s: f32, x: &[f32]) -> f32 {
+    assert_eq!(q.len(), x.len(), "dot_i8_f32: lengths");
+    dot_widened(q, x, |v| s * v as f32)
+}
+
+/// `out_c += alpha · (s·q_c)` over a row-int8 row with scale `s`: each element on its own, so
+/// every backend gives the same bits.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn axpy_i8_f32(q: &[i8], s: f32, alpha: f32, out: &mut [f32]) {
+    assert_eq!(q.len(), out.len(), "axpy_i8_f32: lengths");
+    axpy_widened(q, alpha, out, |v| s * v as f32)
+}
+
+/// `out_c += alpha · w_c` over a bf16 row, element by element (the same bits on every backend).
+///
+/// # Panics
+/// If the lengths differ.
+pub fn axpy_bf16_f32(w: &[bf16], alpha: f32, out: &mut [f32]) {
+    assert_eq!(w.len(), out.len(), "axpy_bf16_f32: lengths");
+    axpy_widened(w, alpha, out, |v| v.widen())
+}
+
+/// `out_c += alpha · widen(w_c)`, compiled for the selected backend.
+#[inline(always)]
+fn axpy_widened<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl Fn(T) -> f32) {
     #[cfg(target_arch = "x86_64")]
     match crate::dispatch::backend() {
-        crate::Backend::Avx512 => {
-            // SAFETY: the selected backend is supported by this CPU (checked at selection).
-            return unsafe { dot_bf16_f32_avx512(w, x) };
-        }
-        crate::Backend::Avx2 => {
-            // SAFETY: as above.
-            return unsafe { dot_bf16_f32_avx2(w, x) };
-        }
+        // SAFETY: the selected backend is supported by this CPU (checked at selection).
+        crate::Backend::Avx512 => return unsafe { axpy_widened_avx512(w, alpha, out, widen) },
+        // SAFETY: as above.
+        crate::Backend::Avx2 => return unsafe { axpy_widened_avx2(w, alpha, out, widen) },
         _ => {}
     }
-    dot_bf16_f32_body(w, x)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_bf16_f32_avx512(w: &[bf16], x: &[f32]) -> f32 {
-    dot_bf16_f32_body(w, x)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dot_bf16_f32_avx2(w: &[bf16], x: &[f32]) -> f32 {
-    dot_bf16_f32_body(w, x)
+    axpy_widened_body(w, alpha, out, widen)
 }
 
 #[inline(always)]
-fn dot_bf16_f32_body(w: &[bf16], x: &[f32]) -> f32 {
+fn axpy_widened_body<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl Fn(T) -> f32) {
+    for (a, &v) in out.iter_mut().zip(w) {
+        *a += alpha * widen(v);
+    }
+}
+
+/// `Σ widen(w_c) x_c` in 16 lane sums and [`crate::kda_chunk::reduce_lanes`], compiled for the
+/// selected backend (the same operations, so the same bits, on each).
+#[inline(always)]
+fn dot_widened<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(T) -> f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    match crate::dispatch::backend() {
+        // SAFETY: the selected backend is supported by this CPU (checked at selection).
+        crate::Backend::Avx512 => return unsafe { dot_widened_avx512(w, x, widen) },
+        // SAFETY: as above.
+        crate::Backend::Avx2 => return unsafe { dot_widened_avx2(w, x, widen) },
+        _ => {}
+    }
+    dot_widened_body(w, x, widen)
+}
+
+#[inline(always)]
+fn dot_widened_body<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(T) -> f32) -> f32 {
     let mut lanes = [0f32; 16];
     let (wc, xc) = (w.chunks_exact(16), x.chunks_exact(16));
     let (wr, xr) = (wc.remainder(), xc.remainder());
     for (a, b) in wc.zip(xc) {
         for l in 0..16 {
-            lanes[l] += a[l].widen() * b[l];
+            lanes[l] += widen(a[l]) * b[l];
         }
     }
-    for (l, (a, b)) in wr.iter().zip(xr).enumerate() {
-        lanes[l] += a.widen() * b;
+    for (l, (&a, b)) in wr.iter().zip(xr).enumerate() {
+        lanes[l] += widen(a) * b;
     }
     crate::kda_chunk::reduce_lanes(lanes)
 }
+
+/// The bodies above compiled with AVX-512 F or AVX2 (same operations, wider registers).
+macro_rules! widened_with {
+    ($feat:literal, $dot:ident, $axpy:ident) => {
+        /// # Safety
+        /// The CPU must have the enabled features.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        unsafe fn $dot<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(T) -> f32) -> f32 {
+            dot_widened_body(w, x, widen)
+        }
+
+        /// # Safety
+        /// The CPU must have the enabled features.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        unsafe fn $axpy<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl Fn(T) -> f32) {
+            axpy_widened_body(w, alpha, out, widen)
+        }
+    };
+}
+widened_with!("avx512f", dot_widened_avx512, axpy_widened_avx512);
+widened_with!("avx2", dot_widened_avx2, axpy_widened_avx2);
 
 #[cfg(test)]
 mod tests {
@@ -282,6 +346,53 @@ mod tests {
         let want: f64 = w.iter().zip(&x).map(|(a, &b)| a.to_f64() * b as f64).sum();
         let got = dot_bf16_f32(&w, &x);
         assert!((got as f64 - want).abs() < 1e-5);
-        assert_eq!(got, dot_bf16_f32_body(&w, &x));
+        assert_eq!(
+            got.to_bits(),
+            portable_dot(&w, &x, |v| v.to_f32()).to_bits()
+        );
+    }
+
+    /// The lane order of [`dot_widened`] written out plainly.
+    fn portable_dot<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(T) -> f32) -> f32 {
+        let mut lanes = [0f32; 16];
+        for (c, (&a, &b)) in w.iter().zip(x).enumerate() {
+            lanes[c % 16] += widen(a) * b;
+        }
+        crate::kda_chunk::reduce_lanes(lanes)
+    }
+
+    #[test]
+    fn int8_dot_and_the_axpys_match_the_portable_order() {
+        for len in [1usize, 15, 16, 17, 75, 256] {
+            let q: Vec<i8> = (0..len).map(|i| (i * 53 % 255) as i32 as i8).collect();
+            let x: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let s = 0.0123f32;
+            let want: f64 = q
+                .iter()
+                .zip(&x)
+                .map(|(&a, &b)| (s * a as f32) as f64 * b as f64)
+                .sum();
+            let got = dot_i8_f32(&q, s, &x);
+            assert!((got as f64 - want).abs() < 1e-5, "{len}: {got} vs {want}");
+            assert_eq!(
+                got.to_bits(),
+                portable_dot(&q, &x, |v| s * v as f32).to_bits(),
+                "{len}"
+            );
+            let mut out: Vec<f32> = (0..len).map(|i| i as f32 * 0.5).collect();
+            let mut want = out.clone();
+            for (a, &v) in want.iter_mut().zip(&q) {
+                *a += -1.5 * (s * v as f32);
+            }
+            axpy_i8_f32(&q, s, -1.5, &mut out);
+            assert_eq!(out, want, "{len}");
+            let w: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let mut want = out.clone();
+            for (a, &v) in want.iter_mut().zip(&w) {
+                *a += 0.25 * v.to_f32();
+            }
+            axpy_bf16_f32(&w, 0.25, &mut out);
+            assert_eq!(out, want, "{len}");
+        }
     }
 }

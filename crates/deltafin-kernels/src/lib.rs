@@ -37,7 +37,9 @@ pub mod vmath;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use attn::{CacheValue, dot_bf16_f32, latent_attention};
+pub use attn::{
+    CacheValue, axpy_bf16_f32, axpy_i8_f32, dot_bf16_f32, dot_i8_f32, latent_attention,
+};
 pub use dispatch::{Backend, KernelError, kernel_backend, kernel_summary, select_backend};
 pub use kda_chunk::{KdaRows, kda_chunked};
 pub use matvec::{
