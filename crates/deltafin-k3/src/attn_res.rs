@@ -9,7 +9,7 @@
 //!     AR  = Σ_j α_j · V_j                                    (the raw candidates)
 //! ```
 
-use deltafin_kernels::softmax_inplace;
+use deltafin_kernels::{reduce_lanes, softmax_inplace};
 
 /// One AttnRes site: `*_res_norm.weight` and `*_res_proj.weight` (read as a vector), widened
 /// to f32.
@@ -50,13 +50,7 @@ impl AttnResWeights {
         for (j, sj) in s.iter_mut().enumerate() {
             let v = cand(j);
             assert_eq!(v.len(), d, "AttnRes: snapshot width");
-            let mut sq = 0f32;
-            let mut dot = 0f32;
-            for ((&vc, &n), &pr) in v.iter().zip(&self.norm).zip(&self.proj) {
-                let u = n * pr;
-                sq += vc * vc;
-                dot += u * vc;
-            }
+            let (sq, dot) = self.sq_and_dot(v);
             *sj = dot / (sq / d as f32 + eps).sqrt();
         }
         softmax_inplace(s);
@@ -66,6 +60,30 @@ impl AttnResWeights {
                 *o += a * v;
             }
         }
+    }
+
+    /// `(Σ_c V_c², Σ_c u_c·V_c)` with `u_c = norm_c · proj_c`, each in 16 lane sums (column
+    /// `c` in lane `c mod 16`) and a fixed pairwise reduction: independent chains the CPU
+    /// overlaps, where one running sum per quantity waited on every addition.
+    fn sq_and_dot(&self, v: &[f32]) -> (f32, f32) {
+        let (mut sq, mut dot) = ([0f32; 16], [0f32; 16]);
+        let (vc, nc, pc) = (
+            v.chunks_exact(16),
+            self.norm.chunks_exact(16),
+            self.proj.chunks_exact(16),
+        );
+        let (vr, nr, pr) = (vc.remainder(), nc.remainder(), pc.remainder());
+        for ((v, n), p) in vc.zip(nc).zip(pc) {
+            for l in 0..16 {
+                sq[l] += v[l] * v[l];
+                dot[l] += (n[l] * p[l]) * v[l];
+            }
+        }
+        for (l, ((&v, &n), &p)) in vr.iter().zip(nr).zip(pr).enumerate() {
+            sq[l] += v * v;
+            dot[l] += (n * p) * v;
+        }
+        (reduce_lanes(sq), reduce_lanes(dot))
     }
 
     /// Mix `t` positions at once: each snapshot and `partial` hold `t` rows of width D.

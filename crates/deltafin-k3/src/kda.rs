@@ -117,12 +117,21 @@ fn conv_silu(
         inputs.clear();
         // Input at time ti − (K−1) + j is concatenated row ti + j.
         inputs.extend((0..k).map(|j| row(ti + j)));
-        for (c, (oc, w)) in o.iter_mut().zip(taps.chunks_exact(k)).enumerate() {
-            let mut acc = 0f32;
-            for (&wj, x) in w.iter().zip(&inputs) {
-                acc += wj * x[c];
+        if let [x0, x1, x2, x3] = inputs[..] {
+            // K = 4 (K3's kernel) with the channels zipped, no per-tap indexing: the same
+            // operations in the same order as the general loop below.
+            let xs = x0.iter().zip(x1).zip(x2).zip(x3);
+            for ((oc, w), (((&a, &b), &c), &d)) in o.iter_mut().zip(taps.chunks_exact(4)).zip(xs) {
+                *oc = 0.0 + w[0] * a + w[1] * b + w[2] * c + w[3] * d;
             }
-            *oc = acc;
+        } else {
+            for (c, (oc, w)) in o.iter_mut().zip(taps.chunks_exact(k)).enumerate() {
+                let mut acc = 0f32;
+                for (&wj, x) in w.iter().zip(&inputs) {
+                    acc += wj * x[c];
+                }
+                *oc = acc;
+            }
         }
         silu_inplace(o);
     }

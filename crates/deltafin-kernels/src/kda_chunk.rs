@@ -160,7 +160,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// `lanes[0] + … + lanes[15]` in a fixed pairwise order.
 #[inline(always)]
-pub(crate) fn reduce_lanes(mut lanes: [f32; 16]) -> f32 {
+pub fn reduce_lanes(mut lanes: [f32; 16]) -> f32 {
     let mut w = 8;
     while w > 0 {
         for l in 0..w {
