@@ -103,7 +103,11 @@ pub fn l2_normalize(x: &mut [f32], eps: f32) {
 /// Every value is computed by the same element-wise f32 operations in the same order on
 /// every backend (a multiply, then a subtract or add: never fused), so the result does not
 /// depend on the vector width; the AVX-512 and AVX2 builds only process more columns per
-/// instruction. `u` is scratch of `d` values; `o` (of `d` values) is accumulated into.
+/// instruction. The state is read twice and written once: the first pass forms `S′` only in
+/// registers for `u`, the second forms it again (the same products, so the same values) and
+/// stores `S` — a third less state traffic than storing `S′` in between (decode on `mini`,
+/// int8 spine: 1.022×; docs/PERFORMANCE.md, "Session 12"). `u` is scratch of `d` values; `o`
+/// (of `d` values) is accumulated into.
 ///
 /// # Panics
 /// If the lengths disagree (`s.len() == d²`, every vector of length `d`).
@@ -190,22 +194,22 @@ fn kda_delta_step_body(
     o: &mut [f32],
 ) {
     let d = u.len();
-    // S′ = diag(α) S;  u = β (v − S′ᵀ k̂)
+    // u = β (v − S′ᵀ k̂) with S′ = diag(α) S, S′ not stored: this pass only reads the state.
     u.copy_from_slice(v);
-    for ((row, &gr), &kr) in s.chunks_exact_mut(d).zip(g).zip(k) {
+    for ((row, &gr), &kr) in s.chunks_exact(d).zip(g).zip(k) {
         let alpha = crate::vmath::exp_one(gr);
-        for (x, ui) in row.iter_mut().zip(u.iter_mut()) {
-            *x *= alpha;
-            *ui -= kr * *x;
+        for (&x, ui) in row.iter().zip(u.iter_mut()) {
+            *ui -= kr * (x * alpha);
         }
     }
     for ui in u.iter_mut() {
         *ui *= beta;
     }
-    // S = S′ + k̂ uᵀ;  o += Sᵀ q̂
-    for ((row, &kr), &qr) in s.chunks_exact_mut(d).zip(k).zip(q) {
+    // S = S′ + k̂ uᵀ (S′ formed again: the same products, so the same values);  o += Sᵀ q̂
+    for (((row, &gr), &kr), &qr) in s.chunks_exact_mut(d).zip(g).zip(k).zip(q) {
+        let alpha = crate::vmath::exp_one(gr);
         for ((x, &ui), oc) in row.iter_mut().zip(u.iter()).zip(o.iter_mut()) {
-            *x += kr * ui;
+            *x = *x * alpha + kr * ui;
             *oc += qr * *x;
         }
     }
