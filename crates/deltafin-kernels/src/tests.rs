@@ -1361,6 +1361,9 @@ fn mxfp4_q16_products_equal_scalar_reference_across_batches_and_threads() {
         (37, 416),
         (64, 1056),
         (130, 544),
+        // Whole groups of 16 blocks: one-row products take the two-row q8x3 kernel.
+        (33, 512),
+        (6, 1024),
     ] {
         let m = mxfp4_matrix(&mut rng, rows, cols);
         let w = Weights::Mxfp4(&m);

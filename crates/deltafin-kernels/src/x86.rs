@@ -1068,6 +1068,7 @@ pub(crate) mod avx512 {
     /// As [`dot_mxfp4_q8x3_tile`], with AVX-512 VBMI; the rows and the image row hold what
     /// `nblk` blocks need.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma")]
+    #[inline]
     pub(crate) unsafe fn dot_mxfp4_q8x3_pair_vbmi(
         p0: *const u8,
         p1: *const u8,
