@@ -208,16 +208,17 @@ fn bad_inputs_are_clear_errors() {
         "{err}"
     );
 
-    let out = deltafin(
-        &["run", "--model-root", &root_arg()],
-        &[("K3_REASONING_EFFORT", "extreme")],
-    );
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("K3_REASONING_EFFORT") && err.contains("extreme"),
-        "{err}"
-    );
+    // A bad setting in the environment is an error naming the variable and the value.
+    for (var, value) in [
+        ("K3_REASONING_EFFORT", "extreme"),
+        ("DELTAFIN_POOL_SPIN", "maybe"),
+        ("DELTAFIN_POOL_PREFETCH", "ON"),
+    ] {
+        let out = deltafin(&["run", "--model-root", &root_arg()], &[(var, value)]);
+        assert!(!out.status.success(), "{var}={value}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(var) && err.contains(value), "{err}");
+    }
 
     let out = deltafin(
         &["run", "--model-root", &root_arg(), "--top-logits", "5"],
@@ -225,28 +226,6 @@ fn bad_inputs_are_clear_errors() {
     );
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--events-jsonl"));
-
-    let out = deltafin(
-        &["run", "--model-root", &root_arg()],
-        &[("DELTAFIN_POOL_SPIN", "maybe")],
-    );
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("DELTAFIN_POOL_SPIN") && err.contains("maybe"),
-        "{err}"
-    );
-
-    let out = deltafin(
-        &["run", "--model-root", &root_arg()],
-        &[("DELTAFIN_POOL_PREFETCH", "ON")],
-    );
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("DELTAFIN_POOL_PREFETCH") && err.contains("\"ON\""),
-        "{err}"
-    );
 
     let out = deltafin(&["run", "--top-logits", "101", "--events-jsonl", "x"], &[]);
     assert!(!out.status.success());
@@ -394,28 +373,22 @@ fn huge_page_copies_change_no_value() {
     );
 }
 
+/// The keep-warm loops and the idle workers' lookahead prefetch only schedule and hint:
+/// tokens and log-probabilities are the same with each on and off.
 #[test]
-fn pool_spin_changes_no_value() {
+fn pool_spin_and_prefetch_change_no_value() {
     let tmp = tempfile::tempdir().unwrap();
-    let (on, on_err) = decode_steps(tmp.path(), 5, "DELTAFIN_POOL_SPIN", "on");
-    assert!(on_err.contains("pool_spin=on"), "{on_err}");
-    assert_eq!(on.len(), 5);
-    let (off, off_err) = decode_steps(tmp.path(), 5, "DELTAFIN_POOL_SPIN", "off");
-    assert!(off_err.contains("pool_spin=off"), "{off_err}");
-    assert_eq!(on, off);
-}
-
-/// The idle worker's lookahead prefetch is a hint: tokens and log-probabilities are the same
-/// with it on and off.
-#[test]
-fn pool_prefetch_changes_no_value() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (on, on_err) = decode_steps(tmp.path(), 5, "DELTAFIN_POOL_PREFETCH", "on");
-    assert!(on_err.contains("pool_prefetch=on"), "{on_err}");
-    assert_eq!(on.len(), 5);
-    let (off, off_err) = decode_steps(tmp.path(), 5, "DELTAFIN_POOL_PREFETCH", "off");
-    assert!(off_err.contains("pool_prefetch=off"), "{off_err}");
-    assert_eq!(on, off);
+    for (var, shown) in [
+        ("DELTAFIN_POOL_SPIN", "pool_spin"),
+        ("DELTAFIN_POOL_PREFETCH", "pool_prefetch"),
+    ] {
+        let (on, on_err) = decode_steps(tmp.path(), 5, var, "on");
+        assert!(on_err.contains(&format!("{shown}=on")), "{on_err}");
+        assert_eq!(on.len(), 5);
+        let (off, off_err) = decode_steps(tmp.path(), 5, var, "off");
+        assert!(off_err.contains(&format!("{shown}=off")), "{off_err}");
+        assert_eq!(on, off, "{var}");
+    }
 }
 
 #[test]
