@@ -190,22 +190,37 @@ pub(crate) fn note_products<'a>(
     if !prefetch_enabled().unwrap_or(false) {
         return;
     }
-    let mut ranges: Vec<(*const u8, usize)> = Vec::with_capacity(8);
+    // On the stack: this runs before every decode product. A group with more ranges than
+    // fit is noted by its first ones (hints only).
+    let mut ranges = [(std::ptr::null::<u8>(), 0usize); 16];
+    let mut k = 0;
     for (w, n) in members {
         if n >= MAX_ROWS {
             return;
         }
-        match w {
-            Weights::F32 { data, .. } => ranges.push((data.as_ptr().cast(), 4 * data.len())),
-            Weights::Bf16(m) => ranges.push((m.data().as_ptr().cast(), 2 * m.data().len())),
-            Weights::RowInt8(m) => {
-                ranges.push((m.data().as_ptr().cast(), m.data().len()));
-                ranges.push((m.scales().as_ptr().cast(), 2 * m.scales().len()));
+        let parts: [(*const u8, usize); 2] = match w {
+            Weights::F32 { data, .. } => [
+                (data.as_ptr().cast(), 4 * data.len()),
+                (std::ptr::null(), 0),
+            ],
+            Weights::Bf16(m) => [
+                (m.data().as_ptr().cast(), 2 * m.data().len()),
+                (std::ptr::null(), 0),
+            ],
+            Weights::RowInt8(m) => [
+                (m.data().as_ptr().cast(), m.data().len()),
+                (m.scales().as_ptr().cast(), 2 * m.scales().len()),
+            ],
+            Weights::Mxfp4(_) => continue,
+        };
+        for part in parts.into_iter().filter(|p| p.1 > 0) {
+            if k < ranges.len() {
+                ranges[k] = part;
+                k += 1;
             }
-            Weights::Mxfp4(_) => {}
         }
     }
-    note(&ranges);
+    note(&ranges[..k]);
 }
 
 /// A waiting worker's prefetch progress: the upcoming product's byte segments still to hint.
