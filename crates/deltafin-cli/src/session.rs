@@ -1000,14 +1000,9 @@ pub fn backend_description() -> String {
         .clone()
         .unwrap_or_else(|| "device=cpu".into());
     format!(
-        "{device} threads={} kernels={} pool_spin={} pool_prefetch={}",
+        "{device} threads={} kernels={} {}",
         rayon::current_num_threads(),
         deltafin_kernels::kernel_backend(),
-        on_off(deltafin_kernels::pool::spin_enabled().unwrap_or(false)),
-        on_off(deltafin_kernels::lookahead::prefetch_enabled().unwrap_or(false)),
+        deltafin_kernels::pool_settings(),
     )
-}
-
-fn on_off(on: bool) -> &'static str {
-    if on { "on" } else { "off" }
 }

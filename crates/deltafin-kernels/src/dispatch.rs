@@ -195,16 +195,22 @@ pub fn kernel_summary() -> String {
         "f32"
     };
     format!(
-        "kernels={be} mxfp4_act={mx} cpu=[{}] threads={} pool_spin={} pool_prefetch={}",
+        "kernels={be} mxfp4_act={mx} cpu=[{}] threads={} {}",
         feats.join(" "),
         rayon::current_num_threads(),
-        on_off(crate::pool::spin_enabled().unwrap_or(false)),
-        on_off(crate::lookahead::prefetch_enabled().unwrap_or(false)),
+        pool_settings(),
     )
 }
 
-fn on_off(on: bool) -> &'static str {
-    if on { "on" } else { "off" }
+/// The pool's switches as log words, `pool_spin=on|off pool_prefetch=on|off` (an invalid
+/// setting shows as `off`, which is how it runs).
+pub fn pool_settings() -> String {
+    let on_off = |on: bool| if on { "on" } else { "off" };
+    format!(
+        "pool_spin={} pool_prefetch={}",
+        on_off(crate::pool::spin_enabled().unwrap_or(false)),
+        on_off(crate::lookahead::prefetch_enabled().unwrap_or(false)),
+    )
 }
 
 #[cfg(test)]

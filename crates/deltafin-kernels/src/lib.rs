@@ -40,7 +40,9 @@ mod x86;
 pub use attn::{
     CacheValue, axpy_bf16_f32, axpy_i8_f32, dot_bf16_f32, dot_i8_f32, latent_attention,
 };
-pub use dispatch::{Backend, KernelError, kernel_backend, kernel_summary, select_backend};
+pub use dispatch::{
+    Backend, KernelError, kernel_backend, kernel_summary, pool_settings, select_backend,
+};
 pub use kda_chunk::{KdaRows, kda_chunked, reduce_lanes};
 pub use matvec::{
     GroupProduct, Weights, matmul, matmul_axpy, matmul_axpy_with, matmul_bf16, matmul_f32,
