@@ -37,7 +37,7 @@ pub enum ModelError {
     #[error("device: {matrix}: {message}")]
     Device { matrix: String, message: String },
     /// A weight matrix could not be moved to other memory
-    /// ([`K3Model::copy_spine_to_huge_pages`]).
+    /// ([`K3Model::copy_spine_to_huge_pages`](crate::model::K3Model::copy_spine_to_huge_pages)).
     #[error("{name}: {message}")]
     Weights { name: String, message: String },
     /// A routed expert could not be obtained.
