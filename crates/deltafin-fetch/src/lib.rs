@@ -9,8 +9,9 @@
 //! - [`inventory`]: the K3 tensor inventory rebuilt from the 96 shard headers.
 //! - [`plan`], [`check`], [`setup`]: plans (dry run), offline audits and the install steps.
 //! - [`expert`]: on-demand fetch of one routed expert's exact byte range (stream installs).
-//! - [`mock_hub`]: an in-process HTTP server speaking the hub protocol, with fault injection,
-//!   for tests; [`synth_source`] builds a synthesized K3 source and its manifests for it.
+//! - `mock_hub` (feature `mock`): an in-process HTTP server speaking the hub protocol, with
+//!   fault injection, for tests; `synth_source` (feature `mock`) builds a synthesized K3
+//!   source and its manifests for it.
 
 pub mod check;
 pub mod disk;
@@ -20,9 +21,11 @@ pub mod hub;
 pub mod inventory;
 pub mod layers;
 pub mod manifest;
+#[cfg(feature = "mock")]
 pub mod mock_hub;
 pub mod plan;
 pub mod setup;
+#[cfg(feature = "mock")]
 pub mod synth_source;
 pub mod transfer;
 

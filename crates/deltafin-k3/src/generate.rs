@@ -5,8 +5,9 @@
 //! batched pass; each later token is one decode step. Logit summaries (top-N and
 //! log-sum-exp) are the engine's own final logits after `lm_head`, unscaled.
 
-use crate::model::{K3Model, LogitRows, ModelError};
-use crate::state::State;
+use crate::error::ModelError;
+use crate::model::state::State;
+use crate::model::{K3Model, LogitRows};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 

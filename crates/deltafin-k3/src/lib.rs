@@ -1,38 +1,73 @@
 //! `deltafin-k3`: the Kimi K3 text model.
 //!
-//! Configuration (`config.json`), the expected tensor inventory and checkpoint reading,
-//! the model blocks one per file (KDA, gated MLA, Attention Residuals, router, latent MoE,
-//! SiTU-GLU), the tiktoken-based tokenizer, the XTML chat template, and greedy generation.
 //! All sizes come from `config.json`; nothing is hard-coded to the released dimensions.
+//!
+//! # Code map
+//!
+//! ```text
+//! error.rs        ModelError: a leaf, returned by the blocks, the layer loop and the loaders
+//! model/          the math: the blocks one per file, and the layer loop composing them
+//!   forward.rs      K3Model: embedding → layers with Attention Residuals → head;
+//!                   prefill, decode, taps, PILOT hints
+//!   layer.rs        one layer's weights (Layer, Attention, Ffn) and its projection order
+//!   attn_res.rs kda.rs mla.rs router.rs moe.rs situ.rs norm.rs linear.rs
+//!                   the blocks (k3-model.md §4) and the projection type
+//!   dims.rs state.rs taps.rs next_token.rs
+//!                   sizes, per-sequence state, activation taps, the provisional head
+//!   offload.rs device_experts.rs
+//!                   the spine and the routed experts on a compute device
+//! weights/        storage: what a checkpoint holds and how it reaches memory
+//!   config.rs inventory.rs checkpoint/
+//!                   config.json, the expected tensors, shards and expert files
+//!   loader.rs       checkpoint → K3Model (spine format, streaming, expert sources)
+//!   spine_int8/ spine_pack/ spine_quality.rs
+//!                   spine conversions (row-int8, DFSP packs) and their checks
+//!   spine_stream.rs resident.rs
+//!                   layers read per pass; the resident spine copied to huge pages
+//!   install.rs filelock.rs
+//!                   install directories; the lock around conversions
+//! text/           tokenizer.rs (tiktoken-style BPE), chat/ (the XTML template)
+//! generate.rs     greedy generation over a loaded model
+//! synth/          test-checkpoint synthesis: feature `synth`, off by default
+//! ```
+//!
+//! Dependencies point one way. `error` and `text` are leaves; `model` uses `error`, and the
+//! model struct names the two `weights` types it carries (the spine streamer and the
+//! resident-copy report) while `weights` builds `model` values; `generate` drives a loaded
+//! model. No file imports, directly or through a chain, a file that imports it back
+//! (`tools/check_import_cycles.py` reports file-level cycles for every crate). A parent
+//! module only declares and re-exports its files (or, for `checkpoint/` and `resident`,
+//! holds the type its files add `impl` blocks to); it never imports from them.
+//!
+//! `generate` sits at the top rather than in `model/`: it is not part of the forward pass
+//! but a user of it (prompt → tokens through [`model::K3Model`]), like any program that
+//! embeds the model.
+//!
+//! Every module is also reachable at the crate root under its own name (`deltafin_k3::kda`,
+//! `deltafin_k3::loader`, …): the re-exports below.
+//!
+//! Test-checkpoint synthesis (`synth`: checkpoints in the exact release layout) is compiled
+//! only with the `synth` feature (and in this crate's own tests): the crates that need it in
+//! tests enable it in their `[dev-dependencies]`, `xtask` in its dependencies, so a release
+//! build of the CLI does not contain it.
 
-pub mod attn_res;
-pub mod chat;
-pub mod checkpoint;
-pub mod config;
-pub mod dims;
-pub mod filelock;
+pub mod error;
 pub mod generate;
-pub mod install;
-pub mod inventory;
-pub mod kda;
-pub mod linear;
-pub mod loader;
-pub mod mla;
 pub mod model;
-pub mod moe;
-pub mod next_token;
-pub mod norm;
-pub mod offload;
-pub mod resident;
-pub mod router;
-pub mod situ;
-pub mod spine_int8;
-pub mod spine_pack;
-pub mod spine_quality;
-pub mod spine_stream;
-pub mod state;
+#[cfg(any(test, feature = "synth"))]
 pub mod synth;
-pub mod taps;
 #[cfg(test)]
 mod test_util;
-pub mod tokenizer;
+pub mod text;
+pub mod weights;
+
+pub use error::ModelError;
+
+pub use model::{
+    attn_res, dims, kda, linear, mla, moe, next_token, norm, offload, router, situ, state, taps,
+};
+pub use text::{chat, tokenizer};
+pub use weights::{
+    checkpoint, config, filelock, install, inventory, loader, resident, spine_int8, spine_pack,
+    spine_quality, spine_stream,
+};

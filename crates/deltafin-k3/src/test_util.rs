@@ -77,7 +77,7 @@ impl DenseRows for Bf16Matrix {
     }
 }
 
-impl DenseRows for crate::linear::Linear {
+impl DenseRows for crate::model::linear::Linear {
     fn shape(&self) -> (usize, usize) {
         (self.rows(), self.cols())
     }
@@ -86,7 +86,7 @@ impl DenseRows for crate::linear::Linear {
     }
 }
 
-/// `W·x` in f64 for a bf16 matrix or a [`crate::linear::Linear`] (its effective weights).
+/// `W·x` in f64 for a bf16 matrix or a [`crate::model::linear::Linear`] (its effective weights).
 pub fn mv64(w: &impl DenseRows, x: &[f64]) -> Vec<f64> {
     let (rows, cols) = w.shape();
     assert_eq!(cols, x.len());
@@ -154,16 +154,16 @@ pub fn rel_l2_32(a: &[f32], b: &[f32]) -> f64 {
 pub fn small_checkpoint(
     seed: u64,
     int8: bool,
-) -> (tempfile::TempDir, crate::checkpoint::Checkpoint) {
+) -> (tempfile::TempDir, crate::weights::checkpoint::Checkpoint) {
     let dir = tempfile::tempdir().unwrap();
     let dims = crate::synth::SynthDims {
         vocab: 1024,
         ..crate::synth::SynthDims::tiny()
     };
     crate::synth::synthesize(dir.path(), &crate::synth::SynthSpec::new(dims, seed)).unwrap();
-    let ckpt = crate::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let ckpt = crate::weights::checkpoint::Checkpoint::open(dir.path()).unwrap();
     if int8 {
-        crate::spine_int8::convert_spine(&ckpt, &Default::default(), &mut |_| {}).unwrap();
+        crate::weights::spine_int8::convert_spine(&ckpt, &Default::default(), &mut |_| {}).unwrap();
     }
     (dir, ckpt)
 }

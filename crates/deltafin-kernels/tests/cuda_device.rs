@@ -5,7 +5,7 @@
 //! Without libcuda or a device every test prints a SKIP line and returns; with
 //! `DELTAFIN_REQUIRE_GPU=1` (set by `tools/gpu/check.sh`) that is a failure instead.
 //! The KDA and MLA references (`deltafin_kernels::cuda::reference`) are line-by-line f32 ports
-//! of the recurrent step in `crates/deltafin-k3/src/kda.rs` and of `MlaWeights::attend` (t = 1)
+//! of the recurrent step in `crates/deltafin-k3/src/model/kda.rs` and of `MlaWeights::attend` (t = 1)
 //! in `mla.rs`.
 #![cfg(feature = "cuda")]
 

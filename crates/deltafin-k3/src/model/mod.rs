@@ -1,0 +1,37 @@
+//! The model: the K3 blocks, one per file, and the layer loop that composes them.
+//!
+//! - [`forward`]: [`K3Model`], embedding → layer loop with Attention Residuals → output head;
+//!   prefill, decode, taps, and the PILOT hints across layers and tokens.
+//! - [`layer`]: one decoder layer's weights ([`Layer`], [`Attention`], [`Ffn`]) and the
+//!   fixed order of its projections ([`layer::linears_mut`]).
+//! - Blocks: [`attn_res`] (Attention Residuals), [`kda`] (Kimi Delta Attention), [`mla`]
+//!   (gated MLA and its cache), [`router`], [`moe`] (latent MoE and the expert-source
+//!   traits), [`situ`] (SiTU-GLU MLPs), [`norm`] (RMSNorm), [`linear`] (a projection in any
+//!   weight format, on the CPU or a device).
+//! - Support: [`dims`] (every size, from `config.json`), [`state`] (per-sequence KDA state
+//!   and MLA cache), [`taps`] (activation taps), [`next_token`] (the provisional head).
+//! - On a device: [`offload`] (the spine placed on a [`deltafin_kernels::ProductDevice`]) and
+//!   [`device_experts`] (the device cache of routed experts).
+//!
+//! Errors are [`ModelError`] ([`crate::error`]).
+
+pub mod attn_res;
+pub mod device_experts;
+pub mod dims;
+pub mod forward;
+pub mod kda;
+pub mod layer;
+pub mod linear;
+pub mod mla;
+pub mod moe;
+pub mod next_token;
+pub mod norm;
+pub mod offload;
+pub mod router;
+pub mod situ;
+pub mod state;
+pub mod taps;
+
+pub use crate::error::ModelError;
+pub use forward::{K3Model, LogitRows, Logits};
+pub use layer::{Attention, Ffn, Layer};

@@ -1,0 +1,660 @@
+//! The expected tensor inventory of a K3 checkpoint, derived from the config alone
+//! (k3-model.md §3.1–§3.2, §3.4).
+//!
+//! Shards (1-based, `N` = number of layers): shard `l + 1` holds all of layer `l` (spine and,
+//! for MoE layers, every routed expert); shard `N + 1` the embedding, `lm_head`, final norm and
+//! output AttnRes vectors; shard `N + 2` the `mm_projector`; shard `N + 3` the vision tower.
+//! Inside a shard, tensors are laid out the way the reference `safetensors` serializer does:
+//! by descending dtype alignment (F32, then BF16, then U8), then by name. For the experts this
+//! is the **string** order of the expert ids (`0, 1, 10, 100, …`) with each expert's six
+//! tensors adjacent in the §3.4 order.
+
+use deltafin_tensor::DType;
+
+use crate::weights::config::{K3Config, LayerKind};
+
+/// Prefix of every text-model tensor name.
+pub const PREFIX: &str = "language_model.";
+
+/// One routed-expert matrix (HF `KimiBlockSparseMLP` names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExpertMatrix {
+    /// `w1`: gate, logical `[moe_intermediate, latent]`.
+    W1,
+    /// `w2`: down, logical `[latent, moe_intermediate]`.
+    W2,
+    /// `w3`: up, logical `[moe_intermediate, latent]`.
+    W3,
+}
+
+impl ExpertMatrix {
+    /// `w1`, `w2`, `w3`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExpertMatrix::W1 => "w1",
+            ExpertMatrix::W2 => "w2",
+            ExpertMatrix::W3 => "w3",
+        }
+    }
+}
+
+/// Packed E2M1 codes or E8M0 scales of an MXFP4 matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExpertPart {
+    Packed,
+    Scale,
+}
+
+impl ExpertPart {
+    /// `weight_packed` or `weight_scale`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExpertPart::Packed => "weight_packed",
+            ExpertPart::Scale => "weight_scale",
+        }
+    }
+}
+
+/// What a tensor is, for code that walks the inventory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TensorKind {
+    /// Any non-expert text weight of layer `Some(l)` or a global one (`None`).
+    Spine { layer: Option<usize> },
+    /// A routed-expert tensor.
+    Expert {
+        layer: usize,
+        expert: usize,
+        matrix: ExpertMatrix,
+        part: ExpertPart,
+    },
+    /// `mm_projector.*` (ignored by the text engine).
+    Projector,
+    /// `vision_tower.*` (ignored by the text engine).
+    Vision,
+}
+
+/// One expected tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Full name as stored (`language_model.…` for text tensors).
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    /// 1-based shard index.
+    pub shard: usize,
+    pub kind: TensorKind,
+}
+
+impl TensorSpec {
+    /// Data bytes.
+    pub fn byte_len(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.size()
+    }
+}
+
+/// Number of shard files (`N + 3`).
+pub fn shard_count(cfg: &K3Config) -> usize {
+    cfg.n_layers() + 3
+}
+
+/// `model-{i:05}-of-{n:06}.safetensors` (1-based `i`), the release naming.
+pub fn shard_file_name(i: usize, n: usize) -> String {
+    format!("model-{i:05}-of-{n:06}.safetensors")
+}
+
+/// The position of a dtype in the reference serializer's `Dtype` enum (increasing alignment);
+/// shards are laid out by descending rank, then by name.
+fn serializer_rank(d: DType) -> u8 {
+    match d {
+        DType::Bool => 0,
+        DType::U8 => 1,
+        DType::I8 => 2,
+        DType::I16 => 5,
+        DType::U16 => 6,
+        DType::F16 => 7,
+        DType::BF16 => 8,
+        DType::I32 => 9,
+        DType::U32 => 10,
+        DType::F32 => 11,
+        DType::F64 => 12,
+        DType::I64 => 13,
+        DType::U64 => 14,
+    }
+}
+
+/// Sort a shard's tensors into the reference serializer's layout order.
+pub fn sort_shard(specs: &mut [TensorSpec]) {
+    specs.sort_by(|a, b| {
+        serializer_rank(b.dtype)
+            .cmp(&serializer_rank(a.dtype))
+            .then_with(|| a.name.as_bytes().cmp(b.name.as_bytes()))
+    });
+}
+
+/// Spine tensors of 0-based layer `l`, names without the `language_model.` prefix.
+pub fn layer_spine(cfg: &K3Config, l: usize) -> Vec<(String, Vec<usize>, DType)> {
+    let t = &cfg.text;
+    let d = t.hidden_size;
+    let p = format!("model.layers.{l}.");
+    let mut v: Vec<(String, Vec<usize>, DType)> = Vec::new();
+    let mut add = |name: &str, shape: Vec<usize>, dtype: DType| {
+        v.push((format!("{p}{name}"), shape, dtype));
+    };
+    for n in [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attention_res_norm.weight",
+        "mlp_res_norm.weight",
+    ] {
+        add(n, vec![d], DType::BF16);
+    }
+    add("self_attention_res_proj.weight", vec![1, d], DType::BF16);
+    add("mlp_res_proj.weight", vec![1, d], DType::BF16);
+    match cfg.layer_kind(l) {
+        LayerKind::Kda => {
+            let la = &t.linear_attn;
+            let w = cfg.kda_width();
+            for n in ["q_proj", "k_proj", "v_proj"] {
+                add(&format!("self_attn.{n}.weight"), vec![w, d], DType::BF16);
+            }
+            for n in ["q_conv1d", "k_conv1d", "v_conv1d"] {
+                add(
+                    &format!("self_attn.{n}.weight"),
+                    vec![w, 1, la.short_conv_kernel_size],
+                    DType::F32,
+                );
+            }
+            add(
+                "self_attn.f_a_proj.weight",
+                vec![la.head_dim, d],
+                DType::BF16,
+            );
+            add(
+                "self_attn.f_b_proj.weight",
+                vec![w, la.head_dim],
+                DType::BF16,
+            );
+            add(
+                "self_attn.b_proj.weight",
+                vec![la.num_heads, d],
+                DType::BF16,
+            );
+            add("self_attn.A_log", vec![la.head_dim], DType::F32);
+            add("self_attn.dt_bias", vec![w], DType::F32);
+            add("self_attn.o_norm.weight", vec![la.head_dim], DType::F32);
+            add("self_attn.g_proj.weight", vec![w, d], DType::BF16);
+            add("self_attn.o_proj.weight", vec![d, w], DType::BF16);
+        }
+        LayerKind::Mla => {
+            let h = t.num_attention_heads;
+            let qk = t.qk_nope_head_dim + t.qk_rope_head_dim;
+            add(
+                "self_attn.q_a_proj.weight",
+                vec![t.q_lora_rank, d],
+                DType::BF16,
+            );
+            add(
+                "self_attn.q_a_layernorm.weight",
+                vec![t.q_lora_rank],
+                DType::BF16,
+            );
+            add(
+                "self_attn.q_b_proj.weight",
+                vec![h * qk, t.q_lora_rank],
+                DType::BF16,
+            );
+            add(
+                "self_attn.kv_a_proj_with_mqa.weight",
+                vec![t.kv_lora_rank + t.qk_rope_head_dim, d],
+                DType::BF16,
+            );
+            add(
+                "self_attn.kv_a_layernorm.weight",
+                vec![t.kv_lora_rank],
+                DType::BF16,
+            );
+            add(
+                "self_attn.kv_b_proj.weight",
+                vec![h * (t.qk_nope_head_dim + t.v_head_dim), t.kv_lora_rank],
+                DType::BF16,
+            );
+            add(
+                "self_attn.g_proj.weight",
+                vec![h * t.v_head_dim, d],
+                DType::BF16,
+            );
+            add(
+                "self_attn.o_proj.weight",
+                vec![d, h * t.v_head_dim],
+                DType::BF16,
+            );
+        }
+    }
+    if cfg.is_dense(l) {
+        let i = t.intermediate_size;
+        add("mlp.gate_proj.weight", vec![i, d], DType::BF16);
+        add("mlp.up_proj.weight", vec![i, d], DType::BF16);
+        add("mlp.down_proj.weight", vec![d, i], DType::BF16);
+    } else {
+        let e = t.num_experts;
+        let lr = t.routed_expert_hidden_size;
+        let fs = cfg.shared_intermediate();
+        add("block_sparse_moe.gate.weight", vec![e, d], DType::BF16);
+        add(
+            "block_sparse_moe.gate.e_score_correction_bias",
+            vec![e],
+            DType::F32,
+        );
+        add(
+            "block_sparse_moe.routed_expert_down_proj.weight",
+            vec![lr, d],
+            DType::BF16,
+        );
+        add(
+            "block_sparse_moe.routed_expert_up_proj.weight",
+            vec![d, lr],
+            DType::BF16,
+        );
+        add(
+            "block_sparse_moe.routed_expert_norm.weight",
+            vec![lr],
+            DType::BF16,
+        );
+        add(
+            "block_sparse_moe.shared_experts.gate_proj.weight",
+            vec![fs, d],
+            DType::BF16,
+        );
+        add(
+            "block_sparse_moe.shared_experts.up_proj.weight",
+            vec![fs, d],
+            DType::BF16,
+        );
+        add(
+            "block_sparse_moe.shared_experts.down_proj.weight",
+            vec![d, fs],
+            DType::BF16,
+        );
+    }
+    v
+}
+
+/// One tensor of a routed expert.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertTensor {
+    /// Full name (with the `language_model.` prefix).
+    pub name: String,
+    pub matrix: ExpertMatrix,
+    pub part: ExpertPart,
+    /// Stored U8 shape: `[rows, cols/2]` for codes, `[rows, cols/32]` for scales.
+    pub shape: [usize; 2],
+    /// Byte length (`shape[0] · shape[1]`).
+    pub bytes: usize,
+}
+
+/// The six tensors of one expert in the §3.4 span order: w1 packed, w1 scale, w2 packed,
+/// w2 scale, w3 packed, w3 scale.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertLayout {
+    pub layer: usize,
+    pub expert: usize,
+    pub tensors: [ExpertTensor; 6],
+}
+
+impl ExpertLayout {
+    /// Bytes of the whole expert (17,547,264 for K3).
+    pub fn total_bytes(&self) -> usize {
+        self.tensors.iter().map(|t| t.bytes).sum()
+    }
+    /// Logical `[rows, cols]` of matrix `m`.
+    pub fn logical_shape(cfg: &K3Config, m: ExpertMatrix) -> [usize; 2] {
+        let f = cfg.text.moe_intermediate_size;
+        let lr = cfg.text.routed_expert_hidden_size;
+        match m {
+            ExpertMatrix::W1 | ExpertMatrix::W3 => [f, lr],
+            ExpertMatrix::W2 => [lr, f],
+        }
+    }
+}
+
+/// Layout of expert `expert` of layer `layer` (names and sizes; no bounds check).
+pub fn expert_layout(cfg: &K3Config, layer: usize, expert: usize) -> ExpertLayout {
+    let g = cfg.text.quantization.group_size;
+    let mk = |m: ExpertMatrix, part: ExpertPart| {
+        let [rows, cols] = ExpertLayout::logical_shape(cfg, m);
+        let shape = match part {
+            ExpertPart::Packed => [rows, cols / 2],
+            ExpertPart::Scale => [rows, cols / g],
+        };
+        ExpertTensor {
+            name: format!(
+                "{PREFIX}model.layers.{layer}.block_sparse_moe.experts.{expert}.{}.{}",
+                m.as_str(),
+                part.as_str()
+            ),
+            matrix: m,
+            part,
+            shape,
+            bytes: shape[0] * shape[1],
+        }
+    };
+    use ExpertMatrix::*;
+    use ExpertPart::*;
+    ExpertLayout {
+        layer,
+        expert,
+        tensors: [
+            mk(W1, Packed),
+            mk(W1, Scale),
+            mk(W2, Packed),
+            mk(W2, Scale),
+            mk(W3, Packed),
+            mk(W3, Scale),
+        ],
+    }
+}
+
+/// Expert ids in the string order of their decimal names (`0, 1, 10, 100, …`).
+pub fn experts_in_string_order(n: usize) -> Vec<usize> {
+    let mut ids: Vec<usize> = (0..n).collect();
+    ids.sort_by_key(|e| e.to_string());
+    ids
+}
+
+/// The complete text-model inventory (every `language_model.*` tensor) in release order:
+/// shards ascending, each shard in serializer layout order.
+pub fn text_inventory(cfg: &K3Config) -> Vec<TensorSpec> {
+    let n = cfg.n_layers();
+    let mut out = Vec::new();
+    for l in 0..n {
+        let mut shard: Vec<TensorSpec> = layer_spine(cfg, l)
+            .into_iter()
+            .map(|(name, shape, dtype)| TensorSpec {
+                name: format!("{PREFIX}{name}"),
+                shape,
+                dtype,
+                shard: l + 1,
+                kind: TensorKind::Spine { layer: Some(l) },
+            })
+            .collect();
+        sort_shard(&mut shard);
+        out.extend(shard);
+        if !cfg.is_dense(l) {
+            // U8 sorts after F32/BF16, and within U8 the names sort by expert-id string.
+            for e in experts_in_string_order(cfg.text.num_experts) {
+                for t in expert_layout(cfg, l, e).tensors {
+                    out.push(TensorSpec {
+                        name: t.name,
+                        shape: t.shape.to_vec(),
+                        dtype: DType::U8,
+                        shard: l + 1,
+                        kind: TensorKind::Expert {
+                            layer: l,
+                            expert: e,
+                            matrix: t.matrix,
+                            part: t.part,
+                        },
+                    });
+                }
+            }
+        }
+    }
+    let d = cfg.text.hidden_size;
+    let v = cfg.text.vocab_size;
+    let mut global: Vec<TensorSpec> = [
+        ("model.embed_tokens.weight", vec![v, d]),
+        ("lm_head.weight", vec![v, d]),
+        ("model.norm.weight", vec![d]),
+        ("model.output_attn_res_norm.weight", vec![d]),
+        ("model.output_attn_res_proj.weight", vec![1, d]),
+    ]
+    .into_iter()
+    .map(|(name, shape)| TensorSpec {
+        name: format!("{PREFIX}{name}"),
+        shape,
+        dtype: DType::BF16,
+        shard: n + 1,
+        kind: TensorKind::Spine { layer: None },
+    })
+    .collect();
+    sort_shard(&mut global);
+    out.extend(global);
+    out
+}
+
+/// The `mm_projector` (shard `N + 2`) and `vision_tower` (shard `N + 3`) tensors implied by
+/// `vision_config` (empty without one). The text engine never reads them.
+pub fn vision_inventory(cfg: &K3Config) -> Vec<TensorSpec> {
+    let Some(vc) = &cfg.vision else {
+        return Vec::new();
+    };
+    let n = cfg.n_layers();
+    let h = vc.vt_hidden_size;
+    let merged = vc.mm_hidden_size * vc.merge_kernel_size.iter().product::<usize>();
+    let spec = |name: String, shape: Vec<usize>, shard: usize, kind: TensorKind| TensorSpec {
+        name,
+        shape,
+        dtype: DType::BF16,
+        shard,
+        kind,
+    };
+    let mut proj = vec![
+        spec(
+            "mm_projector.proj.0.weight".into(),
+            vec![merged, merged],
+            n + 2,
+            TensorKind::Projector,
+        ),
+        spec(
+            "mm_projector.proj.2.weight".into(),
+            vec![vc.text_hidden_size, merged],
+            n + 2,
+            TensorKind::Projector,
+        ),
+        spec(
+            "mm_projector.post_norm.weight".into(),
+            vec![vc.text_hidden_size],
+            n + 2,
+            TensorKind::Projector,
+        ),
+    ];
+    sort_shard(&mut proj);
+    let mut vis = vec![
+        spec(
+            "vision_tower.patch_embed.proj.weight".into(),
+            vec![h, 3, vc.patch_size, vc.patch_size],
+            n + 3,
+            TensorKind::Vision,
+        ),
+        spec(
+            "vision_tower.patch_embed.pos_emb.weight".into(),
+            vec![vc.init_pos_emb_height, vc.init_pos_emb_width, h],
+            n + 3,
+            TensorKind::Vision,
+        ),
+        spec(
+            "vision_tower.encoder.final_layernorm.weight".into(),
+            vec![h],
+            n + 3,
+            TensorKind::Vision,
+        ),
+    ];
+    for b in 0..vc.vt_num_hidden_layers {
+        let p = format!("vision_tower.encoder.blocks.{b}.");
+        for (name, shape) in [
+            ("wqkv.weight", vec![3 * vc.qkv_hidden_size, h]),
+            ("wo.weight", vec![h, vc.qkv_hidden_size]),
+            ("mlp.fc0.weight", vec![vc.vt_intermediate_size, h]),
+            ("mlp.fc1.weight", vec![h, vc.vt_intermediate_size]),
+            ("norm0.weight", vec![h]),
+            ("norm1.weight", vec![h]),
+        ] {
+            vis.push(spec(format!("{p}{name}"), shape, n + 3, TensorKind::Vision));
+        }
+    }
+    sort_shard(&mut vis);
+    proj.extend(vis);
+    proj
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::config::REAL_CONFIG_JSON;
+    use std::collections::HashMap;
+    use std::io::Read;
+
+    fn real() -> K3Config {
+        K3Config::from_json_str(REAL_CONFIG_JSON).unwrap()
+    }
+
+    #[test]
+    fn real_counts_and_bytes() {
+        let cfg = real();
+        let inv = text_inventory(&cfg);
+        assert_eq!(inv.len(), 497_052);
+        let spine: Vec<_> = inv
+            .iter()
+            .filter(|t| matches!(t.kind, TensorKind::Spine { .. }))
+            .collect();
+        assert_eq!(spine.len(), 2_460);
+        let spine_bytes: usize = spine.iter().map(|t| t.byte_len()).sum();
+        let expert_bytes: usize = inv
+            .iter()
+            .filter(|t| matches!(t.kind, TensorKind::Expert { .. }))
+            .map(|t| t.byte_len())
+            .sum();
+        assert_eq!(spine_bytes, 113_509_540_864);
+        assert_eq!(expert_bytes, 1_446_456_066_048);
+        let vis = vision_inventory(&cfg);
+        assert_eq!(vis.len(), 168);
+        let vis_bytes: usize = vis.iter().map(|t| t.byte_len()).sum();
+        assert_eq!(vis_bytes, 894_717_952);
+        assert_eq!(
+            spine_bytes + expert_bytes + vis_bytes,
+            1_560_860_324_864,
+            "metadata.total_size"
+        );
+        // §3.1 shard table: tensor counts and data bytes.
+        let mut per_shard: HashMap<usize, (usize, usize)> = HashMap::new();
+        for t in inv.iter().chain(vis.iter()) {
+            let e = per_shard.entry(t.shard).or_default();
+            e.0 += 1;
+            e.1 += t.byte_len();
+        }
+        assert_eq!(per_shard[&1], (23, 2_341_213_184));
+        assert_eq!(per_shard[&2], (5_404, 16_990_092_800)); // layer 1, KDA
+        assert_eq!(per_shard[&4], (5_398, 16_566_684_160)); // layer 3, MLA
+        assert_eq!(per_shard[&94], (5, 4_697_663_488));
+        assert_eq!(per_shard[&95], (3, 92_289_024));
+        assert_eq!(per_shard[&96], (165, 802_428_928));
+        assert_eq!(expert_layout(&cfg, 5, 7).total_bytes(), 17_547_264);
+    }
+
+    #[test]
+    fn within_shard_order_follows_the_serializer_rule() {
+        let cfg = real();
+        let inv = text_inventory(&cfg);
+        let shard2: Vec<&TensorSpec> = inv.iter().filter(|t| t.shard == 2).collect();
+        // F32 first, then BF16, then the U8 expert block.
+        let first_bf16 = shard2.iter().position(|t| t.dtype == DType::BF16).unwrap();
+        let first_u8 = shard2.iter().position(|t| t.dtype == DType::U8).unwrap();
+        assert!(shard2[..first_bf16].iter().all(|t| t.dtype == DType::F32));
+        assert!(shard2[first_u8..].iter().all(|t| t.dtype == DType::U8));
+        assert_eq!(shard2[first_u8..].len(), 896 * 6);
+        assert!(
+            shard2[first_u8]
+                .name
+                .ends_with("experts.0.w1.weight_packed")
+        );
+        assert!(
+            shard2[first_u8 + 6]
+                .name
+                .ends_with("experts.1.w1.weight_packed")
+        );
+        assert!(
+            shard2[first_u8 + 12]
+                .name
+                .ends_with("experts.10.w1.weight_packed")
+        );
+        assert!(
+            shard2[first_u8 + 18]
+                .name
+                .ends_with("experts.100.w1.weight_packed")
+        );
+        for w in shard2.windows(2) {
+            if w[0].dtype == w[1].dtype {
+                assert!(w[0].name < w[1].name);
+            }
+        }
+        let l = expert_layout(&cfg, 1, 10);
+        let pos = shard2
+            .iter()
+            .position(|t| t.name == l.tensors[0].name)
+            .unwrap();
+        for (k, t) in l.tensors.iter().enumerate() {
+            assert_eq!(
+                shard2[pos + k].name,
+                t.name,
+                "expert tensors adjacent in §3.4 order"
+            );
+        }
+    }
+
+    /// The key acceptance test: the inventory equals the text entries of the real weight
+    /// map, names and shard files, entry for entry.
+    #[test]
+    fn real_index_matches_inventory() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../shared/kimi/k3-model.safetensors.index.json.gz"
+        );
+        let Ok(file) = std::fs::File::open(path) else {
+            eprintln!("skipping: {path} not present");
+            return;
+        };
+        let mut text = String::new();
+        flate2::read::GzDecoder::new(file)
+            .read_to_string(&mut text)
+            .unwrap();
+        let index: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let map = index["weight_map"].as_object().unwrap();
+        assert_eq!(map.len(), 497_220);
+        let cfg = real();
+        let n = shard_count(&cfg);
+        let inv = text_inventory(&cfg);
+        let vis = vision_inventory(&cfg);
+        let mut text_entries = 0;
+        let (mut vision, mut projector) = (0, 0);
+        for (name, file) in map {
+            if name.starts_with(PREFIX) {
+                text_entries += 1;
+            } else if name.starts_with("vision_tower.") {
+                vision += 1;
+            } else if name.starts_with("mm_projector.") {
+                projector += 1;
+            } else {
+                panic!("unexpected entry {name} -> {file}");
+            }
+        }
+        assert_eq!((text_entries, vision, projector), (497_052, 165, 3));
+        assert_eq!(inv.len(), text_entries);
+        for t in inv.iter().chain(vis.iter()) {
+            let file = map
+                .get(&t.name)
+                .unwrap_or_else(|| panic!("{} not in the real index", t.name));
+            assert_eq!(
+                file.as_str().unwrap(),
+                shard_file_name(t.shard, n),
+                "{}",
+                t.name
+            );
+        }
+        assert_eq!(inv.len() + vis.len(), map.len(), "no extra index entries");
+        let total: usize = inv.iter().chain(vis.iter()).map(|t| t.byte_len()).sum();
+        assert_eq!(
+            index["metadata"]["total_size"].as_u64().unwrap() as usize,
+            total
+        );
+    }
+}

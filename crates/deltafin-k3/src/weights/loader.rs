@@ -1,0 +1,713 @@
+//! Build a [`K3Model`] from a validated [`Checkpoint`]: map `config.json` onto
+//! [`ModelDims`], take zero-copy views of the spine (the shards' bf16 matrices, or the
+//! row-int8 files of [`crate::weights::spine_int8`] with [`SpineFormat::Int8`]), widen the small
+//! vectors to f32, and serve routed experts straight from the shard bytes.
+
+use crate::error::ModelError;
+use crate::model::K3Model;
+use crate::model::attn_res::AttnResWeights;
+use crate::model::dims::{AttnKind, CacheDtype, ModelDims};
+use crate::model::kda::KdaWeights;
+use crate::model::layer::{Attention, Ffn, Layer};
+use crate::model::linear::Linear;
+use crate::model::mla::MlaWeights;
+use crate::model::moe::{ExpertError, ExpertSource, ExpertWeights, MoeWeights};
+use crate::model::router::RouterWeights;
+use crate::model::situ::SituMlp;
+use crate::weights::checkpoint::{Checkpoint, CheckpointError, Layout};
+use crate::weights::config::{K3Config, LayerKind};
+use crate::weights::resident::{HugePages, ResidentCopy};
+pub use crate::weights::spine_int8::SpineFormat;
+use crate::weights::spine_int8::{Int8Spine, SpineError, is_quantized};
+use crate::weights::spine_pack::{Codec, PackError, PackSet};
+use crate::weights::spine_stream::{SpineSources, SpineStreamOptions, SpineStreamer};
+use deltafin_experts::{ExpertLocation, ExpertShape, ExpertTable, StreamOptions, StreamingExperts};
+use deltafin_tensor::storage::copy_to_anonymous;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+/// An error while loading a model: the checkpoint or the assembled model is invalid.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Spine(#[from] SpineError),
+    #[error(transparent)]
+    Pack(#[from] PackError),
+}
+
+/// Engine choices that are not part of `config.json`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineOptions {
+    /// Storage type of the MLA latent cache (bf16 by default, §6).
+    pub mla_cache_dtype: CacheDtype,
+    /// Chunk length of the chunked KDA prefill (64, as FLA).
+    pub kda_chunk: usize,
+    /// The spine's format. The library default is [`SpineFormat::Bf16`] (weight-exact);
+    /// the CLI's default `--spine auto` asks for [`SpineFormat::Int8`].
+    pub spine: SpineFormat,
+    /// Spine streaming: `Some(k)` keeps layers `0..k` resident and reads the spine matrices
+    /// of layers `k..` per forward pass ([`crate::weights::spine_stream`]); `None` (default) or
+    /// `k ≥ layers` keeps the whole spine resident.
+    pub spine_resident_layers: Option<usize>,
+    /// Reader threads and O_DIRECT policy of spine streaming.
+    pub spine_stream: SpineStreamOptions,
+    /// Whether the resident spine is copied into huge-page memory at load
+    /// ([`crate::weights::resident`]; default `auto`: where the system grants huge pages).
+    pub huge_pages: HugePages,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            mla_cache_dtype: CacheDtype::Bf16,
+            kda_chunk: 64,
+            spine: SpineFormat::Bf16,
+            spine_resident_layers: None,
+            spine_stream: SpineStreamOptions::default(),
+            huge_pages: HugePages::default(),
+        }
+    }
+}
+
+/// The model dimensions and constants for `cfg` (k3-model.md §1, epsilons of §5.1).
+pub fn dims_from_config(cfg: &K3Config, opts: &EngineOptions) -> ModelDims {
+    let t = &cfg.text;
+    let attn_kinds = (0..cfg.n_layers())
+        .map(|l| match cfg.layer_kind(l) {
+            LayerKind::Kda => AttnKind::Kda,
+            LayerKind::Mla => AttnKind::Mla,
+        })
+        .collect();
+    let rms = t.rms_norm_eps as f32;
+    ModelDims {
+        vocab_size: t.vocab_size,
+        hidden_size: t.hidden_size,
+        attn_kinds,
+        first_k_dense: t.first_k_dense_replace,
+        attn_res_block_size: t.attn_res_block_size,
+        kda_heads: t.linear_attn.num_heads,
+        kda_head_dim: t.linear_attn.head_dim,
+        conv_kernel: t.linear_attn.short_conv_kernel_size,
+        gate_lower_bound: t.linear_attn.gate_lower_bound as f32,
+        kda_chunk: opts.kda_chunk,
+        mla_cache_dtype: opts.mla_cache_dtype,
+        mla_heads: t.num_attention_heads,
+        q_lora_rank: t.q_lora_rank,
+        kv_lora_rank: t.kv_lora_rank,
+        qk_nope_head_dim: t.qk_nope_head_dim,
+        qk_rope_head_dim: t.qk_rope_head_dim,
+        v_head_dim: t.v_head_dim,
+        dense_intermediate: t.intermediate_size,
+        shared_intermediate: cfg.shared_intermediate(),
+        moe_intermediate: t.moe_intermediate_size,
+        latent_size: t.routed_expert_hidden_size,
+        num_experts: t.num_experts,
+        experts_per_token: t.num_experts_per_token,
+        routed_scaling_factor: t.routed_scaling_factor as f32,
+        situ_beta: t.activation_situ_beta as f32,
+        situ_linear_beta: t.activation_situ_linear_beta as f32,
+        rms_norm_eps: rms,
+        // The AttnRes key norm, KDA o_norm and routed_expert_norm use rms_norm_eps (1e-5);
+        // the MLA latent norms and the KDA L2 norm use the reference's 1e-6 (§5.1).
+        attn_res_eps: rms,
+        kda_o_norm_eps: rms,
+        routed_expert_norm_eps: rms,
+        mla_norm_eps: 1e-6,
+        kda_l2_eps: 1e-6,
+        router_renorm_eps: 1e-20,
+    }
+}
+
+/// Routed experts served from the checkpoint's memory-mapped shards. Each expert's
+/// matrices are validated (E8M0 NaN scan) on first use and then reused.
+pub struct CheckpointExperts {
+    ckpt: Arc<Checkpoint>,
+    num_experts: usize,
+    cells: Vec<OnceLock<ExpertWeights>>,
+}
+
+impl CheckpointExperts {
+    pub fn new(ckpt: Arc<Checkpoint>) -> CheckpointExperts {
+        let cfg = ckpt.config();
+        let num_experts = cfg.text.num_experts;
+        let cells = (0..cfg.n_layers() * num_experts)
+            .map(|_| OnceLock::new())
+            .collect();
+        CheckpointExperts {
+            ckpt,
+            num_experts,
+            cells,
+        }
+    }
+
+    /// Bytes of every routed expert of every MoE layer (codes and scales of the three
+    /// matrices).
+    pub fn total_bytes(&self) -> u64 {
+        let cfg = self.ckpt.config();
+        (0..cfg.n_layers())
+            .filter(|&l| !cfg.is_dense(l))
+            .map(|l| {
+                let one = crate::weights::inventory::expert_layout(cfg, l, 0).total_bytes() as u64;
+                one * self.num_experts as u64
+            })
+            .sum()
+    }
+
+    /// Copy every routed expert into one anonymous mapping advised for transparent huge
+    /// pages ([`crate::weights::resident`]) and serve the copies from then on. Meant for a model whose
+    /// experts all stay resident (no memory budget) on a system where
+    /// [`HugePages::copies`] holds; each expert is validated as on first use.
+    /// `progress(bytes, total)` as [`copy_to_anonymous`] calls it.
+    pub fn copy_to_huge_pages(
+        &self,
+        progress: &(dyn Fn(u64, u64) + Sync),
+    ) -> Result<ResidentCopy, LoadError> {
+        let cfg = self.ckpt.config();
+        let ids: Vec<(usize, usize)> = (0..cfg.n_layers())
+            .filter(|&l| !cfg.is_dense(l))
+            .flat_map(|l| (0..self.num_experts).map(move |e| (l, e)))
+            .collect();
+        let mut parts = Vec::with_capacity(ids.len() * 6);
+        let mut shapes = Vec::with_capacity(ids.len());
+        for &(l, e) in &ids {
+            let m = self.ckpt.expert_matrices(l, e)?;
+            for w in [&m.w1, &m.w2, &m.w3] {
+                parts.extend(w.parts().into_iter().cloned());
+            }
+            shapes.push(m);
+        }
+        let copies =
+            copy_to_anonymous(&parts, true, progress).map_err(|e| ModelError::Weights {
+                name: "routed experts".into(),
+                message: format!("cannot map anonymous memory for the copy: {e}"),
+            })?;
+        drop(parts);
+        let mut views = copies.views.into_iter();
+        for (&(l, e), m) in ids.iter().zip(shapes) {
+            let name = format!("layer {l} expert {e}");
+            let mut moved = |w: &deltafin_tensor::Mxfp4Matrix| -> Result<_, LoadError> {
+                let (Some(p), Some(s)) = (views.next(), views.next()) else {
+                    return Err(ModelError::Weights {
+                        name: name.clone(),
+                        message: "no copy for this expert".into(),
+                    }
+                    .into());
+                };
+                w.with_bytes(&name, p, s).map_err(|err| {
+                    ModelError::Weights {
+                        name: name.clone(),
+                        message: err.to_string(),
+                    }
+                    .into()
+                })
+            };
+            let w = ExpertWeights {
+                w1: moved(&m.w1)?,
+                w2: moved(&m.w2)?,
+                w3: moved(&m.w3)?,
+            };
+            if let Some(cell) = self.cells.get(l * self.num_experts + e) {
+                // A cell filled earlier keeps its (identical) mapped view.
+                let _ = cell.set(w);
+            }
+        }
+        Ok(ResidentCopy {
+            what: "routed experts",
+            matrices: ids.len() * 3,
+            bytes: copies.mapped as u64,
+            huge_advised: copies.huge_advised,
+        })
+    }
+}
+
+impl ExpertSource for CheckpointExperts {
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
+        let err = |message: String| ExpertError::Unavailable {
+            layer,
+            expert,
+            message,
+        };
+        if expert >= self.num_experts {
+            return Err(err(format!(
+                "out of range (num_experts = {})",
+                self.num_experts
+            )));
+        }
+        let cell = self
+            .cells
+            .get(layer * self.num_experts + expert)
+            .ok_or_else(|| err("layer out of range".into()))?;
+        if let Some(w) = cell.get() {
+            return Ok(w.clone());
+        }
+        let m = self
+            .ckpt
+            .expert_matrices(layer, expert)
+            .map_err(|e| err(e.to_string()))?;
+        let w = ExpertWeights {
+            w1: m.w1,
+            w2: m.w2,
+            w3: m.w3,
+        };
+        Ok(cell.get_or_init(|| w).clone())
+    }
+}
+
+struct Names<'a> {
+    ckpt: &'a Checkpoint,
+    int8: Option<&'a Int8Spine>,
+    /// Complete DFSP packs of the chosen spine: every tensor comes from them when present.
+    packs: Option<&'a PackSet>,
+    prefix: String,
+}
+
+impl Names<'_> {
+    fn full(&self, name: &str) -> String {
+        format!("{}{}{name}", crate::weights::inventory::PREFIX, self.prefix)
+    }
+    /// A matrix that is never quantized (the router, the embedding).
+    fn mat(&self, name: &str) -> Result<deltafin_tensor::Bf16Matrix, LoadError> {
+        if let Some(p) = self.packs {
+            return Ok(p.bf16_matrix(&self.full(name))?);
+        }
+        Ok(self.ckpt.bf16_matrix(&format!("{}{name}", self.prefix))?)
+    }
+    /// A quantizable projection: row-int8 from the int8 spine when loaded, else bf16.
+    fn lin(&self, name: &str) -> Result<Linear, LoadError> {
+        let short = format!("{}{name}", self.prefix);
+        let full = format!("{}{short}", crate::weights::inventory::PREFIX);
+        if let Some(p) = self.packs {
+            return Ok(match p.codec(&full) {
+                Some(Codec::RowI8F16Scale) => Linear::RowInt8(p.row_int8_matrix(&full)?),
+                _ => Linear::Bf16(p.bf16_matrix(&full)?),
+            });
+        }
+        let bf16 = self.ckpt.bf16_matrix(&short)?;
+        match self.int8 {
+            Some(spine) if is_quantized(&full) => {
+                let m = spine.get(&full).ok_or_else(|| CheckpointError::Request {
+                    name: full.clone(),
+                    message: "missing from the loaded int8 spine".into(),
+                })?;
+                if (m.rows(), m.cols()) != (bf16.rows(), bf16.cols()) {
+                    return Err(CheckpointError::Request {
+                        name: full,
+                        message: format!(
+                            "int8 spine shape [{}, {}] differs from the checkpoint's [{}, {}]",
+                            m.rows(),
+                            m.cols(),
+                            bf16.rows(),
+                            bf16.cols()
+                        ),
+                    }
+                    .into());
+                }
+                Ok(Linear::RowInt8(m.clone()))
+            }
+            _ => Ok(Linear::Bf16(bf16)),
+        }
+    }
+    fn vec(&self, name: &str) -> Result<Vec<f32>, LoadError> {
+        if let Some(p) = self.packs {
+            return Ok(p.f32_vector(&self.full(name))?);
+        }
+        Ok(self.ckpt.f32_vector(&format!("{}{name}", self.prefix))?)
+    }
+    fn attn_res(&self, which: &str) -> Result<AttnResWeights, LoadError> {
+        Ok(AttnResWeights {
+            norm: self.vec(&format!("{which}_norm.weight"))?,
+            proj: self.vec(&format!("{which}_proj.weight"))?,
+        })
+    }
+    fn situ(&self, base: &str) -> Result<SituMlp, LoadError> {
+        Ok(SituMlp {
+            gate_proj: self.lin(&format!("{base}.gate_proj.weight"))?,
+            up_proj: self.lin(&format!("{base}.up_proj.weight"))?,
+            down_proj: self.lin(&format!("{base}.down_proj.weight"))?,
+        })
+    }
+}
+
+fn load_layer(
+    ckpt: &Checkpoint,
+    int8: Option<&Int8Spine>,
+    packs: Option<&PackSet>,
+    l: usize,
+) -> Result<Layer, LoadError> {
+    let cfg = ckpt.config();
+    let n = Names {
+        ckpt,
+        int8,
+        packs,
+        prefix: format!("model.layers.{l}."),
+    };
+    let attn = match cfg.layer_kind(l) {
+        LayerKind::Kda => Attention::Kda(KdaWeights {
+            q_proj: n.lin("self_attn.q_proj.weight")?,
+            k_proj: n.lin("self_attn.k_proj.weight")?,
+            v_proj: n.lin("self_attn.v_proj.weight")?,
+            q_conv: n.vec("self_attn.q_conv1d.weight")?,
+            k_conv: n.vec("self_attn.k_conv1d.weight")?,
+            v_conv: n.vec("self_attn.v_conv1d.weight")?,
+            f_a_proj: n.lin("self_attn.f_a_proj.weight")?,
+            f_b_proj: n.lin("self_attn.f_b_proj.weight")?,
+            b_proj: n.lin("self_attn.b_proj.weight")?,
+            a_log: n.vec("self_attn.A_log")?,
+            dt_bias: n.vec("self_attn.dt_bias")?,
+            g_proj: n.lin("self_attn.g_proj.weight")?,
+            o_norm: n.vec("self_attn.o_norm.weight")?,
+            o_proj: n.lin("self_attn.o_proj.weight")?,
+        }),
+        LayerKind::Mla => Attention::Mla(MlaWeights {
+            q_a_proj: n.lin("self_attn.q_a_proj.weight")?,
+            q_a_layernorm: n.vec("self_attn.q_a_layernorm.weight")?,
+            q_b_proj: n.lin("self_attn.q_b_proj.weight")?,
+            kv_a_proj: n.lin("self_attn.kv_a_proj_with_mqa.weight")?,
+            kv_a_layernorm: n.vec("self_attn.kv_a_layernorm.weight")?,
+            kv_b_proj: n.lin("self_attn.kv_b_proj.weight")?,
+            g_proj: n.lin("self_attn.g_proj.weight")?,
+            o_proj: n.lin("self_attn.o_proj.weight")?,
+        }),
+    };
+    let ffn = if cfg.is_dense(l) {
+        Ffn::Dense(n.situ("mlp")?)
+    } else {
+        Ffn::Moe(MoeWeights {
+            router: RouterWeights {
+                weight: n.mat("block_sparse_moe.gate.weight")?,
+                bias: n.vec("block_sparse_moe.gate.e_score_correction_bias")?,
+            },
+            latent_down: n.lin("block_sparse_moe.routed_expert_down_proj.weight")?,
+            latent_up: n.lin("block_sparse_moe.routed_expert_up_proj.weight")?,
+            latent_norm: n.vec("block_sparse_moe.routed_expert_norm.weight")?,
+            shared: n.situ("block_sparse_moe.shared_experts")?,
+        })
+    };
+    Ok(Layer {
+        attn_res: n.attn_res("self_attention_res")?,
+        mlp_res: n.attn_res("mlp_res")?,
+        input_layernorm: n.vec("input_layernorm.weight")?,
+        post_attention_layernorm: n.vec("post_attention_layernorm.weight")?,
+        attn,
+        ffn,
+    })
+}
+
+/// Assemble the model over an opened checkpoint (zero-copy for every matrix).
+pub fn load_model(ckpt: Arc<Checkpoint>, opts: &EngineOptions) -> Result<K3Model, LoadError> {
+    let experts = Box::new(CheckpointExperts::new(ckpt.clone()));
+    load_model_with_experts(ckpt, opts, experts)
+}
+
+pub use crate::weights::checkpoint::{EXPERT_DIR, expert_file_name};
+
+/// Every MoE layer's expert byte ranges. With a `k3-experts/` directory under the model root
+/// every expert is its own file (each must exist with exactly the expert's size); otherwise
+/// the ranges come from the shards via [`Checkpoint::expert_span`] (one table entry per
+/// distinct shard; an expert spanning shards is an error). In a stream install
+/// ([`Layout::StreamInstall`]) every expert is its own file too, but a file may be absent
+/// (fetched on demand, see [`stream_install_missing_experts`]); a present one must have the
+/// expert's exact size.
+pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
+    let cfg = ckpt.config();
+    let shape = ExpertShape {
+        f: cfg.text.moe_intermediate_size,
+        lr: cfg.text.routed_expert_hidden_size,
+    };
+    let dir = ckpt.root().join(EXPERT_DIR);
+    let stream_install = ckpt.layout() == Layout::StreamInstall;
+    let per_file = dir.is_dir() || stream_install;
+    let mut files: Vec<std::path::PathBuf> = Vec::new();
+    let mut layers = Vec::with_capacity(cfg.n_layers());
+    for l in 0..cfg.n_layers() {
+        if cfg.is_dense(l) {
+            layers.push(None);
+            continue;
+        }
+        let mut locs = Vec::with_capacity(cfg.text.num_experts);
+        for e in 0..cfg.text.num_experts {
+            if per_file {
+                let path = dir.join(expert_file_name(l, e));
+                let len = match std::fs::metadata(&path) {
+                    Ok(m) => Some(m.len()),
+                    Err(err) if err.kind() == std::io::ErrorKind::NotFound && stream_install => {
+                        None
+                    }
+                    Err(err) => {
+                        return Err(CheckpointError::File {
+                            path: path.clone(),
+                            message: format!("expert file of layer {l} expert {e}: {err}"),
+                        }
+                        .into());
+                    }
+                };
+                if let Some(len) = len
+                    && len != shape.expert_bytes()
+                {
+                    return Err(CheckpointError::File {
+                        path,
+                        message: format!(
+                            "is {len} bytes, an expert of this config is {}",
+                            shape.expert_bytes()
+                        ),
+                    }
+                    .into());
+                }
+                let mut ranges = [(0u64, 0u64); 6];
+                let mut at = 0;
+                for (r, len) in ranges.iter_mut().zip(shape.tensor_bytes()) {
+                    *r = (at, len);
+                    at += len;
+                }
+                files.push(path);
+                locs.push(ExpertLocation {
+                    file: files.len() - 1,
+                    ranges,
+                });
+                continue;
+            }
+            let span = ckpt.expert_span(l, e)?;
+            let file = match files.iter().position(|p| *p == span.shard_path) {
+                Some(i) => i,
+                None => {
+                    files.push(span.shard_path.clone());
+                    files.len() - 1
+                }
+            };
+            locs.push(ExpertLocation {
+                file,
+                ranges: span.ranges,
+            });
+        }
+        layers.push(Some(locs));
+    }
+    let table = ExpertTable {
+        files,
+        shape,
+        layers,
+    };
+    table.validate().map_err(ModelError::from)?;
+    Ok(table)
+}
+
+/// The `(layer, expert)` pairs of a stream install whose `k3-experts/` file does not exist
+/// yet (empty for the shard layout).
+pub fn stream_install_missing_experts(ckpt: &Checkpoint) -> Vec<(usize, usize)> {
+    let cfg = ckpt.config();
+    if ckpt.layout() != Layout::StreamInstall {
+        return Vec::new();
+    }
+    (0..cfg.n_layers())
+        .filter(|&l| !cfg.is_dense(l))
+        .flat_map(|l| (0..cfg.text.num_experts).map(move |e| (l, e)))
+        .filter(|&(l, e)| !ckpt.expert_file(l, e).is_file())
+        .collect()
+}
+
+/// Write `k3-experts/L{l}-E{e}.bin` for every routed expert from the shards (positional
+/// reads of each expert's ranges; each file written to `.tmp` and renamed). Returns the
+/// number of files written. Afterwards [`expert_table`] uses the per-expert layout.
+pub fn convert_to_expert_files(ckpt: &Checkpoint) -> Result<usize, LoadError> {
+    use std::os::unix::fs::FileExt;
+    if ckpt.layout() == Layout::StreamInstall {
+        return Err(CheckpointError::File {
+            path: ckpt.root().join(EXPERT_DIR),
+            message: "this stream install already keeps one file per expert".into(),
+        }
+        .into());
+    }
+    let cfg = ckpt.config();
+    let dir = ckpt.root().join(EXPERT_DIR);
+    let io = |path: &Path, err: std::io::Error| CheckpointError::File {
+        path: path.to_path_buf(),
+        message: err.to_string(),
+    };
+    let staging = ckpt.root().join(format!("{EXPERT_DIR}.tmp"));
+    std::fs::create_dir_all(&staging).map_err(|e| io(&staging, e))?;
+    let mut n = 0;
+    let mut open: Option<(std::path::PathBuf, std::fs::File)> = None;
+    for l in (0..cfg.n_layers()).filter(|&l| !cfg.is_dense(l)) {
+        for e in 0..cfg.text.num_experts {
+            let span = ckpt.expert_span(l, e)?;
+            if open.as_ref().is_none_or(|(p, _)| *p != span.shard_path) {
+                let f = std::fs::File::open(&span.shard_path)
+                    .map_err(|err| io(&span.shard_path, err))?;
+                open = Some((span.shard_path.clone(), f));
+            }
+            let Some((_, f)) = open.as_ref() else {
+                continue;
+            };
+            let mut bytes = Vec::with_capacity(span.total_bytes() as usize);
+            for &(off, len) in &span.ranges {
+                let at = bytes.len();
+                bytes.resize(at + len as usize, 0);
+                f.read_exact_at(&mut bytes[at..], off)
+                    .map_err(|err| io(&span.shard_path, err))?;
+            }
+            let path = staging.join(expert_file_name(l, e));
+            std::fs::write(&path, &bytes).map_err(|err| io(&path, err))?;
+            n += 1;
+        }
+    }
+    std::fs::rename(&staging, &dir).map_err(|e| io(&dir, e))?;
+    Ok(n)
+}
+
+/// Routed experts streamed from the checkpoint's shards with explicit reads (never through
+/// the shard mmaps) under `stream.cache_bytes`.
+pub fn streaming_experts(
+    ckpt: &Checkpoint,
+    stream: StreamOptions,
+) -> Result<StreamingExperts, LoadError> {
+    let table = expert_table(ckpt)?;
+    Ok(StreamingExperts::new(table, stream).map_err(ModelError::from)?)
+}
+
+/// Assemble the model with routed experts from `experts`. The spine's matrices are views of
+/// the shard (or int8 spine, or pack) mappings; with [`EngineOptions::huge_pages`] `auto` on
+/// a system with transparent huge pages the resident ones are then copied once into
+/// huge-page memory ([`crate::weights::resident`]).
+pub fn load_model_with_experts(
+    ckpt: Arc<Checkpoint>,
+    opts: &EngineOptions,
+    experts: Box<dyn ExpertSource>,
+) -> Result<K3Model, LoadError> {
+    let dims = dims_from_config(ckpt.config(), opts);
+    // Complete DFSP packs of the chosen spine (docs/DFSP.md) replace the shards / int8 files.
+    let packs = PackSet::open_if_complete(&ckpt, opts.spine)?;
+    let int8 = match (opts.spine, &packs) {
+        (SpineFormat::Int8, None) => Some(Int8Spine::open(ckpt.root(), ckpt.config())?),
+        _ => None,
+    };
+    let mut layers = (0..ckpt.config().n_layers())
+        .map(|l| load_layer(&ckpt, int8.as_ref(), packs.as_ref(), l))
+        .collect::<Result<Vec<_>, _>>()?;
+    let streamer = match opts.spine_resident_layers {
+        Some(k) if k < layers.len() => {
+            let src = SpineSources {
+                ckpt: &ckpt,
+                int8_root: int8.as_ref().map(|_| ckpt.root()),
+                packs: packs.as_ref(),
+            };
+            Some(SpineStreamer::new(&src, &mut layers, k, opts.spine_stream)?)
+        }
+        _ => None,
+    };
+    let g = Names {
+        ckpt: &ckpt,
+        int8: int8.as_ref(),
+        packs: packs.as_ref(),
+        prefix: "model.".into(),
+    };
+    let embed = g.mat("embed_tokens.weight")?;
+    touch_in_background(embed.bytes().clone());
+    let norm = g.vec("norm.weight")?;
+    let output_res = g.attn_res("output_attn_res")?;
+    let top = Names {
+        ckpt: &ckpt,
+        int8: int8.as_ref(),
+        packs: packs.as_ref(),
+        prefix: String::new(),
+    };
+    let lm_head = top.lin("lm_head.weight")?;
+    let mut model = K3Model::new(dims, embed, layers, norm, output_res, lm_head, experts)?;
+    model.spine_stream = streamer;
+    if opts.huge_pages.copies() {
+        model.resident_copy = Some(model.copy_spine_to_huge_pages(&|_, _| {})?);
+    }
+    Ok(model)
+}
+
+/// Bytes between the touches of [`touch_pages`]: one per page of the smallest page size.
+const TOUCH_STRIDE: usize = 4096;
+
+/// Read one byte of every page of `bytes`, in order, so that a memory-mapped range is read
+/// from disk into memory now (sequential faults, so the kernel's readahead grows) instead of
+/// page by page when first used. Returns the number of pages touched.
+pub(crate) fn touch_pages(bytes: &[u8]) -> usize {
+    let mut touched = 0;
+    for i in (0..bytes.len()).step_by(TOUCH_STRIDE) {
+        std::hint::black_box(bytes[i]);
+        touched += 1;
+    }
+    touched
+}
+
+/// Bring the embedding table into memory on a background thread ([`touch_pages`]).
+///
+/// Decode reads one embedding row per token. The table is part of the resident spine in the
+/// memory plan, but it is mapped from the checkpoint, and nothing else reads it: without
+/// this, every token whose row was never read before takes a page fault to the disk in the
+/// middle of the token, while the expert reads wait (measured on the `stream` preset after
+/// dropping the page cache: ≈ 3.6 ms per decode token on this machine's virtual disk). The
+/// thread holds its own view of the mapping, so dropping the model early is safe; if the
+/// thread cannot start, rows are simply faulted in on first use, as before.
+fn touch_in_background(bytes: deltafin_tensor::Bytes) {
+    let _ = std::thread::Builder::new()
+        .name("k3-embed-touch".into())
+        .spawn(move || touch_pages(bytes.as_slice()));
+}
+
+/// Open the checkpoint under `root`, validate it, and build the model.
+pub fn open_model(root: &Path, opts: &EngineOptions) -> Result<K3Model, LoadError> {
+    let ckpt = Arc::new(Checkpoint::open(root)?);
+    load_model(ckpt, opts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::config::REAL_CONFIG_JSON;
+
+    #[test]
+    fn touch_pages_reads_every_page_once() {
+        for (len, pages) in [(0, 0), (1, 1), (4096, 1), (4097, 2), (3 * 4096 + 5, 4)] {
+            assert_eq!(touch_pages(&vec![7u8; len]), pages, "{len} bytes");
+        }
+        // Over a file mapping, as for the checkpoint's embedding table.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("table.bin");
+        std::fs::write(&path, vec![1u8; 5 * 4096 + 100]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        let bytes = deltafin_tensor::Bytes::from_owner(Arc::new(map));
+        let view = bytes.slice(4096..bytes.len()).unwrap();
+        assert_eq!(touch_pages(view.as_slice()), 5);
+        // The background form returns at once and keeps its own view of the mapping.
+        touch_in_background(view);
+    }
+
+    #[test]
+    fn real_config_maps_to_the_k3_dims_and_state_sizes() {
+        let cfg = K3Config::from_json_str(REAL_CONFIG_JSON).unwrap();
+        let d = dims_from_config(&cfg, &EngineOptions::default());
+        d.validate().unwrap();
+        assert_eq!(d.num_layers(), 93);
+        assert_eq!(d.num_mla_layers(), 24);
+        assert_eq!(d.num_kda_layers(), 69);
+        assert_eq!(d.attn_kind(0), AttnKind::Kda);
+        assert_eq!(d.attn_kind(91), AttnKind::Mla);
+        assert_eq!(d.attn_kind(92), AttnKind::Mla);
+        assert_eq!(d.shared_intermediate, 6144);
+        assert_eq!(d.gate_lower_bound, -5.0);
+        assert_eq!(
+            (d.mla_norm_eps, d.kda_l2_eps, d.rms_norm_eps),
+            (1e-6, 1e-6, 1e-5)
+        );
+        // §6: 576 bf16 values per token per MLA layer, 24 layers; 443.1 MiB of KDA state.
+        assert_eq!(d.mla_cache_bytes_per_token(), 27_648);
+        assert_eq!(d.kda_state_bytes(), 464_633_856);
+        let f32_cache = dims_from_config(
+            &cfg,
+            &EngineOptions {
+                mla_cache_dtype: CacheDtype::F32,
+                ..Default::default()
+            },
+        );
+        assert_eq!(f32_cache.mla_cache_bytes_per_token(), 55_296);
+    }
+}

@@ -1,0 +1,247 @@
+//! Resident spine weights in anonymous memory backed by transparent huge pages.
+//!
+//! The spine is read once per decoded token, front to back. Mapped from the checkpoint (or
+//! the int8 spine files) it sits in 4 KiB page-cache pages: every 4 KiB of weights costs a
+//! TLB miss and a page-table walk, which on a virtual machine is a nested walk through the
+//! host's tables too. Copied once at load into one anonymous mapping advised for
+//! transparent huge pages, the same bytes need 512 times fewer walks; the product kernels
+//! read exactly the same values (the copy is byte-for-byte, so tokens and logits do not
+//! change).
+//!
+//! The copy replaces the mapped views and drops the mapped pages from the process as it
+//! goes ([`deltafin_tensor::storage::copy_to_anonymous`]), so the resident set stays one
+//! copy of the spine; the page cache may keep the file's pages, which the system reclaims
+//! as it needs.
+//!
+//! Selected by [`HugePages`] (`DELTAFIN_HUGE_PAGES=auto|off` for the CLI): `auto` copies
+//! when the system grants huge pages to an advised mapping (Linux with transparent huge
+//! pages `always` or `madvise`), `off` keeps the zero-copy mappings.
+
+mod copy;
+
+/// Whether resident spine weights are copied into huge-page memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HugePages {
+    /// Copy when the system grants transparent huge pages to an advised mapping.
+    #[default]
+    Auto,
+    /// Keep the spine mapped from its files (zero-copy).
+    Off,
+}
+
+impl HugePages {
+    /// The environment variable the CLI reads.
+    pub const ENV: &'static str = "DELTAFIN_HUGE_PAGES";
+
+    /// Parse `auto` or `off` (strict; the error names the accepted values).
+    pub fn parse(text: &str) -> Result<HugePages, String> {
+        match text.trim() {
+            "auto" => Ok(HugePages::Auto),
+            "off" => Ok(HugePages::Off),
+            other => Err(format!("{other:?} is not one of auto, off")),
+        }
+    }
+
+    /// Whether to copy on this system.
+    pub fn copies(self) -> bool {
+        self == HugePages::Auto && transparent_huge_pages().is_some_and(|m| m != "never")
+    }
+}
+
+/// The system's transparent-huge-page mode (`always`, `madvise` or `never`), `None` where
+/// the system has none (not Linux, or the kernel was built without them).
+pub fn transparent_huge_pages() -> Option<String> {
+    let text = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+    selected_mode(&text)
+}
+
+/// The bracketed entry of a sysfs choice list such as `always [madvise] never`.
+fn selected_mode(text: &str) -> Option<String> {
+    let start = text.find('[')?;
+    let end = start + text[start..].find(']')?;
+    Some(text[start + 1..end].to_string())
+}
+
+/// What [`K3Model::copy_spine_to_huge_pages`](crate::model::K3Model::copy_spine_to_huge_pages)
+/// copied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResidentCopy {
+    /// What was copied (`resident spine`, `routed experts`).
+    pub what: &'static str,
+    /// Matrices copied (projections, routers, `lm_head`).
+    pub matrices: usize,
+    /// Bytes of the one anonymous mapping.
+    pub bytes: u64,
+    /// Whether the system accepted the huge-page advice for it.
+    pub huge_advised: bool,
+}
+
+impl ResidentCopy {
+    /// One line for `--stats` and the startup log.
+    pub fn describe(&self) -> String {
+        format!(
+            "{}: {} matrices, {:.3} GB copied into anonymous memory ({})",
+            self.what,
+            self.matrices,
+            self.bytes as f64 / 1e9,
+            if self.huge_advised {
+                "transparent huge pages advised"
+            } else {
+                "huge-page advice refused: 4 KiB pages"
+            }
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::K3Model;
+    use crate::model::LogitRows;
+    use crate::model::layer::linears_mut;
+    use crate::weights::checkpoint::Checkpoint;
+    use crate::weights::loader::{CheckpointExperts, EngineOptions, load_model_with_experts};
+    use crate::weights::spine_int8::SpineFormat;
+    use std::sync::Arc;
+
+    fn small() -> (tempfile::TempDir, Arc<Checkpoint>) {
+        let (dir, ckpt) = crate::test_util::small_checkpoint(5, true);
+        (dir, Arc::new(ckpt))
+    }
+
+    /// The model with `HugePages::Off`; with `copy`, its spine and experts are then copied
+    /// explicitly (so the test does not depend on the system's huge-page setting).
+    fn load(
+        ckpt: &Arc<Checkpoint>,
+        spine: SpineFormat,
+        copy: bool,
+    ) -> (K3Model, Option<(ResidentCopy, ResidentCopy)>) {
+        let experts = CheckpointExperts::new(ckpt.clone());
+        let expert_copy = copy.then(|| experts.copy_to_huge_pages(&|_, _| {}).unwrap());
+        let mut m = load_model_with_experts(
+            ckpt.clone(),
+            &EngineOptions {
+                spine,
+                huge_pages: HugePages::Off,
+                ..Default::default()
+            },
+            Box::new(experts),
+        )
+        .unwrap();
+        assert!(m.resident_copy.is_none());
+        let copies = expert_copy.map(|e| {
+            let done = std::sync::atomic::AtomicU64::new(0);
+            let total = std::sync::atomic::AtomicU64::new(0);
+            let c = m
+                .copy_spine_to_huge_pages(&|bytes, of| {
+                    done.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+                    total.store(of, std::sync::atomic::Ordering::Relaxed);
+                })
+                .unwrap();
+            // Progress covers exactly the bytes copied, every one once.
+            let (done, total) = (done.into_inner(), total.into_inner());
+            assert_eq!(done, total);
+            assert!(c.bytes >= done && c.bytes - done < 64 * c.matrices as u64 * 2);
+            (c, e)
+        });
+        (m, copies)
+    }
+
+    /// A 4-token prefill's every row, then two decode steps.
+    fn run(m: &K3Model) -> Vec<f32> {
+        let mut st = m.new_state();
+        let mut out = m
+            .forward(&mut st, &[3, 77, 500, 9], LogitRows::All)
+            .unwrap()
+            .values;
+        for t in [12, 901] {
+            out.extend(m.decode(&mut st, t).unwrap());
+        }
+        out
+    }
+
+    /// Start address and length of every host view the copy moves, in its order.
+    fn views(m: &mut K3Model) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        let n = m.layers.len();
+        m.for_each_spine_matrix(n, |slot| {
+            out.extend(
+                slot.parts()
+                    .iter()
+                    .map(|b| (b.as_slice().as_ptr() as usize, b.len())),
+            );
+            Ok(())
+        })
+        .unwrap();
+        out
+    }
+
+    #[test]
+    fn copied_weights_give_identical_logits_from_one_mapping_in_order_of_use() {
+        let (_dir, ckpt) = small();
+        for spine in [SpineFormat::Int8, SpineFormat::Bf16] {
+            let (mut mapped, _) = load(&ckpt, spine, false);
+            let (mut copied, report) = load(&ckpt, spine, true);
+            let (spine_copy, expert_copy) = report.unwrap();
+            assert_eq!(run(&mapped), run(&copied), "{spine:?}: logits changed");
+
+            // Every moved view lies in one mapping of the reported size, back to back in the
+            // visiting order at cache-line offsets, and none is the mapped original.
+            let before = views(&mut mapped);
+            let after = views(&mut copied);
+            assert_eq!(before.len(), after.len());
+            let base = after[0].0;
+            let mut at = base;
+            for (&(p, len), &(q, len0)) in after.iter().zip(&before) {
+                assert_eq!(len, len0);
+                assert_eq!(p, at, "{spine:?}: not back to back");
+                assert_ne!(p, q);
+                at += len.div_ceil(deltafin_tensor::storage::ANON_ALIGN)
+                    * deltafin_tensor::storage::ANON_ALIGN;
+            }
+            assert_eq!((at - base) as u64, spine_copy.bytes);
+            let cfg = ckpt.config();
+            let moe = (0..cfg.n_layers()).filter(|&l| !cfg.is_dense(l)).count();
+            let projections: usize = copied.layers.iter_mut().map(|l| linears_mut(l).len()).sum();
+            assert_eq!(spine_copy.matrices, projections + moe + 1);
+            assert_eq!(spine_copy.what, "resident spine");
+            let per_layer = cfg.text.num_experts;
+            assert_eq!(expert_copy.matrices, moe * per_layer * 3);
+            assert_eq!(expert_copy.what, "routed experts");
+            // Experts: the served views are the copies (inside the expert mapping).
+            let served = copied.experts.expert(cfg.n_layers() - 1, 1).unwrap();
+            let orig = ckpt.expert_matrices(cfg.n_layers() - 1, 1).unwrap();
+            assert_eq!(served.w2.packed(), orig.w2.packed());
+            assert_ne!(served.w2.packed().as_ptr(), orig.w2.packed().as_ptr());
+        }
+    }
+
+    #[test]
+    fn the_mode_parses_strictly_and_the_sysfs_choice_is_read() {
+        assert_eq!(HugePages::parse("auto"), Ok(HugePages::Auto));
+        assert_eq!(HugePages::parse(" off\n"), Ok(HugePages::Off));
+        let e = HugePages::parse("on").unwrap_err();
+        assert!(e.contains("\"on\"") && e.contains("auto, off"), "{e}");
+        assert!(!HugePages::Off.copies());
+        assert_eq!(
+            selected_mode("always [madvise] never\n").as_deref(),
+            Some("madvise")
+        );
+        assert_eq!(
+            selected_mode("[always] madvise never").as_deref(),
+            Some("always")
+        );
+        assert_eq!(selected_mode("always madvise never"), None);
+        let d = ResidentCopy {
+            what: "resident spine",
+            matrices: 3,
+            bytes: 2_500_000_000,
+            huge_advised: false,
+        }
+        .describe();
+        assert!(
+            d.contains("3 matrices") && d.contains("2.500 GB") && d.contains("4 KiB"),
+            "{d}"
+        );
+    }
+}
