@@ -42,8 +42,8 @@ use deltafin_kernels::{DeviceWeights, ProductDevice, Weights, situ_glu};
 use crate::dims::ModelDims;
 use crate::linear::{Linear, Offloaded};
 use crate::model::{K3Model, ModelError};
-use crate::moe::ExpertWeights;
 use crate::spine_stream::linears_mut;
+use deltafin_experts::ExpertWeights;
 
 /// Why a spine matrix stayed on the CPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
