@@ -1,5 +1,5 @@
 //! How a forward pass runs, besides its math: the entry points of [`K3Model`] and the
-//! [`PassHooks`] the layer loop (`crate::model`) calls.
+//! `PassHooks` the layer loop (`crate::model`) calls.
 //!
 //! - **Spine streaming** (`crate::spine_stream`): a streamed layer's projections are read
 //!   before the layer runs, the next one's read starting meanwhile.

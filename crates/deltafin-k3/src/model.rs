@@ -15,8 +15,8 @@
 //! logits ← lm_head · RMS(AR(P; S; output_res); norm)
 //! ```
 //!
-//! The loop ([`K3Model::run_layers`]) is only this math; what a pass does besides it (spine
-//! reads, read hints, taps, the experts' schedule) happens in [`PassHooks`] it calls at
+//! The loop (`K3Model::run_layers`) is only this math; what a pass does besides it (spine
+//! reads, read hints, taps, the experts' schedule) happens in `PassHooks` it calls at
 //! fixed points. The entry points ([`K3Model::forward`], [`K3Model::decode`], …) and the
 //! engine's hooks are in `crate::exec`.
 
@@ -201,7 +201,7 @@ pub struct K3Model {
     pub(crate) provisional: crate::next_token::Provisional,
 }
 
-/// What a forward pass does besides the math, called by [`K3Model::run_layers`] at fixed
+/// What a forward pass does besides the math, called by `K3Model::run_layers` at fixed
 /// points of the layer loop: spine reads, read hints, observation, the experts' schedule.
 /// No hook changes a value. The engine's hooks are `crate::exec`'s.
 pub(crate) trait PassHooks {

@@ -105,7 +105,6 @@ impl<'a> ExpertSchedule<'a> {
         let (lr, k) = (dims.latent_size, dims.experts_per_token);
         let (experts, device) = (self.experts, self.device);
         let users_map = &users.users;
-        let union: Vec<usize> = users_map.keys().copied().collect();
         let expert = &expert;
         // Experts are requested in id order on this thread (a streaming source may block
         // on reads) and each one's products run as a pool task as soon as it is here, so
@@ -156,7 +155,7 @@ impl<'a> ExpertSchedule<'a> {
             // Hits first, then misses as their reads complete (`next_ready`); each result
             // lands in its expert's slot, so the weighted sum keeps the fixed route order.
             let mut todo: Vec<_> = users_map.iter().zip(&slots).collect();
-            let mut pending: Vec<usize> = union.clone();
+            let mut pending: Vec<usize> = users_map.keys().copied().collect();
             while !todo.is_empty() {
                 in_flight.wait_for_slot();
                 let next = experts.next_ready(layer, &pending).min(pending.len() - 1);
