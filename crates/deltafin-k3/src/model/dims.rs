@@ -1,10 +1,11 @@
 //! Model dimensions, the layer schedule and the numeric constants the forward pass uses.
 //!
-//! [`ModelDims`] is filled from `config.json` by the loader; the model never hard-codes the
-//! released sizes. Every epsilon is a field so that an oracle comparison can switch it
+//! [`ModelDims`] is filled from `config.json` ([`ModelDims::from_config`]); the model never
+//! hard-codes the released sizes. Every epsilon is a field so that an oracle comparison can switch it
 //! (k3-model.md §5.1, §5.3).
 
-use crate::error::ModelError;
+use crate::weights::config::{K3Config, LayerKind};
+use crate::model::ModelError;
 
 /// Which attention block a layer runs (k3-model.md §1.3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,6 +110,57 @@ pub struct ModelDims {
 }
 
 impl ModelDims {
+    /// The dimensions and constants of `cfg` (k3-model.md §1, epsilons of §5.1), with the two
+    /// engine choices that are not part of `config.json` at their defaults: a bf16 MLA cache
+    /// and KDA chunks of 64 (`loader::dims_from_config` sets them from the engine options).
+    pub fn from_config(cfg: &K3Config) -> ModelDims {
+        let t = &cfg.text;
+        let attn_kinds = (0..cfg.n_layers())
+            .map(|l| match cfg.layer_kind(l) {
+                LayerKind::Kda => AttnKind::Kda,
+                LayerKind::Mla => AttnKind::Mla,
+            })
+            .collect();
+        let rms = t.rms_norm_eps as f32;
+        ModelDims {
+            vocab_size: t.vocab_size,
+            hidden_size: t.hidden_size,
+            attn_kinds,
+            first_k_dense: t.first_k_dense_replace,
+            attn_res_block_size: t.attn_res_block_size,
+            kda_heads: t.linear_attn.num_heads,
+            kda_head_dim: t.linear_attn.head_dim,
+            conv_kernel: t.linear_attn.short_conv_kernel_size,
+            gate_lower_bound: t.linear_attn.gate_lower_bound as f32,
+            kda_chunk: 64,
+            mla_cache_dtype: CacheDtype::Bf16,
+            mla_heads: t.num_attention_heads,
+            q_lora_rank: t.q_lora_rank,
+            kv_lora_rank: t.kv_lora_rank,
+            qk_nope_head_dim: t.qk_nope_head_dim,
+            qk_rope_head_dim: t.qk_rope_head_dim,
+            v_head_dim: t.v_head_dim,
+            dense_intermediate: t.intermediate_size,
+            shared_intermediate: cfg.shared_intermediate(),
+            moe_intermediate: t.moe_intermediate_size,
+            latent_size: t.routed_expert_hidden_size,
+            num_experts: t.num_experts,
+            experts_per_token: t.num_experts_per_token,
+            routed_scaling_factor: t.routed_scaling_factor as f32,
+            situ_beta: t.activation_situ_beta as f32,
+            situ_linear_beta: t.activation_situ_linear_beta as f32,
+            rms_norm_eps: rms,
+            // The AttnRes key norm, KDA o_norm and routed_expert_norm use rms_norm_eps (1e-5);
+            // the MLA latent norms and the KDA L2 norm use the reference's 1e-6 (§5.1).
+            attn_res_eps: rms,
+            kda_o_norm_eps: rms,
+            routed_expert_norm_eps: rms,
+            mla_norm_eps: 1e-6,
+            kda_l2_eps: 1e-6,
+            router_renorm_eps: 1e-20,
+        }
+    }
+
     /// Number of decoder layers.
     pub fn num_layers(&self) -> usize {
         self.attn_kinds.len()

@@ -1,4 +1,4 @@
-//! The K3 text model: embedding, the layer loop with Attention Residuals (k3-model.md §4.2),
+//! The K3 text model: embedding, the layer loop with Attention Residuals (docs/K3.md §4.2),
 //! and the output head (§4.9).
 //!
 //! Activations are f32 throughout; bf16/MXFP4 weights are widened to f32 with f32
@@ -14,19 +14,23 @@
 //!     P ← P + FFN_l(RMS(m; post_attention_layernorm_l))
 //! logits ← lm_head · RMS(AR(P; S; output_res); norm)
 //! ```
+//!
+//! The loop (`K3Model::run_layers`) is only this math; what a pass does besides it (spine
+//! reads, read hints, taps, the experts' schedule) happens in `PassHooks` it calls at
+//! fixed points. The entry points ([`K3Model::forward`], [`K3Model::decode`], …) and the
+//! engine's hooks are in `crate::exec`.
 
 use crate::error::ModelError;
 use crate::model::attn_res::AttnResWeights;
-use crate::model::dims::{AttnKind, CacheDtype, FfnKind, ModelDims};
-use crate::model::kda::KdaWeights;
 use crate::model::layer::{Attention, Ffn, Layer};
+use crate::model::dims::{AttnKind, CacheDtype, FfnKind, ModelDims};
+use crate::weights::inventory;
 use crate::model::linear::Linear;
-use crate::model::mla::{MlaCache, MlaWeights};
-use crate::model::moe::ExpertSource;
+use crate::model::mla::MlaCache;
+use crate::model::moe::{ExpertSchedule, ExpertSource};
 use crate::model::norm::rms_norm_rows_new;
 use crate::model::state::{LayerState, State};
-use crate::model::taps::Taps;
-use deltafin_tensor::Bf16Matrix;
+use deltafin_tensor::{Bf16Matrix, DType};
 
 /// Which rows of logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,7 +43,7 @@ pub enum LogitRows {
 
 /// Which KDA form a multi-token forward uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum KdaForm {
+pub(crate) enum KdaForm {
     /// Chunked (prefill; the reference's choice for more than one token).
     Chunked,
     /// Recurrent, token by token (bit-identical to decode).
@@ -94,11 +98,27 @@ pub struct K3Model {
     /// (`crate::weights::resident`).
     pub resident_copy: Option<crate::weights::resident::ResidentCopy>,
     /// The provisional next-token rows of `lm_head` (`crate::model::next_token`), built at the first
-    /// pass that can use them: an expert source that wants PILOT guesses.
-    provisional: std::sync::OnceLock<Result<super::next_token::ProvisionalHead, String>>,
-    /// The last provisional token not yet compared with the next pass's first token, and how
-    /// often it was right.
-    provisional_tally: std::sync::Mutex<super::next_token::Tally>,
+    /// pass that can use them (an expert source that wants PILOT guesses), and how often
+    /// their token was the next pass's first.
+    pub(crate) provisional: crate::model::next_token::Provisional,
+}
+
+/// What a forward pass does besides the math, called by `K3Model::run_layers` at fixed
+/// points of the layer loop: spine reads, read hints, observation, the experts' schedule.
+/// No hook changes a value. The engine's hooks are `crate::model::exec`'s.
+pub(crate) trait PassHooks {
+    /// A pass over `tokens` (checked, not yet embedded) begins.
+    fn begin(&mut self, tokens: &[u32]) -> Result<(), ModelError>;
+    /// Layer `l`'s weights when they are not `own` (the model's entry): a streamed layer's.
+    fn layer_weights(&mut self, l: usize, own: &Layer) -> Result<Option<Layer>, ModelError>;
+    /// `x`: layer `l`'s normalised input (`t` rows), before its attention runs.
+    fn layer_input(&mut self, l: usize, layer: &Layer, x: &[f32], t: usize);
+    /// How MoE layer `l`'s routed experts are obtained and run.
+    fn experts(&self, l: usize) -> ExpertSchedule<'_>;
+    /// `p`: `P` after layer `l`.
+    fn layer_output(&mut self, l: usize, p: &[f32]);
+    /// `x`: the normalised rows (`rows` of them) that `lm_head` multiplies next.
+    fn head_input(&mut self, x: &[f32], rows: usize);
 }
 
 /// A matrix shape the model checks: a [`Bf16Matrix`] or a [`Linear`].
@@ -118,27 +138,153 @@ impl Shaped for Linear {
     }
 }
 
-fn check_mat(name: String, m: &impl Shaped, rows: usize, cols: usize) -> Result<(), ModelError> {
+/// A weight as the model holds it: a matrix, or a vector widened to f32 (whatever the rank
+/// of its stored shape).
+#[derive(Clone, Copy, Debug)]
+enum Held {
+    Matrix(usize, usize),
+    Vector(usize),
+}
+
+fn matrix(m: &impl Shaped) -> Held {
     let (r, c) = m.shape();
-    if r != rows || c != cols {
-        return Err(ModelError::Shape {
-            tensor: name,
-            expected: format!("[{rows}, {cols}]"),
-            found: format!("[{r}, {c}]"),
-        });
+    Held::Matrix(r, c)
+}
+
+fn vector(v: &[f32]) -> Held {
+    Held::Vector(v.len())
+}
+
+/// The inventory's entries `expected` (names under `prefix`) against the weights the model
+/// `held` under the same names: one for one, a matrix of the stored shape, a vector of as
+/// many values.
+fn check_against(
+    prefix: &str,
+    expected: &[(String, Vec<usize>, DType)],
+    held: &[(&str, Held)],
+) -> Result<(), ModelError> {
+    for (name, stored, _) in expected {
+        let found = name
+            .strip_prefix(prefix)
+            .and_then(|short| held.iter().find(|(n, _)| *n == short));
+        let Some(&(_, h)) = found else {
+            return Err(ModelError::Dims(format!(
+                "the model holds no weight for the inventory's `{name}`"
+            )));
+        };
+        let (ok, expected, found) = match h {
+            Held::Matrix(r, c) => (stored[..] == [r, c], stored.clone(), vec![r, c]),
+            Held::Vector(n) => {
+                let want = stored.iter().product();
+                (n == want, vec![want], vec![n])
+            }
+        };
+        if !ok {
+            return Err(ModelError::Shape {
+                tensor: name.clone(),
+                expected: format!("{expected:?}"),
+                found: format!("{found:?}"),
+            });
+        }
+    }
+    if held.len() != expected.len() {
+        return Err(ModelError::Dims(format!(
+            "the model holds {} weights under `{prefix}`, the inventory lists {}",
+            held.len(),
+            expected.len()
+        )));
     }
     Ok(())
 }
 
-fn check_vec(name: String, v: &[f32], len: usize) -> Result<(), ModelError> {
-    if v.len() != len {
-        return Err(ModelError::Shape {
-            tensor: name,
-            expected: format!("[{len}]"),
-            found: format!("[{}]", v.len()),
-        });
+impl Layer {
+    /// Every weight of the layer, named as in the inventory (under `model.layers.{l}.`).
+    fn held(&self) -> Vec<(&'static str, Held)> {
+        let mut w = vec![
+            ("input_layernorm.weight", vector(&self.input_layernorm)),
+            (
+                "post_attention_layernorm.weight",
+                vector(&self.post_attention_layernorm),
+            ),
+            (
+                "self_attention_res_norm.weight",
+                vector(&self.attn_res.norm),
+            ),
+            ("mlp_res_norm.weight", vector(&self.mlp_res.norm)),
+            (
+                "self_attention_res_proj.weight",
+                vector(&self.attn_res.proj),
+            ),
+            ("mlp_res_proj.weight", vector(&self.mlp_res.proj)),
+        ];
+        match &self.attn {
+            Attention::Kda(k) => w.extend([
+                ("self_attn.q_proj.weight", matrix(&k.q_proj)),
+                ("self_attn.k_proj.weight", matrix(&k.k_proj)),
+                ("self_attn.v_proj.weight", matrix(&k.v_proj)),
+                ("self_attn.q_conv1d.weight", vector(&k.q_conv)),
+                ("self_attn.k_conv1d.weight", vector(&k.k_conv)),
+                ("self_attn.v_conv1d.weight", vector(&k.v_conv)),
+                ("self_attn.f_a_proj.weight", matrix(&k.f_a_proj)),
+                ("self_attn.f_b_proj.weight", matrix(&k.f_b_proj)),
+                ("self_attn.b_proj.weight", matrix(&k.b_proj)),
+                ("self_attn.A_log", vector(&k.a_log)),
+                ("self_attn.dt_bias", vector(&k.dt_bias)),
+                ("self_attn.o_norm.weight", vector(&k.o_norm)),
+                ("self_attn.g_proj.weight", matrix(&k.g_proj)),
+                ("self_attn.o_proj.weight", matrix(&k.o_proj)),
+            ]),
+            Attention::Mla(m) => w.extend([
+                ("self_attn.q_a_proj.weight", matrix(&m.q_a_proj)),
+                ("self_attn.q_a_layernorm.weight", vector(&m.q_a_layernorm)),
+                ("self_attn.q_b_proj.weight", matrix(&m.q_b_proj)),
+                ("self_attn.kv_a_proj_with_mqa.weight", matrix(&m.kv_a_proj)),
+                ("self_attn.kv_a_layernorm.weight", vector(&m.kv_a_layernorm)),
+                ("self_attn.kv_b_proj.weight", matrix(&m.kv_b_proj)),
+                ("self_attn.g_proj.weight", matrix(&m.g_proj)),
+                ("self_attn.o_proj.weight", matrix(&m.o_proj)),
+            ]),
+        }
+        match &self.ffn {
+            Ffn::Dense(m) => w.extend([
+                ("mlp.gate_proj.weight", matrix(&m.gate_proj)),
+                ("mlp.up_proj.weight", matrix(&m.up_proj)),
+                ("mlp.down_proj.weight", matrix(&m.down_proj)),
+            ]),
+            Ffn::Moe(m) => w.extend([
+                ("block_sparse_moe.gate.weight", matrix(&m.router.weight)),
+                (
+                    "block_sparse_moe.gate.e_score_correction_bias",
+                    vector(&m.router.bias),
+                ),
+                (
+                    "block_sparse_moe.routed_expert_down_proj.weight",
+                    matrix(&m.latent_down),
+                ),
+                (
+                    "block_sparse_moe.routed_expert_up_proj.weight",
+                    matrix(&m.latent_up),
+                ),
+                (
+                    "block_sparse_moe.routed_expert_norm.weight",
+                    vector(&m.latent_norm),
+                ),
+                (
+                    "block_sparse_moe.shared_experts.gate_proj.weight",
+                    matrix(&m.shared.gate_proj),
+                ),
+                (
+                    "block_sparse_moe.shared_experts.up_proj.weight",
+                    matrix(&m.shared.up_proj),
+                ),
+                (
+                    "block_sparse_moe.shared_experts.down_proj.weight",
+                    matrix(&m.shared.down_proj),
+                ),
+            ]),
+        }
+        w
     }
-    Ok(())
 }
 
 impl K3Model {
@@ -162,37 +308,32 @@ impl K3Model {
             experts,
             spine_stream: None,
             device_experts: None,
-            provisional: std::sync::OnceLock::new(),
-            provisional_tally: std::sync::Mutex::new(Default::default()),
+            provisional: Default::default(),
             resident_copy: None,
         };
         model.validate()?;
         Ok(model)
     }
 
-    /// Check every weight shape against the dimensions and the layer schedule.
+    /// Check every weight shape against the checkpoint inventory for these dimensions
+    /// (`crate::inventory`) and every block against the layer schedule.
     pub fn validate(&self) -> Result<(), ModelError> {
         let d = &self.dims;
         d.validate()?;
-        let dm = d.hidden_size;
-        check_mat(
-            "model.embed_tokens.weight".into(),
-            &self.embed,
-            d.vocab_size,
-            dm,
-        )?;
-        check_mat("lm_head.weight".into(), &self.lm_head, d.vocab_size, dm)?;
-        check_vec("model.norm.weight".into(), &self.norm, dm)?;
-        check_vec(
-            "model.output_attn_res_norm.weight".into(),
-            &self.output_res.norm,
-            dm,
-        )?;
-        check_vec(
-            "model.output_attn_res_proj.weight".into(),
-            &self.output_res.proj,
-            dm,
-        )?;
+        let globals = [
+            ("model.embed_tokens.weight", matrix(&self.embed)),
+            ("lm_head.weight", matrix(&self.lm_head)),
+            ("model.norm.weight", vector(&self.norm)),
+            (
+                "model.output_attn_res_norm.weight",
+                vector(&self.output_res.norm),
+            ),
+            (
+                "model.output_attn_res_proj.weight",
+                vector(&self.output_res.proj),
+            ),
+        ];
+        check_against("", &inventory::global_spine(d), &globals)?;
         if self.layers.len() != d.num_layers() {
             return Err(ModelError::Dims(format!(
                 "{} layers given, the schedule has {}",
@@ -201,84 +342,25 @@ impl K3Model {
             )));
         }
         for (l, layer) in self.layers.iter().enumerate() {
-            let pre = |s: &str| format!("model.layers.{l}.{s}");
-            check_vec(
-                pre("self_attention_res_norm.weight"),
-                &layer.attn_res.norm,
-                dm,
-            )?;
-            check_vec(
-                pre("self_attention_res_proj.weight"),
-                &layer.attn_res.proj,
-                dm,
-            )?;
-            check_vec(pre("mlp_res_norm.weight"), &layer.mlp_res.norm, dm)?;
-            check_vec(pre("mlp_res_proj.weight"), &layer.mlp_res.proj, dm)?;
-            check_vec(pre("input_layernorm.weight"), &layer.input_layernorm, dm)?;
-            check_vec(
-                pre("post_attention_layernorm.weight"),
-                &layer.post_attention_layernorm,
-                dm,
-            )?;
+            let mismatch = |message: String| Err(ModelError::Layer { layer: l, message });
             match (&layer.attn, d.attn_kind(l)) {
-                (Attention::Kda(w), AttnKind::Kda) => {
-                    validate_kda(d, w, &|s| pre(&format!("self_attn.{s}")))?
-                }
-                (Attention::Mla(w), AttnKind::Mla) => {
-                    validate_mla(d, w, &|s| pre(&format!("self_attn.{s}")))?
-                }
+                (Attention::Kda(_), AttnKind::Kda) | (Attention::Mla(_), AttnKind::Mla) => {}
                 (_, kind) => {
-                    return Err(ModelError::Layer {
-                        layer: l,
-                        message: format!(
-                            "the schedule says {kind:?} attention, the weights are the other kind"
-                        ),
-                    });
+                    return mismatch(format!(
+                        "the schedule says {kind:?} attention, the weights are the other kind"
+                    ));
                 }
             }
             match (&layer.ffn, d.ffn_kind(l)) {
-                (Ffn::Dense(m), FfnKind::Dense) => {
-                    let f = d.dense_intermediate;
-                    check_mat(pre("mlp.gate_proj.weight"), &m.gate_proj, f, dm)?;
-                    check_mat(pre("mlp.up_proj.weight"), &m.up_proj, f, dm)?;
-                    check_mat(pre("mlp.down_proj.weight"), &m.down_proj, dm, f)?;
-                }
-                (Ffn::Moe(m), FfnKind::Moe) => {
-                    let p = |s: &str| pre(&format!("block_sparse_moe.{s}"));
-                    let (ne, lr, fs) = (d.num_experts, d.latent_size, d.shared_intermediate);
-                    check_mat(p("gate.weight"), &m.router.weight, ne, dm)?;
-                    check_vec(p("gate.e_score_correction_bias"), &m.router.bias, ne)?;
-                    check_mat(p("routed_expert_down_proj.weight"), &m.latent_down, lr, dm)?;
-                    check_mat(p("routed_expert_up_proj.weight"), &m.latent_up, dm, lr)?;
-                    check_vec(p("routed_expert_norm.weight"), &m.latent_norm, lr)?;
-                    check_mat(
-                        p("shared_experts.gate_proj.weight"),
-                        &m.shared.gate_proj,
-                        fs,
-                        dm,
-                    )?;
-                    check_mat(
-                        p("shared_experts.up_proj.weight"),
-                        &m.shared.up_proj,
-                        fs,
-                        dm,
-                    )?;
-                    check_mat(
-                        p("shared_experts.down_proj.weight"),
-                        &m.shared.down_proj,
-                        dm,
-                        fs,
-                    )?;
-                }
+                (Ffn::Dense(_), FfnKind::Dense) | (Ffn::Moe(_), FfnKind::Moe) => {}
                 (_, kind) => {
-                    return Err(ModelError::Layer {
-                        layer: l,
-                        message: format!(
-                            "the schedule says a {kind:?} FFN, the weights are the other kind"
-                        ),
-                    });
+                    return mismatch(format!(
+                        "the schedule says a {kind:?} FFN, the weights are the other kind"
+                    ));
                 }
             }
+            let prefix = format!("model.layers.{l}.");
+            check_against(&prefix, &inventory::layer_spine(d, l), &layer.held())?;
         }
         Ok(())
     }
@@ -320,118 +402,51 @@ impl K3Model {
         Ok(())
     }
 
-    /// Run `tokens` (appended to the sequence in `state`) through the model and return the
-    /// requested logit rows. The whole input is processed batched per layer (chunked KDA,
-    /// batched MLA); a single token takes the recurrent KDA path.
-    ///
-    /// On an error from the expert source the state is partially advanced and must be
-    /// discarded; input errors (empty input, token out of range, mismatched state) are
-    /// reported before anything changes.
-    pub fn forward(
-        &self,
-        state: &mut State,
-        tokens: &[u32],
-        want: LogitRows,
-    ) -> Result<Logits, ModelError> {
-        self.forward_impl(state, tokens, want, KdaForm::Chunked, None)
+    /// Input errors (empty input, a token out of range, a state for another model), before
+    /// anything changes.
+    fn check_input(&self, state: &State, tokens: &[u32]) -> Result<(), ModelError> {
+        if tokens.is_empty() {
+            return Err(ModelError::EmptyInput);
+        }
+        let vocab = self.dims.vocab_size;
+        for (index, &token) in tokens.iter().enumerate() {
+            if token as usize >= vocab {
+                return Err(ModelError::TokenOutOfRange {
+                    token,
+                    index,
+                    vocab,
+                });
+            }
+        }
+        self.check_state(state)
     }
 
-    /// Like [`Self::forward`], but KDA runs its recurrent form token by token, so row `i` is
-    /// bit-identical to the logits of the `i`-th of `tokens.len()` single-token
-    /// [`Self::decode`] calls (matrix products, MLA, MoE and AttnRes are row-invariant). This
-    /// is the speculative-verification pass.
-    pub fn forward_exact(
-        &self,
-        state: &mut State,
-        tokens: &[u32],
-        want: LogitRows,
-    ) -> Result<Logits, ModelError> {
-        self.forward_impl(state, tokens, want, KdaForm::Recurrent, None)
-    }
-
-    /// [`Self::forward`] that also appends, per input position, the bf16-rounded partial sum
-    /// `P` after each of `taps`' layers (k3-model.md §9.3). The logits are unchanged.
-    pub fn forward_tapped(
-        &self,
-        state: &mut State,
-        tokens: &[u32],
-        want: LogitRows,
-        taps: &mut Taps,
-    ) -> Result<Logits, ModelError> {
-        self.forward_impl(state, tokens, want, KdaForm::Chunked, Some(taps))
-    }
-
-    /// [`Self::forward_exact`] with taps, as [`Self::forward_tapped`].
-    pub fn forward_exact_tapped(
-        &self,
-        state: &mut State,
-        tokens: &[u32],
-        want: LogitRows,
-        taps: &mut Taps,
-    ) -> Result<Logits, ModelError> {
-        self.forward_impl(state, tokens, want, KdaForm::Recurrent, Some(taps))
-    }
-
-    /// A tap collector for this model's layers `layer_ids`.
-    pub fn taps(&self, layer_ids: &[usize]) -> Result<Taps, ModelError> {
-        Taps::new(layer_ids, self.layers.len(), self.dims.hidden_size)
-    }
-
-    fn forward_impl(
+    /// `tokens` (appended to the sequence in `state`) through the layer loop (docs/K3.md
+    /// §4.2) and the output head (§4.9), batched per layer; the requested logit rows.
+    /// `hooks` are called at fixed points and change no value.
+    pub(crate) fn run_layers(
         &self,
         state: &mut State,
         tokens: &[u32],
         want: LogitRows,
         kda_form: KdaForm,
-        mut taps: Option<&mut Taps>,
+        hooks: &mut dyn PassHooks,
     ) -> Result<Logits, ModelError> {
+        self.check_input(state, tokens)?;
         let d = &self.dims;
-        let dm = d.hidden_size;
-        if tokens.is_empty() {
-            return Err(ModelError::EmptyInput);
-        }
-        for (index, &token) in tokens.iter().enumerate() {
-            if token as usize >= d.vocab_size {
-                return Err(ModelError::TokenOutOfRange {
-                    token,
-                    index,
-                    vocab: d.vocab_size,
-                });
-            }
-        }
-        self.check_state(state)?;
-        let t = tokens.len();
-        self.provisional_tally
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .judge(tokens[0]);
+        let (dm, t) = (d.hidden_size, tokens.len());
+        hooks.begin(tokens)?;
 
-        // P ← E[token]
+        // P ← E[token];  S ← []
         let mut p = Vec::with_capacity(t * dm);
         for &token in tokens {
             p.extend(self.embed.row(token as usize).iter().map(|v| v.to_f32()));
         }
         let mut snaps: Vec<Vec<f32>> = Vec::new();
-        // PILOT: each MoE layer's router on the previous MoE layer's FFN input, or on the
-        // input of the dense layer before it.
-        let next_router = |l: usize| match self.layers.get(l + 1).map(|x| &x.ffn) {
-            Some(Ffn::Moe(m)) => Some((l + 1, &m.router)),
-            _ => None,
-        };
-        if let Some(tp) = taps.as_deref_mut() {
-            tp.begin(t);
-        }
-        let mut spine_pass = match &self.spine_stream {
-            Some(s) => Some(s.begin_pass()?),
-            None => None,
-        };
-        for (l, (resident, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            // A streamed layer's weights are resolved (read) before the layer runs.
-            let streamed = match spine_pass.as_mut() {
-                Some(pass) => pass.layer(l, resident)?,
-                None => None,
-            };
-            let layer = streamed.as_ref().unwrap_or(resident);
+        for (l, (own, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+            let streamed = hooks.layer_weights(l, own)?;
+            let layer = streamed.as_ref().unwrap_or(own);
+            // a ← P if S = [] else AR(P; S; attn_res_l);  at a block start S.push(P), P ← ∅
             let a = if snaps.is_empty() {
                 p.clone()
             } else {
@@ -441,12 +456,9 @@ impl K3Model {
             if restart {
                 snaps.push(std::mem::take(&mut p));
             }
+            // o ← Attn_l(RMS(a; input_layernorm_l));  P ← o if P = ∅ else P + o
             let x = rms_norm_rows_new(&a, &layer.input_layernorm, d.rms_norm_eps);
-            // PILOT for the MoE layer after a dense one, from the dense layer's input: its
-            // reads start before this layer's attention and MLP.
-            if let (Ffn::Dense(_), Some((next, router))) = (&layer.ffn, next_router(l)) {
-                super::moe::predict_across_dense(d, self.experts.as_ref(), next, router, &x, t);
-            }
+            hooks.layer_input(l, layer, &x, t);
             let o = match (&layer.attn, ls) {
                 (Attention::Kda(w), LayerState::Kda(s)) => match kda_form {
                     KdaForm::Chunked => w.forward(d, &x, t, s)?,
@@ -464,28 +476,19 @@ impl K3Model {
             } else {
                 add_into(&mut p, &o);
             }
+            // P ← P + FFN_l(RMS(AR(P; S; mlp_res_l); post_attention_layernorm_l))
             let m = layer.mlp_res.mix_rows(&snaps, &p, t, d.attn_res_eps);
             let x = rms_norm_rows_new(&m, &layer.post_attention_layernorm, d.rms_norm_eps);
             let f = match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(d, &x, t)?,
-                Ffn::Moe(moe) => moe.forward_with_pilot(
-                    d,
-                    l,
-                    self.experts.as_ref(),
-                    &x,
-                    t,
-                    next_router(l),
-                    self.device_experts.as_deref(),
-                )?,
+                Ffn::Moe(moe) => moe.forward_scheduled(d, l, &x, t, &hooks.experts(l))?,
             };
             add_into(&mut p, &f);
-            if let Some(tp) = taps.as_deref_mut() {
-                tp.record(l, &p);
-            }
+            hooks.layer_output(l, &p);
         }
         state.position += t;
 
-        // Output: AR over the final snapshots, norm, lm_head on the requested rows.
+        // logits ← lm_head · RMS(AR(P; S; output_res); norm), on the requested rows
         let first = match want {
             LogitRows::Last => t - 1,
             LogitRows::All => 0,
@@ -496,9 +499,7 @@ impl K3Model {
             .output_res
             .mix_rows(&snap_rows, &p[first * dm..], rows, d.attn_res_eps);
         let x = rms_norm_rows_new(&x, &self.norm, d.rms_norm_eps);
-        if rows == 1 {
-            self.guess_next_token_routes(&x);
-        }
+        hooks.head_input(&x, rows);
         let mut values = vec![0f32; rows * d.vocab_size];
         self.lm_head.matmul(&x, rows, &mut values)?;
         Ok(Logits {
@@ -506,74 +507,6 @@ impl K3Model {
             vocab: d.vocab_size,
             values,
         })
-    }
-
-    /// PILOT across the token boundary (`crate::model::next_token`): before `lm_head` runs on the
-    /// last position's normalised row `x`, guess the next pass's first MoE layer from a
-    /// provisional token, so its reads overlap `lm_head`. Only for an expert source that
-    /// wants guesses, a resident layer 0 that is dense and a layer 1 that is MoE (K3's
-    /// schedule); changes no value.
-    fn guess_next_token_routes(&self, x: &[f32]) {
-        let experts = self.experts.as_ref();
-        if self.spine_stream.is_some() || !experts.wants_prediction() {
-            return;
-        }
-        let (Some(first), Some(Ffn::Moe(next))) =
-            (self.layers.first(), self.layers.get(1).map(|l| &l.ffn))
-        else {
-            return;
-        };
-        if !matches!(first.ffn, Ffn::Dense(_)) {
-            return;
-        }
-        let head = self
-            .provisional
-            .get_or_init(|| super::next_token::ProvisionalHead::build(&self.lm_head));
-        let Some(token) = head.as_ref().ok().and_then(|h| h.token(x)) else {
-            return;
-        };
-        self.provisional_tally
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .pending = Some(token);
-        let d = &self.dims;
-        let e: Vec<f32> = self
-            .embed
-            .row(token as usize)
-            .iter()
-            .map(|v| v.to_f32())
-            .collect();
-        let y = rms_norm_rows_new(&e, &first.input_layernorm, d.rms_norm_eps);
-        super::moe::predict_across_dense(d, experts, 1, &next.router, &y, 1);
-    }
-
-    /// The provisional next-token rows (`crate::model::next_token`), once a pass has built them:
-    /// `Err` names why they could not be gathered (the guess is then skipped).
-    pub fn provisional_head(&self) -> Option<Result<&super::next_token::ProvisionalHead, &str>> {
-        self.provisional
-            .get()
-            .map(|r| r.as_ref().map_err(String::as_str))
-    }
-
-    /// How often the provisional next token was the token the next pass began with:
-    /// `(right, judged)` (`--stats`). With several sequences on one model a guess made at
-    /// the end of one sequence's pass is judged against whichever pass comes next.
-    pub fn provisional_accuracy(&self) -> (u64, u64) {
-        let t = self
-            .provisional_tally
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        (t.right, t.judged)
-    }
-
-    /// Process a prompt; returns the logits of its last position.
-    pub fn prefill(&self, state: &mut State, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        Ok(self.forward(state, tokens, LogitRows::Last)?.values)
-    }
-
-    /// Process one token; returns its logits.
-    pub fn decode(&self, state: &mut State, token: u32) -> Result<Vec<f32>, ModelError> {
-        Ok(self.forward(state, &[token], LogitRows::Last)?.values)
     }
 
     /// A fresh state for this model.
@@ -588,86 +521,6 @@ fn add_into(p: &mut [f32], o: &[f32]) {
     }
 }
 
-fn validate_kda(
-    d: &ModelDims,
-    w: &KdaWeights,
-    name: &dyn Fn(&str) -> String,
-) -> Result<(), ModelError> {
-    let (dm, h, hd) = (d.hidden_size, d.kda_heads, d.kda_head_dim);
-    let p = h * hd;
-    for (n, m) in [
-        ("q_proj.weight", &w.q_proj),
-        ("k_proj.weight", &w.k_proj),
-        ("v_proj.weight", &w.v_proj),
-        ("g_proj.weight", &w.g_proj),
-    ] {
-        check_mat(name(n), m, p, dm)?;
-    }
-    for (n, v) in [
-        ("q_conv1d.weight", &w.q_conv),
-        ("k_conv1d.weight", &w.k_conv),
-        ("v_conv1d.weight", &w.v_conv),
-    ] {
-        check_vec(name(n), v, p * d.conv_kernel)?;
-    }
-    let r = w.f_a_proj.rows();
-    check_mat(name("f_a_proj.weight"), &w.f_a_proj, r, dm)?;
-    check_mat(name("f_b_proj.weight"), &w.f_b_proj, p, r)?;
-    check_mat(name("b_proj.weight"), &w.b_proj, h, dm)?;
-    check_mat(name("o_proj.weight"), &w.o_proj, dm, p)?;
-    if w.a_log.len() < h {
-        return Err(ModelError::Shape {
-            tensor: name("A_log"),
-            expected: format!("at least {h} entries (one per head)"),
-            found: format!("[{}]", w.a_log.len()),
-        });
-    }
-    check_vec(name("dt_bias"), &w.dt_bias, p)?;
-    check_vec(name("o_norm.weight"), &w.o_norm, hd)?;
-    Ok(())
-}
-
-fn validate_mla(
-    d: &ModelDims,
-    w: &MlaWeights,
-    name: &dyn Fn(&str) -> String,
-) -> Result<(), ModelError> {
-    let dm = d.hidden_size;
-    let h = d.mla_heads;
-    check_mat(name("q_a_proj.weight"), &w.q_a_proj, d.q_lora_rank, dm)?;
-    check_vec(
-        name("q_a_layernorm.weight"),
-        &w.q_a_layernorm,
-        d.q_lora_rank,
-    )?;
-    check_mat(
-        name("q_b_proj.weight"),
-        &w.q_b_proj,
-        h * d.mla_qk_head_dim(),
-        d.q_lora_rank,
-    )?;
-    check_mat(
-        name("kv_a_proj_with_mqa.weight"),
-        &w.kv_a_proj,
-        d.kv_lora_rank + d.qk_rope_head_dim,
-        dm,
-    )?;
-    check_vec(
-        name("kv_a_layernorm.weight"),
-        &w.kv_a_layernorm,
-        d.kv_lora_rank,
-    )?;
-    check_mat(
-        name("kv_b_proj.weight"),
-        &w.kv_b_proj,
-        h * (d.qk_nope_head_dim + d.v_head_dim),
-        d.kv_lora_rank,
-    )?;
-    check_mat(name("g_proj.weight"), &w.g_proj, h * d.v_head_dim, dm)?;
-    check_mat(name("o_proj.weight"), &w.o_proj, dm, h * d.v_head_dim)?;
-    Ok(())
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -678,6 +531,7 @@ pub(crate) mod tests {
     use crate::model::moe::tests::{moe64, random_experts, random_moe};
     use crate::model::situ::SituMlp;
     use crate::model::situ::tests::situ_mlp64;
+    use crate::model::taps::Taps;
     use crate::test_util::{Rng, mv64, rel_l2, rel_l2_32, rms64};
     use deltafin_kernels::argmax;
     use deltafin_tensor::bf16;
@@ -1255,8 +1109,134 @@ pub(crate) mod tests {
         .unwrap()
         .to_string();
         assert!(
-            e.contains("model.layers.3.self_attn.kv_b_proj.weight"),
+            e.contains("model.layers.3.self_attn.kv_b_proj.weight")
+                && e.contains("expected shape [32, 16], found [24, 16]"),
             "{e}"
         );
+    }
+
+    /// `model` rebuilt after `edit`: the construction error's message.
+    fn rebuilt_error(
+        model: K3Model,
+        experts: InMemoryExperts,
+        edit: impl FnOnce(&mut K3Model),
+    ) -> String {
+        let mut model = model;
+        edit(&mut model);
+        let K3Model {
+            dims,
+            embed,
+            layers,
+            norm,
+            output_res,
+            lm_head,
+            ..
+        } = model;
+        K3Model::new(
+            dims,
+            embed,
+            layers,
+            norm,
+            output_res,
+            lm_head,
+            Box::new(experts),
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default()
+    }
+
+    #[test]
+    fn every_block_kind_is_checked_against_the_inventory() {
+        // Four dense layers: KDA and MLA layers with both FFN kinds are built and checked
+        // against `inventory::layer_spine`, weight for weight.
+        let dims = ModelDims {
+            first_k_dense: 4,
+            ..tiny_dims()
+        };
+        assert_eq!(dims.attn_kind(3), AttnKind::Mla);
+        let (model, _) = random_model_with(dims.clone(), 8);
+        for (l, layer) in model.layers.iter().enumerate() {
+            let mut held: Vec<String> = layer
+                .held()
+                .iter()
+                .map(|(n, _)| format!("model.layers.{l}.{n}"))
+                .collect();
+            let mut listed: Vec<String> = inventory::layer_spine(&dims, l)
+                .into_iter()
+                .map(|(n, _, _)| n)
+                .collect();
+            held.sort();
+            listed.sort();
+            assert_eq!(held, listed, "layer {l}");
+        }
+    }
+
+    #[test]
+    fn misshapen_weights_name_the_tensor_and_both_shapes() {
+        // Each check reports the tensor, the inventory's shape (a vector's as its number of
+        // values) and the shape found.
+        type Edit = fn(&mut K3Model);
+        let cases: [(&str, &str, Edit); 5] = [
+            (
+                "model.layers.1.self_attn.A_log",
+                "expected shape [8], found [2]",
+                |m| {
+                    if let Attention::Kda(w) = &mut m.layers[1].attn {
+                        w.a_log.truncate(2);
+                    }
+                },
+            ),
+            (
+                "model.layers.2.self_attn.q_conv1d.weight",
+                "expected shape [64], found [63]",
+                |m| {
+                    if let Attention::Kda(w) = &mut m.layers[2].attn {
+                        w.q_conv.pop();
+                    }
+                },
+            ),
+            (
+                "model.layers.5.block_sparse_moe.routed_expert_norm.weight",
+                "expected shape [32], found [31]",
+                |m| {
+                    if let Ffn::Moe(w) = &mut m.layers[5].ffn {
+                        w.latent_norm.pop();
+                    }
+                },
+            ),
+            (
+                "model.output_attn_res_proj.weight",
+                "expected shape [32], found [33]",
+                |m| m.output_res.proj.push(0.0),
+            ),
+            (
+                "lm_head.weight",
+                "expected shape [300, 32], found [32, 300]",
+                |m| m.lm_head = Rng(3).bf16_matrix(32, 300).into(),
+            ),
+        ];
+        for (tensor, shapes, edit) in cases {
+            let (model, experts) = random_model(6);
+            let e = rebuilt_error(model, experts, edit);
+            assert!(
+                e.contains(&format!("tensor `{tensor}`: {shapes}")),
+                "{tensor}: {e}"
+            );
+        }
+        // A block of the other kind than the schedule's is named by layer.
+        let (model, experts) = random_model(6);
+        let e = rebuilt_error(model, experts, |m| {
+            m.layers[2].attn = m.layers[3].attn.clone();
+        });
+        assert!(
+            e.contains("layer 2: the schedule says Kda attention"),
+            "{e}"
+        );
+        let (model, experts) = random_model(6);
+        let e = rebuilt_error(model, experts, |m| {
+            m.layers[0].ffn = m.layers[1].ffn.clone();
+        });
+        assert!(e.contains("layer 0: the schedule says a Dense FFN"), "{e}");
     }
 }

@@ -422,8 +422,9 @@ pub(crate) mod tests {
         let p = h * d;
         let k = dims.conv_kernel;
         let taps = |rng: &mut Rng| rng.vec(p * k, 0.8);
+        // Stored as `[head_dim]`, one entry per head: the padding entries are never read.
         let mut a_log = rng.vec(h, 1.0);
-        a_log.extend(std::iter::repeat_n(0.0, 3)); // padding entries are never read
+        a_log.extend(std::iter::repeat_n(0.0, d - h));
         KdaWeights {
             q_proj: rng.bf16_matrix(p, dm).into(),
             k_proj: rng.bf16_matrix(p, dm).into(),
@@ -431,8 +432,8 @@ pub(crate) mod tests {
             q_conv: taps(rng),
             k_conv: taps(rng),
             v_conv: taps(rng),
-            f_a_proj: rng.bf16_matrix(4, dm).into(),
-            f_b_proj: rng.bf16_matrix(p, 4).into(),
+            f_a_proj: rng.bf16_matrix(d, dm).into(),
+            f_b_proj: rng.bf16_matrix(p, d).into(),
             b_proj: rng.bf16_matrix(h, dm).into(),
             a_log,
             dt_bias: rng.vec(p, 1.0),

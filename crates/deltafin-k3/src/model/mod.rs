@@ -18,12 +18,14 @@
 pub mod attn_res;
 pub mod device_experts;
 pub mod dims;
+mod exec;
 pub mod forward;
 pub mod kda;
 pub mod layer;
 pub mod linear;
 pub mod mla;
 pub mod moe;
+pub mod moe_schedule;
 pub mod next_token;
 pub mod norm;
 pub mod offload;

@@ -14,13 +14,15 @@
 //! and hands the guess to the expert source before the full `lm_head` product, so the reads
 //! of the next pass's first MoE layer overlap it. Layer 0 is dense and its input is the
 //! embedding row alone, so the guess is exactly the one the next pass makes from its own
-//! token (`moe::predict_across_dense`) whenever `τ̂` is that token; when it is not, the next
-//! pass's guess replaces this one and the source discards the reads it does not repeat.
+//! token (`moe_schedule::predict_across_dense`) whenever `τ̂` is that token; when it is not,
+//! the next pass's guess replaces this one and the source discards the reads it does not
+//! repeat.
 //! Whenever the emitted token's row is in `S`, `τ̂` is the greedy token (the argmax over a
 //! subset that holds the overall argmax). Only the timing of reads depends on it: the logits
 //! are always the full product's, unchanged.
 
 use std::cmp::Ordering;
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use deltafin_tensor::{Bf16Matrix, Bytes, RowInt8Matrix};
 use half::bf16;
@@ -192,5 +194,48 @@ impl ProvisionalHead {
             }
         }
         best.and_then(|(i, _)| self.ids.get(i).copied())
+    }
+}
+
+/// A model's provisional head, gathered at the first pass that uses it, and the tally of
+/// its tokens against the tokens the next passes began with.
+#[derive(Debug, Default)]
+pub(crate) struct Provisional {
+    head: OnceLock<Result<ProvisionalHead, String>>,
+    tally: Mutex<Tally>,
+}
+
+impl Provisional {
+    /// The head over `lm_head`, gathered on the first call (`None` if that failed).
+    pub(crate) fn head(&self, lm_head: &Linear) -> Option<&ProvisionalHead> {
+        self.head
+            .get_or_init(|| ProvisionalHead::build(lm_head))
+            .as_ref()
+            .ok()
+    }
+
+    /// The head once a pass has gathered it: `Err` names why it could not be.
+    pub(crate) fn built(&self) -> Option<Result<&ProvisionalHead, &str>> {
+        self.head.get().map(|r| r.as_ref().map_err(String::as_str))
+    }
+
+    fn tally(&self) -> MutexGuard<'_, Tally> {
+        self.tally.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A pass begins with token `first`: judge the pending provisional token.
+    pub(crate) fn judge(&self, first: u32) {
+        self.tally().judge(first);
+    }
+
+    /// `token` is the provisional next token, to be judged by the next pass.
+    pub(crate) fn guessed(&self, token: u32) {
+        self.tally().pending = Some(token);
+    }
+
+    /// `(right, judged)`.
+    pub(crate) fn accuracy(&self) -> (u64, u64) {
+        let t = self.tally();
+        (t.right, t.judged)
     }
 }

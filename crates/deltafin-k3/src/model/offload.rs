@@ -28,12 +28,12 @@ use std::sync::Arc;
 
 use deltafin_kernels::ProductDevice;
 
-use crate::error::ModelError;
-use crate::model::K3Model;
-use crate::model::layer::linears_mut;
 use crate::model::linear::{Linear, Offloaded};
 
 pub use crate::model::device_experts::{DeviceCacheStats, DeviceExpert, DeviceExpertCache};
+use crate::error::ModelError;
+use crate::model::K3Model;
+use crate::model::layer::linears_mut;
 
 /// Why a spine matrix stayed on the CPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -181,12 +181,11 @@ impl K3Model {
 mod tests {
     use super::*;
     use crate::model::LogitRows;
-    use crate::model::moe::{ExpertError, ExpertSource};
+    use crate::model::moe::{ExpertError, ExpertSource, ExpertWeights};
     use crate::weights::checkpoint::Checkpoint;
     use crate::weights::loader::{EngineOptions, load_model};
     use crate::weights::spine_int8::SpineFormat;
-    use deltafin_experts::ExpertWeights;
-    use deltafin_kernels::HostDevice;
+        use deltafin_kernels::HostDevice;
     use std::collections::VecDeque;
     use std::sync::Mutex;
 

@@ -1,5 +1,6 @@
 //! The expected tensor inventory of a K3 checkpoint, derived from the config alone
-//! (k3-model.md §3.1–§3.2, §3.4).
+//! (k3-model.md §3.1–§3.2, §3.4). The spine's shapes are stated once, here: the checkpoint
+//! checks its tensors against them, the model its weights.
 //!
 //! Shards (1-based, `N` = number of layers): shard `l + 1` holds all of layer `l` (spine and,
 //! for MoE layers, every routed expert); shard `N + 1` the embedding, `lm_head`, final norm and
@@ -11,7 +12,8 @@
 
 use deltafin_tensor::DType;
 
-use crate::weights::config::{K3Config, LayerKind};
+use crate::weights::config::K3Config;
+use crate::model::dims::{AttnKind, FfnKind, ModelDims};
 
 /// Prefix of every text-model tensor name.
 pub const PREFIX: &str = "language_model.";
@@ -131,10 +133,11 @@ pub fn sort_shard(specs: &mut [TensorSpec]) {
     });
 }
 
-/// Spine tensors of 0-based layer `l`, names without the `language_model.` prefix.
-pub fn layer_spine(cfg: &K3Config, l: usize) -> Vec<(String, Vec<usize>, DType)> {
-    let t = &cfg.text;
-    let d = t.hidden_size;
+/// Spine tensors of 0-based layer `l` of a model with dimensions `dims`: name (without the
+/// `language_model.` prefix), stored shape and dtype. The model checks its weights against
+/// this list too (`K3Model::validate`), so a shape is written down once.
+pub fn layer_spine(dims: &ModelDims, l: usize) -> Vec<(String, Vec<usize>, DType)> {
+    let d = dims.hidden_size;
     let p = format!("model.layers.{l}.");
     let mut v: Vec<(String, Vec<usize>, DType)> = Vec::new();
     let mut add = |name: &str, shape: Vec<usize>, dtype: DType| {
@@ -150,133 +153,112 @@ pub fn layer_spine(cfg: &K3Config, l: usize) -> Vec<(String, Vec<usize>, DType)>
     }
     add("self_attention_res_proj.weight", vec![1, d], DType::BF16);
     add("mlp_res_proj.weight", vec![1, d], DType::BF16);
-    match cfg.layer_kind(l) {
-        LayerKind::Kda => {
-            let la = &t.linear_attn;
-            let w = cfg.kda_width();
+    match dims.attn_kind(l) {
+        AttnKind::Kda => {
+            let (h, hd) = (dims.kda_heads, dims.kda_head_dim);
+            let w = dims.kda_width();
             for n in ["q_proj", "k_proj", "v_proj"] {
                 add(&format!("self_attn.{n}.weight"), vec![w, d], DType::BF16);
             }
             for n in ["q_conv1d", "k_conv1d", "v_conv1d"] {
                 add(
                     &format!("self_attn.{n}.weight"),
-                    vec![w, 1, la.short_conv_kernel_size],
+                    vec![w, 1, dims.conv_kernel],
                     DType::F32,
                 );
             }
-            add(
-                "self_attn.f_a_proj.weight",
-                vec![la.head_dim, d],
-                DType::BF16,
-            );
-            add(
-                "self_attn.f_b_proj.weight",
-                vec![w, la.head_dim],
-                DType::BF16,
-            );
-            add(
-                "self_attn.b_proj.weight",
-                vec![la.num_heads, d],
-                DType::BF16,
-            );
-            add("self_attn.A_log", vec![la.head_dim], DType::F32);
+            add("self_attn.f_a_proj.weight", vec![hd, d], DType::BF16);
+            add("self_attn.f_b_proj.weight", vec![w, hd], DType::BF16);
+            add("self_attn.b_proj.weight", vec![h, d], DType::BF16);
+            add("self_attn.A_log", vec![hd], DType::F32);
             add("self_attn.dt_bias", vec![w], DType::F32);
-            add("self_attn.o_norm.weight", vec![la.head_dim], DType::F32);
+            add("self_attn.o_norm.weight", vec![hd], DType::F32);
             add("self_attn.g_proj.weight", vec![w, d], DType::BF16);
             add("self_attn.o_proj.weight", vec![d, w], DType::BF16);
         }
-        LayerKind::Mla => {
-            let h = t.num_attention_heads;
-            let qk = t.qk_nope_head_dim + t.qk_rope_head_dim;
-            add(
-                "self_attn.q_a_proj.weight",
-                vec![t.q_lora_rank, d],
-                DType::BF16,
-            );
-            add(
-                "self_attn.q_a_layernorm.weight",
-                vec![t.q_lora_rank],
-                DType::BF16,
-            );
+        AttnKind::Mla => {
+            let h = dims.mla_heads;
+            let (q, kv) = (dims.q_lora_rank, dims.kv_lora_rank);
+            let v = dims.v_head_dim;
+            add("self_attn.q_a_proj.weight", vec![q, d], DType::BF16);
+            add("self_attn.q_a_layernorm.weight", vec![q], DType::BF16);
             add(
                 "self_attn.q_b_proj.weight",
-                vec![h * qk, t.q_lora_rank],
+                vec![h * dims.mla_qk_head_dim(), q],
                 DType::BF16,
             );
             add(
                 "self_attn.kv_a_proj_with_mqa.weight",
-                vec![t.kv_lora_rank + t.qk_rope_head_dim, d],
+                vec![kv + dims.qk_rope_head_dim, d],
                 DType::BF16,
             );
-            add(
-                "self_attn.kv_a_layernorm.weight",
-                vec![t.kv_lora_rank],
-                DType::BF16,
-            );
+            add("self_attn.kv_a_layernorm.weight", vec![kv], DType::BF16);
             add(
                 "self_attn.kv_b_proj.weight",
-                vec![h * (t.qk_nope_head_dim + t.v_head_dim), t.kv_lora_rank],
+                vec![h * (dims.qk_nope_head_dim + v), kv],
+                DType::BF16,
+            );
+            add("self_attn.g_proj.weight", vec![h * v, d], DType::BF16);
+            add("self_attn.o_proj.weight", vec![d, h * v], DType::BF16);
+        }
+    }
+    match dims.ffn_kind(l) {
+        FfnKind::Dense => {
+            let i = dims.dense_intermediate;
+            add("mlp.gate_proj.weight", vec![i, d], DType::BF16);
+            add("mlp.up_proj.weight", vec![i, d], DType::BF16);
+            add("mlp.down_proj.weight", vec![d, i], DType::BF16);
+        }
+        FfnKind::Moe => {
+            let (e, lr, fs) = (dims.num_experts, dims.latent_size, dims.shared_intermediate);
+            let moe = |n: &str| format!("block_sparse_moe.{n}");
+            add(&moe("gate.weight"), vec![e, d], DType::BF16);
+            add(&moe("gate.e_score_correction_bias"), vec![e], DType::F32);
+            add(
+                &moe("routed_expert_down_proj.weight"),
+                vec![lr, d],
                 DType::BF16,
             );
             add(
-                "self_attn.g_proj.weight",
-                vec![h * t.v_head_dim, d],
+                &moe("routed_expert_up_proj.weight"),
+                vec![d, lr],
+                DType::BF16,
+            );
+            add(&moe("routed_expert_norm.weight"), vec![lr], DType::BF16);
+            add(
+                &moe("shared_experts.gate_proj.weight"),
+                vec![fs, d],
                 DType::BF16,
             );
             add(
-                "self_attn.o_proj.weight",
-                vec![d, h * t.v_head_dim],
+                &moe("shared_experts.up_proj.weight"),
+                vec![fs, d],
+                DType::BF16,
+            );
+            add(
+                &moe("shared_experts.down_proj.weight"),
+                vec![d, fs],
                 DType::BF16,
             );
         }
     }
-    if cfg.is_dense(l) {
-        let i = t.intermediate_size;
-        add("mlp.gate_proj.weight", vec![i, d], DType::BF16);
-        add("mlp.up_proj.weight", vec![i, d], DType::BF16);
-        add("mlp.down_proj.weight", vec![d, i], DType::BF16);
-    } else {
-        let e = t.num_experts;
-        let lr = t.routed_expert_hidden_size;
-        let fs = cfg.shared_intermediate();
-        add("block_sparse_moe.gate.weight", vec![e, d], DType::BF16);
-        add(
-            "block_sparse_moe.gate.e_score_correction_bias",
-            vec![e],
-            DType::F32,
-        );
-        add(
-            "block_sparse_moe.routed_expert_down_proj.weight",
-            vec![lr, d],
-            DType::BF16,
-        );
-        add(
-            "block_sparse_moe.routed_expert_up_proj.weight",
-            vec![d, lr],
-            DType::BF16,
-        );
-        add(
-            "block_sparse_moe.routed_expert_norm.weight",
-            vec![lr],
-            DType::BF16,
-        );
-        add(
-            "block_sparse_moe.shared_experts.gate_proj.weight",
-            vec![fs, d],
-            DType::BF16,
-        );
-        add(
-            "block_sparse_moe.shared_experts.up_proj.weight",
-            vec![fs, d],
-            DType::BF16,
-        );
-        add(
-            "block_sparse_moe.shared_experts.down_proj.weight",
-            vec![d, fs],
-            DType::BF16,
-        );
-    }
     v
+}
+
+/// The spine tensors outside the layers (embedding, `lm_head`, final norm, output AttnRes):
+/// name (without the `language_model.` prefix), stored shape and dtype.
+pub fn global_spine(dims: &ModelDims) -> Vec<(String, Vec<usize>, DType)> {
+    let (v, d) = (dims.vocab_size, dims.hidden_size);
+    [
+        ("model.embed_tokens.weight", vec![v, d]),
+        ("lm_head.weight", vec![v, d]),
+        ("model.norm.weight", vec![d]),
+        ("model.output_attn_res_norm.weight", vec![d]),
+        ("model.output_attn_res_proj.weight", vec![1, d]),
+    ]
+    .into_iter()
+    .map(|(name, shape)| (name.to_string(), shape, DType::BF16))
+    .collect()
 }
 
 /// One tensor of a routed expert.
@@ -365,9 +347,10 @@ pub fn experts_in_string_order(n: usize) -> Vec<usize> {
 /// shards ascending, each shard in serializer layout order.
 pub fn text_inventory(cfg: &K3Config) -> Vec<TensorSpec> {
     let n = cfg.n_layers();
+    let dims = ModelDims::from_config(cfg);
     let mut out = Vec::new();
     for l in 0..n {
-        let mut shard: Vec<TensorSpec> = layer_spine(cfg, l)
+        let mut shard: Vec<TensorSpec> = layer_spine(&dims, l)
             .into_iter()
             .map(|(name, shape, dtype)| TensorSpec {
                 name: format!("{PREFIX}{name}"),
@@ -399,24 +382,16 @@ pub fn text_inventory(cfg: &K3Config) -> Vec<TensorSpec> {
             }
         }
     }
-    let d = cfg.text.hidden_size;
-    let v = cfg.text.vocab_size;
-    let mut global: Vec<TensorSpec> = [
-        ("model.embed_tokens.weight", vec![v, d]),
-        ("lm_head.weight", vec![v, d]),
-        ("model.norm.weight", vec![d]),
-        ("model.output_attn_res_norm.weight", vec![d]),
-        ("model.output_attn_res_proj.weight", vec![1, d]),
-    ]
-    .into_iter()
-    .map(|(name, shape)| TensorSpec {
-        name: format!("{PREFIX}{name}"),
-        shape,
-        dtype: DType::BF16,
-        shard: n + 1,
-        kind: TensorKind::Spine { layer: None },
-    })
-    .collect();
+    let mut global: Vec<TensorSpec> = global_spine(&dims)
+        .into_iter()
+        .map(|(name, shape, dtype)| TensorSpec {
+            name: format!("{PREFIX}{name}"),
+            shape,
+            dtype,
+            shard: n + 1,
+            kind: TensorKind::Spine { layer: None },
+        })
+        .collect();
     sort_shard(&mut global);
     out.extend(global);
     out

@@ -3,20 +3,18 @@
 //! row-int8 files of [`crate::weights::spine_int8`] with [`SpineFormat::Int8`]), widen the small
 //! vectors to f32, and serve routed experts straight from the shard bytes.
 
-use crate::error::ModelError;
-use crate::model::K3Model;
 use crate::model::attn_res::AttnResWeights;
-use crate::model::dims::{AttnKind, CacheDtype, ModelDims};
-use crate::model::kda::KdaWeights;
-use crate::model::layer::{Attention, Ffn, Layer};
-use crate::model::linear::Linear;
-use crate::model::mla::MlaWeights;
-use crate::model::moe::{ExpertError, ExpertSource, ExpertWeights, MoeWeights};
-use crate::model::router::RouterWeights;
-use crate::model::situ::SituMlp;
 use crate::weights::checkpoint::{Checkpoint, CheckpointError, Layout};
 use crate::weights::config::{K3Config, LayerKind};
+use crate::model::dims::{CacheDtype, ModelDims};
+use crate::model::kda::KdaWeights;
+use crate::model::linear::Linear;
+use crate::model::mla::MlaWeights;
+use crate::model::{Attention, Ffn, K3Model, Layer, ModelError};
+use crate::model::moe::{ExpertError, ExpertSource, ExpertWeights, MoeWeights};
 use crate::weights::resident::{HugePages, ResidentCopy};
+use crate::model::router::RouterWeights;
+use crate::model::situ::SituMlp;
 pub use crate::weights::spine_int8::SpineFormat;
 use crate::weights::spine_int8::{Int8Spine, SpineError, is_quantized};
 use crate::weights::spine_pack::{Codec, PackError, PackSet};
@@ -73,52 +71,13 @@ impl Default for EngineOptions {
     }
 }
 
-/// The model dimensions and constants for `cfg` (k3-model.md §1, epsilons of §5.1).
+/// The model dimensions and constants for `cfg` (k3-model.md §1, epsilons of §5.1), with
+/// the MLA cache type and KDA chunk of `opts`.
 pub fn dims_from_config(cfg: &K3Config, opts: &EngineOptions) -> ModelDims {
-    let t = &cfg.text;
-    let attn_kinds = (0..cfg.n_layers())
-        .map(|l| match cfg.layer_kind(l) {
-            LayerKind::Kda => AttnKind::Kda,
-            LayerKind::Mla => AttnKind::Mla,
-        })
-        .collect();
-    let rms = t.rms_norm_eps as f32;
     ModelDims {
-        vocab_size: t.vocab_size,
-        hidden_size: t.hidden_size,
-        attn_kinds,
-        first_k_dense: t.first_k_dense_replace,
-        attn_res_block_size: t.attn_res_block_size,
-        kda_heads: t.linear_attn.num_heads,
-        kda_head_dim: t.linear_attn.head_dim,
-        conv_kernel: t.linear_attn.short_conv_kernel_size,
-        gate_lower_bound: t.linear_attn.gate_lower_bound as f32,
         kda_chunk: opts.kda_chunk,
         mla_cache_dtype: opts.mla_cache_dtype,
-        mla_heads: t.num_attention_heads,
-        q_lora_rank: t.q_lora_rank,
-        kv_lora_rank: t.kv_lora_rank,
-        qk_nope_head_dim: t.qk_nope_head_dim,
-        qk_rope_head_dim: t.qk_rope_head_dim,
-        v_head_dim: t.v_head_dim,
-        dense_intermediate: t.intermediate_size,
-        shared_intermediate: cfg.shared_intermediate(),
-        moe_intermediate: t.moe_intermediate_size,
-        latent_size: t.routed_expert_hidden_size,
-        num_experts: t.num_experts,
-        experts_per_token: t.num_experts_per_token,
-        routed_scaling_factor: t.routed_scaling_factor as f32,
-        situ_beta: t.activation_situ_beta as f32,
-        situ_linear_beta: t.activation_situ_linear_beta as f32,
-        rms_norm_eps: rms,
-        // The AttnRes key norm, KDA o_norm and routed_expert_norm use rms_norm_eps (1e-5);
-        // the MLA latent norms and the KDA L2 norm use the reference's 1e-6 (§5.1).
-        attn_res_eps: rms,
-        kda_o_norm_eps: rms,
-        routed_expert_norm_eps: rms,
-        mla_norm_eps: 1e-6,
-        kda_l2_eps: 1e-6,
-        router_renorm_eps: 1e-20,
+        ..ModelDims::from_config(cfg)
     }
 }
 
@@ -662,6 +621,7 @@ pub fn open_model(root: &Path, opts: &EngineOptions) -> Result<K3Model, LoadErro
 mod tests {
     use super::*;
     use crate::weights::config::REAL_CONFIG_JSON;
+    use crate::model::dims::AttnKind;
 
     #[test]
     fn touch_pages_reads_every_page_once() {
