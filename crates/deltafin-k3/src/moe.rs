@@ -25,6 +25,7 @@ use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use deltafin_experts::rank_guesses;
 pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
+use deltafin_experts::{PassRoutes, RouteObservers};
 
 /// PILOT's guess for MoE layer `next_layer` from its router's routes on an earlier layer's
 /// input: most confident first (a guess's best rank over the rows, then its votes), handed
@@ -117,22 +118,25 @@ impl MoeWeights {
         y: &[f32],
         t: usize,
     ) -> Result<Vec<f32>, ModelError> {
-        self.forward_with_pilot(dims, layer, experts, y, t, None, None)
+        let observers = RouteObservers::default();
+        self.forward_with_pilot(dims, layer, experts, &observers, y, t, None, None)
     }
 
-    /// [`MoeWeights::forward`], first telling `experts` the pass's route union (each expert
-    /// is then requested once, ascending, however many rows chose it) and, when the source
-    /// wants predictions and `next` is given, PILOT's guess for the next MoE layer: `next`
-    /// (that layer's router) applied to this layer's input `y`. The hints only schedule reads;
-    /// the result is bit-identical with or without them. With `device`, the routed experts'
-    /// products run on its device (`crate::offload`: each expert of the union is uploaded on
-    /// this thread as it arrives, unless cached, before its products are handed to a task).
+    /// [`MoeWeights::forward`], first handing the pass's routes to `observers`, then telling
+    /// `experts` the route union (each expert is then requested once, ascending, however many
+    /// rows chose it) and, when the source wants predictions and `next` is given, PILOT's guess
+    /// for the next MoE layer: `next` (that layer's router) applied to this layer's input `y`.
+    /// The hints only schedule reads; the result is bit-identical with or without them. With
+    /// `device`, the routed experts' products run on its device (`crate::offload`: each expert
+    /// of the union is uploaded on this thread as it arrives, unless cached, before its
+    /// products are handed to a task).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_with_pilot(
         &self,
         dims: &ModelDims,
         layer: usize,
         experts: &dyn ExpertSource,
+        observers: &RouteObservers,
         y: &[f32],
         t: usize,
         next: Option<(usize, &RouterWeights)>,
@@ -166,12 +170,20 @@ impl MoeWeights {
             }
         }
         let union: Vec<usize> = users.keys().copied().collect();
-        let ids: Vec<usize> = routes.iter().flat_map(|r| r.ids.iter().copied()).collect();
-        let weights: Vec<f32> = routes
-            .iter()
-            .flat_map(|r| r.weights.iter().copied())
-            .collect();
-        experts.record_routes(layer, k, &ids, &weights);
+        if !observers.is_empty() {
+            let ids: Vec<usize> = routes.iter().flat_map(|r| r.ids.iter().copied()).collect();
+            let weights: Vec<f32> = routes
+                .iter()
+                .flat_map(|r| r.weights.iter().copied())
+                .collect();
+            observers.observe(&PassRoutes {
+                layer,
+                k,
+                ids: &ids,
+                weights: &weights,
+                union: &union,
+            });
+        }
         experts.begin_layer(layer, &union);
         if let (Some((next_layer, router)), Some(next_logits)) = (pilot, &next_logits) {
             predict_routes(
