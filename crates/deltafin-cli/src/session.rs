@@ -661,9 +661,9 @@ pub fn load_with(root: &Path, opts: &LoadOptions) -> Result<Session> {
         memory.as_ref().map_or(0.0, |m| m.pin as f64 / 1e9),
     );
     if heat_cfg.enabled {
-        wrap_experts(&mut model, |inner| {
-            Ok(Box::new(HeatRecorder::new(heat_path.clone(), dims, inner)))
-        })?;
+        model
+            .route_observers
+            .push(Box::new(HeatRecorder::new(heat_path.clone(), dims)));
     }
     if engine.huge_pages.copies() {
         let c = with_copy_progress("resident spine", |p| model.copy_spine_to_huge_pages(p))
@@ -809,21 +809,6 @@ pub fn place_on_device(
     Ok(())
 }
 
-/// Replace the model's expert source by `wrap(old source)`.
-pub fn wrap_experts(
-    model: &mut K3Model,
-    wrap: impl FnOnce(
-        Box<dyn deltafin_experts::ExpertSource>,
-    ) -> Result<Box<dyn deltafin_experts::ExpertSource>>,
-) -> Result<()> {
-    let inner = std::mem::replace(
-        &mut model.experts,
-        Box::new(deltafin_k3::moe::InMemoryExperts::default()),
-    );
-    model.experts = wrap(inner)?;
-    Ok(())
-}
-
 /// The router trace asked for by `--router-trace PATH` / `--router-trace-mode M`, else
 /// `K3_TRACE_PATH` / `K3_TRACE` (`off`, `buffered`, `sync`; all parsed strictly): a path
 /// alone means `buffered`, a path with `off` or a mode without a path is an error. A relative
@@ -872,11 +857,10 @@ pub fn resolve_router_trace(
 
 /// Append every pass's routes to `path` (§4.9) from now on.
 pub fn attach_router_trace(model: &mut K3Model, path: &Path, mode: TraceMode) -> Result<()> {
-    wrap_experts(model, |inner| {
-        let t = RouterTrace::create_with_mode(path, mode, inner)
-            .with_context(|| format!("router trace: cannot open {}", path.display()))?;
-        Ok(Box::new(t))
-    })
+    let t = RouterTrace::create_with_mode(path, mode)
+        .with_context(|| format!("router trace: cannot open {}", path.display()))?;
+    model.route_observers.push(Box::new(t));
+    Ok(())
 }
 
 /// With a memory plan, say at startup how the budget is split and how experts are read.

@@ -5,7 +5,9 @@
 //! disk), then read by the wrapped expert source as if it had always been there.
 
 use anyhow::{Context, Result};
-use deltafin_experts::{ExpertError, ExpertSource, ExpertStats, ExpertWeights, PilotGuess};
+use deltafin_experts::{
+    ExpertError, ExpertSource, ExpertWeights, Layered, PilotGuess, SourceLayer,
+};
 use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
 use deltafin_fetch::hub::HubClient;
 use deltafin_fetch::manifest::Manifests;
@@ -25,27 +27,28 @@ pub fn remote_experts(root: &Path) -> Result<RemoteExperts> {
     })
 }
 
-/// An expert source over a stream install: before `inner` reads an expert, its
+/// The [`SourceLayer`] of a stream install: before the inner source reads an expert, its
 /// `k3-experts/` file is made present through `fetch` (a no-op without network when the
-/// file is already complete).
+/// file is already complete). Everything else passes through ([`Layered`]).
 pub struct FetchingExperts {
     fetch: Box<dyn ExpertFetch>,
-    inner: Box<dyn ExpertSource>,
     root: std::path::PathBuf,
 }
 
 impl FetchingExperts {
-    /// Wrap `inner` (which reads the `k3-experts/` files under `root`).
+    /// `inner` (which reads the `k3-experts/` files under `root`) with this layer on top.
     pub fn new(
         root: &Path,
         fetch: Box<dyn ExpertFetch>,
         inner: Box<dyn ExpertSource>,
-    ) -> FetchingExperts {
-        FetchingExperts {
-            fetch,
+    ) -> Layered<FetchingExperts> {
+        Layered::new(
             inner,
-            root: root.to_path_buf(),
-        }
+            FetchingExperts {
+                fetch,
+                root: root.to_path_buf(),
+            },
+        )
     }
 
     fn present(&self, layer: usize, expert: usize) -> bool {
@@ -67,41 +70,33 @@ impl FetchingExperts {
     }
 }
 
-impl ExpertSource for FetchingExperts {
-    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
+impl SourceLayer for FetchingExperts {
+    fn expert(
+        &self,
+        inner: &dyn ExpertSource,
+        layer: usize,
+        expert: usize,
+    ) -> Result<ExpertWeights, ExpertError> {
         self.ensure(layer, expert)?;
-        self.inner.expert(layer, expert)
+        inner.expert(layer, expert)
     }
-    fn begin_layer(&self, layer: usize, experts: &[usize]) {
+    fn begin_layer(&self, inner: &dyn ExpertSource, layer: usize, experts: &[usize]) {
         // Fetch what is missing before the inner source starts reading. A failed fetch is
-        // reported by `expert` (which tries again and returns the hub's error).
+        // reported by `expert` (which tries again and returns the hub's error). The inner
+        // source then knows every pending expert, so `next_ready` passes through.
         for &e in experts {
             let _ = self.ensure(layer, e);
         }
-        self.inner.begin_layer(layer, experts)
+        inner.begin_layer(layer, experts)
     }
-    fn wants_prediction(&self) -> bool {
-        self.inner.wants_prediction()
-    }
-    fn next_ready(&self, layer: usize, pending: &[usize]) -> usize {
-        // `begin_layer` fetched what was missing, so the inner source knows every pending
-        // expert; it names the first one whose bytes are in memory.
-        self.inner.next_ready(layer, pending)
-    }
-    fn predict(&self, layer: usize, rows: usize, guesses: &[PilotGuess]) {
+    fn predict(&self, inner: &dyn ExpertSource, layer: usize, rows: usize, guesses: &[PilotGuess]) {
         // A guess never triggers a download; only experts already on disk are prefetched.
         let present: Vec<PilotGuess> = guesses
             .iter()
             .copied()
             .filter(|g| self.present(layer, g.expert))
             .collect();
-        self.inner.predict(layer, rows, &present)
-    }
-    fn stats(&self) -> Option<ExpertStats> {
-        self.inner.stats()
-    }
-    fn record_routes(&self, layer: usize, k: usize, ids: &[usize], weights: &[f32]) {
-        self.inner.record_routes(layer, k, ids, weights)
+        inner.predict(layer, rows, &present)
     }
 }
 
@@ -132,6 +127,72 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("expert 5 of layer 2"), "{msg}");
         assert!(msg.contains("connection refused"), "{msg}");
-        assert!(!src.present(2, 5));
+        assert!(!src.layer().present(2, 5));
+    }
+
+    /// An inner source that writes down the scheduling calls it receives.
+    #[derive(Clone, Default)]
+    struct Calls(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+    impl ExpertSource for Calls {
+        fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
+            InMemoryExperts::default().expert(layer, expert)
+        }
+        fn begin_layer(&self, layer: usize, experts: &[usize]) {
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("begin {layer} {experts:?}"));
+        }
+        fn next_ready(&self, layer: usize, pending: &[usize]) -> usize {
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("next_ready {layer} {pending:?}"));
+            pending.len() - 1
+        }
+        fn wants_prediction(&self) -> bool {
+            true
+        }
+        fn predict(&self, layer: usize, rows: usize, guesses: &[PilotGuess]) {
+            let ids: Vec<usize> = guesses.iter().map(|g| g.expert).collect();
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("predict {layer} {rows} {ids:?}"));
+        }
+        fn stats(&self) -> Option<deltafin_experts::ExpertStats> {
+            Some(deltafin_experts::ExpertStats {
+                read_threads: 7,
+                ..Default::default()
+            })
+        }
+    }
+
+    #[test]
+    fn every_hint_reaches_the_inner_source_and_guesses_only_name_present_experts() {
+        let dir = tempfile::tempdir().unwrap();
+        let present = deltafin_fetch::plan::expert_path(dir.path(), 3, 6);
+        std::fs::create_dir_all(present.parent().unwrap()).unwrap();
+        std::fs::write(&present, b"bytes").unwrap();
+        let calls = Calls::default();
+        let src = FetchingExperts::new(dir.path(), Box::new(Offline), Box::new(calls.clone()));
+        src.begin_layer(2, &[1, 4]);
+        assert_eq!(src.next_ready(2, &[1, 4, 5]), 2);
+        assert!(src.wants_prediction());
+        assert_eq!(src.stats().map(|s| s.read_threads), Some(7));
+        let guess = |expert| PilotGuess {
+            expert,
+            rank: 0,
+            votes: 1,
+        };
+        src.predict(3, 5, &[guess(6), guess(7)]);
+        assert_eq!(
+            *calls.0.lock().unwrap(),
+            [
+                "begin 2 [1, 4]",
+                "next_ready 2 [1, 4, 5]",
+                "predict 3 5 [6]"
+            ]
+        );
     }
 }

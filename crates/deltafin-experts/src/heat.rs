@@ -32,7 +32,7 @@
 //! up instead of overwriting each other. Reading fails **open**: a missing, short, corrupt,
 //! digest-mismatched or wrong-dimension file means "nothing learned" plus one warning line.
 
-use crate::{ExpertError, ExpertSource, ExpertStats, ExpertWeights, PilotGuess};
+use crate::observe::{PassRoutes, RouteObserver};
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -399,20 +399,18 @@ struct Recorder {
     failed: bool,
 }
 
-/// An [`ExpertSource`] wrapper that counts every pass's route sets into the histogram file
-/// at `path` (flushing every [`FLUSH_EVERY_PASSES`] passes and when dropped). Failures to
-/// write are one warning line, never an error.
+/// A [`RouteObserver`] that counts every pass's route sets (each layer's route union) into
+/// the histogram file at `path` (flushing every [`FLUSH_EVERY_PASSES`] passes and when
+/// dropped). Failures to write are one warning line, never an error.
 pub struct HeatRecorder {
-    inner: Box<dyn ExpertSource>,
     path: PathBuf,
     rec: Mutex<Recorder>,
 }
 
 impl HeatRecorder {
-    /// Record into `path` (created on the first flush) around `inner`.
-    pub fn new(path: PathBuf, dims: HeatDims, inner: Box<dyn ExpertSource>) -> HeatRecorder {
+    /// Record into `path` (created on the first flush).
+    pub fn new(path: PathBuf, dims: HeatDims) -> HeatRecorder {
         HeatRecorder {
-            inner,
             path,
             rec: Mutex::new(Recorder {
                 pending: HeatTable::empty(dims),
@@ -469,39 +467,25 @@ impl Drop for HeatRecorder {
     }
 }
 
-impl ExpertSource for HeatRecorder {
-    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
-        self.inner.expert(layer, expert)
-    }
-    fn begin_layer(&self, layer: usize, experts: &[usize]) {
-        {
-            let mut r = self.rec.lock().unwrap_or_else(|p| p.into_inner());
-            // A layer at or below the previous one starts a new pass.
-            if r.last_layer.is_some_and(|prev| layer <= prev) {
-                commit(&mut r);
-                if r.pending.passes >= FLUSH_EVERY_PASSES {
-                    self.write(&mut r);
-                }
+impl HeatRecorder {
+    /// Count `union`, the route union of `layer` in the pass being assembled.
+    pub fn record_layer(&self, layer: usize, union: &[usize]) {
+        let mut r = self.rec.lock().unwrap_or_else(|p| p.into_inner());
+        // A layer at or below the previous one starts a new pass.
+        if r.last_layer.is_some_and(|prev| layer <= prev) {
+            commit(&mut r);
+            if r.pending.passes >= FLUSH_EVERY_PASSES {
+                self.write(&mut r);
             }
-            r.last_layer = Some(layer);
-            r.current.push((layer, experts.to_vec()));
         }
-        self.inner.begin_layer(layer, experts)
+        r.last_layer = Some(layer);
+        r.current.push((layer, union.to_vec()));
     }
-    fn wants_prediction(&self) -> bool {
-        self.inner.wants_prediction()
-    }
-    fn next_ready(&self, layer: usize, pending: &[usize]) -> usize {
-        self.inner.next_ready(layer, pending)
-    }
-    fn predict(&self, layer: usize, rows: usize, guesses: &[PilotGuess]) {
-        self.inner.predict(layer, rows, guesses)
-    }
-    fn stats(&self) -> Option<ExpertStats> {
-        self.inner.stats()
-    }
-    fn record_routes(&self, layer: usize, k: usize, ids: &[usize], weights: &[f32]) {
-        self.inner.record_routes(layer, k, ids, weights)
+}
+
+impl RouteObserver for HeatRecorder {
+    fn observe(&self, routes: &PassRoutes<'_>) {
+        self.record_layer(routes.layer, routes.union);
     }
 }
 
@@ -509,7 +493,7 @@ impl ExpertSource for HeatRecorder {
 mod tests {
     use super::*;
 
-    use crate::test_support::{DIMS, Nothing};
+    use crate::test_support::DIMS;
 
     #[test]
     fn k3_file_size_is_the_contract_size() {
@@ -634,10 +618,10 @@ mod tests {
     fn recorder_counts_passes_and_flushes() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("k3-meta").join("expert_heat.v1.bin");
-        let r = HeatRecorder::new(p.clone(), DIMS, Box::new(Nothing));
+        let r = HeatRecorder::new(p.clone(), DIMS);
         for pass in 0..FLUSH_EVERY_PASSES + 1 {
-            r.begin_layer(1, &[0, 1]);
-            r.begin_layer(2, &[(pass % 8) as usize]);
+            r.record_layer(1, &[0, 1]);
+            r.record_layer(2, &[(pass % 8) as usize]);
         }
         // The 65th pass is still being assembled; the first 64 were flushed.
         assert_eq!(load(&p, DIMS).table.passes, FLUSH_EVERY_PASSES);
@@ -654,9 +638,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let blocker = dir.path().join("k3-meta");
         std::fs::write(&blocker, b"a file where the directory should be").unwrap();
-        let r = HeatRecorder::new(blocker.join("expert_heat.v1.bin"), DIMS, Box::new(Nothing));
+        let r = HeatRecorder::new(blocker.join("expert_heat.v1.bin"), DIMS);
         for _ in 0..2 * FLUSH_EVERY_PASSES {
-            r.begin_layer(1, &[0]);
+            r.record_layer(1, &[0]);
         }
         r.flush();
         drop(r);
@@ -671,10 +655,10 @@ mod tests {
             .map(|w| {
                 let p = p.clone();
                 std::thread::spawn(move || {
-                    let r = HeatRecorder::new(p, DIMS, Box::new(Nothing));
+                    let r = HeatRecorder::new(p, DIMS);
                     for _ in 0..300 {
-                        r.begin_layer(1, &[w]);
-                        r.begin_layer(3, &[7]);
+                        r.record_layer(1, &[w]);
+                        r.record_layer(3, &[7]);
                     }
                 })
             })

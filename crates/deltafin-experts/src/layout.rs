@@ -4,7 +4,7 @@
 //! w2 scales, w3 codes, w3 scales. In the release shards they follow each other without gaps
 //! (`contiguous`, one read); in a `k3-experts/L{l}-E{e}.bin` file they are the whole file.
 
-use crate::ExpertError;
+use crate::error::ExpertError;
 use deltafin_tensor::mxfp4::GROUP;
 use std::path::PathBuf;
 

@@ -265,16 +265,15 @@ pub fn rank(counts: &RouteCounts, heat: Option<&HeatTable>) -> Vec<Ranked> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ExpertSource;
     use crate::trace::RouterTrace;
 
-    use crate::test_support::{DIMS, Nothing};
+    use crate::test_support::DIMS;
 
     #[test]
     fn ranks_what_a_router_trace_wrote() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t.jsonl");
-        let t = RouterTrace::create(&p, Box::new(Nothing)).unwrap();
+        let t = RouterTrace::create(&p).unwrap();
         t.record_routes(1, 2, &[3, 1, 3, 2], &[0.9, 0.1, 0.8, 0.2]);
         t.record_routes(2, 2, &[5, 6], &[0.5, 0.5]);
         t.record_routes(1, 2, &[3, 2], &[0.7, 0.3]);

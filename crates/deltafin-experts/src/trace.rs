@@ -1,13 +1,13 @@
 //! Router trace JSONL (product-contract §4.9): one line per (pass, MoE layer, up to 56 rows),
 //! `{"step": <pass>, "layer": <l>, "ids": [k × rows], "w": [weights, 5 decimals]}`.
 //!
-//! [`RouterTrace`] wraps another [`ExpertSource`] and forwards everything to it. The file is
+//! [`RouterTrace`] is a [`RouteObserver`] of the model. The file is
 //! opened append-only with mode 0600, never through a symlink, and writing stops (with one
 //! warning on stderr) at 8 GiB. [`TraceMode::Buffered`] collects a whole pass in memory and
 //! appends it when the next pass begins (or the trace is dropped); a pass over 4 MiB is
 //! discarded with a warning. [`TraceMode::Sync`] writes and flushes every line.
 
-use crate::{ExpertError, ExpertSource, ExpertStats, ExpertWeights, PilotGuess};
+use crate::observe::{PassRoutes, RouteObserver};
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -50,25 +50,19 @@ struct Writer {
     stopped: bool,
 }
 
-/// An [`ExpertSource`] that also appends every pass's routes to a JSONL file.
+/// A [`RouteObserver`] that appends every pass's routes to a JSONL file.
 pub struct RouterTrace {
-    inner: Box<dyn ExpertSource>,
     w: Mutex<Writer>,
 }
 
 impl RouterTrace {
-    /// Open `path` for appending in buffered mode (created 0600; a symlink is refused) around
-    /// `inner`.
-    pub fn create(path: &Path, inner: Box<dyn ExpertSource>) -> std::io::Result<RouterTrace> {
-        RouterTrace::create_with_mode(path, TraceMode::Buffered, inner)
+    /// Open `path` for appending in buffered mode (created 0600; a symlink is refused).
+    pub fn create(path: &Path) -> std::io::Result<RouterTrace> {
+        RouterTrace::create_with_mode(path, TraceMode::Buffered)
     }
 
     /// [`RouterTrace::create`] with an explicit [`TraceMode`].
-    pub fn create_with_mode(
-        path: &Path,
-        mode: TraceMode,
-        inner: Box<dyn ExpertSource>,
-    ) -> std::io::Result<RouterTrace> {
+    pub fn create_with_mode(path: &Path, mode: TraceMode) -> std::io::Result<RouterTrace> {
         use std::os::unix::fs::OpenOptionsExt;
         let file = OpenOptions::new()
             .append(true)
@@ -78,7 +72,6 @@ impl RouterTrace {
             .open(path)?;
         let written = file.metadata()?.len();
         Ok(RouterTrace {
-            inner,
             w: Mutex::new(Writer {
                 out: BufWriter::new(file),
                 mode,
@@ -170,27 +163,16 @@ fn line(step: u64, layer: usize, ids: &[usize], weights: &[f32]) -> String {
     )
 }
 
-impl ExpertSource for RouterTrace {
-    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
-        self.inner.expert(layer, expert)
+impl RouteObserver for RouterTrace {
+    fn observe(&self, r: &PassRoutes<'_>) {
+        self.record_routes(r.layer, r.k, r.ids, r.weights);
     }
-    fn begin_layer(&self, layer: usize, experts: &[usize]) {
-        self.inner.begin_layer(layer, experts)
-    }
-    fn wants_prediction(&self) -> bool {
-        self.inner.wants_prediction()
-    }
-    fn next_ready(&self, layer: usize, pending: &[usize]) -> usize {
-        self.inner.next_ready(layer, pending)
-    }
-    fn predict(&self, layer: usize, rows: usize, guesses: &[PilotGuess]) {
-        self.inner.predict(layer, rows, guesses)
-    }
-    fn stats(&self) -> Option<ExpertStats> {
-        self.inner.stats()
-    }
-    fn record_routes(&self, layer: usize, k: usize, ids: &[usize], weights: &[f32]) {
-        self.inner.record_routes(layer, k, ids, weights);
+}
+
+impl RouterTrace {
+    /// Append the routes of one pass at `layer`: row `r` chose `ids[r·k..(r+1)·k]` with
+    /// router weights `weights[r·k..(r+1)·k]`.
+    pub fn record_routes(&self, layer: usize, k: usize, ids: &[usize], weights: &[f32]) {
         let Ok(mut w) = self.w.lock() else { return };
         // A layer at or below the previous one starts a new pass.
         if let Some(prev) = w.last_layer
@@ -232,22 +214,11 @@ impl ExpertSource for RouterTrace {
 mod tests {
     use super::*;
 
-    struct Nothing;
-    impl ExpertSource for Nothing {
-        fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
-            Err(ExpertError::Unavailable {
-                layer,
-                expert,
-                message: "none".into(),
-            })
-        }
-    }
-
     #[test]
     fn lines_per_pass_and_layer() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t.jsonl");
-        let t = RouterTrace::create(&p, Box::new(Nothing)).unwrap();
+        let t = RouterTrace::create(&p).unwrap();
         let ids: Vec<usize> = (0..60 * 2).map(|i| i % 7).collect();
         let w: Vec<f32> = (0..120).map(|i| i as f32 / 3.0).collect();
         t.record_routes(1, 2, &ids, &w);
@@ -291,7 +262,7 @@ mod tests {
             assert_eq!(mode & 0o777, 0o600);
             let link = dir.path().join("link.jsonl");
             std::os::unix::fs::symlink(&p, &link).unwrap();
-            assert!(RouterTrace::create(&link, Box::new(Nothing)).is_err());
+            assert!(RouterTrace::create(&link).is_err());
         }
     }
 
@@ -300,7 +271,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let len = |p: &Path| std::fs::metadata(p).unwrap().len();
         let b = dir.path().join("b.jsonl");
-        let t = RouterTrace::create_with_mode(&b, TraceMode::Buffered, Box::new(Nothing)).unwrap();
+        let t = RouterTrace::create_with_mode(&b, TraceMode::Buffered).unwrap();
         t.record_routes(1, 1, &[3], &[0.5]);
         t.record_routes(2, 1, &[4], &[0.5]);
         assert_eq!(len(&b), 0, "a pass in progress is not written");
@@ -325,7 +296,7 @@ mod tests {
         );
 
         let s = dir.path().join("s.jsonl");
-        let t = RouterTrace::create_with_mode(&s, TraceMode::Sync, Box::new(Nothing)).unwrap();
+        let t = RouterTrace::create_with_mode(&s, TraceMode::Sync).unwrap();
         t.record_routes(1, 1, &[3], &[0.5]);
         assert_eq!(std::fs::read_to_string(&s).unwrap().lines().count(), 1);
         t.record_routes(2, 1, &[4], &[0.5]);

@@ -2,7 +2,8 @@
 //! weight: `y = W·x`, row-major, one row per output.
 
 use crate::mxfp4;
-use crate::{Bytes, TensorError, bf16};
+use crate::{Bytes, TensorError};
+use half::bf16;
 
 /// A row-major bf16 matrix over (usually memory-mapped) bytes.
 #[derive(Clone, Debug)]

@@ -6,6 +6,18 @@
 //! [`SafetensorsFile`] memory-maps a file and validates the whole header before any tensor is
 //! read; [`SafetensorsWriter`] writes the same format deterministically, streaming tensor data
 //! through a callback so that multi-gigabyte files never sit in memory.
+//!
+//! **Reading.** The `safetensors` crate parses the header
+//! ([`safetensors::SafeTensors::read_metadata`]): framing, UTF-8, JSON, typed entries, sizes
+//! against dtype × shape, tensors back to back from offset 0 to the end of the file. Two
+//! checks of ours come on top: every dtype is one [`DType`] knows, and an entry holds no key
+//! besides `dtype`, `shape` and `data_offsets` (the crate ignores unknown keys). When the crate
+//! refuses a file its error does not say which tensor or field is wrong, so the header is then
+//! examined entry by entry to name the fault (file, tensor, field, the numbers). A header that
+//! passes that examination although the crate refused it is accepted: bytes between tensors or
+//! after the last one, `__metadata__` values that are not strings. A tensor deleted from a
+//! shard's header leaves such a hole, and the checkpoint then names the tensor its index lists
+//! and the shard lacks.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -13,11 +25,15 @@ use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype, Metadata, SafeTensorError};
+use serde::de::IgnoredAny;
 use serde_json::{Map, Value};
 
 use crate::{Bytes, DType, TensorError};
 
-/// Largest header accepted (the real K3 shards have headers of about 1 MB).
+/// Largest header accepted (the real K3 shards have headers of about 1 MB); the limit of the
+/// `safetensors` crate.
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 /// One tensor of a safetensors header.
@@ -92,89 +108,9 @@ impl SafetensorsFile {
     /// Parse an in-memory safetensors image (tests, embedded data). `path` is used in errors.
     pub fn from_bytes(path: impl AsRef<Path>, file: Bytes) -> Result<SafetensorsFile, TensorError> {
         let path = path.as_ref().to_path_buf();
-        let all = file.as_slice();
-        let total = all.len() as u64;
-        if total < 8 {
-            return Err(TensorError::format(
-                &path,
-                format!(
-                    "file is {total} bytes, too short for the 8-byte safetensors header length"
-                ),
-            ));
-        }
-        let mut len_bytes = [0u8; 8];
-        len_bytes.copy_from_slice(&all[..8]);
-        let n = u64::from_le_bytes(len_bytes);
-        if n > MAX_HEADER_BYTES {
-            return Err(TensorError::format(
-                &path,
-                format!(
-                    "header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (not a safetensors file?)"
-                ),
-            ));
-        }
-        if 8 + n > total {
-            return Err(TensorError::format(
-                &path,
-                format!(
-                    "header length {n} runs past the end of the file ({total} bytes): truncated or not a safetensors file"
-                ),
-            ));
-        }
-        let data_start = 8 + n as usize;
-        let header = std::str::from_utf8(&all[8..data_start])
-            .map_err(|e| TensorError::format(&path, format!("header is not valid UTF-8: {e}")))?;
-        let parsed: Value = serde_json::from_str(header.trim_end_matches(' '))
-            .map_err(|e| TensorError::format(&path, format!("header is not valid JSON: {e}")))?;
-        let Value::Object(entries) = parsed else {
-            return Err(TensorError::format(&path, "header is not a JSON object"));
-        };
-        let data_len = all.len() - data_start;
-        let mut metadata = None;
-        let mut tensors = Vec::with_capacity(entries.len());
-        for (name, entry) in entries {
-            if name == "__metadata__" {
-                match entry {
-                    Value::Object(m) => metadata = Some(m),
-                    _ => {
-                        return Err(TensorError::format(
-                            &path,
-                            "`__metadata__` is not a JSON object",
-                        ));
-                    }
-                }
-                continue;
-            }
-            tensors.push(parse_entry(&path, &name, &entry)?);
-        }
-        // File order: by start offset (stable, so equal empty ranges keep header order).
-        tensors.sort_by_key(|t| t.data_offsets);
-        if let Some(t) = tensors.iter().find(|t| t.data_offsets.1 > data_len) {
-            return Err(TensorError::format(
-                &path,
-                format!(
-                    "truncated: tensor `{}` needs data bytes [{}, {}) but the file holds only {} data bytes ({} bytes in all)",
-                    t.name, t.data_offsets.0, t.data_offsets.1, data_len, total
-                ),
-            ));
-        }
-        for w in tensors.windows(2) {
-            if w[1].data_offsets.0 < w[0].data_offsets.1 {
-                return Err(TensorError::format(
-                    &path,
-                    format!(
-                        "tensors `{}` [{}, {}) and `{}` [{}, {}) overlap",
-                        w[0].name,
-                        w[0].data_offsets.0,
-                        w[0].data_offsets.1,
-                        w[1].name,
-                        w[1].data_offsets.0,
-                        w[1].data_offsets.1
-                    ),
-                ));
-            }
-        }
-        let index = tensors
+        let header = parse_header(&path, file.as_slice())?;
+        let index = header
+            .tensors
             .iter()
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
@@ -182,10 +118,10 @@ impl SafetensorsFile {
         Ok(SafetensorsFile {
             path,
             file,
-            data_start,
-            tensors,
+            data_start: header.data_start,
+            tensors: header.tensors,
             index,
-            metadata,
+            metadata: header.metadata,
         })
     }
 
@@ -243,6 +179,201 @@ impl SafetensorsFile {
             TensorError::format(&self.path, format!("tensor `{name}` is not in this file"))
         })
     }
+}
+
+/// A validated header: where the data starts, the tensors in file order (by data offset),
+/// and the `__metadata__` object.
+struct Header {
+    data_start: usize,
+    tensors: Vec<TensorInfo>,
+    metadata: Option<Map<String, Value>>,
+}
+
+/// Parse and validate the header of the file image `all` (see the module docs).
+fn parse_header(path: &Path, all: &[u8]) -> Result<Header, TensorError> {
+    match SafeTensors::read_metadata(all) {
+        Ok((n, meta)) => from_metadata(path, 8 + n, &meta, &all[8..8 + n]),
+        Err(e) => examine(path, all, e),
+    }
+}
+
+/// Our checks on top of a header the crate accepted.
+fn from_metadata(
+    path: &Path,
+    data_start: usize,
+    meta: &Metadata,
+    header: &[u8],
+) -> Result<Header, TensorError> {
+    check_entry_keys(path, header)?;
+    let mut tensors = Vec::new();
+    for name in meta.offset_keys() {
+        let Some(info) = meta.info(&name) else {
+            continue;
+        };
+        let Some(dtype) = dtype_of(info.dtype) else {
+            return Err(TensorError::format(
+                path,
+                format!(
+                    "tensor `{name}`: unknown dtype {:?}",
+                    info.dtype.to_string()
+                ),
+            ));
+        };
+        tensors.push(TensorInfo {
+            name,
+            dtype,
+            shape: info.shape.clone(),
+            data_offsets: info.data_offsets,
+        });
+    }
+    // File order; only empty tensors share offsets, and they go by name.
+    tensors.sort_by(|a, b| {
+        a.data_offsets
+            .cmp(&b.data_offsets)
+            .then_with(|| a.name.cmp(&b.name))
+    });
+    let metadata = meta.metadata().as_ref().map(|m| {
+        let mut kv: Vec<_> = m.iter().collect();
+        kv.sort();
+        kv.into_iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect()
+    });
+    Ok(Header {
+        data_start,
+        tensors,
+        metadata,
+    })
+}
+
+/// Refuse a header entry with a key besides `dtype`, `shape` and `data_offsets` (the first
+/// by tensor name, then key).
+fn check_entry_keys(path: &Path, header: &[u8]) -> Result<(), TensorError> {
+    let entries: HashMap<String, HashMap<String, IgnoredAny>> = serde_json::from_slice(header)
+        .map_err(|e| TensorError::format(path, format!("header is not valid JSON: {e}")))?;
+    let unexpected = entries
+        .iter()
+        .filter(|(name, _)| name.as_str() != "__metadata__")
+        .flat_map(|(name, keys)| keys.keys().map(move |k| (name, k)))
+        .filter(|(_, k)| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets"))
+        .min();
+    match unexpected {
+        Some((name, k)) => Err(TensorError::format(
+            path,
+            format!("tensor `{name}`: unexpected key `{k}` in header entry"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Our element type of the crate's, if we have it.
+fn dtype_of(d: Dtype) -> Option<DType> {
+    Some(match d {
+        Dtype::BOOL => DType::Bool,
+        Dtype::U8 => DType::U8,
+        Dtype::I8 => DType::I8,
+        Dtype::U16 => DType::U16,
+        Dtype::I16 => DType::I16,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::U32 => DType::U32,
+        Dtype::I32 => DType::I32,
+        Dtype::F32 => DType::F32,
+        Dtype::U64 => DType::U64,
+        Dtype::I64 => DType::I64,
+        Dtype::F64 => DType::F64,
+        _ => return None,
+    })
+}
+
+/// The crate refused the file: name what is wrong, or accept a header whose only fault is a
+/// hole in the data section (see the module docs).
+fn examine(path: &Path, all: &[u8], refused: SafeTensorError) -> Result<Header, TensorError> {
+    let total = all.len();
+    let n = all
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map_or(0, u64::from_le_bytes);
+    let fault = match refused {
+        SafeTensorError::HeaderTooSmall => {
+            format!("file is {total} bytes, too short for the 8-byte safetensors header length")
+        }
+        SafeTensorError::HeaderTooLarge => format!(
+            "header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (not a safetensors file?)"
+        ),
+        SafeTensorError::InvalidHeaderLength => format!(
+            "header length {n} runs past the end of the file ({total} bytes): truncated or not a safetensors file"
+        ),
+        SafeTensorError::InvalidHeader(e) => format!("header is not valid UTF-8: {e}"),
+        _ => return examine_entries(path, all, 8 + n as usize),
+    };
+    Err(TensorError::format(path, fault))
+}
+
+/// Every entry of a header that frames correctly, checked one by one with errors that name
+/// the tensor and field; then the ranges: inside the data section, not overlapping.
+fn examine_entries(path: &Path, all: &[u8], data_start: usize) -> Result<Header, TensorError> {
+    let total = all.len();
+    let header = all
+        .get(8..data_start)
+        .ok_or_else(|| TensorError::format(path, "header length runs past the end of the file"))?;
+    let header = std::str::from_utf8(header)
+        .map_err(|e| TensorError::format(path, format!("header is not valid UTF-8: {e}")))?;
+    let parsed: Value = serde_json::from_str(header.trim_end_matches(' '))
+        .map_err(|e| TensorError::format(path, format!("header is not valid JSON: {e}")))?;
+    let Value::Object(entries) = parsed else {
+        return Err(TensorError::format(path, "header is not a JSON object"));
+    };
+    let data_len = total.saturating_sub(data_start);
+    let mut metadata = None;
+    let mut tensors = Vec::with_capacity(entries.len());
+    for (name, entry) in entries {
+        if name == "__metadata__" {
+            match entry {
+                Value::Object(m) => metadata = Some(m),
+                _ => {
+                    return Err(TensorError::format(
+                        path,
+                        "`__metadata__` is not a JSON object",
+                    ));
+                }
+            }
+            continue;
+        }
+        tensors.push(parse_entry(path, &name, &entry)?);
+    }
+    // File order: by start offset (stable, so equal empty ranges keep header order).
+    tensors.sort_by_key(|t| t.data_offsets);
+    if let Some(t) = tensors.iter().find(|t| t.data_offsets.1 > data_len) {
+        return Err(TensorError::format(
+            path,
+            format!(
+                "truncated: tensor `{}` needs data bytes [{}, {}) but the file holds only {} data bytes ({} bytes in all)",
+                t.name, t.data_offsets.0, t.data_offsets.1, data_len, total
+            ),
+        ));
+    }
+    for w in tensors.windows(2) {
+        if w[1].data_offsets.0 < w[0].data_offsets.1 {
+            return Err(TensorError::format(
+                path,
+                format!(
+                    "tensors `{}` [{}, {}) and `{}` [{}, {}) overlap",
+                    w[0].name,
+                    w[0].data_offsets.0,
+                    w[0].data_offsets.1,
+                    w[1].name,
+                    w[1].data_offsets.0,
+                    w[1].data_offsets.1
+                ),
+            ));
+        }
+    }
+    Ok(Header {
+        data_start,
+        tensors,
+        metadata,
+    })
 }
 
 fn parse_entry(path: &Path, name: &str, entry: &Value) -> Result<TensorInfo, TensorError> {
@@ -334,6 +465,11 @@ impl TensorEntry {
 /// Deterministic safetensors writer. Tensors are laid out in the order given; the header is
 /// compact JSON (`__metadata__` first when set, then tensors in data order) padded with spaces
 /// to a multiple of 8 bytes, exactly as the reference `safetensors` serializer does.
+///
+/// The writer is ours, not the crate's serializer: that one lays tensors out by descending
+/// dtype alignment, then name, where callers here fix the order (shard and sidecar layouts
+/// that other files' byte offsets refer to), and it takes each tensor's bytes from a view in
+/// memory, where this one streams them from a callback.
 #[derive(Clone, Debug, Default)]
 pub struct SafetensorsWriter {
     entries: Vec<TensorEntry>,
@@ -597,6 +733,48 @@ mod tests {
         v.extend_from_slice(&[0xff, 0xfe]);
         let e = SafetensorsFile::from_bytes("x", Bytes::from_vec(v)).unwrap_err();
         assert!(e.to_string().contains("UTF-8"), "{e}");
+    }
+
+    #[test]
+    fn checks_on_top_of_the_crate_and_what_it_refuses_but_we_accept() {
+        // The crate ignores unknown keys and knows dtypes we do not.
+        assert!(
+            err(
+                r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}}"#,
+                &[0; 8]
+            )
+            .contains("tensor `t`: unexpected key `x` in header entry")
+        );
+        assert!(
+            err(
+                r#"{"t":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}}"#,
+                &[0; 2]
+            )
+            .contains("tensor `t`: unknown dtype \"F8_E4M3\"")
+        );
+        let mut v = (MAX_HEADER_BYTES + 1).to_le_bytes().to_vec();
+        v.extend_from_slice(b"{}");
+        let e = SafetensorsFile::from_bytes("x", Bytes::from_vec(v)).unwrap_err();
+        assert!(
+            e.to_string().contains("exceeds the 100000000-byte limit"),
+            "{e}"
+        );
+        // A hole between tensors, bytes after the last one, non-string metadata: accepted.
+        let hole = r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}}"#;
+        let f = SafetensorsFile::from_bytes("x", image(hole, &[1, 2, 0, 0, 3, 4, 9])).unwrap();
+        assert_eq!(f.bytes("b").unwrap().as_slice(), &[3, 4]);
+        let names: Vec<_> = f.tensors().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        let meta =
+            r#"{"__metadata__":{"n":3},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        let f = SafetensorsFile::from_bytes("x", image(meta, &[7])).unwrap();
+        assert_eq!(f.metadata().unwrap()["n"], 3);
+        // The crate's path: tensors in offset order whatever the header order.
+        let rev = r#"{"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        let f = SafetensorsFile::from_bytes("x", image(rev, &[5, 6])).unwrap();
+        let names: Vec<_> = f.tensors().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(f.data_start(), 8 + rev.len());
     }
 
     #[test]

@@ -1,4 +1,8 @@
+use super::format::TABLES_AT;
 use super::*;
+use crate::layout::ExpertShape;
+use crate::test_support::HintLog;
+use std::path::Path;
 
 fn real_layout() -> Scale4Layout {
     let path = concat!(
@@ -312,4 +316,31 @@ fn a_raw_span_over_sixteen_fails_conversion_and_leaves_no_file() {
         .to_string();
     assert!(msg.contains("layer 1 expert 2 w1"), "{msg}");
     assert!(!out.join("L1.sc4").exists());
+}
+
+#[test]
+fn scale4_experts_forward_every_hint_and_ask_the_inner_source_for_codes() {
+    let d = tempfile::tempdir().unwrap();
+    let l = small();
+    let (raw, moe) = raw_experts(d.path(), &l);
+    let out = d.path().join(SCALE4_DIR);
+    std::fs::create_dir_all(&out).unwrap();
+    let shas: Vec<(usize, String)> = (1..3)
+        .map(|layer| {
+            (
+                layer,
+                convert_layer(&out, &l, layer, &raw, 1, &|_| {}).unwrap(),
+            )
+        })
+        .collect();
+    Scale4Manifest::new(&l, "c0".into(), &shas)
+        .write(&out)
+        .unwrap();
+    let sc = Scale4Sidecars::open(&out, l, &moe, "c0").unwrap();
+    let log = HintLog::default();
+    let src = Scale4Experts::new(Box::new(log.clone()), sc);
+    log.check_forwarding(&src);
+    // The codes come from the inner source: its error comes back unchanged.
+    let e = crate::ExpertSource::expert(&src, 1, 2).unwrap_err();
+    assert!(e.to_string().contains("expert 2 of layer 1: none"), "{e}");
 }

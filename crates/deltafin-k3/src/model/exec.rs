@@ -212,6 +212,7 @@ impl PassHooks for Execution<'_, '_> {
     fn experts(&self, l: usize) -> ExpertSchedule<'_> {
         ExpertSchedule {
             experts: self.model.experts.as_ref(),
+            observers: Some(&self.model.route_observers),
             next: self.next_router(l),
             device: self.model.device_experts.as_deref(),
         }

@@ -88,6 +88,9 @@ pub struct K3Model {
     pub lm_head: Linear,
     /// Routed experts of every MoE layer.
     pub experts: Box<dyn ExpertSource>,
+    /// What watches every MoE pass's routes (heat histogram, router trace), called before
+    /// the pass's route union reaches `experts`.
+    pub route_observers: deltafin_experts::RouteObservers,
     /// Spine streaming (`crate::weights::spine_stream`): when set, the layers it streams take their
     /// projections from per-pass reads instead of `layers[l]`'s own (unread) views.
     pub spine_stream: Option<crate::weights::spine_stream::SpineStreamer>,
@@ -306,6 +309,7 @@ impl K3Model {
             output_res,
             lm_head,
             experts,
+            route_observers: Default::default(),
             spine_stream: None,
             device_experts: None,
             provisional: Default::default(),

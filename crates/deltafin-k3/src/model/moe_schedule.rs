@@ -14,7 +14,7 @@ use crate::model::dims::ModelDims;
 use crate::model::ModelError;
 use crate::model::device_experts::DeviceExpertCache;
 use crate::model::router::{Route, RouterWeights};
-use deltafin_experts::{ExpertSource, ExpertWeights, rank_guesses};
+use deltafin_experts::{ExpertSource, ExpertWeights, PassRoutes, RouteObservers, rank_guesses};
 use std::collections::BTreeMap;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
@@ -23,6 +23,8 @@ use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 pub struct ExpertSchedule<'a> {
     /// The routed experts.
     pub experts: &'a dyn ExpertSource,
+    /// What watches the routes (heat, router trace), told before the source.
+    pub observers: Option<&'a RouteObservers>,
     /// PILOT: the next MoE layer and its router, applied to this layer's FFN input to
     /// guess that layer's experts (used when the source wants predictions).
     pub next: Option<(usize, &'a RouterWeights)>,
@@ -35,6 +37,7 @@ impl<'a> ExpertSchedule<'a> {
     pub fn new(experts: &'a dyn ExpertSource) -> ExpertSchedule<'a> {
         ExpertSchedule {
             experts,
+            observers: None,
             next: None,
             device: None,
         }
@@ -46,7 +49,7 @@ impl<'a> ExpertSchedule<'a> {
         self.next.filter(|_| self.experts.wants_prediction())
     }
 
-    /// Tell the source this pass's routes at `layer` and the experts it will request (the
+    /// Hand this pass's routes at `layer` to the observers, tell the source the experts it will request (the
     /// route union, each once, ascending), then PILOT's guess for the next layer from that
     /// layer's router logits `next_logits` (from [`Self::pilot`]'s router). Returns which
     /// tokens chose each expert.
@@ -65,13 +68,21 @@ impl<'a> ExpertSchedule<'a> {
             }
         }
         let union: Vec<usize> = users.keys().copied().collect();
-        let ids: Vec<usize> = routes.iter().flat_map(|r| r.ids.iter().copied()).collect();
-        let weights: Vec<f32> = routes
-            .iter()
-            .flat_map(|r| r.weights.iter().copied())
-            .collect();
+        if let Some(observers) = self.observers.filter(|o| !o.is_empty()) {
+            let ids: Vec<usize> = routes.iter().flat_map(|r| r.ids.iter().copied()).collect();
+            let weights: Vec<f32> = routes
+                .iter()
+                .flat_map(|r| r.weights.iter().copied())
+                .collect();
+            observers.observe(&PassRoutes {
+                layer,
+                k: dims.experts_per_token,
+                ids: &ids,
+                weights: &weights,
+                union: &union,
+            });
+        }
         let experts = self.experts;
-        experts.record_routes(layer, dims.experts_per_token, &ids, &weights);
         experts.begin_layer(layer, &union);
         if let (Some((next_layer, router)), Some(logits)) = (self.next, next_logits) {
             predict_routes(
