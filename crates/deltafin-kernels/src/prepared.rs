@@ -28,6 +28,10 @@ pub(crate) enum Layout {
     Mxfp4Q8x3,
 }
 
+/// A scalar model of one product value: weight row `r` against one activation row of the
+/// kernel's image.
+pub(crate) type Reference = fn(Raw<'_>, usize, &[f32]) -> f32;
+
 /// One weight format × activation format on one instruction set, like ggml's per-type
 /// traits: how its activations are prepared, the row function that computes a product's
 /// rows, and the scalar model of its arithmetic where the row function equals one bit for bit.
@@ -51,7 +55,7 @@ pub(crate) struct Kernel {
     /// image, that [`Kernel::rows`] equals bit for bit (entries without one are compared
     /// with the scalar entry of their weight format within a tolerance).
     #[cfg_attr(not(test), allow(dead_code))]
-    pub(crate) reference: Option<fn(Raw<'_>, usize, &[f32]) -> f32>,
+    pub(crate) reference: Option<Reference>,
 }
 
 /// What is done with each product value `v = (W·x_b)[r]`.

@@ -20,7 +20,7 @@ use deltafin_tensor::mxfp4::GROUP;
 
 use crate::dispatch::Backend;
 use crate::layout::{Image, mxfp4_f32_image, pair_groups};
-use crate::prepared::{Kernel, Layout};
+use crate::prepared::{Kernel, Layout, Reference};
 use crate::rows::{Dot, rows_dot};
 use crate::settings::Mxfp4Act;
 use crate::weights::{Raw, Weights};
@@ -179,7 +179,7 @@ static SCALAR: Isa = {
     const fn entry(
         name: &'static str,
         rows: unsafe fn(&crate::prepared::Prepared<'_>, usize, usize),
-        reference: fn(Raw<'_>, usize, &[f32]) -> f32,
+        reference: Reference,
     ) -> Kernel {
         Kernel {
             name,
