@@ -194,19 +194,19 @@ fn group_with(be: Backend, products: &mut [GroupProduct<'_>], parallel: bool) {
     // Members that read the same input in the same layout (a layer's projections of one
     // normalised state) share one activation image: `first[j]` is the member whose image j
     // reads, and only those members build one.
-    let kernels: Vec<&'static Kernel> = products.iter().map(|g| kernel_for(be, &g.w)).collect();
-    let key = |g: &GroupProduct<'_>, k: &Kernel| {
-        (k.layout != Layout::Plain)
-            .then(|| (g.xs.as_ptr() as usize, g.xs.len(), g.w.cols(), k.layout))
-    };
+    // Each member's table entry, and the key of the image it reads (none for the input as it is).
     let keys: Vec<_> = products
         .iter()
-        .zip(&kernels)
-        .map(|(g, k)| key(g, k))
+        .map(|g| {
+            let k = kernel_for(be, &g.w);
+            let key = (k.layout != Layout::Plain)
+                .then(|| (g.xs.as_ptr() as usize, g.xs.len(), g.w.cols(), k.layout));
+            (k, key)
+        })
         .collect();
     let first: Vec<usize> = (0..keys.len())
-        .map(|j| match keys[j] {
-            Some(k) => keys.iter().position(|&o| o == Some(k)).unwrap_or(j),
+        .map(|j| match keys[j].1 {
+            Some(k) => keys.iter().position(|o| o.1 == Some(k)).unwrap_or(j),
             None => j,
         })
         .collect();
@@ -214,7 +214,7 @@ fn group_with(be: Backend, products: &mut [GroupProduct<'_>], parallel: bool) {
         .iter()
         .enumerate()
         .map(|(j, g)| {
-            (keys[j].is_some() && first[j] == j).then(|| (kernels[j].prepare)(g.xs, g.w.cols()))
+            (keys[j].1.is_some() && first[j] == j).then(|| (keys[j].0.prepare)(g.xs, g.w.cols()))
         })
         .collect();
     let prepared: Vec<Prepared<'_>> = products
@@ -224,7 +224,7 @@ fn group_with(be: Backend, products: &mut [GroupProduct<'_>], parallel: bool) {
             let image = images[first[j]]
                 .as_ref()
                 .map(|(img, base, stride)| (Cow::Borrowed(&img[..]), *base, *stride));
-            Prepared::new(kernels[j], g.w, g.xs, g.n, g.ys, Epilogue::Store, image)
+            Prepared::new(keys[j].0, g.w, g.xs, g.n, g.ys, Epilogue::Store, image)
         })
         .collect();
     let total: usize = prepared.iter().map(|p| p.w.rows() * p.work_per_row()).sum();
