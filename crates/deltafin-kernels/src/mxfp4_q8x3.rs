@@ -42,6 +42,9 @@
 //! `absmax/254` per column) fails the forward-pass fidelity tests (docs/NUMERICS.md); the two
 //! further digits are what make this format as precise as f32.
 
+// The q8x3 kernels are AVX-512 VNNI only.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
 use std::borrow::Cow;
 
 use deltafin_tensor::mxfp4::{E2M1, GROUP};

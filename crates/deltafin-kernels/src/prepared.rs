@@ -11,6 +11,7 @@ use crate::weights::{Raw, Weights};
 /// Which activation image a kernel reads. Two products with the same layout, the same
 /// number of columns and the same input read the same image, so a group builds it once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // most layouts serve x86 kernels
 pub(crate) enum Layout {
     /// The input as it is (no image).
     Plain,

@@ -123,6 +123,7 @@ pub(crate) fn dot_mxfp4<const NB: usize>(
 
 /// The fixed reduction of 16 lane sums of the q8x3 MXFP4 kernels:
 /// `((l0 + l8) + (l4 + l12)) + …`, a pairwise tree over the halves.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 pub(crate) fn reduce16(v: &[f32; 16]) -> f32 {
     let h: [f32; 8] = std::array::from_fn(|i| v[i] + v[i + 8]);
@@ -136,6 +137,7 @@ pub(crate) fn reduce16(v: &[f32; 16]) -> f32 {
 /// (`x86::avx512_q8x3::dot_mxfp4_q8x3_tile`; same lanes, same integer sums, one multiply
 /// and one fused multiply-add per lane and span into one of two accumulators by span parity,
 /// then [`reduce16`]), which equals this bit for bit.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn dot_mxfp4_q8x3<const NB: usize>(
     packed: &[u8],
     scales: &[u8],

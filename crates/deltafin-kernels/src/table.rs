@@ -19,7 +19,7 @@ use std::borrow::Cow;
 use deltafin_tensor::mxfp4::GROUP;
 
 use crate::dispatch::Backend;
-use crate::layout::{Image, mxfp4_f32_image, pair_groups};
+use crate::layout::{Image, mxfp4_f32_image};
 use crate::prepared::{Kernel, Layout, Reference};
 use crate::rows::{Dot, rows_dot};
 use crate::settings::Mxfp4Act;
@@ -220,6 +220,7 @@ static SCALAR: Isa = {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
+    use crate::layout::pair_groups;
     use crate::rows::rows_tiled;
     use crate::tiled::{Bf16Tiles, Mxfp4Q8x3Tiles, RowInt8Q16Tiles};
     use crate::x86::{avx2, avx512, avx512_q8x3};
