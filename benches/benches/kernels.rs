@@ -15,9 +15,9 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use criterion::{Criterion, Throughput};
-use deltafin_benches::{Rng, build};
-use deltafin_kernels::dispatch::{Backend, backend};
+use deltafin_benches::{Rng, build, install_kernel_settings_from_env};
 use deltafin_kernels::probe::parallel_read_sum;
+use deltafin_kernels::{Backend, backend};
 use deltafin_kernels::{kernel_summary, matmul_with};
 
 /// Input width of every bench matrix (K3 hidden size).
@@ -38,6 +38,10 @@ fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
+    if let Err(e) = install_kernel_settings_from_env() {
+        eprintln!("{e}");
+        std::process::exit(2);
+    }
     let full = std::env::args().any(|a| a == "--bench");
     let target = if full { 1 << 30 } else { 1 << 20 };
     let reps = if full { 15 } else { 1 };

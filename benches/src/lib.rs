@@ -8,6 +8,17 @@ use std::sync::Arc;
 use deltafin_kernels::Weights;
 use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix};
 
+/// Install the kernel settings the environment names (`DELTAFIN_KERNEL`, `DELTAFIN_MXFP4_ACT`,
+/// `DELTAFIN_POOL_SPIN`, `DELTAFIN_POOL_PREFETCH`, as `deltafin` reads them), each parsed
+/// strictly; call it before the first product.
+pub fn install_kernel_settings_from_env() -> Result<(), String> {
+    let settings = deltafin_kernels::KernelSettings::from_lookup(|name| {
+        std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+    })
+    .map_err(|e| e.to_string())?;
+    deltafin_kernels::configure(settings).map_err(|e| e.to_string())
+}
+
 /// xorshift64 generator for reproducible bench data.
 pub struct Rng(pub u64);
 impl Rng {

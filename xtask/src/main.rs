@@ -6,6 +6,7 @@
 //! - `cargo xtask spine-quality --model-root DIR [--convert] [--json]`: the int8-vs-bf16
 //!   quality report (docs/NUMERICS.md)
 
+mod kernel_env;
 mod resident_bench;
 mod stream_bench;
 

@@ -106,6 +106,7 @@ struct Loaded {
 }
 
 pub fn run(args: &Args) -> Result<()> {
+    crate::kernel_env::install()?;
     let huge =
         HugePages::parse(&args.huge_pages).map_err(|e| anyhow::anyhow!("--huge-pages: {e}"))?;
     if args.tokens == 0 || args.rounds == 0 || args.probe_mib == 0 {

@@ -142,7 +142,7 @@ fn delta(
 }
 
 pub fn run(args: &Args) -> Result<()> {
-    deltafin_kernels::select_backend().map_err(|e| anyhow::anyhow!("{e}"))?;
+    crate::kernel_env::install()?;
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load average at start: {}", load.trim());
     let ckpt = Arc::new(Checkpoint::open(&args.model_root).context("opening the checkpoint")?);

@@ -28,8 +28,8 @@ use std::hint::black_box;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use deltafin_benches::{Rng, build};
-use deltafin_kernels::dispatch::backend;
+use deltafin_benches::{Rng, build, install_kernel_settings_from_env};
+use deltafin_kernels::backend;
 use deltafin_kernels::probe::parallel_read_sum;
 use deltafin_kernels::{kernel_summary, matmul_with};
 
@@ -128,6 +128,10 @@ fn best_secs(iters: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() -> ExitCode {
+    if let Err(e) = install_kernel_settings_from_env() {
+        eprintln!("{e}");
+        return ExitCode::from(2);
+    }
     let a = match parse() {
         Ok(a) => a,
         Err(e) => {

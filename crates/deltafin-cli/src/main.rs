@@ -10,6 +10,7 @@ mod device;
 mod doctor;
 mod elfdeps;
 mod events;
+mod kernel_env;
 mod pack;
 mod perplexity;
 mod run;
@@ -177,6 +178,9 @@ pub struct PerplexityArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The kernel settings, before anything runs a kernel; the commands that compute report a
+    // bad value as their error (`session::check_kernels`), the others keep the defaults.
+    let _ = kernel_env::install();
     let result = match cli.command {
         Some(Command::Run(args)) => run::run(&args),
         Some(Command::Perplexity(args)) => perplexity::perplexity(&args),

@@ -968,12 +968,10 @@ pub fn env_var(name: &str) -> Result<Option<String>> {
     }
 }
 
-/// Resolve the kernel path now (`DELTAFIN_KERNEL` is parsed strictly), so a bad value is a
-/// clear startup error rather than a failure at the first product.
+/// Install the kernel settings from the environment now (each parsed strictly), so a bad
+/// value is a clear startup error rather than a failure at the first product.
 pub fn check_kernels() -> Result<()> {
-    deltafin_kernels::select_backend()
-        .map(|_| ())
-        .map_err(|e| anyhow::anyhow!("{e}"))
+    crate::kernel_env::install().map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// The compute backend line shared by the startup echo and the events file.

@@ -62,7 +62,7 @@ pub fn latent_attention<E: CacheValue>(
     assert_eq!(p.len(), heads * n, "latent_attention: probability length");
     assert_eq!(ctx.len(), heads * kvl, "latent_attention: context length");
     #[cfg(target_arch = "x86_64")]
-    match crate::dispatch::backend() {
+    match crate::settings::backend() {
         crate::Backend::Avx512 => {
             // SAFETY: the selected backend is supported by this CPU (checked at selection).
             return unsafe {
@@ -205,7 +205,7 @@ pub fn axpy_bf16_f32(w: &[bf16], alpha: f32, out: &mut [f32]) {
 #[inline(always)]
 fn axpy_widened<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl Fn(T) -> f32) {
     #[cfg(target_arch = "x86_64")]
-    match crate::dispatch::backend() {
+    match crate::settings::backend() {
         // SAFETY: the selected backend is supported by this CPU (checked at selection).
         crate::Backend::Avx512 => return unsafe { axpy_widened_avx512(w, alpha, out, widen) },
         // SAFETY: as above.
@@ -227,7 +227,7 @@ fn axpy_widened_body<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl 
 #[inline(always)]
 fn dot_widened<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(T) -> f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    match crate::dispatch::backend() {
+    match crate::settings::backend() {
         // SAFETY: the selected backend is supported by this CPU (checked at selection).
         crate::Backend::Avx512 => return unsafe { dot_widened_avx512(w, x, widen) },
         // SAFETY: as above.

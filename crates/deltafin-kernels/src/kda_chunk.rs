@@ -95,7 +95,7 @@ pub fn kda_chunked(s: &mut [f32], rows: &KdaRows<'_>, t: usize, chunk: usize, o:
         "kda_chunked: beta holds fewer than {t} rows"
     );
     #[cfg(target_arch = "x86_64")]
-    match crate::dispatch::backend() {
+    match crate::settings::backend() {
         crate::Backend::Avx512 => {
             // SAFETY: the selected backend is supported by this CPU (checked at selection).
             return unsafe { kda_chunked_avx512(s, rows, t, chunk, o) };

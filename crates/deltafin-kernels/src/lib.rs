@@ -4,9 +4,14 @@
 //! with f32 activations and f32 accumulation, plus the element-wise pieces the K3 blocks need
 //! (RMS norms, SiTU, sigmoid, softmax; [`vmath`]: vectorised exp/tanh/sigmoid/silu that
 //! are bit-identical across backends). The products dispatch at run time on the CPU's
-//! features ([`dispatch`]: AVX-512, AVX2+FMA, NEON, portable scalar; `DELTAFIN_KERNEL`
-//! forces one) and are bit-identical across thread counts and batch widths within a backend.
-//! Kernels know shapes, not models.
+//! features ([`dispatch`]: AVX-512, AVX2+FMA, NEON, portable scalar) through a table with one
+//! entry per weight format × activation format on each instruction set (`table.rs`), and are
+//! bit-identical across thread counts and batch widths within a backend. Kernels know shapes,
+//! not models.
+//!
+//! The library reads no environment: a binary parses its [`KernelSettings`] (backend, MXFP4
+//! activation format, pool switches) once at startup and installs them with [`configure`];
+//! without that the defaults run ([`settings`]).
 //!
 //! Shapes are internal invariants of the callers (the model validates every weight shape when
 //! it is built), so the kernels check them with assertions and document the panic.
@@ -16,43 +21,50 @@ pub mod cuda;
 pub mod dispatch;
 pub mod gpu;
 pub mod kda_chunk;
+mod layout;
 pub mod lookahead;
 pub mod matvec;
 pub mod metal;
-pub mod mxfp4_q16;
-pub mod mxfp4_q8;
 pub mod mxfp4_q8x3;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub mod offload;
 pub mod ops;
 pub mod pool;
+mod prepared;
 pub mod probe;
+mod rows;
 mod scalar;
+pub mod settings;
+mod table;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod tile;
+#[cfg(target_arch = "x86_64")]
+mod tiled;
 pub mod vmath;
+mod weights;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 pub use attn::{
     CacheValue, axpy_bf16_f32, axpy_i8_f32, dot_bf16_f32, dot_i8_f32, latent_attention,
 };
-pub use dispatch::{
-    Backend, KernelError, kernel_backend, kernel_summary, pool_settings, select_backend,
-};
+pub use dispatch::{Backend, BackendError};
 pub use kda_chunk::{KdaRows, kda_chunked, reduce_lanes};
 pub use matvec::{
     GroupProduct, Weights, matmul, matmul_axpy, matmul_axpy_with, matmul_bf16, matmul_f32,
     matmul_group, matmul_group_serial, matmul_group_with, matmul_mxfp4, matmul_rowint8,
     matmul_serial, matmul_with, matvec_bf16, matvec_f32, matvec_mxfp4, matvec_rowint8,
 };
-pub use mxfp4_q8::{ACT_ENV_VAR as MXFP4_ACT_ENV_VAR, Mxfp4Act, avx512_mxfp4_act};
 pub use offload::{DeviceError, DeviceWeights, HostCounters, HostDevice, ProductDevice};
 pub use ops::{
     argmax, kda_delta_step, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, situ_glu,
     softmax_inplace,
+};
+pub use settings::{
+    KernelError, KernelSettings, Mxfp4Act, backend, configure, kernel_backend, kernel_summary,
+    pool_settings,
 };
 pub use vmath::{exp_inplace, sigmoid_inplace, silu_inplace, tanh_inplace};

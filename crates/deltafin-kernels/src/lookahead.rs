@@ -3,7 +3,7 @@
 //! Decode is a fixed sequence of matrix products separated by short serial stretches (norms,
 //! the KDA convolution and gates, AttnRes, routing, attention over the cache), during which the
 //! generation thread computes and every other worker of the pool waits in
-//! [`crate::pool::run_warm`]'s keep-warm loop — and DRAM idles. The next product then starts
+//! `pool::run_warm`'s keep-warm loop — and DRAM idles. The next product then starts
 //! cold: both cores stream its weights from DRAM.
 //!
 //! This module learns the product sequence and lets the waiting worker use the gap:
@@ -13,13 +13,13 @@
 //!   [`note`], keyed by the address of its first weight byte. The first time through, the
 //!   reports are recorded in order; when a key comes round again the cycle (one token) is
 //!   complete and becomes the learned sequence. Afterwards a report only moves the cursor.
-//! - A keep-warm loop with nothing to run ([`crate::pool`]) calls [`Prefetcher::step`]: it
+//! - A keep-warm loop with nothing to run (`pool`) calls [`Prefetcher::step`]: it
 //!   looks up the products after the cursor and issues `prefetcht0` for the second half of
 //!   each one's weights, at most [`BUDGET`] bytes over [`LOOKAHEAD_STEPS`] products (a
 //!   fraction of the 2 MiB L2 of current x86 server cores), [`CHUNK`] bytes per round so it
 //!   still picks up work within a fraction of a microsecond.
 //!
-//! A decode product hands out its rows front to back ([`crate::matvec`]'s guided
+//! A decode product hands out its rows front to back (`matvec`'s guided
 //! scheduling), so the waiting worker's lines are read back by whichever core reaches the
 //! second half: from its own L2, or from the other core's through the shared L3, instead of
 //! DRAM. Measured on `mini` (int8 spine, two cores, A B B A × 4 against
@@ -29,14 +29,14 @@
 //! whose buffers move) costs a few wasted reads. A sequence that keeps missing is dropped
 //! and relearned; a recording that never closes is capped at [`MAX_STEPS`].
 //!
-//! `DELTAFIN_POOL_PREFETCH=on|off` (default `on`, strict parse) switches it.
+//! The kernel setting `pool_prefetch` (default on; binaries read it from
+//! `DELTAFIN_POOL_PREFETCH`) switches it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
-/// The environment variable that switches idle-time prefetching.
-pub const PREFETCH_ENV_VAR: &str = "DELTAFIN_POOL_PREFETCH";
+use crate::weights::Weights;
 
 /// Products with at least this many activation rows are compute-bound (prefill): not noted.
 pub const MAX_ROWS: usize = 4;
@@ -52,39 +52,6 @@ pub const MAX_STEPS: usize = 1 << 14;
 const MAX_MISSES: u32 = 64;
 /// Bits of [`NOW`] that hold the step index (+1); the rest count reports.
 const STEP_BITS: u32 = 24;
-
-/// A bad `DELTAFIN_POOL_PREFETCH` value.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{PREFETCH_ENV_VAR}={value:?} is not valid (expected `on` or `off`)")]
-pub struct PrefetchEnvError {
-    /// The rejected value.
-    pub value: String,
-}
-
-/// Parse a `DELTAFIN_POOL_PREFETCH` value strictly.
-pub fn parse_prefetch(value: &str) -> Result<bool, PrefetchEnvError> {
-    match value {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        other => Err(PrefetchEnvError {
-            value: other.to_string(),
-        }),
-    }
-}
-
-/// `DELTAFIN_POOL_PREFETCH` from the environment (unset = `on`), read once per process.
-pub fn prefetch_enabled() -> Result<bool, PrefetchEnvError> {
-    static SETTING: OnceLock<Result<bool, PrefetchEnvError>> = OnceLock::new();
-    SETTING
-        .get_or_init(|| match std::env::var(PREFETCH_ENV_VAR) {
-            Ok(v) => parse_prefetch(&v),
-            Err(std::env::VarError::NotPresent) => Ok(true),
-            Err(std::env::VarError::NotUnicode(v)) => Err(PrefetchEnvError {
-                value: v.to_string_lossy().into_owned(),
-            }),
-        })
-        .clone()
-}
 
 /// One product (or product group) of the sequence: its weight byte ranges in task order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -137,7 +104,7 @@ pub(crate) fn note(ranges: &[(*const u8, usize)]) {
     let Some(&(first, _)) = ranges.first() else {
         return;
     };
-    if !prefetch_enabled().unwrap_or(false) {
+    if !crate::settings::current().pool_prefetch {
         return;
     }
     let key = first as usize;
@@ -183,11 +150,8 @@ pub(crate) fn note(ranges: &[(*const u8, usize)]) {
 /// [`note`] for a product group about to run, given each member's weights and activation
 /// rows: the weight bytes of its members other than MXFP4 (the routed experts differ from
 /// token to token); nothing when a member has [`MAX_ROWS`] rows or more.
-pub(crate) fn note_products<'a>(
-    members: impl Iterator<Item = (crate::matvec::Weights<'a>, usize)>,
-) {
-    use crate::matvec::Weights;
-    if !prefetch_enabled().unwrap_or(false) {
+pub(crate) fn note_products<'a>(members: impl Iterator<Item = (Weights<'a>, usize)>) {
+    if !crate::settings::current().pool_prefetch {
         return;
     }
     // On the stack: this runs before every decode product. A group with more ranges than
@@ -306,20 +270,5 @@ fn hint_lines(at: usize, len: usize) {
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (at, len);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parse_is_strict() {
-        assert_eq!(parse_prefetch("on"), Ok(true));
-        assert_eq!(parse_prefetch("off"), Ok(false));
-        for bad in ["", "ON", "1", "yes"] {
-            let e = parse_prefetch(bad).unwrap_err();
-            assert!(e.to_string().contains(PREFETCH_ENV_VAR), "{e}");
-        }
     }
 }

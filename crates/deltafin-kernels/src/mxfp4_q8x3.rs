@@ -14,7 +14,7 @@
 //! so a column is represented as `t·T = d·(q1 + q2/256 + q3/65536)` with an error of at most
 //! `t/2` plus the rounding of the quotient (`|x/t| < 2^23`, so at most a quarter step): below
 //! `t = absmax/(127·2^16) ≈ absmax·2^−23`, about f32's own precision, as the two int16 levels
-//! of `q16x2` ([`crate::mxfp4_q16`]). An all-zero block has `d = 0` and codes 0; a block
+//! of two int16 levels would give. An all-zero block has `d = 0` and codes 0; a block
 //! holding a non-finite value has `d = NaN` (the product is NaN, as in f32); when `t` is not a
 //! normal number (a block so small that the fine step would underflow) `T = 65536·q1` with
 //! `q1 = round_half_even(x/d)` clamped to ±127.
@@ -33,13 +33,21 @@
 //!
 //! The correction `C` depends on the activations only and is part of the image. Per span
 //! and weight row that is six `vpdpbusd` (in three independent pairs), two shifts, two
-//! additions, one conversion, one multiply and one FMA, where `q16x2` takes eight `vpdpwssd`
-//! and twice the f32 work: 1.1–1.25× faster products (docs/PERFORMANCE.md, "Session 11"). It is
-//! the default on AVX-512 VNNI (`DELTAFIN_MXFP4_ACT`, [`crate::mxfp4_q8`]).
+//! additions, one conversion, one multiply and one FMA, where two int16 levels at the same
+//! precision take eight `vpdpwssd` and twice the f32 work (1.1–1.25× slower products,
+//! docs/PERFORMANCE.md). It is the default MXFP4 activation format on AVX-512 VNNI (the kernel
+//! setting `mxfp4_act`).
+//!
+//! A single int8 digit (llama.cpp's MXFP4 × Q8_0 scheme, `d = absmax/127`, error up to
+//! `absmax/254` per column) fails the forward-pass fidelity tests (docs/NUMERICS.md); the two
+//! further digits are what make this format as precise as f32.
+
+// The q8x3 kernels are AVX-512 VNNI only.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 use std::borrow::Cow;
 
-use deltafin_tensor::mxfp4::GROUP;
+use deltafin_tensor::mxfp4::{E2M1, GROUP};
 
 /// Columns of one span: four MXFP4 blocks, one 64-byte load of weight codes.
 pub(crate) const SPAN: usize = 128;
@@ -48,9 +56,19 @@ pub(crate) const SPAN: usize = 128;
 /// 64 even-column codes and 64 odd-column codes (32 slots).
 pub(crate) const SPAN_SLOTS: usize = 32 + 3 * 32;
 
-/// The unsigned weight bytes `2·E2M1(code) + 12` and the offset the correction removes: the
-/// same as the one-level q8 product's.
-pub(crate) use crate::mxfp4_q8::{E2M1_X2_PLUS_12, OFFSET};
+/// `2·E2M1(code) + 12` for codes 0…15: the unsigned weight bytes of the product.
+pub(crate) const E2M1_X2_PLUS_12: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = (2.0 * E2M1[i] + 12.0) as u8;
+        i += 1;
+    }
+    t
+};
+
+/// The weight-byte offset removed by the correction term.
+pub(crate) const OFFSET: i32 = 12;
 
 /// The fine step relative to `d` (exact power of two).
 pub(crate) const STEP: f32 = 1.0 / 65536.0;
@@ -65,7 +83,7 @@ pub(crate) const T_MAX: i32 = 127 * 65536 + 127;
 /// for the rule).
 pub(crate) fn q8x3_block(block: &[f32]) -> (f32, [i32; GROUP]) {
     let mut q = [0i32; GROUP];
-    let d = crate::mxfp4_q8::int8_step(block);
+    let d = int8_step(block);
     if d.is_nan() || d == 0.0 {
         return (d, q);
     }
@@ -79,6 +97,15 @@ pub(crate) fn q8x3_block(block: &[f32]) -> (f32, [i32; GROUP]) {
         };
     }
     (d, q)
+}
+
+/// The int8 step of one block: `absmax/127`, 0 for an all-zero block, NaN when the block
+/// holds a non-finite value.
+pub(crate) fn int8_step(block: &[f32]) -> f32 {
+    if !block.iter().all(|v| v.is_finite()) {
+        return f32::NAN;
+    }
+    block.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0
 }
 
 /// The digits `[q1, q2, q3]` of `T = 65536·q1 + 256·q2 + q3` (`q2`, `q3` in −128…127).
@@ -102,25 +129,17 @@ pub(crate) fn digits(t: i32) -> [i8; 3] {
 /// dword lane `i` of both covers columns `8i..8i+8`. Columns past `cols` are zero.
 ///
 /// Returns the image, the offset of its first row (a 64-byte boundary, so no code load
-/// splits a cache line) and the row stride. Whole blocks go through the AVX-512 quantiser
-/// where present ([`crate::x86::avx512::q8x3_image_block`]), bit-identical to
-/// [`q8x3_block`].
-pub(crate) fn q8x3_image(xs: &[f32], cols: usize) -> (Cow<'static, [f32]>, usize, usize) {
-    #[cfg(target_arch = "x86_64")]
-    let fused = crate::dispatch::Backend::Avx512.is_supported();
-    #[cfg(not(target_arch = "x86_64"))]
-    let fused = false;
-    q8x3_image_with(xs, cols, fused)
-}
-
-/// [`q8x3_image`] with the AVX-512 block quantiser (`fused`) or the portable one.
-pub(crate) fn q8x3_image_with(
+/// splits a cache line) and the row stride. Whole blocks go through `fused(block, span, k)`
+/// (the AVX-512 quantiser, bit-identical to [`q8x3_block`] + [`write_block`]) when given, the
+/// ragged last block and every block without it through [`q8x3_block`].
+pub(crate) fn q8x3_image<F>(
     xs: &[f32],
     cols: usize,
-    fused: bool,
-) -> (Cow<'static, [f32]>, usize, usize) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = fused;
+    fused: Option<F>,
+) -> (Cow<'static, [f32]>, usize, usize)
+where
+    F: Fn(&[f32; GROUP], &mut [f32], usize),
+{
     let stride = cols.div_ceil(SPAN) * SPAN_SLOTS;
     let rows = xs.len().checked_div(cols).unwrap_or(0);
     let mut img = vec![0f32; rows * stride + 16];
@@ -132,11 +151,8 @@ pub(crate) fn q8x3_image_with(
         for (blk, chunk) in src.chunks(GROUP).enumerate() {
             let (span, k) = (blk / 4, blk % 4);
             let sp = &mut dst[span * SPAN_SLOTS..(span + 1) * SPAN_SLOTS];
-            #[cfg(target_arch = "x86_64")]
-            if fused && let Ok(block) = <&[f32; GROUP]>::try_from(chunk) {
-                // SAFETY: `fused` is set only where AVX-512 F/BW/VL are present; `sp` is one
-                // whole span of the image.
-                unsafe { crate::x86::avx512::q8x3_image_block(block, sp, k) };
+            if let (Some(f), Ok(block)) = (&fused, <&[f32; GROUP]>::try_from(chunk)) {
+                f(block, sp, k);
                 continue;
             }
             let (d, q) = q8x3_block(chunk);
@@ -144,6 +160,12 @@ pub(crate) fn q8x3_image_with(
         }
     }
     (Cow::Owned(img), base, stride)
+}
+
+/// [`q8x3_image`] with the portable quantiser only.
+#[cfg(test)]
+pub(crate) fn q8x3_image_portable(xs: &[f32], cols: usize) -> (Cow<'static, [f32]>, usize, usize) {
+    q8x3_image(xs, cols, None::<fn(&[f32; GROUP], &mut [f32], usize)>)
 }
 
 /// Block `k` of a span (its scales, corrections and codes) from `(d, T)`.

@@ -9,7 +9,7 @@
 //! Implementations: [`HostDevice`] (always built; used by the tests, which prove through its
 //! counters which products ran on "the device" — it multiplies with the CPU kernels, so its
 //! results are bit-identical to the CPU path) and, with feature `cuda`,
-//! `crate::cuda::CudaProducts` (one CUDA device, one stream, calls serialised by a mutex).
+//! `cuda::CudaProducts` (one CUDA device, one stream, calls serialised by a mutex).
 
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};

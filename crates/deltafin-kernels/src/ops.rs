@@ -130,7 +130,7 @@ pub fn kda_delta_step(
     assert_eq!(u.len(), d, "kda_delta_step: scratch length");
     assert_eq!(o.len(), d, "kda_delta_step: output length");
     #[cfg(target_arch = "x86_64")]
-    match crate::dispatch::backend() {
+    match crate::settings::backend() {
         crate::Backend::Avx512 => {
             // SAFETY: the selected backend is supported by this CPU (checked at selection).
             return unsafe { kda_delta_step_avx512(s, q, k, v, g, beta, u, o) };

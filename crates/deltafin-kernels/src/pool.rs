@@ -15,18 +15,15 @@
 //! therefore start on both cores within a fraction of a microsecond. The loops end when the
 //! closure returns (or unwinds).
 //!
-//! Scheduling only: which thread runs a row range never changes a value (see
-//! [`crate::matvec`]), so results are bit-identical with and without it.
+//! Scheduling only: which thread runs a row range never changes a value (see the products'
+//! determinism contract in `matvec`), so results are bit-identical with and without it.
 //!
-//! `DELTAFIN_POOL_SPIN=on|off` (default `on`) switches it; `off` runs the closure on a pool
-//! worker exactly like `rayon::scope` with nothing else.
+//! The kernel setting `pool_spin` (default on; binaries read it from `DELTAFIN_POOL_SPIN`)
+//! switches it; off runs the closure on a pool worker exactly like `rayon::scope` with
+//! nothing else.
 
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
-
-/// The environment variable that switches the keep-warm loops.
-pub const SPIN_ENV_VAR: &str = "DELTAFIN_POOL_SPIN";
 
 /// Idle rounds a keep-warm loop spins (`pause`, ≈ 2 ms in all) before it starts yielding its
 /// CPU each round.
@@ -36,39 +33,6 @@ const SPIN_ROUNDS: u32 = 2048;
 const NAP_AFTER: std::time::Duration = std::time::Duration::from_millis(20);
 /// One nap: the most a product can wait for this worker after a long stall.
 const NAP: std::time::Duration = std::time::Duration::from_micros(200);
-
-/// A bad `DELTAFIN_POOL_SPIN` value.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{SPIN_ENV_VAR}={value:?} is not valid (expected `on` or `off`)")]
-pub struct SpinEnvError {
-    /// The rejected value.
-    pub value: String,
-}
-
-/// Parse a `DELTAFIN_POOL_SPIN` value strictly.
-pub fn parse_spin(value: &str) -> Result<bool, SpinEnvError> {
-    match value {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        other => Err(SpinEnvError {
-            value: other.to_string(),
-        }),
-    }
-}
-
-/// `DELTAFIN_POOL_SPIN` from the environment (unset = `on`), read once per process.
-pub fn spin_enabled() -> Result<bool, SpinEnvError> {
-    static SETTING: OnceLock<Result<bool, SpinEnvError>> = OnceLock::new();
-    SETTING
-        .get_or_init(|| match std::env::var(SPIN_ENV_VAR) {
-            Ok(v) => parse_spin(&v),
-            Err(std::env::VarError::NotPresent) => Ok(true),
-            Err(std::env::VarError::NotUnicode(v)) => Err(SpinEnvError {
-                value: v.to_string_lossy().into_owned(),
-            }),
-        })
-        .clone()
-}
 
 /// Run `f` on a worker of the current rayon pool; with `spin`, the pool's other workers run
 /// keep-warm loops until `f` returns. Returns `f`'s value; a panic in `f` is re-raised after
@@ -95,10 +59,9 @@ pub fn run_warm_with<R: Send>(spin: bool, f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
-/// [`run_warm_with`] switched by `DELTAFIN_POOL_SPIN` (an invalid value runs without the
-/// loops; binaries validate it at startup with [`spin_enabled`]).
+/// [`run_warm_with`] switched by the installed kernel setting `pool_spin`.
 pub fn run_warm<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    run_warm_with(spin_enabled().unwrap_or(false), f)
+    run_warm_with(crate::settings::current().pool_spin, f)
 }
 
 /// Take pool work as it appears until `stop`; while there is none: spin, then yield the CPU,
@@ -138,16 +101,6 @@ mod tests {
     use super::*;
     use rayon::prelude::*;
     use std::sync::atomic::AtomicUsize;
-
-    #[test]
-    fn parse_is_strict() {
-        assert_eq!(parse_spin("on"), Ok(true));
-        assert_eq!(parse_spin("off"), Ok(false));
-        for bad in ["", "ON", "1", "yes", " on"] {
-            let e = parse_spin(bad).unwrap_err();
-            assert!(e.to_string().contains(SPIN_ENV_VAR), "{e}");
-        }
-    }
 
     #[test]
     fn runs_parallel_work_and_returns_with_spinners_stopped() {

@@ -121,8 +121,9 @@ pub(crate) fn dot_mxfp4<const NB: usize>(
     total
 }
 
-/// The fixed reduction of 16 lane sums shared by the q8 MXFP4 kernels:
+/// The fixed reduction of 16 lane sums of the q8x3 MXFP4 kernels:
 /// `((l0 + l8) + (l4 + l12)) + …`, a pairwise tree over the halves.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 pub(crate) fn reduce16(v: &[f32; 16]) -> f32 {
     let h: [f32; 8] = std::array::from_fn(|i| v[i] + v[i + 8]);
@@ -130,71 +131,13 @@ pub(crate) fn reduce16(v: &[f32; 16]) -> f32 {
     (q[0] + q[2]) + (q[1] + q[3])
 }
 
-/// `Σ_lanes f32(Σ (2·E2M1+12)·q − corr) · (2^(e−127) · d/2)` over one MXFP4 row against the
-/// q8 image of [`crate::mxfp4_q8::q8_image`]: the exact arithmetic of the AVX-512 VNNI kernel
-/// (same lanes, same int32 sums, one fused multiply-add per lane and span into one of two
-/// accumulators by span parity, then `reduce16(acc0 + acc1)`), so the two agree bit for bit.
-/// Padding blocks of the last span take weight code 0 and scale byte 0, as the kernel's
-/// masked loads do. Test reference; no backend dispatches here.
-#[cfg_attr(not(test), allow(dead_code))]
-pub(crate) fn dot_mxfp4_q8<const NB: usize>(
-    packed: &[u8],
-    scales: &[u8],
-    xs: [&[f32]; NB],
-) -> [f32; NB] {
-    use crate::mxfp4_q8::{E2M1_X2_PLUS_12, SPAN_SLOTS};
-    let nblk = scales.len();
-    let nspan = nblk.div_ceil(4);
-    let mut acc = [[[0f32; 16]; 2]; NB];
-    for span in 0..nspan {
-        for b in 0..NB {
-            let img = &xs[b][span * SPAN_SLOTS..(span + 1) * SPAN_SLOTS];
-            let corr: &[i32] = bytemuck::cast_slice(&img[16..32]);
-            let codes: &[i8] = bytemuck::cast_slice(&img[32..64]);
-            let (even, odd) = codes.split_at(64);
-            for lane in 0..16 {
-                let blk = 4 * span + lane / 4;
-                let (e, bytes) = if blk < nblk {
-                    let off = 64 * span + 4 * lane;
-                    (
-                        scales[blk],
-                        [
-                            packed[off],
-                            packed[off + 1],
-                            packed[off + 2],
-                            packed[off + 3],
-                        ],
-                    )
-                } else {
-                    (0, [0u8; 4])
-                };
-                let mut s = 0i32;
-                for (k, &byte) in bytes.iter().enumerate() {
-                    let lo = E2M1_X2_PLUS_12[(byte & 0x0f) as usize] as i32;
-                    let hi = E2M1_X2_PLUS_12[(byte >> 4) as usize] as i32;
-                    s += lo * even[4 * lane + k] as i32 + hi * odd[4 * lane + k] as i32;
-                }
-                let scale = e8m0(e) * img[lane];
-                let a = &mut acc[b][span % 2][lane];
-                *a = ((s - corr[lane]) as f32).mul_add(scale, *a);
-            }
-        }
-    }
-    let mut out = [0f32; NB];
-    for b in 0..NB {
-        let v: [f32; 16] = std::array::from_fn(|i| acc[b][0][i] + acc[b][1][i]);
-        out[b] = reduce16(&v);
-    }
-    out
-}
-
 /// `Σ_lanes f32(S) · (d·2^−17) · 2^(e−127)` over one MXFP4 row against the q8x3 image of
-/// [`crate::mxfp4_q8x3::q8x3_image`], `S` the exact lane sum of the three levels less the
+/// `mxfp4_q8x3::q8x3_image`, `S` the exact lane sum of the three levels less the
 /// correction: the arithmetic of the AVX-512 VNNI kernel
-/// ([`crate::x86::avx512::dot_mxfp4_q8x3_tile`]; same lanes, same integer sums, one multiply
+/// (`x86::avx512_q8x3::dot_mxfp4_q8x3_tile`; same lanes, same integer sums, one multiply
 /// and one fused multiply-add per lane and span into one of two accumulators by span parity,
 /// then [`reduce16`]), which equals this bit for bit.
-#[cfg_attr(not(test), allow(dead_code))]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn dot_mxfp4_q8x3<const NB: usize>(
     packed: &[u8],
     scales: &[u8],
@@ -228,62 +171,6 @@ pub(crate) fn dot_mxfp4_q8x3<const NB: usize>(
                 let f = s as f32 * img[lane];
                 let a = &mut acc[b][span % 2][lane];
                 *a = f.mul_add(e8m0(e), *a);
-            }
-        }
-    }
-    let mut out = [0f32; NB];
-    for b in 0..NB {
-        let v: [f32; 16] = std::array::from_fn(|i| acc[b][0][i] + acc[b][1][i]);
-        out[b] = reduce16(&v);
-    }
-    out
-}
-
-/// `Σ_lanes (f32(Σ 256·2·E2M1·h)·s/512)·2^(e−127) [+ (f32(Σ 256·2·E2M1·l)·(s/512·2^−16))·2^(e−127)]`
-/// over `NR` MXFP4 rows against `NB` rows of the q16 image of
-/// [`crate::mxfp4_q16::q16_image`] with `levels` levels: the exact arithmetic of the AVX-512
-/// VNNI kernel (same lanes, exact int32 sums, per span and level one fused multiply-add per
-/// lane into one of two accumulators by span parity, then `reduce16(acc0 + acc1)`), so the two
-/// agree bit for bit. Padding blocks of the last span take weight code 0 and scale byte 0, as
-/// the kernel's masked loads do. Test reference; no backend dispatches here.
-#[cfg_attr(not(test), allow(dead_code))]
-pub(crate) fn dot_mxfp4_q16<const NB: usize>(
-    packed: &[u8],
-    scales: &[u8],
-    xs: [&[f32]; NB],
-    levels: usize,
-) -> [f32; NB] {
-    use crate::mxfp4_q16::{E2M1_X2, LO_STEP, column_word, span_slots};
-    let slots = span_slots(levels);
-    let nblk = scales.len();
-    let nspan = nblk.div_ceil(4);
-    let mut acc = [[[0f32; 16]; 2]; NB];
-    for span in 0..nspan {
-        for b in 0..NB {
-            let img = &xs[b][span * slots..(span + 1) * slots];
-            for lane in 0..16 {
-                let blk = 4 * span + lane / 4;
-                let e = if blk < nblk { scales[blk] } else { 0 };
-                let ls = [img[lane], img[lane] * LO_STEP];
-                for lv in 0..levels {
-                    let codes: &[i16] =
-                        bytemuck::cast_slice(&img[16 + 64 * lv..16 + 64 * (lv + 1)]);
-                    let mut s = 0i32;
-                    for c in 8 * lane..8 * lane + 8 {
-                        let byte = if blk < nblk {
-                            packed[64 * span + c / 2]
-                        } else {
-                            0
-                        };
-                        let nib = if c % 2 == 0 { byte & 0x0f } else { byte >> 4 };
-                        let w = 256 * E2M1_X2[nib as usize] as i32;
-                        let (j, m) = column_word(c);
-                        s += w * codes[32 * j + m] as i32;
-                    }
-                    let f = s as f32 * ls[lv];
-                    let a = &mut acc[b][span % 2][lane];
-                    *a = f.mul_add(e8m0(e), *a);
-                }
             }
         }
     }

@@ -2,7 +2,9 @@
 //! and bit-identity across thread counts and batch widths within each backend.
 
 use crate::dispatch::Backend;
+use crate::layout::Image;
 use crate::matvec::*;
+use crate::prepared::{Epilogue, Kernel, Layout};
 use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix, bf16};
 
 struct Rng(u64);
@@ -101,29 +103,32 @@ fn reference(w: &Weights<'_>, xs: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
     (want, mag)
 }
 
-/// The activation-quantisation error bound of the AVX-512 (VNNI) and AVX2 row-int8 paths
-/// (0 elsewhere), per
-/// output value: `Σ_c |w_rc| · absmax(x_b) / 65534`.
-fn q16_bound(be: Backend, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
+/// Every table entry this CPU runs for weights of `w`'s format (both MXFP4 activation
+/// formats where the CPU has both, whatever the installed setting).
+fn entries_for(w: &Weights<'_>) -> Vec<&'static Kernel> {
+    let prefix = format!("{}/", w.dtype());
+    Backend::available()
+        .into_iter()
+        .flat_map(|be| crate::table::isa(be).entries())
+        .filter(|k| k.name.starts_with(&prefix))
+        .collect()
+}
+
+/// The product by table entry `k` (`ys` overwritten).
+fn run_entry(k: &'static Kernel, w: Weights<'_>, xs: &[f32], n: usize, ys: &mut [f32]) {
+    crate::matvec::product_with(k, w, xs, n, ys, Epilogue::Store);
+}
+
+/// The activation-quantisation error bound of entry `k` per output value (0 for f32
+/// activations): row-int8 on the q16 image `Σ_c |w_rc| · absmax(x_b) / 65534` (half a step
+/// of `absmax/32767`), MXFP4 on the q8x3 image one fine step per column (`Q8X3_DIV`).
+fn quant_bound(k: &Kernel, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
     let (rows, cols) = (w.rows(), w.cols());
-    #[cfg(target_arch = "x86_64")]
-    let vnni = std::arch::is_x86_feature_detected!("avx512vnni");
-    #[cfg(not(target_arch = "x86_64"))]
-    let vnni = false;
-    let q16 = matches!(w, Weights::RowInt8(_))
-        && ((be == Backend::Avx512 && vnni) || be == Backend::Avx2);
     let mut out = vec![0f64; n * rows];
-    if be == Backend::Avx512 && matches!(w, Weights::Mxfp4(_)) {
-        match crate::mxfp4_q8::avx512_mxfp4_act() {
-            crate::mxfp4_q8::Mxfp4Act::Q8 => return q8_bound(w, xs, n),
-            crate::mxfp4_q8::Mxfp4Act::Q16 => return block_bound(w, xs, n, 65534.0),
-            crate::mxfp4_q8::Mxfp4Act::Q16x2 => return block_bound(w, xs, n, 2f64.powi(31)),
-            crate::mxfp4_q8::Mxfp4Act::Q8x3 => return block_bound(w, xs, n, Q8X3_DIV),
-            crate::mxfp4_q8::Mxfp4Act::F32 => {}
-        }
-    }
-    if !q16 {
-        return out;
+    match k.layout {
+        Layout::Mxfp4Q8x3 => return block_bound(w, xs, n, Q8X3_DIV),
+        Layout::RowInt8Q16 => {}
+        _ => return out,
     }
     for r in 0..rows {
         let wabs: f64 = row_f64(w, r).iter().map(|v| v.abs()).sum();
@@ -135,12 +140,6 @@ fn q16_bound(be: Backend, w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
         }
     }
     out
-}
-
-/// The activation-quantisation error bound of MXFP4 products on q8 activations, per output
-/// value: `Σ_c |W_rc| · absmax_blk(c)(x_b) / 254` (half a step of `absmax/127` per column).
-fn q8_bound(w: &Weights<'_>, xs: &[f32], n: usize) -> Vec<f64> {
-    block_bound(w, xs, n, 254.0)
 }
 
 /// `Σ_c |W_rc| · absmax_blk(c)(x_b) / div` per output value (32-column blocks).
@@ -198,15 +197,15 @@ fn every_backend_matches_f64_on_ragged_shapes() {
             let (want, mag) = reference(&w, &xs, n);
             let mut scalar = vec![0f32; n * rows];
             matmul_with(Backend::Scalar, w, &xs, n, &mut scalar);
-            for be in Backend::available() {
+            for k in entries_for(&w) {
                 let mut ys = vec![f32::NAN; n * rows];
-                matmul_with(be, w, &xs, n, &mut ys);
-                let what = format!("{} {} [{rows}x{cols}] n={n}", be.name(), w.dtype());
+                run_entry(k, w, &xs, n, &mut ys);
+                let what = format!("{} [{rows}x{cols}] n={n}", k.name);
                 // f32 accumulation: error ≲ (terms per lane + reduction depth)·eps·Σ|w x|.
                 // AVX-512 (VNNI) and AVX2 row-int8 quantise activations to int16 (q16): at most
                 // half a step, absmax(x)/65534, per value, i.e. Σ|w|·absmax(x)/65534; AVX-512
-                // VNNI MXFP4 to int8 per 32-column block: Σ|w|·absmax_blk/254 (`q8_bound`).
-                let q16 = q16_bound(be, &w, &xs, n);
+                // VNNI MXFP4 to q8x3 per 32-column block: one fine step per column.
+                let q16 = quant_bound(k, &w, &xs, n);
                 let mag: Vec<f64> = mag.iter().zip(&q16).map(|(m, q)| m + q * 1e5).collect();
                 assert_close(&what, &ys, &want, &mag, 1e-5);
                 // SIMD against the scalar reference: both within f32 rounding of each other.
@@ -238,12 +237,12 @@ fn bit_identical_across_threads_and_batch_widths() {
                 .unwrap()
         })
         .collect();
-    for be in Backend::available() {
-        for w in m.all() {
-            let what = format!("{} {}", be.name(), w.dtype());
+    for w in m.all() {
+        for k in entries_for(&w) {
+            let what = k.name;
             let run = |pool: &rayon::ThreadPool, xs: &[f32], n: usize| {
                 let mut ys = vec![0f32; n * rows];
-                pool.install(|| matmul_with(be, w, xs, n, &mut ys));
+                pool.install(|| run_entry(k, w, xs, n, &mut ys));
                 ys
             };
             let base = run(&pools[0], &xs, n);
@@ -280,7 +279,9 @@ fn bit_identical_across_threads_and_batch_widths() {
             let alpha: Vec<f32> = (0..n).map(|_| rng.f()).collect();
             let y0: Vec<f32> = (0..n * rows).map(|_| rng.f()).collect();
             let mut acc = y0.clone();
-            pools[1].install(|| matmul_axpy_with(be, w, &xs, n, &alpha, &mut acc));
+            pools[1].install(|| {
+                crate::matvec::product_with(k, w, &xs, n, &mut acc, Epilogue::Axpy(&alpha))
+            });
             for i in 0..n * rows {
                 let want = y0[i] + alpha[i / rows] * base[i];
                 assert_eq!(acc[i].to_bits(), want.to_bits(), "{what}: axpy at {i}");
@@ -442,7 +443,7 @@ fn public_wrappers_use_the_selected_backend() {
     let mut rng = Rng(77);
     let m = Mats::new(&mut rng, 40, 96);
     let x: Vec<f32> = (0..96).map(|_| rng.f()).collect();
-    let be = crate::dispatch::backend();
+    let be = crate::settings::backend();
     let mut a = vec![0f32; 40];
     let mut b = vec![0f32; 40];
     matvec_bf16(&m.bf16, &x, &mut a);
@@ -574,182 +575,8 @@ fn q8_activations(rng: &mut Rng, n: usize, cols: usize) -> Vec<f32> {
     xs
 }
 
-#[test]
-fn mxfp4_q8_image_follows_the_quantisation_rule() {
-    use crate::mxfp4_q8::{OFFSET, SPAN_SLOTS, q8_image, quantize_block};
-    let mut rng = Rng(0x0bad_cafe_1234);
-    for cols in [32usize, 64, 96, 128, 160, 256, 416, 1000] {
-        let n = 3;
-        let mut xs = q8_activations(&mut rng, n, cols);
-        xs[cols + 5] = f32::NAN; // row 1, block 0 is non-finite
-        let (img, stride) = q8_image(&xs, cols);
-        assert_eq!(stride, cols.div_ceil(128) * SPAN_SLOTS);
-        assert_eq!(img.len(), n * stride);
-        for b in 0..n {
-            let x = &xs[b * cols..(b + 1) * cols];
-            let row = &img[b * stride..(b + 1) * stride];
-            for c in 0..cols.next_multiple_of(128) {
-                let (s, t) = (c / 128, c % 128);
-                let span = &row[s * SPAN_SLOTS..(s + 1) * SPAN_SLOTS];
-                let codes: &[i8] = bytemuck::cast_slice(&span[32..64]);
-                let q = codes[(t % 2) * 64 + t / 2];
-                let (lane, blk) = (t / 8, c / 32);
-                if c >= cols {
-                    // Padding: code 0; a block wholly past the end also has scale 0 (a
-                    // partial last block keeps its own scale for its padded columns).
-                    assert_eq!(q, 0, "padding code at {c}");
-                    if 32 * blk >= cols {
-                        assert_eq!(span[lane], 0.0, "padding scale at {c}");
-                    }
-                    continue;
-                }
-                let bx = &x[32 * blk..(32 * blk + 32).min(cols)];
-                let absmax = bx.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let dh = span[lane];
-                if bx.iter().any(|v| !v.is_finite()) {
-                    assert!(dh.is_nan() && q == 0, "non-finite block at {c}");
-                } else if absmax == 0.0 {
-                    assert!(dh == 0.0 && q == 0, "zero block at {c}");
-                } else {
-                    let d = absmax / 127.0;
-                    assert_eq!(dh, d * 0.5, "scale at {c}");
-                    let want = (x[c] / d).round_ties_even();
-                    assert_eq!(q as f32, want, "code at {c}: x {} d {d}", x[c]);
-                    assert!((x[c] - d * q as f32).abs() <= d * 0.5 * (1.0 + 1e-6));
-                }
-            }
-            // Corrections: 12 · Σ q over each lane's 8 columns.
-            for s in 0..cols.div_ceil(128) {
-                let span = &row[s * SPAN_SLOTS..(s + 1) * SPAN_SLOTS];
-                let corr: &[i32] = bytemuck::cast_slice(&span[16..32]);
-                let codes: &[i8] = bytemuck::cast_slice(&span[32..64]);
-                for lane in 0..16 {
-                    let sum: i32 = (0..8)
-                        .map(|t| codes[(t % 2) * 64 + (8 * lane + t) / 2] as i32)
-                        .sum();
-                    assert_eq!(corr[lane], OFFSET * sum, "span {s} lane {lane}");
-                }
-            }
-        }
-    }
-    // Ties round to even: absmax 127 gives d = 1 exactly.
-    let mut blk = [0f32; 32];
-    blk[0] = 127.0;
-    blk[1] = 2.5;
-    blk[2] = -3.5;
-    blk[3] = 0.5;
-    let (d, q) = quantize_block(&blk);
-    assert_eq!((d, q[0], q[1], q[2], q[3]), (1.0, 127, 2, -4, 0));
-}
-
-#[test]
-fn mxfp4_q8_scalar_reference_is_the_quantised_product() {
-    // The reference equals Σ_blk 2^(e−127)·d·Σ E2M1·q computed in f64 (it is exact up to f32
-    // rounding of the lane sums), and lies within the documented bound of the f32 product.
-    use crate::mxfp4_q8::q8_image;
-    let mut rng = Rng(0x5eed_0008);
-    for cols in [32usize, 96, 128, 224, 512, 1056] {
-        let rows = 9;
-        let n = 2;
-        let m = mxfp4_matrix(&mut rng, rows, cols);
-        let xs = q8_activations(&mut rng, n, cols);
-        let (img, stride) = q8_image(&xs, cols);
-        let w = Weights::Mxfp4(&m);
-        let (exact, mag) = reference(&w, &xs, n);
-        let bound = q8_bound(&w, &xs, n);
-        for r in 0..rows {
-            let xr: [&[f32]; 2] = [&img[..stride], &img[stride..2 * stride]];
-            let got = crate::scalar::dot_mxfp4_q8(m.packed_row(r), m.scales_row(r), xr);
-            let wr = row_f64(&w, r);
-            for b in 0..n {
-                let x = &xs[b * cols..(b + 1) * cols];
-                // The quantised product in f64: Σ_c W_c · d_blk · q_c.
-                let mut want = 0f64;
-                let mut qmag = 0f64;
-                for (wb, xb) in wr.chunks(32).zip(x.chunks(32)) {
-                    let (d, q) = crate::mxfp4_q8::quantize_block(xb);
-                    for (wc, &qc) in wb.iter().zip(&q) {
-                        want += wc * d as f64 * qc as f64;
-                        qmag += (wc * d as f64 * qc as f64).abs();
-                    }
-                }
-                let i = b * rows + r;
-                assert!(
-                    (got[b] as f64 - want).abs() <= 1e-5 * qmag + 1e-37,
-                    "[{rows}x{cols}] row {r} b {b}: reference {} vs quantised {want}",
-                    got[b]
-                );
-                assert!(
-                    (got[b] as f64 - exact[i]).abs() <= bound[i] + 1e-5 * mag[i] + 1e-37,
-                    "[{rows}x{cols}] row {r} b {b}: {} vs f32-activation {} beyond bound {}",
-                    got[b],
-                    exact[i],
-                    bound[i]
-                );
-            }
-        }
-    }
-}
-
-/// The AVX-512 VNNI kernel equals the scalar reference of the same arithmetic bit for bit, on
-/// spans, ragged last spans (1–3 blocks) and every batch width 1–5.
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn avx512_mxfp4_q8_kernel_equals_scalar_reference_bitwise() {
-    use crate::mxfp4_q8::q8_image;
-    if !Backend::Avx512.is_supported() || !crate::mxfp4_q8::vnni_available() {
-        eprintln!("skipped: no AVX-512 VNNI on this CPU");
-        return;
-    }
-    let mut rng = Rng(0x7777_1234_5678);
-    let mut cols_list: Vec<usize> = (1..=20).map(|k| 32 * k).collect();
-    cols_list.extend([7168 / 4, 2048 + 96]);
-    for cols in cols_list {
-        let rows = 5;
-        let m = mxfp4_matrix(&mut rng, rows, cols);
-        let n = 5;
-        let xs = q8_activations(&mut rng, n, cols);
-        let (img, stride) = q8_image(&xs, cols);
-        let x = |b: usize| &img[b * stride..(b + 1) * stride];
-        for r in 0..rows {
-            let (p, s) = (m.packed_row(r), m.scales_row(r));
-            let want: Vec<f32> = (0..n)
-                .map(|b| crate::scalar::dot_mxfp4_q8(p, s, [x(b)])[0])
-                .collect();
-            let check = |got: &[f32], what: &str| {
-                for (b, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(
-                        g.to_bits(),
-                        w.to_bits(),
-                        "cols {cols} row {r} b {b} ({what}): {g} vs {w}"
-                    );
-                }
-            };
-            // SAFETY: AVX-512 VNNI checked above; image rows cover every span.
-            unsafe {
-                check(&crate::x86::avx512::dot_mxfp4_q8(p, s, [x(0)]), "NB=1");
-                check(
-                    &crate::x86::avx512::dot_mxfp4_q8(p, s, [x(0), x(1)]),
-                    "NB=2",
-                );
-                check(
-                    &crate::x86::avx512::dot_mxfp4_q8(p, s, [x(0), x(1), x(2), x(3)]),
-                    "NB=4",
-                );
-                check(
-                    &crate::x86::avx512::dot_mxfp4_q8(p, s, [x(0), x(1), x(2), x(3), x(4)]),
-                    "NB=5",
-                );
-            }
-            // The batch-width independence of the per-row reference itself.
-            let batched = crate::scalar::dot_mxfp4_q8(p, s, [x(0), x(1), x(2), x(3), x(4)]);
-            check(&batched, "scalar NB=5");
-        }
-    }
-}
-
-/// With int8 activations the default, the AVX-512 f32-activation MXFP4 kernel (forced by
-/// `DELTAFIN_MXFP4_ACT=f32`) is checked here directly against the scalar one.
+/// The AVX-512 f32-activation MXFP4 kernel (the `mxfp4_act = f32` setting, and every
+/// AVX-512 CPU without VNNI) checked directly against the scalar one.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avx512_mxfp4_f32_kernel_matches_scalar() {
@@ -763,7 +590,7 @@ fn avx512_mxfp4_f32_kernel_matches_scalar() {
         let m = mxfp4_matrix(&mut rng, rows, cols);
         let w = Weights::Mxfp4(&m);
         let xs: Vec<f32> = (0..2 * cols).map(|_| rng.f()).collect();
-        let img = mxfp4_f32_image(&xs, cols, cols / 128);
+        let img = crate::layout::mxfp4_f32_image(&xs, cols, cols / 128);
         let (_, mag) = reference(&w, &xs, 2);
         for r in 0..rows {
             let (p, s) = (m.packed_row(r), m.scales_row(r));
@@ -786,27 +613,9 @@ fn avx512_mxfp4_f32_kernel_matches_scalar() {
 }
 
 #[test]
-fn mxfp4_act_parsing_is_strict() {
-    use crate::mxfp4_q8::{Mxfp4Act, Mxfp4ActError, parse_mxfp4_act};
-    assert_eq!(parse_mxfp4_act("f32"), Ok(Mxfp4Act::F32));
-    assert_eq!(parse_mxfp4_act("q8"), Ok(Mxfp4Act::Q8));
-    assert_eq!(parse_mxfp4_act("q16"), Ok(Mxfp4Act::Q16));
-    assert_eq!(parse_mxfp4_act("q16x2"), Ok(Mxfp4Act::Q16x2));
-    assert_eq!(parse_mxfp4_act("q8x3"), Ok(Mxfp4Act::Q8x3));
-    for bad in [
-        "", "F32", "q8 ", "int8", "bf16", "auto", "Q16", "q16x", "q32", "q8x2", "Q8X3",
-    ] {
-        let e = parse_mxfp4_act(bad).unwrap_err();
-        assert!(matches!(e, Mxfp4ActError::Unknown { .. }), "{bad:?}");
-        assert!(e.to_string().contains("DELTAFIN_MXFP4_ACT"), "{e}");
-    }
-    // The summary names the activation format in use.
+fn summary_names_the_mxfp4_activation_format_in_use() {
     let summary = crate::kernel_summary();
-    let want = if crate::dispatch::backend() == Backend::Avx512 {
-        crate::mxfp4_q8::avx512_mxfp4_act().name()
-    } else {
-        "f32"
-    };
+    let want = crate::settings::current().mxfp4_act_in_use().name();
     assert!(summary.contains(&format!("mxfp4_act={want}")), "{summary}");
 }
 
@@ -892,7 +701,8 @@ mod tiled {
                     let mut ys = vec![0f32; n * rows];
                     pools[1].install(|| matmul_with(be, w, &xs[..n * cols], n, &mut ys));
                     let (want, mag) = reference(&w, &xs[..n * cols], n);
-                    let q = q16_bound(be, &w, &xs[..n * cols], n);
+                    let k = crate::table::isa(be).kernel(&w, crate::settings::current().mxfp4_act);
+                    let q = quant_bound(k, &w, &xs[..n * cols], n);
                     for (i, &g) in ys.iter().enumerate() {
                         let tol = 1e-5 * mag[i] + 2.0 * q[i] + 1e-30;
                         assert!(
@@ -1019,7 +829,7 @@ fn kda_delta_step_is_bit_identical_to_scalar_loops() {
 /// values.
 #[test]
 fn q16_block_simd_equals_scalar() {
-    use crate::matvec::{q16_block, q16_block_scalar};
+    use crate::layout::q16_block_scalar;
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut cases: Vec<Vec<f32>> = Vec::new();
     for len in 1..=256usize {
@@ -1037,12 +847,21 @@ fn q16_block_simd_equals_scalar() {
         cases.push(v);
     }
     for case in &cases {
-        let mut a = vec![0i16; case.len()];
         let mut b = vec![0i16; case.len()];
-        let sa = q16_block(case, &mut a);
         let sb = q16_block_scalar(case, &mut b);
-        assert_eq!(sa.to_bits(), sb.to_bits(), "scale, len {}", case.len());
-        assert_eq!(a, b, "codes, len {}", case.len());
+        #[cfg(target_arch = "x86_64")]
+        if Backend::Avx512.is_supported() {
+            let mut a = vec![0i16; case.len()];
+            // SAFETY: AVX-512 F/BW/VL are present (checked above).
+            let sa = unsafe { crate::x86::avx512::q16_block(case, &mut a) };
+            assert_eq!(
+                sa.to_bits(),
+                sb.to_bits(),
+                "avx512 scale, len {}",
+                case.len()
+            );
+            assert_eq!(a, b, "avx512 codes, len {}", case.len());
+        }
         #[cfg(target_arch = "x86_64")]
         if Backend::Avx2.is_supported() {
             let mut c = vec![0i16; case.len()];
@@ -1051,130 +870,8 @@ fn q16_block_simd_equals_scalar() {
             assert_eq!(sc.to_bits(), sb.to_bits(), "avx2 scale, len {}", case.len());
             assert_eq!(c, b, "avx2 codes, len {}", case.len());
         }
-    }
-}
-
-/// The q16 image: the span layout ([`crate::mxfp4_q16::word_column`] and its inverse), the
-/// lane scales `s/512`, codes as [`crate::matvec::q16_block_scalar`] gives them, the second
-/// level's remainder codes, the reconstruction error (≤ half a step `s/2 = absmax/65534` with
-/// one level, ≤ absmax·2^−32 + 2^−23·|x| with two; plus the f32 quotient's rounding on
-/// near-ties), zero padding and NaN for non-finite blocks.
-#[test]
-fn mxfp4_q16_image_follows_the_quantisation_rule() {
-    use crate::mxfp4_q16::{LO_STEP, column_word, q16_image, span_slots, word_column};
-    for j in 0..4 {
-        for m in 0..32 {
-            assert_eq!(column_word(word_column(j, m)), (j, m));
-        }
-    }
-    let mut rng = Rng(0x5151_2222_9999);
-    for cols in [32usize, 96, 128, 160, 416, 1024] {
-        for levels in 1..=2 {
-            let n = 3;
-            let mut xs = q8_activations(&mut rng, n, cols);
-            xs[cols + 5] = f32::NAN; // row 1, block 0
-            let (img, base, stride) = q16_image(&xs, cols, levels);
-            let slots = span_slots(levels);
-            assert_eq!(base % 16, (16 - (img.as_ptr() as usize / 4) % 16) % 16);
-            assert_eq!(stride, cols.div_ceil(128) * slots);
-            for b in 0..n {
-                let row = &img[base + b * stride..base + (b + 1) * stride];
-                let x = &xs[b * cols..(b + 1) * cols];
-                for span in 0..cols.div_ceil(128) {
-                    let sp = &row[span * slots..(span + 1) * slots];
-                    for k in 0..4 {
-                        let c0 = span * 128 + 32 * k;
-                        let code = |lv: usize, c: usize| {
-                            let codes: &[i16] =
-                                bytemuck::cast_slice(&sp[16 + 64 * lv..16 + 64 * (lv + 1)]);
-                            let (j, m) = column_word(c);
-                            codes[32 * j + m]
-                        };
-                        if c0 >= cols {
-                            assert!(sp[4 * k..4 * k + 4].iter().all(|&v| v == 0.0));
-                            for c in 32 * k..32 * k + 32 {
-                                for lv in 0..levels {
-                                    assert_eq!(code(lv, c), 0);
-                                }
-                            }
-                            continue;
-                        }
-                        let blk = &x[c0..c0 + 32];
-                        let mut want = [0i16; 32];
-                        let s = q16_block_scalar(blk, &mut want);
-                        for l in 0..4 {
-                            assert_eq!(sp[4 * k + l].to_bits(), (s / 512.0).to_bits());
-                        }
-                        if !s.is_finite() {
-                            assert!(b == 1 && k == 0 && span == 0, "NaN only where placed");
-                            continue;
-                        }
-                        let absmax = blk.iter().fold(0f64, |m, &v| m.max(v.abs() as f64));
-                        for (i, &v) in blk.iter().enumerate() {
-                            let h = code(0, 32 * k + i);
-                            assert_eq!(h, want[i], "cols {cols} b {b} col {}", c0 + i);
-                            let mut rec = s as f64 * h as f64;
-                            let bound = if levels == 1 {
-                                // Half a step, plus the f32 quotient's rounding (≤ 32767·2^−24
-                                // ≈ 0.002 steps) on a near-tie.
-                                s as f64 * 0.502
-                            } else {
-                                let l = code(1, 32 * k + i);
-                                rec += s as f64 * LO_STEP as f64 * l as f64;
-                                absmax * 2f64.powi(-32) * 1.01 + 2f64.powi(-23) * (v.abs() as f64)
-                            };
-                            let err = (rec - v as f64).abs();
-                            assert!(
-                                err <= bound,
-                                "cols {cols} lv {levels}: {v} → {rec} (s {s}, h {h}, absmax {absmax})"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// q16 MXFP4 activations: the scalar reference of the quantised arithmetic stays within the
-/// activation-quantisation bound of the exact f32-activation product:
-/// `Σ_c |W_c|·absmax_blk/65534` (one level), `Σ_c |W_c|·absmax_blk·2^−31` (two levels), plus
-/// f32 rounding (1e-5·Σ|W x|).
-#[test]
-fn mxfp4_q16_scalar_reference_bounds_the_error() {
-    use crate::mxfp4_q16::q16_image;
-    let mut rng = Rng(0xabcd_4321_1111);
-    for (rows, cols) in [
-        (3usize, 32usize),
-        (4, 160),
-        (5, 416),
-        (2, 1056),
-        (3, 7168 / 4),
-    ] {
-        let m = mxfp4_matrix(&mut rng, rows, cols);
-        let w = Weights::Mxfp4(&m);
-        let n = 3;
-        let xs = q8_activations(&mut rng, n, cols);
-        let (want, mag) = reference(&w, &xs, n);
-        for levels in 1..=2 {
-            let (img, base, stride) = q16_image(&xs, cols, levels);
-            let div = if levels == 1 { 65534.0 } else { 2f64.powi(31) };
-            let bound = block_bound(&w, &xs, n, div);
-            for r in 0..rows {
-                for b in 0..n {
-                    let x = &img[base + b * stride..base + (b + 1) * stride];
-                    let [got] =
-                        crate::scalar::dot_mxfp4_q16(m.packed_row(r), m.scales_row(r), [x], levels);
-                    let i = b * rows + r;
-                    let tol = bound[i] + 1e-5 * mag[i] + 1e-37;
-                    assert!(
-                        (got as f64 - want[i]).abs() <= tol,
-                        "[{rows}x{cols}] levels {levels} r {r} b {b}: {got} vs {} (tol {tol})",
-                        want[i]
-                    );
-                }
-            }
-        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (sb, &b);
     }
 }
 
@@ -1213,99 +910,12 @@ macro_rules! each_tile_shape {
     };
 }
 
-/// The AVX-512 VNNI q16 MXFP4 tile kernel equals the scalar reference bit for bit for both
-/// level counts, both weight decodes (`vpshufb`; `vpermb` where the CPU has AVX-512 VBMI),
-/// every tile shape (1–3 weight rows × 1–4 activation rows), 1…20 blocks (ragged last spans
-/// of 1–3 blocks) and K3-sized rows.
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn avx512_mxfp4_q16_kernel_equals_scalar_reference_bitwise() {
-    use crate::mxfp4_q16::q16_image;
-    use crate::x86::avx512::{dot_mxfp4_q16_tile, q16_tile_bw, q16_tile_vbmi, vbmi_available};
-    if !Backend::Avx512.is_supported() || !crate::mxfp4_q8::vnni_available() {
-        eprintln!("skipped: no AVX-512 VNNI on this CPU");
-        return;
-    }
-    let decodes: &[bool] = if vbmi_available() {
-        &[false, true]
-    } else {
-        eprintln!("AVX-512 VBMI absent: only the vpshufb decode is checked");
-        &[false]
-    };
-    let mut rng = Rng(0x1616_abab_0101);
-    let mut cols_list: Vec<usize> = (1..=20).map(|k| 32 * k).collect();
-    cols_list.extend([7168, 2048 + 96]);
-    for cols in cols_list {
-        let rows = 4;
-        let m = mxfp4_matrix(&mut rng, rows, cols);
-        let n = 4;
-        let xs = q8_activations(&mut rng, n, cols);
-        for levels in 1..=2 {
-            let (img, base, stride) = q16_image(&xs, cols, levels);
-            let x = |b: usize| &img[base + b * stride..base + (b + 1) * stride];
-            let want: Vec<Vec<f32>> = (0..rows)
-                .map(|r| {
-                    let (p, s) = (m.packed_row(r), m.scales_row(r));
-                    (0..n)
-                        .map(|b| crate::scalar::dot_mxfp4_q16(p, s, [x(b)], levels)[0])
-                        .collect()
-                })
-                .collect();
-            let check = |r0: usize, got: &[Vec<f32>], what: &str| {
-                assert_tile_bits(
-                    &want,
-                    r0,
-                    got,
-                    &format!("cols {cols} levels {levels} {what}"),
-                )
-            };
-            let (p, s) = (|r: usize| m.packed_row(r), |r: usize| m.scales_row(r));
-            macro_rules! run {
-                ($nr:literal, $nb:literal) => {{
-                    for r0 in 0..=rows - $nr {
-                        let ps: [&[u8]; $nr] = std::array::from_fn(|i| p(r0 + i));
-                        let ss: [&[u8]; $nr] = std::array::from_fn(|i| s(r0 + i));
-                        let xb: [&[f32]; $nb] = std::array::from_fn(|b| x(b));
-                        for &vbmi in decodes {
-                            // SAFETY: AVX-512 VNNI checked above, VBMI when `vbmi`; image
-                            // rows cover every span with `levels` levels.
-                            let got = unsafe {
-                                match (levels, vbmi) {
-                                    (2, true) => q16_tile_vbmi::<2, $nr, $nb>(ps, ss, xb),
-                                    (2, false) => q16_tile_bw::<2, $nr, $nb>(ps, ss, xb),
-                                    (_, true) => q16_tile_vbmi::<1, $nr, $nb>(ps, ss, xb),
-                                    (_, false) => q16_tile_bw::<1, $nr, $nb>(ps, ss, xb),
-                                }
-                            };
-                            let got: Vec<Vec<f32>> = got.iter().map(|v| v.to_vec()).collect();
-                            let what = format!("NR={} NB={} vbmi={vbmi}", $nr, $nb);
-                            check(r0, &got, &what);
-                        }
-                        // The dispatching entry point gives the same values.
-                        // SAFETY: as above.
-                        let got = unsafe {
-                            if levels == 2 {
-                                dot_mxfp4_q16_tile::<2, $nr, $nb>(ps, ss, xb)
-                            } else {
-                                dot_mxfp4_q16_tile::<1, $nr, $nb>(ps, ss, xb)
-                            }
-                        };
-                        let got: Vec<Vec<f32>> = got.iter().map(|v| v.to_vec()).collect();
-                        check(r0, &got, concat!("dispatch NR=", $nr, " NB=", $nb));
-                    }
-                }};
-            }
-            each_tile_shape!(run);
-        }
-    }
-}
-
 /// The MXFP4 tiles' prefetch distance is a whole number of tiles and at least the shared
 /// distance, so each row's prefetch lands on the same column of a later tile's row.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn mxfp4_tile_prefetch_distance_is_whole_tiles() {
-    use crate::x86::avx512::{MXFP4_PREFETCH_BYTES as PREFETCH_BYTES, tile_prefetch_distance};
+    use crate::x86::avx512_q8x3::{MXFP4_PREFETCH_BYTES as PREFETCH_BYTES, tile_prefetch_distance};
     for cols in [32, 512, 1024, 2048, 7168] {
         for nr in 1..=3 {
             // Packed bytes of `nr` rows: 16 per 32-column block.
@@ -1322,28 +932,22 @@ fn mxfp4_tile_prefetch_distance_is_whole_tiles() {
     assert_eq!(tile_prefetch_distance(2 * 2048), 8192);
 }
 
-/// When an integer MXFP4 path is active (`q8x3`, the default on AVX-512 VNNI, or
-/// `DELTAFIN_MXFP4_ACT=q16|q16x2`), every value of the public AVX-512 product equals the
-/// scalar reference of the quantised arithmetic bit for bit, for ragged shapes, batch widths
-/// 1…16 and 1–3 threads.
+/// Every value of the q8x3 MXFP4 product (the AVX-512 VNNI table entry, whatever the installed
+/// setting) equals the entry's scalar reference on the q8x3 image bit for bit, for ragged
+/// shapes, batch widths 1…16 and 1–3 threads.
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn mxfp4_q16_products_equal_scalar_reference_across_batches_and_threads() {
-    use crate::mxfp4_q8::{Mxfp4Act, avx512_mxfp4_act};
-    // 0: q8x3 (its own image and reference), else the q16 level count.
-    let levels = match avx512_mxfp4_act() {
-        Mxfp4Act::Q16 => 1,
-        Mxfp4Act::Q16x2 => 2,
-        Mxfp4Act::Q8x3 => 0,
-        other => {
-            eprintln!("skipped: MXFP4 activations are {} here", other.name());
-            return;
-        }
-    };
-    if !Backend::Avx512.is_supported() {
-        eprintln!("skipped: no AVX-512 on this CPU");
+fn mxfp4_q8x3_products_equal_scalar_reference_across_batches_and_threads() {
+    if !Backend::Avx512.is_supported() || !crate::dispatch::vnni_available() {
+        eprintln!("skipped: no AVX-512 VNNI on this CPU");
         return;
     }
+    let Some(k) = crate::table::isa(Backend::Avx512).mxfp4_q8x3.as_ref() else {
+        panic!("the AVX-512 VNNI table has no q8x3 entry");
+    };
+    let Some(reference) = k.reference else {
+        panic!("{}: no scalar reference", k.name);
+    };
     let mut rng = Rng(0x0016_0016_7777);
     let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
         .iter()
@@ -1367,29 +971,20 @@ fn mxfp4_q16_products_equal_scalar_reference_across_batches_and_threads() {
     ] {
         let m = mxfp4_matrix(&mut rng, rows, cols);
         let w = Weights::Mxfp4(&m);
+        let raw = crate::weights::Raw::of(w);
         let nmax = 16;
         let xs = q8_activations(&mut rng, nmax, cols);
-        let (img, base, stride) = if levels == 0 {
-            crate::mxfp4_q8x3::q8x3_image(&xs, cols)
-        } else {
-            crate::mxfp4_q16::q16_image(&xs, cols, levels)
-        };
+        let (img, base, stride) = (k.prepare)(&xs, cols);
         let want: Vec<f32> = (0..nmax * rows)
             .map(|i| {
                 let (b, r) = (i / rows, i % rows);
-                let x = &img[base + b * stride..base + (b + 1) * stride];
-                let (p, s) = (m.packed_row(r), m.scales_row(r));
-                if levels == 0 {
-                    crate::scalar::dot_mxfp4_q8x3(p, s, [x])[0]
-                } else {
-                    crate::scalar::dot_mxfp4_q16(p, s, [x], levels)[0]
-                }
+                reference(raw, r, &img[base + b * stride..base + (b + 1) * stride])
             })
             .collect();
         for n in 1..=nmax {
             for (t, pool) in pools.iter().enumerate() {
                 let mut ys = vec![f32::NAN; n * rows];
-                pool.install(|| matmul_with(Backend::Avx512, w, &xs[..n * cols], n, &mut ys));
+                pool.install(|| run_entry(k, w, &xs[..n * cols], n, &mut ys));
                 for (i, (g, v)) in ys.iter().zip(&want).enumerate() {
                     assert_eq!(
                         g.to_bits(),
@@ -1403,28 +998,42 @@ fn mxfp4_q16_products_equal_scalar_reference_across_batches_and_threads() {
     }
 }
 
-/// The SIMD second-level quantiser of the q16x2 image equals its scalar definition bit for
-/// bit, on random blocks, ties, zero blocks, tiny blocks (the finer step underflows) and
-/// partial lengths.
+/// Entries with a scalar reference (the scalar entries are their own, the q8x3 entry has
+/// the model of its integer arithmetic) equal it on every value; every ISA this CPU runs has
+/// an entry for every weight format.
 #[test]
-fn mxfp4_q16_lo_block_simd_equals_scalar() {
-    use crate::mxfp4_q16::{lo_block, lo_block_scalar};
-    let mut rng = Rng(0x10b1_0c4e_5eed);
-    for t in 0..400 {
-        let len = if t % 7 == 0 { 1 + rng.below(32) } else { 32 };
-        let mut x: Vec<f32> = (0..len).map(|_| rng.f()).collect();
-        match t % 5 {
-            0 => x.iter_mut().for_each(|v| *v *= 1e-36),
-            1 => x.fill(0.0),
-            2 => x.iter_mut().for_each(|v| *v *= 3e4),
-            _ => {}
+fn entries_with_a_reference_equal_it() {
+    let mut rng = Rng(0x7ab1_e000_0001);
+    let m = Mats::new(&mut rng, 37, 416);
+    let n = 5;
+    let xs = q8_activations(&mut rng, n, 416);
+    for w in m.all() {
+        for k in entries_for(&w) {
+            let Some(reference) = k.reference else {
+                continue;
+            };
+            let raw = crate::weights::Raw::of(w);
+            let (img, base, stride) = (k.prepare)(&xs, w.cols());
+            let mut ys = vec![f32::NAN; n * w.rows()];
+            run_entry(k, w, &xs, n, &mut ys);
+            for (i, y) in ys.iter().enumerate() {
+                let (b, r) = (i / w.rows(), i % w.rows());
+                let want = reference(raw, r, &img[base + b * stride..base + (b + 1) * stride]);
+                assert_eq!(y.to_bits(), want.to_bits(), "{} value {i}", k.name);
+            }
         }
-        let mut hi = vec![0i16; len];
-        let s = q16_block_scalar(&x, &mut hi);
-        let (mut a, mut b) = (vec![7i16; len], vec![7i16; len]);
-        lo_block(&x, &hi, s, &mut a);
-        lo_block_scalar(&x, &hi, s, &mut b);
-        assert_eq!(a, b, "block {t}");
+    }
+    for be in Backend::available() {
+        let isa = crate::table::isa(be);
+        assert!(isa.entries().all(|k| k.backend == be));
+        for w in m.all() {
+            assert!(
+                entries_for(&w).iter().any(|k| k.backend == be),
+                "{} has no {} entry",
+                be.name(),
+                w.dtype()
+            );
+        }
     }
 }
 
@@ -1455,41 +1064,24 @@ fn awkward_activations(rng: &mut Rng, n: usize, cols: usize) -> Vec<f32> {
     xs
 }
 
-/// The fused AVX-512 q16 image builder gives the same image, bit for bit, as the portable
-/// per-block path (quantiser, second level, table scatter) for both level counts, ragged
-/// columns (a last block of 1–31 values takes the portable path in both) and blocks that
-/// are all zero, non-finite, tiny (the second level's step underflows), huge, or full of
-/// ties.
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn mxfp4_q16_fused_image_equals_portable_image() {
-    use crate::mxfp4_q16::q16_image_with;
-    if !Backend::Avx512.is_supported() {
-        eprintln!("skipped: no AVX-512 on this CPU");
-        return;
+/// The q8x3 image as the products build it (whole blocks through the AVX-512 quantiser
+/// where present, `fused`) or with the portable quantiser only.
+fn q8x3_image_with(xs: &[f32], cols: usize, fused: bool) -> Image<'static> {
+    #[cfg(target_arch = "x86_64")]
+    if fused && Backend::Avx512.is_supported() {
+        let block = |x: &[f32; 32], sp: &mut [f32], k: usize| {
+            // SAFETY: AVX-512 F/BW/VL are present (checked above); `sp` is one span, k < 4.
+            unsafe { crate::x86::avx512_q8x3::q8x3_image_block(x, sp, k) }
+        };
+        return crate::mxfp4_q8x3::q8x3_image(xs, cols, Some(block));
     }
-    let mut rng = Rng(0x0f05_ed16_1111);
-    for cols in IMAGE_COLS {
-        for n in 1..=3 {
-            let xs = awkward_activations(&mut rng, n, cols);
-            let blocks = cols.div_ceil(32);
-            assert!(blocks > 0);
-            for levels in 1..=2 {
-                let (a, ba, sa) = q16_image_with(&xs, cols, levels, true);
-                let (b, bb, sb) = q16_image_with(&xs, cols, levels, false);
-                assert_eq!(sa, sb);
-                let ra = &a[ba..ba + n * sa];
-                let rb = &b[bb..bb + n * sb];
-                for (i, (x, y)) in ra.iter().zip(rb).enumerate() {
-                    assert_eq!(
-                        x.to_bits(),
-                        y.to_bits(),
-                        "cols {cols} n {n} levels {levels} slot {i}: {x} vs {y}"
-                    );
-                }
-            }
-        }
-    }
+    let _ = fused;
+    crate::mxfp4_q8x3::q8x3_image_portable(xs, cols)
+}
+
+/// [`q8x3_image_with`] as the products build it.
+fn q8x3_image(xs: &[f32], cols: usize) -> Image<'static> {
+    q8x3_image_with(xs, cols, true)
 }
 
 /// `block_bound`'s divisor for q8x3 activations: one fine step `d/65536 = absmax/(127·65536)`
@@ -1514,7 +1106,7 @@ fn q8x3_column(row: &[f32], c: usize) -> (f32, i32, [i8; 3]) {
 /// zero padding, 0 for zero blocks and NaN for non-finite ones.
 #[test]
 fn mxfp4_q8x3_image_follows_the_quantisation_rule() {
-    use crate::mxfp4_q8x3::{OFFSET, digits, q8x3_block, q8x3_image};
+    use crate::mxfp4_q8x3::{OFFSET, digits, q8x3_block};
     let mut rng = Rng(0x0083_0083_1234);
     for cols in [32usize, 96, 128, 160, 416, 1024, 1056, 7168] {
         let n = 3;
@@ -1587,7 +1179,6 @@ fn mxfp4_q8x3_image_follows_the_quantisation_rule() {
 /// |W_c|·absmax_blk/(127·65536)`) plus f32 rounding (1e-5·Σ|W x|).
 #[test]
 fn mxfp4_q8x3_scalar_reference_bounds_the_error() {
-    use crate::mxfp4_q8x3::q8x3_image;
     let mut rng = Rng(0x0083_4321_2222);
     for (rows, cols) in [
         (3usize, 32usize),
@@ -1626,12 +1217,12 @@ fn mxfp4_q8x3_scalar_reference_bounds_the_error() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
-    use crate::mxfp4_q8x3::q8x3_image;
-    use crate::x86::avx512::{
+    use crate::x86::avx512::vbmi_available;
+    use crate::x86::avx512_q8x3::{
         dot_mxfp4_q8x3_pair_vbmi, dot_mxfp4_q8x3_tile, dot_mxfp4_q8x3_tile_bw,
-        dot_mxfp4_q8x3_tile_vbmi, vbmi_available,
+        dot_mxfp4_q8x3_tile_vbmi,
     };
-    if !Backend::Avx512.is_supported() || !crate::mxfp4_q8::vnni_available() {
+    if !Backend::Avx512.is_supported() || !crate::dispatch::vnni_available() {
         eprintln!("skipped: no AVX-512 VNNI on this CPU");
         return;
     }
@@ -1730,7 +1321,6 @@ fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn mxfp4_q8x3_fused_image_equals_portable_image() {
-    use crate::mxfp4_q8x3::q8x3_image_with;
     if !Backend::Avx512.is_supported() {
         eprintln!("skipped: no AVX-512 on this CPU");
         return;

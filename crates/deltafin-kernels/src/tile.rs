@@ -18,7 +18,7 @@
 //! = 31 registers): 4 shifts/masks per 24 FMAs instead of per 16, and the reductions
 //! and the call shared by 12 products.
 //!
-//! Activations are in the *bf16-paired* layout of [`crate::matvec`]: each 32-column group
+//! Activations are in the *bf16-paired* layout of [`crate::layout::pair_groups`]: each 32-column group
 //! as `[16 even columns, 16 odd columns]`, zero-padded to a whole group. Dword lane `i` of
 //! a 64-byte weight load is `w[2i] | w[2i+1] << 16`, so a 16-bit left shift gives the even
 //! columns as f32 and masking the low half gives the odd ones.
@@ -27,7 +27,7 @@
 //! The functions require AVX-512 F/BW/VL and FMA; all weight rows have the same length `n`,
 //! and every activation row holds at least `n` rounded up to 32 values.
 
-use crate::matvec::Q16_BLOCK;
+use crate::layout::Q16_BLOCK;
 use deltafin_tensor::bf16;
 use std::arch::x86_64::*;
 
@@ -43,10 +43,10 @@ pub(crate) const PREFETCH_BYTES: usize = 2048;
 /// prefetch lands on the same column of row `r + k·NR`, which the same register of a later
 /// tile reads: every row is fetched ahead, each line once. A fixed distance that is not a
 /// multiple of the tile sends some rows' prefetches into a row the tile is already loading.
-/// Used by the row-int8 tiles: from DRAM, 2 threads, A B B A × 2 (session 6), 2816 columns
+/// Used by the row-int8 tiles: from DRAM, 2 threads, A B B A × 2, 2816 columns
 /// 0.71–0.82 → 0.94–1.00 × the read probe, 7168 columns 0.91–0.94 → 0.95–1.04 ×, 512 and 1024
-/// columns unchanged (their 2-row tiles are already 1–2 KiB; since session 7 rows of at most
-/// 1024 columns take 4-row tiles, see `matvec::TALL_TILE_MAX_COLS`). The bf16 tiles use
+/// columns unchanged (their 2-row tiles are already 1–2 KiB; rows of at most
+/// 1024 columns take 4-row tiles, see `rows::TALL_TILE_MAX_COLS`). The bf16 tiles use
 /// [`bf16_distance`]: whole tiles of at least 4 KiB for decode tiles up to 8 KiB, the fixed
 /// distance otherwise (whole tiles were worse at 7168 columns: 0.79–0.89 against 0.95–1.11 ×,
 /// a 28 KiB distance).
@@ -66,7 +66,7 @@ fn whole_tiles(tile_bytes: usize, at_least: usize) -> usize {
 /// Decode tiles (`NB = 1`) of at most 8 KiB prefetch whole tiles, at least 4 KiB ahead: with
 /// the fixed 2 KiB, a 2-row tile of 1024-column rows sent its first row's prefetches into its
 /// own second row, so half of them were wasted and the other row ran one tile ahead only.
-/// Measured on `mini` (1024- and 512-column products), bf16 decode A B B A × 4, session 7:
+/// Measured on `mini` (1024- and 512-column products), bf16 decode A B B A × 4:
 /// 20.2 → 23.0 token/s; 3 and 8 KiB measured the same as 4. Wider rows (a 7168-column row is
 /// 14 KiB: the fixed distance stays inside the row) and batched tiles keep
 /// [`PREFETCH_BYTES`], which measured better there.
@@ -87,7 +87,7 @@ fn bf16_distance<const NR: usize, const NB: usize>(n: usize) -> usize {
 /// page. Asking L2 for the line far ahead (its miss queue is deeper) turns most of the near
 /// prefetches into L2 hits. Used by the row-int8 and bf16 tiles (the MXFP4 tiles, bound by
 /// their arithmetic, measured no gain). Measured (`kernel-point`, 2 MiB products from DRAM,
-/// `n = 1`, session 11): row-int8 at 1024 columns, one thread 13.0–13.6 → 14.9–15.2 GB/s, two
+/// `n = 1`): row-int8 at 1024 columns, one thread 13.0–13.6 → 14.9–15.2 GB/s, two
 /// 23.6–25.4 → 25.8–27.3; bf16 at 1024 columns, one thread 13.3–13.5 → 14.4–14.7, two 23.9–24.0
 /// → 24.3–24.4; bf16 at 7168 columns, two threads 23.8–24.2 → 25.4; 8, 16 and 32 KiB measured
 /// alike within the noise, 64 KiB worse on two threads. Changes no value.
@@ -183,7 +183,7 @@ pub(crate) unsafe fn dot_bf16_tile<const NR: usize, const NB: usize>(
 
 /// `[r][b] = s_r · Σ_c q_r[c] · x_b[c]` for `NR` int8 weight rows with f16 row scales `s_r`
 /// (`scales`: the bit patterns of rows `r…r+NR`, converted exactly by F16C) against `NB`
-/// activation rows quantised to int16 (the *q16 image* of [`crate::matvec`]: per activation
+/// activation rows quantised to int16 (the *q16 image* of [`crate::layout::q16_image`]: per activation
 /// row, `ceil(n / Q16_BLOCK)` f32 block scales, then the int16 codes, zero-padded to whole
 /// 32-column steps, two per f32 slot). Per block `Σ q·c` is exact in int32 (`vpdpwssd`,
 /// |q| ≤ 127, |c| ≤ 32767, 256 terms stay below 2^31) in two accumulators alternating per

@@ -147,22 +147,22 @@ fn map_with(b: Backend, op: Op, x: &mut [f32]) {
 
 /// `x ← e^x` element-wise ([`exp_one`]).
 pub fn exp_inplace(x: &mut [f32]) {
-    map_with(crate::dispatch::backend(), Op::Exp, x)
+    map_with(crate::settings::backend(), Op::Exp, x)
 }
 
 /// `x ← tanh x` element-wise ([`tanh_one`]).
 pub fn tanh_inplace(x: &mut [f32]) {
-    map_with(crate::dispatch::backend(), Op::Tanh, x)
+    map_with(crate::settings::backend(), Op::Tanh, x)
 }
 
 /// `x ← σ(x)` element-wise ([`sigmoid_one`]).
 pub fn sigmoid_inplace(x: &mut [f32]) {
-    map_with(crate::dispatch::backend(), Op::Sigmoid, x)
+    map_with(crate::settings::backend(), Op::Sigmoid, x)
 }
 
 /// `x ← x·σ(x)` element-wise ([`silu_one`]).
 pub fn silu_inplace(x: &mut [f32]) {
-    map_with(crate::dispatch::backend(), Op::Silu, x)
+    map_with(crate::settings::backend(), Op::Silu, x)
 }
 
 #[inline(always)]
@@ -214,7 +214,7 @@ pub(crate) fn situ_glu_with(
 pub fn situ_glu(g: &[f32], u: &[f32], beta1: f32, beta2: f32, out: &mut [f32]) {
     assert_eq!(g.len(), u.len(), "situ_glu: up length");
     assert_eq!(g.len(), out.len(), "situ_glu: output length");
-    situ_glu_with(crate::dispatch::backend(), g, u, beta1, beta2, out)
+    situ_glu_with(crate::settings::backend(), g, u, beta1, beta2, out)
 }
 
 #[cfg(test)]

@@ -10,9 +10,7 @@
 #![cfg(feature = "cuda")]
 
 use deltafin_kernels::cuda::{CudaDevice, DeviceMatrix, MlaShape, canaries, reference};
-use deltafin_kernels::{
-    Backend, Mxfp4Act, Weights, avx512_mxfp4_act, kernel_backend, matmul, matmul_with,
-};
+use deltafin_kernels::{Weights, matmul};
 use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix, bf16};
 
 struct Rng(u64);
@@ -146,18 +144,9 @@ fn matmul_kernels_match_cpu_on_ragged_shapes() {
                 let xs = rng.vec(n * cols);
                 let gpu = dev.matmul(&dm, &xs, n).unwrap();
                 let mut cpu = vec![0f32; n * rows];
-                // The GPU takes f32 activations; where the CPU's MXFP4 path quantises them
-                // coarser than f32 (AVX-512 VNNI, `DELTAFIN_MXFP4_ACT=q8|q16`), compare with
-                // the scalar f32-activation kernel instead (the default `q8x3` and `q16x2`
-                // keep f32's precision and are compared directly).
-                if matches!(w, Weights::Mxfp4(_))
-                    && kernel_backend() == "avx512"
-                    && matches!(avx512_mxfp4_act(), Mxfp4Act::Q8 | Mxfp4Act::Q16)
-                {
-                    matmul_with(Backend::Scalar, w, &xs, n, &mut cpu);
-                } else {
-                    matmul(w, &xs, n, &mut cpu);
-                }
+                // The GPU takes f32 activations; the CPU's MXFP4 formats (`f32`, and `q8x3`
+                // on AVX-512 VNNI) keep f32's precision, so they are compared directly.
+                matmul(w, &xs, n, &mut cpu);
                 check_products(
                     &format!("{} {rows}x{cols} n={n}", w.dtype()),
                     w,

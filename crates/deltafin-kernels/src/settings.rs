@@ -1,0 +1,392 @@
+//! Kernel settings: which instruction set the products use, the activation format of MXFP4
+//! products, and the worker pool's two switches.
+//!
+//! The library never reads the environment. A binary parses its settings once at startup
+//! (each value has a strict parser; [`KernelSettings::from_lookup`] applies them to named
+//! variables, e.g. the process environment) and installs them with [`configure`] before the
+//! first product. A process that installs nothing runs [`KernelSettings::default`]: the best
+//! backend this CPU has, `q8x3` MXFP4 activations, both pool switches on.
+//!
+//! Why one process-wide installation instead of a settings argument on every product: the
+//! settings are read at the start of each product and by the pool's waiting workers, in the
+//! middle of the decode loop, through every caller of the public products (the model, the
+//! speculative drafters, the device stand-ins). A `OnceLock` read costs one load there and
+//! keeps every product signature unchanged; the values are fixed once the first kernel has run,
+//! so a product never sees them change.
+
+use std::str::FromStr;
+use std::sync::OnceLock;
+
+use crate::dispatch::{Backend, BackendError, vnni_available};
+
+/// The name by which binaries read the MXFP4 activation format from the environment.
+pub const MXFP4_ACT_VAR: &str = "DELTAFIN_MXFP4_ACT";
+/// The name by which binaries read the keep-warm switch (`pool`).
+pub const POOL_SPIN_VAR: &str = "DELTAFIN_POOL_SPIN";
+/// The name by which binaries read the idle workers' prefetch switch (`lookahead`).
+pub const POOL_PREFETCH_VAR: &str = "DELTAFIN_POOL_PREFETCH";
+
+/// Activation format of MXFP4 products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mxfp4Act {
+    /// f32 activations, f32 accumulation (every backend).
+    F32,
+    /// int8 activations per 32-column block, three digits folded into one exact int32 sum
+    /// (about f32's own precision; `mxfp4_q8x3`; AVX-512 VNNI only, elsewhere the
+    /// f32 path runs).
+    Q8x3,
+}
+
+/// The activation format when none is chosen: `q8x3`, f32's precision at the instruction
+/// cost of a one-level int8 product (docs/PERFORMANCE.md, docs/NUMERICS.md).
+pub const DEFAULT_ACT: Mxfp4Act = Mxfp4Act::Q8x3;
+
+impl Mxfp4Act {
+    /// Every format.
+    pub const ALL: [Mxfp4Act; 2] = [Mxfp4Act::F32, Mxfp4Act::Q8x3];
+
+    /// The name parsed by [`Mxfp4Act::from_str`] and shown in logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mxfp4Act::F32 => "f32",
+            Mxfp4Act::Q8x3 => "q8x3",
+        }
+    }
+}
+
+/// A bad MXFP4 activation format name.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Mxfp4ActError {
+    #[error("{MXFP4_ACT_VAR}={value:?} is not one of f32, q8x3")]
+    Unknown { value: String },
+}
+
+impl FromStr for Mxfp4Act {
+    type Err = Mxfp4ActError;
+
+    /// Parse a format name strictly (`f32` or `q8x3`, nothing else).
+    fn from_str(value: &str) -> Result<Mxfp4Act, Mxfp4ActError> {
+        Mxfp4Act::ALL
+            .into_iter()
+            .find(|a| a.name() == value)
+            .ok_or_else(|| Mxfp4ActError::Unknown {
+                value: value.to_string(),
+            })
+    }
+}
+
+/// A bad keep-warm switch value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{POOL_SPIN_VAR}={value:?} is not valid (expected `on` or `off`)")]
+pub struct SpinEnvError {
+    /// The rejected value.
+    pub value: String,
+}
+
+/// A bad idle-prefetch switch value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{POOL_PREFETCH_VAR}={value:?} is not valid (expected `on` or `off`)")]
+pub struct PrefetchEnvError {
+    /// The rejected value.
+    pub value: String,
+}
+
+/// `on` → true, `off` → false, nothing else.
+fn on_off(value: &str) -> Option<bool> {
+    match value {
+        "on" => Some(true),
+        "off" => Some(false),
+        _ => None,
+    }
+}
+
+/// Parse the keep-warm switch strictly (`on` or `off`).
+pub fn parse_spin(value: &str) -> Result<bool, SpinEnvError> {
+    on_off(value).ok_or_else(|| SpinEnvError {
+        value: value.to_string(),
+    })
+}
+
+/// Parse the idle-prefetch switch strictly (`on` or `off`).
+pub fn parse_prefetch(value: &str) -> Result<bool, PrefetchEnvError> {
+    on_off(value).ok_or_else(|| PrefetchEnvError {
+        value: value.to_string(),
+    })
+}
+
+/// A bad kernel setting, or settings that cannot be installed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Mxfp4Act(#[from] Mxfp4ActError),
+    #[error(transparent)]
+    PoolSpin(#[from] SpinEnvError),
+    #[error(transparent)]
+    PoolPrefetch(#[from] PrefetchEnvError),
+    #[error(
+        "kernel settings are already fixed ({installed}); they are installed once, before the first product"
+    )]
+    AlreadyConfigured { installed: String },
+}
+
+/// Everything the kernels let a caller choose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelSettings {
+    /// The instruction set of every product (must be supported by this CPU).
+    pub backend: Backend,
+    /// The activation format of MXFP4 products on AVX-512 with VNNI (every other CPU runs
+    /// f32, see [`KernelSettings::mxfp4_act_in_use`]).
+    pub mxfp4_act: Mxfp4Act,
+    /// The pool's keep-warm loops during a generation (`pool::run_warm`).
+    pub pool_spin: bool,
+    /// The waiting workers' prefetch of the next products' weights (`lookahead`).
+    pub pool_prefetch: bool,
+}
+
+impl Default for KernelSettings {
+    fn default() -> KernelSettings {
+        KernelSettings {
+            backend: Backend::detect(),
+            mxfp4_act: DEFAULT_ACT,
+            pool_spin: true,
+            pool_prefetch: true,
+        }
+    }
+}
+
+impl KernelSettings {
+    /// The settings named by variables (the names of [`crate::dispatch::ENV_VAR`],
+    /// [`MXFP4_ACT_VAR`], [`POOL_SPIN_VAR`], [`POOL_PREFETCH_VAR`]) as `lookup` gives them,
+    /// the default for each one it does not have, each parsed strictly. A binary passes the
+    /// process environment (a value that is not UTF-8 given lossily, so it is refused with
+    /// what it shows).
+    pub fn from_lookup(
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<KernelSettings, KernelError> {
+        let mut s = KernelSettings::default();
+        if let Some(v) = lookup(MXFP4_ACT_VAR) {
+            s.mxfp4_act = v.parse()?;
+        }
+        if let Some(v) = lookup(POOL_SPIN_VAR) {
+            s.pool_spin = parse_spin(&v)?;
+        }
+        if let Some(v) = lookup(POOL_PREFETCH_VAR) {
+            s.pool_prefetch = parse_prefetch(&v)?;
+        }
+        if let Some(v) = lookup(crate::dispatch::ENV_VAR) {
+            s.backend = v.parse()?;
+        }
+        Ok(s)
+    }
+
+    /// The MXFP4 activation format these settings run: [`KernelSettings::mxfp4_act`] on
+    /// AVX-512 with VNNI, f32 everywhere else.
+    pub fn mxfp4_act_in_use(&self) -> Mxfp4Act {
+        if self.backend == Backend::Avx512 && vnni_available() {
+            self.mxfp4_act
+        } else {
+            Mxfp4Act::F32
+        }
+    }
+
+    /// The settings as log words: `kernels=… mxfp4_act=… pool_spin=on|off pool_prefetch=on|off`.
+    fn words(&self) -> String {
+        format!(
+            "kernels={} mxfp4_act={} {}",
+            self.backend.name(),
+            self.mxfp4_act_in_use().name(),
+            self.pool_words()
+        )
+    }
+
+    /// `pool_spin=on|off pool_prefetch=on|off`.
+    fn pool_words(&self) -> String {
+        let word = |on: bool| if on { "on" } else { "off" };
+        format!(
+            "pool_spin={} pool_prefetch={}",
+            word(self.pool_spin),
+            word(self.pool_prefetch)
+        )
+    }
+}
+
+static INSTALLED: OnceLock<KernelSettings> = OnceLock::new();
+
+/// Install the settings every product of this process uses. Call it once, before the first
+/// kernel runs; installing the same settings again is accepted, different ones are an error
+/// (as is a backend this CPU cannot run).
+pub fn configure(settings: KernelSettings) -> Result<(), KernelError> {
+    if !settings.backend.is_supported() {
+        return Err(BackendError::Unsupported {
+            name: settings.backend.name().to_string(),
+            supported: Backend::available()
+                .iter()
+                .map(|b| b.name())
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+        .into());
+    }
+    let installed = INSTALLED.get_or_init(|| settings);
+    if *installed != settings {
+        return Err(KernelError::AlreadyConfigured {
+            installed: installed.words(),
+        });
+    }
+    Ok(())
+}
+
+/// The settings in force: those [`configure`] installed, else the defaults (fixed from then on).
+#[inline]
+pub fn current() -> &'static KernelSettings {
+    INSTALLED.get_or_init(KernelSettings::default)
+}
+
+/// The backend the public kernels use.
+#[inline]
+pub fn backend() -> Backend {
+    current().backend
+}
+
+/// Name of the backend in use, for `--stats` and logs (`"avx512"`, `"avx2"`, `"neon"`, `"scalar"`).
+pub fn kernel_backend() -> &'static str {
+    backend().name()
+}
+
+/// One log line: the backend in use, the MXFP4 activation format it runs, the relevant CPU
+/// features present, the worker count and the pool switches, e.g. `kernels=avx512
+/// mxfp4_act=q8x3 cpu=[avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx2 fma] threads=2
+/// pool_spin=on pool_prefetch=on`.
+pub fn kernel_summary() -> String {
+    let mut feats: Vec<&str> = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        for (name, on) in [
+            ("avx512f", has!("avx512f")),
+            ("avx512bw", has!("avx512bw")),
+            ("avx512vl", has!("avx512vl")),
+            ("avx512_bf16", has!("avx512bf16")),
+            ("avx512_vnni", has!("avx512vnni")),
+            ("avx2", has!("avx2")),
+            ("fma", has!("fma")),
+        ] {
+            if on {
+                feats.push(name);
+            }
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if std::arch::is_aarch64_feature_detected!("neon") {
+        feats.push("neon");
+    }
+    let s = current();
+    format!(
+        "kernels={} mxfp4_act={} cpu=[{}] threads={} {}",
+        s.backend.name(),
+        s.mxfp4_act_in_use().name(),
+        feats.join(" "),
+        rayon::current_num_threads(),
+        s.pool_words(),
+    )
+}
+
+/// The pool's switches as log words, `pool_spin=on|off pool_prefetch=on|off`.
+pub fn pool_settings() -> String {
+    current().pool_words()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_value_parses_strictly() {
+        assert_eq!("f32".parse(), Ok(Mxfp4Act::F32));
+        assert_eq!("q8x3".parse(), Ok(Mxfp4Act::Q8x3));
+        // The formats the kernels do not have are refused, naming the accepted ones.
+        for bad in ["", "Q8X3", "q8x3 ", "bf16", "q8", "q16", "q16x2"] {
+            let e = bad.parse::<Mxfp4Act>().unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains(MXFP4_ACT_VAR) && msg.contains("f32, q8x3"),
+                "{bad:?}: {msg}"
+            );
+        }
+        assert_eq!((parse_spin("on"), parse_spin("off")), (Ok(true), Ok(false)));
+        assert_eq!(
+            (parse_prefetch("on"), parse_prefetch("off")),
+            (Ok(true), Ok(false))
+        );
+        for bad in ["", "ON", "1", "yes", " on"] {
+            let e = parse_spin(bad).unwrap_err().to_string();
+            assert!(e.contains(POOL_SPIN_VAR), "{e}");
+            let e = parse_prefetch(bad).unwrap_err().to_string();
+            assert!(e.contains(POOL_PREFETCH_VAR), "{e}");
+        }
+    }
+
+    #[test]
+    fn from_lookup_takes_each_named_value_and_defaults_the_rest() {
+        let none = KernelSettings::from_lookup(|_| None).unwrap();
+        assert_eq!(none, KernelSettings::default());
+        assert!(none.pool_spin && none.pool_prefetch);
+        assert_eq!(none.mxfp4_act, Mxfp4Act::Q8x3);
+        let set = |pairs: &'static [(&'static str, &'static str)]| {
+            KernelSettings::from_lookup(move |k| {
+                pairs.iter().find(|p| p.0 == k).map(|p| p.1.to_string())
+            })
+        };
+        let s = set(&[
+            ("DELTAFIN_KERNEL", "scalar"),
+            ("DELTAFIN_MXFP4_ACT", "f32"),
+            ("DELTAFIN_POOL_SPIN", "off"),
+            ("DELTAFIN_POOL_PREFETCH", "off"),
+        ])
+        .unwrap();
+        assert_eq!(
+            s,
+            KernelSettings {
+                backend: Backend::Scalar,
+                mxfp4_act: Mxfp4Act::F32,
+                pool_spin: false,
+                pool_prefetch: false,
+            }
+        );
+        assert_eq!(s.mxfp4_act_in_use(), Mxfp4Act::F32);
+        assert_eq!(
+            s.words(),
+            "kernels=scalar mxfp4_act=f32 pool_spin=off pool_prefetch=off"
+        );
+        for (var, bad) in [
+            ("DELTAFIN_KERNEL", "sse"),
+            ("DELTAFIN_MXFP4_ACT", "q16x2"),
+            ("DELTAFIN_POOL_SPIN", "maybe"),
+            ("DELTAFIN_POOL_PREFETCH", "ON"),
+        ] {
+            let e = KernelSettings::from_lookup(|k| (k == var).then(|| bad.to_string()))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(var) && e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn installed_settings_are_fixed() {
+        // Whatever this test process installed first (or the defaults) stays.
+        let now = *current();
+        assert_eq!(configure(now), Ok(()));
+        let other = KernelSettings {
+            pool_spin: !now.pool_spin,
+            ..now
+        };
+        let e = configure(other).unwrap_err();
+        assert!(matches!(e, KernelError::AlreadyConfigured { .. }), "{e}");
+        assert!(e.to_string().contains(&now.words()), "{e}");
+        assert_eq!(*current(), now);
+        assert!(kernel_summary().starts_with(&format!("kernels={}", now.backend.name())));
+        assert!(kernel_summary().ends_with(&pool_settings()));
+    }
+}
