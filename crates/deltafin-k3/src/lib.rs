@@ -10,6 +10,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod dims;
+pub mod engine;
 pub mod filelock;
 pub mod generate;
 pub mod install;

@@ -1,26 +1,27 @@
-//! Compute device selection: `--device auto|cpu|mps|cuda|cuda:N` (`K3_DEV`) and
-//! `--expert-backend auto|cpu|metal|cuda` (`K3_MOE`), product-contract §1.3/§1.4.
+//! Where the model's products run: the device and expert-backend requests, the CUDA and
+//! Metal devices this build can use, and placing a loaded model on the chosen device.
 //!
 //! Selection is capability-gated: asking for a backend that cannot run is an error naming
 //! what is missing (the feature, the driver library, the device, the kernels, or the model
-//! path); deltafin never runs on the CPU while claiming a GPU.
+//! path); the engine never runs on the CPU while claiming a GPU.
 //!
-//! CUDA (issue 11, `deltafin_kernels::cuda::CudaProducts`): `--device cuda[:N]` opens the
-//! device (NVRTC compiles the kernels) and the session offloads the spine to it while it fits
-//! (`deltafin_k3::offload`); `--expert-backend cuda` runs the routed experts' products there
-//! through a device expert cache; with `--device cuda`, `--expert-backend auto` follows the
-//! device. `auto` stays on the CPU: the CUDA path is tested through a CPU stand-in device
-//! but has not yet run the model on a GPU, so it is not chosen without being asked for.
+//! CUDA (`deltafin_kernels::cuda::CudaProducts`, feature `cuda`): a CUDA device request
+//! opens the device (NVRTC compiles the kernels) and the spine is offloaded to it while it
+//! fits ([`crate::offload`]); a CUDA expert backend runs the routed experts' products there
+//! through a device expert cache; with a CUDA device, the `auto` expert backend follows the
+//! device. `auto` stays on the CPU: a GPU is used only when asked for.
 //!
-//! Metal (`deltafin_kernels::metal`, macOS with feature `metal`): `--device mps` names the
-//! Mac's GPU when it finds one, then refuses — the forward pass has no Metal path.
+//! Metal (`deltafin_kernels::metal`, macOS with feature `metal`): a Metal request names the
+//! Mac's GPU when it finds one, then refuses: the forward pass has no Metal path.
+//!
+//! The error messages name the CLI's spellings (`--device cuda:N`, `--expert-backend`).
 
 use std::sync::Arc;
 
-use anyhow::{Result, anyhow, bail};
+use crate::engine::error::EngineError;
+use crate::engine::progress::LoadProgress;
+use crate::model::K3Model;
 use deltafin_kernels::ProductDevice;
-
-use crate::session::env_var;
 
 /// What `--device` / `K3_DEV` asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -50,8 +51,8 @@ pub enum ExpertBackendRequest {
     Cuda,
 }
 
-/// Parse a `--device` value.
-pub fn parse_device(s: &str) -> std::result::Result<DeviceRequest, String> {
+/// Parse a device request: `auto`, `cpu`, `mps`, `cuda` or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<DeviceRequest, String> {
     Ok(match s {
         "auto" => DeviceRequest::Auto,
         "cpu" => DeviceRequest::Cpu,
@@ -70,8 +71,8 @@ pub fn parse_device(s: &str) -> std::result::Result<DeviceRequest, String> {
     })
 }
 
-/// Parse an `--expert-backend` value.
-pub fn parse_expert_backend(s: &str) -> std::result::Result<ExpertBackendRequest, String> {
+/// Parse an expert-backend request: `auto`, `cpu`, `metal` or `cuda`.
+pub fn parse_expert_backend(s: &str) -> Result<ExpertBackendRequest, String> {
     Ok(match s {
         "auto" => ExpertBackendRequest::Auto,
         "cpu" => ExpertBackendRequest::Cpu,
@@ -85,32 +86,8 @@ pub fn parse_expert_backend(s: &str) -> std::result::Result<ExpertBackendRequest
     })
 }
 
-/// `--device`, else `K3_DEV`, else `auto`; a bad value (flag or variable) is an error.
-pub fn resolve_device(flag: Option<&str>) -> Result<DeviceRequest> {
-    match flag {
-        Some(v) => parse_device(v).map_err(|e| anyhow!("--device {e}")),
-        None => match env_var("K3_DEV")? {
-            Some(v) => parse_device(&v).map_err(|e| anyhow!("environment variable K3_DEV: {e}")),
-            None => Ok(DeviceRequest::Auto),
-        },
-    }
-}
-
-/// `--expert-backend`, else `K3_MOE`, else `auto`.
-pub fn resolve_expert_backend(flag: Option<&str>) -> Result<ExpertBackendRequest> {
-    match flag {
-        Some(v) => parse_expert_backend(v).map_err(|e| anyhow!("--expert-backend {e}")),
-        None => match env_var("K3_MOE")? {
-            Some(v) => {
-                parse_expert_backend(&v).map_err(|e| anyhow!("environment variable K3_MOE: {e}"))
-            }
-            None => Ok(ExpertBackendRequest::Auto),
-        },
-    }
-}
-
 /// The CUDA devices this binary can use, one line each, or why there are none.
-pub fn cuda_devices() -> std::result::Result<Vec<String>, String> {
+pub fn cuda_devices() -> Result<Vec<String>, String> {
     #[cfg(feature = "cuda")]
     {
         deltafin_kernels::cuda::list_devices()
@@ -124,22 +101,24 @@ pub fn cuda_devices() -> std::result::Result<Vec<String>, String> {
 }
 
 /// Check that `cuda:ordinal` exists; returns its description.
-fn find_cuda(flag: &str, ordinal: usize) -> Result<String> {
-    let devices = cuda_devices().map_err(|e| anyhow!("{flag}: {e}"))?;
+fn find_cuda(flag: &str, ordinal: usize) -> Result<String, EngineError> {
+    let devices = cuda_devices().map_err(|e| device_error(format!("{flag}: {e}")))?;
     match devices.get(ordinal) {
         Some(d) => Ok(d.clone()),
-        None if devices.is_empty() => bail!("{flag}: the NVIDIA driver reports no CUDA device"),
-        None => bail!(
+        None if devices.is_empty() => Err(device_error(format!(
+            "{flag}: the NVIDIA driver reports no CUDA device"
+        ))),
+        None => Err(device_error(format!(
             "{flag}: cuda:{ordinal} does not exist; this machine has {} CUDA device(s): {}",
             devices.len(),
             devices.join("; ")
-        ),
+        ))),
     }
 }
 
 /// The Metal device this binary can use (its description), or why there is none: not macOS,
 /// built without the `metal` feature, or no device.
-pub fn metal_device() -> std::result::Result<String, String> {
+pub fn metal_device() -> Result<String, String> {
     #[cfg(all(target_os = "macos", feature = "metal"))]
     {
         deltafin_kernels::metal::metal_available()
@@ -161,23 +140,23 @@ pub fn metal_device() -> std::result::Result<String, String> {
 
 /// The error for an explicit Metal request: what is missing, or — with a device — that the
 /// model has no Metal path yet.
-fn metal_request(flag: &str, what: &str) -> anyhow::Error {
+fn metal_request(flag: &str, what: &str) -> EngineError {
     match metal_device() {
-        Ok(found) => anyhow!(
+        Ok(found) => device_error(format!(
             "{flag}: found {found}, but {what} has no Metal path in this build: the Metal kernels \
              (deltafin_kernels::metal — MXFP4/bf16/int8 products, KDA step, MLA decode) are \
              compiled but untested on Apple hardware and not yet wired into the K3 forward pass, \
              so nothing of the model would run on the GPU. Use --device cpu (or auto) and \
              --expert-backend cpu (or auto)"
-        ),
-        Err(why) => anyhow!(
+        )),
+        Err(why) => device_error(format!(
             "{flag}: {why} — use cpu{}",
             if cfg!(feature = "cuda") && !cfg!(target_os = "macos") {
                 " (or cuda on an NVIDIA machine)"
             } else {
                 ""
             }
-        ),
+        )),
     }
 }
 
@@ -207,23 +186,38 @@ impl std::fmt::Debug for Placement {
 
 /// Open `cuda:ordinal` for products (kernels compiled by NVRTC, or `DELTAFIN_CUDA_PTX_DIR`).
 #[cfg(feature = "cuda")]
-fn open_cuda(flag: &str, found: &str, ordinal: usize) -> Result<Arc<dyn ProductDevice>> {
+fn open_cuda(
+    flag: &str,
+    found: &str,
+    ordinal: usize,
+) -> Result<Arc<dyn ProductDevice>, EngineError> {
     let dev = deltafin_kernels::cuda::CudaProducts::open(ordinal).map_err(|e| {
-        anyhow!("{flag}: found {found}, but could not open it for the K3 forward pass: {e}")
+        device_error(format!(
+            "{flag}: found {found}, but could not open it for the K3 forward pass: {e}"
+        ))
     })?;
     Ok(Arc::new(dev))
 }
 
 /// Without the `cuda` feature [`find_cuda`] has already refused.
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(flag: &str, _found: &str, _ordinal: usize) -> Result<Arc<dyn ProductDevice>> {
-    bail!("{flag}: this deltafin was built without the `cuda` feature")
+fn open_cuda(
+    flag: &str,
+    _found: &str,
+    _ordinal: usize,
+) -> Result<Arc<dyn ProductDevice>, EngineError> {
+    Err(device_error(format!(
+        "{flag}: this deltafin was built without the `cuda` feature"
+    )))
 }
 
 /// Decide where the model runs: open the CUDA device when one is asked for (an error names
 /// what is missing: the feature, libcuda, the device, the kernels), refuse Metal with its
 /// reason, or the CPU.
-pub fn select(device: DeviceRequest, experts: ExpertBackendRequest) -> Result<Placement> {
+pub fn select(
+    device: DeviceRequest,
+    experts: ExpertBackendRequest,
+) -> Result<Placement, EngineError> {
     let ordinal = match device {
         DeviceRequest::Cuda(n) => n.unwrap_or(0),
         _ => 0,
@@ -276,6 +270,58 @@ pub fn select(device: DeviceRequest, experts: ExpertBackendRequest) -> Result<Pl
         spine,
         experts: on_cuda,
     })
+}
+
+fn device_error(message: String) -> EngineError {
+    EngineError::Device(message)
+}
+
+/// Put `model` on the device `placement` names (nothing for the CPU): the spine while it
+/// fits the free device memory minus `reserve`, then a device expert cache in what is left
+/// minus `reserve`. Says through `progress` what went where; returns the device part of the
+/// backend line (`device=cpu`, `device=cuda:0 … spine=N/M matrices expert_cache=…GB`).
+pub fn place_on_device(
+    model: &mut K3Model,
+    placement: &Placement,
+    reserve: u64,
+    progress: &dyn LoadProgress,
+) -> Result<String, EngineError> {
+    let gb = |b: u64| b as f64 / 1e9;
+    let mut line = "device=cpu".to_string();
+    if let Some(dev) = &placement.device {
+        line = format!("device={}", dev.describe());
+        if placement.spine {
+            let free = dev.free_bytes()?;
+            let budget = free.saturating_sub(reserve);
+            let report = model
+                .offload_spine(dev.clone(), budget)
+                .map_err(EngineError::context("offloading the spine to the device"))?;
+            progress.info(&format!(
+                "{} (device had {:.3} GB free, {:.3} GB reserved: K3_DEV_RESERVE_GB)",
+                report.describe(),
+                gb(free),
+                gb(reserve)
+            ));
+            line += &format!(
+                " spine={}/{} matrices",
+                report.on_device.len(),
+                report.on_device.len() + report.on_cpu.len()
+            );
+        }
+        if placement.experts {
+            let free = dev.free_bytes()?;
+            let budget = free.saturating_sub(reserve);
+            let cache = Arc::new(crate::offload::DeviceExpertCache::new(dev.clone(), budget));
+            progress.info(&format!(
+                "routed experts on {}: device expert cache {:.3} GB (LRU; experts are read on the host as before and uploaded on a miss)",
+                dev.describe(),
+                gb(budget)
+            ));
+            line += &format!(" expert_cache={:.3}GB", gb(budget));
+            model.set_device_experts(cache);
+        }
+    }
+    Ok(line)
 }
 
 #[cfg(test)]
