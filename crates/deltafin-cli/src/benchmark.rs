@@ -884,7 +884,7 @@ fn perf_environment() -> Value {
 }
 
 fn system_state() -> Value {
-    let mem = deltafin_k3::engine::host::meminfo();
+    let mem = crate::doctor::meminfo();
     let loadavg = std::fs::read_to_string("/proc/loadavg")
         .ok()
         .map(|s| s.trim().to_string());
@@ -1155,11 +1155,10 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
     }
     // Reject a bad device or backend before any run; the runs repeat the full selection.
     if let Some(d) = &args.device {
-        deltafin_k3::engine::placement::parse_device(d).map_err(|e| anyhow!("--device {e}"))?;
+        crate::device::parse_device(d).map_err(|e| anyhow!("--device {e}"))?;
     }
     if let Some(b) = &args.expert_backend {
-        deltafin_k3::engine::placement::parse_expert_backend(b)
-            .map_err(|e| anyhow!("--expert-backend {e}"))?;
+        crate::device::parse_expert_backend(b).map_err(|e| anyhow!("--expert-backend {e}"))?;
     }
     if !args.model_root.join(CONFIG_FILE).is_file() {
         bail!(

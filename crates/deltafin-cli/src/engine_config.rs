@@ -3,16 +3,15 @@
 //! an error naming the flag or the variable.
 
 use crate::ModelArgs;
+use crate::device::{resolve_device, resolve_expert_backend};
 use crate::env::{env_choice, env_var, parse_gb};
 use anyhow::{Result, anyhow, bail};
 use deltafin_experts::stream::PILOT_BREAK_EVEN_PRECISION;
 use deltafin_experts::{DirectIo, PilotGate, StreamOptions, TraceMode};
 use deltafin_k3::checkpoint::CONFIG_FILE;
 use deltafin_k3::config::K3Config;
-use deltafin_k3::engine::placement::{parse_device, parse_expert_backend};
 use deltafin_k3::engine::{
-    DEVICE_RESERVE_GB, DeviceRequest, EngineConfig, ExpertBackendRequest, HeatSettings,
-    RouterTraceRequest, Scale4Mode,
+    DEVICE_RESERVE_GB, EngineConfig, HeatSettings, RouterTraceRequest, Scale4Mode,
 };
 use deltafin_k3::resident::HugePages;
 use deltafin_k3::spine_int8::{SpineChoice, SpineFormat};
@@ -87,30 +86,6 @@ pub fn resolve_memory_budget(flag: Option<&str>) -> Result<Option<u64>> {
             parse_gb(f).map_err(|e| anyhow!("--memory-budget-gb: {e}"))?,
         )),
         None => Ok(env),
-    }
-}
-
-/// `--device`, else `K3_DEV`, else `auto`; a bad value (flag or variable) is an error.
-pub fn resolve_device(flag: Option<&str>) -> Result<DeviceRequest> {
-    match flag {
-        Some(v) => parse_device(v).map_err(|e| anyhow!("--device {e}")),
-        None => match env_var("K3_DEV")? {
-            Some(v) => parse_device(&v).map_err(|e| anyhow!("environment variable K3_DEV: {e}")),
-            None => Ok(DeviceRequest::Auto),
-        },
-    }
-}
-
-/// `--expert-backend`, else `K3_MOE`, else `auto`.
-pub fn resolve_expert_backend(flag: Option<&str>) -> Result<ExpertBackendRequest> {
-    match flag {
-        Some(v) => parse_expert_backend(v).map_err(|e| anyhow!("--expert-backend {e}")),
-        None => match env_var("K3_MOE")? {
-            Some(v) => {
-                parse_expert_backend(&v).map_err(|e| anyhow!("environment variable K3_MOE: {e}"))
-            }
-            None => Ok(ExpertBackendRequest::Auto),
-        },
     }
 }
 

@@ -6,6 +6,7 @@
 mod benchmark;
 mod buildinfo;
 mod convert;
+mod device;
 mod doctor;
 mod elfdeps;
 mod engine_config;

@@ -1,6 +1,6 @@
 //! Canaries: each kernel on a small known input against an f64 reference.
 
-use super::{Check, Status};
+use super::report::{Check, Status};
 use anyhow::Result;
 use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, bf16, mxfp4};
 /// Relative tolerance of the canaries: `|y − ref| ≤ CANARY_RTOL · Σ|terms| + CANARY_ATOL`.

@@ -1,11 +1,14 @@
 //! The disk read probe.
 
-use super::{DISK_PROBE_BYTES, Report, Status};
+use super::report::{Report, Status};
 use serde_json::json;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::Path;
 use std::time::Instant;
+
+/// Bytes read (and, without a model root, written first) by the disk probe.
+pub const DISK_PROBE_BYTES: u64 = 256 << 20;
 /// Drop `file`'s pages from the page cache where the OS allows it; true when it did.
 pub(super) fn drop_from_cache(file: &File) -> bool {
     #[cfg(target_os = "linux")]

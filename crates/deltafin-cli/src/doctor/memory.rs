@@ -1,6 +1,6 @@
 //! Memory: total and available RAM, transparent huge pages.
 
-use super::{Report, Status};
+use super::report::{Report, Status};
 use deltafin_k3::engine::host::MemInfo;
 use serde_json::json;
 pub(super) fn gib(b: u64) -> f64 {

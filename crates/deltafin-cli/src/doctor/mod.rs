@@ -5,7 +5,7 @@
 //! makes the exit status 1. `--json` prints one object (schema `deltafin.doctor.v1`).
 
 use anyhow::Result;
-use deltafin_k3::engine::host::meminfo;
+pub use deltafin_k3::engine::host::meminfo;
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -14,11 +14,13 @@ mod canaries;
 mod disk;
 mod memory;
 mod model;
+mod report;
 mod runtime;
 
 use disk::disk_probe;
 use memory::{huge_pages_check, memory_check};
 use model::model_checks;
+use report::{Report, Status};
 use runtime::runtime_checks;
 
 /// `doctor` flags.
@@ -33,75 +35,6 @@ pub struct DoctorArgs {
     /// Print one JSON object (schema deltafin.doctor.v1) instead of text.
     #[arg(long)]
     pub json: bool,
-}
-
-/// Bytes read (and, without a model root, written first) by the disk probe.
-pub const DISK_PROBE_BYTES: u64 = 256 << 20;
-
-/// Outcome of one check.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Status {
-    Ok,
-    Info,
-    Warn,
-    Fail,
-}
-
-impl Status {
-    fn as_str(self) -> &'static str {
-        match self {
-            Status::Ok => "ok",
-            Status::Info => "info",
-            Status::Warn => "warn",
-            Status::Fail => "fail",
-        }
-    }
-}
-
-/// One line of the report.
-#[derive(Clone, Debug)]
-pub struct Check {
-    pub name: String,
-    pub status: Status,
-    pub detail: String,
-    pub fix: Option<String>,
-}
-
-#[derive(Default)]
-pub(crate) struct Report {
-    checks: Vec<Check>,
-    model_contract: Option<String>,
-    /// Number of checks printed before the model contract line.
-    contract_after: usize,
-    admitted_context: Option<u64>,
-    facts: serde_json::Map<String, Value>,
-}
-
-impl Report {
-    fn add(&mut self, name: impl Into<String>, status: Status, detail: impl Into<String>) {
-        self.checks.push(Check {
-            name: name.into(),
-            status,
-            detail: detail.into(),
-            fix: None,
-        });
-    }
-
-    fn fail(&mut self, name: impl Into<String>, detail: impl Into<String>, fix: impl Into<String>) {
-        self.checks.push(Check {
-            name: name.into(),
-            status: Status::Fail,
-            detail: detail.into(),
-            fix: Some(fix.into()),
-        });
-    }
-
-    fn problems(&self) -> usize {
-        self.checks
-            .iter()
-            .filter(|c| c.status == Status::Fail)
-            .count()
-    }
 }
 
 /// Run the audit and print it; exit status 0 when healthy, 1 when a problem was found.

@@ -1,7 +1,7 @@
 //! The model installation: config, index, shards, tokenizer, drafters.
 
 use super::memory::gib;
-use super::{Report, Status};
+use super::report::{Report, Status};
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, INDEX_FILE};
 use deltafin_k3::config::{K3Config, REAL_CONFIG_JSON};
 use deltafin_k3::inventory::{self, TensorKind};

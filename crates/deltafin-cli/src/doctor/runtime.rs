@@ -1,7 +1,7 @@
 //! The runtime checks: build, CPU features, kernels, GPU backends and their canaries.
 
 use super::canaries::canaries;
-use super::{Check, Report, Status};
+use super::report::{Check, Report, Status};
 use crate::buildinfo;
 use crate::elfdeps;
 use serde_json::json;

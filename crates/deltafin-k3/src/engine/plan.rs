@@ -257,7 +257,7 @@ pub struct PlanRequest {
     pub runtime: u64,
     /// The pinned tier.
     pub pin: u64,
-    /// Tokens of context (`None`: [`crate::engine::CONTEXT_RESERVE_TOKENS`]; capped by the
+    /// Tokens of context (`None`: [`crate::engine::config::CONTEXT_RESERVE_TOKENS`]; capped by the
     /// model's context).
     pub context_tokens: Option<usize>,
     /// At most this many resident spine layers.
@@ -279,7 +279,7 @@ impl PlanInputs {
         let dims = dims_from_config(cfg, &EngineOptions::default());
         let context_tokens = req
             .context_tokens
-            .unwrap_or(crate::engine::CONTEXT_RESERVE_TOKENS)
+            .unwrap_or(crate::engine::config::CONTEXT_RESERVE_TOKENS)
             .min(cfg.text.max_position_embeddings);
         PlanInputs {
             budget: req.budget,
