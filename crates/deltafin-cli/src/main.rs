@@ -9,6 +9,8 @@ mod convert;
 mod device;
 mod doctor;
 mod elfdeps;
+mod engine_config;
+mod env;
 mod events;
 mod kernel_env;
 mod pack;
@@ -21,6 +23,9 @@ mod setup;
 mod stream_install;
 mod upgrade;
 mod warm;
+
+#[cfg(test)]
+mod plan_equality_tests;
 
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -104,20 +109,6 @@ pub struct ModelArgs {
     /// bf16 (the original weights, weight-exact) [env: K3_SPINE; default: auto = int8].
     #[arg(long, value_name = "FORMAT")]
     pub spine: Option<String>,
-}
-
-impl ModelArgs {
-    /// The load options these flags (and their environment variables) ask for.
-    pub fn load_options(&self) -> anyhow::Result<session::LoadOptions> {
-        Ok(session::LoadOptions {
-            memory_budget: session::resolve_memory_budget(self.memory_budget_gb.as_deref())?,
-            device: device::resolve_device(self.device.as_deref())?,
-            expert_backend: device::resolve_expert_backend(self.expert_backend.as_deref())?,
-            expert_scale4: scale4::Scale4Mode::from_env()?,
-            spine: session::resolve_spine(self.spine.as_deref())?,
-            context_tokens: None,
-        })
-    }
 }
 
 #[derive(Args, Debug, Clone)]

@@ -44,7 +44,7 @@ pub fn pack_spine_cmd(args: &PackSpineArgs) -> Result<ExitCode> {
             root.display()
         );
     }
-    let format = crate::session::resolve_spine(args.spine.as_deref())?;
+    let format = crate::engine_config::resolve_spine(args.spine.as_deref())?;
     let output = args
         .output
         .clone()

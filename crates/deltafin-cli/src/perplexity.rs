@@ -14,10 +14,10 @@ pub fn perplexity(args: &PerplexityArgs) -> Result<ExitCode> {
         .with_context(|| format!("cannot read {}", args.file.display()))?;
     let text = String::from_utf8(bytes)
         .map_err(|e| anyhow::anyhow!("{} is not valid UTF-8: {e}", args.file.display()))?;
-    let load_opts = args.model.load_options()?;
+    let config = crate::engine_config::engine_config(&args.model, None, None)?;
     let interrupt = session::interrupt_flag();
-    let s = session::load_with(&args.model.model_root, &load_opts)?;
-    session::report_memory_plan(&s.model, s.memory.as_ref());
+    let s = session::load(&args.model.model_root, &config)?;
+    session::report_memory_plan(&s.model, s.plan.as_ref());
     let mut tokens = s.tokenizer.encode_ordinary(&text);
     if let Some(m) = args.max_tokens {
         tokens.truncate(usize::try_from(m).unwrap_or(usize::MAX));
@@ -69,7 +69,7 @@ pub fn perplexity(args: &PerplexityArgs) -> Result<ExitCode> {
         b.finish_and_clear();
     }
     let secs = t.elapsed().as_secs_f64();
-    if s.memory.is_some() {
+    if s.plan.is_some() {
         session::report_expert_stats(&s.model);
     }
     let interrupted = result.tokens_scored + 1 < tokens.len();

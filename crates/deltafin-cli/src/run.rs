@@ -3,9 +3,10 @@
 
 use crate::RunArgs;
 use crate::events::EventWriter;
-use crate::session::{self, Session};
+use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use deltafin_k3::chat::{self, ChatMessage, ChatOptions, ReasoningEffort};
+use deltafin_k3::engine::{EngineConfig, LoadedEngine};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, LogitSummary, StopReason, generate};
 use deltafin_k3::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
@@ -21,7 +22,7 @@ use std::time::Instant;
 /// Effort from the flag, else `K3_REASONING_EFFORT`, else the template default (max). Both
 /// sources are parsed strictly, even without --chat.
 fn resolve_effort(flag: Option<&str>) -> Result<(ReasoningEffort, &'static str)> {
-    let env = session::env_var("K3_REASONING_EFFORT")?;
+    let env = crate::env::env_var("K3_REASONING_EFFORT")?;
     let from_env = env
         .as_deref()
         .map(|v| {
@@ -48,6 +49,36 @@ fn summary_json(s: &LogitSummary) -> (Value, Value) {
 /// window holds drafted tokens in the state before they are accepted or rolled back.
 const VERIFY_SLACK_TOKENS: usize = 32;
 
+/// The engine configuration `deltafin run` loads with: the model flags and their variables,
+/// the router trace, and with `--max-new` the context bound (the prompt's bound plus
+/// `max_new` plus a speculative verification window), so the memory budget reserves state
+/// for that instead of `CONTEXT_RESERVE_TOKENS` and gives the rest to the spine and the
+/// expert cache.
+pub fn engine_config(args: &RunArgs, effort: ReasoningEffort) -> Result<EngineConfig> {
+    let mut config = crate::engine_config::engine_config(&args.model, None, None)?;
+    if let Some(max_new) = args.max_new {
+        let prompt_bound = if args.chat {
+            let chat_opts = ChatOptions {
+                effort: Some(effort),
+                ..Default::default()
+            };
+            chat::token_bound(
+                &chat::render_segments(&[ChatMessage::new("user", &args.prompt)], &chat_opts)
+                    .context("cannot render the chat prompt")?,
+            )
+        } else {
+            args.prompt.len()
+        };
+        config.context_tokens = Some(prompt_bound + max_new + VERIFY_SLACK_TOKENS);
+    }
+    config.router_trace = crate::engine_config::resolve_router_trace(
+        args.router_trace.as_deref(),
+        args.router_trace_mode.as_deref(),
+        &args.model.model_root,
+    )?;
+    Ok(config)
+}
+
 pub fn run(args: &RunArgs) -> Result<ExitCode> {
     let (effort, effort_source) = resolve_effort(args.reasoning_effort.as_deref())?;
     if args.top_logits.is_some() && args.events_jsonl.is_none() {
@@ -71,42 +102,19 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .as_deref()
         .map(EventWriter::create)
         .transpose()?;
-    let mut load_opts = args.model.load_options()?;
-    // With --max-new the context can never exceed the prompt plus max_new tokens (plus a
-    // speculative verification window): the memory budget reserves state for that, not for
-    // CONTEXT_RESERVE_TOKENS, and gives the rest to the spine and the expert cache.
-    let chat_opts = ChatOptions {
-        effort: Some(effort),
-        ..Default::default()
-    };
-    let chat_messages = [ChatMessage::new("user", &args.prompt)];
-    if let Some(max_new) = args.max_new {
-        let prompt_bound = if args.chat {
-            chat::token_bound(
-                &chat::render_segments(&chat_messages, &chat_opts)
-                    .context("cannot render the chat prompt")?,
-            )
-        } else {
-            args.prompt.len()
-        };
-        load_opts.context_tokens = Some(prompt_bound + max_new + VERIFY_SLACK_TOKENS);
-    }
-    let router_trace = session::resolve_router_trace(
-        args.router_trace.as_deref(),
-        args.router_trace_mode.as_deref(),
-        &args.model.model_root,
-    )?;
+    let config = engine_config(args, effort)?;
     let interrupt = session::interrupt_flag();
     let started = Instant::now();
 
-    let Session {
-        mut model,
+    let LoadedEngine {
+        model,
         tokenizer,
         load_seconds,
         checkpoint,
-        memory,
+        plan: memory,
         spine,
-    } = session::load_with(&args.model.model_root, &load_opts)?;
+        ..
+    } = session::load(&args.model.model_root, &config)?;
     let tokenizer = Arc::new(tokenizer);
     // Drafters: none when --top-logits asks for every distribution (auto modes yield).
     let surfaces = Surfaces {
@@ -125,10 +133,12 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     }
     .map_err(|e| anyhow!("{e}"))?;
     session::report_memory_plan(&model, memory.as_ref());
-    if let Some((path, mode)) = &router_trace {
-        session::attach_router_trace(&mut model, path, *mode)?;
-    }
 
+    let chat_opts = ChatOptions {
+        effort: Some(effort),
+        ..Default::default()
+    };
+    let chat_messages = [ChatMessage::new("user", &args.prompt)];
     let prompt_ids = if args.chat {
         chat::encode_chat(&tokenizer, &chat_messages, &chat_opts)
             .context("cannot render the chat prompt")?

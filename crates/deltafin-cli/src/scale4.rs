@@ -1,5 +1,5 @@
 //! `deltafin convert-experts-scale4` (lossless 4-bit scale sidecars, product-contract §4.4)
-//! and the `K3_EXPERT_SCALE4` runtime switch.
+//! (the `K3_EXPERT_SCALE4` runtime switch is the engine's `Scale4Mode`).
 //!
 //! Conversion goes layer by layer; within a layer `--workers` threads encode experts into
 //! their record slots of `L{layer}.sc4.part`, which is fsynced, verified record by record
@@ -8,21 +8,15 @@
 //! restarts an interrupted layer (`.part`) from scratch. The manifest is removed at the start
 //! and written last, so sidecars are never active while incomplete.
 
-use crate::session::env_var;
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
+use deltafin_experts::DirectIo;
 use deltafin_experts::probe::{ProbeOptions, probe};
-use deltafin_experts::scale4::{
-    self, MANIFEST_FILE, RawSource, SCALE4_DIR, Scale4Experts, Scale4Layout, Scale4Manifest,
-    Scale4Sidecars,
-};
-use deltafin_experts::{DirectIo, ExpertShape, ExpertSource};
+use deltafin_experts::scale4::{self, MANIFEST_FILE, RawSource, SCALE4_DIR, Scale4Manifest};
 use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
-use deltafin_k3::config::K3Config;
 use deltafin_k3::install;
 use deltafin_k3::loader::{EXPERT_DIR, expert_table};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use sha2::{Digest, Sha256};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -65,92 +59,10 @@ pub struct ConvertReport {
     pub probe: Option<(PathBuf, u64, f64)>,
 }
 
-/// `K3_EXPERT_SCALE4`: whether routed experts take their E8M0 scales from the sidecars.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Scale4Mode {
-    /// Sidecars when complete and valid, else the raw scales.
-    #[default]
-    Auto,
-    /// Never.
-    Off,
-    /// Sidecars, or an error.
-    Require,
-}
-
-impl Scale4Mode {
-    /// Parse `auto`, `off` or `require`.
-    pub fn parse(v: &str) -> std::result::Result<Scale4Mode, String> {
-        match v {
-            "auto" => Ok(Scale4Mode::Auto),
-            "off" => Ok(Scale4Mode::Off),
-            "require" => Ok(Scale4Mode::Require),
-            _ => Err(format!("{v:?} is not auto, off or require")),
-        }
-    }
-
-    /// From `K3_EXPERT_SCALE4` (default `auto`), strictly.
-    pub fn from_env() -> Result<Scale4Mode> {
-        match env_var("K3_EXPERT_SCALE4")? {
-            None => Ok(Scale4Mode::Auto),
-            Some(v) => Scale4Mode::parse(&v)
-                .map_err(|e| anyhow!("environment variable K3_EXPERT_SCALE4: {e}")),
-        }
-    }
-}
-
-/// The format layout and MoE layer mask of `cfg`.
-pub fn layout_of(cfg: &K3Config) -> (Scale4Layout, Vec<bool>) {
-    let layout = Scale4Layout {
-        shape: ExpertShape {
-            f: cfg.text.moe_intermediate_size,
-            lr: cfg.text.routed_expert_hidden_size,
-        },
-        num_experts: cfg.text.num_experts,
-    };
-    let moe = (0..cfg.n_layers()).map(|l| !cfg.is_dense(l)).collect();
-    (layout, moe)
-}
+use deltafin_k3::engine::experts::scale4_layout as layout_of;
 
 fn config_sha256(root: &Path) -> Result<String> {
-    let p = root.join(CONFIG_FILE);
-    let bytes = std::fs::read(&p).with_context(|| format!("cannot read {}", p.display()))?;
-    Ok(hex::encode(Sha256::digest(&bytes)))
-}
-
-/// Wrap `experts` per `mode`: with valid sidecars under `root/k3-experts-scale4` the scale
-/// bytes come from them (the codes from `experts`), else `experts` unchanged (`auto`, `off`)
-/// or an error (`require`).
-pub fn wrap_experts(
-    checkpoint: &Checkpoint,
-    experts: Box<dyn ExpertSource>,
-    mode: Scale4Mode,
-) -> Result<Box<dyn ExpertSource>> {
-    if mode == Scale4Mode::Off {
-        return Ok(experts);
-    }
-    let root = checkpoint.root();
-    let dir = root.join(SCALE4_DIR);
-    let (layout, moe) = layout_of(checkpoint.config());
-    let opened = config_sha256(root).and_then(|sha| {
-        Scale4Sidecars::open(&dir, layout, &moe, &sha).map_err(anyhow::Error::from)
-    });
-    match (opened, mode) {
-        (Ok(sidecars), _) => Ok(Box::new(Scale4Experts::new(experts, sidecars))),
-        (Err(e), Scale4Mode::Require) => Err(e.context(format!(
-            "K3_EXPERT_SCALE4=require but the scale4 sidecars in {} are not complete and valid (run `deltafin convert-experts-scale4 --model-root {}`)",
-            dir.display(),
-            root.display()
-        ))),
-        (Err(e), _) => {
-            if dir.exists() {
-                eprintln!(
-                    "[deltafin] scale4 sidecars in {} not used ({e:#}); experts use their raw scales",
-                    dir.display()
-                );
-            }
-            Ok(experts)
-        }
-    }
+    Ok(deltafin_k3::engine::experts::config_sha256(root)?)
 }
 
 /// `deltafin convert-experts-scale4`.
@@ -324,6 +236,9 @@ pub fn convert_with(args: &Scale4Args, stop_after: Option<usize>) -> Result<Conv
 #[cfg(test)]
 mod tests {
     use super::*;
+    use deltafin_experts::scale4::Scale4Sidecars;
+    use deltafin_k3::engine::Scale4Mode;
+    use deltafin_k3::engine::experts::wrap_scale4;
     use deltafin_k3::loader::{CheckpointExperts, EngineOptions, load_model_with_experts};
     use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
     use std::sync::Arc;
@@ -340,7 +255,7 @@ mod tests {
 
     fn logits(ckpt: &Arc<Checkpoint>, mode: Scale4Mode) -> Result<Vec<Vec<f32>>> {
         let inner = Box::new(CheckpointExperts::new(ckpt.clone()));
-        let experts = wrap_experts(ckpt, inner, mode)?;
+        let experts = wrap_scale4(ckpt, inner, mode, &deltafin_k3::engine::Silent)?;
         let model = load_model_with_experts(ckpt.clone(), &EngineOptions::default(), experts)?;
         let mut st = model.new_state();
         [17u32, 2025, 9, 4242, 311, 77]
@@ -484,15 +399,5 @@ mod tests {
             ..a
         };
         assert!(convert_with(&bad, None).is_err());
-    }
-
-    #[test]
-    fn mode_parsing_is_strict() {
-        assert_eq!(Scale4Mode::parse("auto"), Ok(Scale4Mode::Auto));
-        assert_eq!(Scale4Mode::parse("off"), Ok(Scale4Mode::Off));
-        assert_eq!(Scale4Mode::parse("require"), Ok(Scale4Mode::Require));
-        for bad in ["", "on", "AUTO", "1"] {
-            assert!(Scale4Mode::parse(bad).is_err(), "{bad}");
-        }
     }
 }

@@ -5,6 +5,7 @@ use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use deltafin_k3::chat::ReasoningEffort;
+use deltafin_k3::engine::EngineConfig;
 use deltafin_openai::{
     DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, MAX_QUEUE,
     MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig,
@@ -47,7 +48,7 @@ pub struct ServeArgs {
 
 /// `--queue`, else `K3_SERVER_QUEUE` (strict: an integer 0…64), else 0.
 fn resolve_queue(flag: Option<u64>) -> Result<(usize, &'static str)> {
-    let env = session::env_var("K3_SERVER_QUEUE")?;
+    let env = crate::env::env_var("K3_SERVER_QUEUE")?;
     let from_env = env
         .as_deref()
         .map(|v| match v.parse::<usize>() {
@@ -65,7 +66,7 @@ fn resolve_queue(flag: Option<u64>) -> Result<(usize, &'static str)> {
 }
 
 fn resolve_effort() -> Result<(ReasoningEffort, &'static str)> {
-    match session::env_var("K3_REASONING_EFFORT")? {
+    match crate::env::env_var("K3_REASONING_EFFORT")? {
         Some(v) => Ok((
             ReasoningEffort::from_str(&v)
                 .map_err(|e| anyhow!("environment variable K3_REASONING_EFFORT: {e}"))?,
@@ -111,6 +112,18 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
+/// The engine configuration `deltafin serve` loads with: the model flags and their
+/// variables (as `run`), and the router trace. A server does not know how long its
+/// contexts grow: the memory budget reserves state for `CONTEXT_RESERVE_TOKENS`.
+pub fn engine_config(args: &ServeArgs) -> Result<EngineConfig> {
+    let router_trace = crate::engine_config::resolve_router_trace(
+        args.router_trace.as_deref(),
+        args.router_trace_mode.as_deref(),
+        &args.model.model_root,
+    )?;
+    crate::engine_config::engine_config(&args.model, router_trace, None)
+}
+
 /// Runs the server until SIGINT/SIGTERM.
 pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     if args.host.is_empty() || args.host.contains(['/', '\\', '\0']) {
@@ -120,15 +133,10 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         );
     }
     session::check_kernels()?;
-    let load_options = args.model.load_options()?;
-    let router_trace = session::resolve_router_trace(
-        args.router_trace.as_deref(),
-        args.router_trace_mode.as_deref(),
-        &args.model.model_root,
-    )?;
-    let spine = load_options.spine;
+    let config = engine_config(args)?;
+    let spine = config.spine;
     // Fail at startup, not in the background loader, when the int8 spine is missing.
-    session::check_spine(&args.model.model_root, spine)?;
+    deltafin_k3::engine::check_spine(&args.model.model_root, spine)?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
     let spec = deltafin_spec::dspark::SpecConfig::from_env().map_err(|e| anyhow!("{e}"))?;
@@ -151,22 +159,13 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         // server's background loader thread.
         let root = args.model.model_root.clone();
         let server = Server::bind_with_loader(cfg.clone(), move || {
-            let mut s = session::load_with(&root, &load_options).map_err(|e| format!("{e:#}"))?;
-            if let Some((path, mode)) = &router_trace {
-                session::attach_router_trace(&mut s.model, path, *mode)
-                    .map_err(|e| format!("{e:#}"))?;
-            }
-            session::report_memory_plan(&s.model, s.memory.as_ref());
+            let s = session::load(&root, &config).map_err(|e| format!("{e:#}"))?;
+            session::report_memory_plan(&s.model, s.plan.as_ref());
             // The same drafting as `run`: DSpark for chat completions, Qwen for completions.
             let surfaces = Surfaces { chat: true, raw: true };
             let drafts = DraftModels::load(&root, &spec, surfaces, &s.model)?;
             deltafin_openai::log_line!("[deltafin serve] drafting: {}", drafts.describe());
-            Ok(deltafin_openai::Engine {
-                max_context: s.checkpoint.config().text.max_position_embeddings,
-                model: s.model,
-                tokenizer: std::sync::Arc::new(s.tokenizer),
-                drafts: Some(drafts),
-            })
+            Ok(deltafin_openai::Engine::from_loaded(s, Some(drafts)))
         })
         .await?;
         let addr = server.local_addr()?;

@@ -7,7 +7,6 @@
 //! build with a `sh -c` command run in the checkout.
 
 use crate::buildinfo;
-use crate::session;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -30,7 +29,7 @@ fn is_checkout(dir: &Path) -> bool {
 /// The checkout: `DELTAFIN_UPGRADE_REPO` (tests), else the nearest of the binary's ancestors
 /// (at most [`MAX_ANCESTORS`] levels up), else the current directory.
 fn locate_checkout() -> Result<PathBuf> {
-    if let Some(dir) = session::env_var("DELTAFIN_UPGRADE_REPO")? {
+    if let Some(dir) = crate::env::env_var("DELTAFIN_UPGRADE_REPO")? {
         let dir = PathBuf::from(dir);
         if !is_checkout(&dir) {
             bail!(
@@ -214,7 +213,7 @@ pub fn upgrade() -> Result<ExitCode> {
     let after = git(&repo, &["rev-parse", "--short", "HEAD"])?;
     println!("fast-forwarded {before}..{after} ({behind} commits)");
 
-    let status = match session::env_var("DELTAFIN_UPGRADE_BUILD_CMD")? {
+    let status = match crate::env::env_var("DELTAFIN_UPGRADE_BUILD_CMD")? {
         Some(cmd) => {
             println!("rebuilding (test override): {cmd}");
             Command::new("sh")
@@ -241,7 +240,7 @@ pub fn upgrade() -> Result<ExitCode> {
             repo.display()
         );
     }
-    let target_dir = session::env_var("CARGO_TARGET_DIR")?
+    let target_dir = crate::env::env_var("CARGO_TARGET_DIR")?
         .map(PathBuf::from)
         .map(|t| if t.is_absolute() { t } else { repo.join(t) })
         .unwrap_or_else(|| repo.join("target"));

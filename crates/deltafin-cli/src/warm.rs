@@ -182,7 +182,7 @@ pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
         );
     }
     let cfg = K3Config::from_file(&cfg_path).map_err(|e| anyhow!("{e}"))?;
-    let dims = crate::session::heat_dims(&cfg);
+    let dims = deltafin_k3::engine::experts::heat_dims(&cfg);
     let shape = ExpertShape {
         f: cfg.text.moe_intermediate_size,
         lr: cfg.text.routed_expert_hidden_size,

@@ -5,6 +5,8 @@
 //! # Code map
 //!
 //! ```text
+//! engine/         EngineBuilder / EngineConfig: the pure memory planner, the expert-source
+//!                 stack, device placement: one load path for run, serve and library users
 //! error.rs        ModelError: a leaf, returned by the blocks, the layer loop and the loaders
 //! model/          the math: the blocks one per file, and the layer loop composing them
 //!   forward.rs      K3Model: embedding → layers with Attention Residuals → head;
@@ -51,6 +53,7 @@
 //! tests enable it in their `[dev-dependencies]`, `xtask` in its dependencies, so a release
 //! build of the CLI does not contain it.
 
+pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod model;

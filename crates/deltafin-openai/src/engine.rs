@@ -4,9 +4,9 @@ use crate::error::ApiError;
 use crate::output::{Assembler, Delta, TokenLogprob};
 use crate::request::{GenRequest, Prompt};
 use deltafin_k3::chat::{ChatOptions, encode_chat};
+use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, StopReason, generate};
 use deltafin_k3::install::{self, Missing};
-use deltafin_k3::loader::{EngineOptions, load_model};
 use deltafin_k3::model::K3Model;
 use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_spec::select::{Chosen, DraftModels};
@@ -38,6 +38,22 @@ pub enum LoadError {
     },
 }
 
+/// Why a load failed, in words that do not repeat the root: an install that cannot be
+/// opened says what failed in it; anything else is the error with its causes.
+fn reason(e: &EngineError) -> String {
+    use std::error::Error;
+    if let EngineError::Install(i) = e {
+        return i.source().map_or_else(|| i.to_string(), |s| s.to_string());
+    }
+    let mut s = e.to_string();
+    let mut at = e.source();
+    while let Some(src) = at {
+        s += &format!(": {src}");
+        at = src.source();
+    }
+    s
+}
+
 /// A model ready to generate.
 pub struct Engine {
     /// The model.
@@ -58,31 +74,40 @@ const _: () = {
 };
 
 impl Engine {
-    /// Loads the install at `root` (checkpoint, model, tokenizer) as `deltafin run` does.
+    /// Loads the install at `root` with the library's plain configuration
+    /// ([`EngineConfig::default`]: every expert resident, the bf16 spine, the CPU).
     pub fn load(root: &Path) -> Result<Engine, LoadError> {
+        Engine::load_with(root, &EngineConfig::default())
+    }
+
+    /// Loads the install at `root` through the engine builder with `config` (memory budget,
+    /// streaming, spine format, device: what `deltafin run` and `deltafin serve` use).
+    pub fn load_with(root: &Path, config: &EngineConfig) -> Result<Engine, LoadError> {
         if let Some(what) = install::missing(root) {
             return Err(LoadError::NotInstalled {
                 root: root.to_path_buf(),
                 what,
             });
         }
-        let failed = |reason: String| LoadError::Failed {
-            root: root.to_path_buf(),
-            reason,
-        };
-        // The failing part's own message: ours already names the root.
-        let (checkpoint, tokenizer) = install::open(root).map_err(|e| {
-            failed(std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string()))
-        })?;
-        let model = load_model(checkpoint.clone(), &EngineOptions::default())
-            .map_err(|e| failed(e.to_string()))?;
-        install::check_vocab(&tokenizer, &model).map_err(|e| failed(e.to_string()))?;
-        Ok(Engine {
-            model,
-            tokenizer: Arc::new(tokenizer),
-            max_context: checkpoint.config().text.max_position_embeddings,
-            drafts: None,
-        })
+        let loaded = EngineBuilder::new(root)
+            .config(config.clone())
+            .build()
+            .map_err(|e| LoadError::Failed {
+                root: root.to_path_buf(),
+                reason: reason(&e),
+            })?;
+        Ok(Engine::from_loaded(loaded, None))
+    }
+
+    /// The engine over a model loaded by [`EngineBuilder`], with `drafts` (`None`: plain
+    /// greedy decoding only).
+    pub fn from_loaded(loaded: LoadedEngine, drafts: Option<DraftModels>) -> Engine {
+        Engine {
+            max_context: loaded.checkpoint.config().text.max_position_embeddings,
+            model: loaded.model,
+            tokenizer: Arc::new(loaded.tokenizer),
+            drafts,
+        }
     }
 
     /// The prompt ids: raw text with specials off and no BOS, or the XTML chat template

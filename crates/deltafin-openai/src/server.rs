@@ -246,6 +246,19 @@ impl Server {
         .await
     }
 
+    /// [`Server::bind`] loading through the engine builder with `engine` (memory budget,
+    /// streaming, spine format, device).
+    pub async fn bind_with_engine_config(
+        cfg: ServerConfig,
+        model_root: std::path::PathBuf,
+        engine: deltafin_k3::engine::EngineConfig,
+    ) -> Result<Server, ServeError> {
+        Self::bind_with_loader(cfg, move || {
+            Engine::load_with(&model_root, &engine).map_err(|e| e.to_string())
+        })
+        .await
+    }
+
     /// [`Server::bind`] with any loader (run on a background thread).
     pub async fn bind_with_loader(
         cfg: ServerConfig,

@@ -1,0 +1,293 @@
+//! Flags and environment variables → [`EngineConfig`]: the one mapping every model command
+//! (`run`, `serve`, `perplexity`) loads through. Every value is parsed strictly; a bad one is
+//! an error naming the flag or the variable.
+
+use crate::ModelArgs;
+use crate::device::{resolve_device, resolve_expert_backend};
+use crate::env::{env_choice, env_var, parse_gb};
+use anyhow::{Result, anyhow, bail};
+use deltafin_experts::stream::PILOT_BREAK_EVEN_PRECISION;
+use deltafin_experts::{DirectIo, PilotGate, StreamOptions, TraceMode};
+use deltafin_k3::checkpoint::CONFIG_FILE;
+use deltafin_k3::config::K3Config;
+use deltafin_k3::engine::{
+    DEVICE_RESERVE_GB, EngineConfig, HeatSettings, RouterTraceRequest, Scale4Mode,
+};
+use deltafin_k3::resident::HugePages;
+use deltafin_k3::spine_int8::{SpineChoice, SpineFormat};
+use deltafin_k3::spine_stream::SpineStreamOptions;
+use std::path::{Path, PathBuf};
+
+/// The engine configuration of the model flags `model` (and their environment variables),
+/// with `router_trace` and `context_tokens` as the command resolved them.
+pub fn engine_config(
+    model: &ModelArgs,
+    router_trace: Option<RouterTraceRequest>,
+    context_tokens: Option<usize>,
+) -> Result<EngineConfig> {
+    let memory_budget = resolve_memory_budget(model.memory_budget_gb.as_deref())?;
+    let device = resolve_device(model.device.as_deref())?;
+    let expert_backend = resolve_expert_backend(model.expert_backend.as_deref())?;
+    let scale4 = scale4_from_env()?;
+    let spine = resolve_spine(model.spine.as_deref())?;
+    let device_reserve = device_reserve()?;
+    let heat = heat_settings_from_env()?;
+    let (spine_resident_layers, spine_stream) = spine_stream_from_env(&model.model_root)?;
+    let huge_pages = huge_pages_from_env()?;
+    // The streaming variables are read only when experts stream.
+    let stream = match memory_budget {
+        Some(_) => stream_options_from_env()?,
+        None => StreamOptions::with_cache_bytes(0),
+    };
+    Ok(EngineConfig {
+        memory_budget,
+        spine,
+        device,
+        expert_backend,
+        device_reserve,
+        scale4,
+        context_tokens,
+        stream,
+        spine_resident_layers,
+        spine_stream,
+        heat,
+        router_trace,
+        huge_pages,
+        copy_resident_experts: true,
+    })
+}
+
+/// The spine from `--spine`, else `K3_SPINE`, else `auto` (= int8). Both are parsed
+/// strictly; `mixed` is rejected with its reason.
+pub fn resolve_spine(flag: Option<&str>) -> Result<SpineFormat> {
+    let env = env_var("K3_SPINE")?
+        .map(|v| {
+            v.parse::<SpineChoice>()
+                .map_err(|e| anyhow!("environment variable K3_SPINE: {e}"))
+        })
+        .transpose()?;
+    let choice = match flag {
+        Some(f) => f
+            .parse::<SpineChoice>()
+            .map_err(|e| anyhow!("--spine: {e}"))?,
+        None => env.unwrap_or_default(),
+    };
+    Ok(choice.format())
+}
+
+/// The budget from `--memory-budget-gb`, else `K3_MEMORY_BUDGET_GB`, else none. Both are
+/// parsed strictly.
+pub fn resolve_memory_budget(flag: Option<&str>) -> Result<Option<u64>> {
+    let env = env_var("K3_MEMORY_BUDGET_GB")?
+        .map(|v| parse_gb(&v).map_err(|e| anyhow!("environment variable K3_MEMORY_BUDGET_GB: {e}")))
+        .transpose()?;
+    match flag {
+        Some(f) => Ok(Some(
+            parse_gb(f).map_err(|e| anyhow!("--memory-budget-gb: {e}"))?,
+        )),
+        None => Ok(env),
+    }
+}
+
+/// `K3_EXPERT_SCALE4` (`auto`, the default, `off` or `require`), strictly.
+pub fn scale4_from_env() -> Result<Scale4Mode> {
+    env_choice("K3_EXPERT_SCALE4", Scale4Mode::Auto, Scale4Mode::parse)
+}
+
+/// `K3_DEV_RESERVE_GB` (GB of device memory kept free, default [`DEVICE_RESERVE_GB`]);
+/// a value that is not a finite non-negative number is an error.
+pub fn device_reserve() -> Result<u64> {
+    match env_var("K3_DEV_RESERVE_GB")? {
+        None => Ok((DEVICE_RESERVE_GB * 1e9) as u64),
+        Some(v) => match v.trim().parse::<f64>() {
+            Ok(gb) if gb.is_finite() && gb >= 0.0 => Ok((gb * 1e9) as u64),
+            _ => bail!(
+                "environment variable K3_DEV_RESERVE_GB: {v:?} is not a number of GB (>= 0) of device memory to keep free"
+            ),
+        },
+    }
+}
+
+/// Streaming options from `K3_EXPERT_READ_THREADS` (1…16, default min(CPUs, 4)),
+/// `K3_EXPERT_STREAM_NOCACHE` (`auto`/`1`: O_DIRECT where allowed, `0`: page cache),
+/// `K3_PILOT_GATE` (`off`, `measure`, `on`, `ranked`), `K3_PILOT_GATE_THRESHOLD` ([0, 1),
+/// 0.10), `K3_PILOT_GATE_WARMUP` (1…100000, 16), `K3_PILOT_RANK_PRECISION` ([0, 1], 0.5: the
+/// break-even) and `K3_PILOT_MAX_GUESSES` (0…4096, 0 = no cap), all parsed strictly. The
+/// cache size is the memory plan's.
+pub fn stream_options_from_env() -> Result<StreamOptions> {
+    let base = StreamOptions::with_cache_bytes(0);
+    let read_threads = env_choice("K3_EXPERT_READ_THREADS", base.read_threads, |v| {
+        v.parse::<usize>()
+            .ok()
+            .filter(|n| (1..=16).contains(n))
+            .ok_or_else(|| format!("{v:?} is not an integer in 1…16"))
+    })?;
+    let direct_io = env_choice("K3_EXPERT_STREAM_NOCACHE", DirectIo::Auto, |v| match v {
+        "auto" | "1" => Ok(DirectIo::Auto),
+        "0" => Ok(DirectIo::Off),
+        _ => Err(format!("{v:?} is not auto, 0 or 1")),
+    })?;
+    let threshold = env_choice("K3_PILOT_GATE_THRESHOLD", 0.10, |v| {
+        v.parse::<f64>()
+            .ok()
+            .filter(|x| (0.0..1.0).contains(x))
+            .ok_or_else(|| format!("{v:?} is not a number in [0, 1)"))
+    })?;
+    let warmup = env_choice("K3_PILOT_GATE_WARMUP", 16, |v| {
+        v.parse::<u64>()
+            .ok()
+            .filter(|n| (1..=100_000).contains(n))
+            .ok_or_else(|| format!("{v:?} is not an integer in 1…100000"))
+    })?;
+    let precision = env_choice("K3_PILOT_RANK_PRECISION", PILOT_BREAK_EVEN_PRECISION, |v| {
+        v.parse::<f64>()
+            .ok()
+            .filter(|x| (0.0..=1.0).contains(x))
+            .ok_or_else(|| format!("{v:?} is not a number in [0, 1]"))
+    })?;
+    let max_guesses = env_choice("K3_PILOT_MAX_GUESSES", 0, |v| {
+        v.parse::<usize>()
+            .ok()
+            .filter(|n| *n <= 4096)
+            .ok_or_else(|| format!("{v:?} is not an integer in 0…4096"))
+    })?;
+    let pilot = env_choice("K3_PILOT_GATE", PilotGate::Off, |v| match v {
+        "off" => Ok(PilotGate::Off),
+        "measure" => Ok(PilotGate::Measure),
+        "on" => Ok(PilotGate::On { threshold, warmup }),
+        "ranked" => Ok(PilotGate::Ranked {
+            precision,
+            warmup,
+            max_guesses,
+        }),
+        _ => Err(format!("{v:?} is not off, measure, on or ranked")),
+    })?;
+    Ok(StreamOptions {
+        cache_bytes: 0,
+        read_threads,
+        direct_io,
+        pilot,
+    })
+}
+
+/// The learned expert-cache settings: `K3_EXPERT_HEAT` (`on`/`off`, default on: record the
+/// persistent route histogram, §4.8) and `K3_EXPERT_PIN_GB` (decimal GB ≥ 0, default 0: the
+/// pinned tier inside the expert cache). Both parsed strictly.
+pub fn heat_settings_from_env() -> Result<HeatSettings> {
+    let enabled = env_choice("K3_EXPERT_HEAT", true, |v| match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{v:?} is not on or off")),
+    })?;
+    let pin_bytes = env_choice("K3_EXPERT_PIN_GB", 0, |v| match v.trim() {
+        "0" => Ok(0),
+        t => parse_gb(t).map_err(|e| format!("{e}, or 0 for no pinned tier")),
+    })?;
+    Ok(HeatSettings { enabled, pin_bytes })
+}
+
+/// Spine streaming settings from `K3_PROVIDER_RESIDENT_LAYERS` (0…layers of the config
+/// under `root`: at most this many resident layers; unset: as the memory budget allows),
+/// `K3_SPINE_READ_THREADS` (1…16, default 4) and `K3_SPINE_STREAM_NOCACHE` (`auto`/`1`:
+/// O_DIRECT where allowed, `0`: page cache), all parsed strictly.
+pub fn spine_stream_from_env(root: &Path) -> Result<(Option<usize>, SpineStreamOptions)> {
+    let cap = match env_var("K3_PROVIDER_RESIDENT_LAYERS")? {
+        None => None,
+        Some(v) => {
+            // The bound is the model's layer count; without a readable config the engine
+            // reports the missing install first.
+            let layers =
+                K3Config::from_file(root.join(CONFIG_FILE)).map_or(usize::MAX, |c| c.n_layers());
+            let bound = if layers == usize::MAX {
+                "the model's layer count".to_string()
+            } else {
+                layers.to_string()
+            };
+            Some(
+                v.parse::<usize>()
+                    .ok()
+                    .filter(|n| *n <= layers)
+                    .ok_or_else(|| {
+                        anyhow!(
+                            "environment variable K3_PROVIDER_RESIDENT_LAYERS: {v:?} is not an integer in 0…{bound}"
+                        )
+                    })?,
+            )
+        }
+    };
+    let base = SpineStreamOptions::default();
+    let read_threads = env_choice("K3_SPINE_READ_THREADS", base.read_threads, |v| {
+        v.parse::<usize>()
+            .ok()
+            .filter(|n| (1..=16).contains(n))
+            .ok_or_else(|| format!("{v:?} is not an integer in 1…16"))
+    })?;
+    let direct_io = env_choice("K3_SPINE_STREAM_NOCACHE", DirectIo::Auto, |v| match v {
+        "auto" | "1" => Ok(DirectIo::Auto),
+        "0" => Ok(DirectIo::Off),
+        _ => Err(format!("{v:?} is not auto, 0 or 1")),
+    })?;
+    Ok((
+        cap,
+        SpineStreamOptions {
+            read_threads,
+            direct_io,
+        },
+    ))
+}
+
+/// `DELTAFIN_HUGE_PAGES` (`auto`, the default, or `off`): whether resident weights are
+/// copied into huge-page memory at load (never a spine that goes to a device).
+pub fn huge_pages_from_env() -> Result<HugePages> {
+    match env_var(HugePages::ENV)? {
+        None => Ok(HugePages::Auto),
+        Some(v) => HugePages::parse(&v)
+            .map_err(|e| anyhow!("environment variable {}: {e}", HugePages::ENV)),
+    }
+}
+
+/// The router trace asked for by `--router-trace PATH` / `--router-trace-mode M`, else
+/// `K3_TRACE_PATH` / `K3_TRACE` (`off`, `buffered`, `sync`; all parsed strictly): a path
+/// alone means `buffered`, a path with `off` or a mode without a path is an error. A relative
+/// path is under the model root.
+pub fn resolve_router_trace(
+    flag_path: Option<&Path>,
+    flag_mode: Option<&str>,
+    root: &Path,
+) -> Result<Option<RouterTraceRequest>> {
+    let parse = |v: &str| match v {
+        "off" => Ok(None),
+        "buffered" => Ok(Some(TraceMode::Buffered)),
+        "sync" => Ok(Some(TraceMode::Sync)),
+        _ => Err(format!("{v:?} is not off, buffered or sync")),
+    };
+    let env_mode = env_var("K3_TRACE")?
+        .map(|v| parse(&v).map_err(|e| anyhow!("environment variable K3_TRACE: {e}")))
+        .transpose()?;
+    let env_path = env_var("K3_TRACE_PATH")?;
+    if env_path.as_deref() == Some("") {
+        bail!("environment variable K3_TRACE_PATH is empty");
+    }
+    let flag_mode = flag_mode
+        .map(|v| parse(v).map_err(|e| anyhow!("--router-trace-mode: {e}")))
+        .transpose()?;
+    let mode = flag_mode.or(env_mode);
+    let path = flag_path
+        .map(Path::to_path_buf)
+        .or(env_path.map(PathBuf::from));
+    match (path, mode) {
+        (None, None | Some(None)) => Ok(None),
+        (None, Some(Some(m))) => bail!(
+            "router trace mode {} needs a path: --router-trace PATH or K3_TRACE_PATH",
+            m.name()
+        ),
+        (Some(p), Some(None)) => bail!(
+            "router trace path {} given with mode off: drop the path or choose buffered or sync",
+            p.display()
+        ),
+        (Some(p), m) => Ok(Some(RouterTraceRequest {
+            path: root.join(p),
+            mode: m.flatten().unwrap_or(TraceMode::Buffered),
+        })),
+    }
+}

@@ -1,0 +1,41 @@
+//! Strict reading of environment variables.
+
+use anyhow::{Result, anyhow, bail};
+
+/// Value of environment variable `name`, if set; a non-UTF-8 value is an error.
+pub fn env_var(name: &str) -> Result<Option<String>> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            bail!("environment variable {name} is not valid UTF-8")
+        }
+    }
+}
+
+/// `name` parsed by `parse`, else `default`; a value `parse` rejects is an error naming the
+/// variable.
+pub fn env_choice<T>(
+    name: &str,
+    default: T,
+    parse: impl Fn(&str) -> std::result::Result<T, String>,
+) -> Result<T> {
+    match env_var(name)? {
+        None => Ok(default),
+        Some(v) => parse(&v).map_err(|e| anyhow!("environment variable {name}: {e}")),
+    }
+}
+
+/// A decimal GB value (`1e9` bytes): a positive finite number.
+pub fn parse_gb(text: &str) -> std::result::Result<u64, String> {
+    let v: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of GB"))?;
+    if !v.is_finite() || v <= 0.0 || v > 1e6 {
+        return Err(format!(
+            "{text:?} must be a positive number of GB (at most 1e6)"
+        ));
+    }
+    Ok((v * 1e9) as u64)
+}

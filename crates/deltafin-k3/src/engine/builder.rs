@@ -1,0 +1,341 @@
+//! [`EngineBuilder`]: open an install, plan its memory, assemble the expert stack, load the
+//! model and place it on the device, in that order.
+//!
+//! ```no_run
+//! use deltafin_k3::engine::EngineBuilder;
+//! let engine = EngineBuilder::new("/models/k3")
+//!     .memory_budget(Some(64_000_000_000))
+//!     .build()?;
+//! println!("{:?}", engine.plan);
+//! # Ok::<(), deltafin_k3::engine::EngineError>(())
+//! ```
+
+use crate::weights::checkpoint::{Checkpoint, Layout};
+use crate::engine::config::EngineConfig;
+use crate::engine::error::EngineError;
+use crate::engine::experts::{Base, ExpertLayerFactory, assemble_expert_stack, learned_heat};
+use crate::engine::placement::{place_on_device, select};
+use crate::engine::plan::{ExpertSizes, MemoryPlan, PlanInputs, PlanRequest, plan_memory};
+use crate::engine::progress::{LoadProgress, Silent, with_copy_progress};
+use crate::weights::install;
+use crate::weights::loader::{EngineOptions, expert_table, load_model_with_experts};
+use crate::model::K3Model;
+use crate::weights::resident::HugePages;
+use crate::weights::spine_int8::{SpineError, SpineFormat, int8_spine_present, tensor_dir};
+use crate::text::tokenizer::Tokenizer;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A loaded model with everything a caller needs to run it.
+pub struct LoadedEngine {
+    /// The model, placed on its device.
+    pub model: K3Model,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The opened checkpoint.
+    pub checkpoint: Arc<Checkpoint>,
+    /// The memory split when experts stream under a budget (`None`: resident experts).
+    pub plan: Option<MemoryPlan>,
+    /// Seconds from opening the install to a placed model.
+    pub load_seconds: f64,
+    /// The spine the model multiplies with.
+    pub spine: SpineFormat,
+    /// Where the products run (`device=cpu`, `device=cuda:0 … spine=N/M matrices …`).
+    pub device_line: String,
+}
+
+/// Builds a [`LoadedEngine`] from an install root and an [`EngineConfig`].
+pub struct EngineBuilder {
+    root: PathBuf,
+    config: EngineConfig,
+    layer: Option<ExpertLayerFactory>,
+    progress: Box<dyn LoadProgress>,
+    runtime: Option<u64>,
+}
+
+impl EngineBuilder {
+    /// A builder for the install at `root` with [`EngineConfig::default`].
+    pub fn new(root: impl Into<PathBuf>) -> EngineBuilder {
+        EngineBuilder {
+            root: root.into(),
+            config: EngineConfig::default(),
+            layer: None,
+            progress: Box::new(Silent),
+            runtime: None,
+        }
+    }
+
+    /// Replace the whole configuration.
+    pub fn config(mut self, config: EngineConfig) -> EngineBuilder {
+        self.config = config;
+        self
+    }
+
+    /// The whole-process RAM budget in bytes (`None`: every expert resident).
+    pub fn memory_budget(mut self, bytes: Option<u64>) -> EngineBuilder {
+        self.config.memory_budget = bytes;
+        self
+    }
+
+    /// The spine format.
+    pub fn spine(mut self, format: SpineFormat) -> EngineBuilder {
+        self.config.spine = format;
+        self
+    }
+
+    /// The most tokens of context the caller will hold (the budget reserves state for them).
+    pub fn context_tokens(mut self, tokens: Option<usize>) -> EngineBuilder {
+        self.config.context_tokens = tokens;
+        self
+    }
+
+    /// An expert layer over the engine's source, made once the checkpoint is open.
+    pub fn expert_layer(mut self, factory: ExpertLayerFactory) -> EngineBuilder {
+        self.layer = Some(factory);
+        self
+    }
+
+    /// Where the load's report lines and copy progress go (default: nowhere).
+    pub fn progress(mut self, progress: Box<dyn LoadProgress>) -> EngineBuilder {
+        self.progress = progress;
+        self
+    }
+
+    /// Plan with this process RSS instead of measuring it (for comparing plans).
+    pub fn runtime_bytes(mut self, bytes: u64) -> EngineBuilder {
+        self.runtime = Some(bytes);
+        self
+    }
+
+    /// The configuration in force.
+    pub fn engine_config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The memory plan the build would use, without loading the model (`None` without a
+    /// budget). Opens the install and reads its expert table.
+    pub fn plan(&self) -> Result<Option<MemoryPlan>, EngineError> {
+        let Some(budget) = self.config.memory_budget else {
+            return Ok(None);
+        };
+        self.check_install()?;
+        let checkpoint = install::open_checkpoint(&self.root)?;
+        let huge_pages = self.config.huge_pages;
+        Ok(Some(self.plan_for(&checkpoint, budget, huge_pages)?))
+    }
+
+    fn check_install(&self) -> Result<(), EngineError> {
+        let root = &self.root;
+        if let Some(what) = install::missing(root) {
+            return Err(EngineError::NotInstalled {
+                root: root.clone(),
+                what,
+            });
+        }
+        check_spine(root, self.config.spine)
+    }
+
+    fn plan_for(
+        &self,
+        checkpoint: &Checkpoint,
+        budget: u64,
+        huge_pages: HugePages,
+    ) -> Result<MemoryPlan, EngineError> {
+        let cfg = checkpoint.config();
+        let layers = cfg.n_layers();
+        if let Some(cap) = self.config.spine_resident_layers
+            && cap > layers
+        {
+            return Err(EngineError::ResidentLayers {
+                requested: cap,
+                layers,
+            });
+        }
+        let table = expert_table(checkpoint)
+            .map_err(EngineError::context("cannot locate the routed experts"))?;
+        let experts = ExpertSizes {
+            expert_bytes: table.shape.expert_bytes(),
+            buffer_bytes: table.max_buffer_bytes(),
+            count: table.expert_count(),
+            contiguous: table.all_contiguous(),
+        };
+        let stored_spine = match checkpoint.layout() {
+            Layout::Shards => {
+                let mut file_bytes = 0u64;
+                for p in checkpoint.shard_paths() {
+                    file_bytes += std::fs::metadata(p)
+                        .map_err(EngineError::context(format!("cannot stat {}", p.display())))?
+                        .len();
+                }
+                file_bytes.saturating_sub(experts.expert_bytes * experts.count as u64)
+            }
+            Layout::StreamInstall => checkpoint.spine_bytes(),
+        };
+        // Everything resident after loading: code and libraries (file-backed), the
+        // tokenizer, the allocator (anonymous). Spine pages are hardly touched yet and are
+        // counted in the spine.
+        let runtime = self
+            .runtime
+            .unwrap_or_else(|| crate::engine::host::proc_memory().map_or(0, |m| m.rss));
+        let inputs = PlanInputs::for_model(
+            cfg,
+            self.config.spine,
+            stored_spine,
+            experts,
+            PlanRequest {
+                budget,
+                runtime,
+                pin: self.config.heat.pin_bytes,
+                context_tokens: self.config.context_tokens,
+                resident_layers_cap: self.config.spine_resident_layers,
+                spine_copied: huge_pages.copies(),
+            },
+        );
+        Ok(plan_memory(&inputs)?)
+    }
+
+    /// Open the install, plan, assemble the expert stack, load and place the model.
+    pub fn build(mut self) -> Result<LoadedEngine, EngineError> {
+        let layer = self.layer.take();
+        let config = &self.config;
+        let placement = select(config.device, config.expert_backend)?;
+        self.check_install()?;
+        let root = self.root.as_path();
+        let progress = self.progress.as_ref();
+        let t = Instant::now();
+        let (checkpoint, tokenizer) = install::open(root)?;
+        let cfg = checkpoint.config();
+        if let Some(cap) = config.spine_resident_layers
+            && cap > cfg.n_layers()
+        {
+            return Err(EngineError::ResidentLayers {
+                requested: cap,
+                layers: cfg.n_layers(),
+            });
+        }
+        let (learned, heat_path) = learned_heat(root, cfg, config.heat.enabled, progress);
+        let candidates = learned.pin_candidates().len();
+        // A spine that goes to a device is not copied: the host copy would only be
+        // uploaded and kept.
+        let huge_pages = if placement.spine {
+            HugePages::Off
+        } else {
+            config.huge_pages
+        };
+        let engine = EngineOptions {
+            spine: config.spine,
+            spine_resident_layers: config.spine_resident_layers,
+            spine_stream: config.spine_stream,
+            // The huge-page copy runs after loading, with progress.
+            huge_pages: HugePages::Off,
+            ..EngineOptions::default()
+        };
+        let (mut model, plan) = match config.memory_budget {
+            None => {
+                let copy = config.copy_resident_experts && huge_pages.copies();
+                let (experts, observers) = assemble_expert_stack(
+                    &checkpoint,
+                    config,
+                    Base::Resident { copy },
+                    &learned,
+                    heat_path,
+                    layer,
+                    progress,
+                )?;
+                let mut model = load_model_with_experts(checkpoint.clone(), &engine, experts)
+                    .map_err(build_context(root))?;
+                model.route_observers = observers;
+                (model, None)
+            }
+            Some(budget) => {
+                let load = || -> Result<(K3Model, MemoryPlan), EngineError> {
+                    let plan = self.plan_for(&checkpoint, budget, huge_pages)?;
+                    let stream = deltafin_experts::StreamOptions {
+                        cache_bytes: plan.cache,
+                        ..config.stream.clone()
+                    };
+                    let (experts, observers) = assemble_expert_stack(
+                        &checkpoint,
+                        config,
+                        Base::Streaming(stream),
+                        &learned,
+                        heat_path,
+                        layer,
+                        progress,
+                    )?;
+                    let engine = EngineOptions {
+                        spine_resident_layers: Some(plan.spine_resident_layers),
+                        ..engine
+                    };
+                    let mut model = load_model_with_experts(checkpoint.clone(), &engine, experts)?;
+                    model.route_observers = observers;
+                    Ok((model, plan))
+                };
+                let (model, plan) = load().map_err(build_context(root))?;
+                (model, Some(plan))
+            }
+        };
+        progress.info(&format!(
+            "layout={} ({} routed experts missing locally{})",
+            checkpoint.layout().as_str(),
+            crate::weights::loader::stream_install_missing_experts(&checkpoint).len(),
+            match checkpoint.layout() {
+                Layout::Shards => "",
+                Layout::StreamInstall => ", fetched on demand from the hub",
+            },
+        ));
+        progress.info(&format!(
+            "expert_heat={} ({} passes learned, {} pin candidates) pinned_tier={:.3} GB",
+            if config.heat.enabled { "on" } else { "off" },
+            learned.passes,
+            candidates,
+            plan.as_ref().map_or(0.0, |m| m.pin as f64 / 1e9),
+        ));
+        if huge_pages.copies() {
+            let c = with_copy_progress(progress, "resident spine", |p| {
+                model.copy_spine_to_huge_pages(p)
+            })
+            .map_err(EngineError::context(
+                "copying the resident spine into huge-page memory",
+            ))?;
+            progress.info(&c.describe());
+            model.resident_copy = Some(c);
+        }
+        install::check_vocab(&tokenizer, &model)?;
+        let device_line = place_on_device(&mut model, &placement, config.device_reserve, progress)?;
+        Ok(LoadedEngine {
+            model,
+            tokenizer,
+            checkpoint,
+            plan,
+            load_seconds: t.elapsed().as_secs_f64(),
+            spine: config.spine,
+            device_line,
+        })
+    }
+}
+
+/// "cannot build the model from ROOT" over an error.
+fn build_context<E: Into<crate::engine::error::BoxError>>(
+    root: &Path,
+) -> impl FnOnce(E) -> EngineError {
+    EngineError::context(format!("cannot build the model from {}", root.display()))
+}
+
+/// With the int8 spine requested, fail unless `k3-resident-int8/` exists under `root`
+/// (the error says how to convert it or to ask for the bf16 spine).
+pub fn check_spine(root: &Path, spine: SpineFormat) -> Result<(), EngineError> {
+    if spine == SpineFormat::Int8 && !int8_spine_present(root) {
+        return Err(SpineError::NotConverted {
+            dir: tensor_dir(root),
+            root: root.to_path_buf(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "builder_tests.rs"]
+mod tests;

@@ -1,0 +1,275 @@
+//! The routed-expert source stack, assembled in one place ([`assemble_expert_stack`]):
+//! the base source (the shards' mmaps, or streaming reads under a memory budget with the
+//! pinned tier and the learned heat), scale4 sidecars, a layer the caller injects (the hub
+//! fetcher of a stream install), then the route observers (the heat histogram, the router
+//! trace).
+
+use crate::weights::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
+use crate::weights::config::K3Config;
+use crate::engine::config::{EngineConfig, Scale4Mode};
+use crate::engine::error::{BoxError, EngineError};
+use crate::engine::progress::{LoadProgress, with_copy_progress};
+use crate::weights::loader::{CheckpointExperts, expert_table, streaming_experts};
+use crate::model::moe::ExpertSource;
+use crate::weights::resident::HugePages;
+use deltafin_experts::heat::{HeatDims, HeatRecorder, HeatTable};
+use deltafin_experts::scale4::{SCALE4_DIR, Scale4Experts, Scale4Layout, Scale4Sidecars};
+use deltafin_experts::{ExpertShape, RouteObservers, RouterTrace, StreamOptions};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// An expert source the caller layers over the engine's own, below the route observers
+/// (the `deltafin` CLI's hub fetcher of a stream install, which lives in `deltafin-fetch`).
+pub trait ExpertLayer: Send {
+    /// Runs once before the engine's expert source opens its files. `opens_every_file`:
+    /// the source is streaming and opens every file of its table up front (a table of at
+    /// most `deltafin_experts::stream::MAX_OPEN_FILES` files), so each must exist now.
+    fn prepare(
+        &mut self,
+        _checkpoint: &Checkpoint,
+        _opens_every_file: bool,
+    ) -> Result<(), BoxError> {
+        Ok(())
+    }
+    /// `inner` with this layer over it.
+    fn wrap(self: Box<Self>, inner: Box<dyn ExpertSource>) -> Box<dyn ExpertSource>;
+}
+
+/// Makes the caller's [`ExpertLayer`] for an opened checkpoint (`None`: no layer).
+pub type ExpertLayerFactory =
+    Box<dyn FnOnce(&Checkpoint) -> Result<Option<Box<dyn ExpertLayer>>, BoxError> + Send>;
+
+/// The histogram's shape for a config: MoE layers 1…L−1, E experts, top-k.
+pub fn heat_dims(cfg: &K3Config) -> HeatDims {
+    HeatDims {
+        layers: cfg.n_layers().saturating_sub(1),
+        experts: cfg.text.num_experts,
+        top_k: cfg.text.num_experts_per_token,
+    }
+}
+
+/// The scale4 format layout and MoE layer mask of `cfg`.
+pub fn scale4_layout(cfg: &K3Config) -> (Scale4Layout, Vec<bool>) {
+    let layout = Scale4Layout {
+        shape: ExpertShape {
+            f: cfg.text.moe_intermediate_size,
+            lr: cfg.text.routed_expert_hidden_size,
+        },
+        num_experts: cfg.text.num_experts,
+    };
+    let moe = (0..cfg.n_layers()).map(|l| !cfg.is_dense(l)).collect();
+    (layout, moe)
+}
+
+/// SHA-256 (hex) of `root/config.json`: the scale4 sidecars name the config they were
+/// converted for.
+pub fn config_sha256(root: &Path) -> Result<String, EngineError> {
+    let p = root.join(CONFIG_FILE);
+    let bytes =
+        std::fs::read(&p).map_err(EngineError::context(format!("cannot read {}", p.display())))?;
+    Ok(hex::encode(Sha256::digest(&bytes)))
+}
+
+/// Wrap `experts` per `mode`: with valid sidecars under `root/k3-experts-scale4` the scale
+/// bytes come from them (the codes from `experts`), else `experts` unchanged (`auto`, `off`;
+/// `auto` says why through `progress` when the directory exists) or an error (`require`).
+pub fn wrap_scale4(
+    checkpoint: &Checkpoint,
+    experts: Box<dyn ExpertSource>,
+    mode: Scale4Mode,
+    progress: &dyn LoadProgress,
+) -> Result<Box<dyn ExpertSource>, EngineError> {
+    if mode == Scale4Mode::Off {
+        return Ok(experts);
+    }
+    let root = checkpoint.root();
+    let dir = root.join(SCALE4_DIR);
+    let (layout, moe) = scale4_layout(checkpoint.config());
+    let opened = config_sha256(root).and_then(|sha| {
+        Scale4Sidecars::open(&dir, layout, &moe, &sha)
+            .map_err(|e| EngineError::External(Box::new(e)))
+    });
+    match (opened, mode) {
+        (Ok(sidecars), _) => Ok(Box::new(Scale4Experts::new(experts, sidecars))),
+        (Err(e), Scale4Mode::Require) => Err(EngineError::Context {
+            context: format!(
+                "K3_EXPERT_SCALE4=require but the scale4 sidecars in {} are not complete and valid (run `deltafin convert-experts-scale4 --model-root {}`)",
+                dir.display(),
+                root.display()
+            ),
+            source: Box::new(e),
+        }),
+        (Err(e), _) => {
+            if dir.exists() {
+                progress.info(&format!(
+                    "scale4 sidecars in {} not used ({}); experts use their raw scales",
+                    dir.display(),
+                    chain(&e)
+                ));
+            }
+            Ok(experts)
+        }
+    }
+}
+
+/// `e` and its sources, `: `-separated.
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut at = e.source();
+    while let Some(src) = at {
+        s += &format!(": {src}");
+        at = src.source();
+    }
+    s
+}
+
+/// The learned route histogram of the install at `root` (empty when heat is off; a file
+/// that cannot be used is a note through `progress`).
+pub(crate) fn learned_heat(
+    root: &Path,
+    cfg: &K3Config,
+    enabled: bool,
+    progress: &dyn LoadProgress,
+) -> (HeatTable, PathBuf) {
+    let dims = heat_dims(cfg);
+    let path = root.join(deltafin_experts::heat::HEAT_FILE);
+    if !enabled {
+        return (HeatTable::empty(dims), path);
+    }
+    let loaded = deltafin_experts::heat::load(&path, dims);
+    if let Some(note) = &loaded.note {
+        progress.note(note);
+    }
+    (loaded.table, path)
+}
+
+/// The base source the stack starts from.
+pub(crate) enum Base {
+    /// Every expert resident through the shard mmaps; copy them into huge-page memory when
+    /// `copy` and they fit.
+    Resident { copy: bool },
+    /// Streaming reads under these options (the plan's cache size).
+    Streaming(StreamOptions),
+}
+
+/// Assemble the routed-expert source stack, bottom to top:
+///
+/// 1. the base: resident experts (optionally copied into huge-page memory), or streaming
+///    reads with the pinned tier filled from the learned histogram's candidates and the
+///    cache's heat seeded from its rates;
+/// 2. scale4 sidecars ([`wrap_scale4`]);
+/// 3. the caller's injected layer, prepared before the base opens its files;
+/// 4. beside the stack, the route observers the model calls with every MoE pass's routes:
+///    the heat recorder (when heat is on), then the router trace.
+pub(crate) fn assemble_expert_stack(
+    checkpoint: &Arc<Checkpoint>,
+    config: &EngineConfig,
+    base: Base,
+    learned: &HeatTable,
+    heat_path: PathBuf,
+    layer: Option<ExpertLayerFactory>,
+    progress: &dyn LoadProgress,
+) -> Result<(Box<dyn ExpertSource>, RouteObservers), EngineError> {
+    let pin = config.heat.pin_bytes;
+    let (source, layer): (Box<dyn ExpertSource>, _) = match base {
+        Base::Resident { copy } => {
+            if pin > 0 {
+                progress.note(
+                    "K3_EXPERT_PIN_GB has no effect without a memory budget: every expert is resident",
+                );
+            }
+            let resident = CheckpointExperts::new(checkpoint.clone());
+            if copy && checkpoint.layout() == Layout::Shards {
+                copy_experts_if_they_fit(&resident, progress)?;
+            }
+            let experts = wrap_scale4(checkpoint, Box::new(resident), config.scale4, progress)?;
+            let layer = match layer {
+                Some(make) => make(checkpoint).map_err(EngineError::External)?,
+                None => None,
+            };
+            (experts, layer)
+        }
+        Base::Streaming(opts) => {
+            let mut layer = match layer {
+                Some(make) => make(checkpoint).map_err(EngineError::External)?,
+                None => None,
+            };
+            if let Some(l) = layer.as_mut() {
+                let table = expert_table(checkpoint)
+                    .map_err(EngineError::context("cannot locate the routed experts"))?;
+                let opens_every_file =
+                    table.files.len() <= deltafin_experts::stream::MAX_OPEN_FILES;
+                l.prepare(checkpoint, opens_every_file)
+                    .map_err(EngineError::External)?;
+            }
+            let src = streaming_experts(checkpoint, opts)
+                .map_err(EngineError::context("cannot set up expert streaming"))?;
+            src.set_pin_tier(&learned.pin_candidates(), pin)
+                .map_err(EngineError::context("cannot set up the pinned expert tier"))?;
+            if learned.mass > 0.0 {
+                let d = learned.dims;
+                let rates: Vec<((usize, usize), f64)> = (1..=d.layers)
+                    .flat_map(|l| (0..d.experts).map(move |e| (l, e)))
+                    .map(|(l, e)| ((l, e), learned.get(l, e) / learned.mass))
+                    .filter(|(_, r)| *r > 0.0)
+                    .collect();
+                src.seed_heat(&rates, (d.layers * d.top_k) as f64);
+            }
+            let experts = wrap_scale4(checkpoint, Box::new(src), config.scale4, progress)?;
+            (experts, layer)
+        }
+    };
+    let experts = match layer {
+        Some(l) => l.wrap(source),
+        None => source,
+    };
+    let mut observers = RouteObservers::default();
+    if config.heat.enabled {
+        observers.push(Box::new(HeatRecorder::new(
+            heat_path,
+            heat_dims(checkpoint.config()),
+        )));
+    }
+    if let Some(t) = &config.router_trace {
+        let path = &t.path;
+        observers.push(Box::new(
+            RouterTrace::create_with_mode(path, t.mode).map_err(EngineError::context(
+                format!("router trace: cannot open {}", path.display()),
+            ))?,
+        ));
+    }
+    Ok((experts, observers))
+}
+
+/// With every expert resident, copy the experts into huge-page memory when they take at
+/// most half of the memory available now; otherwise they stay mapped from the shards
+/// (paged in as used) and a note says why.
+fn copy_experts_if_they_fit(
+    experts: &CheckpointExperts,
+    progress: &dyn LoadProgress,
+) -> Result<(), EngineError> {
+    let need = experts.total_bytes();
+    let available = crate::engine::host::meminfo().map(|m| m.available);
+    match available {
+        Some(avail) if need.saturating_mul(2) <= avail => {
+            let c = with_copy_progress(progress, "routed experts", |p| {
+                experts.copy_to_huge_pages(p)
+            })
+            .map_err(EngineError::context(
+                "copying the routed experts into huge-page memory",
+            ))?;
+            progress.info(&c.describe());
+        }
+        _ => progress.note(&format!(
+            "routed experts stay mapped from the shards: {:.3} GB is more than half of the {} available ({}=off never copies them)",
+            need as f64 / 1e9,
+            available.map_or("(unknown) memory".into(), |a| format!(
+                "{:.3} GB",
+                a as f64 / 1e9
+            )),
+            HugePages::ENV
+        )),
+    }
+    Ok(())
+}
