@@ -1,5 +1,7 @@
-//! The committed K3 manifest against the real release index and config (in `../shared/kimi`
-//! beside the workspace; skipped when absent). `DELTAFIN_REGEN_MANIFEST=1` rewrites it.
+//! The committed K3 manifest against the real release index and config. They are not part of
+//! the repository (`../shared/kimi` beside the workspace), so the test is `#[ignore]`d: run it
+//! with `cargo test -p deltafin-fetch --test manifest_real -- --ignored`; without the files it
+//! fails and names the missing one. `DELTAFIN_REGEN_MANIFEST=1` rewrites the manifest.
 
 use deltafin_fetch::manifest::{InventoryPin, Manifests, PinnedFile, k3_manifest_from_index};
 use std::io::Read;
@@ -18,15 +20,18 @@ fn pinned(path: &str, size: u64, sha: &str) -> PinnedFile {
 }
 
 #[test]
+#[ignore = "needs the K3 release index in ../shared/kimi beside the workspace; run with --ignored"]
 fn k3_manifest_matches_real_index() {
     let dir = shared();
     let gz = dir.join("k3-model.safetensors.index.json.gz");
-    if !gz.exists() {
-        eprintln!("skip: {} not found", gz.display());
-        return;
-    }
+    let file = std::fs::File::open(&gz).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (the release index, not part of the repository)",
+            gz.display()
+        )
+    });
     let mut text = String::new();
-    flate2::read::GzDecoder::new(std::fs::File::open(&gz).unwrap())
+    flate2::read::GzDecoder::new(file)
         .read_to_string(&mut text)
         .unwrap();
     let index: serde_json::Value = serde_json::from_str(&text).unwrap();
