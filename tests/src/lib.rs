@@ -8,6 +8,21 @@ pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
 
+/// `test` cannot run here because of `why`: a failure when `switch=1` (`.ci/run` sets the
+/// switch of everything CI provides), else a SKIP line written to the process's stderr past
+/// the test harness's capture, so that `cargo test` shows it.
+pub fn skip(test: &str, switch: &str, why: &str) {
+    use std::io::Write as _;
+    assert!(
+        !std::env::var(switch).is_ok_and(|v| v == "1"),
+        "{switch}=1 but {test} cannot run: {why}"
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIP {test}: {why} ({switch}=1 makes this a failure)"
+    );
+}
+
 /// The `shared/kimi` reference data folder beside the clone, if present.
 pub fn shared_kimi_dir() -> Option<PathBuf> {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/kimi");
@@ -50,6 +65,63 @@ pub fn proc_mem() -> Option<ProcMem> {
 /// kernel refuses.
 pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// A deterministic prompt of `n` token ids below 1000.
+pub fn test_prompt(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 389 + 17) % 1000).collect()
+}
+
+/// `steps` greedy tokens after prefilling `prompt`: each the argmax of the last logits (the
+/// last of equal maxima), decoded in turn.
+pub fn greedy_tokens(
+    model: &deltafin_k3::model::K3Model,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<u32> {
+    let mut st = model.new_state();
+    let mut logits = model.prefill(&mut st, prompt).expect("prefill");
+    let mut out = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let id = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as u32)
+            .expect("non-empty logits");
+        out.push(id);
+        logits = model.decode(&mut st, id).expect("decode");
+    }
+    out
+}
+
+/// Plain greedy generation: at most `max_new` tokens after `prompt`, stopping at K3's
+/// end-of-message and end-of-text tokens (the ids every speculative path must reproduce).
+pub fn plain_greedy(
+    model: &deltafin_k3::model::K3Model,
+    prompt: &[u32],
+    max_new: usize,
+) -> Vec<u32> {
+    use deltafin_k3::generate::{GenerateOptions, generate};
+    use deltafin_k3::tokenizer::{END_OF_MSG, EOS};
+    let opts = GenerateOptions {
+        max_new: Some(max_new),
+        stop_ids: vec![END_OF_MSG, EOS],
+        max_context: 1 << 20,
+        top_logits: 0,
+    };
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    generate(model, prompt, &opts, &stop, |_| Ok(()))
+        .expect("plain greedy generation")
+        .ids
+}
+
+/// Total bytes of a checkpoint's shard files.
+pub fn shard_file_bytes(ckpt: &deltafin_k3::checkpoint::Checkpoint) -> u64 {
+    ckpt.shard_paths()
+        .iter()
+        .map(|p| std::fs::metadata(p).expect("shard metadata").len())
+        .sum()
 }
 
 /// The greedy bigram table of `seqs`: the most frequent successor of each token (ties: the

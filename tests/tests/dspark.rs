@@ -4,7 +4,6 @@
 //! tapped K3 partial sums, loading errors name the tensor, and a draft built to agree with
 //! the target (its Markov head set to K3's greedy bigrams) is accepted.
 
-use deltafin_k3::generate::{GenerateOptions, generate};
 use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::model::{K3Model, LogitRows};
 use deltafin_k3::synth::{SynthDims, SynthSpec, scaled_config, synthesize, synthesize_dspark};
@@ -55,15 +54,7 @@ const PROMPTS: [&str; 3] = [
 ];
 
 fn plain_greedy(model: &K3Model, prompt: &[u32]) -> Vec<u32> {
-    let opts = GenerateOptions {
-        max_new: Some(MAX_NEW),
-        stop_ids: STOP.to_vec(),
-        max_context: 1 << 20,
-        top_logits: 0,
-    };
-    generate(model, prompt, &opts, &AtomicBool::new(false), |_| Ok(()))
-        .unwrap()
-        .ids
+    deltafin_tests::plain_greedy(model, prompt, MAX_NEW)
 }
 
 fn speculative(
@@ -442,17 +433,7 @@ fn measure_agreeing_drafters_under_each_policy() {
     const N: usize = 48;
     let s = setup();
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|t| s.tok.encode_ordinary(t)).collect();
-    let opts = GenerateOptions {
-        max_new: Some(N),
-        stop_ids: STOP.to_vec(),
-        max_context: 1 << 20,
-        top_logits: 0,
-    };
-    let greedy = |p: &[u32]| {
-        generate(&s.model, p, &opts, &AtomicBool::new(false), |_| Ok(()))
-            .unwrap()
-            .ids
-    };
+    let greedy = |p: &[u32]| deltafin_tests::plain_greedy(&s.model, p, N);
     // Warm up, then time plain greedy.
     greedy(&prompts[0]);
     let t0 = Instant::now();

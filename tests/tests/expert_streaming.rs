@@ -44,15 +44,15 @@ fn streaming(ckpt: &Arc<Checkpoint>, opts: StreamOptions) -> K3Model {
     load_model_with_experts(ckpt.clone(), &EngineOptions::default(), Box::new(src)).unwrap()
 }
 
-fn prompt(n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 389 + 17) % 1000).collect()
-}
-
 /// Greedy: (all prefill logits, then each decode step's logits, the ids).
 fn run(model: &K3Model, n_prompt: usize, steps: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
     let mut st = model.new_state();
     let all = model
-        .forward(&mut st, &prompt(n_prompt), LogitRows::All)
+        .forward(
+            &mut st,
+            &deltafin_tests::test_prompt(n_prompt),
+            LogitRows::All,
+        )
         .unwrap();
     let mut logits = vec![all.values.clone()];
     let mut ids = Vec::new();
@@ -158,12 +158,14 @@ fn cold_prefill_reads_each_unique_pair_once() {
     )
     .unwrap();
     resident
-        .prefill(&mut resident.new_state(), &prompt(64))
+        .prefill(&mut resident.new_state(), &deltafin_tests::test_prompt(64))
         .unwrap();
     let pairs = rec.seen.lock().unwrap().len() as u64;
 
     let model = streaming(&ckpt, stream_opts(5, PilotGate::Measure));
-    model.prefill(&mut model.new_state(), &prompt(64)).unwrap();
+    model
+        .prefill(&mut model.new_state(), &deltafin_tests::test_prompt(64))
+        .unwrap();
     let st = model.experts.stats().unwrap();
     let t = st.total();
     eprintln!("unique pairs {pairs}: {}", st.summary_line());

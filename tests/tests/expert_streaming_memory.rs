@@ -1,7 +1,8 @@
 //! Process memory while streaming experts (Linux: `/proc/self/status`). Its own test binary,
 //! so no other test shares the process. RSS is anonymous + file-backed (+ shmem) pages:
 //! `VmRSS`/`VmHWM`, with `RssAnon` and `RssFile` as the split; the peak is reset with
-//! `/proc/self/clear_refs` after loading.
+//! `/proc/self/clear_refs` after loading. Without them the test prints a SKIP line, a failure
+//! with `DELTAFIN_REQUIRE_PROC_MEM=1` (set by `.ci/run`).
 
 use deltafin_experts::{PilotGate, StreamOptions};
 use deltafin_k3::checkpoint::Checkpoint;
@@ -11,24 +12,17 @@ use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use std::sync::Arc;
 
 fn generate(model: &K3Model) {
-    let mut st = model.new_state();
-    let prompt: Vec<u32> = (0..48u32).map(|i| (i * 389 + 17) % 1000).collect();
-    let mut logits = model.prefill(&mut st, &prompt).unwrap();
-    for _ in 0..16 {
-        let id = logits
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .map(|(i, _)| i as u32)
-            .unwrap();
-        logits = model.decode(&mut st, id).unwrap();
-    }
+    deltafin_tests::greedy_tokens(model, &deltafin_tests::test_prompt(48), 16);
 }
 
 #[test]
 fn streaming_rss_stays_within_the_cache_budget() {
     if deltafin_tests::proc_mem().is_none() || !deltafin_tests::reset_peak_rss() {
-        eprintln!("skipping: /proc/self/status or clear_refs is not available");
+        deltafin_tests::skip(
+            "streaming_rss_stays_within_the_cache_budget",
+            "DELTAFIN_REQUIRE_PROC_MEM",
+            "/proc/self/status or /proc/self/clear_refs is not available (Linux only)",
+        );
         return;
     }
     // 13 MoE layers × 64 experts × 78,336 B = 65 MB of experts; the cache gets 2 MB.
@@ -43,11 +37,7 @@ fn streaming_rss_stays_within_the_cache_budget() {
     synthesize(dir.path(), &SynthSpec::new(dims, 9)).unwrap();
     let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
     let expert_total = 13 * 64 * 78_336u64;
-    let file_total: u64 = ckpt
-        .shard_paths()
-        .iter()
-        .map(|p| std::fs::metadata(p).unwrap().len())
-        .sum();
+    let file_total = deltafin_tests::shard_file_bytes(&ckpt);
     let spine = file_total - expert_total;
     let budget = 2_000_000u64;
     let opts = StreamOptions {

@@ -5,7 +5,7 @@
 //!
 //! Both tests are measurements (`#[ignore]`) and need the checkpoint: set `DELTAFIN_MINI` to
 //! its root (read only; the int8 spine must already be converted for `int8`). Without the
-//! variable they print a skip message and pass. Run in a release build:
+//! variable they fail and say so. Run in a release build:
 //!
 //! ```text
 //! DELTAFIN_MINI=/work/mini-k3 cargo test --release -p deltafin-tests --test spec_mini \
@@ -16,7 +16,7 @@
 //! `DELTAFIN_MINI_MAX_NEW` (default 64) the tokens per prompt of the drafter measurement.
 
 use deltafin_k3::config::K3Config;
-use deltafin_k3::generate::{GenerateOptions, generate};
+
 use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::model::{K3Model, LogitRows};
 use deltafin_k3::spine_int8::SpineFormat;
@@ -40,15 +40,10 @@ const PROMPTS: [&str; 4] = [
     "Once upon a time, in a small village by the sea, there lived",
 ];
 
-fn mini_root() -> Option<PathBuf> {
+fn mini_root() -> PathBuf {
     match std::env::var_os("DELTAFIN_MINI") {
-        Some(p) => Some(PathBuf::from(p)),
-        None => {
-            eprintln!(
-                "skipped: set DELTAFIN_MINI to the mini checkpoint root (e.g. /work/mini-k3)"
-            );
-            None
-        }
+        Some(p) => PathBuf::from(p),
+        None => panic!("set DELTAFIN_MINI to the mini checkpoint root (e.g. /work/mini-k3)"),
     }
 }
 
@@ -88,15 +83,7 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn greedy_ids(model: &K3Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    let opts = GenerateOptions {
-        max_new: Some(n),
-        stop_ids: STOP.to_vec(),
-        max_context: 1 << 20,
-        top_logits: 0,
-    };
-    generate(model, prompt, &opts, &AtomicBool::new(false), |_| Ok(()))
-        .unwrap()
-        .ids
+    deltafin_tests::plain_greedy(model, prompt, n)
 }
 
 /// `V(k)`, the time of one exact verify pass over `[pending, d₁…d_k]` (all rows' logits, as
@@ -106,7 +93,7 @@ fn greedy_ids(model: &K3Model, prompt: &[u32], n: usize) -> Vec<u32> {
 #[test]
 #[ignore = "measurement on mini; needs DELTAFIN_MINI"]
 fn mini_verify_cost_against_a_decode_step() {
-    let Some(root) = mini_root() else { return };
+    let root = mini_root();
     let tok = Tokenizer::from_dir(&root).unwrap();
     const K: usize = 8;
     const REPEATS: usize = 2;
@@ -239,7 +226,7 @@ struct Outcome {
 #[test]
 #[ignore = "measurement on mini; needs DELTAFIN_MINI"]
 fn mini_agreeing_drafters_under_each_policy() {
-    let Some(root) = mini_root() else { return };
+    let root = mini_root();
     let n: usize = std::env::var("DELTAFIN_MINI_MAX_NEW")
         .ok()
         .map(|v| v.parse().expect("DELTAFIN_MINI_MAX_NEW: a token count"))

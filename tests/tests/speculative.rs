@@ -1,7 +1,6 @@
 //! Speculative decoding is exact: whatever a drafter proposes, the emitted ids equal plain
 //! greedy K3 (synthesized tiny checkpoint: real vocabulary, KDA/MLA pattern, MXFP4 experts).
 
-use deltafin_k3::generate::{GenerateOptions, generate};
 use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::model::{K3Model, LogitRows};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
@@ -28,15 +27,7 @@ const MAX_NEW: usize = 16;
 const STOP: [u32; 2] = [END_OF_MSG, EOS];
 
 fn plain_greedy(model: &K3Model, prompt: &[u32]) -> Vec<u32> {
-    let opts = GenerateOptions {
-        max_new: Some(MAX_NEW),
-        stop_ids: STOP.to_vec(),
-        max_context: 1 << 20,
-        top_logits: 0,
-    };
-    generate(model, prompt, &opts, &AtomicBool::new(false), |_| Ok(()))
-        .unwrap()
-        .ids
+    deltafin_tests::plain_greedy(model, prompt, MAX_NEW)
 }
 
 /// Knows the true continuation; proposes it, optionally corrupting the draft at position
@@ -273,15 +264,7 @@ fn auto_and_on_policies_are_exact_and_auto_drafts_only_when_it_pays() {
     const LONG: usize = 56;
     let (_d, model, tok) = setup();
     let prompt = tok.encode_ordinary(PROMPTS[0]);
-    let opts = GenerateOptions {
-        max_new: Some(LONG),
-        stop_ids: STOP.to_vec(),
-        max_context: 1 << 20,
-        top_logits: 0,
-    };
-    let truth = generate(&model, &prompt, &opts, &AtomicBool::new(false), |_| Ok(()))
-        .unwrap()
-        .ids;
+    let truth = deltafin_tests::plain_greedy(&model, &prompt, LONG);
     assert_eq!(
         truth.len(),
         LONG,

@@ -1,6 +1,8 @@
 //! Process memory while streaming the spine (Linux: `/proc/self/status`). Its own test
 //! binary, so no other test shares the process. The streamed layers' spine matrices are read
-//! into two reusable buffers per pass and never faulted in through the shard mmaps.
+//! into two reusable buffers per pass and never faulted in through the shard mmaps. Without
+//! `/proc/self/status` and `clear_refs` the test prints a SKIP line, a failure with
+//! `DELTAFIN_REQUIRE_PROC_MEM=1` (set by `.ci/run`).
 
 use deltafin_experts::{PilotGate, StreamOptions};
 use deltafin_k3::checkpoint::Checkpoint;
@@ -11,27 +13,17 @@ use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use std::sync::Arc;
 
 fn generate(model: &K3Model) -> Vec<u32> {
-    let mut st = model.new_state();
-    let prompt: Vec<u32> = (0..32u32).map(|i| (i * 389 + 17) % 1000).collect();
-    let mut logits = model.prefill(&mut st, &prompt).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..8 {
-        let id = logits
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .map(|(i, _)| i as u32)
-            .unwrap();
-        out.push(id);
-        logits = model.decode(&mut st, id).unwrap();
-    }
-    out
+    deltafin_tests::greedy_tokens(model, &deltafin_tests::test_prompt(32), 8)
 }
 
 #[test]
 fn spine_streaming_peak_rss_stays_within_the_budget() {
     if deltafin_tests::proc_mem().is_none() || !deltafin_tests::reset_peak_rss() {
-        eprintln!("skipping: /proc/self/status or clear_refs is not available");
+        deltafin_tests::skip(
+            "spine_streaming_peak_rss_stays_within_the_budget",
+            "DELTAFIN_REQUIRE_PROC_MEM",
+            "/proc/self/status or /proc/self/clear_refs is not available (Linux only)",
+        );
         return;
     }
     let dims = SynthDims {
@@ -54,11 +46,7 @@ fn spine_streaming_peak_rss_stays_within_the_budget() {
     let dir = tempfile::tempdir().unwrap();
     synthesize(dir.path(), &SynthSpec::new(dims, 11)).unwrap();
     let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
-    let file_total: u64 = ckpt
-        .shard_paths()
-        .iter()
-        .map(|p| std::fs::metadata(p).unwrap().len())
-        .sum();
+    let file_total = deltafin_tests::shard_file_bytes(&ckpt);
     let cache = 1_000_000u64;
     let experts = || {
         let opts = StreamOptions {

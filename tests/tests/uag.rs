@@ -2,7 +2,6 @@
 //! synthesized Qwen3-0.6B-shaped model: exact output, the history round-trip rule, and
 //! proposals that are K3's own re-encoding of the drafted text.
 
-use deltafin_k3::generate::{GenerateOptions, generate};
 use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::synth::{QwenSize, SynthDims, SynthSpec, synthesize, synthesize_qwen3};
 use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
@@ -52,15 +51,7 @@ fn qwen_drafting_is_exact_and_proposals_are_k3_reencodings() {
     // Exactness: whatever Qwen drafts, the ids equal plain greedy.
     for text in ["The capital of France is", "def fib(n):\n    return n"] {
         let prompt = tok.encode_ordinary(text);
-        let opts = GenerateOptions {
-            max_new: Some(MAX_NEW),
-            stop_ids: STOP.to_vec(),
-            max_context: 1 << 20,
-            top_logits: 0,
-        };
-        let truth = generate(&model, &prompt, &opts, &AtomicBool::new(false), |_| Ok(()))
-            .unwrap()
-            .ids;
+        let truth = deltafin_tests::plain_greedy(&model, &prompt, MAX_NEW);
         for width in [2, 5] {
             let mut d = UagDrafter::new(qwen.clone(), Bytes, tok.clone());
             let (ids, _) = generate_speculative(
@@ -181,15 +172,7 @@ fn the_1_7b_is_tried_when_the_0_6b_is_rarely_accepted_and_kept_only_when_it_pays
     let large = Arc::new(Qwen3Model::open(&large_dir).unwrap());
     assert!(large.config.hidden_size > small.config.hidden_size);
     let prompt = tok.encode_ordinary("The capital of France is");
-    let opts = GenerateOptions {
-        max_new: Some(N),
-        stop_ids: STOP.to_vec(),
-        max_context: 1 << 20,
-        top_logits: 0,
-    };
-    let truth = generate(&model, &prompt, &opts, &AtomicBool::new(false), |_| Ok(()))
-        .unwrap()
-        .ids;
+    let truth = deltafin_tests::plain_greedy(&model, &prompt, N);
     assert_eq!(truth.len(), N, "the tiny model should not stop early");
 
     // Runs the escalating drafter: the 0.6B-shaped Qwen costs 0.1 s per proposal, the large

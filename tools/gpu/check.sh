@@ -38,11 +38,11 @@ if [ -z "${DELTAFIN_NVRTC:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc
   fi
 fi
 
-export DELTAFIN_REQUIRE_GPU=1
 # The GPU kernels take f32 activations: compare them with the CPU's f32-activation MXFP4 path
 # (on AVX-512 VNNI hosts the CPU default quantises MXFP4 activations to int8, docs/NUMERICS.md).
 export DELTAFIN_MXFP4_ACT=f32
-args=(--test-threads=1 --nocapture)
+# The device tests are #[ignore]d (they need a GPU): run them, each failing without a device.
+args=(--include-ignored --test-threads=1 --nocapture)
 if [ -x target/gpu-bundle/cuda_device ]; then
   runner=(target/gpu-bundle/cuda_device)
 else

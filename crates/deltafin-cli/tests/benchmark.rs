@@ -1,6 +1,10 @@
 //! `deltafin benchmark` on the tiny synthesized model: two arms in ABBA order, oracles,
 //! invalid runs, timeouts and argument checks.
 
+mod common;
+
+use common::{ids, jsonl, text};
+
 use deltafin_k3::generate::{GenerateOptions, generate};
 use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
@@ -56,32 +60,12 @@ fn bench(args: &[&str]) -> Output {
         .unwrap()
 }
 
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 fn read_json(p: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
 fn runs(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("runs.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    jsonl(&dir.join("runs.jsonl"))
 }
 
 #[test]

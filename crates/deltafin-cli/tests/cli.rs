@@ -1,5 +1,9 @@
 //! End-to-end tests of the `deltafin` binary on a synthesized tiny K3 checkpoint.
 
+mod common;
+
+use common::{ids, jsonl};
+
 use deltafin_k3::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
 use deltafin_k3::generate::{greedy, logsumexp};
 use deltafin_k3::loader::{EngineOptions, open_model};
@@ -32,22 +36,6 @@ fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
         cmd.env(k, v);
     }
     cmd.output().unwrap()
-}
-
-fn events(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 fn top(v: &Value) -> Vec<(u32, f32)> {
@@ -85,7 +73,7 @@ fn run_events_carry_ids_and_the_engines_own_logits() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let ev = events(&ev_path);
+    let ev = jsonl(&ev_path);
     let kinds: Vec<&str> = ev.iter().map(|e| e["event"].as_str().unwrap()).collect();
     assert_eq!(kinds[..2], ["run_start", "prefill_done"]);
     assert_eq!(kinds.last(), Some(&"run_end"));
@@ -168,7 +156,7 @@ fn default_subcommand_is_run_and_chat_uses_the_env_effort() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let ev = events(&ev_path);
+    let ev = jsonl(&ev_path);
     let tok = Tokenizer::from_dir(model_root()).unwrap();
     let opts = ChatOptions {
         effort: Some(ReasoningEffort::Low),
@@ -325,7 +313,7 @@ fn decode_steps(dir: &Path, max_new: usize, var: &str, value: &str) -> (Vec<[Val
     );
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{err}");
-    let steps = events(&ev_path)
+    let steps = jsonl(&ev_path)
         .into_iter()
         .filter(|e| e["event"] == "decode_step")
         .map(|e| {
@@ -521,7 +509,7 @@ fn ctrl_c_stops_at_a_token_boundary_and_closes_the_events_file() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let ev = events(&ev_path);
+    let ev = jsonl(&ev_path);
     let end = ev.last().unwrap();
     assert_eq!(end["event"], "run_end");
     assert_eq!(end["stop_reason"], "interrupted");

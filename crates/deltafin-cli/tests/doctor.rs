@@ -1,5 +1,9 @@
 //! `deltafin doctor` on a good synthesized install and on broken copies of it.
 
+mod common;
+
+use common::text;
+
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use serde_json::Value;
 use std::path::Path;
@@ -33,14 +37,6 @@ fn doctor(args: &[&str], env: &[(&str, &str)]) -> Output {
         cmd.env(k, v);
     }
     cmd.output().unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn json(o: &Output) -> Value {

@@ -1,6 +1,10 @@
 //! `deltafin run` with DSpark drafts (`K3_DSPARK=on`) emits exactly the ids of plain greedy
 //! decoding, and reports the proposals in the events file.
 
+mod common;
+
+use common::jsonl;
+
 use deltafin_k3::config::K3Config;
 use deltafin_k3::synth::{
     QwenSize, SynthDims, SynthSpec, synthesize, synthesize_dspark, synthesize_qwen3,
@@ -31,14 +35,6 @@ fn deltafin(root: &Path, events: &Path, dspark: &str) -> Output {
         .env_remove("K3_REASONING_EFFORT")
         .output()
         .unwrap()
-}
-
-fn events(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 #[test]
@@ -72,8 +68,8 @@ fn dspark_run_equals_plain_greedy() {
     );
     assert_eq!(plain.stdout, spec.stdout, "stdout differs with drafts");
 
-    let off = events(&tmp.path().join("off.jsonl"));
-    let on = events(&tmp.path().join("on.jsonl"));
+    let off = jsonl(&tmp.path().join("off.jsonl"));
+    let on = jsonl(&tmp.path().join("on.jsonl"));
     let end = |ev: &[Value]| ev.last().unwrap().clone();
     assert_eq!(
         end(&off)["emitted_token_ids"],

@@ -1,5 +1,9 @@
 //! The setup family end to end: the real `deltafin` binary against an in-process mock hub.
 
+mod common;
+
+use common::text;
+
 use deltafin_fetch::mock_hub::{Fault, MockHub};
 use deltafin_fetch::synth_source::{SynthSource, small_dims};
 use std::path::Path;
@@ -57,14 +61,6 @@ impl Env {
     fn run(&self, args: &[&str]) -> Output {
         self.cmd(args).output().unwrap()
     }
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 #[test]

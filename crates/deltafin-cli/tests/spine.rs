@@ -2,6 +2,10 @@
 //! `convert-spine-int8` (conversion, resume after a kill, lock, `--check`), and runs on the
 //! int8 spine matching the library's int8 model exactly.
 
+mod common;
+
+use common::stdout_stderr;
+
 use deltafin_k3::generate::{GenerateOptions, generate};
 use deltafin_k3::loader::{EngineOptions, SpineFormat, open_model};
 use deltafin_k3::spine_int8::tensor_dir;
@@ -52,18 +56,11 @@ fn deltafin(args: &[&str], root: &Path, env: &[(&str, &str)]) -> Output {
     cmd.output().unwrap()
 }
 
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
 fn convert(root: &Path, extra: &[&str]) -> Output {
     let mut args = vec!["convert-spine-int8"];
     args.extend_from_slice(extra);
     let o = deltafin(&args, root, &[]);
-    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
     o
 }
 
@@ -126,7 +123,7 @@ fn auto_without_the_int8_spine_fails_and_bad_choices_are_rejected() {
         vec!["run", "--max-new", "1", "--spine", "int8"],
     ] {
         let o = deltafin(&args, root, &[]);
-        let (_, err) = text(&o);
+        let (_, err) = stdout_stderr(&o);
         assert!(!o.status.success());
         assert!(
             err.contains("deltafin convert-spine-int8") && err.contains("--spine bf16"),
@@ -134,13 +131,17 @@ fn auto_without_the_int8_spine_fails_and_bad_choices_are_rejected() {
         );
     }
     let o = deltafin(&["run", "--max-new", "1"], root, &[("K3_SPINE", "auto")]);
-    assert!(text(&o).1.contains("convert-spine-int8"));
+    assert!(stdout_stderr(&o).1.contains("convert-spine-int8"));
     let o = deltafin(&["serve", "--port", "0"], root, &[]);
     assert!(!o.status.success());
-    assert!(text(&o).1.contains("convert-spine-int8"), "{:?}", text(&o));
+    assert!(
+        stdout_stderr(&o).1.contains("convert-spine-int8"),
+        "{:?}",
+        stdout_stderr(&o)
+    );
 
     let o = deltafin(&["run", "--spine", "mixed"], root, &[]);
-    let err = text(&o).1;
+    let err = stdout_stderr(&o).1;
     assert!(!o.status.success());
     assert!(
         err.contains("--spine") && err.contains("research codecs change target weights"),
@@ -148,7 +149,7 @@ fn auto_without_the_int8_spine_fails_and_bad_choices_are_rejected() {
     );
     for bad in ["mixed", "fp8", ""] {
         let o = deltafin(&["run", "--max-new", "1"], root, &[("K3_SPINE", bad)]);
-        let err = text(&o).1;
+        let err = stdout_stderr(&o).1;
         assert!(!o.status.success());
         assert!(err.contains("environment variable K3_SPINE"), "{err}");
     }
@@ -158,10 +159,10 @@ fn auto_without_the_int8_spine_fails_and_bad_choices_are_rejected() {
         root,
         &[("K3_SPINE", "int8")],
     );
-    assert!(o.status.success(), "{:?}", text(&o));
-    assert!(text(&o).1.contains("spine=bf16"));
+    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
+    assert!(stdout_stderr(&o).1.contains("spine=bf16"));
     let o = deltafin(&["run", "--max-new", "1"], root, &[("K3_SPINE", "bf16")]);
-    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
 }
 
 #[test]
@@ -169,7 +170,7 @@ fn int8_runs_match_the_library_int8_model_and_bf16_stays_exact() {
     let d = checkpoint(2);
     let root = d.path();
     let o = convert(root, FAST);
-    let (out, err) = text(&o);
+    let (out, err) = stdout_stderr(&o);
     assert!(err.contains("QUANTIZED and NOT weight-exact"), "{err}");
     assert!(out.contains("weight error (relative RMS"), "{out}");
     assert!(
@@ -193,8 +194,8 @@ fn int8_runs_match_the_library_int8_model_and_bf16_stays_exact() {
         ];
         args.extend_from_slice(extra);
         let o = deltafin(&args, root, &[]);
-        assert!(o.status.success(), "{:?}", text(&o));
-        (text(&o).1, emitted(&events))
+        assert!(o.status.success(), "{:?}", stdout_stderr(&o));
+        (stdout_stderr(&o).1, emitted(&events))
     };
     let (int8_err, int8_ids) = run(&[]);
     assert!(int8_err.contains("spine=int8"), "{int8_err}");
@@ -208,9 +209,9 @@ fn int8_runs_match_the_library_int8_model_and_bf16_stays_exact() {
     assert_eq!(run(&["--memory-budget-gb", "1"]).1, int8_ids);
 
     // A second conversion finds everything complete; --check verifies every hash.
-    let (out, _) = text(&convert(root, FAST));
+    let (out, _) = stdout_stderr(&convert(root, FAST));
     assert!(out.contains("converted 0 of"), "{out}");
-    let (out, _) = text(&convert(root, &["--check"]));
+    let (out, _) = stdout_stderr(&convert(root, &["--check"]));
     assert!(out.contains("int8 spine OK"), "{out}");
 
     // Damage: a changed code byte is found by --check, a truncated scale file by loading.
@@ -220,7 +221,7 @@ fn int8_runs_match_the_library_int8_model_and_bf16_stays_exact() {
     codes[0] = codes[0].wrapping_add(1) & 0x7f;
     std::fs::write(&i8_path, &codes).unwrap();
     let o = deltafin(&["convert-spine-int8", "--check"], root, &[]);
-    let err = text(&o).1;
+    let err = stdout_stderr(&o).1;
     assert!(!o.status.success());
     assert!(
         err.contains(name) && err.contains(".i8") && err.contains("sha256"),
@@ -230,7 +231,7 @@ fn int8_runs_match_the_library_int8_model_and_bf16_stays_exact() {
     let sc = std::fs::read(&sc_path).unwrap();
     std::fs::write(&sc_path, &sc[..sc.len() - 2]).unwrap();
     let o = deltafin(&["run", "--max-new", "1"], root, &[]);
-    let err = text(&o).1;
+    let err = stdout_stderr(&o).1;
     assert!(!o.status.success());
     assert!(err.contains(name) && err.contains(".sc"), "{err}");
     // --no-resume rebuilds it.
@@ -275,14 +276,14 @@ fn a_killed_conversion_resumes_byte_identical_and_a_second_converter_is_locked_o
     }
     // While it runs, a second converter gets a clear error.
     let o = deltafin(&["convert-spine-int8"], db.path(), &[]);
-    let err = text(&o).1;
+    let err = stdout_stderr(&o).1;
     assert!(!o.status.success());
     assert!(err.contains("held by another convert-spine-int8"), "{err}");
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(has(".part"), "no partial file was left by the kill");
 
-    let (out, _) = text(&convert(db.path(), &[]));
+    let (out, _) = stdout_stderr(&convert(db.path(), &[]));
     assert!(out.contains("1 resumed"), "{out}");
     assert_eq!(snapshot(db.path()), want);
 }

@@ -1,6 +1,10 @@
 //! `deltafin run` / `perplexity` with `--memory-budget-gb`: experts stream from disk, the
 //! tokens equal the resident run, the budget is parsed strictly, `--stats` reports the cache.
 
+mod common;
+
+use common::stdout_stderr;
+
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use std::path::Path;
 use std::process::{Command, Output};
@@ -37,13 +41,6 @@ fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
     cmd.output().unwrap()
 }
 
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
 #[test]
 fn budgeted_run_streams_and_matches_the_resident_run() {
     let base = [
@@ -54,16 +51,16 @@ fn budgeted_run_streams_and_matches_the_resident_run() {
         "10",
     ];
     let resident = deltafin(&base, &[]);
-    assert!(resident.status.success(), "{:?}", text(&resident));
+    assert!(resident.status.success(), "{:?}", stdout_stderr(&resident));
     let mut args = base.to_vec();
     args.extend(["--memory-budget-gb", "0.2"]);
     for gate in ["off", "measure", "on", "ranked"] {
         let streamed = deltafin(&args, &[("K3_PILOT_GATE", gate)]);
-        let (out, err) = text(&streamed);
+        let (out, err) = stdout_stderr(&streamed);
         assert!(streamed.status.success(), "{err}");
         assert_eq!(
             out,
-            text(&resident).0,
+            stdout_stderr(&resident).0,
             "K3_PILOT_GATE={gate}: completion text"
         );
         assert!(err.contains("memory budget 0.200 GB = spine"), "{err}");
@@ -71,7 +68,7 @@ fn budgeted_run_streams_and_matches_the_resident_run() {
     }
     let mut stats = args.clone();
     stats.push("--stats");
-    let (out, err) = text(&deltafin(&stats, &[("K3_MEMORY_BUDGET_GB", "7")]));
+    let (out, err) = stdout_stderr(&deltafin(&stats, &[("K3_MEMORY_BUDGET_GB", "7")]));
     assert_eq!(out.lines().count(), 10, "{out}");
     assert!(out.lines().all(|l| l.starts_with("[stats] generated=")));
     for needle in [
@@ -93,7 +90,7 @@ fn budgeted_run_streams_and_matches_the_resident_run() {
 fn streamed_spine_layers_match_the_resident_run() {
     let base = ["run", "--prompt", "Spine streaming keeps", "--max-new", "6"];
     let resident = deltafin(&base, &[]);
-    assert!(resident.status.success(), "{:?}", text(&resident));
+    assert!(resident.status.success(), "{:?}", stdout_stderr(&resident));
     let mut budgeted = base.to_vec();
     budgeted.extend(["--memory-budget-gb", "0.2", "--stats"]);
     for (args, env) in [
@@ -101,9 +98,9 @@ fn streamed_spine_layers_match_the_resident_run() {
         (budgeted, [("K3_PROVIDER_RESIDENT_LAYERS", "5")]),
     ] {
         let o = deltafin(&args, &env);
-        let (out, err) = text(&o);
+        let (out, err) = stdout_stderr(&o);
         assert!(o.status.success(), "{err}");
-        let want = text(&resident).0;
+        let want = stdout_stderr(&resident).0;
         if args.contains(&"--stats") {
             assert!(err.contains("[stats] spine streamed_layers=9"), "{err}");
             assert!(err.contains("5 of 14 layers resident, 9 streamed"), "{err}");
@@ -127,9 +124,9 @@ fn streamed_spine_layers_match_the_resident_run() {
             &[("K3_PROVIDER_RESIDENT_LAYERS", v)],
         );
         assert!(
-            !o.status.success() && text(&o).1.contains(needle),
+            !o.status.success() && stdout_stderr(&o).1.contains(needle),
             "{:?}",
-            text(&o)
+            stdout_stderr(&o)
         );
     }
     let o = deltafin(
@@ -137,9 +134,9 @@ fn streamed_spine_layers_match_the_resident_run() {
         &[("K3_SPINE_READ_THREADS", "0")],
     );
     assert!(
-        text(&o).1.contains("K3_SPINE_READ_THREADS"),
+        stdout_stderr(&o).1.contains("K3_SPINE_READ_THREADS"),
         "{:?}",
-        text(&o)
+        stdout_stderr(&o)
     );
 }
 
@@ -158,7 +155,11 @@ fn perplexity_with_a_budget_equals_resident() {
         &["perplexity", "--file", &f, "--json"],
         &[("K3_MEMORY_BUDGET_GB", "0.2")],
     );
-    assert!(a.status.success() && b.status.success(), "{:?}", text(&b));
+    assert!(
+        a.status.success() && b.status.success(),
+        "{:?}",
+        stdout_stderr(&b)
+    );
     let pick = |o: &Output| {
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         (
@@ -221,7 +222,7 @@ fn bad_budgets_and_knobs_are_clear_errors() {
         let mut a = vec!["run", "--max-new", "1"];
         a.extend(args);
         let o = deltafin(&a, &env);
-        let (_, err) = text(&o);
+        let (_, err) = stdout_stderr(&o);
         assert!(
             !o.status.success() && err.contains(needle),
             "{needle}: {err}"
@@ -246,7 +247,7 @@ fn router_trace_writes_one_line_per_pass_and_layer() {
         ],
         &[("K3_MEMORY_BUDGET_GB", "0.2")],
     );
-    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&trace)
         .unwrap()
         .lines()
@@ -274,7 +275,7 @@ fn router_trace_modes_and_their_errors() {
         &["run", "--prompt", "Trace", "--max-new", "2"],
         &[("K3_TRACE", "sync"), ("K3_TRACE_PATH", &t)],
     );
-    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
     assert_eq!(
         std::fs::read_to_string(&trace).unwrap().lines().count(),
         2 * 13
@@ -305,7 +306,7 @@ fn router_trace_modes_and_their_errors() {
         let mut a = vec!["run", "--max-new", "1"];
         a.extend(args.iter().copied());
         let o = deltafin(&a, &env);
-        let (_, err) = text(&o);
+        let (_, err) = stdout_stderr(&o);
         assert!(
             !o.status.success() && err.contains(needle),
             "{needle}: {err}"
@@ -314,7 +315,7 @@ fn router_trace_modes_and_their_errors() {
         let mut a = vec!["serve", "--port", "0"];
         a.extend(args);
         let o = deltafin(&a, &env);
-        let (_, err) = text(&o);
+        let (_, err) = stdout_stderr(&o);
         assert!(
             !o.status.success() && err.contains(needle),
             "serve {needle}: {err}"
@@ -364,13 +365,17 @@ fn expert_heat_persists_across_runs_and_can_be_switched_off() {
     let heat = root.path().join(HEAT_FILE);
     let args = ["run", "--prompt", "Heat learns routes", "--max-new", "4"];
     let o = deltafin_at(root.path(), &args, &[("K3_EXPERT_HEAT", "off")]);
-    assert!(o.status.success(), "{:?}", text(&o));
-    assert!(text(&o).1.contains("expert_heat=off"), "{:?}", text(&o));
+    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
+    assert!(
+        stdout_stderr(&o).1.contains("expert_heat=off"),
+        "{:?}",
+        stdout_stderr(&o)
+    );
     assert!(!heat.exists(), "K3_EXPERT_HEAT=off wrote the histogram");
     // Default on: 4 passes (prefill + 3 decode steps), then 4 more.
     for want in [4, 8] {
         let o = deltafin_at(root.path(), &args, &[("K3_MEMORY_BUDGET_GB", "0.2")]);
-        assert!(o.status.success(), "{:?}", text(&o));
+        assert!(o.status.success(), "{:?}", stdout_stderr(&o));
         let l = load(&heat, HEAT_DIMS);
         assert!(l.note.is_none(), "{:?}", l.note);
         assert_eq!(l.table.passes, want);
@@ -386,15 +391,19 @@ fn expert_heat_persists_across_runs_and_can_be_switched_off() {
         }
     }
     assert!(
-        text(&deltafin_at(root.path(), &args, &[]))
+        stdout_stderr(&deltafin_at(root.path(), &args, &[]))
             .1
             .contains("(8 passes learned")
     );
     // A corrupt file is a warning, not an error, and is then rewritten.
     std::fs::write(&heat, b"K3HEATv1 but short").unwrap();
     let o = deltafin_at(root.path(), &args, &[]);
-    assert!(o.status.success(), "{:?}", text(&o));
-    assert!(text(&o).1.contains("ignored"), "{:?}", text(&o));
+    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
+    assert!(
+        stdout_stderr(&o).1.contains("ignored"),
+        "{:?}",
+        stdout_stderr(&o)
+    );
     assert_eq!(load(&heat, HEAT_DIMS).table.passes, 4);
     for (env, needle) in [
         (
@@ -406,9 +415,9 @@ fn expert_heat_persists_across_runs_and_can_be_switched_off() {
     ] {
         let o = deltafin_at(root.path(), &["run", "--max-new", "1"], &[env]);
         assert!(
-            !o.status.success() && text(&o).1.contains(needle),
+            !o.status.success() && stdout_stderr(&o).1.contains(needle),
             "{needle}: {:?}",
-            text(&o)
+            stdout_stderr(&o)
         );
     }
 }
@@ -431,7 +440,7 @@ fn pinned_tier_fills_from_the_heat_file_and_tokens_match_the_resident_run() {
     let mut learn = args.to_vec();
     learn.extend(["--router-trace", "learn.jsonl"]);
     let o = deltafin_at(root.path(), &learn, &[("K3_EXPERT_HEAT", "off")]);
-    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
     let mut passes: Vec<Vec<(usize, Vec<usize>)>> = Vec::new();
     for line in std::fs::read_to_string(&trace).unwrap().lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -459,7 +468,7 @@ fn pinned_tier_fills_from_the_heat_file_and_tokens_match_the_resident_run() {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     std::fs::write(&path, t.encode()).unwrap();
     let resident = deltafin_at(root.path(), &args, &[("K3_EXPERT_HEAT", "off")]);
-    assert!(resident.status.success(), "{:?}", text(&resident));
+    assert!(resident.status.success(), "{:?}", stdout_stderr(&resident));
     let pinned = deltafin_at(
         root.path(),
         &args,
@@ -468,14 +477,14 @@ fn pinned_tier_fills_from_the_heat_file_and_tokens_match_the_resident_run() {
             ("K3_EXPERT_PIN_GB", "0.001"),
         ],
     );
-    let (out, err) = text(&pinned);
+    let (out, err) = stdout_stderr(&pinned);
     assert!(pinned.status.success(), "{err}");
     let ids = |o: &str| -> Vec<String> {
         o.lines()
             .map(|l| l.split(" elapsed").next().unwrap().to_string())
             .collect()
     };
-    assert_eq!(ids(&out), ids(&text(&resident).0));
+    assert_eq!(ids(&out), ids(&stdout_stderr(&resident).0));
     assert!(
         err.contains(&format!(
             "(300 passes learned, {candidates} pin candidates) pinned_tier=0.001 GB"
@@ -505,9 +514,12 @@ fn pinned_tier_fills_from_the_heat_file_and_tokens_match_the_resident_run() {
         &[("K3_MEMORY_BUDGET_GB", "0.2"), ("K3_EXPERT_PIN_GB", "5")],
     );
     assert!(
-        !o.status.success() && text(&o).1.contains("does not fit the expert cache"),
+        !o.status.success()
+            && stdout_stderr(&o)
+                .1
+                .contains("does not fit the expert cache"),
         "{:?}",
-        text(&o)
+        stdout_stderr(&o)
     );
 }
 
@@ -524,18 +536,18 @@ fn the_budget_reserves_state_for_the_context_a_run_can_reach() {
     let prompt = "Expert streaming keeps";
     let base = ["run", "--prompt", prompt, "--max-new", "7"];
     let resident = deltafin(&base, &[]);
-    assert!(resident.status.success(), "{:?}", text(&resident));
+    assert!(resident.status.success(), "{:?}", stdout_stderr(&resident));
     let mut budgeted = base.to_vec();
     budgeted.extend(["--memory-budget-gb", "0.2"]);
     let o = deltafin(&budgeted, &[]);
-    let (out, err) = text(&o);
+    let (out, err) = stdout_stderr(&o);
     assert!(o.status.success(), "{err}");
-    assert_eq!(out, text(&resident).0);
+    assert_eq!(out, stdout_stderr(&resident).0);
     assert_eq!(tokens_reserved(&err), prompt.len() + 7 + 32, "{err}");
     let mut chat = budgeted.clone();
     chat.push("--chat");
     let o = deltafin(&chat, &[]);
-    let (_, err) = text(&o);
+    let (_, err) = stdout_stderr(&o);
     assert!(o.status.success(), "{err}");
     let chat_reserved = tokens_reserved(&err);
     assert!(

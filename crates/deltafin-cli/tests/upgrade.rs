@@ -4,6 +4,10 @@
 //! The checkout and the rebuild command are overridden with the test-only variables
 //! `DELTAFIN_UPGRADE_REPO` and `DELTAFIN_UPGRADE_BUILD_CMD`, so no cargo build runs.
 
+mod common;
+
+use common::text;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -98,14 +102,6 @@ fn upgrade(repo: &Path, build: &str) -> Output {
         .env_remove("CARGO_TARGET_DIR")
         .output()
         .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn head(dir: &Path) -> String {

@@ -257,12 +257,38 @@ fn wrong_commit_404_and_persistent_500_fail_cleanly() {
         .unwrap();
 }
 
+/// Root bypasses permission bits: as root, the test reruns itself in a child process as the
+/// unprivileged uid/gid 65534 (`nobody`) and passes when the child passes.
+fn rerun_unprivileged(test: &str) {
+    use std::os::unix::process::CommandExt;
+    assert!(
+        std::env::var_os("DELTAFIN_TEST_UNPRIVILEGED").is_none(),
+        "{test}: the rerun as uid 65534 still runs as root"
+    );
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(&exe)
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("DELTAFIN_TEST_UNPRIVILEGED", "1")
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap_or_else(|e| panic!("{test}: cannot rerun {} as uid 65534: {e}", exe.display()));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{test} as uid 65534:\n{text}"
+    );
+}
+
 #[test]
 fn permission_denied_stops_cleanly() {
     use std::os::unix::fs::PermissionsExt;
     if nix::unistd::Uid::effective().is_root() {
-        eprintln!("skip: running as root, permissions are not enforced");
-        return;
+        return rerun_unprivileged("permission_denied_stops_cleanly");
     }
     let e = env();
     std::fs::create_dir_all(&e.root).unwrap();

@@ -1,12 +1,12 @@
-//! The committed K3 manifest against the real release index and config (in `../shared/kimi`
-//! beside the workspace; skipped when absent). `DELTAFIN_REGEN_MANIFEST=1` rewrites it.
+//! The committed K3 manifest against the real release index and config (`assets/kimi/`, see
+//! its SOURCES.md). `DELTAFIN_REGEN_MANIFEST=1` rewrites the manifest.
 
 use deltafin_fetch::manifest::{InventoryPin, Manifests, PinnedFile, k3_manifest_from_index};
 use std::io::Read;
 use std::path::PathBuf;
 
-fn shared() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/kimi"))
+fn assets() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/kimi"))
 }
 
 fn pinned(path: &str, size: u64, sha: &str) -> PinnedFile {
@@ -19,19 +19,21 @@ fn pinned(path: &str, size: u64, sha: &str) -> PinnedFile {
 
 #[test]
 fn k3_manifest_matches_real_index() {
-    let dir = shared();
+    let dir = assets();
     let gz = dir.join("k3-model.safetensors.index.json.gz");
-    if !gz.exists() {
-        eprintln!("skip: {} not found", gz.display());
-        return;
-    }
+    let file = std::fs::File::open(&gz).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (the release index)",
+            gz.display()
+        )
+    });
     let mut text = String::new();
-    flate2::read::GzDecoder::new(std::fs::File::open(&gz).unwrap())
+    flate2::read::GzDecoder::new(file)
         .read_to_string(&mut text)
         .unwrap();
     let index: serde_json::Value = serde_json::from_str(&text).unwrap();
     let cfg = deltafin_k3::config::K3Config::from_file(dir.join("k3-config.json")).unwrap();
-    // Pins: product contract §4.2 and shared/kimi/SOURCES.md.
+    // Pins: docs/K3.md §12.2 and assets/kimi/SOURCES.md.
     let metadata = vec![
         pinned(
             "LICENSE",

@@ -4,9 +4,12 @@
 //!
 //! Tools come from `DELTAFIN_NVRTC` / `DELTAFIN_PTXAS`, else from the pip wheels
 //! `nvidia-cuda-nvrtc-cu12` / `nvidia-cuda-nvcc-cu12` found by asking `$DELTAFIN_CUDA_PYTHON`
-//! (or `python3`). Without them the test prints a SKIP line, unless `DELTAFIN_REQUIRE_NVRTC=1`
-//! (set by `.ci/run`), which turns a missing tool into a failure. With `DELTAFIN_CUDA_PTX_OUT`
-//! set, the PTX is also written there (`<arch>/<file>.ptx`) for the GPU check bundle.
+//! (or `python3`). Without them the test prints a SKIP line (`common::skip`), unless
+//! `DELTAFIN_REQUIRE_NVRTC=1` (set by `.ci/run`), which turns a missing tool into a failure.
+//! With `DELTAFIN_CUDA_PTX_OUT` set, the PTX is also written there (`<arch>/<file>.ptx`) for the
+//! GPU check bundle.
+
+mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -56,21 +59,14 @@ fn find_ptxas() -> Option<PathBuf> {
     p.is_file().then_some(p)
 }
 
-fn required() -> bool {
-    std::env::var("DELTAFIN_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
-}
-
 #[test]
 fn cuda_kernels_compile_to_ptx_and_sass() {
     let (Some(nvrtc), Some(ptxas)) = (find_nvrtc(), find_ptxas()) else {
-        assert!(
-            !required(),
-            "DELTAFIN_REQUIRE_NVRTC=1 but NVRTC or ptxas was not found (pip install \
-             nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12, or set DELTAFIN_NVRTC / DELTAFIN_PTXAS)"
-        );
-        eprintln!(
-            "SKIP cuda_kernels_compile_to_ptx_and_sass: NVRTC/ptxas not found (pip install \
-             nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12; DELTAFIN_REQUIRE_NVRTC=1 makes this fail)"
+        common::skip(
+            "cuda_kernels_compile_to_ptx_and_sass",
+            "DELTAFIN_REQUIRE_NVRTC",
+            "NVRTC or ptxas was not found (pip install nvidia-cuda-nvrtc-cu12 \
+             nvidia-cuda-nvcc-cu12, or set DELTAFIN_NVRTC / DELTAFIN_PTXAS)",
         );
         return;
     };

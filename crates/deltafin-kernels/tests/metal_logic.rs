@@ -13,21 +13,25 @@
 //!
 //! This tests the kernels' *logic* — indexing, ragged tails, batch splitting, reduction order,
 //! barrier placement, SIMD-group uniformity — not the Metal compiler, its fast-math choices, or
-//! Apple hardware. Without a C++ compiler (`$CXX`, else `c++`) every test prints a SKIP line.
+//! Apple hardware. Without a C++ compiler (`$CXX`, else `c++`) every test prints a SKIP line,
+//! unless `DELTAFIN_REQUIRE_CXX=1` (set by `.ci/run`), which makes that a failure. The shared
+//! checks and their bounds are in `common/mod.rs`.
+
+mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
-use deltafin_kernels::cuda::reference;
+use common::{MLA_SMALL, WeightSet};
+use deltafin_kernels::Weights;
 use deltafin_kernels::metal::sources::{
     MATVEC_THREADS, MLA_THREADS, ROWS_PER_GROUP, kda_threadgroup_bytes, kda_threads,
     mla_threadgroup_bytes,
 };
 use deltafin_kernels::metal::{MlaParams, MlaShape, batch_split, library_source};
-use deltafin_kernels::{Backend, Weights, matmul_with};
+use deltafin_tensor::bf16;
 use deltafin_tensor::mxfp4::E2M1;
-use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix, bf16};
 use libloading::{Library, Symbol};
 
 const STDLIB: &str = include_str!("metal_shim/metal_stdlib");
@@ -92,13 +96,14 @@ impl Shim {
     }
 }
 
-fn shim() -> Option<&'static Mutex<Shim>> {
-    static SHIM: OnceLock<Option<Mutex<Shim>>> = OnceLock::new();
-    SHIM.get_or_init(|| {
+/// The compiled kernels, or `None` when there is no C++ compiler (`common::skip`: a SKIP line,
+/// or a failure with `DELTAFIN_REQUIRE_CXX=1`).
+fn shim(test: &str) -> Option<&'static Mutex<Shim>> {
+    static SHIM: OnceLock<Result<Mutex<Shim>, String>> = OnceLock::new();
+    let shim = SHIM.get_or_init(|| {
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
         if Command::new(&cxx).arg("--version").output().is_err() {
-            eprintln!("SKIP Metal logic tests: no C++ compiler `{cxx}` (set CXX)");
-            return None;
+            return Err(format!("no C++ compiler `{cxx}` (install one or set CXX)"));
         }
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("metal_stdlib"), STDLIB).unwrap();
@@ -138,24 +143,14 @@ fn shim() -> Option<&'static Mutex<Shim>> {
         );
         // SAFETY: a library we just built; its initialisers only set up statics.
         let lib = unsafe { Library::new(&so) }.expect("load the shim library");
-        Some(Mutex::new(Shim { lib, _dir: dir }))
-    })
-    .as_ref()
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f()).collect()
+        Ok(Mutex::new(Shim { lib, _dir: dir }))
+    });
+    match shim {
+        Ok(s) => Some(s),
+        Err(why) => {
+            common::skip(test, "DELTAFIN_REQUIRE_CXX", why);
+            None
+        }
     }
 }
 
@@ -263,82 +258,18 @@ fn model_product(w: Weights<'_>, r: usize, x: &[f32]) -> f32 {
     lanes[0] * scale
 }
 
-fn mxfp4(rng: &mut Rng, rows: usize, cols: usize) -> Mxfp4Matrix {
-    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
-    let scales: Vec<u8> = (0..rows * cols / 32)
-        .map(|_| match rng.next() % 16 {
-            0 => 0,
-            1 => 140,
-            _ => 118 + (rng.next() % 16) as u8,
-        })
-        .collect();
-    Mxfp4Matrix::new(
-        "t",
-        Bytes::from_vec(packed),
-        Bytes::from_vec(scales),
-        rows,
-        cols,
-    )
-    .unwrap()
-}
-
-/// `|shim − cpu| ≤ 1e-5 · Σ|w x|` per value (the CUDA tests' bound).
-fn check_vs_cpu(what: &str, w: Weights<'_>, xs: &[f32], n: usize, got: &[f32]) {
-    let (rows, cols) = (w.rows(), w.cols());
-    // The portable scalar CPU kernels: f32 activations like the Metal kernels (the SIMD
-    // backends may quantise activations to int16/int8 for row-int8 and MXFP4 products).
-    let mut cpu = vec![0f32; n * rows];
-    matmul_with(Backend::Scalar, w, xs, n, &mut cpu);
-    let mut row = vec![0f32; cols];
-    let mut worst = 0f64;
-    for r in 0..rows {
-        match w {
-            Weights::Bf16(m) => {
-                for (o, v) in row.iter_mut().zip(m.row(r)) {
-                    *o = v.to_f32();
-                }
-            }
-            Weights::RowInt8(m) => m.dequantize_row(r, &mut row),
-            Weights::Mxfp4(m) => m.dequantize_row(r, &mut row),
-            Weights::F32 { .. } => unreachable!(),
-        }
-        for b in 0..n {
-            let mag: f64 = row
-                .iter()
-                .zip(&xs[b * cols..(b + 1) * cols])
-                .map(|(&a, &x)| (a as f64 * x as f64).abs())
-                .sum();
-            let (g, c) = (got[b * rows + r] as f64, cpu[b * rows + r] as f64);
-            let err = (g - c).abs() / (mag + 1e-30);
-            worst = worst.max(err);
-            assert!(
-                err <= 1e-5,
-                "{what}: row {r}, batch row {b}: shim {g} vs cpu {c} (Σ|wx| {mag})"
-            );
-        }
-    }
-    eprintln!("  {what}: worst error / Σ|wx| = {worst:.2e}");
-}
-
 #[test]
 fn metal_products_follow_the_documented_order_and_match_the_cpu() {
-    let Some(shim) = shim() else { return };
+    let test = "metal_products_follow_the_documented_order_and_match_the_cpu";
+    let Some(shim) = shim(test) else { return };
     let s = shim.lock().unwrap_or_else(|e| e.into_inner());
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = common::Rng(0x9e37_79b9_7f4a_7c15);
     // Rows not multiples of the 8-row threadgroup; columns with and without the chunked path
     // (bf16: % 8, int8: % 16) and with more chunks or groups than lanes.
     let shapes = [(1, 32), (13, 96), (40, 200), (17, 72), (9, 1056)];
     for (rows, cols) in shapes {
-        let vals = rng.vec(rows * cols);
-        let bv: Vec<bf16> = vals.iter().map(|&v| bf16::from_f32(v)).collect();
-        let bf = Bf16Matrix::from_values(rows, cols, &bv).unwrap();
-        let i8m = RowInt8Matrix::quantize("t", rows, cols, &vals).unwrap();
-        let mx = cols.is_multiple_of(32).then(|| mxfp4(&mut rng, rows, cols));
-        let mut ws = vec![Weights::Bf16(&bf), Weights::RowInt8(&i8m)];
-        if let Some(m) = &mx {
-            ws.push(Weights::Mxfp4(m));
-        }
-        for w in ws {
+        let set = WeightSet::random(&mut rng, rows, cols);
+        for w in set.all() {
             for n in [1usize, 3, 16, 19] {
                 let xs = rng.vec(n * cols);
                 let got = shim_matmul(&s, w, &xs, n);
@@ -354,62 +285,36 @@ fn metal_products_follow_the_documented_order_and_match_the_cpu() {
                         );
                     }
                 }
-                check_vs_cpu(&what, w, &xs, n, &got);
+                let cpu = common::scalar_cpu(w, &xs, n);
+                common::check_products(&what, "shim", w, &xs, n, &got, &cpu);
             }
         }
     }
 }
 
-fn l2n(v: &mut [f32]) {
-    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
-    v.iter_mut().for_each(|x| *x /= n);
-}
-
-fn close(what: &str, a: &[f32], b: &[f32], tol: f32) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    if let Some(i) = a.iter().position(|x| !x.is_finite()) {
-        panic!("{what}: value {i} is {} (never written, or overflow)", a[i]);
-    }
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-    let worst = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / scale)
-        .fold(0f32, f32::max);
-    eprintln!("  {what}: worst |shim − cpu| / max|cpu| = {worst:.2e}");
-    assert!(worst <= tol, "{what}: {worst:e} > {tol:e}");
-}
-
 #[test]
 fn metal_kda_step_matches_the_reference_over_several_tokens() {
-    let Some(shim) = shim() else { return };
+    let Some(shim) = shim("metal_kda_step_matches_the_reference_over_several_tokens") else {
+        return;
+    };
     let s = shim.lock().unwrap_or_else(|e| e.into_inner());
-    let mut rng = Rng(7);
     // d not a multiple of 32, one simdgroup per 32 columns, and more columns than threads.
-    for (heads, d) in [(3usize, 40usize), (2, 128), (2, 300)] {
-        let mut s_shim = vec![0f32; heads * d * d];
-        let mut s_cpu = s_shim.clone();
-        for step in 0..3 {
-            let mut q = rng.vec(heads * d);
-            let mut k = rng.vec(heads * d);
-            let v = rng.vec(heads * d);
-            let g: Vec<f32> = (0..heads * d).map(|_| -0.5 * (rng.f() + 1.0)).collect();
-            let beta: Vec<f32> = (0..heads).map(|_| 0.5 * (rng.f() + 1.0)).collect();
-            for h in 0..heads {
-                l2n(&mut q[h * d..(h + 1) * d]);
-                l2n(&mut k[h * d..(h + 1) * d]);
-            }
+    common::check_kda_steps(
+        "shim",
+        &[(3, 40), (2, 128), (2, 300)],
+        3,
+        |heads, d, state, x| {
             let mut out = vec![f32::NAN; heads * d];
             // SAFETY: every buffer has the [heads, d(, d)] length the kernel reads or writes.
             let rc = unsafe {
                 let f: Symbol<KdaFn> = s.lib.get(b"shim_kda_step").unwrap();
                 f(
-                    s_shim.as_mut_ptr(),
-                    q.as_ptr(),
-                    k.as_ptr(),
-                    v.as_ptr(),
-                    g.as_ptr(),
-                    beta.as_ptr(),
+                    state.as_mut_ptr(),
+                    x.q.as_ptr(),
+                    x.k.as_ptr(),
+                    x.v.as_ptr(),
+                    x.g.as_ptr(),
+                    x.beta.as_ptr(),
                     out.as_mut_ptr(),
                     heads as u32,
                     d as u32,
@@ -418,101 +323,60 @@ fn metal_kda_step_matches_the_reference_over_several_tokens() {
                 )
             };
             s.check("kda_step", rc);
-            let mut o_cpu = Vec::new();
-            for h in 0..heads {
-                let sl = h * d..(h + 1) * d;
-                o_cpu.extend(reference::kda_step(
-                    &mut s_cpu[h * d * d..(h + 1) * d * d],
-                    &q[sl.clone()],
-                    &k[sl.clone()],
-                    &v[sl.clone()],
-                    &g[sl],
-                    beta[h],
-                ));
-            }
-            close(
-                &format!("KDA H={heads} d={d} step {step} out"),
-                &out,
-                &o_cpu,
-                1e-5,
-            );
-            close(
-                &format!("KDA H={heads} d={d} step {step} state"),
-                &s_shim,
-                &s_cpu,
-                1e-5,
-            );
-        }
-    }
+            out
+        },
+    );
 }
 
 #[test]
 fn metal_mla_decode_matches_the_reference() {
-    let Some(shim) = shim() else { return };
+    let Some(shim) = shim("metal_mla_decode_matches_the_reference") else {
+        return;
+    };
     let s = shim.lock().unwrap_or_else(|e| e.into_inner());
-    let mut rng = Rng(11);
-    let small = MlaShape {
-        heads: 3,
-        nope: 16,
-        rope: 8,
-        v: 24,
-        kvl: 72,
-    };
-    let k3ish = MlaShape {
-        heads: 2,
-        nope: 128,
-        rope: 64,
-        v: 128,
-        kvl: 512,
-    };
+    let k3ish = (2, 128, 64, 128, 512);
     // One token; fewer tokens than simdgroups; more tokens than threads (strided softmax).
-    for (sh, n) in [
-        (small, 1usize),
-        (small, 7),
-        (small, 333),
-        (k3ish, 1),
-        (k3ish, 40),
-    ] {
-        let bfv = |rng: &mut Rng, len: usize, amp: f32| -> Vec<bf16> {
-            (0..len).map(|_| bf16::from_f32(amp * rng.f())).collect()
-        };
-        let q = rng.vec(sh.heads * (sh.nope + sh.rope));
-        let kvb = bfv(&mut rng, sh.heads * (sh.nope + sh.v) * sh.kvl, 0.2);
-        let latent = bfv(&mut rng, n * sh.kvl, 1.0);
-        let tail = bfv(&mut rng, n * sh.rope, 1.0);
-        let gate = rng.vec(sh.heads * sh.v);
-        let bits = |x: &[bf16]| x.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
-        let (kvb_b, lat_b, tail_b) = (bits(&kvb), bits(&latent), bits(&tail));
-        let params = sh.params(n).unwrap();
-        let mut scores = vec![f32::NAN; sh.heads * n];
-        let mut out = vec![f32::NAN; sh.heads * sh.v];
-        // SAFETY: every buffer has the length `mla.metal` documents for this shape.
-        let rc = unsafe {
-            let f: Symbol<MlaFn> = s.lib.get(b"shim_mla_decode").unwrap();
-            f(
-                q.as_ptr(),
-                kvb_b.as_ptr(),
-                lat_b.as_ptr(),
-                tail_b.as_ptr(),
-                gate.as_ptr(),
-                scores.as_mut_ptr(),
-                out.as_mut_ptr(),
-                sh.heads as u32,
-                &params,
-                MLA_THREADS as u32,
-                mla_threadgroup_bytes(sh.kvl, sh.rope) as u32,
-            )
-        };
-        s.check("mla_decode", rc);
-        let cpu = reference::mla_decode(
-            (sh.heads, sh.nope, sh.rope, sh.v, sh.kvl),
-            n,
-            &q,
-            &kvb,
-            &latent,
-            &tail,
-            &gate,
-        );
-        close(&format!("MLA {sh:?} n={n}"), &out, &cpu, 2e-5);
-    }
+    common::check_mla_decode(
+        "shim",
+        &[
+            (MLA_SMALL, 1),
+            (MLA_SMALL, 7),
+            (MLA_SMALL, 333),
+            (k3ish, 1),
+            (k3ish, 40),
+        ],
+        |(heads, nope, rope, v, kvl), n, x| {
+            let sh = MlaShape {
+                heads,
+                nope,
+                rope,
+                v,
+                kvl,
+            };
+            let bits = |x: &[bf16]| x.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
+            let (kvb_b, lat_b, tail_b) = (bits(&x.kvb), bits(&x.latent), bits(&x.tail));
+            let params = sh.params(n).unwrap();
+            let mut scores = vec![f32::NAN; heads * n];
+            let mut out = vec![f32::NAN; heads * v];
+            // SAFETY: every buffer has the length `mla.metal` documents for this shape.
+            let rc = unsafe {
+                let f: Symbol<MlaFn> = s.lib.get(b"shim_mla_decode").unwrap();
+                f(
+                    x.q.as_ptr(),
+                    kvb_b.as_ptr(),
+                    lat_b.as_ptr(),
+                    tail_b.as_ptr(),
+                    x.gate.as_ptr(),
+                    scores.as_mut_ptr(),
+                    out.as_mut_ptr(),
+                    heads as u32,
+                    &params,
+                    MLA_THREADS as u32,
+                    mla_threadgroup_bytes(kvl, rope) as u32,
+                )
+            };
+            s.check("mla_decode", rc);
+            out
+        },
+    );
 }

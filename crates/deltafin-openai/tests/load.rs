@@ -7,9 +7,9 @@ mod common;
 use common::*;
 use deltafin_openai::ServerConfig;
 use deltafin_openai::error::BUSY_MESSAGE;
-use serde_json::json;
+use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -25,11 +25,10 @@ fn start(queue: usize, max_request_bytes: usize) -> TestServer {
     s
 }
 
-/// Opens a long streaming generation and waits for its first content frame, so the slot is
-/// certainly held. Returns the open connection.
-fn hold_slot(s: &TestServer) -> BufReader<TcpStream> {
-    let mut c = connect(s.addr);
-    let body = json!({"prompt": "hold", "max_tokens": 1_000_000, "stream": true}).to_string();
+/// Connects and sends `POST /v1/completions` with `body`; the response is left unread.
+fn send_completion(addr: SocketAddr, body: &Value) -> TcpStream {
+    let mut c = connect(addr);
+    let body = body.to_string();
     c.write_all(&request_bytes(
         "POST",
         "/v1/completions",
@@ -37,6 +36,16 @@ fn hold_slot(s: &TestServer) -> BufReader<TcpStream> {
         &[],
     ))
     .unwrap();
+    c
+}
+
+/// Opens a long streaming generation and waits for its first content frame, so the slot is
+/// certainly held. Returns the open connection.
+fn hold_slot(s: &TestServer) -> BufReader<TcpStream> {
+    let c = send_completion(
+        s.addr,
+        &json!({"prompt": "hold", "max_tokens": 1_000_000, "stream": true}),
+    );
     let mut r = BufReader::new(c);
     let mut line = String::new();
     loop {
@@ -194,15 +203,10 @@ fn slow_client_is_served_and_holds_its_reservation_meanwhile() {
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["usage"]["completion_tokens"], 2);
     // A slow SSE reader: the generation finishes and the slot is freed.
-    let mut c = connect(s.addr);
-    let body = json!({"prompt": "slow reader", "max_tokens": 64, "stream": true}).to_string();
-    c.write_all(&request_bytes(
-        "POST",
-        "/v1/completions",
-        body.as_bytes(),
-        &[],
-    ))
-    .unwrap();
+    let mut c = send_completion(
+        s.addr,
+        &json!({"prompt": "slow reader", "max_tokens": 64, "stream": true}),
+    );
     std::thread::sleep(Duration::from_millis(300));
     let r = read_all(&mut c);
     assert_eq!(r.sse().last().map(String::as_str), Some("[DONE]"));
@@ -224,15 +228,7 @@ fn disconnects_cancel_the_generation_and_free_the_slot() {
     );
     s.wait_idle();
     // Non-streaming: the client leaves while the generation runs.
-    let mut c = connect(s.addr);
-    let body = json!({"prompt": "long", "max_tokens": 1_000_000}).to_string();
-    c.write_all(&request_bytes(
-        "POST",
-        "/v1/completions",
-        body.as_bytes(),
-        &[],
-    ))
-    .unwrap();
+    let c = send_completion(s.addr, &json!({"prompt": "long", "max_tokens": 1_000_000}));
     wait_until(
         Duration::from_secs(10),
         || started(&s.stats) == base + 2,
@@ -256,15 +252,7 @@ fn disconnect_storm_leaves_no_leaked_slot() {
     // Eight waiters queue, then all leave: they are dropped without generating.
     let mut waiters = Vec::new();
     for i in 0..8 {
-        let mut c = connect(s.addr);
-        let body = json!({"prompt": format!("w{i}"), "max_tokens": 2}).to_string();
-        c.write_all(&request_bytes(
-            "POST",
-            "/v1/completions",
-            body.as_bytes(),
-            &[],
-        ))
-        .unwrap();
+        let c = send_completion(s.addr, &json!({"prompt": format!("w{i}"), "max_tokens": 2}));
         waiters.push(c);
     }
     wait_until(Duration::from_secs(10), || s.reserved() == 9, "8 waiters");

@@ -12,6 +12,20 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+/// `test` cannot run here because of `why`: a failure when `switch=1` (`.ci/run` sets the
+/// switch of everything CI installs), else a SKIP line written to the process's stderr past
+/// the test harness's capture, so that `cargo test` shows it.
+pub fn skip(test: &str, switch: &str, why: &str) {
+    assert!(
+        !std::env::var(switch).is_ok_and(|v| v == "1"),
+        "{switch}=1 but {test} cannot run: {why}"
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIP {test}: {why} ({switch}=1 makes this a failure)"
+    );
+}
+
 /// One tiny checkpoint shared by every test of a test binary.
 pub fn model_root() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();

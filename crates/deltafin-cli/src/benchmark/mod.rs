@@ -1,0 +1,256 @@
+//! `deltafin benchmark`: A/B campaigns over environment "arms" (product contract §8).
+//!
+//! The running executable is copied into a new evidence directory and relaunched as
+//! `run --events-jsonl …` once per (repetition, arm), in ABBA order: even repetitions run the
+//! arms in the given order, odd ones in reverse, so every arm holds every position equally
+//! often (hence an even number of repetitions when there are two arms or more). Only the
+//! child's events stream is read; it is validated strictly (order, contiguous steps, counts),
+//! the completion is checked against a token-id / text oracle, and per-arm min/median/max of
+//! prefill seconds and steady decode rate are written as `result.json`
+//! (schema `deltafin.benchmark.v1`), a table on stdout and an SVG plot of per-token latency.
+//!
+//! Files: `arms` (arm and oracle flags, the ABBA schedule), `child` (one run with capped
+//! capture and a timeout), `validate` (the events stream and a run's figures), `campaign` (the
+//! run loop, oracle checks, `runs.jsonl`), `stats` and `plot` (spreads, the SVG), `evidence`
+//! (the evidence directory, environment and system records), `report` (`result.json`, the
+//! table, the exit status).
+
+mod arms;
+mod campaign;
+mod child;
+mod evidence;
+mod plot;
+mod report;
+mod stats;
+mod validate;
+
+use anyhow::{Context, Result, anyhow, bail};
+use arms::{abba_schedule, parse_arms, parse_token_ids};
+use campaign::{Oracle, run_schedule};
+use deltafin_k3::checkpoint::CONFIG_FILE;
+use evidence::{
+    create_evidence_dir, perf_environment, redacted, sha256_file, system_state, write_json,
+};
+use serde_json::{Map, Value, json};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+fn positive_seconds(s: &str) -> std::result::Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !v.is_finite() || v <= 0.0 {
+        return Err(format!(
+            "`{s}`: the timeout must be a positive number of seconds"
+        ));
+    }
+    Ok(v)
+}
+
+/// `benchmark` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchmarkArgs {
+    /// Text to continue (raw completion) or the user message (with --chat).
+    #[arg(long, value_name = "TEXT", default_value = "The capital of France is")]
+    pub prompt: String,
+    /// Wrap the prompt in K3's XTML chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Generated tokens per run.
+    #[arg(long, visible_alias = "tokens", value_name = "N", default_value_t = 4,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_new: u64,
+    /// Repetitions per arm [default: 3 with one arm; 4 with two or more, whose runs
+    /// alternate in ABBA order and so need an even count].
+    #[arg(long, visible_alias = "repetitions", value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..=10000))]
+    pub reps: Option<u64>,
+    /// Decode steps after the first token excluded from the steady-state figures.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// Kill a run that takes longer than this many seconds.
+    #[arg(long, visible_alias = "timeout-seconds", value_name = "SECONDS",
+          default_value = "3600", value_parser = positive_seconds)]
+    pub timeout: f64,
+    /// Arms as quoted, space-separated `KEY=VALUE` environment deltas (`""` = no change).
+    #[arg(long, visible_alias = "config", value_name = "ENV", num_args = 1.., conflicts_with = "arm")]
+    pub configs: Vec<String>,
+    /// Names for the --configs arms, one each, unique.
+    #[arg(long, visible_alias = "name", value_name = "NAME", num_args = 1.., requires = "configs")]
+    pub names: Vec<String>,
+    /// A named arm `NAME=KEY=VALUE [KEY=VALUE…]`; repeatable.
+    #[arg(long, value_name = "NAME=ENV")]
+    pub arm: Vec<String>,
+    /// Exact completion-id oracle: a JSON array or comma-separated integers.
+    #[arg(long, value_name = "IDS")]
+    pub expect_token_ids: Option<String>,
+    /// Exact completion-text oracle.
+    #[arg(long, value_name = "TEXT")]
+    pub expect_text: Option<String>,
+    /// New evidence directory [default: bench-results/native-<UTC time>].
+    #[arg(long, visible_alias = "output", value_name = "PATH")]
+    pub output_dir: Option<PathBuf>,
+    /// Continue after an invalid run.
+    #[arg(long)]
+    pub keep_going: bool,
+    /// Install root passed to every run.
+    #[arg(long, value_name = "PATH", default_value = ".")]
+    pub model_root: PathBuf,
+    /// Compute device passed to every run (`--device`; auto, cpu, mps, cuda, cuda:N)
+    /// [default: the runs read K3_DEV].
+    #[arg(long, value_name = "DEV")]
+    pub device: Option<String>,
+    /// Expert backend passed to every run (`--expert-backend`; auto, cpu, metal, cuda)
+    /// [default: the runs read K3_MOE].
+    #[arg(long, value_name = "BACKEND")]
+    pub expert_backend: Option<String>,
+}
+
+/// Run the campaign. Exit 0 when every run was valid and matched the oracle; with
+/// `--keep-going`, also when invalid runs were skipped but at least one run was valid.
+pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
+    let arms = parse_arms(&args.arm, &args.configs, &args.names)?;
+    let reps = match args.reps {
+        Some(r) => r,
+        None if arms.len() >= 2 => 4,
+        None => 3,
+    };
+    if arms.len() >= 2 && reps % 2 == 1 {
+        bail!(
+            "--reps {reps}: with {} arms the runs alternate in ABBA order, which needs an even number of repetitions (e.g. --reps {})",
+            arms.len(),
+            reps + 1
+        );
+    }
+    if args.warmup_steps > 0 && args.warmup_steps + 2 > args.max_new {
+        bail!(
+            "--warmup-steps {} leaves no steady decode step with --max-new {} (step 0 is the prefill's token; need warmup ≤ max-new − 2)",
+            args.warmup_steps,
+            args.max_new
+        );
+    }
+    let explicit_ids = args
+        .expect_token_ids
+        .as_deref()
+        .map(parse_token_ids)
+        .transpose()?;
+    if let Some(ids) = &explicit_ids
+        && ids.len() as u64 > args.max_new
+    {
+        bail!(
+            "--expect-token-ids has {} ids but each run generates at most --max-new {}",
+            ids.len(),
+            args.max_new
+        );
+    }
+    // Reject a bad device or backend before any run; the runs repeat the full selection.
+    if let Some(d) = &args.device {
+        crate::device::parse_device(d).map_err(|e| anyhow!("--device {e}"))?;
+    }
+    if let Some(b) = &args.expert_backend {
+        crate::device::parse_expert_backend(b).map_err(|e| anyhow!("--expert-backend {e}"))?;
+    }
+    if !args.model_root.join(CONFIG_FILE).is_file() {
+        bail!(
+            "no K3 model installed at {}: {CONFIG_FILE} is missing; pass --model-root PATH",
+            args.model_root.display()
+        );
+    }
+    let model_root = args
+        .model_root
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", args.model_root.display()))?;
+    let explicit = (explicit_ids.is_some() || args.expect_text.is_some()).then(|| Oracle {
+        source: "expected",
+        ids: explicit_ids.clone(),
+        text: args.expect_text.clone(),
+    });
+
+    let dir = create_evidence_dir(args.output_dir.as_deref())?;
+    let exe = std::env::current_exe().context("cannot locate the running binary")?;
+    let bin_dir = dir.join("bin");
+    std::fs::create_dir_all(&bin_dir)
+        .with_context(|| format!("cannot create {}", bin_dir.display()))?;
+    let runner = bin_dir.join(format!("deltafin{}", std::env::consts::EXE_SUFFIX));
+    std::fs::copy(&exe, &runner).with_context(|| {
+        format!(
+            "cannot copy the runner {} to {}",
+            exe.display(),
+            runner.display()
+        )
+    })?;
+    let runner = runner
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", runner.display()))?;
+    let runner_sha = sha256_file(&runner)?;
+    let schedule = abba_schedule(arms.len(), reps);
+    let arms_json: Vec<Value> = arms
+        .iter()
+        .map(|a| {
+            let env: Map<String, Value> = a
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), redacted(k, v)))
+                .collect();
+            json!({"name": a.name, "env": env})
+        })
+        .collect();
+    let campaign = json!({
+        "schema": "deltafin.benchmark.campaign.v1",
+        "created_unix_seconds": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        "argv": std::env::args().collect::<Vec<_>>(),
+        "arguments": {
+            "prompt": args.prompt,
+            "chat": args.chat,
+            "max_new": args.max_new,
+            "reps": reps,
+            "warmup_steps": args.warmup_steps,
+            "timeout_seconds": args.timeout,
+            "expect_token_ids": explicit_ids,
+            "expect_text": args.expect_text,
+            "keep_going": args.keep_going,
+            "model_root": model_root.display().to_string(),
+        },
+        "arms": arms_json,
+        "order": "ABBA: even repetitions run the arms in the given order, odd repetitions in reverse",
+        "schedule": schedule.iter().enumerate().map(|(i, &(rep, arm, pos))| json!({
+            "index": i, "repetition": rep + 1, "arm": arms[arm].name, "position": pos,
+        })).collect::<Vec<_>>(),
+        "runner": {
+            "source": exe.display().to_string(),
+            "copy": runner.display().to_string(),
+            "sha256": runner_sha,
+        },
+        "environment": perf_environment(),
+        "system": system_state(),
+    });
+    write_json(&dir.join("campaign.json"), &campaign)?;
+    eprintln!(
+        "[benchmark] {} arm(s) × {} repetition(s) = {} runs, max_new={}, evidence in {}",
+        arms.len(),
+        reps,
+        schedule.len(),
+        args.max_new,
+        dir.display()
+    );
+
+    let runs = run_schedule(
+        args,
+        &arms,
+        &schedule,
+        &dir,
+        &runner,
+        &model_root,
+        explicit.as_ref(),
+    )?;
+    report::report(
+        args,
+        &arms,
+        &arms_json,
+        schedule.len(),
+        &runs,
+        explicit.as_ref(),
+        &dir,
+    )
+}

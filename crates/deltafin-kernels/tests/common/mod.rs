@@ -1,0 +1,338 @@
+//! Test logic shared by the GPU kernel tests (`cuda_device.rs`, `metal_device.rs`) and the
+//! Metal logic test (`metal_logic.rs`): random inputs, the per-value bounds against the CPU,
+//! and the matmul / KDA / MLA checks, each run through a closure that calls the kernel under
+//! test (a device, or the Metal sources compiled for the host). The KDA and MLA references
+//! (`deltafin_kernels::cuda::reference`) are line-by-line f32 ports of the recurrent step in
+//! `crates/deltafin-k3/src/kda.rs` and of `MlaWeights::attend` (t = 1) in `mla.rs`.
+// Each test binary uses a part of this module.
+#![allow(dead_code)]
+
+use deltafin_kernels::cuda::reference;
+use deltafin_kernels::{Backend, Weights, matmul_with};
+use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix, bf16};
+use std::io::Write as _;
+
+/// `test` cannot run here because of `why`: a failure when `switch=1` (`.ci/run` sets the
+/// switch of everything CI installs), else a SKIP line written to the process's stderr past
+/// the test harness's capture, so that `cargo test` shows it.
+pub fn skip(test: &str, switch: &str, why: &str) {
+    assert!(
+        !std::env::var(switch).is_ok_and(|v| v == "1"),
+        "{switch}=1 but {test} cannot run: {why}"
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIP {test}: {why} ({switch}=1 makes this a failure)"
+    );
+}
+
+/// xorshift64: the same inputs on every run.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in [−1, 1).
+    pub fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+}
+
+/// Random MXFP4 codes with scales around 2⁻⁹…2⁶, some zero (2⁻¹²⁷) and some large (2¹³).
+pub fn mxfp4(rng: &mut Rng, rows: usize, cols: usize) -> Mxfp4Matrix {
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
+    let scales: Vec<u8> = (0..rows * cols / 32)
+        .map(|_| match rng.next() % 16 {
+            0 => 0,
+            1 => 140,
+            _ => 118 + (rng.next() % 16) as u8,
+        })
+        .collect();
+    Mxfp4Matrix::new(
+        "t",
+        Bytes::from_vec(packed),
+        Bytes::from_vec(scales),
+        rows,
+        cols,
+    )
+    .unwrap()
+}
+
+pub fn bf16m(rng: &mut Rng, rows: usize, cols: usize) -> Bf16Matrix {
+    let v: Vec<bf16> = rng
+        .vec(rows * cols)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    Bf16Matrix::from_values(rows, cols, &v).unwrap()
+}
+
+pub fn int8m(rng: &mut Rng, rows: usize, cols: usize) -> RowInt8Matrix {
+    RowInt8Matrix::quantize("t", rows, cols, &rng.vec(rows * cols)).unwrap()
+}
+
+/// One `rows × cols` matrix in every weight format: bf16 and row-int8 of the same values, and
+/// MXFP4 when `cols` is a multiple of its 32-value block.
+pub struct WeightSet {
+    bf: Bf16Matrix,
+    i8m: RowInt8Matrix,
+    mx: Option<Mxfp4Matrix>,
+}
+
+impl WeightSet {
+    pub fn random(rng: &mut Rng, rows: usize, cols: usize) -> Self {
+        let vals = rng.vec(rows * cols);
+        let bv: Vec<bf16> = vals.iter().map(|&v| bf16::from_f32(v)).collect();
+        WeightSet {
+            bf: Bf16Matrix::from_values(rows, cols, &bv).unwrap(),
+            i8m: RowInt8Matrix::quantize("t", rows, cols, &vals).unwrap(),
+            mx: cols.is_multiple_of(32).then(|| mxfp4(rng, rows, cols)),
+        }
+    }
+
+    pub fn all(&self) -> Vec<Weights<'_>> {
+        let mut ws = vec![Weights::Bf16(&self.bf), Weights::RowInt8(&self.i8m)];
+        if let Some(m) = &self.mx {
+            ws.push(Weights::Mxfp4(m));
+        }
+        ws
+    }
+}
+
+/// `W·xs` for `n` activation rows by the portable scalar CPU kernels: f32 activations like the
+/// GPU kernels (the SIMD backends may quantise activations for row-int8 and MXFP4 products).
+pub fn scalar_cpu(w: Weights<'_>, xs: &[f32], n: usize) -> Vec<f32> {
+    let mut cpu = vec![0f32; n * w.rows()];
+    matmul_with(Backend::Scalar, w, xs, n, &mut cpu);
+    cpu
+}
+
+/// `|got − cpu| ≤ 1e-5 · Σ|w x|` per value, where `Σ|w x|` is the f32 rounding scale of a dot
+/// product of this row (computed from the dequantized row); `who` names the kernel under test.
+pub fn check_products(
+    what: &str,
+    who: &str,
+    w: Weights<'_>,
+    xs: &[f32],
+    n: usize,
+    got: &[f32],
+    cpu: &[f32],
+) {
+    let (rows, cols) = (w.rows(), w.cols());
+    let mut row = vec![0f32; cols];
+    let mut worst = 0f64;
+    for r in 0..rows {
+        match w {
+            Weights::Bf16(m) => {
+                for (o, v) in row.iter_mut().zip(m.row(r)) {
+                    *o = v.to_f32();
+                }
+            }
+            Weights::RowInt8(m) => m.dequantize_row(r, &mut row),
+            Weights::Mxfp4(m) => m.dequantize_row(r, &mut row),
+            Weights::F32 { .. } => unreachable!(),
+        }
+        for b in 0..n {
+            let mag: f64 = row
+                .iter()
+                .zip(&xs[b * cols..(b + 1) * cols])
+                .map(|(&a, &x)| (a as f64 * x as f64).abs())
+                .sum();
+            let (g, c) = (got[b * rows + r] as f64, cpu[b * rows + r] as f64);
+            let err = (g - c).abs() / (mag + 1e-30);
+            worst = worst.max(err);
+            assert!(
+                err <= 1e-5,
+                "{what}: row {r}, batch row {b}: {who} {g} vs cpu {c} (Σ|wx| {mag})"
+            );
+        }
+    }
+    eprintln!("  {what}: worst error / Σ|wx| = {worst:.2e}");
+}
+
+/// A device's products on ragged shapes (rows not multiples of the 8-row block; columns with
+/// and without the 16-byte path) in every format and at batch widths 1…17, against `cpu`
+/// within [`check_products`]' bound; batch-width invariance (activation row 0 of a batch gives
+/// the bits of n = 1) and run-to-run determinism, bit for bit.
+pub fn check_matmul_on_ragged_shapes<M>(
+    upload: impl Fn(Weights<'_>) -> M,
+    matmul: impl Fn(&M, &[f32], usize) -> Vec<f32>,
+    cpu: impl Fn(Weights<'_>, &[f32], usize) -> Vec<f32>,
+) {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let shapes = [
+        (1, 32),
+        (37, 96),
+        (64, 203),
+        (129, 512),
+        (515, 1000),
+        (300, 7168),
+    ];
+    for (rows, cols) in shapes {
+        let set = WeightSet::random(&mut rng, rows, cols);
+        for w in set.all() {
+            let dm = upload(w);
+            let (mut single_x, mut single_y) = (Vec::new(), Vec::new());
+            for n in [1usize, 2, 3, 5, 13, 16, 17] {
+                let xs = rng.vec(n * cols);
+                let gpu = matmul(&dm, &xs, n);
+                check_products(
+                    &format!("{} {rows}x{cols} n={n}", w.dtype()),
+                    "gpu",
+                    w,
+                    &xs,
+                    n,
+                    &gpu,
+                    &cpu(w, &xs, n),
+                );
+                if n == 1 {
+                    (single_x, single_y) = (xs.clone(), gpu.clone());
+                } else {
+                    let mut xs2 = xs.clone();
+                    xs2[..cols].copy_from_slice(&single_x);
+                    let gpu2 = matmul(&dm, &xs2, n);
+                    for r in 0..rows {
+                        assert_eq!(
+                            gpu2[r].to_bits(),
+                            single_y[r].to_bits(),
+                            "{} {rows}x{cols}: row {r} differs between n=1 and n={n}",
+                            w.dtype()
+                        );
+                    }
+                }
+            }
+            let xs = rng.vec(3 * cols);
+            assert_eq!(matmul(&dm, &xs, 3), matmul(&dm, &xs, 3));
+        }
+    }
+}
+
+/// `a` (from the kernel `who`) within `tol` of the largest `|b|` (the reference), every value
+/// finite.
+pub fn close(what: &str, who: &str, a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = a.iter().position(|x| !x.is_finite()) {
+        panic!("{what}: value {i} is {} (never written, or overflow)", a[i]);
+    }
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / scale)
+        .fold(0f32, f32::max);
+    eprintln!("  {what}: worst |{who} − cpu| / max|cpu| = {worst:.2e}");
+    assert!(worst <= tol, "{what}: {worst:e} > {tol:e}");
+}
+
+fn l2n(v: &mut [f32]) {
+    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+    v.iter_mut().for_each(|x| *x /= n);
+}
+
+/// One KDA step's inputs for `heads` heads of `d`: q and k L2-normalised per head, log-decays
+/// `g` in (−1, 0) (α ∈ (0.37, 1)), `beta` in (0, 1) per head.
+pub struct KdaInputs {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub g: Vec<f32>,
+    pub beta: Vec<f32>,
+}
+
+/// `steps` KDA recurrent steps per `(heads, d)` shape through `step` (state `[heads, d, d]`
+/// updated in place, returns the `[heads, d]` outputs), against the reference: outputs and
+/// state within 1e-5 of their largest value after every step.
+pub fn check_kda_steps(
+    who: &str,
+    shapes: &[(usize, usize)],
+    steps: usize,
+    mut step: impl FnMut(usize, usize, &mut [f32], &KdaInputs) -> Vec<f32>,
+) {
+    let mut rng = Rng(7);
+    for &(heads, d) in shapes {
+        let mut s_dev = vec![0f32; heads * d * d];
+        let mut s_cpu = s_dev.clone();
+        for t in 0..steps {
+            let mut x = KdaInputs {
+                q: rng.vec(heads * d),
+                k: rng.vec(heads * d),
+                v: rng.vec(heads * d),
+                g: Vec::new(),
+                beta: Vec::new(),
+            };
+            x.g = (0..heads * d).map(|_| -0.5 * (rng.f() + 1.0)).collect();
+            x.beta = (0..heads).map(|_| 0.5 * (rng.f() + 1.0)).collect();
+            for h in 0..heads {
+                l2n(&mut x.q[h * d..(h + 1) * d]);
+                l2n(&mut x.k[h * d..(h + 1) * d]);
+            }
+            let out = step(heads, d, &mut s_dev, &x);
+            let mut o_cpu = Vec::new();
+            for h in 0..heads {
+                let sl = h * d..(h + 1) * d;
+                o_cpu.extend(reference::kda_step(
+                    &mut s_cpu[h * d * d..(h + 1) * d * d],
+                    &x.q[sl.clone()],
+                    &x.k[sl.clone()],
+                    &x.v[sl.clone()],
+                    &x.g[sl],
+                    x.beta[h],
+                ));
+            }
+            let at = format!("KDA H={heads} d={d} step {t}");
+            close(&format!("{at} out"), who, &out, &o_cpu, 1e-5);
+            close(&format!("{at} state"), who, &s_dev, &s_cpu, 1e-5);
+        }
+    }
+}
+
+/// An MLA decode shape `(heads, qk_nope, qk_rope, v_head, kv_lora)`, as
+/// `reference::mla_decode` takes it.
+pub type Mla = (usize, usize, usize, usize, usize);
+
+/// A small MLA shape: 3 heads, head sizes and kv_lora not multiples of 32.
+pub const MLA_SMALL: Mla = (3, 16, 8, 24, 72);
+
+/// One MLA decode's inputs for `n` cached tokens (bf16 as the cache holds them).
+pub struct MlaInputs {
+    pub q: Vec<f32>,
+    pub kvb: Vec<bf16>,
+    pub latent: Vec<bf16>,
+    pub tail: Vec<bf16>,
+    pub gate: Vec<f32>,
+}
+
+/// Every `(shape, n)` case through `decode` against the reference, within 2e-5 of the largest
+/// output.
+pub fn check_mla_decode(
+    who: &str,
+    cases: &[(Mla, usize)],
+    mut decode: impl FnMut(Mla, usize, &MlaInputs) -> Vec<f32>,
+) {
+    let mut rng = Rng(11);
+    let bfv = |rng: &mut Rng, len: usize, amp: f32| -> Vec<bf16> {
+        (0..len).map(|_| bf16::from_f32(amp * rng.f())).collect()
+    };
+    for &(sh, n) in cases {
+        let (heads, nope, rope, v, kvl) = sh;
+        let x = MlaInputs {
+            q: rng.vec(heads * (nope + rope)),
+            kvb: bfv(&mut rng, heads * (nope + v) * kvl, 0.2),
+            latent: bfv(&mut rng, n * kvl, 1.0),
+            tail: bfv(&mut rng, n * rope, 1.0),
+            gate: rng.vec(heads * v),
+        };
+        let got = decode(sh, n, &x);
+        let cpu = reference::mla_decode(sh, n, &x.q, &x.kvb, &x.latent, &x.tail, &x.gate);
+        close(&format!("MLA {sh:?} n={n}"), who, &got, &cpu, 2e-5);
+    }
+}
