@@ -128,7 +128,7 @@ fn identical_to_llama_cpp_in_its_configuration() {
     check_prompts(&model, &fx, "f32 cache, llama eps", 1e-5);
 }
 
-/// The reference epsilons (1e-6, k3-model.md §5.1) move the logits by ~1e-5 (the float64
+/// The reference epsilons (1e-6, docs/K3.md §5.1) move the logits by ~1e-5 (the float64
 /// numpy cross-check in the fixture measured 9.1e-6); every greedy id still agrees.
 #[test]
 fn matches_llama_cpp_with_reference_epsilons() {

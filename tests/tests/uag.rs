@@ -1,4 +1,4 @@
-//! Cross-tokenizer Qwen3 drafting (k3-model.md §10) on the synthesized tiny K3 and a
+//! Cross-tokenizer Qwen3 drafting (docs/K3.md §10) on the synthesized tiny K3 and a
 //! synthesized Qwen3-0.6B-shaped model: exact output, the history round-trip rule, and
 //! proposals that are K3's own re-encoding of the drafted text.
 

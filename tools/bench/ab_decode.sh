@@ -1,11 +1,11 @@
 #!/bin/bash
 # Decode speed of two deltafin binaries on `mini`, A B B A × ROUNDS per spine, with medians and
-# their ratio (docs/PERFORMANCE.md, "Session 6"). Each run: `run --max-new 64`, the closing
+# their ratio (docs/PERFORMANCE.md, "Where the numbers come from"). Each run: `run --max-new 64`, the closing
 # line's decode= figure. Run it with nothing else busy on the machine.
 # usage: ab_decode.sh BIN_A BIN_B
 # env: MODEL_ROOT (default /tmp/deltafin-mini), SPINES (default "int8 bf16"), ROUNDS (default 4),
 #      ENV_A / ENV_B: NAME=VALUE settings for A's / B's runs only, e.g. the same binary twice with
-#      ENV_A=DELTAFIN_HUGE_PAGES=off ENV_B=DELTAFIN_HUGE_PAGES=auto (docs/PERFORMANCE.md, "Session 10")
+#      ENV_A=DELTAFIN_HUGE_PAGES=off ENV_B=DELTAFIN_HUGE_PAGES=auto (docs/PERFORMANCE.md, "Resident weights in huge pages")
 set -euo pipefail
 if [ $# -ne 2 ]; then echo "usage: $0 BIN_A BIN_B" >&2; exit 2; fi
 A=$1; B=$2

@@ -515,7 +515,7 @@ KIMI_K2_CHKHSH = "81212dc7cdb7e0c1074ca62c5aeab0d43c9f52b8a737be7b12a777c9530278
 
 
 def kimi_pat_str() -> str:
-    """The K3 pre-tokenizer regex (k3-model.md §7.3; NeMo `_build_kimi_k3_pat_str`)."""
+    """The K3 pre-tokenizer regex (docs/K3.md §7.3; NeMo `_build_kimi_k3_pat_str`)."""
     amp = chr(38) * 2
     up = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}" + amp + r"[^\p{Han}]]"
     lo = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}" + amp + r"[^\p{Han}]]"

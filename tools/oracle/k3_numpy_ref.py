@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plain float64 numpy transcription of the K3 forward pass (k3-model.md §4), used only to
+"""Plain float64 numpy transcription of the K3 forward pass (docs/K3.md §4), used only to
 cross-check the llama.cpp oracle on small synthetic checkpoints.
 
 It reads the checkpoint directly (not the GGUF), so it independently checks the GGUF

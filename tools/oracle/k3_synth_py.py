@@ -2,7 +2,7 @@
 """Fallback tiny K3 checkpoint writer (numpy only), in the real release layout.
 
 Used only to develop/check the llama.cpp oracle pipeline without the Rust synthesizer
-(`cargo xtask synth`). Layout follows k3-model.md §3: `config.json` (the real config with
+(`cargo xtask synth`). Layout follows docs/K3.md §3: `config.json` (the real config with
 scaled dims), one shard per layer (`model-NNNNN-of-NNNNNN.safetensors`, layer L in shard
 L+1), then a shard with embed/lm_head/final norms, then two tiny vision/projector shards,
 `model.safetensors.index.json`, `tiktoken.model`, `tokenizer_config.json`. Every text

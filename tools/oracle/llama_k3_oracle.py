@@ -35,7 +35,7 @@ from k3_numpy_ref import K3Ref  # noqa: E402
 import llama_layer_dump  # noqa: E402
 
 FRANCE = [1008, 10484, 318, 15383, 387]
-# k3-model.md §8.1 golden: one user turn "Hello", thinking off, generation prompt (specials)
+# docs/K3.md §8.1 golden: one user turn "Hello", thinking off, generation prompt (specials)
 CHAT = [163587, 2778, 6244, 878, 2482, 1, 163589, 19180, 163588, 2778, 163589, 163586, 163587, 2778,
         6244, 878, 69702, 1, 163589, 163587, 12092, 163589]
 SHORT_TEXT = "Hello, world! Kimi K3 runs on a CPU: 2 cores, 93 layers, 你好世界."
@@ -88,17 +88,17 @@ def k3_encoding(ckpt: Path):
 
 def prompts(ckpt: Path) -> list[dict]:
     enc = k3_encoding(ckpt)
-    assert enc.encode("Hello world", disallowed_special=()) == [19180, 2695], "tokenizer golden (k3-model.md §7.6)"
+    assert enc.encode("Hello world", disallowed_special=()) == [19180, 2695], "tokenizer golden (docs/K3.md §7.6)"
     short = enc.encode(SHORT_TEXT, disallowed_special=())
     long = enc.encode(LONG_TEXT, disallowed_special=())
     if len(long) < LONG_LEN:
         raise ValueError(f"LONG_TEXT encodes to {len(long)} ids, need {LONG_LEN}")
     return [
-        {"name": "france", "source": "raw ids of 'The capital of France is' (k3-model.md §7.6)", "ids": FRANCE},
+        {"name": "france", "source": "raw ids of 'The capital of France is' (docs/K3.md §7.6)", "ids": FRANCE},
         {"name": "short_text", "source": f"tiktoken K3 encoding, specials off: {SHORT_TEXT!r}", "ids": short},
         {"name": "long_text", "source": f"first {LONG_LEN} ids of the K3 encoding (specials off) of: {LONG_TEXT!r}",
          "ids": long[:LONG_LEN]},
-        {"name": "chat", "source": "XTML golden of k3-model.md §8.1 (special ids 163586-163589)", "ids": CHAT},
+        {"name": "chat", "source": "XTML golden of docs/K3.md §8.1 (special ids 163586-163589)", "ids": CHAT},
     ]
 
 

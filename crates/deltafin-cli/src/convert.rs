@@ -1,5 +1,5 @@
 //! `deltafin convert-spine-int8`: quantize the BF16 spine of the shards into the row-int8
-//! spine (`k3-resident-int8/`, product-contract §4.6), resumably, or check it (`--check`).
+//! spine (`k3-resident-int8/`, docs/K3.md §12.6), resumably, or check it (`--check`).
 
 use anyhow::{Result, bail};
 use clap::Args;

@@ -1,6 +1,6 @@
 //! `--device auto|cpu|mps|cuda|cuda:N` (`K3_DEV`) and `--expert-backend
-//! auto|cpu|metal|cuda` (`K3_MOE`) → the engine's device requests (product-contract
-//! §1.3/§1.4). What each request does, and the errors for one that cannot run, are the
+//! auto|cpu|metal|cuda` (`K3_MOE`) → the engine's device requests (docs/CLI.md,
+//! "Devices"). What each request does, and the errors for one that cannot run, are the
 //! engine's (`deltafin_k3::engine::placement`).
 
 use crate::env::env_var;

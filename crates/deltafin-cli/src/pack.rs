@@ -1,5 +1,5 @@
-//! `deltafin pack-spine`: build or verify the DFSP per-layer spine packs (product-contract
-//! §4.7) of the BF16 or int8 spine, resumably, with a progress bar and a disk-bandwidth
+//! `deltafin pack-spine`: build or verify the DFSP per-layer spine packs (docs/DFSP.md,
+//! docs/K3.md §12.7) of the BF16 or int8 spine, resumably, with a progress bar and a disk-bandwidth
 //! comparison.
 
 use crate::convert::{disk_gbps, progress_bar};

@@ -1,4 +1,4 @@
-//! `deltafin convert-experts-scale4` (lossless 4-bit scale sidecars, product-contract §4.4)
+//! `deltafin convert-experts-scale4` (lossless 4-bit scale sidecars, docs/K3.md §12.4)
 //! (the `K3_EXPERT_SCALE4` runtime switch is the engine's `Scale4Mode`).
 //!
 //! Conversion goes layer by layer; within a layer `--workers` threads encode experts into

@@ -193,7 +193,7 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
         transfer: opts(a.workers),
     };
     s.run(choice.mode, a.include_qwen, &mut log)?;
-    // The last step of a one-shot setup (product-contract §5.1): the int8 spine that `run`
+    // The last step of a one-shot setup (docs/SETUP.md): the int8 spine that `run`
     // and `serve` use by default. Resumable: an interrupted setup rerun continues it.
     println!(
         "converting the row-int8 spine (the default --spine; about half the BF16 spine's size)"

@@ -1,4 +1,4 @@
-//! Running a stream install (product-contract §4.1, §5.2): the spine is read from
+//! Running a stream install (docs/K3.md §12.1, §5.2): the spine is read from
 //! `k3-resident/tensors/` by the checkpoint, and the routed experts come from
 //! `k3-experts/L{l}-E{e}.bin`; an expert whose file is missing is fetched first, by byte
 //! range from the hub's shards (`deltafin_fetch::expert::RemoteExperts`: verified, cached on

@@ -1,4 +1,4 @@
-//! The persistent expert heat histogram (product-contract §4.8): `k3-meta/expert_heat.v1.bin`.
+//! The persistent expert heat histogram (docs/K3.md §12.8): `k3-meta/expert_heat.v1.bin`.
 //!
 //! ```text
 //! per committed pass p with route sets U_l (the union of the pass's routes at MoE layer l):

@@ -1,6 +1,6 @@
 //! Where each routed expert's bytes lie, and how one expert is read into one buffer.
 //!
-//! An expert is six tensors in the k3-model.md §3.4 order: w1 codes, w1 scales, w2 codes,
+//! An expert is six tensors in the docs/K3.md §3.4 order: w1 codes, w1 scales, w2 codes,
 //! w2 scales, w3 codes, w3 scales. In the release shards they follow each other without gaps
 //! (`contiguous`, one read); in a `k3-experts/L{l}-E{e}.bin` file they are the whole file.
 

@@ -9,7 +9,7 @@
 //!
 //! Heat is a histogram over all experts, not only cached ones, so an expert's frequency
 //! survives its eviction. The admission test makes the cache scan resistant: a decode sweep
-//! larger than the cache (plain LRU retains 0%, performance-notes §5.2) keeps a stable hot
+//! larger than the cache (plain LRU retains 0%, docs/PERFORMANCE.md "Expert cache policy") keeps a stable hot
 //! set instead of flushing it, and on skewed routing the frequently routed experts stay.
 //!
 //! [`HeatCache`] (optionally seeded with prior heats, [`HeatCache::with_prior`]),

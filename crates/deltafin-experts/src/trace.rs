@@ -1,4 +1,4 @@
-//! Router trace JSONL (product-contract §4.9): one line per (pass, MoE layer, up to 56 rows),
+//! Router trace JSONL (docs/K3.md §12.9): one line per (pass, MoE layer, up to 56 rows),
 //! `{"step": <pass>, "layer": <l>, "ids": [k × rows], "w": [weights, 5 decimals]}`.
 //!
 //! [`RouterTrace`] is a [`RouteObserver`] of the model. The file is

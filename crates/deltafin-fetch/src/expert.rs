@@ -1,6 +1,6 @@
 //! On-demand routed-expert fetch for stream installs.
 //!
-//! An expert is the verbatim concatenation of its six shard tensors (k3-model.md §3.4),
+//! An expert is the verbatim concatenation of its six shard tensors (docs/K3.md §3.4),
 //! which are adjacent in the shard, so one range request fetches it. The range comes from
 //! the local, pinned inventory; before the first range of a shard, the shard's 8-byte header
 //! length is fetched and compared with the inventory's (a changed header would shift every

@@ -193,7 +193,7 @@ pub fn expert_path(root: &Path, layer: usize, expert: usize) -> PathBuf {
 }
 
 /// The six tensor names of one expert in the span order (w1 packed, w1 scale, w2 packed,
-/// w2 scale, w3 packed, w3 scale; k3-model.md §3.4).
+/// w2 scale, w3 packed, w3 scale; docs/K3.md §3.4).
 pub fn expert_tensor_names(layer: usize, expert: usize) -> [String; 6] {
     let n = |m: &str, p: &str| {
         format!(

@@ -21,12 +21,8 @@ fn pinned(path: &str, size: u64, sha: &str) -> PinnedFile {
 fn k3_manifest_matches_real_index() {
     let dir = assets();
     let gz = dir.join("k3-model.safetensors.index.json.gz");
-    let file = std::fs::File::open(&gz).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (the release index)",
-            gz.display()
-        )
-    });
+    let file = std::fs::File::open(&gz)
+        .unwrap_or_else(|e| panic!("{}: {e} (the release index)", gz.display()));
     let mut text = String::new();
     flate2::read::GzDecoder::new(file)
         .read_to_string(&mut text)

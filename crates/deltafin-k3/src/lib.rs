@@ -13,7 +13,7 @@
 //!                   prefill, decode, taps, PILOT hints
 //!   layer.rs        one layer's weights (Layer, Attention, Ffn) and its projection order
 //!   attn_res.rs kda.rs mla.rs router.rs moe.rs situ.rs norm.rs linear.rs
-//!                   the blocks (k3-model.md §4) and the projection type
+//!                   the blocks (docs/K3.md §4) and the projection type
 //!   dims.rs state.rs taps.rs next_token.rs
 //!                   sizes, per-sequence state, activation taps, the provisional head
 //!   offload.rs device_experts.rs

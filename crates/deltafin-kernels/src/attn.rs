@@ -1,4 +1,4 @@
-//! Absorbed latent attention of one query position (k3-model.md §4.4), all heads of a group
+//! Absorbed latent attention of one query position (docs/K3.md §4.4), all heads of a group
 //! at once, so each cached row is read once per query position rather than once per head:
 //!
 //! ```text

@@ -4,7 +4,7 @@
 use crate::matvec::Weights;
 use deltafin_tensor::bf16;
 
-/// Shapes of one MLA absorbed decode (k3-model.md §4.4).
+/// Shapes of one MLA absorbed decode (docs/K3.md §4.4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlaShape {
     /// Heads `H`.
@@ -127,7 +127,7 @@ fn worst_rel(a: &[f32], b: &[f32]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// The doctor's device canaries (product-contract §6) on any GPU backend: each kernel at a
+/// The doctor's device canaries (docs/OPERATIONS.md (doctor)) on any GPU backend: each kernel at a
 /// small shape against the CPU reference. Returns `(name, worst relative error or the failure)`; an error above
 /// 1e-4 is reported as a failure.
 pub fn canaries<D: CanaryDevice>(dev: &D) -> Vec<(String, Result<f64, String>)> {

@@ -1,4 +1,4 @@
-//! The chunked KDA delta rule for one head (k3-model.md §4.3, "Chunked prefill form").
+//! The chunked KDA delta rule for one head (docs/K3.md §4.3, "Chunked prefill form").
 //!
 //! For a chunk of positions with incoming state `S₀` (row = key channel) and per-channel
 //! cumulative log-decay `Γ_i = Σ_{s ≤ i} g_s` measured from the chunk start:

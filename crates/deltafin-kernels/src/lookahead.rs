@@ -24,7 +24,7 @@
 //! second half: from its own L2, or from the other core's through the shared L3, instead of
 //! DRAM. Measured on `mini` (int8 spine, two cores, A B B A × 4 against
 //! `DELTAFIN_POOL_PREFETCH=off`): 1.012× decode; prefetching the first half instead, 0.978×
-//! (docs/PERFORMANCE.md, "Session 12"). Hints only: a prefetch never faults and never
+//! (docs/PERFORMANCE.md, "Kernel and scheduling details that each measured a gain"). Hints only: a prefetch never faults and never
 //! changes a value, and a wrong or stale sequence (another model loaded, a streamed spine
 //! whose buffers move) costs a few wasted reads. A sequence that keeps missing is dropped
 //! and relearned; a recording that never closes is capped at [`MAX_STEPS`].

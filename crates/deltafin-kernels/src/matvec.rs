@@ -361,7 +361,7 @@ pub fn matmul_bf16(w: &Bf16Matrix, xs: &[f32], n: usize, ys: &mut [f32]) {
     matmul(Weights::Bf16(w), xs, n, ys);
 }
 
-/// `y = W·x` with `W` MXFP4 `[rows, cols]` (k3-model.md §3.3 kernel form: per 32-column block,
+/// `y = W·x` with `W` MXFP4 `[rows, cols]` (docs/K3.md §3.3 kernel form: per 32-column block,
 /// scale × Σ E2M1·x, accumulated in f32).
 ///
 /// # Panics

@@ -1,4 +1,4 @@
-//! Element-wise operations in f32 (k3-model.md §4.0, §4.8).
+//! Element-wise operations in f32 (docs/K3.md §4.0, §4.8).
 
 /// Sum of squares with independent accumulators (fixed order).
 #[inline]
@@ -75,7 +75,7 @@ pub fn softmax_inplace(x: &mut [f32]) {
     }
 }
 
-/// SiTU-GLU (k3-model.md §4.8): `out = [β₁·tanh(g/β₁)·σ(g)] · [β₂·tanh(u/β₂)]`; σ takes the
+/// SiTU-GLU (docs/K3.md §4.8): `out = [β₁·tanh(g/β₁)·σ(g)] · [β₂·tanh(u/β₂)]`; σ takes the
 /// raw `g`. Computed by [`crate::vmath::situ_glu`] (vectorised, bit-identical on every
 /// backend and at every slice position).
 ///
@@ -93,7 +93,7 @@ pub fn l2_normalize(x: &mut [f32], eps: f32) {
     }
 }
 
-/// One step of the KDA delta rule for one head (k3-model.md §4.3 step 6), the state `s`
+/// One step of the KDA delta rule for one head (docs/K3.md §4.3 step 6), the state `s`
 /// row-major `[d (key), d (value)]`, `d = q.len()`:
 ///
 /// ```text
@@ -106,7 +106,7 @@ pub fn l2_normalize(x: &mut [f32], eps: f32) {
 /// instruction. The state is read twice and written once: the first pass forms `S′` only in
 /// registers for `u`, the second forms it again (the same products, so the same values) and
 /// stores `S` — a third less state traffic than storing `S′` in between (decode on `mini`,
-/// int8 spine: 1.022×; docs/PERFORMANCE.md, "Session 12"). `u` is scratch of `d` values; `o`
+/// int8 spine: 1.022×; docs/PERFORMANCE.md, "Kernel and scheduling details that each measured a gain"). `u` is scratch of `d` values; `o`
 /// (of `d` values) is accumulated into.
 ///
 /// # Panics

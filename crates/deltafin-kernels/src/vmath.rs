@@ -1,5 +1,5 @@
 //! Vectorised element-wise transcendentals in f32: `exp`, `tanh`, `sigmoid`, `silu`, and the
-//! SiTU-GLU product built from them (k3-model.md §4.8).
+//! SiTU-GLU product built from them (docs/K3.md §4.8).
 //!
 //! Each function has one portable definition (`*_one`), a fixed sequence of IEEE f32 adds,
 //! multiplies, divisions, comparisons and bit operations — no fused multiply-adds, no
@@ -88,7 +88,7 @@ pub fn silu_one(x: f32) -> f32 {
     x * sigmoid_one(x)
 }
 
-/// SiTU-GLU of one element (k3-model.md §4.8):
+/// SiTU-GLU of one element (docs/K3.md §4.8):
 /// `[β₁·tanh(g/β₁)·σ(g)] · [β₂·tanh(u/β₂)]`, the portable definition.
 #[inline(always)]
 pub fn situ_glu_one(g: f32, u: f32, beta1: f32, beta2: f32) -> f32 {

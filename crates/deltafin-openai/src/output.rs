@@ -1,6 +1,6 @@
 //! From generated token ids to the text a client sees.
 //!
-//! Chat output is split into channels on **token ids** (k3-model.md §8.5): a marker is
+//! Chat output is split into channels on **token ids** (docs/K3.md §8.5): a marker is
 //! `<|open|>` or `<|close|>`, ordinary tag tokens, then `<|sep|>`. Text between the generation
 //! prompt's `<|open|>think<|sep|>` and `<|close|>think<|sep|>` is `reasoning_content`; text
 //! between `<|open|>response<|sep|>` and `<|close|>response<|sep|>` is `content`. A user or

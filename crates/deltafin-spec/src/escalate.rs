@@ -1,4 +1,4 @@
-//! "0.6B first, 1.7B only when it pays" (k3-model.md §10 step 5, the lazy second opinion).
+//! "0.6B first, 1.7B only when it pays" (docs/K3.md §10 step 5, the lazy second opinion).
 //!
 //! [`Escalating`] drafts with the small drafter. When, over its last [`ESCALATE_WINDOW`]
 //! drafting steps, K3 accepted fewer than [`LOW_ACCEPTANCE`] of its verified drafts — while

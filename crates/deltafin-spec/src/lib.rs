@@ -33,7 +33,7 @@ pub trait Drafter {
     /// the newest last). An empty proposal means "no guess"; it never affects correctness.
     fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32>;
 
-    /// K3 layers whose partial sums `P` this drafter reads (k3-model.md §9.3); empty (the
+    /// K3 layers whose partial sums `P` this drafter reads (docs/K3.md §9.3); empty (the
     /// default) when it reads none.
     fn tap_layers(&self) -> &[usize] {
         &[]

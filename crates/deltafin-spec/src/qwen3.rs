@@ -1,4 +1,4 @@
-//! The Qwen3 Base draft model (k3-model.md §10): a pre-norm GQA decoder with per-head q/k
+//! The Qwen3 Base draft model (docs/K3.md §10): a pre-norm GQA decoder with per-head q/k
 //! RMSNorm before half-split RoPE (θ from the config), SwiGLU MLP, final norm and an output
 //! head tied to the embedding (or `lm_head.weight` when untied). Greedy drafting in Qwen's
 //! own token space; the K3-tokenizer bridge (re-encoding, §10 steps 1–3) is separate.

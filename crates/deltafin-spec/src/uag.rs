@@ -1,4 +1,4 @@
-//! Cross-tokenizer drafting with a Qwen3 model for raw completions (k3-model.md §10, the
+//! Cross-tokenizer drafting with a Qwen3 model for raw completions (docs/K3.md §10, the
 //! original's "universal assisted generation"): the K3 history is decoded to text, drafted
 //! on by Qwen in its own tokens, and the continuation is re-encoded with K3. A proposal is
 //! made only where the re-encoding reproduces the K3 history exactly.

@@ -1,4 +1,4 @@
-//! Row-int8 matrices (product-contract.md §4.6): int8 row-major data plus one f16 scale per row.
+//! Row-int8 matrices (docs/K3.md §12.6): int8 row-major data plus one f16 scale per row.
 //!
 //! Quantization of one row `x` (BF16 widened to f32):
 //! `scale = absmax(x) / 127` (an all-zero row uses `scale = 1`),

@@ -1,4 +1,4 @@
-//! MXFP4 as packed by compressed-tensors `mxfp4-pack-quantized` (k3-model.md §3.3).
+//! MXFP4 as packed by compressed-tensors `mxfp4-pack-quantized` (docs/K3.md §3.3).
 //!
 //! Logical weight `W[o, i]` of shape `[out, in]`:
 //! - `packed[o, j]` (U8, `[out, in/2]`) holds element `i = 2j` in the low nibble and

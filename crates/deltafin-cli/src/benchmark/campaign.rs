@@ -1,7 +1,7 @@
 //! The campaign's run loop: every scheduled run, its validation, the oracle check and the
 //! `runs.jsonl` record.
 
-use super::BenchmarkArgs;
+use super::args::BenchmarkArgs;
 use super::arms::Arm;
 use super::child::{ChildOutcome, run_child};
 use super::validate::{RunData, RunMetrics, metrics, validate_events};

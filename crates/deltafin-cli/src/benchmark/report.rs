@@ -1,7 +1,7 @@
 //! The campaign's verdict: per-arm spreads, `result.json`, the latency plot, the table on
 //! stdout and the exit status.
 
-use super::BenchmarkArgs;
+use super::args::BenchmarkArgs;
 use super::arms::Arm;
 use super::campaign::{Oracle, OracleCheck, RunRecord, Runs};
 use super::evidence::write_json;

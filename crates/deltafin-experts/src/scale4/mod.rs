@@ -1,4 +1,4 @@
-//! Lossless scale4 expert sidecars (`K3SC4V2`, product-contract §4.4).
+//! Lossless scale4 expert sidecars (`K3SC4V2`, docs/K3.md §12.4).
 //!
 //! Every E8M0 scale byte `s` of an expert matrix is stored as a 4-bit delta `δ = s − base`
 //! from the matrix minimum `base`; a matrix whose scales span more than `base…base+15` cannot

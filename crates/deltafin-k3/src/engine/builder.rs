@@ -10,19 +10,19 @@
 //! # Ok::<(), deltafin_k3::engine::EngineError>(())
 //! ```
 
-use crate::weights::checkpoint::{Checkpoint, Layout};
 use crate::engine::config::EngineConfig;
 use crate::engine::error::EngineError;
 use crate::engine::experts::{Base, ExpertLayerFactory, assemble_expert_stack, learned_heat};
 use crate::engine::placement::{place_on_device, select};
 use crate::engine::plan::{ExpertSizes, MemoryPlan, PlanInputs, PlanRequest, plan_memory};
 use crate::engine::progress::{LoadProgress, Silent, with_copy_progress};
+use crate::model::K3Model;
+use crate::text::tokenizer::Tokenizer;
+use crate::weights::checkpoint::{Checkpoint, Layout};
 use crate::weights::install;
 use crate::weights::loader::{EngineOptions, expert_table, load_model_with_experts};
-use crate::model::K3Model;
 use crate::weights::resident::HugePages;
 use crate::weights::spine_int8::{SpineError, SpineFormat, int8_spine_present, tensor_dir};
-use crate::text::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;

@@ -8,9 +8,7 @@ use crate::weights::spine_stream::SpineStreamOptions;
 use deltafin_experts::{StreamOptions, TraceMode};
 use std::path::PathBuf;
 
-/// Tokens of KV/state reserved inside a memory budget (capped by the model context) when the
-/// caller does not know how long its context can grow (a server, an open-ended run).
-pub const CONTEXT_RESERVE_TOKENS: usize = 32_768;
+pub use crate::engine::plan::CONTEXT_RESERVE_TOKENS;
 
 /// Default device memory left free for the CUDA context and the per-product activation and
 /// result buffers, in decimal GB (a prefill of `n` tokens needs `n · width · 4` bytes per

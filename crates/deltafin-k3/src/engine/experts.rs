@@ -4,13 +4,13 @@
 //! fetcher of a stream install), then the route observers (the heat histogram, the router
 //! trace).
 
-use crate::weights::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
-use crate::weights::config::K3Config;
 use crate::engine::config::{EngineConfig, Scale4Mode};
 use crate::engine::error::{BoxError, EngineError};
 use crate::engine::progress::{LoadProgress, with_copy_progress};
-use crate::weights::loader::{CheckpointExperts, expert_table, streaming_experts};
 use crate::model::moe::ExpertSource;
+use crate::weights::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
+use crate::weights::config::K3Config;
+use crate::weights::loader::{CheckpointExperts, expert_table, streaming_experts};
 use crate::weights::resident::HugePages;
 use deltafin_experts::heat::{HeatDims, HeatRecorder, HeatTable};
 use deltafin_experts::scale4::{SCALE4_DIR, Scale4Experts, Scale4Layout, Scale4Sidecars};
@@ -234,9 +234,10 @@ pub(crate) fn assemble_expert_stack(
     if let Some(t) = &config.router_trace {
         let path = &t.path;
         observers.push(Box::new(
-            RouterTrace::create_with_mode(path, t.mode).map_err(EngineError::context(
-                format!("router trace: cannot open {}", path.display()),
-            ))?,
+            RouterTrace::create_with_mode(path, t.mode).map_err(EngineError::context(format!(
+                "router trace: cannot open {}",
+                path.display()
+            )))?,
         ));
     }
     Ok((experts, observers))

@@ -311,7 +311,10 @@ pub fn place_on_device(
         if placement.experts {
             let free = dev.free_bytes()?;
             let budget = free.saturating_sub(reserve);
-            let cache = Arc::new(crate::model::offload::DeviceExpertCache::new(dev.clone(), budget));
+            let cache = Arc::new(crate::model::offload::DeviceExpertCache::new(
+                dev.clone(),
+                budget,
+            ));
             progress.info(&format!(
                 "routed experts on {}: device expert cache {:.3} GB (LRU; experts are read on the host as before and uploaded on a miss)",
                 dev.describe(),

@@ -9,6 +9,10 @@ use crate::weights::config::K3Config;
 use crate::weights::loader::{EngineOptions, dims_from_config};
 use crate::weights::spine_int8::{SpineFormat, quantized_tensors};
 
+/// Tokens of KV/state reserved inside a memory budget (capped by the model context) when the
+/// caller does not know how long its context can grow (a server, an open-ended run).
+pub const CONTEXT_RESERVE_TOKENS: usize = 32_768;
+
 /// Everything [`plan_memory`] needs, in bytes unless said otherwise.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanInputs {
@@ -257,7 +261,7 @@ pub struct PlanRequest {
     pub runtime: u64,
     /// The pinned tier.
     pub pin: u64,
-    /// Tokens of context (`None`: [`crate::engine::config::CONTEXT_RESERVE_TOKENS`]; capped by the
+    /// Tokens of context (`None`: [`CONTEXT_RESERVE_TOKENS`]; capped by the
     /// model's context).
     pub context_tokens: Option<usize>,
     /// At most this many resident spine layers.
@@ -279,7 +283,7 @@ impl PlanInputs {
         let dims = dims_from_config(cfg, &EngineOptions::default());
         let context_tokens = req
             .context_tokens
-            .unwrap_or(crate::engine::config::CONTEXT_RESERVE_TOKENS)
+            .unwrap_or(CONTEXT_RESERVE_TOKENS)
             .min(cfg.text.max_position_embeddings);
         PlanInputs {
             budget: req.budget,

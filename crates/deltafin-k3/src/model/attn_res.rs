@@ -1,4 +1,4 @@
-//! Attention Residuals (k3-model.md §4.2): a softmax mix across depth, per position.
+//! Attention Residuals (docs/K3.md §4.2): a softmax mix across depth, per position.
 //!
 //! ```text
 //! AR(P; S; w_norm, w_proj):

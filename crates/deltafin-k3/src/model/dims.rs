@@ -2,12 +2,12 @@
 //!
 //! [`ModelDims`] is filled from `config.json` ([`ModelDims::from_config`]); the model never
 //! hard-codes the released sizes. Every epsilon is a field so that an oracle comparison can switch it
-//! (k3-model.md §5.1, §5.3).
+//! (docs/K3.md §5.1, §5.3).
 
-use crate::weights::config::{K3Config, LayerKind};
 use crate::model::ModelError;
+use crate::weights::config::{K3Config, LayerKind};
 
-/// Which attention block a layer runs (k3-model.md §1.3).
+/// Which attention block a layer runs (docs/K3.md §1.3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnKind {
     /// Kimi Delta Attention (§4.3).
@@ -110,7 +110,7 @@ pub struct ModelDims {
 }
 
 impl ModelDims {
-    /// The dimensions and constants of `cfg` (k3-model.md §1, epsilons of §5.1), with the two
+    /// The dimensions and constants of `cfg` (docs/K3.md §1, epsilons of §5.1), with the two
     /// engine choices that are not part of `config.json` at their defaults: a bf16 MLA cache
     /// and KDA chunks of 64 (`loader::dims_from_config` sets them from the engine options).
     pub fn from_config(cfg: &K3Config) -> ModelDims {
@@ -291,7 +291,7 @@ impl ModelDims {
 mod tests {
     use super::*;
 
-    /// The released K3 dimensions, written out by hand from k3-model.md §1.
+    /// The released K3 dimensions, written out by hand from docs/K3.md §1.
     pub(crate) fn k3_dims() -> ModelDims {
         let attn_kinds = (0..93)
             .map(|l| {

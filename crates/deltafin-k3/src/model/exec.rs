@@ -12,16 +12,16 @@
 //!
 //! None of it changes a value: the logits are the loop's whatever the hooks do.
 
+use crate::error::ModelError;
 use crate::model::forward::{K3Model, KdaForm, LogitRows, Logits, PassHooks};
 use crate::model::layer::{Ffn, Layer};
-use crate::error::ModelError;
 use crate::model::moe_schedule::{ExpertSchedule, predict_across_dense};
 use crate::model::next_token::ProvisionalHead;
 use crate::model::norm::rms_norm_rows_new;
 use crate::model::router::RouterWeights;
-use crate::weights::spine_stream::SpinePass;
 use crate::model::state::State;
 use crate::model::taps::Taps;
+use crate::weights::spine_stream::SpinePass;
 
 impl K3Model {
     /// Run `tokens` (appended to the sequence in `state`) through the model and return the
@@ -54,7 +54,7 @@ impl K3Model {
     }
 
     /// [`Self::forward`] that also appends, per input position, the bf16-rounded partial sum
-    /// `P` after each of `taps`' layers (k3-model.md §9.3). The logits are unchanged.
+    /// `P` after each of `taps`' layers (docs/K3.md §9.3). The logits are unchanged.
     pub fn forward_tapped(
         &self,
         state: &mut State,

@@ -2,7 +2,7 @@
 //! and the output head (§4.9).
 //!
 //! Activations are f32 throughout; bf16/MXFP4 weights are widened to f32 with f32
-//! accumulation (k3-model.md §5.3 #7, the llama.cpp policy).
+//! accumulation (docs/K3.md §5.3 #7, the llama.cpp policy).
 //!
 //! ```text
 //! P ← E[token];  S ← []
@@ -22,14 +22,14 @@
 
 use crate::error::ModelError;
 use crate::model::attn_res::AttnResWeights;
-use crate::model::layer::{Attention, Ffn, Layer};
 use crate::model::dims::{AttnKind, CacheDtype, FfnKind, ModelDims};
-use crate::weights::inventory;
+use crate::model::layer::{Attention, Ffn, Layer};
 use crate::model::linear::Linear;
 use crate::model::mla::MlaCache;
 use crate::model::moe::{ExpertSchedule, ExpertSource};
 use crate::model::norm::rms_norm_rows_new;
 use crate::model::state::{LayerState, State};
+use crate::weights::inventory;
 use deltafin_tensor::{Bf16Matrix, DType};
 
 /// Which rows of logits a forward call returns.

@@ -1,4 +1,4 @@
-//! Kimi Delta Attention (k3-model.md §4.3).
+//! Kimi Delta Attention (docs/K3.md §4.3).
 //!
 //! Per token `y` (already normalised by `input_layernorm`), heads `h`, channel `c = d·h + i`:
 //!

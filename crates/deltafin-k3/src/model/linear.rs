@@ -1,5 +1,5 @@
 //! A quantizable spine projection `y = W·x`: the original BF16 matrix or its row-int8 form
-//! (product-contract §4.6, `W[r, c] ≈ f16(scale_r) · q[r, c]`), optionally offloaded to a
+//! (docs/K3.md §12.6, `W[r, c] ≈ f16(scale_r) · q[r, c]`), optionally offloaded to a
 //! [`ProductDevice`] (issue 11).
 //!
 //! Every spine matrix that `--spine int8` may quantize is a [`Linear`]; the matrices that are

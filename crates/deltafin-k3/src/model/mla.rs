@@ -1,4 +1,4 @@
-//! Gated MLA without positional encoding (k3-model.md §4.4), evaluated in the absorbed form.
+//! Gated MLA without positional encoding (docs/K3.md §4.4), evaluated in the absorbed form.
 //!
 //! ```text
 //! c_q  = RMS_ε(W_qa y; q_a_layernorm);   q_h = (W_qb c_q)_h = [qn_h | qt_h]

@@ -12,9 +12,9 @@
 //! When and where the experts' products run (reads, back-pressure, device, read hints)
 //! is the [`ExpertSchedule`]'s business (`crate::moe_schedule`); this module is the math.
 
+use crate::model::ModelError;
 use crate::model::dims::ModelDims;
 use crate::model::linear::{Linear, apply_group};
-use crate::model::ModelError;
 pub use crate::model::moe_schedule::{ExpertSchedule, validate_expert};
 use crate::model::router::RouterWeights;
 use crate::model::situ::SituMlp;

@@ -10,9 +10,9 @@
 //! (a later MoE layer's router on an earlier layer's input) tell a streaming source what
 //! to read next. Each token's result is the same whatever the order.
 
-use crate::model::dims::ModelDims;
 use crate::model::ModelError;
 use crate::model::device_experts::DeviceExpertCache;
+use crate::model::dims::ModelDims;
 use crate::model::router::{Route, RouterWeights};
 use deltafin_experts::{ExpertSource, ExpertWeights, PassRoutes, RouteObservers, rank_guesses};
 use std::collections::BTreeMap;

@@ -3,7 +3,7 @@
 //! When experts stream from disk, the disk has nothing to read while `lm_head` runs: the next
 //! token, and so the first MoE layer's routes, are unknown until its last row is done. On the
 //! `stream` preset that is the largest idle stretch of a decode token (docs/PERFORMANCE.md,
-//! "Session 8: where the disk waits"). This module names a provisional token first:
+//! "Choices the streaming path keeps"). This module names a provisional token first:
 //!
 //! ```text
 //! S     ← the ⌈V / 32⌉ rows of lm_head with the largest norms ‖W_r‖ (chosen once)

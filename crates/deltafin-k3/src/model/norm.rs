@@ -1,4 +1,4 @@
-//! RMS normalisation over rows (k3-model.md §4.0 `RMS_ε`, computed in f32 without the BF16
+//! RMS normalisation over rows (docs/K3.md §4.0 `RMS_ε`, computed in f32 without the BF16
 //! rounding step, per the f32-activation policy).
 
 use deltafin_kernels::rms_norm;

@@ -30,9 +30,9 @@ use deltafin_kernels::ProductDevice;
 
 use crate::model::linear::{Linear, Offloaded};
 
-pub use crate::model::device_experts::{DeviceCacheStats, DeviceExpert, DeviceExpertCache};
 use crate::error::ModelError;
 use crate::model::K3Model;
+pub use crate::model::device_experts::{DeviceCacheStats, DeviceExpert, DeviceExpertCache};
 use crate::model::layer::linears_mut;
 
 /// Why a spine matrix stayed on the CPU.
@@ -185,7 +185,7 @@ mod tests {
     use crate::weights::checkpoint::Checkpoint;
     use crate::weights::loader::{EngineOptions, load_model};
     use crate::weights::spine_int8::SpineFormat;
-        use deltafin_kernels::HostDevice;
+    use deltafin_kernels::HostDevice;
     use std::collections::VecDeque;
     use std::sync::Mutex;
 

@@ -1,4 +1,4 @@
-//! The MoE router `KimiMoEGate` (k3-model.md §4.5).
+//! The MoE router `KimiMoEGate` (docs/K3.md §4.5).
 //!
 //! ```text
 //! s   = σ(W_r y)                                   (f32)

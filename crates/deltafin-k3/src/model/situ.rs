@@ -1,4 +1,4 @@
-//! SiTU-GLU MLP (k3-model.md §4.8): the dense layer-0 MLP (§4.7) and the fused shared experts
+//! SiTU-GLU MLP (docs/K3.md §4.8): the dense layer-0 MLP (§4.7) and the fused shared experts
 //! of every MoE layer (§4.6) share this form: `down · SiTU(gate·y, up·y)`.
 
 use crate::error::ModelError;

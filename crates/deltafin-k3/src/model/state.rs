@@ -1,4 +1,4 @@
-//! Per-sequence decoding state (k3-model.md §6): KDA recurrent states and convolution windows,
+//! Per-sequence decoding state (docs/K3.md §6): KDA recurrent states and convolution windows,
 //! MLA latent caches, and the number of positions processed.
 
 use crate::error::ModelError;

@@ -1,4 +1,4 @@
-//! Hidden-state taps for drafters (k3-model.md §4.2, §9.3): the AttnRes partial sum `P`
+//! Hidden-state taps for drafters (docs/K3.md §4.2, §9.3): the AttnRes partial sum `P`
 //! after chosen 0-based layers, rounded to bf16, for every position a forward call processes.
 //!
 //! A [`Taps`] collector is passed to [`crate::model::K3Model::forward_tapped`] /

@@ -1,4 +1,4 @@
-//! Synthetic checkpoints in the exact K3 release layout (k3-model.md §3), for tests and
+//! Synthetic checkpoints in the exact K3 release layout (docs/K3.md §3), for tests and
 //! benchmarks: scaled `config.json` (every real field present, dims substituted), sharded
 //! safetensors in the release order, `model.safetensors.index.json`, tokenizer files and a
 //! `generation_config.json`. Everything is a pure function of the dims and the seed.

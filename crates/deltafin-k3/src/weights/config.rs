@@ -1,4 +1,4 @@
-//! Kimi K3 `config.json` (k3-model.md §1), parsed strictly.
+//! Kimi K3 `config.json` (docs/K3.md §1), parsed strictly.
 //!
 //! Keys that are read (everything else is transformers boilerplate — `top_k`, `max_length`,
 //! `temperature`, `id2label`, `auto_map`, `use_cache`, `initializer_range`, … — and is kept

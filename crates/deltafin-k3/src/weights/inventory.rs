@@ -1,5 +1,5 @@
 //! The expected tensor inventory of a K3 checkpoint, derived from the config alone
-//! (k3-model.md §3.1–§3.2, §3.4). The spine's shapes are stated once, here: the checkpoint
+//! (docs/K3.md §3.1–§3.2, §3.4). The spine's shapes are stated once, here: the checkpoint
 //! checks its tensors against them, the model its weights.
 //!
 //! Shards (1-based, `N` = number of layers): shard `l + 1` holds all of layer `l` (spine and,
@@ -12,8 +12,8 @@
 
 use deltafin_tensor::DType;
 
-use crate::weights::config::K3Config;
 use crate::model::dims::{AttnKind, FfnKind, ModelDims};
+use crate::weights::config::K3Config;
 
 /// Prefix of every text-model tensor name.
 pub const PREFIX: &str = "language_model.";

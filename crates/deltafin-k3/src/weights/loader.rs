@@ -4,17 +4,17 @@
 //! vectors to f32, and serve routed experts straight from the shard bytes.
 
 use crate::model::attn_res::AttnResWeights;
-use crate::weights::checkpoint::{Checkpoint, CheckpointError, Layout};
-use crate::weights::config::{K3Config, LayerKind};
 use crate::model::dims::{CacheDtype, ModelDims};
 use crate::model::kda::KdaWeights;
 use crate::model::linear::Linear;
 use crate::model::mla::MlaWeights;
-use crate::model::{Attention, Ffn, K3Model, Layer, ModelError};
 use crate::model::moe::{ExpertError, ExpertSource, ExpertWeights, MoeWeights};
-use crate::weights::resident::{HugePages, ResidentCopy};
 use crate::model::router::RouterWeights;
 use crate::model::situ::SituMlp;
+use crate::model::{Attention, Ffn, K3Model, Layer, ModelError};
+use crate::weights::checkpoint::{Checkpoint, CheckpointError, Layout};
+use crate::weights::config::{K3Config, LayerKind};
+use crate::weights::resident::{HugePages, ResidentCopy};
 pub use crate::weights::spine_int8::SpineFormat;
 use crate::weights::spine_int8::{Int8Spine, SpineError, is_quantized};
 use crate::weights::spine_pack::{Codec, PackError, PackSet};
@@ -71,7 +71,7 @@ impl Default for EngineOptions {
     }
 }
 
-/// The model dimensions and constants for `cfg` (k3-model.md §1, epsilons of §5.1), with
+/// The model dimensions and constants for `cfg` (docs/K3.md §1, epsilons of §5.1), with
 /// the MLA cache type and KDA chunk of `opts`.
 pub fn dims_from_config(cfg: &K3Config, opts: &EngineOptions) -> ModelDims {
     ModelDims {
@@ -620,8 +620,8 @@ pub fn open_model(root: &Path, opts: &EngineOptions) -> Result<K3Model, LoadErro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::weights::config::REAL_CONFIG_JSON;
     use crate::model::dims::AttnKind;
+    use crate::weights::config::REAL_CONFIG_JSON;
 
     #[test]
     fn touch_pages_reads_every_page_once() {

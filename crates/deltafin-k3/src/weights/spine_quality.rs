@@ -1,4 +1,4 @@
-//! The int8-vs-bf16 quality report (product-contract §4.6 ⚠, §10 row 3): the weight error of
+//! The int8-vs-bf16 quality report (docs/K3.md §12.6 ⚠, §10 row 3): the weight error of
 //! every quantized tensor, and the end-to-end drift of the int8 model against the
 //! weight-exact bf16 model over teacher-forced sequences.
 //!

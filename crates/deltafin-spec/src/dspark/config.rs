@@ -1,4 +1,4 @@
-//! The DSpark `config.json` (k3-model.md §9.1), parsed strictly: every key is either used or
+//! The DSpark `config.json` (docs/K3.md §9.1), parsed strictly: every key is either used or
 //! checked against the one value this engine implements; an unknown key is an error.
 
 use super::DsparkError;

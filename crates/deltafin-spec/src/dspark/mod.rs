@@ -1,4 +1,4 @@
-//! The DSpark block-parallel drafter (`Inferact/Kimi-K3-DSpark`, k3-model.md §9): K3's
+//! The DSpark block-parallel drafter (`Inferact/Kimi-K3-DSpark`, docs/K3.md §9): K3's
 //! partial sums tapped at a few layers are injected as attention context into a small dense
 //! MLA decoder that drafts a block of tokens in one pass.
 

@@ -116,7 +116,7 @@ fn rms_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
-/// The checkpoint's tensors (name, shape) for `c` (k3-model.md §9.2), including the
+/// The checkpoint's tensors (name, shape) for `c` (docs/K3.md §9.2), including the
 /// `embed_tokens.weight` copy.
 pub fn expected_tensors(c: &DsparkConfig) -> Vec<(String, Vec<usize>)> {
     let (d, f, h) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);

@@ -1,4 +1,4 @@
-//! YaRN rotary embedding of the 64-wide MLA tail (k3-model.md §9.3, DeepSeek-V3 convention):
+//! YaRN rotary embedding of the 64-wide MLA tail (docs/K3.md §9.3, DeepSeek-V3 convention):
 //!
 //! ```text
 //! inv_extra_i = θ^(−2i/d),   inv_inter_i = inv_extra_i / factor          i = 0 … d/2 − 1

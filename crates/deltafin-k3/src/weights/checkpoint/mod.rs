@@ -1,4 +1,4 @@
-//! Opening and validating a sharded K3 checkpoint (k3-model.md §3).
+//! Opening and validating a sharded K3 checkpoint (docs/K3.md §3).
 //!
 //! [`Checkpoint::open`] reads `config.json` and `model.safetensors.index.json`, maps every shard
 //! the index names once, and checks **every** tensor of the expected inventory (present in the
@@ -74,10 +74,10 @@ impl ExpertSpan {
 }
 
 /// Directory of a stream install's spine: one raw file per non-expert tensor, named by the
-/// tensor's full name, holding its exact checkpoint bytes (product-contract §4.1, §5.2).
+/// tensor's full name, holding its exact checkpoint bytes (docs/K3.md §12.1, §5.2).
 pub const SPINE_TENSOR_DIR: &str = "k3-resident/tensors";
 
-/// Directory of the one-file-per-expert layout under the model root (product-contract §4.1).
+/// Directory of the one-file-per-expert layout under the model root (docs/K3.md §12.1).
 pub const EXPERT_DIR: &str = "k3-experts";
 
 /// `L{layer}-E{expert}.bin`: one expert's six tensors verbatim, §3.4 order (`raw-v1`).

@@ -17,7 +17,7 @@ pub const INT8_DIR: &str = "k3-resident-int8";
 pub const RECEIPT_SCHEMA: &str = "deltafin-spine-row-i8-f16-v1";
 /// Schema of the per-tensor resume record.
 pub const PROGRESS_SCHEMA: &str = "deltafin-spine-row-i8-progress-v1";
-/// Name substrings that are never quantized (product-contract §4.6).
+/// Name substrings that are never quantized (docs/K3.md §12.6).
 pub const EXCLUDED: [&str; 9] = [
     "conv1d",
     "norm",

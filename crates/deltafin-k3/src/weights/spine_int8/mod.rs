@@ -1,4 +1,4 @@
-//! The row-int8 spine on disk (product-contract §4.6): conversion from the BF16 shards,
+//! The row-int8 spine on disk (docs/K3.md §12.6): conversion from the BF16 shards,
 //! zero-copy loading, and a full hash check.
 //!
 //! Layout under the model root: `k3-resident-int8/tensors/<name>.i8` (int8 codes, row-major),

@@ -1,4 +1,4 @@
-//! DFSP per-layer spine packs (product-contract §4.7): one contiguous, aligned file per layer
+//! DFSP per-layer spine packs (docs/K3.md §12.7): one contiguous, aligned file per layer
 //! (`layer-NNN.dfsp`, zero-based) plus `globals.dfsp` (the embedding, `lm_head`, the final
 //! norm and the output Attention-Residual tensors), so a layer loads with one read (or one
 //! mmap) and every byte is covered by a SHA-256.
