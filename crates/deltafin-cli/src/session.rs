@@ -104,6 +104,7 @@ pub fn builder(root: &Path, config: &EngineConfig) -> EngineBuilder {
 /// Load the install at `root` with `config`; the device line goes into
 /// [`backend_description`].
 pub fn load(root: &Path, config: &EngineConfig) -> Result<LoadedEngine> {
+    check_kernels()?;
     let loaded = builder(root, config).build().map_err(cli_error)?;
     *DEVICE_LINE.lock().unwrap_or_else(|p| p.into_inner()) = Some(loaded.device_line.clone());
     Ok(loaded)
