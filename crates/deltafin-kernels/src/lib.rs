@@ -10,8 +10,8 @@
 //! not models.
 //!
 //! The library reads no environment: a binary parses its [`KernelSettings`] (backend, MXFP4
-//! activation format, pool switches) once at startup and installs them with [`configure`];
-//! without that the defaults run ([`settings`]).
+//! activation format, pool switches, the CUDA backend's search paths) once at startup and
+//! installs them with [`configure`]; without that the defaults run ([`settings`]).
 //!
 //! Shapes are internal invariants of the callers (the model validates every weight shape when
 //! it is built), so the kernels check them with assertions and document the panic.
@@ -64,7 +64,7 @@ pub use ops::{
     softmax_inplace,
 };
 pub use settings::{
-    KernelError, KernelSettings, Mxfp4Act, backend, configure, kernel_backend, kernel_summary,
-    pool_settings,
+    CudaPaths, KernelError, KernelSettings, Mxfp4Act, backend, configure, kernel_backend,
+    kernel_summary, pool_settings,
 };
 pub use vmath::{exp_inplace, sigmoid_inplace, silu_inplace, tanh_inplace};

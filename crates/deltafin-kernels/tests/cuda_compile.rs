@@ -14,6 +14,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
+use deltafin_kernels::CudaPaths;
 use deltafin_kernels::cuda::{CHECK_ARCHS, KERNELS, Nvrtc};
 
 /// Ask a Python interpreter where a pip wheel's `nvidia.<module>` package lives.
@@ -43,7 +44,8 @@ fn wheel_dir(module: &str) -> Option<PathBuf> {
 
 fn find_nvrtc() -> Option<Nvrtc> {
     if std::env::var_os("DELTAFIN_NVRTC").is_some() {
-        return Nvrtc::load().ok();
+        // The test binary is an edge: it reads the search paths as `deltafin` does.
+        return Nvrtc::load(&CudaPaths::from_lookup(|name| std::env::var_os(name))).ok();
     }
     let dir = wheel_dir("cuda_nvrtc")?.join("lib");
     Nvrtc::load_from(&dir.join("libnvrtc.so.12"))

@@ -233,7 +233,7 @@ pub(super) fn metal_canaries(r: &mut Report) {
 #[cfg(feature = "cuda")]
 pub(super) fn cuda_canaries(r: &mut Report, ordinal: usize) {
     use deltafin_kernels::cuda::{CudaDevice, canaries};
-    let dev = match CudaDevice::open(ordinal) {
+    let dev = match CudaDevice::open_with(ordinal, &crate::kernel_env::cuda_paths_from_env()) {
         Ok(d) => d,
         Err(e) => {
             r.checks.push(Check {

@@ -18,6 +18,7 @@ use deltafin_tensor::bf16;
 use super::nvrtc::{Nvrtc, NvrtcError};
 use super::sources::{BATCH_WIDTHS, KERNELS};
 use crate::matvec::Weights;
+use crate::settings::CudaPaths;
 
 /// Rows per block of the matvec kernels (`ROWS_PER_BLOCK` in `matvec.cu`).
 const ROWS_PER_BLOCK: usize = 8;
@@ -245,10 +246,16 @@ fn expect_len(kernel: &'static str, what: &str, got: usize, want: usize) -> Resu
 }
 
 impl CudaDevice {
-    /// Open `cuda:ordinal` and load the kernels: from `DELTAFIN_CUDA_PTX_DIR` (precompiled
-    /// `<file>.ptx`, JIT-compiled by the driver) when set, else compiled by NVRTC for the
-    /// device's architecture.
+    /// Open `cuda:ordinal` and load the kernels where the installed kernel settings say
+    /// ([`crate::settings::KernelSettings::cuda`]; [`CudaDevice::open_with`]).
     pub fn open(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        CudaDevice::open_with(ordinal, &crate::settings::current().cuda)
+    }
+
+    /// Open `cuda:ordinal` and load the kernels: from `paths.ptx_dir` (precompiled
+    /// `<file>.ptx`, JIT-compiled by the driver) when set, else compiled for the device's
+    /// architecture by the NVRTC that [`Nvrtc::load`] finds through `paths`.
+    pub fn open_with(ordinal: usize, paths: &CudaPaths) -> Result<CudaDevice, CudaError> {
         let count = device_count()?;
         if ordinal >= count {
             return Err(CudaError::NoDevice { ordinal, count });
@@ -261,9 +268,8 @@ impl CudaDevice {
         let stream = ctx.default_stream();
         let (major, minor) = info.compute_capability;
         let arch = format!("compute_{major}{minor}");
-        let (ptxs, kernel_origin) = match std::env::var_os("DELTAFIN_CUDA_PTX_DIR") {
+        let (ptxs, kernel_origin) = match &paths.ptx_dir {
             Some(dir) => {
-                let dir = PathBuf::from(dir);
                 let mut v = Vec::new();
                 for k in KERNELS {
                     let path = dir.join(format!("{}.ptx", k.file));
@@ -276,7 +282,7 @@ impl CudaDevice {
                 (v, format!("precompiled PTX from {}", dir.display()))
             }
             None => {
-                let nvrtc = Nvrtc::load()?;
+                let nvrtc = Nvrtc::load(paths)?;
                 let mut v = Vec::new();
                 for k in KERNELS {
                     v.push(nvrtc.compile_ptx(k.file, &k.unit(), &arch, &[])?.text);
