@@ -37,6 +37,11 @@ mod rows;
 mod scalar;
 pub mod settings;
 mod table;
+/// What the unit tests share with the integration tests (random inputs, skips).
+#[cfg(test)]
+#[path = "../tests/common/shared.rs"]
+#[allow(dead_code)] // not every target uses every part
+mod test_shared;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]

@@ -231,15 +231,7 @@ mod tests {
 
     #[test]
     fn parallel_argmax_equals_the_serial_scan() {
-        let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
-            .iter()
-            .map(|&t| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(t)
-                    .build()
-                    .unwrap()
-            })
-            .collect();
+        let pools = crate::tests::pools();
         let mut seed = 0x9e37_79b9_u32;
         let mut next = move || {
             seed ^= seed << 13;

@@ -167,6 +167,7 @@ pub fn situ_glu(g: &[f32], u: &[f32], beta1: f32, beta2: f32, out: &mut [f32]) {
 mod tests {
     use super::*;
     use crate::Backend;
+    use crate::test_shared::Rng;
 
     const OPS: [(Op, &str); 4] = [
         (Op::Exp, "exp"),
@@ -190,19 +191,6 @@ mod tests {
             Op::Tanh => x.tanh(),
             Op::Sigmoid => 1.0 / (1.0 + (-x).exp()),
             Op::Silu => x / (1.0 + (-x).exp()),
-        }
-    }
-
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-            lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
         }
     }
 

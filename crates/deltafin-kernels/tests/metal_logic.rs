@@ -29,7 +29,7 @@ use deltafin_kernels::metal::sources::{
     MATVEC_THREADS, MLA_THREADS, ROWS_PER_GROUP, kda_threadgroup_bytes, kda_threads,
     mla_threadgroup_bytes,
 };
-use deltafin_kernels::metal::{MlaParams, MlaShape, batch_split, library_source};
+use deltafin_kernels::metal::{MlaParams, batch_split, library_source};
 use deltafin_tensor::bf16;
 use deltafin_tensor::mxfp4::E2M1;
 use libloading::{Library, Symbol};
@@ -345,14 +345,9 @@ fn metal_mla_decode_matches_the_reference() {
             (k3ish, 1),
             (k3ish, 40),
         ],
-        |(heads, nope, rope, v, kvl), n, x| {
-            let sh = MlaShape {
-                heads,
-                nope,
-                rope,
-                v,
-                kvl,
-            };
+        |shape, n, x| {
+            let sh = common::mla_shape(shape);
+            let (heads, rope, v, kvl) = (sh.heads, sh.rope, sh.v, sh.kvl);
             let bits = |x: &[bf16]| x.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
             let (kvb_b, lat_b, tail_b) = (bits(&x.kvb), bits(&x.latent), bits(&x.tail));
             let params = sh.params(n).unwrap();

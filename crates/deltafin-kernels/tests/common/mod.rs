@@ -1,71 +1,20 @@
 //! Test logic shared by the GPU kernel tests (`cuda_device.rs`, `metal_device.rs`) and the
 //! Metal logic test (`metal_logic.rs`): random inputs, the per-value bounds against the CPU,
 //! and the matmul / KDA / MLA checks, each run through a closure that calls the kernel under
-//! test (a device, or the Metal sources compiled for the host). The KDA and MLA references
+//! test (a device, or the Metal sources compiled for the host); the device tests run them
+//! through [`CanaryDevice`], which both devices implement (`device_*`). The KDA and MLA references
 //! (`deltafin_kernels::cuda::reference`) are line-by-line f32 ports of the recurrent step in
 //! `crates/deltafin-k3/src/kda.rs` and of `MlaWeights::attend` (t = 1) in `mla.rs`.
 // Each test binary uses a part of this module.
 #![allow(dead_code)]
 
 use deltafin_kernels::cuda::reference;
+use deltafin_kernels::gpu::{CanaryDevice, MlaShape};
 use deltafin_kernels::{Backend, Weights, matmul_with};
-use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix, bf16};
-use std::io::Write as _;
+use deltafin_tensor::{Bf16Matrix, Mxfp4Matrix, RowInt8Matrix, bf16};
 
-/// `test` cannot run here because of `why`: a failure when `switch=1` (`.ci/run` sets the
-/// switch of everything CI installs), else a SKIP line written to the process's stderr past
-/// the test harness's capture, so that `cargo test` shows it.
-pub fn skip(test: &str, switch: &str, why: &str) {
-    assert!(
-        !std::env::var(switch).is_ok_and(|v| v == "1"),
-        "{switch}=1 but {test} cannot run: {why}"
-    );
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIP {test}: {why} ({switch}=1 makes this a failure)"
-    );
-}
-
-/// xorshift64: the same inputs on every run.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Uniform in [−1, 1).
-    pub fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-
-    pub fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f()).collect()
-    }
-}
-
-/// Random MXFP4 codes with scales around 2⁻⁹…2⁶, some zero (2⁻¹²⁷) and some large (2¹³).
-pub fn mxfp4(rng: &mut Rng, rows: usize, cols: usize) -> Mxfp4Matrix {
-    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
-    let scales: Vec<u8> = (0..rows * cols / 32)
-        .map(|_| match rng.next() % 16 {
-            0 => 0,
-            1 => 140,
-            _ => 118 + (rng.next() % 16) as u8,
-        })
-        .collect();
-    Mxfp4Matrix::new(
-        "t",
-        Bytes::from_vec(packed),
-        Bytes::from_vec(scales),
-        rows,
-        cols,
-    )
-    .unwrap()
-}
+mod shared;
+pub use shared::{Rng, mxfp4, skip};
 
 pub fn bf16m(rng: &mut Rng, rows: usize, cols: usize) -> Bf16Matrix {
     let v: Vec<bf16> = rng
@@ -334,5 +283,88 @@ pub fn check_mla_decode(
         let got = decode(sh, n, &x);
         let cpu = reference::mla_decode(sh, n, &x.q, &x.kvb, &x.latent, &x.tail, &x.gate);
         close(&format!("MLA {sh:?} n={n}"), who, &got, &cpu, 2e-5);
+    }
+}
+
+/// `(heads, qk_nope, qk_rope, v_head, kv_lora)` as the devices take it.
+pub fn mla_shape((heads, nope, rope, v, kvl): Mla) -> MlaShape {
+    MlaShape {
+        heads,
+        nope,
+        rope,
+        v,
+        kvl,
+    }
+}
+
+/// The `kind` device `opened` for `test`, described on stderr; the test fails here, saying why,
+/// when there is none.
+pub fn device_for<D, E: std::fmt::Display>(
+    test: &str,
+    kind: &str,
+    opened: Result<D, E>,
+    describe: impl Fn(&D) -> String,
+) -> D {
+    match opened {
+        Ok(d) => {
+            eprintln!("{test}: {}", describe(&d));
+            d
+        }
+        Err(e) => panic!("{test} needs a usable {kind} device: {e}"),
+    }
+}
+
+/// A device call's result; the test fails naming the call when it is an error.
+fn on_device<T, E: std::fmt::Display>(call: &str, r: Result<T, E>) -> T {
+    r.unwrap_or_else(|e| panic!("{call} failed on the device: {e}"))
+}
+
+/// [`check_matmul_on_ragged_shapes`] on a device, against `cpu`.
+pub fn device_matmul_on_ragged_shapes<D: CanaryDevice>(
+    dev: &D,
+    cpu: impl Fn(Weights<'_>, &[f32], usize) -> Vec<f32>,
+) {
+    check_matmul_on_ragged_shapes(
+        |w| on_device("upload_weights", dev.upload_weights(w)),
+        |m, xs, n| on_device("matmul", dev.matmul(m, xs, n)),
+        cpu,
+    );
+}
+
+/// [`check_kda_steps`] on a device: six tokens at d = 40 (not a multiple of 32), 128 and 300
+/// (more columns than threads).
+pub fn device_kda_steps<D: CanaryDevice>(dev: &D) {
+    check_kda_steps("gpu", &[(3, 40), (4, 128), (2, 300)], 6, |h, d, s, x| {
+        on_device(
+            "kda_step",
+            dev.kda_step(h, d, s, &x.q, &x.k, &x.v, &x.g, &x.beta),
+        )
+    });
+}
+
+/// [`check_mla_decode`] on a device: [`MLA_SMALL`] and K3's shape, from one cached token to
+/// more than the threads of a block.
+pub fn device_mla_decode<D: CanaryDevice>(dev: &D) {
+    let k3 = (8, 128, 64, 128, 512);
+    let cases = [
+        (MLA_SMALL, 1),
+        (MLA_SMALL, 7),
+        (MLA_SMALL, 333),
+        (k3, 1),
+        (k3, 1500),
+    ];
+    check_mla_decode("gpu", &cases, |sh, n, x| {
+        let r = dev.mla_decode(mla_shape(sh), n, &x.q, &x.kvb, &x.latent, &x.tail, &x.gate);
+        on_device("mla_decode", r)
+    });
+}
+
+/// The doctor's canaries on a device: every one passes.
+pub fn device_canaries<D: CanaryDevice>(dev: &D) {
+    for (name, r) in deltafin_kernels::gpu::canaries(dev) {
+        match r {
+            Ok(e) => eprintln!("  canary {name}: {e:.2e}"),
+            Err(e) => panic!("canary {name}: {e}"),
+        }
     }
 }
