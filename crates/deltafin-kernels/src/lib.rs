@@ -63,7 +63,9 @@ pub use matvec::{
     matmul_group, matmul_group_serial, matmul_group_with, matmul_mxfp4, matmul_rowint8,
     matmul_serial, matmul_with, matvec_bf16, matvec_f32, matvec_mxfp4, matvec_rowint8,
 };
-pub use offload::{DeviceError, DeviceWeights, HostCounters, HostDevice, ProductDevice};
+pub use offload::{
+    DeviceError, DeviceResult, DeviceWeights, HostCounters, HostDevice, ProductDevice,
+};
 pub use ops::{
     argmax, kda_delta_step, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, situ_glu,
     softmax_inplace,

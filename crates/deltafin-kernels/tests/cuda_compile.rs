@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use deltafin_kernels::CudaPaths;
-use deltafin_kernels::cuda::{CHECK_ARCHS, KERNELS, Nvrtc};
+use deltafin_kernels::cuda::{CHECK_ARCHS, KERNELS, Nvrtc, translation_unit};
 
 /// Ask a Python interpreter where a pip wheel's `nvidia.<module>` package lives.
 fn wheel_dir(module: &str) -> Option<PathBuf> {
@@ -84,7 +84,7 @@ fn cuda_kernels_compile_to_ptx_and_sass() {
         let sm = arch.replace("compute_", "sm_");
         for k in KERNELS {
             let ptx = nvrtc
-                .compile_ptx(k.file, &k.unit(), arch, &[])
+                .compile_ptx(k.file, &translation_unit(&k), arch, &[])
                 .unwrap_or_else(|e| panic!("{e}"));
             assert!(ptx.text.contains(".version"), "{}: no PTX header", k.file);
             for entry in k.entries {

@@ -13,6 +13,7 @@ mod common;
 use common::{Rng, bf16m, int8m, mxfp4};
 use deltafin_kernels::CudaPaths;
 use deltafin_kernels::cuda::{CudaDevice, DeviceMatrix};
+use deltafin_kernels::gpu::{GpuBackend, GpuDevice};
 use deltafin_kernels::{Weights, matmul};
 
 /// The device; a test that runs without one fails here. The kernels come from where the
@@ -24,30 +25,24 @@ fn device(test: &str) -> CudaDevice {
     })
 }
 
-#[test]
-#[ignore = "needs a CUDA device: tools/gpu/check.sh, or --ignored"]
-fn matmul_kernels_match_cpu_on_ragged_shapes() {
-    let dev = device("matmul_kernels_match_cpu_on_ragged_shapes");
-    common::device_matmul_on_ragged_shapes(&dev, |w, xs, n| {
-        let mut cpu = vec![0f32; n * w.rows()];
-        // The GPU takes f32 activations; the CPU's MXFP4 formats (`f32`, and `q8x3` on
-        // AVX-512 VNNI) keep f32's precision, so they are compared directly.
-        matmul(w, xs, n, &mut cpu);
-        cpu
-    });
+/// The CPU's products (default kernel settings): the GPU takes f32 activations, and
+/// the CPU's MXFP4 formats (`f32`, and `q8x3` on AVX-512 VNNI) keep f32's precision, so they
+/// are compared directly.
+fn cpu(w: Weights<'_>, xs: &[f32], n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n * w.rows()];
+    matmul(w, xs, n, &mut out);
+    out
 }
 
-#[test]
-#[ignore = "needs a CUDA device: tools/gpu/check.sh, or --ignored"]
-fn kda_step_matches_cpu_over_several_tokens() {
-    common::device_kda_steps(&device("kda_step_matches_cpu_over_several_tokens"));
-}
-
-#[test]
-#[ignore = "needs a CUDA device: tools/gpu/check.sh, or --ignored"]
-fn mla_decode_matches_cpu() {
-    common::device_mla_decode(&device("mla_decode_matches_cpu"));
-}
+common::device_tests!(
+    "needs a CUDA device: tools/gpu/check.sh, or --ignored",
+    device,
+    cpu,
+    matmul: matmul_kernels_match_cpu_on_ragged_shapes,
+    kda: kda_step_matches_cpu_over_several_tokens,
+    mla: mla_decode_matches_cpu,
+    canaries: doctor_canaries_pass
+);
 
 #[test]
 #[ignore = "needs a CUDA device: tools/gpu/check.sh, or --ignored"]
@@ -102,10 +97,4 @@ fn matmul_bandwidth_vs_copy() {
     }
     eprintln!("worst n=1 streaming ratio (goal ≥ 0.8): {worst_big:.2}");
     assert!(worst_big.is_finite() && worst_big > 0.0);
-}
-
-#[test]
-#[ignore = "needs a CUDA device: tools/gpu/check.sh, or --ignored"]
-fn doctor_canaries_pass() {
-    common::device_canaries(&device("doctor_canaries_pass"));
 }

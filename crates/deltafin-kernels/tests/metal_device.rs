@@ -20,27 +20,12 @@ fn device(test: &str) -> MetalDevice {
     })
 }
 
-#[test]
-#[ignore = "needs a Metal device (macOS): run with --ignored"]
-fn metal_matmul_matches_cpu_on_ragged_shapes() {
-    let dev = device("metal_matmul_matches_cpu_on_ragged_shapes");
-    common::device_matmul_on_ragged_shapes(&dev, common::scalar_cpu);
-}
-
-#[test]
-#[ignore = "needs a Metal device (macOS): run with --ignored"]
-fn metal_kda_step_matches_cpu_over_several_tokens() {
-    common::device_kda_steps(&device("metal_kda_step_matches_cpu_over_several_tokens"));
-}
-
-#[test]
-#[ignore = "needs a Metal device (macOS): run with --ignored"]
-fn metal_mla_decode_matches_cpu() {
-    common::device_mla_decode(&device("metal_mla_decode_matches_cpu"));
-}
-
-#[test]
-#[ignore = "needs a Metal device (macOS): run with --ignored"]
-fn metal_canaries_pass() {
-    common::device_canaries(&device("metal_canaries_pass"));
-}
+common::device_tests!(
+    "needs a Metal device (macOS): run with --ignored",
+    device,
+    common::scalar_cpu,
+    matmul: metal_matmul_matches_cpu_on_ragged_shapes,
+    kda: metal_kda_step_matches_cpu_over_several_tokens,
+    mla: metal_mla_decode_matches_cpu,
+    canaries: metal_canaries_pass
+);
