@@ -34,7 +34,7 @@ impl CacheValue for bf16 {
     }
 }
 
-crate::dispatch::simd_versions! {
+crate::simd::simd_versions! {
     /// One query position over the first `n` cached rows for `heads` heads: `q_lat` holds
     /// `heads` rows of `kvl`, `q_tail` `heads` rows of `dr`; `latent` / `tail` hold at least `n`
     /// rows of `kvl` / `dr`. Writes the probabilities to `p` (`heads` rows of `n`) and the
@@ -141,7 +141,7 @@ pub fn axpy_bf16_f32(w: &[bf16], alpha: f32, out: &mut [f32]) {
     axpy_widened(w, alpha, out, |v| v.widen())
 }
 
-crate::dispatch::simd_versions! {
+crate::simd::simd_versions! {
     /// `out_c += alpha · widen(w_c)`, compiled for the selected backend.
     #[inline(always)]
     fn axpy_widened<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl Fn(T) -> f32) =
@@ -155,7 +155,7 @@ fn axpy_widened_body<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl 
     }
 }
 
-crate::dispatch::simd_versions! {
+crate::simd::simd_versions! {
     /// `Σ widen(w_c) x_c` in 16 lane sums and [`crate::kda_chunk::reduce_lanes`], compiled for
     /// the selected backend (the same operations, so the same bits, on each).
     #[inline(always)]

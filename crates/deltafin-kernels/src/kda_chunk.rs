@@ -97,7 +97,7 @@ pub fn kda_chunked(s: &mut [f32], rows: &KdaRows<'_>, t: usize, chunk: usize, o:
     kda_chunked_with(crate::settings::backend(), s, rows, t, chunk, o)
 }
 
-crate::dispatch::simd_versions! {
+crate::simd::simd_versions! {
     /// [`kda_chunked`] compiled for `backend` (same operations, wider vectors).
     #[inline(always)]
     fn kda_chunked_with(backend, s: &mut [f32], rows: &KdaRows<'_>, t: usize, chunk: usize,

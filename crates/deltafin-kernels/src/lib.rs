@@ -36,6 +36,7 @@ pub mod probe;
 mod rows;
 mod scalar;
 pub mod settings;
+mod simd;
 mod table;
 /// What the unit tests share with the integration tests (random inputs, skips).
 #[cfg(test)]

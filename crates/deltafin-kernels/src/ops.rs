@@ -93,7 +93,7 @@ pub fn l2_normalize(x: &mut [f32], eps: f32) {
     }
 }
 
-crate::dispatch::simd_versions! {
+crate::simd::simd_versions! {
     /// One step of the KDA delta rule for one head (docs/K3.md §4.3 step 6), the state `s`
     /// row-major `[d (key), d (value)]`, `d = q.len()`:
     ///
@@ -231,7 +231,7 @@ mod tests {
 
     #[test]
     fn parallel_argmax_equals_the_serial_scan() {
-        let pools = crate::tests::pools();
+        let pools = crate::test_shared::pools();
         let mut seed = 0x9e37_79b9_u32;
         let mut next = move || {
             seed ^= seed << 13;

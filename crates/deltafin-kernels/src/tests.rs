@@ -5,7 +5,7 @@ use crate::dispatch::Backend;
 use crate::layout::Image;
 use crate::matvec::*;
 use crate::prepared::{Epilogue, Kernel, Layout};
-use crate::test_shared::{Rng, mxfp4};
+use crate::test_shared::{Rng, mxfp4, pool, pools};
 use deltafin_tensor::{Bf16Matrix, Mxfp4Matrix, RowInt8Matrix, bf16};
 
 /// The CPU features the x86-64 kernel tests need.
@@ -50,19 +50,6 @@ fn cpu_has(feature: Cpu, test: &str) -> bool {
     present
 }
 
-/// Thread pools of 1, 2 and 3 threads (a product's bits must not depend on which one runs it).
-pub(crate) fn pools() -> Vec<rayon::ThreadPool> {
-    (1..=3).map(pool).collect()
-}
-
-/// A pool of `threads` threads.
-pub(crate) fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
-}
-
 /// `got` equals `want` bit for bit (NaNs included); the failure names `what` and the first
 /// value that differs.
 #[track_caller]
@@ -98,6 +85,12 @@ impl Mats {
             rows,
             cols,
         }
+    }
+
+    /// [`Mats::new`], then `n` activation rows of `cols`.
+    fn with_input(rng: &mut Rng, rows: usize, cols: usize, n: usize) -> (Mats, Vec<f32>) {
+        let m = Mats::new(rng, rows, cols);
+        (m, rng.vec(n * cols))
     }
 
     fn all(&self) -> Vec<Weights<'_>> {
@@ -239,8 +232,7 @@ fn every_backend_matches_f64_on_ragged_shapes() {
         shapes.push((1 + rng.below(40), cols, 1 + rng.below(9)));
     }
     for &(rows, cols, n) in &shapes {
-        let m = Mats::new(&mut rng, rows, cols);
-        let xs = rng.vec(n * cols);
+        let (m, xs) = Mats::with_input(&mut rng, rows, cols, n);
         for w in m.all() {
             let (want, mag) = reference(&w, &xs, n);
             let mut scalar = vec![0f32; n * rows];
@@ -274,8 +266,7 @@ fn bit_identical_across_threads_and_batch_widths() {
     let mut rng = Rng(0x1234_5678_9abc_def1);
     // Large enough to be split over threads: rows·cols·n well above the parallel threshold.
     let (rows, cols, n) = (301, 544, 7);
-    let m = Mats::new(&mut rng, rows, cols);
-    let xs = rng.vec(n * cols);
+    let (m, xs) = Mats::with_input(&mut rng, rows, cols, n);
     let pools = pools();
     for w in m.all() {
         for k in entries_for(&w) {
@@ -571,9 +562,9 @@ fn avx512_mxfp4_f32_kernel_matches_scalar() {
     if !cpu_has(Cpu::Avx512, "avx512_mxfp4_f32_kernel_matches_scalar") {
         return;
     }
+    let rows = 4;
     let mut rng = Rng(0x3141_5926);
     for cols in [32usize, 64, 96, 128, 160, 256, 352, 1024] {
-        let rows = 4;
         let m = mxfp4(&mut rng, rows, cols);
         let w = Weights::Mxfp4(&m);
         let xs = rng.vec(2 * cols);
@@ -689,8 +680,7 @@ mod tiled {
     fn batched_matches_scalar_within_tolerance() {
         let mut rng = Rng(0x7117_ed00_5eed_0002);
         let (rows, cols, n) = (45, 1000, 13);
-        let m = Mats::new(&mut rng, rows, cols);
-        let xs = rng.vec(n * cols);
+        let (m, xs) = Mats::with_input(&mut rng, rows, cols, n);
         let w = Weights::Bf16(&m.bf16);
         let mut want = vec![0f32; n * rows];
         matmul_with(Backend::Scalar, w, &xs, n, &mut want);
@@ -729,16 +719,7 @@ fn serial_product_equals_parallel_product() {
 }
 
 /// The KDA step written out as plain scalar loops (the form it replaced in `deltafin-k3`).
-#[allow(clippy::too_many_arguments)]
-fn kda_step_scalar(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: f32,
-    o: &mut [f32],
-) {
+fn kda_step_scalar(s: &mut [f32], [q, k, v, g]: [&[f32]; 4], beta: f32, o: &mut [f32]) {
     let d = q.len();
     let mut u = v.to_vec();
     for r in 0..d {
@@ -775,7 +756,7 @@ fn kda_delta_step_is_bit_identical_to_scalar_loops() {
             let g: Vec<f32> = (0..d).map(|_| -rng.f().abs()).collect();
             let beta = 0.5 + 0.25 * rng.f();
             crate::ops::kda_delta_step(&mut s, &q, &k, &v, &g, beta, &mut u, &mut o);
-            kda_step_scalar(&mut s_ref, &q, &k, &v, &g, beta, &mut o_ref);
+            kda_step_scalar(&mut s_ref, [&q, &k, &v, &g], beta, &mut o_ref);
             assert_bits(format!("d={d}: state"), &s, &s_ref);
             assert_bits(format!("d={d}: output"), &o, &o_ref);
         }
@@ -1259,10 +1240,10 @@ fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn mxfp4_q8x3_fused_image_equals_portable_image() {
+    let mut rng = Rng(0x0f05_ed83_2222);
     if !cpu_has(Cpu::Avx512, "mxfp4_q8x3_fused_image_equals_portable_image") {
         return;
     }
-    let mut rng = Rng(0x0f05_ed83_2222);
     for cols in IMAGE_COLS {
         for n in 1..=3 {
             let xs = awkward_activations(&mut rng, n, cols);

@@ -115,7 +115,7 @@ fn map_body(op: Op, x: &mut [f32]) {
     }
 }
 
-crate::dispatch::simd_versions! {
+crate::simd::simd_versions! {
     /// [`map_body`] compiled for `backend`.
     fn map_with(backend, op: Op, x: &mut [f32]) = map_body, wrappers #[inline(never)];
 }
@@ -147,7 +147,7 @@ fn situ_body(g: &[f32], u: &[f32], beta1: f32, beta2: f32, out: &mut [f32]) {
     }
 }
 
-crate::dispatch::simd_versions! {
+crate::simd::simd_versions! {
     /// [`situ_glu`] compiled for `backend` (lengths checked by the caller).
     pub(crate) fn situ_glu_with(backend, g: &[f32], u: &[f32], beta1: f32, beta2: f32,
         out: &mut [f32]) = situ_body, wrappers #[inline(never)];

@@ -322,15 +322,15 @@ mod tests {
 
     #[test]
     fn candidates_follow_the_paths_then_the_usual_places() {
+        // Nothing set: the toolkit's default directory, then the loader's path.
+        let tail = Nvrtc::candidates(&CudaPaths::default());
+        assert!(tail.ends_with(&SONAMES.map(PathBuf::from)), "{tail:?}");
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().join("toolkit");
         std::fs::create_dir_all(root.join("lib64")).unwrap();
         let lib = root.join("lib64").join("libnvrtc.so.12");
         std::fs::write(&lib, b"").unwrap();
         let file = tmp.path().join("my-libnvrtc.so");
-        let usual = CudaPaths::default();
-        let tail = Nvrtc::candidates(&usual);
-        assert!(tail.ends_with(&SONAMES.map(PathBuf::from)), "{tail:?}");
         // A file first (whether it exists or not), then each toolkit root's libraries.
         let paths = CudaPaths {
             nvrtc: Some(file.clone()),

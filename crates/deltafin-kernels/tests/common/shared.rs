@@ -1,6 +1,6 @@
 //! What the integration tests (`tests/common`) and the library's unit tests (`src/lib.rs`
-//! includes this file) share: deterministic random inputs and the rule for a test that cannot
-//! run here.
+//! includes this file) share: deterministic random inputs, thread pools, and the rule for a
+//! test that cannot run here.
 
 use deltafin_tensor::{Bytes, Mxfp4Matrix};
 use std::io::Write as _;
@@ -55,6 +55,19 @@ impl Rng {
     pub fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.f()).collect()
     }
+}
+
+/// Thread pools of 1, 2 and 3 threads (a product's bits must not depend on which one runs it).
+pub fn pools() -> Vec<rayon::ThreadPool> {
+    (1..=3).map(pool).collect()
+}
+
+/// A pool of `threads` threads.
+pub fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
 }
 
 /// Random MXFP4 codes (`rows × cols`) with scales around 2⁻⁹…2⁶, some zero (2⁻¹²⁷, the
