@@ -4,8 +4,8 @@ use crate::ModelArgs;
 use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
-use deltafin_k3::chat::ReasoningEffort;
 use deltafin_k3::engine::EngineConfig;
+use deltafin_k3::text::chat::ReasoningEffort;
 use deltafin_openai::{
     DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, MAX_QUEUE,
     MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig,

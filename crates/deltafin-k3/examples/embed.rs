@@ -5,7 +5,7 @@
 
 use deltafin_k3::engine::EngineBuilder;
 use deltafin_k3::generate::{GenerateOptions, generate};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS};
 use std::error::Error;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;

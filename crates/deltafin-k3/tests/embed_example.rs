@@ -7,7 +7,7 @@ mod embed;
 use deltafin_k3::engine::EngineBuilder;
 use deltafin_k3::generate::{GenerateOptions, generate};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS};
 use std::sync::atomic::AtomicBool;
 
 #[test]

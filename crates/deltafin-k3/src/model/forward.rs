@@ -320,7 +320,7 @@ impl K3Model {
     }
 
     /// Check every weight shape against the checkpoint inventory for these dimensions
-    /// (`crate::inventory`) and every block against the layer schedule.
+    /// (`crate::weights::inventory`) and every block against the layer schedule.
     pub fn validate(&self) -> Result<(), ModelError> {
         let d = &self.dims;
         d.validate()?;

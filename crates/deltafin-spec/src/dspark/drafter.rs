@@ -4,9 +4,9 @@
 use super::DsparkError;
 use super::model::{DsparkContext, DsparkModel, Proposal};
 use crate::Drafter;
-use deltafin_k3::linear::Linear;
 use deltafin_k3::model::K3Model;
-use deltafin_k3::taps::Taps;
+use deltafin_k3::model::linear::Linear;
+use deltafin_k3::model::taps::Taps;
 use deltafin_tensor::Bf16Matrix;
 use std::sync::Arc;
 
