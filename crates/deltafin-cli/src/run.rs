@@ -84,7 +84,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     if args.top_logits.is_some() && args.events_jsonl.is_none() {
         bail!("--top-logits adds fields to the events file: it needs --events-jsonl PATH");
     }
-    let spec = SpecConfig::from_env().map_err(|e| anyhow!("{e}"))?;
+    let spec = crate::env::spec_config()?;
     if args.top_logits.is_some() {
         if spec.dspark == DraftMode::On {
             bail!(

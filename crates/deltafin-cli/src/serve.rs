@@ -139,7 +139,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     deltafin_k3::engine::check_spine(&args.model.model_root, spine)?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
-    let spec = deltafin_spec::dspark::SpecConfig::from_env().map_err(|e| anyhow!("{e}"))?;
+    let spec = crate::env::spec_config()?;
     let cfg = ServerConfig {
         host: args.host.clone(),
         port: args.port,
