@@ -16,6 +16,7 @@ use deltafin_k3::model::{K3Model, LogitRows, ModelError};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+pub mod dense;
 pub mod dspark;
 pub mod escalate;
 mod fields;

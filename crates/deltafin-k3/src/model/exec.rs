@@ -13,7 +13,8 @@
 //! None of it changes a value: the logits are the loop's whatever the hooks do.
 
 use crate::error::ModelError;
-use crate::model::forward::{K3Model, KdaForm, LogitRows, Logits, PassHooks};
+use crate::model::forward::{K3Model, LogitRows, Logits, PassHooks};
+use crate::model::kda::KdaForm;
 use crate::model::layer::{Ffn, Layer};
 use crate::model::moe_schedule::{ExpertSchedule, predict_across_dense};
 use crate::model::next_token::ProvisionalHead;
