@@ -168,12 +168,7 @@ impl<'m> Execution<'m, '_> {
         };
         model.provisional.guessed(token);
         let d = &model.dims;
-        let e: Vec<f32> = model
-            .embed
-            .row(token as usize)
-            .iter()
-            .map(|v| v.to_f32())
-            .collect();
+        let e = model.embed.row_f32(token as usize);
         let y = rms_norm_rows_new(&e, &first.input_layernorm, d.rms_norm_eps);
         predict_across_dense(d, experts, 1, &next.router, &y, 1);
     }

@@ -439,12 +439,7 @@ impl DsparkModel {
 
     /// The Markov bias `markov_w2 · markov_w1[prev]` (V values).
     pub fn markov_bias(&self, prev: u32) -> Vec<f32> {
-        let e: Vec<f32> = self
-            .markov_w1
-            .row(prev as usize)
-            .iter()
-            .map(|v| v.to_f32())
-            .collect();
+        let e = self.markov_w1.row_f32(prev as usize);
         let mut bias = vec![0f32; self.markov_w2.rows()];
         matvec_bf16(&self.markov_w2, &e, &mut bias);
         bias
