@@ -294,7 +294,7 @@ mod tests {
     }
 
     #[test]
-    fn spec_config_from_env_is_strict() {
+    fn spec_config_from_lookup_is_strict() {
         assert_eq!(
             SpecConfig::from_lookup(lookup(&[])).unwrap(),
             SpecConfig::default()
