@@ -103,7 +103,7 @@ pub fn plain_greedy(
     max_new: usize,
 ) -> Vec<u32> {
     use deltafin_k3::generate::{GenerateOptions, generate};
-    use deltafin_k3::tokenizer::{END_OF_MSG, EOS};
+    use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS};
     let opts = GenerateOptions {
         max_new: Some(max_new),
         stop_ids: vec![END_OF_MSG, EOS],
@@ -117,7 +117,7 @@ pub fn plain_greedy(
 }
 
 /// Total bytes of a checkpoint's shard files.
-pub fn shard_file_bytes(ckpt: &deltafin_k3::checkpoint::Checkpoint) -> u64 {
+pub fn shard_file_bytes(ckpt: &deltafin_k3::weights::checkpoint::Checkpoint) -> u64 {
     ckpt.shard_paths()
         .iter()
         .map(|p| std::fs::metadata(p).expect("shard metadata").len())

@@ -5,9 +5,9 @@ use anyhow::{Result, bail};
 use clap::Args;
 use deltafin_experts::DirectIo;
 use deltafin_experts::probe::{ProbeOptions, probe};
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
-use deltafin_k3::install;
-use deltafin_k3::spine_int8::{
+use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint};
+use deltafin_k3::weights::install;
+use deltafin_k3::weights::spine_int8::{
     ConvertOptions, ConvertProgress, DEFAULT_CHECKPOINT_ROWS, INT8_DIR, MAX_CHECKPOINT_ROWS,
     convert_spine, verify_spine,
 };

@@ -5,9 +5,9 @@
 use crate::convert::{disk_gbps, progress_bar};
 use anyhow::{Result, bail};
 use clap::Args;
-use deltafin_k3::checkpoint::CONFIG_FILE;
-use deltafin_k3::install;
-use deltafin_k3::spine_pack::{
+use deltafin_k3::weights::checkpoint::CONFIG_FILE;
+use deltafin_k3::weights::install;
+use deltafin_k3::weights::spine_pack::{
     DEFAULT_CHUNK, PackOptions, PackProgress, default_pack_dir, pack_spine, verify_packs,
 };
 use indicatif::ProgressBar;

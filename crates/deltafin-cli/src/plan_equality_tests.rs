@@ -5,10 +5,10 @@
 
 use crate::{Cli, Command};
 use clap::Parser;
-use deltafin_k3::chat::ReasoningEffort;
 use deltafin_k3::engine::{EngineBuilder, EngineConfig, MemoryPlan};
-use deltafin_k3::spine_int8::SpineFormat;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::text::chat::ReasoningEffort;
+use deltafin_k3::weights::spine_int8::SpineFormat;
 use std::path::Path;
 
 /// The process RSS every plan is made with (measuring it three times would differ).

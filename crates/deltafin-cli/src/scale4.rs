@@ -13,9 +13,9 @@ use clap::Args;
 use deltafin_experts::DirectIo;
 use deltafin_experts::probe::{ProbeOptions, probe};
 use deltafin_experts::scale4::{self, MANIFEST_FILE, RawSource, SCALE4_DIR, Scale4Manifest};
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
-use deltafin_k3::install;
-use deltafin_k3::loader::{EXPERT_DIR, expert_table};
+use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint};
+use deltafin_k3::weights::install;
+use deltafin_k3::weights::loader::{EXPERT_DIR, expert_table};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -239,8 +239,8 @@ mod tests {
     use deltafin_experts::scale4::Scale4Sidecars;
     use deltafin_k3::engine::Scale4Mode;
     use deltafin_k3::engine::experts::wrap_scale4;
-    use deltafin_k3::loader::{CheckpointExperts, EngineOptions, load_model_with_experts};
     use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+    use deltafin_k3::weights::loader::{CheckpointExperts, EngineOptions, load_model_with_experts};
     use std::sync::Arc;
 
     fn args(root: &Path) -> Scale4Args {

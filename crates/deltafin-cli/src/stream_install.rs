@@ -104,7 +104,7 @@ impl SourceLayer for FetchingExperts {
 mod tests {
     use super::*;
     use deltafin_fetch::FetchError;
-    use deltafin_k3::moe::InMemoryExperts;
+    use deltafin_k3::model::moe::InMemoryExperts;
     use std::path::PathBuf;
 
     struct Offline;

@@ -6,9 +6,9 @@ mod common;
 use common::{ids, jsonl, text};
 
 use deltafin_k3::generate::{GenerateOptions, generate};
-use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -4,11 +4,11 @@ mod common;
 
 use common::{ids, jsonl};
 
-use deltafin_k3::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
 use deltafin_k3::generate::{greedy, logsumexp};
-use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::text::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
+use deltafin_k3::text::tokenizer::Tokenizer;
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -5,11 +5,11 @@ mod common;
 
 use common::jsonl;
 
-use deltafin_k3::config::K3Config;
 use deltafin_k3::synth::{
     QwenSize, SynthDims, SynthSpec, synthesize, synthesize_dspark, synthesize_qwen3,
 };
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::text::tokenizer::Tokenizer;
+use deltafin_k3::weights::config::K3Config;
 use deltafin_spec::uag::synthesize_tokenizer_json;
 use serde_json::Value;
 use std::path::Path;

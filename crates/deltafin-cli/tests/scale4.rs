@@ -2,8 +2,8 @@
 //! the sidecars are written from the release shards or from `k3-experts/` files, and `run`
 //! with `require` (resident and streaming) emits exactly the tokens and logits of `off`.
 
-use deltafin_k3::loader::convert_to_expert_files;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::weights::loader::convert_to_expert_files;
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -134,7 +134,7 @@ fn convert_then_run_with_and_without_sidecars_is_identical() {
     assert!(text(&o).contains("0 layers converted"), "{}", text(&o));
 
     // From k3-experts/ files as the source, into another output root: the same bytes.
-    let ckpt = deltafin_k3::checkpoint::Checkpoint::open(d.path()).unwrap();
+    let ckpt = deltafin_k3::weights::checkpoint::Checkpoint::open(d.path()).unwrap();
     convert_to_expert_files(&ckpt).unwrap();
     let out2 = d.path().join("sc4-from-files");
     let o = deltafin(

@@ -141,7 +141,7 @@ fn serve_gives_the_same_tokens_as_run_and_exits_0_on_sigterm() {
     }
     assert_eq!(get(addr, "/v1/models").status, 200);
     ready(addr);
-    let tok = deltafin_k3::tokenizer::Tokenizer::from_dir(model_root()).unwrap();
+    let tok = deltafin_k3::text::tokenizer::Tokenizer::from_dir(model_root()).unwrap();
 
     // Raw completion.
     let prompt = "The capital of France is";

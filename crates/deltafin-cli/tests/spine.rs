@@ -7,10 +7,10 @@ mod common;
 use common::stdout_stderr;
 
 use deltafin_k3::generate::{GenerateOptions, generate};
-use deltafin_k3::loader::{EngineOptions, SpineFormat, open_model};
-use deltafin_k3::spine_int8::tensor_dir;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::weights::loader::{EngineOptions, SpineFormat, open_model};
+use deltafin_k3::weights::spine_int8::tensor_dir;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};

@@ -376,14 +376,14 @@ impl Manifests {
 /// release layout puts it in, and nothing else may be mapped. Shard sha256 and exact header
 /// lengths are left unpinned.
 pub fn k3_manifest_from_index(
-    cfg: &deltafin_k3::config::K3Config,
+    cfg: &deltafin_k3::weights::config::K3Config,
     index: &serde_json::Value,
     repo: &str,
     revision: &str,
     metadata: Vec<PinnedFile>,
     inventory: InventoryPin,
 ) -> Result<K3Manifest, FetchError> {
-    use deltafin_k3::inventory::{self as inv, TensorKind};
+    use deltafin_k3::weights::inventory::{self as inv, TensorKind};
     let bad = |msg: String| FetchError::Manifest {
         name: "model.safetensors.index.json".into(),
         msg,

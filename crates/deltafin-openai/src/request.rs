@@ -6,7 +6,7 @@
 
 use crate::MODEL_ID;
 use crate::error::ApiError;
-use deltafin_k3::chat::{ChatMessage, ReasoningEffort};
+use deltafin_k3::text::chat::{ChatMessage, ReasoningEffort};
 use serde_json::{Map, Value};
 
 /// Which endpoint a request came to.

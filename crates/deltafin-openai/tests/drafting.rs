@@ -5,11 +5,11 @@
 mod common;
 
 use common::*;
-use deltafin_k3::config::K3Config;
 use deltafin_k3::synth::{
     QwenSize, SynthDims, SynthSpec, synthesize, synthesize_dspark, synthesize_qwen3,
 };
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::text::tokenizer::Tokenizer;
+use deltafin_k3::weights::config::K3Config;
 use deltafin_openai::{Engine, ServerConfig};
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
 use deltafin_spec::select::{DraftModels, Surfaces};

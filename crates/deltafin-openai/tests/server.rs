@@ -4,9 +4,9 @@
 mod common;
 
 use common::*;
-use deltafin_k3::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, LogitSummary, generate};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS};
+use deltafin_k3::text::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS};
 use deltafin_openai::{MODEL_ID, ServerConfig};
 use serde_json::{Value, json};
 use std::sync::OnceLock;
