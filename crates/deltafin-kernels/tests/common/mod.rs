@@ -10,21 +10,10 @@
 use deltafin_kernels::cuda::reference;
 use deltafin_kernels::{Backend, Weights, matmul_with};
 use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix, bf16};
-use std::io::Write as _;
 
-/// `test` cannot run here because of `why`: a failure when `switch=1` (`.ci/run` sets the
-/// switch of everything CI installs), else a SKIP line written to the process's stderr past
-/// the test harness's capture, so that `cargo test` shows it.
-pub fn skip(test: &str, switch: &str, why: &str) {
-    assert!(
-        !std::env::var(switch).is_ok_and(|v| v == "1"),
-        "{switch}=1 but {test} cannot run: {why}"
-    );
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIP {test}: {why} ({switch}=1 makes this a failure)"
-    );
-}
+mod skip;
+#[allow(unused_imports)] // Not every test binary has a test that may skip.
+pub use skip::skip;
 
 /// xorshift64: the same inputs on every run.
 pub struct Rng(pub u64);
