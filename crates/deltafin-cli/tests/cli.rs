@@ -5,9 +5,10 @@ mod common;
 use common::{deltafin_bf16, exits, fails_with, ids, jsonl, shared_checkpoint};
 
 use deltafin_k3::generate::{greedy, logsumexp};
-use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use deltafin_k3::synth::SynthDims;
+use deltafin_k3::text::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
 use deltafin_k3::text::tokenizer::Tokenizer;
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
