@@ -1,6 +1,7 @@
 //! Strict reading of environment variables.
 
 use anyhow::{Result, anyhow, bail};
+use deltafin_spec::dspark::SpecConfig;
 
 /// Value of environment variable `name`, if set; a non-UTF-8 value is an error.
 pub fn env_var(name: &str) -> Result<Option<String>> {
@@ -11,6 +12,12 @@ pub fn env_var(name: &str) -> Result<Option<String>> {
             bail!("environment variable {name} is not valid UTF-8")
         }
     }
+}
+
+/// The speculative-decoding settings from `K3_DSPARK`, `K3_DSPARK_MAX_CONTEXT`,
+/// `K3_SPEC_DEPTH`, `K3_UAG_DRAFT` and `K3_DSPARK_AUTO_MIN_SPEEDUP` (unset: defaults).
+pub fn spec_config() -> Result<SpecConfig> {
+    SpecConfig::from_lookup(|k| std::env::var(k).ok()).map_err(|e| anyhow!("{e}"))
 }
 
 /// `name` parsed by `parse`, else `default`; a value `parse` rejects is an error naming the

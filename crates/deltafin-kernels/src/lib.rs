@@ -38,11 +38,15 @@ mod scalar;
 pub mod settings;
 mod simd;
 mod table;
-/// What the unit tests share with the integration tests (random inputs, skips).
+/// What the unit tests share with the integration tests: random inputs, pools, the SKIP rule.
 #[cfg(test)]
 #[path = "../tests/common/shared.rs"]
 #[allow(dead_code)] // not every target uses every part
 mod test_shared;
+#[cfg(test)]
+#[path = "../tests/common/skip.rs"]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the CPU-feature tests
+mod test_skip;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]

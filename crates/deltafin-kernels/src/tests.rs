@@ -23,7 +23,7 @@ enum Cpu {
 }
 
 /// Whether this CPU has `feature` for `test`; when it does not, a
-/// [`crate::test_shared::skip`]: a SKIP line on stderr, or a failure under the feature's
+/// [`crate::test_skip::skip`]: a SKIP line on stderr, or a failure under the feature's
 /// `DELTAFIN_REQUIRE_*` switch (docs/OPERATIONS.md, "Test switches").
 #[cfg(target_arch = "x86_64")]
 #[track_caller]
@@ -45,7 +45,7 @@ fn cpu_has(feature: Cpu, test: &str) -> bool {
     };
     if !present {
         let switch = format!("DELTAFIN_REQUIRE_{switch}");
-        crate::test_shared::skip(test, &switch, &format!("this CPU has no {what}"));
+        crate::test_skip::skip(test, &switch, &format!("this CPU has no {what}"));
     }
     present
 }

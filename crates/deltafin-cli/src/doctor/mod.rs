@@ -52,7 +52,10 @@ pub fn doctor(args: &DoctorArgs) -> Result<ExitCode> {
     runtime_checks(&mut report);
     let mem = meminfo();
     memory_check(&mut report, mem);
-    huge_pages_check(&mut report, deltafin_k3::resident::transparent_huge_pages());
+    huge_pages_check(
+        &mut report,
+        deltafin_k3::weights::resident::transparent_huge_pages(),
+    );
     let mut probe_file: Option<PathBuf> = None;
     if let Some(root) = &root {
         probe_file = model_checks(&mut report, root, mem.map(|m| m.available));

@@ -2,11 +2,11 @@
 
 use super::memory::gib;
 use super::report::{Report, Status};
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, INDEX_FILE};
-use deltafin_k3::config::{K3Config, REAL_CONFIG_JSON};
-use deltafin_k3::inventory::{self, TensorKind};
-use deltafin_k3::loader::{EngineOptions, dims_from_config};
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::text::tokenizer::Tokenizer;
+use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, INDEX_FILE};
+use deltafin_k3::weights::config::{K3Config, REAL_CONFIG_JSON};
+use deltafin_k3::weights::inventory::{self, TensorKind};
+use deltafin_k3::weights::loader::{EngineOptions, dims_from_config};
 use deltafin_tensor::SafetensorsFile;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -63,8 +63,8 @@ pub(super) fn model_checks(r: &mut Report, root: &Path, available: Option<u64>) 
 
     let mut largest: Option<(u64, PathBuf)> = None;
     match Checkpoint::open(root) {
-        Ok(ckpt) if ckpt.layout() == deltafin_k3::checkpoint::Layout::StreamInstall => {
-            let missing = deltafin_k3::loader::stream_install_missing_experts(&ckpt).len();
+        Ok(ckpt) if ckpt.layout() == deltafin_k3::weights::checkpoint::Layout::StreamInstall => {
+            let missing = deltafin_k3::weights::loader::stream_install_missing_experts(&ckpt).len();
             r.add(
                 "checkpoint",
                 Status::Ok,

@@ -14,8 +14,11 @@ use deltafin_kernels::{Backend, Weights, matmul_with};
 use deltafin_tensor::{Bf16Matrix, Mxfp4Matrix, RowInt8Matrix, bf16};
 
 mod shared;
+mod skip;
 #[allow(unused_imports)] // each test binary uses a part
-pub use shared::{Rng, mxfp4, skip};
+pub use shared::{Rng, mxfp4};
+#[allow(unused_imports)] // Not every test binary has a test that may skip.
+pub use skip::skip;
 
 pub fn bf16m(rng: &mut Rng, rows: usize, cols: usize) -> Bf16Matrix {
     let v: Vec<bf16> = rng

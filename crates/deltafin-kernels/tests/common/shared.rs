@@ -1,24 +1,7 @@
 //! What the integration tests (`tests/common`) and the library's unit tests (`src/lib.rs`
-//! includes this file) share: deterministic random inputs, thread pools, and the rule for a
-//! test that cannot run here.
+//! includes this file, and `skip.rs`) share: deterministic random inputs and thread pools.
 
 use deltafin_tensor::{Bytes, Mxfp4Matrix};
-use std::io::Write as _;
-
-/// `test` cannot run here because of `why`: a failure when `switch=1` (`.ci/run` sets the
-/// switch of everything CI has), else a SKIP line written to the process's stderr past the
-/// test harness's capture, so that `cargo test` shows it.
-#[track_caller]
-pub fn skip(test: &str, switch: &str, why: &str) {
-    assert!(
-        !std::env::var(switch).is_ok_and(|v| v == "1"),
-        "{switch}=1 but {test} cannot run: {why}"
-    );
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIP {test}: {why} ({switch}=1 makes this a failure)"
-    );
-}
 
 /// xorshift64: the same inputs on every run.
 pub struct Rng(pub u64);
