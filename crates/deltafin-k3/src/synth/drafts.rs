@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::k3::*;
 use super::spec::*;
 use crate::weights::config::K3Config;
-use crate::weights::inventory::{TensorKind, TensorSpec};
+use crate::weights::inventory::{StoredShape, TensorKind, TensorSpec};
 
 pub(super) fn bf16_spec(name: String, shape: Vec<usize>) -> TensorSpec {
     TensorSpec {
@@ -18,6 +18,7 @@ pub(super) fn bf16_spec(name: String, shape: Vec<usize>) -> TensorSpec {
         dtype: DType::BF16,
         shard: 1,
         kind: TensorKind::Spine { layer: None },
+        stored: StoredShape::Exact,
     }
 }
 
