@@ -109,9 +109,10 @@ fn tiny_reads_back_through_the_api() {
         .bf16_matrix("language_model.model.layers.0.mlp_res_proj.weight")
         .unwrap();
     assert_eq!((rp.rows(), rp.cols()), (1, 48));
-    // A_log: one value per head in ln(1)..ln(4), exact zeros after.
+    // A_log: one value per head in ln(1)..ln(4), exact zeros after, stored as the reference
+    // does: 4 heads padded to a multiple of 128 (not to the head dim, 16).
     let a = ck.f32_vector("model.layers.1.self_attn.A_log").unwrap();
-    assert_eq!(a.len(), 16);
+    assert_eq!(a.len(), 128);
     assert!(a[..4].iter().all(|&x| (0.0..=4f32.ln()).contains(&x)));
     assert!(a[4..].iter().all(|&x| x.to_bits() == 0));
     let conv = ck
@@ -182,15 +183,20 @@ fn draft_model_synthesis() {
         f.info("context_proj.weight").unwrap().shape,
         vec![48, 5 * 48]
     );
+    // The drafter's own head count, not the target's (3 for 4; the release has 64 for 96).
     assert_eq!(
         f.info("layers.4.self_attn.kv_b_proj.weight").unwrap().shape,
-        vec![4 * 32, 32]
+        vec![3 * 32, 32]
     );
     let cfg: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(dir.path().join("dspark/config.json")).unwrap(),
     )
     .unwrap();
     assert_eq!(cfg["model_type"], "k3_dspark");
+    assert_eq!(cfg["num_attention_heads"], 3);
+    // Special ids fit the 1024-token vocabulary (the mask keeps its offset from the end).
+    assert_eq!(cfg["mask_token_id"], 1024 - 3);
+    assert_eq!(cfg["eos_token_id"], target.eos_token_id);
     assert_eq!(
         cfg["target_layer_ids"],
         serde_json::json!([0, 3, 7, 10, 13])

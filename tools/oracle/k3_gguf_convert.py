@@ -26,6 +26,8 @@ Deviations, all opt-in and off by default:
                  repack, dequantized with gguf-py's MXFP4 dequantizer) instead of MXFP4, so
                  that llama.cpp's CPU matmul does not quantize the expert *activations* to
                  Q8_0 (ggml's vec_dot_type for MXFP4). Weight values are unchanged.
+Checks not in llama.cpp: a config whose KDA and MLA head counts differ is refused (llama.cpp
+keeps one head count for both).
 Torch vs numpy: `-exp(A_log)` is computed in float64 and rounded to f32 (torch's f32 exp
 may differ by 1 ulp); every other step is exact (reshapes, bit moves, bf16->f32 widening,
 one f32 multiply for the fused AttnRes score).
@@ -372,6 +374,13 @@ class K3Converter:
     # TextModel.set_gguf_parameters + KimiK3Model.set_gguf_parameters
     def set_gguf_parameters(self) -> None:
         hp, w = self.hparams, self.gguf_writer
+        # Not in llama.cpp: its GGUF has one head count for KDA and MLA (and narrows A_log to
+        # num_attention_heads entries), which is only right while the two agree, as in the
+        # release. Refuse a config where they differ instead of converting it wrongly.
+        if hp["linear_attn_config"]["num_heads"] != hp["num_attention_heads"]:
+            raise NotImplementedError(
+                f"linear_attn_config.num_heads {hp['linear_attn_config']['num_heads']} != "
+                f"num_attention_heads {hp['num_attention_heads']}: llama.cpp's kimi-k3 has one head count")
         hp["num_key_value_heads"] = 1  # KimiK3Model: MLA served as MQA
         w.add_block_count(self.block_count)
         w.add_context_length(hp["max_position_embeddings"])

@@ -69,7 +69,9 @@ class K3Ref:
 
     def kda(self, l, y, eps_l2):
         c, la = self.c, self.c["linear_attn_config"]
-        H, d, K = c["num_attention_heads"], la["head_dim"], la["short_conv_kernel_size"]
+        # KDA heads come from linear_attn_config, not num_attention_heads (the MLA heads; both
+        # are 96 in the release).
+        H, d, K = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
         p = f"model.layers.{l}.self_attn."
         T = y.shape[0]
 

@@ -50,6 +50,12 @@ def scaled_config(d: dict) -> dict:
     return c
 
 
+def a_log_stored_len(heads: int) -> int:
+    """The reference's A_log storage (docs/K3.md §3.2): one entry per KDA head, zero-padded to a
+    multiple of 128 (so 4 heads are stored as [128], 96 as [128], 160 as [256])."""
+    return -(-heads // 128) * 128
+
+
 def layer_specs(d: dict, l: int) -> list[tuple[str, list[int], str]]:
     D, P = d["hidden"], d["kda_heads"] * d["kda_head_dim"]
     H, hd = d["mla_heads"], d["qk_nope"] + d["qk_rope"]
@@ -70,7 +76,7 @@ def layer_specs(d: dict, l: int) -> list[tuple[str, list[int], str]]:
         s += [(a + f"{x}_proj.weight", [P, D], "BF16") for x in "qkv"]
         s += [(a + f"{x}_conv1d.weight", [P, 1, K], "F32") for x in "qkv"]
         s += [(a + "f_a_proj.weight", [d["kda_head_dim"], D], "BF16"), (a + "f_b_proj.weight", [P, d["kda_head_dim"]], "BF16"),
-              (a + "b_proj.weight", [d["kda_heads"], D], "BF16"), (a + "A_log", [max(d["kda_heads"], d["kda_head_dim"])], "F32"),
+              (a + "b_proj.weight", [d["kda_heads"], D], "BF16"), (a + "A_log", [a_log_stored_len(d["kda_heads"])], "F32"),
               (a + "dt_bias", [P], "F32"), (a + "o_norm.weight", [d["kda_head_dim"]], "F32"),
               (a + "g_proj.weight", [P, D], "BF16"), (a + "o_proj.weight", [D, P], "BF16")]
     if l == 0:

@@ -30,7 +30,7 @@ use crate::model::mla::MlaCache;
 use crate::model::moe::{ExpertSchedule, ExpertSource};
 use crate::model::norm::rms_norm_rows_new;
 use crate::model::state::{LayerState, State};
-use crate::weights::inventory;
+use crate::weights::inventory::{self, StoredShape};
 use deltafin_tensor::{Bf16Matrix, DType};
 
 /// Which rows of logits a forward call returns.
@@ -152,8 +152,9 @@ fn vector(v: &[f32]) -> Held {
 
 /// The inventory's entries `expected` (names under `prefix`) against the weights the model
 /// `held` under the same names: one for one, a matrix of the stored shape, a vector of as
-/// many values.
+/// many values (of a zero-padded vector, as many as are used: `A_log` holds one per head).
 fn check_against(
+    dims: &ModelDims,
     prefix: &str,
     expected: &[(String, Vec<usize>, DType)],
     held: &[(&str, Held)],
@@ -170,7 +171,10 @@ fn check_against(
         let (ok, expected, found) = match h {
             Held::Matrix(r, c) => (stored[..] == [r, c], stored.clone(), vec![r, c]),
             Held::Vector(n) => {
-                let want = stored.iter().product();
+                let want = match inventory::stored_shape(dims, name) {
+                    StoredShape::ZeroPadded { used } => used,
+                    StoredShape::Exact => stored.iter().product(),
+                };
                 (n == want, vec![want], vec![n])
             }
         };
@@ -329,7 +333,7 @@ impl K3Model {
                 vector(&self.output_res.proj),
             ),
         ];
-        check_against("", &inventory::global_spine(d), &globals)?;
+        check_against(d, "", &inventory::global_spine(d), &globals)?;
         if self.layers.len() != d.num_layers() {
             return Err(ModelError::Dims(format!(
                 "{} layers given, the schedule has {}",
@@ -356,7 +360,7 @@ impl K3Model {
                 }
             }
             let prefix = format!("model.layers.{l}.");
-            check_against(&prefix, &inventory::layer_spine(d, l), &layer.held())?;
+            check_against(d, &prefix, &inventory::layer_spine(d, l), &layer.held())?;
         }
         Ok(())
     }
@@ -973,6 +977,46 @@ pub(crate) mod tests {
         eprintln!("f32 vs f64 reference, max rel L2 over 70 positions: {max_err:.3e}");
     }
 
+    /// Dimensions in which every pair of sizes that the release happens to make equal
+    /// differs (K3: KDA heads = MLA heads = 96, KDA head dim = `qk_nope` = `v_head` = 128,
+    /// `A_log` length = head dim = 128), and `q_lora ≠ kv_lora`, `latent ≠ moe_intermediate`:
+    /// a rule that ties two of them together fails here.
+    pub(crate) fn distinct_dims() -> ModelDims {
+        ModelDims {
+            hidden_size: 48,
+            kda_heads: 3,
+            kda_head_dim: 16,
+            mla_heads: 5,
+            q_lora_rank: 24,
+            kv_lora_rank: 20,
+            qk_nope_head_dim: 12,
+            qk_rope_head_dim: 6,
+            v_head_dim: 10,
+            dense_intermediate: 56,
+            shared_intermediate: 40,
+            moe_intermediate: 64,
+            latent_size: 32,
+            ..tiny_dims()
+        }
+    }
+
+    #[test]
+    fn distinct_dims_match_the_f64_reference_model() {
+        let (model, experts) = random_model_with(distinct_dims(), 13);
+        let toks = prompt(40, 17);
+        let mut s = model.new_state();
+        let got = model.forward(&mut s, &toks, LogitRows::All).unwrap();
+        let want = reference_logits(&model, &experts, &toks);
+        let max_err = want
+            .iter()
+            .enumerate()
+            .map(|(i, w)| rel_l2(got.row(i), w))
+            .fold(0f64, f64::max);
+        assert!(max_err < 1e-4, "distinct dims: rel L2 {max_err}");
+        let (max, _) = prefill_vs_decode(&model, 20);
+        assert!(max < 1e-2, "distinct dims: prefill vs decode rel L2 {max}");
+    }
+
     #[test]
     fn taps_leave_logits_unchanged_and_match_reference_partial_sums() {
         let (model, experts) = random_model(7);
@@ -1144,11 +1188,12 @@ pub(crate) mod tests {
         type Edit = fn(&mut K3Model);
         let cases: [(&str, &str, Edit); 5] = [
             (
+                // The model holds `A_log` unpadded: one value per head (2 here).
                 "model.layers.1.self_attn.A_log",
-                "expected shape [8], found [2]",
+                "expected shape [2], found [3]",
                 |m| {
                     if let Attention::Kda(w) = &mut m.layers[1].attn {
-                        w.a_log.truncate(2);
+                        w.a_log.push(0.0);
                     }
                 },
             ),

@@ -65,8 +65,8 @@ pub struct KdaWeights {
     pub f_b_proj: Linear,
     /// `b_proj.weight` `[H, D]` (write strength β).
     pub b_proj: Linear,
-    /// `A_log`: one scalar per head in entries `0..H` (the checkpoint pads to 128 with zeros;
-    /// entries past `H` are not read).
+    /// `A_log` `[H]`: one scalar per head (the checkpoint stores it zero-padded; the loader
+    /// checks the padding and keeps the first `H` entries, docs/K3.md §3.2).
     pub a_log: Vec<f32>,
     /// `dt_bias` `[H·d]`.
     pub dt_bias: Vec<f32>,
@@ -401,9 +401,7 @@ pub(crate) mod tests {
         let p = h * d;
         let k = dims.conv_kernel;
         let taps = |rng: &mut Rng| rng.vec(p * k, 0.8);
-        // Stored as `[head_dim]`, one entry per head: the padding entries are never read.
-        let mut a_log = rng.vec(h, 1.0);
-        a_log.extend(std::iter::repeat_n(0.0, d - h));
+        let a_log = rng.vec(h, 1.0);
         KdaWeights {
             q_proj: rng.bf16_matrix(p, dm).into(),
             k_proj: rng.bf16_matrix(p, dm).into(),

@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::k3::*;
 use super::spec::*;
 use crate::weights::config::K3Config;
-use crate::weights::inventory::{TensorKind, TensorSpec};
+use crate::weights::inventory::{StoredShape, TensorKind, TensorSpec};
 
 pub(super) fn bf16_spec(name: String, shape: Vec<usize>) -> TensorSpec {
     TensorSpec {
@@ -18,6 +18,7 @@ pub(super) fn bf16_spec(name: String, shape: Vec<usize>) -> TensorSpec {
         dtype: DType::BF16,
         shard: 1,
         kind: TensorKind::Spine { layer: None },
+        stored: StoredShape::Exact,
     }
 }
 
@@ -32,9 +33,11 @@ pub(super) fn plain_init(s: &TensorSpec) -> Init {
     }
 }
 
-/// The DSpark draft config (assets/kimi/dspark-config.json) scaled to `target`: hidden and
-/// MLA dims from the target, 5 layers, intermediate 2·hidden, Markov rank 16, tap layers
-/// mapped proportionally onto the target depth.
+/// The DSpark draft config (assets/kimi/dspark-config.json) scaled to `target`: hidden size
+/// and the MLA head dims and ranks from the target, but (as in the release, 64 drafter heads
+/// for K3's 96) a head count of its own, about ⅔ of the target's and never equal to it;
+/// 5 layers, intermediate 2·hidden, Markov rank 16, tap layers mapped proportionally onto
+/// the target depth, the target's special ids.
 pub fn dspark_config(target: &K3Config) -> Result<Value, SynthError> {
     let src = std::fs::read_to_string(default_assets_dir().join("dspark-config.json"))
         .map_err(io_err(&default_assets_dir().join("dspark-config.json")))?;
@@ -48,8 +51,13 @@ pub fn dspark_config(target: &K3Config) -> Result<Value, SynthError> {
     let set = |v: &mut Value, k: &str, x: Value| v[k] = x;
     set(&mut v, "hidden_size", t.hidden_size.into());
     set(&mut v, "intermediate_size", (2 * t.hidden_size).into());
-    set(&mut v, "num_attention_heads", t.num_attention_heads.into());
-    set(&mut v, "num_key_value_heads", t.num_attention_heads.into());
+    let target_heads = t.num_attention_heads;
+    let heads = match (2 * target_heads).div_ceil(3) {
+        h if h == target_heads => h + 1,
+        h => h,
+    };
+    set(&mut v, "num_attention_heads", heads.into());
+    set(&mut v, "num_key_value_heads", heads.into());
     set(&mut v, "q_lora_rank", t.q_lora_rank.into());
     set(&mut v, "kv_lora_rank", t.kv_lora_rank.into());
     set(&mut v, "qk_nope_head_dim", t.qk_nope_head_dim.into());
@@ -62,6 +70,16 @@ pub fn dspark_config(target: &K3Config) -> Result<Value, SynthError> {
     set(&mut v, "num_target_layers", taps.len().into());
     set(&mut v, "target_layer_ids", taps.into());
     set(&mut v, "markov_rank", 16.into());
+    // The special ids are the target's; the mask id keeps its offset from the end of the
+    // vocabulary, as `scaled_config` does for the target's own ids.
+    set(&mut v, "bos_token_id", target.bos_token_id.into());
+    set(&mut v, "eos_token_id", target.eos_token_id.into());
+    set(&mut v, "pad_token_id", target.pad_token_id.into());
+    let mask = v["mask_token_id"].as_u64().unwrap_or(0) as usize;
+    let mask = (mask + t.vocab_size)
+        .checked_sub(REAL_VOCAB)
+        .ok_or_else(|| SynthError::Dims(format!("vocab {} is too small", t.vocab_size)))?;
+    set(&mut v, "mask_token_id", mask.into());
     Ok(v)
 }
 
@@ -72,31 +90,57 @@ pub fn synthesize_dspark(
     seed: u64,
     target: &K3Config,
 ) -> Result<SynthReport, SynthError> {
-    let v = dspark_config(target)?;
-    let u = |k: &str| v[k].as_u64().unwrap_or(0) as usize;
+    synthesize_dspark_from_config(out_dir, seed, &dspark_config(target)?)
+}
+
+/// Synthesise a DSpark draft checkpoint for the DSpark `config.json` value `v`: every tensor
+/// shape is read from it (heads, ranks, head dims, Markov rank, tap count and target hidden
+/// size, layers, the confidence head's flags); the loader then checks the config itself.
+pub fn synthesize_dspark_from_config(
+    out_dir: &Path,
+    seed: u64,
+    v: &Value,
+) -> Result<SynthReport, SynthError> {
+    let u = |k: &str| -> Result<usize, SynthError> {
+        v[k].as_u64()
+            .map(|x| x as usize)
+            .ok_or_else(|| SynthError::Dims(format!("DSpark config: `{k}` is not an integer")))
+    };
+    let flag = |k: &str| v[k].as_bool().unwrap_or(false);
     let (d, inter, h) = (
-        u("hidden_size"),
-        u("intermediate_size"),
-        u("num_attention_heads"),
+        u("hidden_size")?,
+        u("intermediate_size")?,
+        u("num_attention_heads")?,
     );
-    let (ql, kvl) = (u("q_lora_rank"), u("kv_lora_rank"));
+    let (ql, kvl) = (u("q_lora_rank")?, u("kv_lora_rank")?);
     let (nope, rope, vh) = (
-        u("qk_nope_head_dim"),
-        u("qk_rope_head_dim"),
-        u("v_head_dim"),
+        u("qk_nope_head_dim")?,
+        u("qk_rope_head_dim")?,
+        u("v_head_dim")?,
     );
-    let (vocab, r, taps) = (u("vocab_size"), u("markov_rank"), u("num_target_layers"));
+    let (vocab, r) = (u("vocab_size")?, u("markov_rank")?);
+    let taps = u("num_target_layers")? * u("target_hidden_size")?;
     let mut specs = vec![
-        bf16_spec("context_proj.weight".into(), vec![d, taps * d]),
+        bf16_spec("context_proj.weight".into(), vec![d, taps]),
         bf16_spec("context_norm.weight".into(), vec![d]),
         bf16_spec("embed_tokens.weight".into(), vec![vocab, d]),
         bf16_spec("final_norm.weight".into(), vec![d]),
         bf16_spec("markov_head.markov_w1.weight".into(), vec![vocab, r]),
         bf16_spec("markov_head.markov_w2.weight".into(), vec![vocab, r]),
-        bf16_spec("confidence_head.proj.weight".into(), vec![1, d + r]),
-        bf16_spec("confidence_head.proj.bias".into(), vec![1]),
     ];
-    for n in 0..u("num_hidden_layers") {
+    if flag("enable_confidence_head") {
+        let width = d + if flag("confidence_head_with_markov") {
+            r
+        } else {
+            0
+        };
+        specs.push(bf16_spec(
+            "confidence_head.proj.weight".into(),
+            vec![1, width],
+        ));
+        specs.push(bf16_spec("confidence_head.proj.bias".into(), vec![1]));
+    }
+    for n in 0..u("num_hidden_layers")? {
         let p = format!("layers.{n}.");
         for (name, shape) in [
             ("input_layernorm.weight", vec![d]),
@@ -115,7 +159,7 @@ pub fn synthesize_dspark(
             specs.push(bf16_spec(format!("{p}{name}"), shape));
         }
     }
-    single_file(out_dir, &v, specs, seed, &plain_init)
+    single_file(out_dir, v, specs, seed, &plain_init)
 }
 
 /// Which Qwen3 Base draft to imitate.

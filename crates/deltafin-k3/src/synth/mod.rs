@@ -21,7 +21,8 @@
 //! Router weights have std `1/√D` (sigmoid scores spread over (0, 1)) and
 //! `e_score_correction_bias` is a random permutation of evenly spaced values in ±0.2, so
 //! selection never sees exact ties. KDA: `A_log[h] = ln(1 + 3u)` (decay rate e^A in [1, 4]);
-//! entries past `num_heads` are exactly 0 as in the release; `dt_bias ≈ -1.5 ± 0.5` shifts
+//! the tensor is stored as the reference writes it, padded with exact zeros to a multiple of
+//! 128 entries (docs/K3.md §3.2); `dt_bias ≈ -1.5 ± 0.5` shifts
 //! the bounded gate `-5σ(e^A z)` toward slow decay so the recurrence carries memory;
 //! convolution taps have std 0.5 with the current-token tap around 1. MXFP4 experts use
 //! uniformly random E2M1 codes (rms 2.93) with per-(row, 32-group) E8M0 scales jittered by

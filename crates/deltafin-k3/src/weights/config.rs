@@ -468,15 +468,6 @@ impl K3Config {
                 ));
             }
         }
-        if la.num_heads > la.head_dim {
-            return Err(invalid(
-                "text_config.linear_attn_config.num_heads",
-                format!(
-                    "{} exceeds head_dim = {} (A_log is stored as a [head_dim] tensor with one entry per head)",
-                    la.num_heads, la.head_dim
-                ),
-            ));
-        }
         if la.gate_lower_bound >= 0.0 {
             return Err(invalid(
                 "text_config.linear_attn_config.gate_lower_bound",

@@ -75,22 +75,102 @@ pub enum TensorKind {
     Vision,
 }
 
+/// `A_log` is stored zero-padded to a multiple of this many entries (docs/K3.md §3.2).
+pub const A_LOG_PAD: usize = 128;
+
+/// The reference's stored length of `A_log` for `heads` KDA heads: `heads` rounded up to a
+/// multiple of [`A_LOG_PAD`] (128 for K3's 96 heads).
+pub fn a_log_stored_len(heads: usize) -> usize {
+    heads.div_ceil(A_LOG_PAD) * A_LOG_PAD
+}
+
+/// Which stored shapes a checkpoint may hold for a tensor (docs/K3.md §3.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StoredShape {
+    /// Exactly the spec's shape.
+    Exact,
+    /// A zero-padded vector of which the model reads the first `used` entries (`A_log`: one
+    /// per KDA head). The spec's shape is the reference's own layout; any 1-D length of at
+    /// least `used` is accepted, and the entries past `used` must be exactly zero (checked
+    /// when the values are loaded).
+    ZeroPadded { used: usize },
+}
+
+/// The stored-shape rule of spine tensor `name` (without the `language_model.` prefix) of a
+/// model with dimensions `dims`.
+pub fn stored_shape(dims: &ModelDims, name: &str) -> StoredShape {
+    if name.ends_with(".self_attn.A_log") {
+        StoredShape::ZeroPadded {
+            used: dims.kda_heads,
+        }
+    } else {
+        StoredShape::Exact
+    }
+}
+
+/// The first `used` entries of a zero-padded vector stored as `values`
+/// ([`StoredShape::ZeroPadded`]), or why they cannot be taken: fewer than `used` entries, or
+/// an entry past them that is not exactly zero.
+pub fn unpad(mut values: Vec<f32>, used: usize) -> Result<Vec<f32>, String> {
+    if values.len() < used {
+        return Err(format!(
+            "has {} entries, fewer than the {used} it must hold",
+            values.len()
+        ));
+    }
+    if let Some((i, v)) = values
+        .iter()
+        .enumerate()
+        .skip(used)
+        .find(|&(_, &v)| v != 0.0)
+    {
+        return Err(format!(
+            "entry {i} is {v}, but the entries past the first {used} are zero padding and must be exactly 0"
+        ));
+    }
+    values.truncate(used);
+    Ok(values)
+}
+
 /// One expected tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorSpec {
     /// Full name as stored (`language_model.…` for text tensors).
     pub name: String,
+    /// The shape the reference writes (what the synthesizer writes and sizes are computed
+    /// from); [`TensorSpec::stored`] says which other shapes a checkpoint may hold.
     pub shape: Vec<usize>,
     pub dtype: DType,
     /// 1-based shard index.
     pub shard: usize,
     pub kind: TensorKind,
+    pub stored: StoredShape,
 }
 
 impl TensorSpec {
-    /// Data bytes.
+    /// Data bytes of [`TensorSpec::shape`].
     pub fn byte_len(&self) -> usize {
         self.shape.iter().product::<usize>() * self.dtype.size()
+    }
+
+    /// Whether a checkpoint may store this tensor with shape `found`.
+    pub fn accepts_shape(&self, found: &[usize]) -> bool {
+        match self.stored {
+            StoredShape::Exact => found == self.shape.as_slice(),
+            StoredShape::ZeroPadded { used } => matches!(found, [n] if *n >= used),
+        }
+    }
+
+    /// The accepted shapes, for error messages: `[a, b]`, or `[128] (any [n] with n ≥ 3,
+    /// zero past entry 3)`.
+    pub fn expected_shape(&self) -> String {
+        match self.stored {
+            StoredShape::Exact => format!("{:?}", self.shape),
+            StoredShape::ZeroPadded { used } => format!(
+                "{:?} (or any [n] with n ≥ {used}, zero-padded past the first {used})",
+                self.shape
+            ),
+        }
     }
 }
 
@@ -170,7 +250,7 @@ pub fn layer_spine(dims: &ModelDims, l: usize) -> Vec<(String, Vec<usize>, DType
             add("self_attn.f_a_proj.weight", vec![hd, d], DType::BF16);
             add("self_attn.f_b_proj.weight", vec![w, hd], DType::BF16);
             add("self_attn.b_proj.weight", vec![h, d], DType::BF16);
-            add("self_attn.A_log", vec![hd], DType::F32);
+            add("self_attn.A_log", vec![a_log_stored_len(h)], DType::F32);
             add("self_attn.dt_bias", vec![w], DType::F32);
             add("self_attn.o_norm.weight", vec![hd], DType::F32);
             add("self_attn.g_proj.weight", vec![w, d], DType::BF16);
@@ -353,6 +433,7 @@ pub fn text_inventory(cfg: &K3Config) -> Vec<TensorSpec> {
         let mut shard: Vec<TensorSpec> = layer_spine(&dims, l)
             .into_iter()
             .map(|(name, shape, dtype)| TensorSpec {
+                stored: stored_shape(&dims, &name),
                 name: format!("{PREFIX}{name}"),
                 shape,
                 dtype,
@@ -377,6 +458,7 @@ pub fn text_inventory(cfg: &K3Config) -> Vec<TensorSpec> {
                             matrix: t.matrix,
                             part: t.part,
                         },
+                        stored: StoredShape::Exact,
                     });
                 }
             }
@@ -385,6 +467,7 @@ pub fn text_inventory(cfg: &K3Config) -> Vec<TensorSpec> {
     let mut global: Vec<TensorSpec> = global_spine(&dims)
         .into_iter()
         .map(|(name, shape, dtype)| TensorSpec {
+            stored: stored_shape(&dims, &name),
             name: format!("{PREFIX}{name}"),
             shape,
             dtype,
@@ -412,6 +495,7 @@ pub fn vision_inventory(cfg: &K3Config) -> Vec<TensorSpec> {
         dtype: DType::BF16,
         shard,
         kind,
+        stored: StoredShape::Exact,
     };
     let mut proj = vec![
         spec(

@@ -276,6 +276,17 @@ impl Names<'_> {
         }
         Ok(self.ckpt.f32_vector(&format!("{}{name}", self.prefix))?)
     }
+    /// A zero-padded vector (`A_log`, docs/K3.md §3.2): its first `used` entries, the
+    /// padding after them checked to be exactly zero.
+    fn unpadded(&self, name: &str, used: usize) -> Result<Vec<f32>, LoadError> {
+        crate::weights::inventory::unpad(self.vec(name)?, used).map_err(|message| {
+            CheckpointError::Request {
+                name: self.full(name),
+                message,
+            }
+            .into()
+        })
+    }
     fn attn_res(&self, which: &str) -> Result<AttnResWeights, LoadError> {
         Ok(AttnResWeights {
             norm: self.vec(&format!("{which}_norm.weight"))?,
@@ -315,7 +326,7 @@ fn load_layer(
             f_a_proj: n.lin("self_attn.f_a_proj.weight")?,
             f_b_proj: n.lin("self_attn.f_b_proj.weight")?,
             b_proj: n.lin("self_attn.b_proj.weight")?,
-            a_log: n.vec("self_attn.A_log")?,
+            a_log: n.unpadded("self_attn.A_log", cfg.text.linear_attn.num_heads)?,
             dt_bias: n.vec("self_attn.dt_bias")?,
             g_proj: n.lin("self_attn.g_proj.weight")?,
             o_norm: n.vec("self_attn.o_norm.weight")?,

@@ -13,6 +13,8 @@ use deltafin_tensor::{Bytes, DType, Mxfp4Matrix, SafetensorsFile, TensorError};
 use crate::weights::config::{ConfigError, K3Config};
 use crate::weights::inventory::{self};
 
+#[cfg(test)]
+mod a_log_tests;
 mod open;
 mod tensors;
 #[cfg(test)]
@@ -193,13 +195,17 @@ impl Checkpoint {
         }
     }
 
-    /// Bytes of the non-expert tensors as stored (the spine), over either layout.
+    /// Bytes of the non-expert tensors as stored (the spine), over either layout (a
+    /// zero-padded `A_log` counts with its stored length).
     pub fn spine_bytes(&self) -> u64 {
         let cfg = &self.config;
         inventory::text_inventory(cfg)
             .iter()
             .filter(|t| matches!(t.kind, inventory::TensorKind::Spine { .. }))
-            .map(|t| t.byte_len() as u64)
+            .map(|t| match self.tensor_bytes(&t.name) {
+                Ok(b) => b.len() as u64,
+                Err(_) => t.byte_len() as u64,
+            })
             .sum()
     }
 

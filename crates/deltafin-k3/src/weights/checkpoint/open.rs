@@ -125,12 +125,14 @@ impl Checkpoint {
                     ),
                 ));
             }
-            if info.shape != spec.shape {
+            if !spec.accepts_shape(&info.shape) {
                 return Err(file_err(
                     shard.path(),
                     format!(
-                        "tensor `{}` has shape {:?}, expected {:?}",
-                        spec.name, info.shape, spec.shape
+                        "tensor `{}` has shape {:?}, expected {}",
+                        spec.name,
+                        info.shape,
+                        spec.expected_shape()
                     ),
                 ));
             }
@@ -232,7 +234,6 @@ impl Checkpoint {
             .filter(|t| matches!(t.kind, inventory::TensorKind::Spine { .. }))
         {
             let path = dir.join(&spec.name);
-            let want = spec.byte_len() as u64;
             let len = match std::fs::metadata(&path) {
                 Ok(m) if m.is_file() => m.len(),
                 Ok(_) => {
@@ -251,22 +252,25 @@ impl Checkpoint {
                     ));
                 }
             };
-            if len != want {
+            let Some(shape) = stored_file_shape(spec, len) else {
                 return Err(file_err(
                     &path,
                     format!(
-                        "tensor `{}` is {len} bytes, expected {want} ({} {:?})",
-                        spec.name, spec.dtype, spec.shape
+                        "tensor `{}` is {len} bytes, expected {} ({} {})",
+                        spec.name,
+                        spec.byte_len(),
+                        spec.dtype,
+                        spec.expected_shape()
                     ),
                 ));
-            }
+            };
             let bytes = map_file(&path)?;
             files.insert(
                 spec.name.clone(),
                 TensorFile {
                     path,
                     dtype: spec.dtype,
-                    shape: spec.shape.clone(),
+                    shape,
                     bytes,
                 },
             );
@@ -279,6 +283,19 @@ impl Checkpoint {
             projector_tensors,
         })
     }
+}
+
+/// The shape of a stream-install tensor file of `len` bytes: the spec's shape when the length
+/// is the spec's, else (a zero-padded vector, [`inventory::StoredShape::ZeroPadded`]) the
+/// vector of `len / dtype size` entries the spec accepts; `None` when neither fits.
+fn stored_file_shape(spec: &TensorSpec, len: u64) -> Option<Vec<usize>> {
+    if len == spec.byte_len() as u64 {
+        return Some(spec.shape.clone());
+    }
+    let size = spec.dtype.size() as u64;
+    let n = usize::try_from(len / size).ok()?;
+    let shape = vec![n];
+    (len.is_multiple_of(size) && spec.accepts_shape(&shape)).then_some(shape)
 }
 
 /// Map a whole file read-only (zero-copy [`Bytes`]).

@@ -24,6 +24,14 @@ fn shards_and_stream() -> (tempfile::TempDir, Checkpoint, PathBuf) {
     synthesize(&shards, &SynthSpec::new(dims, 5)).unwrap();
     let ckpt = Checkpoint::open(&shards).unwrap();
     let stream = dir.path().join("stream");
+    write_stream_install(&ckpt, &stream);
+    (dir, ckpt, stream)
+}
+
+/// Write the weights of `ckpt` as a stream install under `stream`: its config, one file per
+/// spine tensor (bytes as stored) and the experts as `k3-experts/` files.
+pub(super) fn write_stream_install(ckpt: &Checkpoint, stream: &std::path::Path) {
+    let shards = ckpt.root();
     std::fs::create_dir_all(stream.join(SPINE_TENSOR_DIR)).unwrap();
     std::fs::create_dir_all(stream.join(EXPERT_DIR)).unwrap();
     std::fs::copy(shards.join(CONFIG_FILE), stream.join(CONFIG_FILE)).unwrap();
@@ -48,7 +56,6 @@ fn shards_and_stream() -> (tempfile::TempDir, Checkpoint, PathBuf) {
             std::fs::write(p, bytes).unwrap();
         }
     }
-    (dir, ckpt, stream)
 }
 
 #[test]

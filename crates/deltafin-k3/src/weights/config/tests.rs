@@ -171,3 +171,37 @@ fn from_file_names_the_file() {
         .to_string();
     assert!(e.contains("nope.json"), "{e}");
 }
+
+#[test]
+fn kda_heads_are_independent_of_the_head_dim() {
+    // `A_log` is stored padded to a multiple of 128 entries (docs/K3.md §3.2), not as
+    // `[head_dim]`: more heads than the head dim, or far fewer, are valid configs.
+    use crate::weights::inventory::{StoredShape, text_inventory};
+    for (heads, dim, stored) in [(160usize, 128usize, 256usize), (3, 32, 128)] {
+        let c = with(|v| {
+            let la = &mut v["text_config"]["linear_attn_config"];
+            la["num_heads"] = heads.into();
+            la["head_dim"] = dim.into();
+        })
+        .unwrap();
+        assert_eq!(c.kda_width(), heads * dim);
+        let inv = text_inventory(&c);
+        let spec = inv
+            .iter()
+            .find(|t| t.name == "language_model.model.layers.1.self_attn.A_log")
+            .unwrap();
+        assert_eq!(spec.shape, vec![stored]);
+        assert_eq!(spec.stored, StoredShape::ZeroPadded { used: heads });
+        assert!(spec.accepts_shape(&[heads]) && spec.accepts_shape(&[stored + 128]));
+        assert!(!spec.accepts_shape(&[heads - 1]) && !spec.accepts_shape(&[1, stored]));
+        let norm = inv
+            .iter()
+            .find(|t| t.name == "language_model.model.layers.1.self_attn.o_norm.weight")
+            .unwrap();
+        assert_eq!(
+            (norm.shape.clone(), norm.stored),
+            (vec![dim], StoredShape::Exact)
+        );
+        assert!(!norm.accepts_shape(&[dim + 1]));
+    }
+}

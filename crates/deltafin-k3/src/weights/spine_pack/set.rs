@@ -154,7 +154,10 @@ impl PackSet {
                 } else {
                     Codec::Raw
                 };
-                h.add(&s.name, codec, s.dtype, &s.shape);
+                // As stored (a zero-padded `A_log` may be longer or shorter than the spec's
+                // reference layout), the way the writer hashed its sources.
+                let (dtype, shape) = ckpt.tensor_info(&s.name)?;
+                h.add(&s.name, codec, dtype, &shape);
             }
             let identity = PackIdentity {
                 model,
