@@ -4,7 +4,7 @@ use std::hint::black_box;
 use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::text::tokenizer::Tokenizer;
 
 const PROSE: &[&str] = &[
     "The quick brown fox jumps over the lazy dog. ",

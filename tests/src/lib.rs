@@ -8,20 +8,9 @@ pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
 
-/// `test` cannot run here because of `why`: a failure when `switch=1` (`.ci/run` sets the
-/// switch of everything CI provides), else a SKIP line written to the process's stderr past
-/// the test harness's capture, so that `cargo test` shows it.
-pub fn skip(test: &str, switch: &str, why: &str) {
-    use std::io::Write as _;
-    assert!(
-        !std::env::var(switch).is_ok_and(|v| v == "1"),
-        "{switch}=1 but {test} cannot run: {why}"
-    );
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIP {test}: {why} ({switch}=1 makes this a failure)"
-    );
-}
+#[path = "../../crates/deltafin-kernels/tests/common/skip.rs"]
+mod skip;
+pub use skip::skip;
 
 /// The `shared/kimi` reference data folder beside the clone, if present.
 pub fn shared_kimi_dir() -> Option<PathBuf> {
@@ -103,7 +92,7 @@ pub fn plain_greedy(
     max_new: usize,
 ) -> Vec<u32> {
     use deltafin_k3::generate::{GenerateOptions, generate};
-    use deltafin_k3::tokenizer::{END_OF_MSG, EOS};
+    use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS};
     let opts = GenerateOptions {
         max_new: Some(max_new),
         stop_ids: vec![END_OF_MSG, EOS],
@@ -117,7 +106,7 @@ pub fn plain_greedy(
 }
 
 /// Total bytes of a checkpoint's shard files.
-pub fn shard_file_bytes(ckpt: &deltafin_k3::checkpoint::Checkpoint) -> u64 {
+pub fn shard_file_bytes(ckpt: &deltafin_k3::weights::checkpoint::Checkpoint) -> u64 {
     ckpt.shard_paths()
         .iter()
         .map(|p| std::fs::metadata(p).expect("shard metadata").len())

@@ -3,10 +3,10 @@
 
 use std::path::Path;
 
-use deltafin_k3::chat::{
+use deltafin_k3::text::chat::{
     ChatMessage, ChatOptions, ResponseFormat, ToolChoice, encode_chat, render_segments,
 };
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::text::tokenizer::Tokenizer;
 use serde_json::Value;
 
 fn tokenizer() -> Tokenizer {

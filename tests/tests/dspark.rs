@@ -4,10 +4,10 @@
 //! tapped K3 partial sums, loading errors name the tensor, and a draft built to agree with
 //! the target (its Markov head set to K3's greedy bigrams) is accepted.
 
-use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::model::{K3Model, LogitRows};
 use deltafin_k3::synth::{SynthDims, SynthSpec, scaled_config, synthesize, synthesize_dspark};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use deltafin_spec::dspark::{BLOCK, DsparkDrafter, DsparkError, DsparkModel};
 use deltafin_spec::{
     Drafter, SpecError, SpecStats, generate_speculative, generate_speculative_streaming,
@@ -90,7 +90,7 @@ impl<D: Drafter> Drafter for Recording<D> {
     fn tap_layers(&self) -> &[usize] {
         self.inner.tap_layers()
     }
-    fn observe(&mut self, first_position: usize, taps: &deltafin_k3::taps::Taps) {
+    fn observe(&mut self, first_position: usize, taps: &deltafin_k3::model::taps::Taps) {
         self.inner.observe(first_position, taps)
     }
 }

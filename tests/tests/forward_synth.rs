@@ -3,10 +3,10 @@
 //! teacher-forced scoring through prefill ≡ the stepwise sum of log-probabilities.
 
 use deltafin_k3::generate::{greedy, logsumexp, score};
-use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::model::K3Model;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::text::tokenizer::Tokenizer;
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use std::sync::atomic::AtomicBool;
 
 fn tiny_model() -> (tempfile::TempDir, K3Model, Tokenizer) {

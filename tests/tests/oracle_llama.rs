@@ -5,11 +5,11 @@
 //! Checked per fixture prompt: the last-position logits (relative L2 over the whole
 //! 163,840-entry vector) and the 20-token greedy continuation (ids identical).
 
-use deltafin_k3::dims::CacheDtype;
 use deltafin_k3::generate::greedy;
-use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::model::K3Model;
+use deltafin_k3::model::dims::CacheDtype;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use std::io::Read;

@@ -15,13 +15,13 @@
 //! `DELTAFIN_MINI_SPINE` (`bf16`, `int8` or `both`, default `both`) chooses the spine(s);
 //! `DELTAFIN_MINI_MAX_NEW` (default 64) the tokens per prompt of the drafter measurement.
 
-use deltafin_k3::config::K3Config;
+use deltafin_k3::weights::config::K3Config;
 
-use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::model::{K3Model, LogitRows};
-use deltafin_k3::spine_int8::SpineFormat;
 use deltafin_k3::synth::synthesize_dspark;
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
+use deltafin_k3::weights::spine_int8::SpineFormat;
 use deltafin_spec::dspark::{BLOCK, DsparkDrafter, DsparkModel};
 use deltafin_spec::{
     Drafter, PolicyMode, PolicyReport, SpecPolicy, SpecStats, WallClock, generate_with_policy,
@@ -110,7 +110,7 @@ fn mini_verify_cost_against_a_decode_step() {
             let mut state = model.new_state();
             model.prefill(&mut state, &prompt).unwrap();
             let cp = state.checkpoint();
-            let time = |k: usize, state: &mut deltafin_k3::state::State| {
+            let time = |k: usize, state: &mut deltafin_k3::model::state::State| {
                 let t = Instant::now();
                 if k == 0 {
                     model.decode(state, cont[0]).unwrap();

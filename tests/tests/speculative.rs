@@ -1,10 +1,10 @@
 //! Speculative decoding is exact: whatever a drafter proposes, the emitted ids equal plain
 //! greedy K3 (synthesized tiny checkpoint: real vocabulary, KDA/MLA pattern, MXFP4 experts).
 
-use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::model::{K3Model, LogitRows};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use deltafin_spec::policy::PROBE_STEPS;
 use deltafin_spec::{
     Clock, Drafter, PolicyMode, PolicyReport, PolicyState, SpecPolicy, SpecStats,

@@ -5,11 +5,13 @@
 //! `DELTAFIN_REQUIRE_PROC_MEM=1` (set by `.ci/run`).
 
 use deltafin_experts::{PilotGate, StreamOptions};
-use deltafin_k3::checkpoint::Checkpoint;
-use deltafin_k3::loader::{EngineOptions, load_model, load_model_with_experts, streaming_experts};
 use deltafin_k3::model::K3Model;
-use deltafin_k3::spine_stream::layer_matrix_bytes;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::weights::checkpoint::Checkpoint;
+use deltafin_k3::weights::loader::{
+    EngineOptions, load_model, load_model_with_experts, streaming_experts,
+};
+use deltafin_k3::weights::spine_stream::layer_matrix_bytes;
 use std::sync::Arc;
 
 fn generate(model: &K3Model) -> Vec<u32> {

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::text::tokenizer::Tokenizer;
 use serde_json::Value;
 
 fn tokenizer() -> Tokenizer {

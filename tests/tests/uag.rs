@@ -2,9 +2,9 @@
 //! synthesized Qwen3-0.6B-shaped model: exact output, the history round-trip rule, and
 //! proposals that are K3's own re-encoding of the drafted text.
 
-use deltafin_k3::loader::{EngineOptions, open_model};
 use deltafin_k3::synth::{QwenSize, SynthDims, SynthSpec, synthesize, synthesize_qwen3};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use deltafin_spec::qwen3::Qwen3Model;
 use deltafin_spec::uag::{DraftTokenizer, UagDrafter};
 use deltafin_spec::{Drafter, generate_speculative};

@@ -57,7 +57,7 @@ for t in matmul_kernels_match_cpu_on_ragged_shapes kda_step_matches_cpu_over_sev
   echo "- $t: $r ($(( $(date +%s) - start )) s)" >> "$res"
 done
 
-# The K3 forward pass on the GPU (deltafin_k3::offload): a small synthesized checkpoint run on
+# The K3 forward pass on the GPU (deltafin_k3::model::offload): a small synthesized checkpoint run on
 # the CPU, with the spine on the device (--device cuda --expert-backend cpu), with the routed
 # experts on the device (--expert-backend cuda) and with both (--device cuda). Greedy tokens
 # and the top-5 logits of every step are compared with the CPU run: per step, every top logit

@@ -14,8 +14,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use deltafin_k3::config::K3Config;
 use deltafin_k3::synth::{self, QwenSize, REAL_VOCAB, SynthDims, SynthReport, SynthSpec};
+use deltafin_k3::weights::config::K3Config;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "deltafin developer tasks")]
@@ -165,9 +165,9 @@ const QUALITY_TEXTS: [&str; 4] = [
 ];
 
 fn spine_quality(root: &std::path::Path, convert: bool, json: bool) -> Result<()> {
-    use deltafin_k3::spine_int8::{ConvertOptions, convert_spine, int8_spine_present};
+    use deltafin_k3::weights::spine_int8::{ConvertOptions, convert_spine, int8_spine_present};
     let ckpt = std::sync::Arc::new(
-        deltafin_k3::checkpoint::Checkpoint::open(root)
+        deltafin_k3::weights::checkpoint::Checkpoint::open(root)
             .with_context(|| format!("opening {}", root.display()))?,
     );
     if !int8_spine_present(root) {
@@ -186,13 +186,13 @@ fn spine_quality(root: &std::path::Path, convert: bool, json: bool) -> Result<()
             r.read_bytes as f64 / 1e9 / r.seconds.max(1e-9)
         );
     }
-    let tok = deltafin_k3::tokenizer::Tokenizer::from_dir(root)
+    let tok = deltafin_k3::text::tokenizer::Tokenizer::from_dir(root)
         .with_context(|| format!("tokenizer of {}", root.display()))?;
     let seqs: Vec<Vec<u32>> = QUALITY_TEXTS
         .iter()
         .map(|t| tok.encode_ordinary(t))
         .collect();
-    let r = deltafin_k3::spine_quality::quality_report(ckpt, &seqs)?;
+    let r = deltafin_k3::weights::spine_quality::quality_report(ckpt, &seqs)?;
     if json {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
@@ -249,12 +249,14 @@ fn main() -> Result<()> {
         Cmd::StreamBench(args) => stream_bench::run(&args)?,
         Cmd::ResidentBench(args) => resident_bench::run(&args)?,
         Cmd::ConvertExperts { model_root } => {
-            let ckpt = deltafin_k3::checkpoint::Checkpoint::open(&model_root)
+            let ckpt = deltafin_k3::weights::checkpoint::Checkpoint::open(&model_root)
                 .with_context(|| format!("opening {}", model_root.display()))?;
-            let n = deltafin_k3::loader::convert_to_expert_files(&ckpt)?;
+            let n = deltafin_k3::weights::loader::convert_to_expert_files(&ckpt)?;
             println!(
                 "wrote {n} expert files under {}",
-                model_root.join(deltafin_k3::loader::EXPERT_DIR).display()
+                model_root
+                    .join(deltafin_k3::weights::loader::EXPERT_DIR)
+                    .display()
             );
         }
         Cmd::SpineQuality {
@@ -355,7 +357,7 @@ fn main() -> Result<()> {
             let r = synth::synthesize_qwen3(&out, seed, size)?;
             summary(&r);
             if let Some(k3) = tokenizer_from {
-                let tok = deltafin_k3::tokenizer::Tokenizer::from_dir(&k3)
+                let tok = deltafin_k3::text::tokenizer::Tokenizer::from_dir(&k3)
                     .with_context(|| format!("K3 tokenizer in {}", k3.display()))?;
                 let json = deltafin_spec::uag::synthesize_tokenizer_json(&tok, 3000);
                 let path = out.join("tokenizer.json");
@@ -403,7 +405,7 @@ fn demo(out: &std::path::Path, max_new: usize, run_args: &[String]) -> Result<()
         summary(&r);
     }
     let exe = root.join("target/release/deltafin");
-    if deltafin_k3::spine_int8::int8_spine_present(&out) {
+    if deltafin_k3::weights::spine_int8::int8_spine_present(&out) {
         println!("int8 spine present at {}", out.display());
     } else {
         // The default spine (`--spine auto`) is row-int8: convert it once.

@@ -19,13 +19,13 @@
 //! round to the next on a shared host, more than decode does).
 
 use anyhow::{Context, Result, bail};
-use deltafin_k3::checkpoint::Checkpoint;
-use deltafin_k3::linear::Linear;
-use deltafin_k3::loader::{CheckpointExperts, EngineOptions, load_model_with_experts};
+use deltafin_k3::model::linear::Linear;
 use deltafin_k3::model::{Ffn, K3Model};
-use deltafin_k3::resident::HugePages;
-use deltafin_k3::spine_int8::SpineFormat;
-use deltafin_k3::spine_stream::linears_mut;
+use deltafin_k3::weights::checkpoint::Checkpoint;
+use deltafin_k3::weights::loader::{CheckpointExperts, EngineOptions, load_model_with_experts};
+use deltafin_k3::weights::resident::HugePages;
+use deltafin_k3::weights::spine_int8::SpineFormat;
+use deltafin_k3::weights::spine_stream::linears_mut;
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -21,11 +21,11 @@
 use anyhow::{Context, Result, bail};
 use deltafin_experts::probe::{ProbeOptions, probe};
 use deltafin_experts::{DirectIo, ExpertStats, PilotGate, StreamOptions};
-use deltafin_k3::checkpoint::Checkpoint;
-use deltafin_k3::loader::{
+use deltafin_k3::weights::checkpoint::Checkpoint;
+use deltafin_k3::weights::loader::{
     EngineOptions, expert_table, load_model_with_experts, streaming_experts,
 };
-use deltafin_k3::spine_int8::SpineFormat;
+use deltafin_k3::weights::spine_int8::SpineFormat;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;

@@ -153,7 +153,7 @@ fn main() -> ExitCode {
     };
     if a.what == "probe" {
         // The same read over anonymous memory advised for transparent huge pages, the memory
-        // the resident spine and experts are copied into (`deltafin_k3::resident`).
+        // the resident spine and experts are copied into (`deltafin_k3::weights::resident`).
         let huge = deltafin_tensor::storage::copy_to_anonymous(
             &[deltafin_tensor::Bytes::from_vec(vec![1u8; a.bytes / 8 * 8])],
             true,

@@ -5,14 +5,14 @@ use anyhow::{Result, bail};
 use clap::Args;
 use deltafin_experts::DirectIo;
 use deltafin_experts::probe::{ProbeOptions, probe};
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
-use deltafin_k3::install;
-use deltafin_k3::spine_int8::{
+use deltafin_fetch::progress::{self, stderr_bar};
+use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint};
+use deltafin_k3::weights::install;
+use deltafin_k3::weights::spine_int8::{
     ConvertOptions, ConvertProgress, DEFAULT_CHECKPOINT_ROWS, INT8_DIR, MAX_CHECKPOINT_ROWS,
     convert_spine, verify_spine,
 };
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use std::io::IsTerminal;
+use indicatif::ProgressBar;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -34,22 +34,53 @@ pub struct ConvertSpineInt8Args {
 
 /// A byte progress bar on stderr, hidden when stderr is not a terminal.
 pub(crate) fn progress_bar(total: u64) -> ProgressBar {
-    let target = if std::io::stderr().is_terminal() {
-        ProgressDrawTarget::stderr()
-    } else {
-        ProgressDrawTarget::hidden()
-    };
-    let bar = ProgressBar::with_draw_target(Some(total), target);
-    if let Ok(style) = ProgressStyle::with_template(
-        "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}",
-    ) {
-        bar.set_style(style);
+    stderr_bar(total, progress::BYTES, true)
+}
+
+/// The byte progress bar of a job that reports `(done, total, what)`: made at the first
+/// report, when the total is known.
+#[derive(Default)]
+pub(crate) struct LazyBar(Option<ProgressBar>);
+
+impl LazyBar {
+    pub(crate) fn show(&mut self, done: u64, total: u64, what: &str) {
+        let bar = self.0.get_or_insert_with(|| progress_bar(total));
+        bar.set_position(done);
+        bar.set_message(what.to_string());
     }
-    bar
+
+    /// Take the bar off the terminal (before the job's report is printed).
+    pub(crate) fn clear(&mut self) {
+        if let Some(bar) = self.0.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// Fail unless `root` holds an install's config.json.
+pub(crate) fn require_model(root: &Path) -> Result<()> {
+    if !root.join(CONFIG_FILE).is_file() {
+        bail!(
+            "no K3 model installed at {}: {CONFIG_FILE} is missing (pass --model-root PATH)",
+            root.display()
+        );
+    }
+    Ok(())
+}
+
+/// After a job (`what`) that read the shards at `gbps` GB/s: the disk's sequential read
+/// bandwidth and the share of it the job ran at (nothing when the disk cannot be probed).
+pub(crate) fn print_disk_share(ckpt: &Checkpoint, what: &str, gbps: f64) {
+    if let Some((disk, io)) = disk_gbps(ckpt) {
+        println!(
+            "disk: sequential shard read {disk:.3} GB/s ({io}); {what} ran at {:.0}% of it",
+            100.0 * gbps / disk.max(1e-9)
+        );
+    }
 }
 
 /// Sequential read bandwidth of the largest shard (up to 1 GB, the expert read path), GB/s.
-pub(crate) fn disk_gbps(ckpt: &Checkpoint) -> Option<(f64, String)> {
+fn disk_gbps(ckpt: &Checkpoint) -> Option<(f64, String)> {
     let largest: &Path = ckpt
         .shard_paths()
         .into_iter()
@@ -70,12 +101,7 @@ pub(crate) fn disk_gbps(ckpt: &Checkpoint) -> Option<(f64, String)> {
 /// Run the command.
 pub fn convert_spine_int8(args: &ConvertSpineInt8Args) -> Result<ExitCode> {
     let root = &args.model_root;
-    if !root.join(CONFIG_FILE).is_file() {
-        bail!(
-            "no K3 model installed at {}: {CONFIG_FILE} is missing (pass --model-root PATH)",
-            root.display()
-        );
-    }
+    require_model(root)?;
     if args.checkpoint_rows == 0 || args.checkpoint_rows > MAX_CHECKPOINT_ROWS {
         bail!(
             "--checkpoint-rows {}: must be in 1…{MAX_CHECKPOINT_ROWS}",
@@ -83,17 +109,11 @@ pub fn convert_spine_int8(args: &ConvertSpineInt8Args) -> Result<ExitCode> {
         );
     }
     let ckpt = install::open_checkpoint(root)?;
-    let mut bar: Option<ProgressBar> = None;
-    let mut on_progress = |p: &ConvertProgress| {
-        let b = bar.get_or_insert_with(|| progress_bar(p.total_bytes));
-        b.set_position(p.done_bytes);
-        b.set_message(p.tensor.to_string());
-    };
+    let mut bar = LazyBar::default();
+    let mut on_progress = |p: &ConvertProgress| bar.show(p.done_bytes, p.total_bytes, p.tensor);
     if args.check {
         let r = verify_spine(&ckpt, &mut on_progress)?;
-        if let Some(b) = bar.take() {
-            b.finish_and_clear();
-        }
+        bar.clear();
         println!(
             "int8 spine OK: {} tensors, {:.3} GB hashed against their receipts and BF16 sources",
             r.tensors,
@@ -112,9 +132,7 @@ pub fn convert_spine_int8(args: &ConvertSpineInt8Args) -> Result<ExitCode> {
         stop_after_rows: None,
     };
     let r = convert_spine(&ckpt, &opts, &mut on_progress)?;
-    if let Some(b) = bar.take() {
-        b.finish_and_clear();
-    }
+    bar.clear();
     let gb = |b: u64| b as f64 / 1e9;
     let secs = r.seconds.max(1e-9);
     println!(
@@ -128,13 +146,8 @@ pub fn convert_spine_int8(args: &ConvertSpineInt8Args) -> Result<ExitCode> {
         r.seconds,
         gb(r.read_bytes) / secs
     );
-    if r.read_bytes > 0
-        && let Some((disk, io)) = disk_gbps(&ckpt)
-    {
-        println!(
-            "disk: sequential shard read {disk:.3} GB/s ({io}); conversion ran at {:.0}% of it",
-            100.0 * gb(r.read_bytes) / secs / disk.max(1e-9)
-        );
+    if r.read_bytes > 0 {
+        print_disk_share(&ckpt, "conversion", gb(r.read_bytes) / secs);
     }
     let mut worst = r.weight_error.clone();
     worst.sort_by(|a, b| b.1.total_cmp(&a.1));

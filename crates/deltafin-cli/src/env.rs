@@ -2,6 +2,7 @@
 //! same way.
 
 use anyhow::{Result, anyhow, bail};
+use deltafin_spec::dspark::SpecConfig;
 use std::path::{Path, PathBuf};
 
 /// The model root of every command that takes `--model-root`: the flag, else
@@ -25,6 +26,12 @@ pub fn env_var(name: &str) -> Result<Option<String>> {
             bail!("environment variable {name} is not valid UTF-8")
         }
     }
+}
+
+/// The speculative-decoding settings from `K3_DSPARK`, `K3_DSPARK_MAX_CONTEXT`,
+/// `K3_SPEC_DEPTH`, `K3_UAG_DRAFT` and `K3_DSPARK_AUTO_MIN_SPEEDUP` (unset: defaults).
+pub fn spec_config() -> Result<SpecConfig> {
+    SpecConfig::from_lookup(|k| std::env::var(k).ok()).map_err(|e| anyhow!("{e}"))
 }
 
 /// `name` parsed by `parse`, else `default`; a value `parse` rejects is an error naming the

@@ -2,15 +2,13 @@
 //! docs/K3.md §12.7) of the BF16 or int8 spine, resumably, with a progress bar and a disk-bandwidth
 //! comparison.
 
-use crate::convert::{disk_gbps, progress_bar};
-use anyhow::{Result, bail};
+use crate::convert::{LazyBar, print_disk_share, require_model};
+use anyhow::Result;
 use clap::Args;
-use deltafin_k3::checkpoint::CONFIG_FILE;
-use deltafin_k3::install;
-use deltafin_k3::spine_pack::{
+use deltafin_k3::weights::install;
+use deltafin_k3::weights::spine_pack::{
     DEFAULT_CHUNK, PackOptions, PackProgress, default_pack_dir, pack_spine, verify_packs,
 };
-use indicatif::ProgressBar;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -38,29 +36,18 @@ pub struct PackSpineArgs {
 /// Run the command.
 pub fn pack_spine_cmd(args: &PackSpineArgs) -> Result<ExitCode> {
     let root = &args.model_root;
-    if !root.join(CONFIG_FILE).is_file() {
-        bail!(
-            "no K3 model installed at {}: {CONFIG_FILE} is missing (pass --model-root PATH)",
-            root.display()
-        );
-    }
+    require_model(root)?;
     let format = crate::engine_config::resolve_spine(args.spine.as_deref())?;
     let output = args
         .output
         .clone()
         .unwrap_or_else(|| root.join(default_pack_dir(format)));
     let ckpt = install::open_checkpoint(root)?;
-    let mut bar: Option<ProgressBar> = None;
-    let mut on_progress = |p: &PackProgress| {
-        let b = bar.get_or_insert_with(|| progress_bar(p.total_bytes));
-        b.set_position(p.done_bytes);
-        b.set_message(p.pack.to_string());
-    };
+    let mut bar = LazyBar::default();
+    let mut on_progress = |p: &PackProgress| bar.show(p.done_bytes, p.total_bytes, p.pack);
     if args.verify_only {
         let r = verify_packs(&ckpt, format, &output, args.layer, &mut on_progress)?;
-        if let Some(b) = bar.take() {
-            b.finish_and_clear();
-        }
+        bar.clear();
         println!(
             "{} {} pack(s) OK under {}: {:.3} GB hashed in {:.2} s ({:.3} GB/s)",
             r.skipped,
@@ -86,9 +73,7 @@ pub fn pack_spine_cmd(args: &PackSpineArgs) -> Result<ExitCode> {
         stop_after_packs: None,
     };
     let r = pack_spine(&ckpt, &opts, &mut on_progress)?;
-    if let Some(b) = bar.take() {
-        b.finish_and_clear();
-    }
+    bar.clear();
     for (file, why) in &r.rebuilt {
         eprintln!("[deltafin] rebuilt {file}: {why}");
     }
@@ -104,13 +89,8 @@ pub fn pack_spine_cmd(args: &PackSpineArgs) -> Result<ExitCode> {
         r.seconds,
         gb / secs
     );
-    if r.bytes > 0
-        && let Some((disk, io)) = disk_gbps(&ckpt)
-    {
-        println!(
-            "disk: sequential shard read {disk:.3} GB/s ({io}); packing ran at {:.0}% of it",
-            100.0 * gb / secs / disk.max(1e-9)
-        );
+    if r.bytes > 0 {
+        print_disk_share(&ckpt, "packing", gb / secs);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -5,10 +5,10 @@
 
 use crate::{Cli, Command};
 use clap::Parser;
-use deltafin_k3::chat::ReasoningEffort;
 use deltafin_k3::engine::{EngineBuilder, EngineConfig, MemoryPlan};
-use deltafin_k3::spine_int8::SpineFormat;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::text::chat::ReasoningEffort;
+use deltafin_k3::weights::spine_int8::SpineFormat;
 use std::path::Path;
 
 /// The process RSS every plan is made with (measuring it three times would differ).
@@ -51,13 +51,7 @@ fn plan(builder: EngineBuilder) -> MemoryPlan {
 #[test]
 fn run_serve_and_the_library_plan_alike() {
     let d = tempfile::tempdir().unwrap();
-    let dims = SynthDims {
-        experts: 64,
-        moe_inter: 256,
-        latent: 128,
-        ..SynthDims::tiny()
-    };
-    synthesize(d.path(), &SynthSpec::new(dims, 3)).unwrap();
+    synthesize(d.path(), &SynthSpec::new(SynthDims::tiny_streaming(), 3)).unwrap();
     let root = d.path();
     let run = run_config(root, &[]);
     let serve = serve_config(root);

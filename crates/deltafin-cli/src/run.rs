@@ -5,10 +5,10 @@ use crate::RunArgs;
 use crate::events::EventWriter;
 use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
-use deltafin_k3::chat::{self, ChatMessage, ChatOptions, ReasoningEffort};
 use deltafin_k3::engine::{EngineConfig, LoadedEngine};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, LogitSummary, StopReason, generate};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
+use deltafin_k3::text::chat::{self, ChatMessage, ChatOptions, ReasoningEffort};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
 use deltafin_spec::select::{Chosen, DraftModels, Surfaces};
 use deltafin_spec::{Committed, WallClock, generate_with_policy};
@@ -89,7 +89,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     if args.top_logits.is_some() && args.events_jsonl.is_none() {
         bail!("--top-logits adds fields to the events file: it needs --events-jsonl PATH");
     }
-    let spec = SpecConfig::from_env().map_err(|e| anyhow!("{e}"))?;
+    let spec = crate::env::spec_config()?;
     if args.top_logits.is_some() {
         if spec.dspark == DraftMode::On {
             bail!(
@@ -389,7 +389,7 @@ fn percent(x: Option<f64>) -> String {
 fn run_speculative(
     args: &RunArgs,
     model: &deltafin_k3::model::K3Model,
-    tokenizer: &deltafin_k3::tokenizer::Tokenizer,
+    tokenizer: &deltafin_k3::text::tokenizer::Tokenizer,
     prompt_ids: &[u32],
     opts: &GenerateOptions,
     chosen: Chosen,

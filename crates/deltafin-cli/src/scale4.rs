@@ -13,11 +13,10 @@ use clap::Args;
 use deltafin_experts::DirectIo;
 use deltafin_experts::probe::{ProbeOptions, probe};
 use deltafin_experts::scale4::{self, MANIFEST_FILE, RawSource, SCALE4_DIR, Scale4Manifest};
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint};
-use deltafin_k3::install;
-use deltafin_k3::loader::{EXPERT_DIR, expert_table};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use std::io::IsTerminal;
+use deltafin_fetch::progress::stderr_bar;
+use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint};
+use deltafin_k3::weights::install;
+use deltafin_k3::weights::loader::{EXPERT_DIR, expert_table};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -141,19 +140,11 @@ pub fn convert_with(args: &Scale4Args, stop_after: Option<usize>) -> Result<Conv
     }
     let layers: Vec<usize> = (0..moe.len()).filter(|&l| moe[l]).collect();
     let workers = args.workers as usize;
-    let bar = ProgressBar::with_draw_target(
-        Some((layers.len() * layout.num_experts) as u64),
-        if std::io::stderr().is_terminal() {
-            ProgressDrawTarget::stderr()
-        } else {
-            ProgressDrawTarget::hidden()
-        },
-    );
-    if let Ok(style) = ProgressStyle::with_template(
+    let bar = stderr_bar(
+        (layers.len() * layout.num_experts) as u64,
         "scale4 {bar:40} {pos}/{len} experts {per_sec} eta {eta} {msg}",
-    ) {
-        bar.set_style(style);
-    }
+        true,
+    );
     let mut report = ConvertReport {
         layers_converted: 0,
         layers_verified_and_skipped: 0,
@@ -239,8 +230,8 @@ mod tests {
     use deltafin_experts::scale4::Scale4Sidecars;
     use deltafin_k3::engine::Scale4Mode;
     use deltafin_k3::engine::experts::wrap_scale4;
-    use deltafin_k3::loader::{CheckpointExperts, EngineOptions, load_model_with_experts};
     use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+    use deltafin_k3::weights::loader::{CheckpointExperts, EngineOptions, load_model_with_experts};
     use std::sync::Arc;
 
     fn args(root: &Path) -> Scale4Args {

@@ -4,8 +4,8 @@ use crate::ModelArgs;
 use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
-use deltafin_k3::chat::ReasoningEffort;
 use deltafin_k3::engine::EngineConfig;
+use deltafin_k3::text::chat::ReasoningEffort;
 use deltafin_openai::{
     DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, MAX_QUEUE,
     MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig,
@@ -142,7 +142,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     deltafin_k3::engine::check_spine(&root, spine)?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
-    let spec = deltafin_spec::dspark::SpecConfig::from_env().map_err(|e| anyhow!("{e}"))?;
+    let spec = crate::env::spec_config()?;
     let cfg = ServerConfig {
         host: args.host.clone(),
         port: args.port,

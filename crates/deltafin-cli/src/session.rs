@@ -4,11 +4,11 @@
 //! flag.
 
 use anyhow::{Result, anyhow};
-use deltafin_k3::checkpoint::{Checkpoint, Layout};
 use deltafin_k3::engine::{
     EngineBuilder, EngineConfig, EngineError, ExpertLayer, LoadProgress, LoadedEngine,
 };
 use deltafin_k3::model::K3Model;
+use deltafin_k3::weights::checkpoint::{Checkpoint, Layout};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -59,7 +59,7 @@ impl ExpertLayer for HubLayer {
     ) -> std::result::Result<(), deltafin_k3::engine::BoxError> {
         // A table of few files opens every file up front: fetch the missing ones first.
         if opens_every_file {
-            for (l, e) in deltafin_k3::loader::stream_install_missing_experts(checkpoint) {
+            for (l, e) in deltafin_k3::weights::loader::stream_install_missing_experts(checkpoint) {
                 deltafin_fetch::expert::ExpertFetch::fetch_expert(&self.remote, l, e).map_err(
                     |err| {
                         anyhow::Error::new(err)

@@ -210,7 +210,7 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
     );
     crate::convert::convert_spine_int8(&crate::convert::ConvertSpineInt8Args {
         model_root: root,
-        checkpoint_rows: deltafin_k3::spine_int8::DEFAULT_CHECKPOINT_ROWS,
+        checkpoint_rows: deltafin_k3::weights::spine_int8::DEFAULT_CHECKPOINT_ROWS,
         no_resume: false,
         check: false,
     })

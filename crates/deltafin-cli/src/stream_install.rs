@@ -5,9 +5,7 @@
 //! disk), then read by the wrapped expert source as if it had always been there.
 
 use anyhow::{Context, Result};
-use deltafin_experts::{
-    ExpertError, ExpertSource, ExpertWeights, Layered, PilotGuess, SourceLayer,
-};
+use deltafin_experts::{ExpertError, ExpertSource, Layered, PilotGuess, SourceLayer};
 use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
 use deltafin_fetch::hub::HubClient;
 use deltafin_fetch::manifest::Manifests;
@@ -54,9 +52,11 @@ impl FetchingExperts {
     fn present(&self, layer: usize, expert: usize) -> bool {
         deltafin_fetch::plan::expert_path(&self.root, layer, expert).is_file()
     }
+}
 
+impl SourceLayer for FetchingExperts {
     /// Make the expert's file present, fetching it when missing.
-    fn ensure(&self, layer: usize, expert: usize) -> Result<(), ExpertError> {
+    fn prepare(&self, layer: usize, expert: usize) -> Result<(), ExpertError> {
         self.fetch
             .fetch_expert(layer, expert)
             .map_err(|e| ExpertError::Unavailable {
@@ -68,24 +68,12 @@ impl FetchingExperts {
             })?;
         Ok(())
     }
-}
-
-impl SourceLayer for FetchingExperts {
-    fn expert(
-        &self,
-        inner: &dyn ExpertSource,
-        layer: usize,
-        expert: usize,
-    ) -> Result<ExpertWeights, ExpertError> {
-        self.ensure(layer, expert)?;
-        inner.expert(layer, expert)
-    }
     fn begin_layer(&self, inner: &dyn ExpertSource, layer: usize, experts: &[usize]) {
         // Fetch what is missing before the inner source starts reading. A failed fetch is
         // reported by `expert` (which tries again and returns the hub's error). The inner
         // source then knows every pending expert, so `next_ready` passes through.
         for &e in experts {
-            let _ = self.ensure(layer, e);
+            let _ = self.prepare(layer, e);
         }
         inner.begin_layer(layer, experts)
     }
@@ -103,8 +91,9 @@ impl SourceLayer for FetchingExperts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use deltafin_experts::ExpertWeights;
     use deltafin_fetch::FetchError;
-    use deltafin_k3::moe::InMemoryExperts;
+    use deltafin_k3::model::moe::InMemoryExperts;
     use std::path::PathBuf;
 
     struct Offline;

@@ -17,10 +17,10 @@ use deltafin_experts::rank::{
 };
 use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
 use deltafin_fetch::transfer::parse_workers;
-use deltafin_k3::checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE};
-use deltafin_k3::config::K3Config;
-use deltafin_k3::install;
-use deltafin_k3::loader::{EXPERT_DIR, expert_file_name};
+use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE};
+use deltafin_k3::weights::config::K3Config;
+use deltafin_k3::weights::install;
+use deltafin_k3::weights::loader::{EXPERT_DIR, expert_file_name};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

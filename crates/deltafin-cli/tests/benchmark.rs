@@ -3,14 +3,13 @@
 
 mod common;
 
-use common::{ids, jsonl, text};
+use common::{exits, ids, jsonl, library_greedy, shared_checkpoint, text};
 
-use deltafin_k3::generate::{GenerateOptions, generate};
-use deltafin_k3::loader::{EngineOptions, open_model};
-use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::synth::SynthDims;
+use deltafin_k3::text::tokenizer::Tokenizer;
+use deltafin_k3::weights::spine_int8::SpineFormat;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
@@ -18,33 +17,18 @@ const PROMPT: &str = "The capital of France is";
 
 fn model_root() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = tempfile::tempdir().unwrap();
-        synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), 3)).unwrap();
-        d
-    })
-    .path()
+    shared_checkpoint(&DIR, SynthDims::tiny(), 3)
 }
 
 /// K3's own greedy completion of PROMPT (3 tokens), from the library.
 fn greedy_ids() -> Vec<u32> {
-    let model = open_model(model_root(), &EngineOptions::default()).unwrap();
-    let tok = Tokenizer::from_dir(model_root()).unwrap();
-    let ids = tok.encode_ordinary(PROMPT);
-    let opts = GenerateOptions {
-        max_new: Some(3),
-        stop_ids: vec![END_OF_MSG, EOS],
-        max_context: 4096,
-        top_logits: 0,
-    };
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let out = generate(&model, &ids, &opts, &stop, |_| Ok(())).unwrap();
+    let ids = library_greedy(model_root(), SpineFormat::Bf16, PROMPT, 3);
     assert_eq!(
-        out.ids.len(),
+        ids.len(),
         3,
         "the tiny model stopped early; pick another seed"
     );
-    out.ids
+    ids
 }
 
 fn bench(args: &[&str]) -> Output {
@@ -60,40 +44,36 @@ fn bench(args: &[&str]) -> Output {
         .unwrap()
 }
 
-fn read_json(p: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+/// A campaign with the whitespace-separated `words` then `extra` (arguments with spaces) as
+/// its arguments, its evidence in `ev`: the exit code is asserted; the printed text and the
+/// runs of `runs.jsonl` come back.
+fn campaign(ev: &Path, words: &str, extra: &[&str], code: i32) -> (String, Vec<Value>) {
+    let mut args: Vec<&str> = words.split_whitespace().collect();
+    args.extend(extra);
+    args.extend(["--output-dir", ev.to_str().unwrap()]);
+    let t = exits(&bench(&args), code);
+    (t, jsonl(&ev.join("runs.jsonl")))
 }
 
-fn runs(dir: &Path) -> Vec<Value> {
-    jsonl(&dir.join("runs.jsonl"))
+fn read_json(p: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
 #[test]
 fn two_arms_run_abba_and_match_k3_greedy() {
     let tmp = tempfile::tempdir().unwrap();
-    let ev: PathBuf = tmp.path().join("ev");
-    let out = bench(&[
-        "--arm",
-        "one=RAYON_NUM_THREADS=1",
-        "--arm",
-        "two=RAYON_NUM_THREADS=2 K3_REASONING_EFFORT=low",
-        "--reps",
-        "2",
-        "--tokens",
-        "3",
-        "--warmup-steps",
-        "1",
-        "--output-dir",
-        ev.to_str().unwrap(),
-    ]);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(0), "{t}");
+    let ev = tmp.path().join("ev");
+    let (t, r) = campaign(
+        &ev,
+        "--arm one=RAYON_NUM_THREADS=1 --reps 2 --tokens 3 --warmup-steps 1",
+        &["--arm", "two=RAYON_NUM_THREADS=2 K3_REASONING_EFFORT=low"],
+        0,
+    );
     assert!(
         t.contains("all runs valid: true; all outputs exact: true"),
         "{t}"
     );
 
-    let r = runs(&ev);
     let order: Vec<&str> = r.iter().map(|x| x["arm"].as_str().unwrap()).collect();
     assert_eq!(order, ["one", "two", "two", "one"]);
     let want = greedy_ids();
@@ -166,20 +146,9 @@ fn wrong_token_oracle_invalidates_and_stops_the_campaign() {
     let mut wrong = greedy_ids();
     wrong[1] = wrong[1].wrapping_add(1);
     let list = format!("{},{},{}", wrong[0], wrong[1], wrong[2]);
-    let out = bench(&[
-        "--max-new",
-        "3",
-        "--reps",
-        "2",
-        "--expect-token-ids",
-        &list,
-        "--output-dir",
-        ev.to_str().unwrap(),
-    ]);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{t}");
+    let words = format!("--max-new 3 --reps 2 --expect-token-ids {list}");
+    let (t, r) = campaign(&ev, &words, &[], 1);
     assert!(t.contains("stopping after an invalid run"), "{t}");
-    let r = runs(&ev);
     assert_eq!(r.len(), 1, "the campaign stops at the first invalid run");
     assert_eq!(r[0]["valid"], false);
     assert_eq!(r[0]["oracle"], "mismatch");
@@ -199,38 +168,18 @@ fn wrong_token_oracle_invalidates_and_stops_the_campaign() {
         let tok = Tokenizer::from_dir(model_root()).unwrap();
         tok.decode(&good).unwrap()
     };
-    let out = bench(&[
-        "--max-new",
-        "3",
-        "--reps",
-        "1",
-        "--prompt",
-        PROMPT,
-        "--expect-token-ids",
-        &serde_json::to_string(&good).unwrap(),
-        "--expect-text",
-        &text_oracle,
-        "--output-dir",
-        ev2.to_str().unwrap(),
-    ]);
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    assert_eq!(runs(&ev2)[0]["oracle"], "match");
+    let words = format!(
+        "--max-new 3 --reps 1 --expect-token-ids {}",
+        serde_json::to_string(&good).unwrap()
+    );
+    let extra = ["--prompt", PROMPT, "--expect-text", &text_oracle];
+    let (_, r) = campaign(&ev2, &words, &extra, 0);
+    assert_eq!(r[0]["oracle"], "match");
 
     // A wrong text oracle with --keep-going: every run invalid, so still a failure.
     let ev3 = tmp.path().join("ev3");
-    let out = bench(&[
-        "--max-new",
-        "2",
-        "--reps",
-        "2",
-        "--expect-text",
-        "definitely not the completion",
-        "--keep-going",
-        "--output-dir",
-        ev3.to_str().unwrap(),
-    ]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    let r = runs(&ev3);
+    let extra = ["--expect-text", "definitely not the completion"];
+    let (_, r) = campaign(&ev3, "--max-new 2 --reps 2 --keep-going", &extra, 1);
     assert_eq!(r.len(), 2);
     assert!(r.iter().all(|x| x["oracle"] == "mismatch"));
 }
@@ -239,23 +188,9 @@ fn wrong_token_oracle_invalidates_and_stops_the_campaign() {
 fn keep_going_continues_past_a_failing_arm() {
     let tmp = tempfile::tempdir().unwrap();
     let ev = tmp.path().join("ev");
-    let out = bench(&[
-        "--arm",
-        "good=",
-        "--arm",
-        "bad=K3_REASONING_EFFORT=bogus",
-        "--reps",
-        "2",
-        "--max-new",
-        "2",
-        "--keep-going",
-        "--output-dir",
-        ev.to_str().unwrap(),
-    ]);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(0), "{t}");
+    let arms = "--arm good= --arm bad=K3_REASONING_EFFORT=bogus --reps 2 --max-new 2";
+    let (t, r) = campaign(&ev, &format!("{arms} --keep-going"), &[], 0);
     assert!(t.contains("2 of 4 runs were invalid"), "{t}");
-    let r = runs(&ev);
     assert_eq!(r.len(), 4);
     for run in &r {
         let bad = run["arm"] == "bad";
@@ -277,37 +212,15 @@ fn keep_going_continues_past_a_failing_arm() {
     assert_eq!(res["arms"][1]["prefill_seconds"], Value::Null);
 
     // Without --keep-going the same campaign stops at run 2.
-    let ev2 = tmp.path().join("ev2");
-    let out = bench(&[
-        "--arm",
-        "good=",
-        "--arm",
-        "bad=K3_REASONING_EFFORT=bogus",
-        "--reps",
-        "2",
-        "--max-new",
-        "2",
-        "--output-dir",
-        ev2.to_str().unwrap(),
-    ]);
-    assert_eq!(out.status.code(), Some(1));
-    assert_eq!(runs(&ev2).len(), 2);
+    let (_, r) = campaign(&tmp.path().join("ev2"), arms, &[], 1);
+    assert_eq!(r.len(), 2);
 }
 
 #[test]
 fn a_stalled_run_is_killed_at_the_timeout() {
     let tmp = tempfile::tempdir().unwrap();
     let ev = tmp.path().join("ev");
-    let out = bench(&[
-        "--timeout",
-        "0.001",
-        "--reps",
-        "1",
-        "--output-dir",
-        ev.to_str().unwrap(),
-    ]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    let r = runs(&ev);
+    let (_, r) = campaign(&ev, "--timeout 0.001 --reps 1", &[], 1);
     assert_eq!(r[0]["timed_out"], true);
     assert!(
         r[0]["invalid_reason"]
@@ -322,56 +235,24 @@ fn bad_arguments_are_refused_before_any_run() {
     let tmp = tempfile::tempdir().unwrap();
     let ev = tmp.path().join("ev");
     let evs = ev.to_str().unwrap();
-    let cases: [(&[&str], &str); 7] = [
-        (
-            &[
-                "--arm",
-                "a=",
-                "--arm",
-                "b=",
-                "--reps",
-                "3",
-                "--output-dir",
-                evs,
-            ],
-            "even number of repetitions",
-        ),
-        (
-            &["--arm", "a=LD_PRELOAD=/tmp/x.so", "--output-dir", evs],
-            "dynamic-loader",
-        ),
-        (
-            &["--arm", "a=", "--arm", "a=X=1", "--output-dir", evs],
-            "used twice",
-        ),
-        (
-            &["--expect-token-ids", "1,two", "--output-dir", evs],
-            "`two` is not a token id",
-        ),
-        (&["--timeout", "0", "--output-dir", evs], "positive"),
-        (
-            &["--max-new", "3", "--warmup-steps", "2", "--output-dir", evs],
-            "--warmup-steps 2",
-        ),
-        (
-            &[
-                "--configs",
-                "A=1",
-                "B=2",
-                "--names",
-                "x",
-                "--output-dir",
-                evs,
-            ],
-            "one name per arm",
-        ),
+    // Whitespace-separated arguments, then what the refusal says.
+    let cases = [
+        ("--arm a= --arm b= --reps 3", "even number of repetitions"),
+        ("--arm a=LD_PRELOAD=/tmp/x.so", "dynamic-loader"),
+        ("--arm a= --arm a=X=1", "used twice"),
+        ("--expect-token-ids 1,two", "`two` is not a token id"),
+        ("--timeout 0", "positive"),
+        ("--max-new 3 --warmup-steps 2", "--warmup-steps 2"),
+        ("--configs A=1 B=2 --names x", "one name per arm"),
     ];
-    for (args, msg) in cases {
-        let out = bench(args);
+    for (words, msg) in cases {
+        let mut args: Vec<&str> = words.split_whitespace().collect();
+        args.extend(["--output-dir", evs]);
+        let out = bench(&args);
         let t = text(&out);
-        assert_ne!(out.status.code(), Some(0), "{args:?}: {t}");
-        assert!(t.contains(msg), "{args:?}: {t}");
-        assert!(!ev.exists(), "{args:?} created the evidence directory");
+        assert_ne!(out.status.code(), Some(0), "{words}: {t}");
+        assert!(t.contains(msg), "{words}: {t}");
+        assert!(!ev.exists(), "{words} created the evidence directory");
     }
     let out = bench(&["--arm", "a=", "--configs", "X=1"]);
     assert_eq!(out.status.code(), Some(2));

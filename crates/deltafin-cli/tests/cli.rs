@@ -2,13 +2,13 @@
 
 mod common;
 
-use common::{ids, jsonl};
+use common::{deltafin_bf16, exits, fails_with, ids, jsonl, shared_checkpoint};
 
-use deltafin_k3::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
 use deltafin_k3::generate::{greedy, logsumexp};
-use deltafin_k3::loader::{EngineOptions, open_model};
-use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::synth::SynthDims;
+use deltafin_k3::text::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
+use deltafin_k3::text::tokenizer::Tokenizer;
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -17,25 +17,19 @@ use std::sync::OnceLock;
 /// One tiny checkpoint shared by every test of this binary.
 fn model_root() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = tempfile::tempdir().unwrap();
-        synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), 11)).unwrap();
-        d
-    })
-    .path()
+    shared_checkpoint(&DIR, SynthDims::tiny(), 11)
 }
 
 fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
     // The library comparisons here use the weight-exact bf16 model: pin the bf16 spine (the
     // CLI default is int8; tests/spine.rs covers it). A test's own env may override it.
-    cmd.args(args)
-        .env_remove("K3_REASONING_EFFORT")
-        .env("K3_SPINE", "bf16");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().unwrap()
+    let env = [&[("K3_SPINE", "bf16")], env].concat();
+    common::deltafin(args, &["K3_REASONING_EFFORT"], &env)
+}
+
+/// [`deltafin`] on the shared checkpoint: `args --model-root <it>`.
+fn on_model(args: &[&str], env: &[(&str, &str)]) -> Output {
+    deltafin_bf16(model_root(), args, &["K3_REASONING_EFFORT"], env)
 }
 
 fn top(v: &Value) -> Vec<(u32, f32)> {
@@ -54,11 +48,9 @@ fn root_arg() -> String {
 fn run_events_carry_ids_and_the_engines_own_logits() {
     let tmp = tempfile::tempdir().unwrap();
     let ev_path: PathBuf = tmp.path().join("events.jsonl");
-    let out = deltafin(
+    let out = on_model(
         &[
             "run",
-            "--model-root",
-            &root_arg(),
             "--max-new",
             "6",
             "--events-jsonl",
@@ -68,11 +60,7 @@ fn run_events_carry_ids_and_the_engines_own_logits() {
         ],
         &[],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    exits(&out, 0);
     let ev = jsonl(&ev_path);
     let kinds: Vec<&str> = ev.iter().map(|e| e["event"].as_str().unwrap()).collect();
     assert_eq!(kinds[..2], ["run_start", "prefill_done"]);
@@ -137,10 +125,8 @@ fn run_events_carry_ids_and_the_engines_own_logits() {
 fn default_subcommand_is_run_and_chat_uses_the_env_effort() {
     let tmp = tempfile::tempdir().unwrap();
     let ev_path = tmp.path().join("e.jsonl");
-    let out = deltafin(
+    let out = on_model(
         &[
-            "--model-root",
-            &root_arg(),
             "--chat",
             "--prompt",
             "Hello <|open|>",
@@ -151,11 +137,7 @@ fn default_subcommand_is_run_and_chat_uses_the_env_effort() {
         ],
         &[("K3_REASONING_EFFORT", "low")],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    exits(&out, 0);
     let ev = jsonl(&ev_path);
     let tok = Tokenizer::from_dir(model_root()).unwrap();
     let opts = ChatOptions {
@@ -165,11 +147,9 @@ fn default_subcommand_is_run_and_chat_uses_the_env_effort() {
     let want = encode_chat(&tok, &[ChatMessage::new("user", "Hello <|open|>")], &opts).unwrap();
     assert_eq!(ids(&ev[0]["prompt_token_ids"]), want);
     // The flag wins over the environment.
-    let out = deltafin(
+    let out = on_model(
         &[
             "run",
-            "--model-root",
-            &root_arg(),
             "--chat",
             "--reasoning-effort",
             "max",
@@ -189,12 +169,8 @@ fn bad_inputs_are_clear_errors() {
         &["run", "--model-root", empty.path().to_str().unwrap()],
         &[],
     );
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("config.json is missing") && err.contains("deltafin setup"),
-        "{err}"
-    );
+    let err = fails_with(&out, "config.json is missing");
+    assert!(err.contains("deltafin setup"), "{err}");
 
     // A bad setting in the environment is an error naming the variable and the value.
     for (var, value) in [
@@ -202,18 +178,14 @@ fn bad_inputs_are_clear_errors() {
         ("DELTAFIN_POOL_SPIN", "maybe"),
         ("DELTAFIN_POOL_PREFETCH", "ON"),
     ] {
-        let out = deltafin(&["run", "--model-root", &root_arg()], &[(var, value)]);
+        let out = on_model(&["run"], &[(var, value)]);
         assert!(!out.status.success(), "{var}={value}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(var) && err.contains(value), "{err}");
     }
 
-    let out = deltafin(
-        &["run", "--model-root", &root_arg(), "--top-logits", "5"],
-        &[],
-    );
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--events-jsonl"));
+    let out = on_model(&["run", "--top-logits", "5"], &[]);
+    fails_with(&out, "--events-jsonl");
 
     let out = deltafin(&["run", "--top-logits", "101", "--events-jsonl", "x"], &[]);
     assert!(!out.status.success());
@@ -227,16 +199,9 @@ fn bad_inputs_are_clear_errors() {
 /// and never a CPU run claiming a GPU; `auto` and `cpu` run on the CPU.
 #[test]
 fn device_requests_name_what_is_missing() {
-    let out = deltafin(
-        &["run", "--model-root", &root_arg(), "--max-new", "1"],
-        &[("K3_DEV_RESERVE_GB", "lots")],
-    );
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("K3_DEV_RESERVE_GB") && err.contains("lots"),
-        "{err}"
-    );
+    let out = on_model(&["run", "--max-new", "1"], &[("K3_DEV_RESERVE_GB", "lots")]);
+    let err = fails_with(&out, "K3_DEV_RESERVE_GB");
+    assert!(err.contains("lots"), "{err}");
     for (flags, prefix) in [
         (&["--device", "cuda:7"][..], "--device cuda:7: "),
         (
@@ -249,20 +214,14 @@ fn device_requests_name_what_is_missing() {
             "--expert-backend metal: ",
         ),
     ] {
-        let mut args = vec!["run", "--model-root", model_root().to_str().unwrap()];
-        args.extend_from_slice(&["--max-new", "1"]);
-        args.extend_from_slice(flags);
-        let out = deltafin(&args, &[]);
+        let out = on_model(&[&["run", "--max-new", "1"], flags].concat(), &[]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{flags:?}: {err}");
         assert!(err.contains(prefix), "{flags:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
     // No test machine has eight GPUs: cuda:7 names the missing piece.
-    let out = deltafin(
-        &["run", "--model-root", &root_arg(), "--device", "cuda:7"],
-        &[],
-    );
+    let out = on_model(&["run", "--device", "cuda:7"], &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("built without the `cuda` feature")
@@ -271,11 +230,9 @@ fn device_requests_name_what_is_missing() {
             || err.contains("does not exist"),
         "{err}"
     );
-    let out = deltafin(
+    let out = on_model(
         &[
             "run",
-            "--model-root",
-            &root_arg(),
             "--max-new",
             "1",
             "--device",
@@ -285,11 +242,7 @@ fn device_requests_name_what_is_missing() {
         ],
         &[],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    exits(&out, 0);
     assert!(String::from_utf8_lossy(&out.stderr).contains("device=cpu"));
 }
 
@@ -297,11 +250,9 @@ fn device_requests_name_what_is_missing() {
 /// step's (token id, top logits, log-sum-exp) from the events, and stderr. Fails on a failed run.
 fn decode_steps(dir: &Path, max_new: usize, var: &str, value: &str) -> (Vec<[Value; 3]>, String) {
     let ev_path = dir.join(format!("events-{var}-{value}.jsonl"));
-    let out = deltafin(
+    let out = on_model(
         &[
             "run",
-            "--model-root",
-            &root_arg(),
             "--max-new",
             &max_new.to_string(),
             "--events-jsonl",
@@ -349,16 +300,12 @@ fn huge_page_copies_change_no_value() {
             "{auto_err}"
         );
     }
-    let out = deltafin(
-        &["run", "--model-root", &root_arg(), "--max-new", "1"],
+    let out = on_model(
+        &["run", "--max-new", "1"],
         &[("DELTAFIN_HUGE_PAGES", "always")],
     );
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("DELTAFIN_HUGE_PAGES") && err.contains("\"always\""),
-        "{err}"
-    );
+    let err = fails_with(&out, "DELTAFIN_HUGE_PAGES");
+    assert!(err.contains("\"always\""), "{err}");
 }
 
 /// The keep-warm loops and the idle workers' lookahead prefetch only schedule and hint:
@@ -393,17 +340,7 @@ fn version_and_help() {
 
 #[test]
 fn stats_lines_replace_the_text() {
-    let out = deltafin(
-        &[
-            "run",
-            "--model-root",
-            &root_arg(),
-            "--max-new",
-            "3",
-            "--stats",
-        ],
-        &[],
-    );
+    let out = on_model(&["run", "--max-new", "3", "--stats"], &[]);
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<&str> = stdout.lines().collect();
@@ -424,11 +361,9 @@ fn perplexity_json_matches_the_library_score() {
     let text =
         "Kimi K3 keeps every routed expert. The spine stays resident; experts stream from disk.\n";
     std::fs::write(&file, text.repeat(3)).unwrap();
-    let out = deltafin(
+    let out = on_model(
         &[
             "perplexity",
-            "--model-root",
-            &root_arg(),
             "--file",
             file.to_str().unwrap(),
             "--chunk",
@@ -437,11 +372,7 @@ fn perplexity_json_matches_the_library_score() {
         ],
         &[],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    exits(&out, 0);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let model = open_model(model_root(), &EngineOptions::default()).unwrap();
     let tok = Tokenizer::from_dir(model_root()).unwrap();
@@ -454,16 +385,7 @@ fn perplexity_json_matches_the_library_score() {
     assert!(close(v["mean_nll"].as_f64().unwrap(), want.mean_nll()));
     assert!(close(v["perplexity"].as_f64().unwrap(), want.perplexity()));
 
-    let missing = deltafin(
-        &[
-            "perplexity",
-            "--model-root",
-            &root_arg(),
-            "--file",
-            "/no/such/file",
-        ],
-        &[],
-    );
+    let missing = on_model(&["perplexity", "--file", "/no/such/file"], &[]);
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("/no/such/file"));
 }

@@ -3,13 +3,11 @@
 
 mod common;
 
-use common::jsonl;
+use common::{checkpoint, deltafin_bf16, jsonl};
 
-use deltafin_k3::config::K3Config;
-use deltafin_k3::synth::{
-    QwenSize, SynthDims, SynthSpec, synthesize, synthesize_dspark, synthesize_qwen3,
-};
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::synth::{QwenSize, SynthDims, synthesize_dspark, synthesize_qwen3};
+use deltafin_k3::text::tokenizer::Tokenizer;
+use deltafin_k3::weights::config::K3Config;
 use deltafin_spec::uag::synthesize_tokenizer_json;
 use serde_json::Value;
 use std::path::Path;
@@ -39,8 +37,7 @@ fn deltafin(root: &Path, events: &Path, dspark: &str) -> Output {
 
 #[test]
 fn dspark_run_equals_plain_greedy() {
-    let root = tempfile::tempdir().unwrap();
-    synthesize(root.path(), &SynthSpec::new(SynthDims::tiny(), 3)).unwrap();
+    let root = checkpoint(SynthDims::tiny(), 3);
     let tmp = tempfile::tempdir().unwrap();
 
     // K3_DSPARK=on without a drafter checkpoint is a clear error.
@@ -98,24 +95,18 @@ fn dspark_run_equals_plain_greedy() {
     assert!(String::from_utf8_lossy(&spec.stderr).contains("dspark=on"));
 }
 
+/// What a test here asks for itself: the reasoning effort and the drafting settings.
+const UNSET: &[&str] = &[
+    "K3_REASONING_EFFORT",
+    "K3_DSPARK",
+    "K3_UAG_DRAFT",
+    "K3_SPEC_DEPTH",
+    "K3_DSPARK_AUTO_MIN_SPEEDUP",
+];
+
+/// `deltafin run args` on the weight-exact spine (no conversion needed).
 fn run_env(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    c.env("K3_SPINE", "bf16")
-        .arg("run")
-        .args(args)
-        .arg("--model-root")
-        .arg(root)
-        .env_remove("K3_REASONING_EFFORT")
-        // The weight-exact spine (no conversion needed).
-        .env("K3_SPINE", "bf16")
-        .env_remove("K3_DSPARK")
-        .env_remove("K3_UAG_DRAFT")
-        .env_remove("K3_SPEC_DEPTH")
-        .env_remove("K3_DSPARK_AUTO_MIN_SPEEDUP");
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().unwrap()
+    deltafin_bf16(root, &[&["run"], args].concat(), UNSET, env)
 }
 
 fn ok(o: &Output) -> String {
@@ -127,8 +118,7 @@ fn ok(o: &Output) -> String {
 /// mode prints exactly the plain greedy text, and bad draft files are named.
 #[test]
 fn qwen_and_auto_drafting_in_run_equal_plain_greedy() {
-    let root = tempfile::tempdir().unwrap();
-    synthesize(root.path(), &SynthSpec::new(SynthDims::tiny(), 3)).unwrap();
+    let root = checkpoint(SynthDims::tiny(), 3);
     let raw = ["--prompt", "The capital of France is", "--max-new", "12"];
 
     // K3_UAG_DRAFT=on without the Qwen directory names the missing file.
@@ -233,8 +223,7 @@ fn qwen_and_auto_drafting_in_run_equal_plain_greedy() {
 /// matches the plain arm exactly, and its proposals are counted.
 #[test]
 fn benchmark_ab_tests_dspark_against_plain() {
-    let root = tempfile::tempdir().unwrap();
-    synthesize(root.path(), &SynthSpec::new(SynthDims::tiny(), 3)).unwrap();
+    let root = checkpoint(SynthDims::tiny(), 3);
     let cfg = K3Config::from_file(root.path().join("config.json")).unwrap();
     synthesize_dspark(&root.path().join("k3-draft-dspark"), 3, &cfg).unwrap();
     let ev = tempfile::tempdir().unwrap();

@@ -2,32 +2,20 @@
 //! the sidecars are written from the release shards or from `k3-experts/` files, and `run`
 //! with `require` (resident and streaming) emits exactly the tokens and logits of `off`.
 
-use deltafin_k3::loader::convert_to_expert_files;
-use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+mod common;
+
+use common::{checkpoint, jsonl, text};
+
+use deltafin_k3::synth::SynthDims;
+use deltafin_k3::weights::loader::convert_to_expert_files;
 use serde_json::Value;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    cmd.args(args)
-        .env("K3_SPINE", "bf16")
-        .env_remove("K3_EXPERT_SCALE4")
-        .env_remove("K3_MEMORY_BUDGET_GB")
-        // The weight-exact spine (no conversion needed).
-        .env("K3_SPINE", "bf16");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    // The weight-exact spine (no conversion needed).
+    let env = [&[("K3_SPINE", "bf16")], env].concat();
+    common::deltafin(args, &["K3_EXPERT_SCALE4", "K3_MEMORY_BUDGET_GB"], &env)
 }
 
 /// Tokens and top logits of a short run (events file).
@@ -54,10 +42,8 @@ fn run(root: &Path, extra: &[&str], env: &[(&str, &str)]) -> Result<Vec<Value>, 
     if !o.status.success() {
         return Err(text(&o));
     }
-    Ok(std::fs::read_to_string(&ev)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+    Ok(jsonl(&ev)
+        .into_iter()
         .filter_map(|v| {
             let keep = [
                 "token_id",
@@ -79,8 +65,7 @@ fn run(root: &Path, extra: &[&str], env: &[(&str, &str)]) -> Result<Vec<Value>, 
 
 #[test]
 fn convert_then_run_with_and_without_sidecars_is_identical() {
-    let d = tempfile::tempdir().unwrap();
-    synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), 21)).unwrap();
+    let d = checkpoint(SynthDims::tiny(), 21);
     let root = d.path().display().to_string();
     let off = run(d.path(), &[], &[("K3_EXPERT_SCALE4", "off")]).unwrap();
     assert_eq!(off.len(), 7, "{off:?}"); // the prompt's last position + 6 steps
@@ -134,7 +119,7 @@ fn convert_then_run_with_and_without_sidecars_is_identical() {
     assert!(text(&o).contains("0 layers converted"), "{}", text(&o));
 
     // From k3-experts/ files as the source, into another output root: the same bytes.
-    let ckpt = deltafin_k3::checkpoint::Checkpoint::open(d.path()).unwrap();
+    let ckpt = deltafin_k3::weights::checkpoint::Checkpoint::open(d.path()).unwrap();
     convert_to_expert_files(&ckpt).unwrap();
     let out2 = d.path().join("sc4-from-files");
     let o = deltafin(

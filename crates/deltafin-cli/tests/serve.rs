@@ -3,8 +3,12 @@
 
 #[path = "../../deltafin-openai/tests/common/mod.rs"]
 mod common;
+/// The helpers of this crate's process tests.
+#[path = "common/mod.rs"]
+mod process;
 
 use common::{get, model_root, post_json, wait_until};
+use process::{exits, jsonl};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -96,16 +100,8 @@ fn run_events(args: &[&str]) -> Vec<Value> {
         .arg(&ev)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    std::fs::read_to_string(&ev)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    exits(&out, 0);
+    jsonl(&ev)
 }
 
 /// (token bytes, logprob) of each decode step of a `run` events file.
@@ -141,7 +137,7 @@ fn serve_gives_the_same_tokens_as_run_and_exits_0_on_sigterm() {
     }
     assert_eq!(get(addr, "/v1/models").status, 200);
     ready(addr);
-    let tok = deltafin_k3::tokenizer::Tokenizer::from_dir(model_root()).unwrap();
+    let tok = deltafin_k3::text::tokenizer::Tokenizer::from_dir(model_root()).unwrap();
 
     // Raw completion.
     let prompt = "The capital of France is";

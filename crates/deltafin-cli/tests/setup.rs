@@ -484,7 +484,7 @@ fn stream_install_runs_like_the_shards_and_fetches_experts_once() {
     assert!(reqs.len() >= fetched.len(), "{reqs:?}");
 
     // Every fetched expert equals the source shards' bytes of its six tensors.
-    let src = deltafin_k3::checkpoint::Checkpoint::open(&e.src.k3_dir).unwrap();
+    let src = deltafin_k3::weights::checkpoint::Checkpoint::open(&e.src.k3_dir).unwrap();
     for path in &fetched {
         let name = path.file_name().unwrap().to_str().unwrap();
         let (l, x) = name

@@ -4,13 +4,12 @@
 
 mod common;
 
-use common::stdout_stderr;
+use common::{ids, jsonl, library_greedy, stdout_stderr};
 
-use deltafin_k3::generate::{GenerateOptions, generate};
-use deltafin_k3::loader::{EngineOptions, SpineFormat, open_model};
-use deltafin_k3::spine_int8::tensor_dir;
-use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::synth::SynthDims;
+use deltafin_k3::weights::spine_int8::{SpineFormat, tensor_dir};
+use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -19,41 +18,26 @@ const PROMPT: &str = "The capital of France is";
 
 /// A fresh tiny checkpoint (the real vocabulary, so that `run` can load the tokenizer).
 fn checkpoint(seed: u64) -> tempfile::TempDir {
-    synth(SynthDims::tiny(), seed)
+    common::checkpoint(SynthDims::tiny(), seed)
 }
 
 /// A fresh checkpoint with a 1,024-token vocabulary: a short conversion (no `run`).
 fn small_checkpoint(seed: u64) -> tempfile::TempDir {
-    synth(
-        SynthDims {
-            vocab: 1024,
-            ..SynthDims::tiny()
-        },
-        seed,
-    )
-}
-
-fn synth(dims: SynthDims, seed: u64) -> tempfile::TempDir {
-    let d = tempfile::tempdir().unwrap();
-    synthesize(d.path(), &SynthSpec::new(dims, seed)).unwrap();
-    d
+    let dims = SynthDims {
+        vocab: 1024,
+        ..SynthDims::tiny()
+    };
+    common::checkpoint(dims, seed)
 }
 
 /// Few durable checkpoints: the real-vocabulary lm_head has 163,840 rows.
 const FAST: &[&str] = &["--checkpoint-rows", "65536"];
 
 fn deltafin(args: &[&str], root: &Path, env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    cmd.args(args)
-        .arg("--model-root")
-        .arg(root)
-        .env_remove("K3_SPINE")
-        .env_remove("K3_REASONING_EFFORT")
-        .env_remove("K3_MEMORY_BUDGET_GB");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().unwrap()
+    let root = root.to_str().unwrap();
+    let args = [args, &["--model-root", root]].concat();
+    let unset = ["K3_SPINE", "K3_REASONING_EFFORT", "K3_MEMORY_BUDGET_GB"];
+    common::deltafin(&args, &unset, env)
 }
 
 fn convert(root: &Path, extra: &[&str]) -> Output {
@@ -66,52 +50,19 @@ fn convert(root: &Path, extra: &[&str]) -> Output {
 
 /// The library's greedy completion (4 tokens) on `spine`.
 fn library_ids(root: &Path, spine: SpineFormat) -> Vec<u32> {
-    let model = open_model(
-        root,
-        &EngineOptions {
-            spine,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let tok = Tokenizer::from_dir(root).unwrap();
-    let opts = GenerateOptions {
-        max_new: Some(4),
-        stop_ids: vec![END_OF_MSG, EOS],
-        max_context: 4096,
-        top_logits: 0,
-    };
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let out = generate(&model, &tok.encode_ordinary(PROMPT), &opts, &stop, |_| {
-        Ok(())
-    })
-    .unwrap();
-    out.ids
+    library_greedy(root, spine, PROMPT, 4)
 }
 
 /// The ids a run emitted, from its events file.
 fn emitted(events: &Path) -> Vec<u32> {
-    let text = std::fs::read_to_string(events).unwrap();
-    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
-    last["emitted_token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect()
+    ids(&jsonl(events).last().unwrap()["emitted_token_ids"])
 }
 
-fn snapshot(root: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(tensor_dir(root))
-        .unwrap()
-        .map(|e| {
-            let p = e.unwrap().path();
-            let name = p.file_name().unwrap().to_string_lossy().into_owned();
-            (name, std::fs::read(&p).unwrap())
-        })
-        .collect();
-    v.sort();
-    v
+/// Every file of the int8 spine by name, with its bytes.
+fn snapshot(root: &Path) -> BTreeMap<OsString, Vec<u8>> {
+    let read = |e: std::fs::DirEntry| (e.file_name(), std::fs::read(e.path()).unwrap());
+    let dir = std::fs::read_dir(tensor_dir(root)).unwrap();
+    dir.map(|e| read(e.unwrap())).collect()
 }
 
 #[test]

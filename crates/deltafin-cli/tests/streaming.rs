@@ -3,42 +3,42 @@
 
 mod common;
 
-use common::stdout_stderr;
+use common::{
+    checkpoint, deltafin_bf16, exits, fails_with, jsonl, shared_checkpoint, stdout_stderr,
+};
 
-use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::synth::SynthDims;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::OnceLock;
 
-/// Tiny with 64 experts of 52,224 B (F 256, Lr 128): 43 MB of experts.
+/// The tiny model with 43 MB of experts ([`SynthDims::tiny_streaming`]), shared by the tests
+/// that write nothing under the model root.
 fn model_root() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = tempfile::tempdir().unwrap();
-        let dims = SynthDims {
-            experts: 64,
-            moe_inter: 256,
-            latent: 128,
-            ..SynthDims::tiny()
-        };
-        synthesize(d.path(), &SynthSpec::new(dims, 3)).unwrap();
-        d
-    })
-    .path()
+    shared_checkpoint(&DIR, SynthDims::tiny_streaming(), 3)
+}
+
+/// A private copy of the streaming model (the heat file lives under the model root).
+fn fresh_root() -> tempfile::TempDir {
+    checkpoint(SynthDims::tiny_streaming(), 3)
+}
+
+/// What the tests here ask for themselves: a budget, the PILOT gate, expert heat, a pinned tier.
+const UNSET: &[&str] = &[
+    "K3_MEMORY_BUDGET_GB",
+    "K3_PILOT_GATE",
+    "K3_EXPERT_HEAT",
+    "K3_EXPERT_PIN_GB",
+];
+
+/// `deltafin args --model-root root` on the bf16 spine (tests/spine.rs covers the int8 default).
+fn deltafin_at(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    deltafin_bf16(root, args, UNSET, env)
 }
 
 fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    cmd.args(args)
-        .args(["--model-root", &model_root().display().to_string()])
-        .env_remove("K3_MEMORY_BUDGET_GB")
-        // Compared with the library's bf16 model (tests/spine.rs covers the int8 default).
-        .env("K3_SPINE", "bf16")
-        .env_remove("K3_PILOT_GATE");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().unwrap()
+    deltafin_at(model_root(), args, env)
 }
 
 #[test]
@@ -51,7 +51,7 @@ fn budgeted_run_streams_and_matches_the_resident_run() {
         "10",
     ];
     let resident = deltafin(&base, &[]);
-    assert!(resident.status.success(), "{:?}", stdout_stderr(&resident));
+    exits(&resident, 0);
     let mut args = base.to_vec();
     args.extend(["--memory-budget-gb", "0.2"]);
     for gate in ["off", "measure", "on", "ranked"] {
@@ -90,7 +90,7 @@ fn budgeted_run_streams_and_matches_the_resident_run() {
 fn streamed_spine_layers_match_the_resident_run() {
     let base = ["run", "--prompt", "Spine streaming keeps", "--max-new", "6"];
     let resident = deltafin(&base, &[]);
-    assert!(resident.status.success(), "{:?}", stdout_stderr(&resident));
+    exits(&resident, 0);
     let mut budgeted = base.to_vec();
     budgeted.extend(["--memory-budget-gb", "0.2", "--stats"]);
     for (args, env) in [
@@ -119,24 +119,13 @@ fn streamed_spine_layers_match_the_resident_run() {
         ),
         ("x", "K3_PROVIDER_RESIDENT_LAYERS"),
     ] {
-        let o = deltafin(
-            &["run", "--max-new", "1"],
-            &[("K3_PROVIDER_RESIDENT_LAYERS", v)],
-        );
-        assert!(
-            !o.status.success() && stdout_stderr(&o).1.contains(needle),
-            "{:?}",
-            stdout_stderr(&o)
-        );
+        let env = [("K3_PROVIDER_RESIDENT_LAYERS", v)];
+        fails_with(&deltafin(&["run", "--max-new", "1"], &env), needle);
     }
-    let o = deltafin(
-        &["run", "--max-new", "1"],
-        &[("K3_SPINE_READ_THREADS", "0")],
-    );
-    assert!(
-        stdout_stderr(&o).1.contains("K3_SPINE_READ_THREADS"),
-        "{:?}",
-        stdout_stderr(&o)
+    let env = [("K3_SPINE_READ_THREADS", "0")];
+    fails_with(
+        &deltafin(&["run", "--max-new", "1"], &env),
+        "K3_SPINE_READ_THREADS",
     );
 }
 
@@ -172,61 +161,51 @@ fn perplexity_with_a_budget_equals_resident() {
 
 #[test]
 fn bad_budgets_and_knobs_are_clear_errors() {
-    for (args, env, needle) in [
+    let run = ["run", "--max-new", "1"];
+    for (flags, needle) in [
         (
-            vec!["--memory-budget-gb", "lots"],
-            vec![],
+            "--memory-budget-gb lots",
             "--memory-budget-gb: \"lots\" is not a number of GB",
         ),
+        ("--memory-budget-gb=-1", "must be a positive number"),
         (
-            vec!["--memory-budget-gb=-1"],
-            vec![],
-            "must be a positive number",
-        ),
-        (
-            vec![],
-            vec![("K3_MEMORY_BUDGET_GB", "0")],
-            "environment variable K3_MEMORY_BUDGET_GB",
-        ),
-        (
-            vec!["--memory-budget-gb", "0.001"],
-            vec![],
+            "--memory-budget-gb 0.001",
             "is too small even with every spine layer streamed",
         ),
+    ] {
+        let args: Vec<&str> = run
+            .iter()
+            .copied()
+            .chain(flags.split_whitespace())
+            .collect();
+        fails_with(&deltafin(&args, &[]), needle);
+    }
+    fails_with(
+        &deltafin(&run, &[("K3_MEMORY_BUDGET_GB", "0")]),
+        "environment variable K3_MEMORY_BUDGET_GB",
+    );
+    // The knobs of expert streaming, under a budget.
+    let budgeted = [&run[..], &["--memory-budget-gb", "1"]].concat();
+    for (knob, needle) in [
         (
-            vec!["--memory-budget-gb", "1"],
-            vec![("K3_PILOT_GATE", "maybe")],
+            ("K3_PILOT_GATE", "maybe"),
             "K3_PILOT_GATE: \"maybe\" is not off, measure, on or ranked",
         ),
+        (("K3_EXPERT_READ_THREADS", "0"), "K3_EXPERT_READ_THREADS"),
         (
-            vec!["--memory-budget-gb", "1"],
-            vec![("K3_EXPERT_READ_THREADS", "0")],
-            "K3_EXPERT_READ_THREADS",
-        ),
-        (
-            vec!["--memory-budget-gb", "1"],
-            vec![("K3_PILOT_GATE_THRESHOLD", "1.5")],
+            ("K3_PILOT_GATE_THRESHOLD", "1.5"),
             "K3_PILOT_GATE_THRESHOLD",
         ),
         (
-            vec!["--memory-budget-gb", "1"],
-            vec![("K3_PILOT_RANK_PRECISION", "-0.1")],
+            ("K3_PILOT_RANK_PRECISION", "-0.1"),
             "K3_PILOT_RANK_PRECISION: \"-0.1\" is not a number in [0, 1]",
         ),
         (
-            vec!["--memory-budget-gb", "1"],
-            vec![("K3_PILOT_MAX_GUESSES", "lots")],
+            ("K3_PILOT_MAX_GUESSES", "lots"),
             "K3_PILOT_MAX_GUESSES: \"lots\" is not an integer in 0…4096",
         ),
     ] {
-        let mut a = vec!["run", "--max-new", "1"];
-        a.extend(args);
-        let o = deltafin(&a, &env);
-        let (_, err) = stdout_stderr(&o);
-        assert!(
-            !o.status.success() && err.contains(needle),
-            "{needle}: {err}"
-        );
+        fails_with(&deltafin(&budgeted, &[knob]), needle);
     }
 }
 
@@ -235,24 +214,17 @@ fn router_trace_writes_one_line_per_pass_and_layer() {
     let tmp = tempfile::tempdir().unwrap();
     let trace = tmp.path().join("routes.jsonl");
     let t = trace.display().to_string();
-    let o = deltafin(
-        &[
-            "run",
-            "--prompt",
-            "Trace the routes",
-            "--max-new",
-            "3",
-            "--router-trace",
-            &t,
-        ],
-        &[("K3_MEMORY_BUDGET_GB", "0.2")],
-    );
-    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&trace)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let args = [
+        "run",
+        "--prompt",
+        "Trace the routes",
+        "--max-new",
+        "3",
+        "--router-trace",
+        &t,
+    ];
+    exits(&deltafin(&args, &[("K3_MEMORY_BUDGET_GB", "0.2")]), 0);
+    let lines = jsonl(&trace);
     // 3 passes (prefill + 2 decode steps) × 13 MoE layers.
     assert_eq!(lines.len(), 3 * 13);
     assert_eq!(lines[0]["step"], 0);
@@ -275,7 +247,7 @@ fn router_trace_modes_and_their_errors() {
         &["run", "--prompt", "Trace", "--max-new", "2"],
         &[("K3_TRACE", "sync"), ("K3_TRACE_PATH", &t)],
     );
-    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
+    exits(&o, 0);
     assert_eq!(
         std::fs::read_to_string(&trace).unwrap().lines().count(),
         2 * 13
@@ -303,53 +275,16 @@ fn router_trace_modes_and_their_errors() {
             "given with mode off",
         ),
     ] {
-        let mut a = vec!["run", "--max-new", "1"];
-        a.extend(args.iter().copied());
-        let o = deltafin(&a, &env);
-        let (_, err) = stdout_stderr(&o);
-        assert!(
-            !o.status.success() && err.contains(needle),
-            "{needle}: {err}"
+        fails_with(
+            &deltafin(&[&["run", "--max-new", "1"], &args[..]].concat(), &env),
+            needle,
         );
         // `serve` resolves the same flags the same way, before it binds.
-        let mut a = vec!["serve", "--port", "0"];
-        a.extend(args);
-        let o = deltafin(&a, &env);
-        let (_, err) = stdout_stderr(&o);
-        assert!(
-            !o.status.success() && err.contains(needle),
-            "serve {needle}: {err}"
+        fails_with(
+            &deltafin(&[&["serve", "--port", "0"], &args[..]].concat(), &env),
+            needle,
         );
     }
-}
-
-/// A private copy of the streaming model (the heat file lives under the model root).
-fn fresh_root() -> tempfile::TempDir {
-    let d = tempfile::tempdir().unwrap();
-    let dims = SynthDims {
-        experts: 64,
-        moe_inter: 256,
-        latent: 128,
-        ..SynthDims::tiny()
-    };
-    synthesize(d.path(), &SynthSpec::new(dims, 3)).unwrap();
-    d
-}
-
-fn deltafin_at(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    cmd.args(args)
-        .args(["--model-root", &root.display().to_string()])
-        .env("K3_SPINE", "bf16")
-        .env_remove("K3_MEMORY_BUDGET_GB")
-        .env_remove("K3_PILOT_GATE")
-        .env_remove("K3_EXPERT_HEAT")
-        .env_remove("K3_EXPERT_PIN_GB")
-        .env("K3_SPINE", "bf16");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().unwrap()
 }
 
 const HEAT_DIMS: deltafin_experts::heat::HeatDims = deltafin_experts::heat::HeatDims {
@@ -365,7 +300,7 @@ fn expert_heat_persists_across_runs_and_can_be_switched_off() {
     let heat = root.path().join(HEAT_FILE);
     let args = ["run", "--prompt", "Heat learns routes", "--max-new", "4"];
     let o = deltafin_at(root.path(), &args, &[("K3_EXPERT_HEAT", "off")]);
-    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
+    exits(&o, 0);
     assert!(
         stdout_stderr(&o).1.contains("expert_heat=off"),
         "{:?}",
@@ -375,7 +310,7 @@ fn expert_heat_persists_across_runs_and_can_be_switched_off() {
     // Default on: 4 passes (prefill + 3 decode steps), then 4 more.
     for want in [4, 8] {
         let o = deltafin_at(root.path(), &args, &[("K3_MEMORY_BUDGET_GB", "0.2")]);
-        assert!(o.status.success(), "{:?}", stdout_stderr(&o));
+        exits(&o, 0);
         let l = load(&heat, HEAT_DIMS);
         assert!(l.note.is_none(), "{:?}", l.note);
         assert_eq!(l.table.passes, want);
@@ -398,7 +333,7 @@ fn expert_heat_persists_across_runs_and_can_be_switched_off() {
     // A corrupt file is a warning, not an error, and is then rewritten.
     std::fs::write(&heat, b"K3HEATv1 but short").unwrap();
     let o = deltafin_at(root.path(), &args, &[]);
-    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
+    exits(&o, 0);
     assert!(
         stdout_stderr(&o).1.contains("ignored"),
         "{:?}",
@@ -413,11 +348,9 @@ fn expert_heat_persists_across_runs_and_can_be_switched_off() {
         (("K3_EXPERT_PIN_GB", "-2"), "K3_EXPERT_PIN_GB"),
         (("K3_EXPERT_PIN_GB", "lots"), "K3_EXPERT_PIN_GB"),
     ] {
-        let o = deltafin_at(root.path(), &["run", "--max-new", "1"], &[env]);
-        assert!(
-            !o.status.success() && stdout_stderr(&o).1.contains(needle),
-            "{needle}: {:?}",
-            stdout_stderr(&o)
+        fails_with(
+            &deltafin_at(root.path(), &["run", "--max-new", "1"], &[env]),
+            needle,
         );
     }
 }
@@ -440,7 +373,7 @@ fn pinned_tier_fills_from_the_heat_file_and_tokens_match_the_resident_run() {
     let mut learn = args.to_vec();
     learn.extend(["--router-trace", "learn.jsonl"]);
     let o = deltafin_at(root.path(), &learn, &[("K3_EXPERT_HEAT", "off")]);
-    assert!(o.status.success(), "{:?}", stdout_stderr(&o));
+    exits(&o, 0);
     let mut passes: Vec<Vec<(usize, Vec<usize>)>> = Vec::new();
     for line in std::fs::read_to_string(&trace).unwrap().lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -468,7 +401,7 @@ fn pinned_tier_fills_from_the_heat_file_and_tokens_match_the_resident_run() {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     std::fs::write(&path, t.encode()).unwrap();
     let resident = deltafin_at(root.path(), &args, &[("K3_EXPERT_HEAT", "off")]);
-    assert!(resident.status.success(), "{:?}", stdout_stderr(&resident));
+    exits(&resident, 0);
     let pinned = deltafin_at(
         root.path(),
         &args,
@@ -508,18 +441,10 @@ fn pinned_tier_fills_from_the_heat_file_and_tokens_match_the_resident_run() {
         "{err}"
     );
     // A tier larger than the expert cache is a clear error.
-    let o = deltafin_at(
-        root.path(),
-        &args,
-        &[("K3_MEMORY_BUDGET_GB", "0.2"), ("K3_EXPERT_PIN_GB", "5")],
-    );
-    assert!(
-        !o.status.success()
-            && stdout_stderr(&o)
-                .1
-                .contains("does not fit the expert cache"),
-        "{:?}",
-        stdout_stderr(&o)
+    let env = [("K3_MEMORY_BUDGET_GB", "0.2"), ("K3_EXPERT_PIN_GB", "5")];
+    fails_with(
+        &deltafin_at(root.path(), &args, &env),
+        "does not fit the expert cache",
     );
 }
 
@@ -536,7 +461,7 @@ fn the_budget_reserves_state_for_the_context_a_run_can_reach() {
     let prompt = "Expert streaming keeps";
     let base = ["run", "--prompt", prompt, "--max-new", "7"];
     let resident = deltafin(&base, &[]);
-    assert!(resident.status.success(), "{:?}", stdout_stderr(&resident));
+    exits(&resident, 0);
     let mut budgeted = base.to_vec();
     budgeted.extend(["--memory-budget-gb", "0.2"]);
     let o = deltafin(&budgeted, &[]);

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::text;
+use common::{assert_says, exits};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -47,6 +47,12 @@ fn commit_file(dir: &Path, file: &str, content: &str) {
     std::fs::write(&p, content).unwrap();
     git(dir, &["add", file]);
     git(dir, &["commit", "-q", "-m", &format!("update {file}")]);
+}
+
+/// A commit upstream (made in the seed and pushed) that the checkout does not have yet.
+fn push_upstream(r: &Repos, file: &str, content: &str) {
+    commit_file(&r.seed, file, content);
+    git(&r.seed, &["push", "-q"]);
 }
 
 struct Repos {
@@ -115,24 +121,20 @@ fn fast_forwards_rebuilds_and_leaves_model_data_alone() {
     std::fs::create_dir_all(r.clone.join("k3-experts")).unwrap();
     std::fs::write(r.clone.join("k3-experts/L1-E0.bin"), b"expert").unwrap();
     std::fs::write(r.clone.join("model-00001.safetensors"), b"weights").unwrap();
-    commit_file(&r.seed, "src.rs", "fn main() {}\n");
-    git(&r.seed, &["push", "-q"]);
+    push_upstream(&r, "src.rs", "fn main() {}\n");
 
-    let out = upgrade(&r.clone, FAKE_BUILD);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(0), "{t}");
-    assert!(t.contains("Deltafin safe native upgrade"), "{t}");
-    assert!(
-        t.contains("model weights and caches are not touched"),
-        "{t}"
-    );
-    assert!(t.contains("build profile: "), "{t}");
-    assert!(t.contains("fast-forwarded"), "{t}");
-    assert!(t.contains("loader audit skipped"), "{t}");
-    assert!(t.contains("Upgrade complete: "), "{t}");
-    assert!(
-        t.contains("Downloaded models and caches remain in place."),
-        "{t}"
+    let t = exits(&upgrade(&r.clone, FAKE_BUILD), 0);
+    assert_says(
+        &t,
+        &[
+            "Deltafin safe native upgrade",
+            "model weights and caches are not touched",
+            "build profile: ",
+            "fast-forwarded",
+            "loader audit skipped",
+            "Upgrade complete: ",
+            "Downloaded models and caches remain in place.",
+        ],
     );
     assert_eq!(head(&r.clone), head(&r.seed));
     assert!(r.clone.join("src.rs").is_file());
@@ -150,9 +152,7 @@ fn fast_forwards_rebuilds_and_leaves_model_data_alone() {
     );
 
     // Up to date: nothing fetched, no rebuild.
-    let out = upgrade(&r.clone, FAKE_BUILD);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(0), "{t}");
+    let t = exits(&upgrade(&r.clone, FAKE_BUILD), 0);
     assert!(t.contains("Already up to date"), "{t}");
     assert_eq!(
         std::fs::read_to_string(r.clone.join("build-ran.txt")).unwrap(),
@@ -164,15 +164,11 @@ fn fast_forwards_rebuilds_and_leaves_model_data_alone() {
 #[test]
 fn refuses_a_dirty_tree() {
     let r = setup();
-    commit_file(&r.seed, "src.rs", "fn main() {}\n");
-    git(&r.seed, &["push", "-q"]);
+    push_upstream(&r, "src.rs", "fn main() {}\n");
     std::fs::write(r.clone.join("Cargo.toml"), "[workspace]\n# local edit\n").unwrap();
     let before = head(&r.clone);
-    let out = upgrade(&r.clone, FAKE_BUILD);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{t}");
-    assert!(t.contains("uncommitted changes"), "{t}");
-    assert!(t.contains("Cargo.toml"), "{t}");
+    let t = exits(&upgrade(&r.clone, FAKE_BUILD), 1);
+    assert_says(&t, &["uncommitted changes", "Cargo.toml"]);
     assert_eq!(head(&r.clone), before);
     assert!(!r.clone.join("build-ran.txt").exists());
 }
@@ -183,19 +179,13 @@ fn refuses_a_diverged_branch_and_leaves_ahead_commits_alone() {
     commit_file(&r.clone, "local.txt", "mine\n");
     let local = head(&r.clone);
     // Only ahead: left alone.
-    let out = upgrade(&r.clone, FAKE_BUILD);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(0), "{t}");
+    let t = exits(&upgrade(&r.clone, FAKE_BUILD), 0);
     assert!(t.contains("1 local commit ahead"), "{t}");
     assert_eq!(head(&r.clone), local);
     // Upstream moves too: diverged.
-    commit_file(&r.seed, "theirs.txt", "theirs\n");
-    git(&r.seed, &["push", "-q"]);
-    let out = upgrade(&r.clone, FAKE_BUILD);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{t}");
-    assert!(t.contains("diverged"), "{t}");
-    assert!(t.contains("1 local and 1 upstream"), "{t}");
+    push_upstream(&r, "theirs.txt", "theirs\n");
+    let t = exits(&upgrade(&r.clone, FAKE_BUILD), 1);
+    assert_says(&t, &["diverged", "1 local and 1 upstream"]);
     assert_eq!(head(&r.clone), local);
     assert!(!r.clone.join("build-ran.txt").exists());
 }
@@ -204,28 +194,20 @@ fn refuses_a_diverged_branch_and_leaves_ahead_commits_alone() {
 fn refuses_a_branch_without_upstream_and_a_detached_head() {
     let r = setup();
     git(&r.clone, &["checkout", "-q", "-b", "local-only"]);
-    let out = upgrade(&r.clone, FAKE_BUILD);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{t}");
+    let t = exits(&upgrade(&r.clone, FAKE_BUILD), 1);
     assert!(t.contains("branch `local-only` has no upstream"), "{t}");
 
     git(&r.clone, &["checkout", "-q", "--detach"]);
-    let out = upgrade(&r.clone, FAKE_BUILD);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{t}");
+    let t = exits(&upgrade(&r.clone, FAKE_BUILD), 1);
     assert!(t.contains("detached HEAD"), "{t}");
 }
 
 #[test]
 fn a_failed_build_is_reported_and_a_non_checkout_refused() {
     let r = setup();
-    commit_file(&r.seed, "src.rs", "fn main() {}\n");
-    git(&r.seed, &["push", "-q"]);
-    let out = upgrade(&r.clone, "exit 3");
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{t}");
-    assert!(t.contains("the rebuild failed"), "{t}");
-    assert!(t.contains("cargo build --locked"), "{t}");
+    push_upstream(&r, "src.rs", "fn main() {}\n");
+    let t = exits(&upgrade(&r.clone, "exit 3"), 1);
+    assert_says(&t, &["the rebuild failed", "cargo build --locked"]);
     assert_eq!(
         head(&r.clone),
         head(&r.seed),
@@ -233,9 +215,7 @@ fn a_failed_build_is_reported_and_a_non_checkout_refused() {
     );
 
     let empty = tempfile::tempdir().unwrap();
-    let out = upgrade(empty.path(), FAKE_BUILD);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{t}");
+    let t = exits(&upgrade(empty.path(), FAKE_BUILD), 1);
     assert!(t.contains("is not a deltafin checkout"), "{t}");
 
     let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))

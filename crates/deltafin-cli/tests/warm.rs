@@ -5,7 +5,7 @@
 use deltafin_experts::heat::{HEAT_FILE, HeatDims, HeatTable};
 use deltafin_fetch::mock_hub::MockHub;
 use deltafin_fetch::synth_source::{SynthSource, small_dims};
-use deltafin_k3::checkpoint::Checkpoint;
+use deltafin_k3::weights::checkpoint::Checkpoint;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -187,7 +187,7 @@ fn full_install_writes_missing_expert_files_from_the_shards() {
     assert!(!root.join("k3-experts").exists());
     // A per-expert layout with two best-ranked files missing gets them back from the shards.
     let ck = Checkpoint::open(&root).unwrap();
-    deltafin_k3::loader::convert_to_expert_files(&ck).unwrap();
+    deltafin_k3::weights::loader::convert_to_expert_files(&ck).unwrap();
     let dir: PathBuf = root.join("k3-experts");
     let want = std::fs::read(dir.join("L2-E7.bin")).unwrap();
     std::fs::remove_file(dir.join("L2-E7.bin")).unwrap();

@@ -139,18 +139,27 @@ pub trait ExpertSource: Send + Sync {
     }
 }
 
-/// What a wrapping source changes about the source below it. Every method receives that
-/// `inner` source and by default passes the call through unchanged, so a layer writes only
-/// the methods it changes; [`Layered`] is the [`ExpertSource`] that applies it.
+/// What a wrapping source changes about the source below it. [`Layered`] is the
+/// [`ExpertSource`] that applies it: an expert is [`SourceLayer::prepare`]d, read from the
+/// inner source, then [`SourceLayer::adapt`]ed; every scheduling method receives the `inner`
+/// source and by default passes the call through unchanged, so a layer writes only the
+/// methods it changes.
 pub trait SourceLayer: Send + Sync {
-    /// [`ExpertSource::expert`].
-    fn expert(
+    /// Before the inner source is asked for `expert` of `layer`: make it servable (e.g. put
+    /// its file in place). An error is the answer of [`ExpertSource::expert`].
+    fn prepare(&self, _layer: usize, _expert: usize) -> Result<(), ExpertError> {
+        Ok(())
+    }
+
+    /// The inner source's weights of `expert` of `layer`, changed in place into what this
+    /// layer serves (e.g. other scale bytes).
+    fn adapt(
         &self,
-        inner: &dyn ExpertSource,
-        layer: usize,
-        expert: usize,
-    ) -> Result<ExpertWeights, ExpertError> {
-        inner.expert(layer, expert)
+        _layer: usize,
+        _expert: usize,
+        _weights: &mut ExpertWeights,
+    ) -> Result<(), ExpertError> {
+        Ok(())
     }
 
     /// [`ExpertSource::begin_layer`].
@@ -205,7 +214,10 @@ impl<L: SourceLayer> Layered<L> {
 
 impl<L: SourceLayer> ExpertSource for Layered<L> {
     fn expert(&self, layer: usize, expert: usize) -> Result<ExpertWeights, ExpertError> {
-        self.layer.expert(self.inner.as_ref(), layer, expert)
+        self.layer.prepare(layer, expert)?;
+        let mut weights = self.inner.expert(layer, expert)?;
+        self.layer.adapt(layer, expert, &mut weights)?;
+        Ok(weights)
     }
     fn begin_layer(&self, layer: usize, experts: &[usize]) {
         self.layer.begin_layer(self.inner.as_ref(), layer, experts)
@@ -233,6 +245,33 @@ mod tests {
     /// A layer that changes nothing.
     struct Pass;
     impl SourceLayer for Pass {}
+
+    /// A layer that refuses layer 0 before the inner source is asked.
+    struct Gate;
+    impl SourceLayer for Gate {
+        fn prepare(&self, layer: usize, expert: usize) -> Result<(), ExpertError> {
+            match layer {
+                0 => Err(ExpertError::Unavailable {
+                    layer,
+                    expert,
+                    message: "gated".into(),
+                }),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    #[test]
+    fn a_failed_prepare_is_the_answer_and_the_inner_source_is_not_asked() {
+        let log = HintLog::default();
+        let stack = Layered::new(Box::new(log.clone()), Gate);
+        let err = stack.expert(0, 3).unwrap_err().to_string();
+        assert!(err.contains("gated"), "{err}");
+        assert!(log.take().is_empty());
+        let err = stack.expert(1, 3).unwrap_err().to_string();
+        assert!(err.contains("none"), "{err}");
+        assert_eq!(log.take(), ["expert 1 3"]);
+    }
 
     #[test]
     fn layered_forwards_every_method_to_the_inner_source() {

@@ -36,7 +36,7 @@ impl HintLog {
         self.0.lock().unwrap().push(event);
     }
 
-    fn take(&self) -> Vec<String> {
+    pub(crate) fn take(&self) -> Vec<String> {
         std::mem::take(&mut *self.0.lock().unwrap())
     }
 

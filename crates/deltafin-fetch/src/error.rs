@@ -74,6 +74,14 @@ impl FetchError {
         move |source| FetchError::Io { path, source }
     }
 
+    /// An error of manifest `name`, from its message.
+    pub fn manifest(name: &str) -> impl Fn(String) -> FetchError + Copy + '_ {
+        move |msg| FetchError::Manifest {
+            name: name.to_string(),
+            msg,
+        }
+    }
+
     /// Whether retrying the same request may succeed (5xx, 429, transport failures).
     pub fn is_retryable(&self) -> bool {
         match self {

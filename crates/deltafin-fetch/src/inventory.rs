@@ -10,7 +10,7 @@
 use crate::error::FetchError;
 use crate::hub::HubClient;
 use crate::manifest::{InventoryPin, K3Manifest};
-use deltafin_k3::chat::write_py_str;
+use deltafin_k3::text::chat::write_py_str;
 use deltafin_tensor::DType;
 use serde_json::Value;
 use sha2::{Digest, Sha256};

@@ -9,6 +9,7 @@
 //! - [`inventory`]: the K3 tensor inventory rebuilt from the 96 shard headers.
 //! - [`plan`], [`check`], [`setup`]: plans (dry run), offline audits and the install steps.
 //! - [`expert`]: on-demand fetch of one routed expert's exact byte range (stream installs).
+//! - [`progress`]: progress bars on stderr (transfers, and the CLI's conversions).
 //! - `mock_hub` (feature `mock`): an in-process HTTP server speaking the hub protocol, with
 //!   fault injection, for tests; `synth_source` (feature `mock`) builds a synthesized K3
 //!   source and its manifests for it.
@@ -24,6 +25,7 @@ pub mod manifest;
 #[cfg(feature = "mock")]
 pub mod mock_hub;
 pub mod plan;
+pub mod progress;
 pub mod setup;
 #[cfg(feature = "mock")]
 pub mod synth_source;

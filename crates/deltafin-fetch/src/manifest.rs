@@ -134,10 +134,7 @@ impl K3Manifest {
     }
 
     fn validate(&self, name: &str) -> Result<(), FetchError> {
-        let bad = |msg: String| FetchError::Manifest {
-            name: name.to_string(),
-            msg,
-        };
+        let bad = FetchError::manifest(name);
         check_repo(&self.repo, &self.revision).map_err(bad)?;
         check_files(&self.metadata).map_err(bad)?;
         check_sha(&self.inventory.sha256).map_err(|m| bad(format!("inventory: {m}")))?;
@@ -243,10 +240,7 @@ fn check_files(files: &[PinnedFile]) -> Result<(), String> {
 
 impl RepoManifest {
     fn validate(&self, name: &str) -> Result<(), FetchError> {
-        let bad = |msg: String| FetchError::Manifest {
-            name: name.to_string(),
-            msg,
-        };
+        let bad = FetchError::manifest(name);
         check_repo(&self.repo, &self.revision).map_err(bad)?;
         check_path(&self.install_dir).map_err(bad)?;
         check_files(&self.files).map_err(bad)
@@ -280,10 +274,7 @@ const BUILTIN: [&str; 4] = [
 ];
 
 fn parse<T: for<'de> Deserialize<'de>>(name: &str, text: &str) -> Result<T, FetchError> {
-    serde_json::from_str(text).map_err(|e| FetchError::Manifest {
-        name: name.to_string(),
-        msg: e.to_string(),
-    })
+    serde_json::from_str(text).map_err(|e| FetchError::manifest(name)(e.to_string()))
 }
 
 impl Manifests {
@@ -361,10 +352,7 @@ impl Manifests {
         ];
         for (n, t) in MANIFEST_FILES.iter().zip(texts) {
             let p = dir.join(n);
-            let t = t.map_err(|e| FetchError::Manifest {
-                name: n.to_string(),
-                msg: e.to_string(),
-            })?;
+            let t = t.map_err(|e| FetchError::manifest(n)(e.to_string()))?;
             std::fs::write(&p, t + "\n").map_err(FetchError::io(&p))?;
         }
         Ok(())
@@ -376,18 +364,15 @@ impl Manifests {
 /// release layout puts it in, and nothing else may be mapped. Shard sha256 and exact header
 /// lengths are left unpinned.
 pub fn k3_manifest_from_index(
-    cfg: &deltafin_k3::config::K3Config,
+    cfg: &deltafin_k3::weights::config::K3Config,
     index: &serde_json::Value,
     repo: &str,
     revision: &str,
     metadata: Vec<PinnedFile>,
     inventory: InventoryPin,
 ) -> Result<K3Manifest, FetchError> {
-    use deltafin_k3::inventory::{self as inv, TensorKind};
-    let bad = |msg: String| FetchError::Manifest {
-        name: "model.safetensors.index.json".into(),
-        msg,
-    };
+    use deltafin_k3::weights::inventory::{self as inv, TensorKind};
+    let bad = FetchError::manifest("model.safetensors.index.json");
     let map = index
         .get("weight_map")
         .and_then(|v| v.as_object())

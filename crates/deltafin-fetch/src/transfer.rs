@@ -20,10 +20,11 @@
 
 use crate::error::FetchError;
 use crate::hub::{HubClient, check_range};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use crate::progress;
+use indicatif::ProgressBar;
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
-use std::io::{IsTerminal, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -145,19 +146,7 @@ pub fn run_jobs(
         )));
     }
     let total: u64 = jobs.iter().map(|j| j.size).sum();
-    let bar = ProgressBar::with_draw_target(
-        Some(total),
-        if opts.progress && std::io::stderr().is_terminal() {
-            ProgressDrawTarget::stderr()
-        } else {
-            ProgressDrawTarget::hidden()
-        },
-    );
-    if let Ok(style) = ProgressStyle::with_template(
-        "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}",
-    ) {
-        bar.set_style(style);
-    }
+    let bar = progress::stderr_bar(total, progress::BYTES, opts.progress);
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let report = Mutex::new(TransferReport::default());

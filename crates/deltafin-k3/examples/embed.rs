@@ -3,9 +3,9 @@
 //!
 //! `cargo run --release -p deltafin-k3 --example embed -- MODEL_ROOT [BUDGET_GB] [PROMPT]`
 
-use deltafin_k3::engine::EngineBuilder;
+use deltafin_k3::engine::{EngineBuilder, LoadedEngine};
 use deltafin_k3::generate::{GenerateOptions, generate};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS};
 use std::error::Error;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
@@ -22,6 +22,16 @@ pub fn complete(
         .memory_budget(Some((budget_gb * 1e9) as u64))
         .context_tokens(Some(prompt.len() + max_new)) // a token is at least one byte
         .build()?;
+    continue_greedily(&engine, prompt, max_new)
+}
+
+/// Continue `prompt` greedily for at most `max_new` tokens with a loaded engine, within the
+/// context its memory plan holds.
+pub fn continue_greedily(
+    engine: &LoadedEngine,
+    prompt: &str,
+    max_new: usize,
+) -> Result<String, Box<dyn Error>> {
     let prompt_ids = engine.tokenizer.encode_ordinary(prompt);
     let max_context = engine
         .plan

@@ -45,8 +45,11 @@
 //! but a user of it (prompt → tokens through [`model::K3Model`]), like any program that
 //! embeds the model.
 //!
-//! Every module is also reachable at the crate root under its own name (`deltafin_k3::kda`,
-//! `deltafin_k3::loader`, …): the re-exports below.
+//! Modules are reached by their real paths (`deltafin_k3::model::kda`,
+//! `deltafin_k3::weights::loader`, `deltafin_k3::text::chat`, …). The crate root re-exports
+//! only the types a program embedding the model starts from: [`EngineBuilder`] (with its
+//! [`EngineConfig`] and the [`LoadedEngine`] it builds), the model [`K3Model`], and
+//! [`ModelError`].
 //!
 //! Test-checkpoint synthesis (`synth`: checkpoints in the exact release layout) is compiled
 //! only with the `synth` feature (and in this crate's own tests): the crates that need it in
@@ -64,13 +67,6 @@ mod test_util;
 pub mod text;
 pub mod weights;
 
+pub use engine::{EngineBuilder, EngineConfig, LoadedEngine};
 pub use error::ModelError;
-
-pub use model::{
-    attn_res, dims, kda, linear, mla, moe, next_token, norm, offload, router, situ, state, taps,
-};
-pub use text::{chat, tokenizer};
-pub use weights::{
-    checkpoint, config, filelock, install, inventory, loader, resident, spine_int8, spine_pack,
-    spine_quality, spine_stream,
-};
+pub use model::K3Model;

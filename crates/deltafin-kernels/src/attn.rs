@@ -34,15 +34,24 @@ impl CacheValue for bf16 {
     }
 }
 
-/// One query position over the first `n` cached rows for `heads` heads: `q_lat` holds
-/// `heads` rows of `kvl`, `q_tail` `heads` rows of `dr`; `latent` / `tail` hold at least `n`
-/// rows of `kvl` / `dr`. Writes the probabilities to `p` (`heads` rows of `n`) and the
-/// contexts to `ctx` (`heads` rows of `kvl`).
-///
-/// # Panics
-/// If a length disagrees with `heads`, `n` or the row widths.
+crate::simd::simd_versions! {
+    /// One query position over the first `n` cached rows for `heads` heads: `q_lat` holds
+    /// `heads` rows of `kvl`, `q_tail` `heads` rows of `dr`; `latent` / `tail` hold at least `n`
+    /// rows of `kvl` / `dr`. Writes the probabilities to `p` (`heads` rows of `n`) and the
+    /// contexts to `ctx` (`heads` rows of `kvl`).
+    ///
+    /// # Panics
+    /// If a length disagrees with `heads`, `n` or the row widths.
+    pub fn latent_attention<E: CacheValue>(q_lat: &[f32], q_tail: &[f32], latent: &[E],
+        tail: &[E], heads: usize, n: usize, scale: f32, p: &mut [f32], ctx: &mut [f32])
+        = latent_attention_body;
+}
+
+/// [`latent_attention`]: the checks, then the operations (compiled once per backend, the same
+/// operations on each).
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub fn latent_attention<E: CacheValue>(
+fn latent_attention_body<E: CacheValue>(
     q_lat: &[f32],
     q_tail: &[f32],
     latent: &[E],
@@ -61,75 +70,6 @@ pub fn latent_attention<E: CacheValue>(
     assert!(tail.len() >= n * dr, "latent_attention: tail rows");
     assert_eq!(p.len(), heads * n, "latent_attention: probability length");
     assert_eq!(ctx.len(), heads * kvl, "latent_attention: context length");
-    #[cfg(target_arch = "x86_64")]
-    match crate::settings::backend() {
-        crate::Backend::Avx512 => {
-            // SAFETY: the selected backend is supported by this CPU (checked at selection).
-            return unsafe {
-                latent_attention_avx512(q_lat, q_tail, latent, tail, heads, n, scale, p, ctx)
-            };
-        }
-        crate::Backend::Avx2 => {
-            // SAFETY: as above.
-            return unsafe {
-                latent_attention_avx2(q_lat, q_tail, latent, tail, heads, n, scale, p, ctx)
-            };
-        }
-        _ => {}
-    }
-    latent_attention_body(q_lat, q_tail, latent, tail, heads, n, scale, p, ctx)
-}
-
-/// [`latent_attention`] compiled for AVX-512 (same operations, wider vectors).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn latent_attention_avx512<E: CacheValue>(
-    q_lat: &[f32],
-    q_tail: &[f32],
-    latent: &[E],
-    tail: &[E],
-    heads: usize,
-    n: usize,
-    scale: f32,
-    p: &mut [f32],
-    ctx: &mut [f32],
-) {
-    latent_attention_body(q_lat, q_tail, latent, tail, heads, n, scale, p, ctx)
-}
-
-/// [`latent_attention`] compiled for AVX2 (same operations, wider vectors).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn latent_attention_avx2<E: CacheValue>(
-    q_lat: &[f32],
-    q_tail: &[f32],
-    latent: &[E],
-    tail: &[E],
-    heads: usize,
-    n: usize,
-    scale: f32,
-    p: &mut [f32],
-    ctx: &mut [f32],
-) {
-    latent_attention_body(q_lat, q_tail, latent, tail, heads, n, scale, p, ctx)
-}
-
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn latent_attention_body<E: CacheValue>(
-    q_lat: &[f32],
-    q_tail: &[f32],
-    latent: &[E],
-    tail: &[E],
-    heads: usize,
-    n: usize,
-    scale: f32,
-    p: &mut [f32],
-    ctx: &mut [f32],
-) {
-    let (kvl, dr) = (q_lat.len() / heads, q_tail.len() / heads);
     let mut cw = vec![0f32; kvl];
     let mut tw = vec![0f32; dr];
     for s in 0..n {
@@ -201,18 +141,11 @@ pub fn axpy_bf16_f32(w: &[bf16], alpha: f32, out: &mut [f32]) {
     axpy_widened(w, alpha, out, |v| v.widen())
 }
 
-/// `out_c += alpha · widen(w_c)`, compiled for the selected backend.
-#[inline(always)]
-fn axpy_widened<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl Fn(T) -> f32) {
-    #[cfg(target_arch = "x86_64")]
-    match crate::settings::backend() {
-        // SAFETY: the selected backend is supported by this CPU (checked at selection).
-        crate::Backend::Avx512 => return unsafe { axpy_widened_avx512(w, alpha, out, widen) },
-        // SAFETY: as above.
-        crate::Backend::Avx2 => return unsafe { axpy_widened_avx2(w, alpha, out, widen) },
-        _ => {}
-    }
-    axpy_widened_body(w, alpha, out, widen)
+crate::simd::simd_versions! {
+    /// `out_c += alpha · widen(w_c)`, compiled for the selected backend.
+    #[inline(always)]
+    fn axpy_widened<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl Fn(T) -> f32) =
+        axpy_widened_body;
 }
 
 #[inline(always)]
@@ -222,19 +155,11 @@ fn axpy_widened_body<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl 
     }
 }
 
-/// `Σ widen(w_c) x_c` in 16 lane sums and [`crate::kda_chunk::reduce_lanes`], compiled for the
-/// selected backend (the same operations, so the same bits, on each).
-#[inline(always)]
-fn dot_widened<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(T) -> f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    match crate::settings::backend() {
-        // SAFETY: the selected backend is supported by this CPU (checked at selection).
-        crate::Backend::Avx512 => return unsafe { dot_widened_avx512(w, x, widen) },
-        // SAFETY: as above.
-        crate::Backend::Avx2 => return unsafe { dot_widened_avx2(w, x, widen) },
-        _ => {}
-    }
-    dot_widened_body(w, x, widen)
+crate::simd::simd_versions! {
+    /// `Σ widen(w_c) x_c` in 16 lane sums and [`crate::kda_chunk::reduce_lanes`], compiled for
+    /// the selected backend (the same operations, so the same bits, on each).
+    #[inline(always)]
+    fn dot_widened<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(T) -> f32) -> f32 = dot_widened_body;
 }
 
 #[inline(always)]
@@ -252,29 +177,6 @@ fn dot_widened_body<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(T) -> f32) -> f3
     }
     crate::kda_chunk::reduce_lanes(lanes)
 }
-
-/// The bodies above compiled with AVX-512 F or AVX2 (same operations, wider registers).
-macro_rules! widened_with {
-    ($feat:literal, $dot:ident, $axpy:ident) => {
-        /// # Safety
-        /// The CPU must have the enabled features.
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $feat)]
-        unsafe fn $dot<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(T) -> f32) -> f32 {
-            dot_widened_body(w, x, widen)
-        }
-
-        /// # Safety
-        /// The CPU must have the enabled features.
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $feat)]
-        unsafe fn $axpy<T: Copy>(w: &[T], alpha: f32, out: &mut [f32], widen: impl Fn(T) -> f32) {
-            axpy_widened_body(w, alpha, out, widen)
-        }
-    };
-}
-widened_with!("avx512f", dot_widened_avx512, axpy_widened_avx512);
-widened_with!("avx2", dot_widened_avx2, axpy_widened_avx2);
 
 #[cfg(test)]
 mod tests {

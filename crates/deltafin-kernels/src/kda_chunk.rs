@@ -94,45 +94,14 @@ pub fn kda_chunked(s: &mut [f32], rows: &KdaRows<'_>, t: usize, chunk: usize, o:
         rows.beta.len() > (t - 1) * rows.beta_stride,
         "kda_chunked: beta holds fewer than {t} rows"
     );
-    #[cfg(target_arch = "x86_64")]
-    match crate::settings::backend() {
-        crate::Backend::Avx512 => {
-            // SAFETY: the selected backend is supported by this CPU (checked at selection).
-            return unsafe { kda_chunked_avx512(s, rows, t, chunk, o) };
-        }
-        crate::Backend::Avx2 => {
-            // SAFETY: as above.
-            return unsafe { kda_chunked_avx2(s, rows, t, chunk, o) };
-        }
-        _ => {}
-    }
-    kda_chunked_body(s, rows, t, chunk, o)
+    kda_chunked_with(crate::settings::backend(), s, rows, t, chunk, o)
 }
 
-/// [`kda_chunked`] compiled for AVX-512 (same operations, wider vectors).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn kda_chunked_avx512(
-    s: &mut [f32],
-    rows: &KdaRows<'_>,
-    t: usize,
-    chunk: usize,
-    o: &mut [f32],
-) {
-    kda_chunked_body(s, rows, t, chunk, o)
-}
-
-/// [`kda_chunked`] compiled for AVX2 (same operations, wider vectors).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn kda_chunked_avx2(
-    s: &mut [f32],
-    rows: &KdaRows<'_>,
-    t: usize,
-    chunk: usize,
-    o: &mut [f32],
-) {
-    kda_chunked_body(s, rows, t, chunk, o)
+crate::simd::simd_versions! {
+    /// [`kda_chunked`] compiled for `backend` (same operations, wider vectors).
+    #[inline(always)]
+    fn kda_chunked_with(backend, s: &mut [f32], rows: &KdaRows<'_>, t: usize, chunk: usize,
+        o: &mut [f32]) = kda_chunked_body;
 }
 
 /// `x ← e^x` element-wise ([`crate::vmath`]: the same bits on every backend).

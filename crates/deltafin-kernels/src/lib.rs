@@ -10,8 +10,8 @@
 //! not models.
 //!
 //! The library reads no environment: a binary parses its [`KernelSettings`] (backend, MXFP4
-//! activation format, pool switches) once at startup and installs them with [`configure`];
-//! without that the defaults run ([`settings`]).
+//! activation format, pool switches, the CUDA backend's search paths) once at startup and
+//! installs them with [`configure`]; without that the defaults run ([`settings`]).
 //!
 //! Shapes are internal invariants of the callers (the model validates every weight shape when
 //! it is built), so the kernels check them with assertions and document the panic.
@@ -36,7 +36,17 @@ pub mod probe;
 mod rows;
 mod scalar;
 pub mod settings;
+mod simd;
 mod table;
+/// What the unit tests share with the integration tests: random inputs, pools, the SKIP rule.
+#[cfg(test)]
+#[path = "../tests/common/shared.rs"]
+#[allow(dead_code)] // not every target uses every part
+mod test_shared;
+#[cfg(test)]
+#[path = "../tests/common/skip.rs"]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the CPU-feature tests
+mod test_skip;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
@@ -58,13 +68,15 @@ pub use matvec::{
     matmul_group, matmul_group_serial, matmul_group_with, matmul_mxfp4, matmul_rowint8,
     matmul_serial, matmul_with, matvec_bf16, matvec_f32, matvec_mxfp4, matvec_rowint8,
 };
-pub use offload::{DeviceError, DeviceWeights, HostCounters, HostDevice, ProductDevice};
+pub use offload::{
+    DeviceError, DeviceResult, DeviceWeights, HostCounters, HostDevice, ProductDevice,
+};
 pub use ops::{
     argmax, kda_delta_step, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, situ_glu,
     softmax_inplace,
 };
 pub use settings::{
-    KernelError, KernelSettings, Mxfp4Act, backend, configure, kernel_backend, kernel_summary,
-    pool_settings,
+    CudaPaths, KernelError, KernelSettings, Mxfp4Act, backend, configure, kernel_backend,
+    kernel_summary, pool_settings,
 };
 pub use vmath::{exp_inplace, sigmoid_inplace, silu_inplace, tanh_inplace};

@@ -140,6 +140,26 @@ impl DeviceWeights {
         }
         self.handle.downcast_ref::<T>()
     }
+    /// The device's own matrix for a product of `n` rows with `xs` inputs and `ys` outputs
+    /// (for implementations): [`DeviceError::ForeignHandle`] unless `device_id` made it, then
+    /// [`DeviceWeights::check_io`].
+    pub fn handle_for<T: 'static>(
+        &self,
+        device: &str,
+        device_id: u64,
+        xs: usize,
+        n: usize,
+        ys: usize,
+    ) -> Result<&T, DeviceError> {
+        let Some(m) = self.handle::<T>(device_id) else {
+            return Err(DeviceError::ForeignHandle {
+                device: device.to_string(),
+                what: self.name.clone(),
+            });
+        };
+        self.check_io(device, xs, n, ys)?;
+        Ok(m)
+    }
     /// Check `xs`/`ys` against the shape for `n` rows (for implementations).
     pub fn check_io(
         &self,
@@ -171,6 +191,9 @@ pub fn next_device_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
+/// The result of a [`ProductDevice`] operation.
+pub type DeviceResult<T> = Result<T, DeviceError>;
+
 /// An accelerator that holds weight matrices and multiplies activation rows by them.
 /// Object safe; callable from several threads at once.
 pub trait ProductDevice: Send + Sync {
@@ -182,13 +205,7 @@ pub trait ProductDevice: Send + Sync {
     fn upload(&self, name: &str, w: Weights<'_>) -> Result<DeviceWeights, DeviceError>;
     /// `ys[b] = W·xs[b]` for `n` row-major activation rows (`xs`: `n · cols`,
     /// `ys`: `n · rows`); returns when `ys` holds the results.
-    fn matmul(
-        &self,
-        w: &DeviceWeights,
-        xs: &[f32],
-        n: usize,
-        ys: &mut [f32],
-    ) -> Result<(), DeviceError>;
+    fn matmul(&self, w: &DeviceWeights, xs: &[f32], n: usize, ys: &mut [f32]) -> DeviceResult<()>;
 }
 
 /// What a [`HostDevice`] has done so far.
@@ -315,37 +332,25 @@ impl ProductDevice for HostDevice {
             message: format!("copying {name}: {e}"),
         };
         // Real copies: the stand-in must not read the caller's buffers after the upload.
+        let own = |b: &[u8]| Bytes::from_vec(b.to_vec());
+        let (rows, cols) = (w.rows(), w.cols());
         let m = match w {
             Weights::F32 { data, .. } => HostOwned::F32(data.to_vec()),
             Weights::Bf16(m) => HostOwned::Bf16(
-                Bf16Matrix::new(
-                    name,
-                    Bytes::from_vec(m.bytes().as_slice().to_vec()),
-                    m.rows(),
-                    m.cols(),
-                )
-                .map_err(copy)?,
+                Bf16Matrix::new(name, own(m.bytes().as_slice()), rows, cols).map_err(copy)?,
             ),
-            Weights::RowInt8(m) => HostOwned::RowInt8(
-                RowInt8Matrix::new_unscanned(
-                    name,
-                    Bytes::from_vec(m.data_bytes().as_slice().to_vec()),
-                    Bytes::from_vec(m.scale_bytes().as_slice().to_vec()),
-                    m.rows(),
-                    m.cols(),
-                )
-                .map_err(copy)?,
-            ),
-            Weights::Mxfp4(m) => HostOwned::Mxfp4(
-                Mxfp4Matrix::new(
-                    name,
-                    Bytes::from_vec(m.packed().to_vec()),
-                    Bytes::from_vec(m.scales().to_vec()),
-                    m.rows(),
-                    m.cols(),
-                )
-                .map_err(copy)?,
-            ),
+            Weights::RowInt8(m) => {
+                let (codes, scales) = (
+                    own(m.data_bytes().as_slice()),
+                    own(m.scale_bytes().as_slice()),
+                );
+                let m = RowInt8Matrix::new_unscanned(name, codes, scales, rows, cols);
+                HostOwned::RowInt8(m.map_err(copy)?)
+            }
+            Weights::Mxfp4(m) => {
+                let m = Mxfp4Matrix::new(name, own(m.packed()), own(m.scales()), rows, cols);
+                HostOwned::Mxfp4(m.map_err(copy)?)
+            }
         };
         let slot = {
             let mut per = self
@@ -367,20 +372,8 @@ impl ProductDevice for HostDevice {
         Ok(DeviceWeights::new(name, &w, self.id, Box::new(held)))
     }
 
-    fn matmul(
-        &self,
-        w: &DeviceWeights,
-        xs: &[f32],
-        n: usize,
-        ys: &mut [f32],
-    ) -> Result<(), DeviceError> {
-        let Some(h) = w.handle::<HostMatrix>(self.id) else {
-            return Err(DeviceError::ForeignHandle {
-                device: self.describe(),
-                what: w.name().to_string(),
-            });
-        };
-        w.check_io(&self.describe(), xs.len(), n, ys.len())?;
+    fn matmul(&self, w: &DeviceWeights, xs: &[f32], n: usize, ys: &mut [f32]) -> DeviceResult<()> {
+        let h: &HostMatrix = w.handle_for(&self.describe(), self.id, xs.len(), n, ys.len())?;
         let k = self.products.fetch_add(1, Ordering::Relaxed);
         if k >= self.fail_at.load(Ordering::Relaxed) {
             return Err(DeviceError::Failed {

@@ -93,26 +93,35 @@ pub fn l2_normalize(x: &mut [f32], eps: f32) {
     }
 }
 
-/// One step of the KDA delta rule for one head (docs/K3.md §4.3 step 6), the state `s`
-/// row-major `[d (key), d (value)]`, `d = q.len()`:
-///
-/// ```text
-/// S′ = diag(e^g) S;   u = β (v − S′ᵀ k̂);   S = S′ + k̂ uᵀ;   o += Sᵀ q̂
-/// ```
-///
-/// Every value is computed by the same element-wise f32 operations in the same order on
-/// every backend (a multiply, then a subtract or add: never fused), so the result does not
-/// depend on the vector width; the AVX-512 and AVX2 builds only process more columns per
-/// instruction. The state is read twice and written once: the first pass forms `S′` only in
-/// registers for `u`, the second forms it again (the same products, so the same values) and
-/// stores `S` — a third less state traffic than storing `S′` in between (decode on `mini`,
-/// int8 spine: 1.022×; docs/PERFORMANCE.md, "Kernel and scheduling details that each measured a gain"). `u` is scratch of `d` values; `o`
-/// (of `d` values) is accumulated into.
-///
-/// # Panics
-/// If the lengths disagree (`s.len() == d²`, every vector of length `d`).
+crate::simd::simd_versions! {
+    /// One step of the KDA delta rule for one head (docs/K3.md §4.3 step 6), the state `s`
+    /// row-major `[d (key), d (value)]`, `d = q.len()`:
+    ///
+    /// ```text
+    /// S′ = diag(e^g) S;   u = β (v − S′ᵀ k̂);   S = S′ + k̂ uᵀ;   o += Sᵀ q̂
+    /// ```
+    ///
+    /// Every value is computed by the same element-wise f32 operations in the same order on
+    /// every backend (a multiply, then a subtract or add: never fused), so the result does not
+    /// depend on the vector width; the AVX-512 and AVX2 builds only process more columns per
+    /// instruction. The state is read twice and written once: the first pass forms `S′` only in
+    /// registers for `u`, the second forms it again (the same products, so the same values) and
+    /// stores `S` — a third less state traffic than storing `S′` in between (decode on `mini`,
+    /// int8 spine: 1.022×; docs/PERFORMANCE.md, "Kernel and scheduling details that each
+    /// measured a gain"). `u` is scratch of `d` values; `o` (of `d` values) is accumulated into.
+    ///
+    /// # Panics
+    /// If the lengths disagree (`s.len() == d²`, every vector of length `d`).
+    pub fn kda_delta_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: f32,
+        u: &mut [f32], o: &mut [f32]) = kda_delta_step_body;
+}
+
+/// [`kda_delta_step`]: the checks, then the operations (compiled once per backend). The inner
+/// loops run over whole rows through `zip`, so they carry no bounds checks and vectorise over
+/// the value columns.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub fn kda_delta_step(
+fn kda_delta_step_body(
     s: &mut [f32],
     q: &[f32],
     k: &[f32],
@@ -129,71 +138,6 @@ pub fn kda_delta_step(
     }
     assert_eq!(u.len(), d, "kda_delta_step: scratch length");
     assert_eq!(o.len(), d, "kda_delta_step: output length");
-    #[cfg(target_arch = "x86_64")]
-    match crate::settings::backend() {
-        crate::Backend::Avx512 => {
-            // SAFETY: the selected backend is supported by this CPU (checked at selection).
-            return unsafe { kda_delta_step_avx512(s, q, k, v, g, beta, u, o) };
-        }
-        crate::Backend::Avx2 => {
-            // SAFETY: as above.
-            return unsafe { kda_delta_step_avx2(s, q, k, v, g, beta, u, o) };
-        }
-        _ => {}
-    }
-    kda_delta_step_body(s, q, k, v, g, beta, u, o)
-}
-
-/// [`kda_delta_step`] compiled for AVX-512 (same operations, 16 lanes).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn kda_delta_step_avx512(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: f32,
-    u: &mut [f32],
-    o: &mut [f32],
-) {
-    kda_delta_step_body(s, q, k, v, g, beta, u, o)
-}
-
-/// [`kda_delta_step`] compiled for AVX2 (same operations, 8 lanes).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn kda_delta_step_avx2(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: f32,
-    u: &mut [f32],
-    o: &mut [f32],
-) {
-    kda_delta_step_body(s, q, k, v, g, beta, u, o)
-}
-
-/// The portable body of [`kda_delta_step`]; the lengths are checked by the caller. The
-/// inner loops run over whole rows through `zip`, so they carry no bounds checks and
-/// vectorise over the value columns.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn kda_delta_step_body(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: f32,
-    u: &mut [f32],
-    o: &mut [f32],
-) {
-    let d = u.len();
     // u = β (v − S′ᵀ k̂) with S′ = diag(α) S, S′ not stored: this pass only reads the state.
     u.copy_from_slice(v);
     for ((row, &gr), &kr) in s.chunks_exact(d).zip(g).zip(k) {
@@ -287,15 +231,7 @@ mod tests {
 
     #[test]
     fn parallel_argmax_equals_the_serial_scan() {
-        let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
-            .iter()
-            .map(|&t| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(t)
-                    .build()
-                    .unwrap()
-            })
-            .collect();
+        let pools = crate::test_shared::pools();
         let mut seed = 0x9e37_79b9_u32;
         let mut next = move || {
             seed ^= seed << 13;

@@ -1,5 +1,6 @@
 //! Kernel settings: which instruction set the products use, the activation format of MXFP4
-//! products, and the worker pool's two switches.
+//! products, the worker pool's two switches, and where the CUDA backend finds NVRTC and
+//! precompiled kernels ([`CudaPaths`]).
 //!
 //! The library never reads the environment. A binary parses its settings once at startup
 //! (each value has a strict parser; [`KernelSettings::from_lookup`] applies them to named
@@ -14,6 +15,8 @@
 //! keeps every product signature unchanged; the values are fixed once the first kernel has run,
 //! so a product never sees them change.
 
+use std::ffi::OsString;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::OnceLock;
 
@@ -25,6 +28,16 @@ pub const MXFP4_ACT_VAR: &str = "DELTAFIN_MXFP4_ACT";
 pub const POOL_SPIN_VAR: &str = "DELTAFIN_POOL_SPIN";
 /// The name by which binaries read the idle workers' prefetch switch (`lookahead`).
 pub const POOL_PREFETCH_VAR: &str = "DELTAFIN_POOL_PREFETCH";
+
+/// The name by which binaries read the NVRTC library (a file, or a directory holding
+/// `libnvrtc.so*`) for the CUDA backend ([`CudaPaths::nvrtc`]).
+pub const NVRTC_VAR: &str = "DELTAFIN_NVRTC";
+/// The names by which binaries read CUDA toolkit roots, in search order
+/// ([`CudaPaths::toolkit_roots`]).
+pub const CUDA_TOOLKIT_VARS: [&str; 2] = ["CUDA_HOME", "CUDA_PATH"];
+/// The name by which binaries read a directory of precompiled CUDA kernels
+/// ([`CudaPaths::ptx_dir`]).
+pub const CUDA_PTX_DIR_VAR: &str = "DELTAFIN_CUDA_PTX_DIR";
 
 /// Activation format of MXFP4 products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -131,8 +144,51 @@ pub enum KernelError {
     AlreadyConfigured { installed: String },
 }
 
+/// Where the CUDA backend (feature `cuda`) finds NVRTC and the kernels: `cuda::Nvrtc::load`
+/// and `cuda::CudaDevice::open`. Nothing set (the default): NVRTC from
+/// `/usr/local/cuda/lib64` or the loader's path, kernels compiled by it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CudaPaths {
+    /// A libnvrtc file, or a directory holding `libnvrtc.so*`, tried first ([`NVRTC_VAR`]).
+    pub nvrtc: Option<PathBuf>,
+    /// Toolkit roots whose `lib64` is searched next, in order ([`CUDA_TOOLKIT_VARS`]).
+    pub toolkit_roots: Vec<PathBuf>,
+    /// A directory of precompiled `<file>.ptx` (JIT-compiled by the driver), loaded instead of
+    /// compiling with NVRTC ([`CUDA_PTX_DIR_VAR`]).
+    pub ptx_dir: Option<PathBuf>,
+}
+
+impl CudaPaths {
+    /// The paths named by variables ([`NVRTC_VAR`], [`CUDA_TOOLKIT_VARS`],
+    /// [`CUDA_PTX_DIR_VAR`]) as `lookup` gives them, each taken as it is (a binary passes the
+    /// process environment, `std::env::var_os`).
+    pub fn from_lookup<V: Into<OsString>>(lookup: impl Fn(&str) -> Option<V>) -> CudaPaths {
+        let path = |name: &str| lookup(name).map(|v| PathBuf::from(v.into()));
+        CudaPaths {
+            nvrtc: path(NVRTC_VAR),
+            toolkit_roots: CUDA_TOOLKIT_VARS.iter().filter_map(|v| path(v)).collect(),
+            ptx_dir: path(CUDA_PTX_DIR_VAR),
+        }
+    }
+
+    /// The paths set, as log words (` nvrtc=… cuda_toolkit=… cuda_ptx_dir=…`, empty when none is).
+    fn words(&self) -> String {
+        let mut out = String::new();
+        if let Some(p) = &self.nvrtc {
+            out.push_str(&format!(" nvrtc={}", p.display()));
+        }
+        for p in &self.toolkit_roots {
+            out.push_str(&format!(" cuda_toolkit={}", p.display()));
+        }
+        if let Some(p) = &self.ptx_dir {
+            out.push_str(&format!(" cuda_ptx_dir={}", p.display()));
+        }
+        out
+    }
+}
+
 /// Everything the kernels let a caller choose.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelSettings {
     /// The instruction set of every product (must be supported by this CPU).
     pub backend: Backend,
@@ -143,6 +199,8 @@ pub struct KernelSettings {
     pub pool_spin: bool,
     /// The waiting workers' prefetch of the next products' weights (`lookahead`).
     pub pool_prefetch: bool,
+    /// Where the CUDA backend finds NVRTC and the kernels.
+    pub cuda: CudaPaths,
 }
 
 impl Default for KernelSettings {
@@ -152,30 +210,42 @@ impl Default for KernelSettings {
             mxfp4_act: DEFAULT_ACT,
             pool_spin: true,
             pool_prefetch: true,
+            cuda: CudaPaths::default(),
         }
     }
 }
 
 impl KernelSettings {
     /// The settings named by variables (the names of [`crate::dispatch::ENV_VAR`],
-    /// [`MXFP4_ACT_VAR`], [`POOL_SPIN_VAR`], [`POOL_PREFETCH_VAR`]) as `lookup` gives them,
-    /// the default for each one it does not have, each parsed strictly. A binary passes the
-    /// process environment (a value that is not UTF-8 given lossily, so it is refused with
-    /// what it shows).
-    pub fn from_lookup(
-        lookup: impl Fn(&str) -> Option<String>,
+    /// [`MXFP4_ACT_VAR`], [`POOL_SPIN_VAR`], [`POOL_PREFETCH_VAR`], and the CUDA paths of
+    /// [`CudaPaths::from_lookup`]) as `lookup` gives them, the default for each one it does not
+    /// have, each parsed strictly. A binary passes the process environment
+    /// (`std::env::var_os`): a choice that is not UTF-8 is refused showing it lossily, a path
+    /// is taken as it is.
+    pub fn from_lookup<V: Into<OsString>>(
+        lookup: impl Fn(&str) -> Option<V>,
     ) -> Result<KernelSettings, KernelError> {
-        let mut s = KernelSettings::default();
-        if let Some(v) = lookup(MXFP4_ACT_VAR) {
+        let text = |name: &str| {
+            lookup(name).map(|v| {
+                v.into()
+                    .into_string()
+                    .unwrap_or_else(|v| v.to_string_lossy().into_owned())
+            })
+        };
+        let mut s = KernelSettings {
+            cuda: CudaPaths::from_lookup(&lookup),
+            ..KernelSettings::default()
+        };
+        if let Some(v) = text(MXFP4_ACT_VAR) {
             s.mxfp4_act = v.parse()?;
         }
-        if let Some(v) = lookup(POOL_SPIN_VAR) {
+        if let Some(v) = text(POOL_SPIN_VAR) {
             s.pool_spin = parse_spin(&v)?;
         }
-        if let Some(v) = lookup(POOL_PREFETCH_VAR) {
+        if let Some(v) = text(POOL_PREFETCH_VAR) {
             s.pool_prefetch = parse_prefetch(&v)?;
         }
-        if let Some(v) = lookup(crate::dispatch::ENV_VAR) {
+        if let Some(v) = text(crate::dispatch::ENV_VAR) {
             s.backend = v.parse()?;
         }
         Ok(s)
@@ -191,13 +261,15 @@ impl KernelSettings {
         }
     }
 
-    /// The settings as log words: `kernels=… mxfp4_act=… pool_spin=on|off pool_prefetch=on|off`.
+    /// The settings as log words: `kernels=… mxfp4_act=… pool_spin=on|off pool_prefetch=on|off`,
+    /// then the CUDA paths that are set.
     fn words(&self) -> String {
         format!(
-            "kernels={} mxfp4_act={} {}",
+            "kernels={} mxfp4_act={} {}{}",
             self.backend.name(),
             self.mxfp4_act_in_use().name(),
-            self.pool_words()
+            self.pool_words(),
+            self.cuda.words()
         )
     }
 
@@ -229,7 +301,7 @@ pub fn configure(settings: KernelSettings) -> Result<(), KernelError> {
         }
         .into());
     }
-    let installed = INSTALLED.get_or_init(|| settings);
+    let installed = INSTALLED.get_or_init(|| settings.clone());
     if *installed != settings {
         return Err(KernelError::AlreadyConfigured {
             installed: installed.words(),
@@ -330,7 +402,7 @@ mod tests {
 
     #[test]
     fn from_lookup_takes_each_named_value_and_defaults_the_rest() {
-        let none = KernelSettings::from_lookup(|_| None).unwrap();
+        let none = KernelSettings::from_lookup(|_| None::<String>).unwrap();
         assert_eq!(none, KernelSettings::default());
         assert!(none.pool_spin && none.pool_prefetch);
         assert_eq!(none.mxfp4_act, Mxfp4Act::Q8x3);
@@ -344,6 +416,10 @@ mod tests {
             ("DELTAFIN_MXFP4_ACT", "f32"),
             ("DELTAFIN_POOL_SPIN", "off"),
             ("DELTAFIN_POOL_PREFETCH", "off"),
+            ("DELTAFIN_NVRTC", "/opt/nvrtc"),
+            ("CUDA_PATH", "/opt/cuda-b"),
+            ("CUDA_HOME", "/opt/cuda-a"),
+            ("DELTAFIN_CUDA_PTX_DIR", "ptx"),
         ])
         .unwrap();
         assert_eq!(
@@ -353,12 +429,24 @@ mod tests {
                 mxfp4_act: Mxfp4Act::F32,
                 pool_spin: false,
                 pool_prefetch: false,
+                cuda: CudaPaths {
+                    nvrtc: Some("/opt/nvrtc".into()),
+                    toolkit_roots: vec!["/opt/cuda-a".into(), "/opt/cuda-b".into()],
+                    ptx_dir: Some("ptx".into()),
+                },
             }
         );
         assert_eq!(s.mxfp4_act_in_use(), Mxfp4Act::F32);
         assert_eq!(
             s.words(),
-            "kernels=scalar mxfp4_act=f32 pool_spin=off pool_prefetch=off"
+            "kernels=scalar mxfp4_act=f32 pool_spin=off pool_prefetch=off nvrtc=/opt/nvrtc \
+             cuda_toolkit=/opt/cuda-a cuda_toolkit=/opt/cuda-b cuda_ptx_dir=ptx"
+        );
+        // No CUDA path set: no words for them.
+        let plain = set(&[("DELTAFIN_POOL_SPIN", "off")]).unwrap().words();
+        assert!(
+            plain.ends_with(" pool_spin=off pool_prefetch=on"),
+            "{plain}"
         );
         for (var, bad) in [
             ("DELTAFIN_KERNEL", "sse"),
@@ -373,18 +461,49 @@ mod tests {
         }
     }
 
+    /// The process environment hands over `OsString`s: a path is kept byte for byte, a choice
+    /// that is not UTF-8 is refused showing what it holds.
+    #[cfg(unix)]
+    #[test]
+    fn from_lookup_keeps_paths_as_they_are_and_refuses_non_utf8_choices() {
+        use std::os::unix::ffi::OsStringExt;
+        let odd = || OsString::from_vec(b"/opt/cu\xffda".to_vec());
+        let s = KernelSettings::from_lookup(|k| (k == "DELTAFIN_CUDA_PTX_DIR").then(odd)).unwrap();
+        assert_eq!(s.cuda.ptx_dir, Some(PathBuf::from(odd())));
+        assert_eq!(
+            CudaPaths::from_lookup(|k| (k == "CUDA_PATH").then(odd)).toolkit_roots,
+            [PathBuf::from(odd())]
+        );
+        let e = KernelSettings::from_lookup(|k| (k == "DELTAFIN_POOL_SPIN").then(odd))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("DELTAFIN_POOL_SPIN") && e.contains("/opt/cu\u{fffd}da"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn installed_settings_are_fixed() {
         // Whatever this test process installed first (or the defaults) stays.
-        let now = *current();
-        assert_eq!(configure(now), Ok(()));
+        let now = current().clone();
+        assert_eq!(configure(now.clone()), Ok(()));
         let other = KernelSettings {
             pool_spin: !now.pool_spin,
-            ..now
+            ..now.clone()
         };
         let e = configure(other).unwrap_err();
         assert!(matches!(e, KernelError::AlreadyConfigured { .. }), "{e}");
         assert!(e.to_string().contains(&now.words()), "{e}");
+        let other = KernelSettings {
+            cuda: CudaPaths {
+                ptx_dir: Some("elsewhere".into()),
+                ..now.cuda.clone()
+            },
+            ..now.clone()
+        };
+        let e = configure(other).unwrap_err().to_string();
+        assert!(e.contains(&now.words()) && !e.contains("elsewhere"), "{e}");
         assert_eq!(*current(), now);
         assert!(kernel_summary().starts_with(&format!("kernels={}", now.backend.name())));
         assert!(kernel_summary().ends_with(&pool_settings()));

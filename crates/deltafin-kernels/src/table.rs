@@ -96,21 +96,76 @@ fn mxfp4_paired(xs: &[f32], cols: usize) -> Image<'_> {
     (mxfp4_f32_image(xs, cols, 0), 0, cols)
 }
 
-/// A [`Dot`] over rows of a dense format (`f32`, bf16) with row kernel `$f`.
-macro_rules! dense_dot {
-    ($ty:ident, $variant:ident, $f:path) => {
+/// How an entry prepares the activations ([`Kernel::prepare`]).
+type Prepare = for<'x> fn(&'x [f32], usize) -> Image<'x>;
+/// An entry's row function ([`Kernel::rows`]).
+type Rows = unsafe fn(&crate::prepared::Prepared<'_>, usize, usize);
+
+/// An entry of `backend` from `(name, layout, prepare, rows)` and its scalar model, if any.
+const fn entry(
+    backend: Backend,
+    (name, layout, prepare, rows): (&'static str, Layout, Prepare, Rows),
+    reference: Option<Reference>,
+) -> Kernel {
+    Kernel {
+        name,
+        backend,
+        layout,
+        prepare,
+        rows,
+        reference,
+    }
+}
+
+/// The entries of `backend` from `(name, layout, prepare, rows)` for f32, bf16, row-int8 and
+/// MXFP4 (f32 activations) weights: no q8x3 entry, and no scalar model of their own (each is
+/// compared with the scalar entry of its weight format within a tolerance).
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
+const fn simd_isa(backend: Backend, entries: [(&'static str, Layout, Prepare, Rows); 4]) -> Isa {
+    let [f32, bf16, rowint8, mxfp4] = entries;
+    Isa {
+        f32: entry(backend, f32, None),
+        bf16: entry(backend, bf16, None),
+        rowint8: entry(backend, rowint8, None),
+        mxfp4_f32: entry(backend, mxfp4, None),
+        mxfp4_q8x3: None,
+    }
+}
+
+/// `pub(crate) struct $ty`, a [`Dot`] whose rows are `$body` on the `$raw` weights (the
+/// pattern of their [`Raw`] variant), row `$r` against the activation rows `$xs`; the caller
+/// guarantees the CPU features and the layout.
+macro_rules! row_dot {
+    ($ty:ident, |$raw:pat, $r:ident, $xs:ident| $body:expr) => {
         pub(crate) struct $ty;
         impl Dot for $ty {
             #[inline(always)]
             #[allow(unused_unsafe)] // the scalar kernels are safe functions
-            unsafe fn dot<const NB: usize>(raw: Raw<'_>, r: usize, xs: [&[f32]; NB]) -> [f32; NB] {
-                let Raw::$variant(data, cols) = raw else {
+            unsafe fn dot<const NB: usize>(
+                raw: Raw<'_>,
+                $r: usize,
+                $xs: [&[f32]; NB],
+            ) -> [f32; NB] {
+                let $raw = raw else {
                     unreachable!(concat!(stringify!($ty), " on other weights"))
                 };
                 // SAFETY: the caller guarantees the CPU features and the layout.
-                unsafe { $f(&data[r * cols..(r + 1) * cols], xs) }
+                unsafe { $body }
             }
         }
+    };
+}
+
+/// A [`Dot`] over rows of a dense format (`f32`, bf16) with row kernel `$f`.
+macro_rules! dense_dot {
+    ($ty:ident, $variant:ident, $f:path) => {
+        row_dot!($ty, |Raw::$variant(data, cols), r, xs| $f(
+            &data[r * cols..(r + 1) * cols],
+            xs
+        ));
     };
 }
 
@@ -118,45 +173,25 @@ macro_rules! dense_dot {
 /// scale.
 macro_rules! int8_dot {
     ($ty:ident, $f:path) => {
-        pub(crate) struct $ty;
-        impl Dot for $ty {
-            #[inline(always)]
-            #[allow(unused_unsafe)] // the scalar kernels are safe functions
-            unsafe fn dot<const NB: usize>(raw: Raw<'_>, r: usize, xs: [&[f32]; NB]) -> [f32; NB] {
-                let Raw::RowInt8(data, scales, cols) = raw else {
-                    unreachable!(concat!(stringify!($ty), " on other weights"))
-                };
-                let row = &data[r * cols..(r + 1) * cols];
-                let s = scales[r].to_f32();
-                // SAFETY: the caller guarantees the CPU features and the layout.
-                unsafe { $f(row, xs) }.map(|v| s * v)
-            }
-        }
+        row_dot!($ty, |Raw::RowInt8(data, scales, cols), r, xs| {
+            let row = &data[r * cols..(r + 1) * cols];
+            let s = scales[r].to_f32();
+            $f(row, xs).map(|v| s * v)
+        });
     };
 }
 
 /// A [`Dot`] over MXFP4 rows with row kernel `$f` (packed codes, E8M0 scales).
 macro_rules! mxfp4_dot {
     ($ty:ident, $f:path) => {
-        pub(crate) struct $ty;
-        impl Dot for $ty {
-            #[inline(always)]
-            #[allow(unused_unsafe)] // the scalar kernels are safe functions
-            unsafe fn dot<const NB: usize>(raw: Raw<'_>, r: usize, xs: [&[f32]; NB]) -> [f32; NB] {
-                let Raw::Mxfp4(packed, scales, cols) = raw else {
-                    unreachable!(concat!(stringify!($ty), " on other weights"))
-                };
-                let (pb, g) = (cols / 2, cols / GROUP);
-                // SAFETY: the caller guarantees the CPU features and the layout.
-                unsafe {
-                    $f(
-                        &packed[r * pb..(r + 1) * pb],
-                        &scales[r * g..(r + 1) * g],
-                        xs,
-                    )
-                }
-            }
-        }
+        row_dot!($ty, |Raw::Mxfp4(packed, scales, cols), r, xs| {
+            let (pb, g) = (cols / 2, cols / GROUP);
+            $f(
+                &packed[r * pb..(r + 1) * pb],
+                &scales[r * g..(r + 1) * g],
+                xs,
+            )
+        });
     };
 }
 
@@ -176,42 +211,34 @@ mxfp4_dot!(ScalarMxfp4, crate::scalar::dot_mxfp4);
 
 /// The portable entries: the reference every SIMD entry is tested against.
 static SCALAR: Isa = {
-    const fn entry(
-        name: &'static str,
-        rows: unsafe fn(&crate::prepared::Prepared<'_>, usize, usize),
-        reference: Reference,
-    ) -> Kernel {
-        Kernel {
-            name,
-            backend: Backend::Scalar,
-            layout: Layout::Plain,
-            prepare: plain,
-            rows,
-            reference: Some(reference),
-        }
+    const fn scalar(name: &'static str, rows: Rows, reference: Reference) -> Kernel {
+        entry(
+            Backend::Scalar,
+            (name, Layout::Plain, plain, rows),
+            Some(reference),
+        )
     }
-    let mx = entry(
-        "mxfp4/f32/scalar",
-        rows_dot::<ScalarMxfp4>,
-        reference_of::<ScalarMxfp4>,
-    );
     Isa {
-        f32: entry(
+        f32: scalar(
             "f32/f32/scalar",
             rows_dot::<ScalarF32>,
             reference_of::<ScalarF32>,
         ),
-        bf16: entry(
+        bf16: scalar(
             "bf16/f32/scalar",
             rows_dot::<ScalarBf16>,
             reference_of::<ScalarBf16>,
         ),
-        rowint8: entry(
+        rowint8: scalar(
             "row-int8/f32/scalar",
             rows_dot::<ScalarI8>,
             reference_of::<ScalarI8>,
         ),
-        mxfp4_f32: mx,
+        mxfp4_f32: scalar(
+            "mxfp4/f32/scalar",
+            rows_dot::<ScalarMxfp4>,
+            reference_of::<ScalarMxfp4>,
+        ),
         mxfp4_q8x3: None,
     }
 };
@@ -287,79 +314,61 @@ mod x86 {
         )[0]
     }
 
-    const AVX2_ENTRIES: Isa = Isa {
-        f32: Kernel {
-            name: "f32/f32/avx2",
-            backend: Backend::Avx2,
-            layout: Layout::Plain,
-            prepare: plain,
-            rows: rows_dot::<Avx2F32>,
-            reference: None,
-        },
-        bf16: Kernel {
-            name: "bf16/f32/avx2",
-            backend: Backend::Avx2,
-            layout: Layout::Bf16Pairs16,
-            prepare: bf16_pairs::<16>,
-            rows: rows_dot::<Avx2Bf16>,
-            reference: None,
-        },
-        rowint8: Kernel {
-            name: "row-int8/q16/avx2",
-            backend: Backend::Avx2,
-            layout: Layout::RowInt8Q16,
-            prepare: rowint8_q16,
-            rows: rows_dot::<Avx2I8Q16>,
-            reference: None,
-        },
-        mxfp4_f32: Kernel {
-            name: "mxfp4/f32/avx2",
-            backend: Backend::Avx2,
-            layout: Layout::Mxfp4Paired,
-            prepare: mxfp4_paired,
-            rows: rows_dot::<Avx2Mxfp4>,
-            reference: None,
-        },
-        mxfp4_q8x3: None,
-    };
-    pub(super) static AVX2: Isa = AVX2_ENTRIES;
+    pub(super) static AVX2: Isa = simd_isa(
+        Backend::Avx2,
+        [
+            ("f32/f32/avx2", Layout::Plain, plain, rows_dot::<Avx2F32>),
+            (
+                "bf16/f32/avx2",
+                Layout::Bf16Pairs16,
+                bf16_pairs::<16>,
+                rows_dot::<Avx2Bf16>,
+            ),
+            (
+                "row-int8/q16/avx2",
+                Layout::RowInt8Q16,
+                rowint8_q16,
+                rows_dot::<Avx2I8Q16>,
+            ),
+            (
+                "mxfp4/f32/avx2",
+                Layout::Mxfp4Paired,
+                mxfp4_paired,
+                rows_dot::<Avx2Mxfp4>,
+            ),
+        ],
+    );
 
     /// The AVX-512 entries of a CPU without VNNI.
-    const AVX512_ENTRIES: Isa = Isa {
-        f32: Kernel {
-            name: "f32/f32/avx512",
-            backend: Backend::Avx512,
-            layout: Layout::Plain,
-            prepare: plain,
-            rows: rows_dot::<Avx512F32>,
-            reference: None,
-        },
-        bf16: Kernel {
-            name: "bf16/f32/avx512",
-            backend: Backend::Avx512,
-            layout: Layout::Bf16Pairs32,
-            prepare: bf16_pairs::<32>,
-            rows: rows_tiled::<Bf16Tiles>,
-            reference: None,
-        },
-        rowint8: Kernel {
-            name: "row-int8/f32/avx512",
-            backend: Backend::Avx512,
-            layout: Layout::Plain,
-            prepare: plain,
-            rows: rows_dot::<Avx512I8>,
-            reference: None,
-        },
-        mxfp4_f32: Kernel {
-            name: "mxfp4/f32/avx512",
-            backend: Backend::Avx512,
-            layout: Layout::Mxfp4Spans,
-            prepare: mxfp4_spans,
-            rows: rows_dot::<Avx512Mxfp4>,
-            reference: None,
-        },
-        mxfp4_q8x3: None,
-    };
+    const AVX512_ENTRIES: Isa = simd_isa(
+        Backend::Avx512,
+        [
+            (
+                "f32/f32/avx512",
+                Layout::Plain,
+                plain,
+                rows_dot::<Avx512F32>,
+            ),
+            (
+                "bf16/f32/avx512",
+                Layout::Bf16Pairs32,
+                bf16_pairs::<32>,
+                rows_tiled::<Bf16Tiles>,
+            ),
+            (
+                "row-int8/f32/avx512",
+                Layout::Plain,
+                plain,
+                rows_dot::<Avx512I8>,
+            ),
+            (
+                "mxfp4/f32/avx512",
+                Layout::Mxfp4Spans,
+                mxfp4_spans,
+                rows_dot::<Avx512Mxfp4>,
+            ),
+        ],
+    );
     pub(super) static AVX512: Isa = AVX512_ENTRIES;
 
     /// The AVX-512 entries of a CPU with VNNI: the integer-activation tiles.
@@ -394,38 +403,23 @@ mod neon {
     int8_dot!(NeonI8, crate::neon::dot_i8);
     mxfp4_dot!(NeonMxfp4, crate::neon::dot_mxfp4);
 
-    pub(super) static NEON: Isa = {
-        const fn entry(
-            name: &'static str,
-            layout: Layout,
-            prepare: for<'x> fn(&'x [f32], usize) -> Image<'x>,
-            rows: unsafe fn(&crate::prepared::Prepared<'_>, usize, usize),
-        ) -> Kernel {
-            Kernel {
-                name,
-                backend: Backend::Neon,
-                layout,
-                prepare,
-                rows,
-                reference: None,
-            }
-        }
-        Isa {
-            f32: entry("f32/f32/neon", Layout::Plain, plain, rows_dot::<NeonF32>),
-            bf16: entry("bf16/f32/neon", Layout::Plain, plain, rows_dot::<NeonBf16>),
-            rowint8: entry(
+    pub(super) static NEON: Isa = simd_isa(
+        Backend::Neon,
+        [
+            ("f32/f32/neon", Layout::Plain, plain, rows_dot::<NeonF32>),
+            ("bf16/f32/neon", Layout::Plain, plain, rows_dot::<NeonBf16>),
+            (
                 "row-int8/f32/neon",
                 Layout::Plain,
                 plain,
                 rows_dot::<NeonI8>,
             ),
-            mxfp4_f32: entry(
+            (
                 "mxfp4/f32/neon",
                 Layout::Mxfp4Paired,
                 mxfp4_paired,
                 rows_dot::<NeonMxfp4>,
             ),
-            mxfp4_q8x3: None,
-        }
-    };
+        ],
+    );
 }

@@ -5,21 +5,58 @@ use crate::dispatch::Backend;
 use crate::layout::Image;
 use crate::matvec::*;
 use crate::prepared::{Epilogue, Kernel, Layout};
-use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix, bf16};
+use crate::test_shared::{Rng, mxfp4, pool, pools};
+use deltafin_tensor::{Bf16Matrix, Mxfp4Matrix, RowInt8Matrix, bf16};
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+/// The CPU features the x86-64 kernel tests need.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum Cpu {
+    /// AVX2 and FMA (the `avx2` backend).
+    Avx2,
+    /// AVX-512 F/BW/VL and FMA (the `avx512` backend).
+    Avx512,
+    /// The `avx512` backend with VNNI (the integer-activation tiles).
+    Avx512Vnni,
+    /// AVX-512 VBMI (the `vpermb` MXFP4 decode).
+    Avx512Vbmi,
+}
+
+/// Whether this CPU has `feature` for `test`; when it does not, a
+/// [`crate::test_skip::skip`]: a SKIP line on stderr, or a failure under the feature's
+/// `DELTAFIN_REQUIRE_*` switch (docs/OPERATIONS.md, "Test switches").
+#[cfg(target_arch = "x86_64")]
+#[track_caller]
+fn cpu_has(feature: Cpu, test: &str) -> bool {
+    let avx512 = Backend::Avx512.is_supported();
+    let (present, switch, what) = match feature {
+        Cpu::Avx2 => (Backend::Avx2.is_supported(), "AVX2", "AVX2 + FMA"),
+        Cpu::Avx512 => (avx512, "AVX512", "AVX-512 F/BW/VL"),
+        Cpu::Avx512Vnni => (
+            avx512 && crate::dispatch::vnni_available(),
+            "AVX512_VNNI",
+            "AVX-512 VNNI",
+        ),
+        Cpu::Avx512Vbmi => (
+            crate::x86::avx512::vbmi_available(),
+            "AVX512_VBMI",
+            "AVX-512 VBMI",
+        ),
+    };
+    if !present {
+        let switch = format!("DELTAFIN_REQUIRE_{switch}");
+        crate::test_skip::skip(test, &switch, &format!("this CPU has no {what}"));
     }
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+    present
+}
+
+/// `got` equals `want` bit for bit (NaNs included); the failure names `what` and the first
+/// value that differs.
+#[track_caller]
+pub(crate) fn assert_bits(what: impl std::fmt::Display, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!("{what}: value {i}: {} vs {}", got[i], want[i]);
     }
 }
 
@@ -35,13 +72,11 @@ struct Mats {
 
 impl Mats {
     fn new(rng: &mut Rng, rows: usize, cols: usize) -> Mats {
-        let f32: Vec<f32> = (0..rows * cols).map(|_| rng.f()).collect();
+        let f32 = rng.vec(rows * cols);
         let bv: Vec<bf16> = f32.iter().map(|&v| bf16::from_f32(v)).collect();
         let bf16 = Bf16Matrix::from_values(rows, cols, &bv).unwrap();
         let i8 = RowInt8Matrix::quantize("t", rows, cols, &f32).unwrap();
-        let mx = cols
-            .is_multiple_of(32)
-            .then(|| mxfp4_matrix(rng, rows, cols));
+        let mx = cols.is_multiple_of(32).then(|| mxfp4(rng, rows, cols));
         Mats {
             f32,
             bf16,
@@ -50,6 +85,12 @@ impl Mats {
             rows,
             cols,
         }
+    }
+
+    /// [`Mats::new`], then `n` activation rows of `cols`.
+    fn with_input(rng: &mut Rng, rows: usize, cols: usize, n: usize) -> (Mats, Vec<f32>) {
+        let m = Mats::new(rng, rows, cols);
+        (m, rng.vec(n * cols))
     }
 
     fn all(&self) -> Vec<Weights<'_>> {
@@ -191,8 +232,7 @@ fn every_backend_matches_f64_on_ragged_shapes() {
         shapes.push((1 + rng.below(40), cols, 1 + rng.below(9)));
     }
     for &(rows, cols, n) in &shapes {
-        let m = Mats::new(&mut rng, rows, cols);
-        let xs: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+        let (m, xs) = Mats::with_input(&mut rng, rows, cols, n);
         for w in m.all() {
             let (want, mag) = reference(&w, &xs, n);
             let mut scalar = vec![0f32; n * rows];
@@ -226,17 +266,8 @@ fn bit_identical_across_threads_and_batch_widths() {
     let mut rng = Rng(0x1234_5678_9abc_def1);
     // Large enough to be split over threads: rows·cols·n well above the parallel threshold.
     let (rows, cols, n) = (301, 544, 7);
-    let m = Mats::new(&mut rng, rows, cols);
-    let xs: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
-    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
-        .iter()
-        .map(|&t| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(t)
-                .build()
-                .unwrap()
-        })
-        .collect();
+    let (m, xs) = Mats::with_input(&mut rng, rows, cols, n);
+    let pools = pools();
     for w in m.all() {
         for k in entries_for(&w) {
             let what = k.name;
@@ -247,45 +278,38 @@ fn bit_identical_across_threads_and_batch_widths() {
             };
             let base = run(&pools[0], &xs, n);
             for p in &pools[1..] {
-                let ys = run(p, &xs, n);
-                assert!(
-                    ys.iter()
-                        .zip(&base)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what}: result depends on the thread count"
+                let threads = p.current_num_threads();
+                assert_bits(
+                    format!("{what} on {threads} threads"),
+                    &run(p, &xs, n),
+                    &base,
                 );
             }
             // Every batch width 1..=n, and each row alone, give the same bits.
             for width in 1..=n {
                 let part = run(&pools[1], &xs[..width * cols], width);
-                assert!(
-                    part.iter()
-                        .zip(&base[..width * rows])
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what}: batch width {width} changes the result"
+                assert_bits(
+                    format!("{what} width {width}"),
+                    &part,
+                    &base[..width * rows],
                 );
             }
             for b in 0..n {
                 let single = run(&pools[1], &xs[b * cols..(b + 1) * cols], 1);
-                assert!(
-                    single
-                        .iter()
-                        .zip(&base[b * rows..(b + 1) * rows])
-                        .all(|(a, c)| a.to_bits() == c.to_bits()),
-                    "{what}: row {b} alone differs from the batched row"
-                );
+                let want = &base[b * rows..(b + 1) * rows];
+                assert_bits(format!("{what} row {b} alone"), &single, want);
             }
             // The fused accumulate applies `y + α·v` to the very same product values.
-            let alpha: Vec<f32> = (0..n).map(|_| rng.f()).collect();
-            let y0: Vec<f32> = (0..n * rows).map(|_| rng.f()).collect();
+            let alpha = rng.vec(n);
+            let y0 = rng.vec(n * rows);
             let mut acc = y0.clone();
             pools[1].install(|| {
                 crate::matvec::product_with(k, w, &xs, n, &mut acc, Epilogue::Axpy(&alpha))
             });
-            for i in 0..n * rows {
-                let want = y0[i] + alpha[i / rows] * base[i];
-                assert_eq!(acc[i].to_bits(), want.to_bits(), "{what}: axpy at {i}");
-            }
+            let want: Vec<f32> = (0..n * rows)
+                .map(|i| y0[i] + alpha[i / rows] * base[i])
+                .collect();
+            assert_bits(format!("{what}: axpy"), &acc, &want);
         }
     }
 }
@@ -301,19 +325,11 @@ fn group_members_sharing_an_input_equal_separate_products() {
         .iter()
         .map(|&r| Mats::new(&mut rng, r, cols))
         .collect();
-    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
-        .iter()
-        .map(|&t| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(t)
-                .build()
-                .unwrap()
-        })
-        .collect();
+    let pools = pools();
     for be in Backend::available() {
         for n in [1, 2, 5] {
-            let x: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
-            let other: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+            let x = rng.vec(n * cols);
+            let other = rng.vec(n * cols);
             // Every format of every matrix; all but the last member read `x`.
             let ws: Vec<Weights<'_>> = mats.iter().flat_map(|m| m.all()).collect();
             let input = |i: usize| -> &[f32] { if i + 1 == ws.len() { &other } else { &x } };
@@ -342,14 +358,12 @@ fn group_members_sharing_an_input_equal_separate_products() {
                 pool.install(|| matmul_group_with(be, &mut group));
                 drop(group);
                 for (i, (got, want)) in outs.iter().zip(&want).enumerate() {
-                    assert!(
-                        got.iter()
-                            .zip(want)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{} n={n} threads={} member {i} ({}): group differs",
-                        be.name(),
-                        pool.current_num_threads(),
-                        ws[i].dtype()
+                    let threads = pool.current_num_threads();
+                    let what = format!("{} n={n} threads={threads} member {i}", be.name());
+                    assert_bits(
+                        format!("{what} ({}) in the group", ws[i].dtype()),
+                        got,
+                        want,
                     );
                 }
             }
@@ -372,15 +386,7 @@ fn group_equals_separate_products() {
         .iter()
         .map(|&(r, c, _)| Mats::new(&mut rng, r, c))
         .collect();
-    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
-        .iter()
-        .map(|&t| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(t)
-                .build()
-                .unwrap()
-        })
-        .collect();
+    let pools = pools();
     for be in Backend::available() {
         for pick in 0..4 {
             let ws: Vec<Weights<'_>> = mats
@@ -393,7 +399,7 @@ fn group_equals_separate_products() {
             let inputs: Vec<(Vec<f32>, usize)> = ws
                 .iter()
                 .zip(&shapes)
-                .map(|(w, &(_, _, n))| ((0..n * w.cols()).map(|_| rng.f()).collect(), n))
+                .map(|(w, &(_, _, n))| (rng.vec(n * w.cols()), n))
                 .collect();
             let want: Vec<Vec<f32>> = ws
                 .iter()
@@ -424,14 +430,8 @@ fn group_equals_separate_products() {
                 pool.install(|| matmul_group_with(be, &mut group));
                 drop(group);
                 for (i, (got, want)) in outs.iter().zip(&want).enumerate() {
-                    assert!(
-                        got.iter()
-                            .zip(want)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{} member {i} ({}): group differs from the separate product",
-                        be.name(),
-                        ws[i].dtype()
-                    );
+                    let what = format!("{} member {i} ({}) in the group", be.name(), ws[i].dtype());
+                    assert_bits(what, got, want);
                 }
             }
         }
@@ -442,7 +442,7 @@ fn group_equals_separate_products() {
 fn public_wrappers_use_the_selected_backend() {
     let mut rng = Rng(77);
     let m = Mats::new(&mut rng, 40, 96);
-    let x: Vec<f32> = (0..96).map(|_| rng.f()).collect();
+    let x = rng.vec(96);
     let be = crate::settings::backend();
     let mut a = vec![0f32; 40];
     let mut b = vec![0f32; 40];
@@ -501,8 +501,7 @@ fn shape_mismatch_panics() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avx512_int8_f32_kernel_matches_scalar() {
-    if !Backend::Avx512.is_supported() {
-        eprintln!("skipped: no AVX-512 on this CPU");
+    if !cpu_has(Cpu::Avx512, "avx512_int8_f32_kernel_matches_scalar") {
         return;
     }
     let mut rng = Rng(0xa5a5_1234);
@@ -510,8 +509,8 @@ fn avx512_int8_f32_kernel_matches_scalar() {
         let w: Vec<i8> = (0..cols)
             .map(|_| (rng.below(255) as i32 - 127) as i8)
             .collect();
-        let x0: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
-        let x1: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
+        let x0 = rng.vec(cols);
+        let x1 = rng.vec(cols);
         // SAFETY: AVX-512 checked above; rows have `cols` values.
         let got = unsafe { crate::x86::avx512::dot_i8(&w, [&x0, &x1]) };
         let want = crate::scalar::dot_i8(&w, [&x0, &x1]);
@@ -532,30 +531,10 @@ fn avx512_int8_f32_kernel_matches_scalar() {
     }
 }
 
-/// Random MXFP4 rows (`rows × cols`), scales incl. the subnormal code 0 and large exponents.
-fn mxfp4_matrix(rng: &mut Rng, rows: usize, cols: usize) -> Mxfp4Matrix {
-    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
-    let scales: Vec<u8> = (0..rows * cols / 32)
-        .map(|_| match rng.below(16) {
-            0 => 0,
-            1 => 140,
-            _ => 118 + rng.below(16) as u8,
-        })
-        .collect();
-    Mxfp4Matrix::new(
-        "t",
-        Bytes::from_vec(packed),
-        Bytes::from_vec(scales),
-        rows,
-        cols,
-    )
-    .unwrap()
-}
-
 /// Activation rows with an all-zero block, a block of wildly different magnitude and ties
 /// (values on exact half steps) now and then.
 fn q8_activations(rng: &mut Rng, n: usize, cols: usize) -> Vec<f32> {
-    let mut xs: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+    let mut xs: Vec<f32> = rng.vec(n * cols);
     for row in xs.chunks_mut(cols) {
         for blk in row.chunks_mut(32) {
             match rng.below(6) {
@@ -580,16 +559,15 @@ fn q8_activations(rng: &mut Rng, n: usize, cols: usize) -> Vec<f32> {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avx512_mxfp4_f32_kernel_matches_scalar() {
-    if !Backend::Avx512.is_supported() {
-        eprintln!("skipped: no AVX-512 on this CPU");
+    if !cpu_has(Cpu::Avx512, "avx512_mxfp4_f32_kernel_matches_scalar") {
         return;
     }
+    let rows = 4;
     let mut rng = Rng(0x3141_5926);
     for cols in [32usize, 64, 96, 128, 160, 256, 352, 1024] {
-        let rows = 4;
-        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let m = mxfp4(&mut rng, rows, cols);
         let w = Weights::Mxfp4(&m);
-        let xs: Vec<f32> = (0..2 * cols).map(|_| rng.f()).collect();
+        let xs = rng.vec(2 * cols);
         let img = crate::layout::mxfp4_f32_image(&xs, cols, cols / 128);
         let (_, mag) = reference(&w, &xs, 2);
         for r in 0..rows {
@@ -629,10 +607,7 @@ mod tiled {
     /// Each activation row alone, as decode computes it (`n = 1`, calling thread only).
     fn single_rows(be: Backend, w: Weights<'_>, xs: &[f32], n: usize) -> Vec<f32> {
         let (rows, cols) = (w.rows(), w.cols());
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
+        let pool = pool(1);
         let mut ys = vec![0f32; n * rows];
         for b in 0..n {
             pool.install(|| {
@@ -651,15 +626,7 @@ mod tiled {
     #[test]
     fn batched_equals_single_row_bit_for_bit_on_random_shapes() {
         let mut rng = Rng(0x7117_ed00_5eed_0001);
-        let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
-            .iter()
-            .map(|&t| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(t)
-                    .build()
-                    .unwrap()
-            })
-            .collect();
+        let pools = pools();
         // Ragged columns (partial 32-column groups, fewer than one group), odd row counts
         // (a 1-row tile at the end of each range), and shapes above the parallel threshold.
         let shapes = [
@@ -683,16 +650,9 @@ mod tiled {
                         for pool in &pools {
                             let mut ys = vec![0f32; n * rows];
                             pool.install(|| matmul_with(be, w, &xs[..n * cols], n, &mut ys));
-                            for (i, (a, b)) in ys.iter().zip(&single).enumerate() {
-                                assert_eq!(
-                                    a.to_bits(),
-                                    b.to_bits(),
-                                    "{what}: n={n}, {} threads, value {i} (row {}, out {})",
-                                    pool.current_num_threads(),
-                                    i / rows,
-                                    i % rows
-                                );
-                            }
+                            let threads = pool.current_num_threads();
+                            let at = format!("{what}: n={n}, {threads} threads ({rows} per row)");
+                            assert_bits(at, &ys, &single[..n * rows]);
                         }
                     }
                     // Against the exact product: f32 rounding of Σ|w·x| (plus the int16
@@ -720,8 +680,7 @@ mod tiled {
     fn batched_matches_scalar_within_tolerance() {
         let mut rng = Rng(0x7117_ed00_5eed_0002);
         let (rows, cols, n) = (45, 1000, 13);
-        let m = Mats::new(&mut rng, rows, cols);
-        let xs: Vec<f32> = (0..n * cols).map(|_| rng.f()).collect();
+        let (m, xs) = Mats::with_input(&mut rng, rows, cols, n);
         let w = Weights::Bf16(&m.bf16);
         let mut want = vec![0f32; n * rows];
         matmul_with(Backend::Scalar, w, &xs, n, &mut want);
@@ -746,39 +705,21 @@ fn serial_product_equals_parallel_product() {
     let mut rng = Rng(0x5e71_a10d);
     // Large enough that `matmul` forks (rows × cols × n above the parallel threshold).
     let mats = Mats::new(&mut rng, 300, 256);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(3)
-        .build()
-        .unwrap();
+    let pool = pool(3);
     for w in mats.all() {
         for n in [1usize, 2, 5] {
-            let xs: Vec<f32> = (0..n * w.cols()).map(|_| rng.f()).collect();
+            let xs = rng.vec(n * w.cols());
             let mut want = vec![0f32; n * w.rows()];
             pool.install(|| matmul(w, &xs, n, &mut want));
             let mut got = vec![f32::NAN; n * w.rows()];
             pool.install(|| matmul_serial(w, &xs, n, &mut got));
-            assert!(
-                got.iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{} n={n}: serial differs from the parallel product",
-                w.dtype()
-            );
+            assert_bits(format!("{} n={n} serial", w.dtype()), &got, &want);
         }
     }
 }
 
 /// The KDA step written out as plain scalar loops (the form it replaced in `deltafin-k3`).
-#[allow(clippy::too_many_arguments)]
-fn kda_step_scalar(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: f32,
-    o: &mut [f32],
-) {
+fn kda_step_scalar(s: &mut [f32], [q, k, v, g]: [&[f32]; 4], beta: f32, o: &mut [f32]) {
     let d = q.len();
     let mut u = v.to_vec();
     for r in 0..d {
@@ -803,23 +744,21 @@ fn kda_step_scalar(
 fn kda_delta_step_is_bit_identical_to_scalar_loops() {
     let mut rng = Rng(0x0cda_5eed);
     for d in [1usize, 7, 16, 33, 128] {
-        let mut s: Vec<f32> = (0..d * d).map(|_| rng.f()).collect();
+        let mut s: Vec<f32> = rng.vec(d * d);
         let mut s_ref = s.clone();
         let mut o = vec![0f32; d];
         let mut o_ref = vec![0f32; d];
         let mut u = vec![0f32; d];
         for _step in 0..3 {
-            let q: Vec<f32> = (0..d).map(|_| rng.f()).collect();
-            let k: Vec<f32> = (0..d).map(|_| rng.f()).collect();
-            let v: Vec<f32> = (0..d).map(|_| rng.f()).collect();
+            let q = rng.vec(d);
+            let k = rng.vec(d);
+            let v = rng.vec(d);
             let g: Vec<f32> = (0..d).map(|_| -rng.f().abs()).collect();
             let beta = 0.5 + 0.25 * rng.f();
             crate::ops::kda_delta_step(&mut s, &q, &k, &v, &g, beta, &mut u, &mut o);
-            kda_step_scalar(&mut s_ref, &q, &k, &v, &g, beta, &mut o_ref);
-            let same =
-                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same(&s, &s_ref), "d={d}: state differs");
-            assert!(same(&o, &o_ref), "d={d}: output differs");
+            kda_step_scalar(&mut s_ref, [&q, &k, &v, &g], beta, &mut o_ref);
+            assert_bits(format!("d={d}: state"), &s, &s_ref);
+            assert_bits(format!("d={d}: output"), &o, &o_ref);
         }
     }
 }
@@ -842,15 +781,20 @@ fn q16_block_simd_equals_scalar() {
     cases.push(vec![0.0; 37]);
     cases.push(vec![-0.0, 0.0, -0.0]);
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-        let mut v: Vec<f32> = (0..70).map(|_| rng.f()).collect();
+        let mut v: Vec<f32> = rng.vec(70);
         v[41] = bad;
         cases.push(v);
     }
+    #[cfg(target_arch = "x86_64")]
+    let (avx512, avx2) = (
+        cpu_has(Cpu::Avx512, "q16_block_simd_equals_scalar (AVX-512)"),
+        cpu_has(Cpu::Avx2, "q16_block_simd_equals_scalar (AVX2)"),
+    );
     for case in &cases {
         let mut b = vec![0i16; case.len()];
         let sb = q16_block_scalar(case, &mut b);
         #[cfg(target_arch = "x86_64")]
-        if Backend::Avx512.is_supported() {
+        if avx512 {
             let mut a = vec![0i16; case.len()];
             // SAFETY: AVX-512 F/BW/VL are present (checked above).
             let sa = unsafe { crate::x86::avx512::q16_block(case, &mut a) };
@@ -863,7 +807,7 @@ fn q16_block_simd_equals_scalar() {
             assert_eq!(a, b, "avx512 codes, len {}", case.len());
         }
         #[cfg(target_arch = "x86_64")]
-        if Backend::Avx2.is_supported() {
+        if avx2 {
             let mut c = vec![0i16; case.len()];
             // SAFETY: AVX2 and FMA are present (checked above).
             let sc = unsafe { crate::x86::avx2::q16_block(case, &mut c) };
@@ -879,15 +823,11 @@ fn q16_block_simd_equals_scalar() {
 #[cfg(target_arch = "x86_64")]
 fn assert_tile_bits(want: &[Vec<f32>], r0: usize, got: &[Vec<f32>], what: &str) {
     for (i, gr) in got.iter().enumerate() {
-        for (b, g) in gr.iter().enumerate() {
-            let w = want[r0 + i][b];
-            assert_eq!(
-                g.to_bits(),
-                w.to_bits(),
-                "{what} row {} b {b}: {g} vs {w}",
-                r0 + i
-            );
-        }
+        assert_bits(
+            format!("{what} row {}", r0 + i),
+            gr,
+            &want[r0 + i][..gr.len()],
+        );
     }
 }
 
@@ -938,8 +878,10 @@ fn mxfp4_tile_prefetch_distance_is_whole_tiles() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn mxfp4_q8x3_products_equal_scalar_reference_across_batches_and_threads() {
-    if !Backend::Avx512.is_supported() || !crate::dispatch::vnni_available() {
-        eprintln!("skipped: no AVX-512 VNNI on this CPU");
+    if !cpu_has(
+        Cpu::Avx512Vnni,
+        "mxfp4_q8x3_products_equal_scalar_reference_across_batches_and_threads",
+    ) {
         return;
     }
     let Some(k) = crate::table::isa(Backend::Avx512).mxfp4_q8x3.as_ref() else {
@@ -949,15 +891,7 @@ fn mxfp4_q8x3_products_equal_scalar_reference_across_batches_and_threads() {
         panic!("{}: no scalar reference", k.name);
     };
     let mut rng = Rng(0x0016_0016_7777);
-    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
-        .iter()
-        .map(|&t| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(t)
-                .build()
-                .unwrap()
-        })
-        .collect();
+    let pools = pools();
     for (rows, cols) in [
         (1usize, 32usize),
         (5, 96),
@@ -969,7 +903,7 @@ fn mxfp4_q8x3_products_equal_scalar_reference_across_batches_and_threads() {
         (33, 512),
         (6, 1024),
     ] {
-        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let m = mxfp4(&mut rng, rows, cols);
         let w = Weights::Mxfp4(&m);
         let raw = crate::weights::Raw::of(w);
         let nmax = 16;
@@ -985,14 +919,8 @@ fn mxfp4_q8x3_products_equal_scalar_reference_across_batches_and_threads() {
             for (t, pool) in pools.iter().enumerate() {
                 let mut ys = vec![f32::NAN; n * rows];
                 pool.install(|| run_entry(k, w, &xs[..n * cols], n, &mut ys));
-                for (i, (g, v)) in ys.iter().zip(&want).enumerate() {
-                    assert_eq!(
-                        g.to_bits(),
-                        v.to_bits(),
-                        "[{rows}x{cols}] n {n} threads {} value {i}: {g} vs {v}",
-                        t + 1
-                    );
-                }
+                let what = format!("[{rows}x{cols}] n {n} threads {}", t + 1);
+                assert_bits(what, &ys, &want[..n * rows]);
             }
         }
     }
@@ -1016,11 +944,13 @@ fn entries_with_a_reference_equal_it() {
             let (img, base, stride) = (k.prepare)(&xs, w.cols());
             let mut ys = vec![f32::NAN; n * w.rows()];
             run_entry(k, w, &xs, n, &mut ys);
-            for (i, y) in ys.iter().enumerate() {
-                let (b, r) = (i / w.rows(), i % w.rows());
-                let want = reference(raw, r, &img[base + b * stride..base + (b + 1) * stride]);
-                assert_eq!(y.to_bits(), want.to_bits(), "{} value {i}", k.name);
-            }
+            let want: Vec<f32> = (0..n * w.rows())
+                .map(|i| {
+                    let (b, r) = (i / w.rows(), i % w.rows());
+                    reference(raw, r, &img[base + b * stride..base + (b + 1) * stride])
+                })
+                .collect();
+            assert_bits(k.name, &ys, &want);
         }
     }
     for be in Backend::available() {
@@ -1187,7 +1117,7 @@ fn mxfp4_q8x3_scalar_reference_bounds_the_error() {
         (2, 1056),
         (3, 7168 / 4),
     ] {
-        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let m = mxfp4(&mut rng, rows, cols);
         let w = Weights::Mxfp4(&m);
         let n = 3;
         let xs = q8_activations(&mut rng, n, cols);
@@ -1217,27 +1147,23 @@ fn mxfp4_q8x3_scalar_reference_bounds_the_error() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
-    use crate::x86::avx512::vbmi_available;
     use crate::x86::avx512_q8x3::{
         dot_mxfp4_q8x3_pair_vbmi, dot_mxfp4_q8x3_tile, dot_mxfp4_q8x3_tile_bw,
         dot_mxfp4_q8x3_tile_vbmi,
     };
-    if !Backend::Avx512.is_supported() || !crate::dispatch::vnni_available() {
-        eprintln!("skipped: no AVX-512 VNNI on this CPU");
+    const TEST: &str = "avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise";
+    if !cpu_has(Cpu::Avx512Vnni, TEST) {
         return;
     }
-    let decodes: &[bool] = if vbmi_available() {
-        &[false, true]
-    } else {
-        eprintln!("AVX-512 VBMI absent: only the vpshufb decode is checked");
-        &[false]
-    };
+    // Without VBMI only the vpshufb decode is checked.
+    let vbmi = cpu_has(Cpu::Avx512Vbmi, &format!("{TEST} (the vpermb decode)"));
+    let decodes: &[bool] = if vbmi { &[false, true] } else { &[false] };
     let mut rng = Rng(0x0083_abab_0303);
     let mut cols_list: Vec<usize> = (1..=20).map(|k| 32 * k).collect();
     cols_list.extend([7168, 2048 + 96, 1024]);
     for cols in cols_list {
         let rows = 4;
-        let m = mxfp4_matrix(&mut rng, rows, cols);
+        let m = mxfp4(&mut rng, rows, cols);
         let n = 4;
         let xs = q8_activations(&mut rng, n, cols);
         let (img, base, stride) = q8x3_image(&xs, cols);
@@ -1282,7 +1208,7 @@ fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
         }
         each_tile_shape!(run);
         // The two-row kernel of one-activation-row tiles (whole groups of 16 blocks).
-        if vbmi_available() && cols % 512 == 0 {
+        if vbmi && cols % 512 == 0 {
             for r0 in 0..rows - 1 {
                 #[allow(clippy::needless_range_loop)] // `b` indexes the image and `want`
                 for b in 0..n {
@@ -1299,15 +1225,8 @@ fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
                             x(b).as_ptr(),
                         )
                     };
-                    for (i, g) in got.iter().enumerate() {
-                        assert_eq!(
-                            g.to_bits(),
-                            want[r0 + i][b].to_bits(),
-                            "cols {cols} pair row {} activation {b}: {g} vs {}",
-                            r0 + i,
-                            want[r0 + i][b]
-                        );
-                    }
+                    let at = format!("cols {cols} pair rows {r0}, {} activation {b}", r0 + 1);
+                    assert_bits(at, &got, &[want[r0][b], want[r0 + 1][b]]);
                 }
             }
         }
@@ -1321,28 +1240,18 @@ fn avx512_mxfp4_q8x3_kernel_equals_scalar_reference_bitwise() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn mxfp4_q8x3_fused_image_equals_portable_image() {
-    if !Backend::Avx512.is_supported() {
-        eprintln!("skipped: no AVX-512 on this CPU");
+    let mut rng = Rng(0x0f05_ed83_2222);
+    if !cpu_has(Cpu::Avx512, "mxfp4_q8x3_fused_image_equals_portable_image") {
         return;
     }
-    let mut rng = Rng(0x0f05_ed83_2222);
     for cols in IMAGE_COLS {
         for n in 1..=3 {
             let xs = awkward_activations(&mut rng, n, cols);
             let (a, ba, sa) = q8x3_image_with(&xs, cols, true);
             let (b, bb, sb) = q8x3_image_with(&xs, cols, false);
             assert_eq!(sa, sb);
-            for (i, (x, y)) in a[ba..ba + n * sa]
-                .iter()
-                .zip(&b[bb..bb + n * sb])
-                .enumerate()
-            {
-                assert_eq!(
-                    x.to_bits(),
-                    y.to_bits(),
-                    "cols {cols} n {n} slot {i}: {x} vs {y}"
-                );
-            }
+            let what = format!("cols {cols} n {n} image");
+            assert_bits(what, &a[ba..ba + n * sa], &b[bb..bb + n * sb]);
         }
     }
 }

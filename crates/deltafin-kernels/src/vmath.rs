@@ -17,8 +17,6 @@
 //! the sign is copied from `x` (so `tanh(−0) = −0`). `sigmoid(x) = 1/(1 + e^{−x})`,
 //! `silu(x) = x·sigmoid(x)`.
 
-use crate::Backend;
-
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 split so that `n · LN2_HI` is exact for `|n| ≤ 2¹⁵` (9 significant bits).
 const LN2_HI: f32 = 0.693_359_4;
@@ -117,32 +115,9 @@ fn map_body(op: Op, x: &mut [f32]) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline(never)]
-unsafe fn map_avx512(op: Op, x: &mut [f32]) {
-    map_body(op, x)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline(never)]
-unsafe fn map_avx2(op: Op, x: &mut [f32]) {
-    map_body(op, x)
-}
-
-fn map_with(b: Backend, op: Op, x: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    match b {
-        // SAFETY: a backend is only selected (or passed by the tests) when this CPU supports
-        // it (`dispatch`); the loop only reads and writes inside `x`.
-        Backend::Avx512 => return unsafe { map_avx512(op, x) },
-        // SAFETY: as above.
-        Backend::Avx2 => return unsafe { map_avx2(op, x) },
-        _ => {}
-    }
-    let _ = b;
-    map_body(op, x)
+crate::simd::simd_versions! {
+    /// [`map_body`] compiled for `backend`.
+    fn map_with(backend, op: Op, x: &mut [f32]) = map_body, wrappers #[inline(never)];
 }
 
 /// `x ← e^x` element-wise ([`exp_one`]).
@@ -172,39 +147,10 @@ fn situ_body(g: &[f32], u: &[f32], beta1: f32, beta2: f32, out: &mut [f32]) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline(never)]
-unsafe fn situ_avx512(g: &[f32], u: &[f32], beta1: f32, beta2: f32, out: &mut [f32]) {
-    situ_body(g, u, beta1, beta2, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline(never)]
-unsafe fn situ_avx2(g: &[f32], u: &[f32], beta1: f32, beta2: f32, out: &mut [f32]) {
-    situ_body(g, u, beta1, beta2, out)
-}
-
-/// [`situ_glu`] on a given backend (lengths checked by the caller).
-pub(crate) fn situ_glu_with(
-    b: Backend,
-    g: &[f32],
-    u: &[f32],
-    beta1: f32,
-    beta2: f32,
-    out: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    match b {
-        // SAFETY: as in `map_with`.
-        Backend::Avx512 => return unsafe { situ_avx512(g, u, beta1, beta2, out) },
-        // SAFETY: as above.
-        Backend::Avx2 => return unsafe { situ_avx2(g, u, beta1, beta2, out) },
-        _ => {}
-    }
-    let _ = b;
-    situ_body(g, u, beta1, beta2, out)
+crate::simd::simd_versions! {
+    /// [`situ_glu`] compiled for `backend` (lengths checked by the caller).
+    pub(crate) fn situ_glu_with(backend, g: &[f32], u: &[f32], beta1: f32, beta2: f32,
+        out: &mut [f32]) = situ_body, wrappers #[inline(never)];
 }
 
 /// SiTU-GLU over slices: `out[i] = situ_glu_one(g[i], u[i], β₁, β₂)`.
@@ -220,6 +166,8 @@ pub fn situ_glu(g: &[f32], u: &[f32], beta1: f32, beta2: f32, out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Backend;
+    use crate::test_shared::Rng;
 
     const OPS: [(Op, &str); 4] = [
         (Op::Exp, "exp"),
@@ -243,19 +191,6 @@ mod tests {
             Op::Tanh => x.tanh(),
             Op::Sigmoid => 1.0 / (1.0 + (-x).exp()),
             Op::Silu => x / (1.0 + (-x).exp()),
-        }
-    }
-
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-            lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
         }
     }
 

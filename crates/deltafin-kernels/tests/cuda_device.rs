@@ -10,83 +10,39 @@
 
 mod common;
 
-use common::{MLA_SMALL, Rng, bf16m, int8m, mxfp4};
-use deltafin_kernels::cuda::{CudaDevice, DeviceMatrix, MlaShape, canaries};
+use common::{Rng, bf16m, int8m, mxfp4};
+use deltafin_kernels::CudaPaths;
+use deltafin_kernels::cuda::{CudaDevice, DeviceMatrix};
+use deltafin_kernels::gpu::{GpuBackend, GpuDevice};
 use deltafin_kernels::{Weights, matmul};
 
-/// The device; a test that runs without one fails here.
+/// The device; a test that runs without one fails here. The kernels come from where the
+/// environment says (`DELTAFIN_NVRTC`, `DELTAFIN_CUDA_PTX_DIR`, …), as `deltafin` reads it.
 fn device(test: &str) -> CudaDevice {
-    match CudaDevice::open(0) {
-        Ok(d) => {
-            eprintln!("{test}: {} — kernels: {}", d.info(), d.kernel_origin());
-            d
-        }
-        Err(e) => panic!("{test} needs a usable CUDA device: {e}"),
-    }
+    let paths = CudaPaths::from_lookup(|name| std::env::var_os(name));
+    common::device_for(test, "CUDA", CudaDevice::open_with(0, &paths), |d| {
+        format!("{} — kernels: {}", d.info(), d.kernel_origin())
+    })
 }
 
-fn mla_shape((heads, nope, rope, v, kvl): common::Mla) -> MlaShape {
-    MlaShape {
-        heads,
-        nope,
-        rope,
-        v,
-        kvl,
-    }
+/// The CPU's products (default kernel settings): the GPU takes f32 activations, and
+/// the CPU's MXFP4 formats (`f32`, and `q8x3` on AVX-512 VNNI) keep f32's precision, so they
+/// are compared directly.
+fn cpu(w: Weights<'_>, xs: &[f32], n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n * w.rows()];
+    matmul(w, xs, n, &mut out);
+    out
 }
 
-#[test]
-#[ignore = "needs a CUDA device: tools/gpu/check.sh, or --ignored"]
-fn matmul_kernels_match_cpu_on_ragged_shapes() {
-    let dev = device("matmul_kernels_match_cpu_on_ragged_shapes");
-    common::check_matmul_on_ragged_shapes(
-        |w| dev.upload_weights(w).unwrap(),
-        |m, xs, n| dev.matmul(m, xs, n).unwrap(),
-        |w, xs, n| {
-            let mut cpu = vec![0f32; n * w.rows()];
-            // The GPU takes f32 activations; the CPU's MXFP4 formats (`f32`, and `q8x3` on
-            // AVX-512 VNNI) keep f32's precision, so they are compared directly.
-            matmul(w, xs, n, &mut cpu);
-            cpu
-        },
-    );
-}
-
-#[test]
-#[ignore = "needs a CUDA device: tools/gpu/check.sh, or --ignored"]
-fn kda_step_matches_cpu_over_several_tokens() {
-    let dev = device("kda_step_matches_cpu_over_several_tokens");
-    common::check_kda_steps(
-        "gpu",
-        &[(3, 40), (4, 128), (2, 300)],
-        6,
-        |heads, d, state, x| {
-            dev.kda_step(heads, d, state, &x.q, &x.k, &x.v, &x.g, &x.beta)
-                .unwrap()
-        },
-    );
-}
-
-#[test]
-#[ignore = "needs a CUDA device: tools/gpu/check.sh, or --ignored"]
-fn mla_decode_matches_cpu() {
-    let dev = device("mla_decode_matches_cpu");
-    let k3 = (8, 128, 64, 128, 512);
-    common::check_mla_decode(
-        "gpu",
-        &[
-            (MLA_SMALL, 1),
-            (MLA_SMALL, 7),
-            (MLA_SMALL, 333),
-            (k3, 1),
-            (k3, 1500),
-        ],
-        |sh, n, x| {
-            dev.mla_decode(mla_shape(sh), n, &x.q, &x.kvb, &x.latent, &x.tail, &x.gate)
-                .unwrap()
-        },
-    );
-}
+common::device_tests!(
+    "needs a CUDA device: tools/gpu/check.sh, or --ignored",
+    device,
+    cpu,
+    matmul: matmul_kernels_match_cpu_on_ragged_shapes,
+    kda: kda_step_matches_cpu_over_several_tokens,
+    mla: mla_decode_matches_cpu,
+    canaries: doctor_canaries_pass
+);
 
 #[test]
 #[ignore = "needs a CUDA device: tools/gpu/check.sh, or --ignored"]
@@ -141,14 +97,4 @@ fn matmul_bandwidth_vs_copy() {
     }
     eprintln!("worst n=1 streaming ratio (goal ≥ 0.8): {worst_big:.2}");
     assert!(worst_big.is_finite() && worst_big > 0.0);
-}
-
-#[test]
-#[ignore = "needs a CUDA device: tools/gpu/check.sh, or --ignored"]
-fn doctor_canaries_pass() {
-    let dev = device("doctor_canaries_pass");
-    for (name, r) in canaries(&dev) {
-        eprintln!("  canary {name}: {r:?}");
-        assert!(r.is_ok(), "canary {name}: {r:?}");
-    }
 }

@@ -11,85 +11,21 @@
 
 mod common;
 
-use common::MLA_SMALL;
-use deltafin_kernels::metal::{MetalDevice, MlaShape, canaries};
+use deltafin_kernels::metal::MetalDevice;
 
 /// The device; a test that runs without one fails here.
 fn device(test: &str) -> MetalDevice {
-    match MetalDevice::open() {
-        Ok(d) => {
-            eprintln!("{test}: {} — kernels: {}", d.info(), d.kernel_origin());
-            d
-        }
-        Err(e) => panic!("{test} needs a usable Metal device: {e}"),
-    }
+    common::device_for(test, "Metal", MetalDevice::open(), |d| {
+        format!("{} — kernels: {}", d.info(), d.kernel_origin())
+    })
 }
 
-fn mla_shape((heads, nope, rope, v, kvl): common::Mla) -> MlaShape {
-    MlaShape {
-        heads,
-        nope,
-        rope,
-        v,
-        kvl,
-    }
-}
-
-#[test]
-#[ignore = "needs a Metal device (macOS): run with --ignored"]
-fn metal_matmul_matches_cpu_on_ragged_shapes() {
-    let dev = device("metal_matmul_matches_cpu_on_ragged_shapes");
-    common::check_matmul_on_ragged_shapes(
-        |w| dev.upload_weights(w).unwrap(),
-        |m, xs, n| dev.matmul(m, xs, n).unwrap(),
-        common::scalar_cpu,
-    );
-}
-
-#[test]
-#[ignore = "needs a Metal device (macOS): run with --ignored"]
-fn metal_kda_step_matches_cpu_over_several_tokens() {
-    let dev = device("metal_kda_step_matches_cpu_over_several_tokens");
-    common::check_kda_steps(
-        "gpu",
-        &[(3, 40), (4, 128), (2, 300)],
-        6,
-        |heads, d, state, x| {
-            dev.kda_step(heads, d, state, &x.q, &x.k, &x.v, &x.g, &x.beta)
-                .unwrap()
-        },
-    );
-}
-
-#[test]
-#[ignore = "needs a Metal device (macOS): run with --ignored"]
-fn metal_mla_decode_matches_cpu() {
-    let dev = device("metal_mla_decode_matches_cpu");
-    let k3 = (8, 128, 64, 128, 512);
-    common::check_mla_decode(
-        "gpu",
-        &[
-            (MLA_SMALL, 1),
-            (MLA_SMALL, 7),
-            (MLA_SMALL, 333),
-            (k3, 1),
-            (k3, 1500),
-        ],
-        |sh, n, x| {
-            dev.mla_decode(mla_shape(sh), n, &x.q, &x.kvb, &x.latent, &x.tail, &x.gate)
-                .unwrap()
-        },
-    );
-}
-
-#[test]
-#[ignore = "needs a Metal device (macOS): run with --ignored"]
-fn metal_canaries_pass() {
-    let dev = device("metal_canaries_pass");
-    for (name, r) in canaries(&dev) {
-        match r {
-            Ok(e) => eprintln!("  canary {name}: {e:.2e}"),
-            Err(e) => panic!("canary {name}: {e}"),
-        }
-    }
-}
+common::device_tests!(
+    "needs a Metal device (macOS): run with --ignored",
+    device,
+    common::scalar_cpu,
+    matmul: metal_matmul_matches_cpu_on_ragged_shapes,
+    kda: metal_kda_step_matches_cpu_over_several_tokens,
+    mla: metal_mla_decode_matches_cpu,
+    canaries: metal_canaries_pass
+);

@@ -299,33 +299,29 @@ fn metal_kda_step_matches_the_reference_over_several_tokens() {
     };
     let s = shim.lock().unwrap_or_else(|e| e.into_inner());
     // d not a multiple of 32, one simdgroup per 32 columns, and more columns than threads.
-    common::check_kda_steps(
-        "shim",
-        &[(3, 40), (2, 128), (2, 300)],
-        3,
-        |heads, d, state, x| {
-            let mut out = vec![f32::NAN; heads * d];
-            // SAFETY: every buffer has the [heads, d(, d)] length the kernel reads or writes.
-            let rc = unsafe {
-                let f: Symbol<KdaFn> = s.lib.get(b"shim_kda_step").unwrap();
-                f(
-                    state.as_mut_ptr(),
-                    x.q.as_ptr(),
-                    x.k.as_ptr(),
-                    x.v.as_ptr(),
-                    x.g.as_ptr(),
-                    x.beta.as_ptr(),
-                    out.as_mut_ptr(),
-                    heads as u32,
-                    d as u32,
-                    kda_threads(d) as u32,
-                    kda_threadgroup_bytes(d) as u32,
-                )
-            };
-            s.check("kda_step", rc);
-            out
-        },
-    );
+    common::check_kda_steps("shim", &[(3, 40), (2, 128), (2, 300)], 3, |state, x| {
+        let (heads, d) = (x.heads, x.d);
+        let mut out = vec![f32::NAN; heads * d];
+        // SAFETY: every buffer has the [heads, d(, d)] length the kernel reads or writes.
+        let rc = unsafe {
+            let f: Symbol<KdaFn> = s.lib.get(b"shim_kda_step").unwrap();
+            f(
+                state.as_mut_ptr(),
+                x.q.as_ptr(),
+                x.k.as_ptr(),
+                x.v.as_ptr(),
+                x.g.as_ptr(),
+                x.beta.as_ptr(),
+                out.as_mut_ptr(),
+                heads as u32,
+                d as u32,
+                kda_threads(d) as u32,
+                kda_threadgroup_bytes(d) as u32,
+            )
+        };
+        s.check("kda_step", rc);
+        out
+    });
 }
 
 #[test]
@@ -334,7 +330,13 @@ fn metal_mla_decode_matches_the_reference() {
         return;
     };
     let s = shim.lock().unwrap_or_else(|e| e.into_inner());
-    let k3ish = (2, 128, 64, 128, 512);
+    let k3ish = MlaShape {
+        heads: 2,
+        nope: 128,
+        rope: 64,
+        v: 128,
+        kvl: 512,
+    };
     // One token; fewer tokens than simdgroups; more tokens than threads (strided softmax).
     common::check_mla_decode(
         "shim",
@@ -345,16 +347,11 @@ fn metal_mla_decode_matches_the_reference() {
             (k3ish, 1),
             (k3ish, 40),
         ],
-        |(heads, nope, rope, v, kvl), n, x| {
-            let sh = MlaShape {
-                heads,
-                nope,
-                rope,
-                v,
-                kvl,
-            };
+        |x| {
+            let (sh, n) = (x.shape, x.tokens);
+            let (heads, rope, v, kvl) = (sh.heads, sh.rope, sh.v, sh.kvl);
             let bits = |x: &[bf16]| x.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
-            let (kvb_b, lat_b, tail_b) = (bits(&x.kvb), bits(&x.latent), bits(&x.tail));
+            let (kvb_b, lat_b, tail_b) = (bits(x.kv_b), bits(x.latent), bits(x.tail));
             let params = sh.params(n).unwrap();
             let mut scores = vec![f32::NAN; heads * n];
             let mut out = vec![f32::NAN; heads * v];

@@ -3,12 +3,12 @@
 use crate::error::ApiError;
 use crate::output::{Assembler, Delta, TokenLogprob};
 use crate::request::{GenRequest, Prompt};
-use deltafin_k3::chat::{ChatOptions, encode_chat};
 use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, StopReason, generate};
-use deltafin_k3::install::{self, Missing};
 use deltafin_k3::model::K3Model;
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::text::chat::{ChatOptions, encode_chat};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::weights::install::{self, Missing};
 use deltafin_spec::select::{Chosen, DraftModels};
 use deltafin_spec::{Committed, WallClock, generate_with_policy};
 use std::path::{Path, PathBuf};

@@ -14,7 +14,7 @@ pub use engine::{Engine, LoadError};
 pub use error::ApiError;
 pub use server::{ServeError, Server, ServerStats};
 
-use deltafin_k3::chat::ReasoningEffort;
+use deltafin_k3::text::chat::ReasoningEffort;
 
 /// Writes one line to stderr, ignoring a closed stderr (a server must not die for its log).
 #[macro_export]

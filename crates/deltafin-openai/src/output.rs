@@ -10,7 +10,7 @@
 //! match and everything after it is never emitted, and while streaming only a suffix that
 //! could still become a match is held back (plus incomplete UTF-8 and unfinished markers).
 
-use deltafin_k3::tokenizer::{
+use deltafin_k3::text::tokenizer::{
     CLOSE, END_OF_MSG, EOS, OPEN, SEP, StreamDecoder, Tokenizer, TokenizerError,
 };
 use serde_json::{Map, Value, json};

@@ -6,7 +6,7 @@
 
 use crate::MODEL_ID;
 use crate::error::ApiError;
-use deltafin_k3::chat::{ChatMessage, ReasoningEffort};
+use deltafin_k3::text::chat::{ChatMessage, ReasoningEffort};
 use serde_json::{Map, Value};
 
 /// Which endpoint a request came to.
@@ -97,6 +97,19 @@ fn non_default(field: &str) -> ApiError {
             "non-default `{field}` semantics are not implemented by native Deltafin; refusing to ignore the request"
         ),
     )
+}
+
+/// A field that, when given (not null), must pass `ok`; else the error `message` naming it.
+fn require(
+    v: Option<&Value>,
+    field: &str,
+    ok: impl FnOnce(&Value) -> bool,
+    message: &str,
+) -> Result<(), ApiError> {
+    match v {
+        Some(v) if !ok(v) => Err(ApiError::invalid_param(field, message)),
+        _ => Ok(()),
+    }
 }
 
 fn finite_number(v: &Value) -> Option<f64> {
@@ -247,14 +260,8 @@ pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenReque
 
     // n / best_of
     for field in ["n", "best_of"] {
-        if let Some(v) = get(field)
-            && v.as_u64() != Some(1)
-        {
-            return Err(ApiError::invalid_param(
-                field,
-                format!("`{field}` must be 1; Deltafin has one authoritative target stream"),
-            ));
-        }
+        let message = format!("`{field}` must be 1; Deltafin has one authoritative target stream");
+        require(get(field), field, |v| v.as_u64() == Some(1), &message)?;
     }
 
     // temperature / top_p: only values for which greedy decoding is exactly what is asked.
@@ -290,22 +297,10 @@ pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenReque
     }
 
     // user / metadata: carry no generation semantics.
-    if let Some(v) = get("user")
-        && !v.is_string()
-    {
-        return Err(ApiError::invalid_param(
-            "user",
-            "`user` must be a JSON string",
-        ));
-    }
-    if let Some(v) = get("metadata")
-        && !v.is_object()
-    {
-        return Err(ApiError::invalid_param(
-            "metadata",
-            "`metadata` must be a JSON object",
-        ));
-    }
+    let user = "`user` must be a JSON string";
+    require(get("user"), "user", Value::is_string, user)?;
+    let metadata = "`metadata` must be a JSON object";
+    require(get("metadata"), "metadata", Value::is_object, metadata)?;
 
     // penalties and bias must keep their defaults.
     for field in ["frequency_penalty", "presence_penalty"] {
@@ -322,11 +317,8 @@ pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenReque
     }
 
     // seed: any integer; greedy output does not depend on it.
-    if let Some(v) = get("seed")
-        && !(v.is_i64() || v.is_u64())
-    {
-        return Err(ApiError::invalid_param("seed", "`seed` must be an integer"));
-    }
+    let seed = "`seed` must be an integer";
+    require(get("seed"), "seed", |v| v.is_i64() || v.is_u64(), seed)?;
 
     let stop = parse_stop(get("stop"))?;
 
@@ -469,49 +461,41 @@ fn chat_logprobs(obj: &Map<String, Value>) -> Result<Option<usize>, ApiError> {
 
 fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt, ApiError> {
     let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
-    if let Some(v) = get("response_format") {
-        let is_text = v
-            .as_object()
-            .is_some_and(|m| m.len() == 1 && m.get("type") == Some(&Value::from("text")));
-        if !is_text {
-            return Err(ApiError::invalid_param(
-                "response_format",
-                "only `response_format: {\"type\":\"text\"}` is implemented; structured output (json_object, json_schema) is refused rather than ignored",
-            ));
-        }
-    }
-    if let Some(v) = get("tools")
-        && v.as_array().is_none_or(|a| !a.is_empty())
-    {
-        return Err(ApiError::invalid_param(
-            "tools",
-            "tool calling is not implemented by native Deltafin; `tools` must be absent, null or []",
-        ));
-    }
-    if let Some(v) = get("tool_choice")
-        && v != "none"
-    {
-        return Err(ApiError::invalid_param(
-            "tool_choice",
-            "`tool_choice` must be absent, null or \"none\": tool calling is not implemented",
-        ));
-    }
-    if let Some(v) = get("parallel_tool_calls")
-        && !v.is_boolean()
-    {
-        return Err(ApiError::invalid_param(
-            "parallel_tool_calls",
-            "`parallel_tool_calls` must be a boolean",
-        ));
-    }
-    if let Some(v) = get("modalities")
-        && v.as_array().is_none_or(|a| a.len() != 1 || a[0] != "text")
-    {
-        return Err(ApiError::invalid_param(
-            "modalities",
-            "native Deltafin production inference is text-only; `modalities` must be [\"text\"]",
-        ));
-    }
+    let is_text = |v: &Value| {
+        v.as_object()
+            .is_some_and(|m| m.len() == 1 && m.get("type") == Some(&Value::from("text")))
+    };
+    require(
+        get("response_format"),
+        "response_format",
+        is_text,
+        "only `response_format: {\"type\":\"text\"}` is implemented; structured output (json_object, json_schema) is refused rather than ignored",
+    )?;
+    require(
+        get("tools"),
+        "tools",
+        |v| v.as_array().is_some_and(Vec::is_empty),
+        "tool calling is not implemented by native Deltafin; `tools` must be absent, null or []",
+    )?;
+    require(
+        get("tool_choice"),
+        "tool_choice",
+        |v| v == "none",
+        "`tool_choice` must be absent, null or \"none\": tool calling is not implemented",
+    )?;
+    let parallel = "`parallel_tool_calls` must be a boolean";
+    require(
+        get("parallel_tool_calls"),
+        "parallel_tool_calls",
+        Value::is_boolean,
+        parallel,
+    )?;
+    require(
+        get("modalities"),
+        "modalities",
+        |v| v.as_array().is_some_and(|a| a.len() == 1 && a[0] == "text"),
+        "native Deltafin production inference is text-only; `modalities` must be [\"text\"]",
+    )?;
     for field in ["audio", "prediction", "service_tier"] {
         if get(field).is_some() {
             return Err(non_default(field));

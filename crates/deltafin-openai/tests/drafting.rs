@@ -5,12 +5,12 @@
 mod common;
 
 use common::*;
-use deltafin_k3::config::K3Config;
 use deltafin_k3::synth::{
     QwenSize, SynthDims, SynthSpec, synthesize, synthesize_dspark, synthesize_qwen3,
 };
-use deltafin_k3::tokenizer::Tokenizer;
-use deltafin_openai::{Engine, ServerConfig};
+use deltafin_k3::text::tokenizer::Tokenizer;
+use deltafin_k3::weights::config::K3Config;
+use deltafin_openai::ServerConfig;
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
 use deltafin_spec::select::{DraftModels, Surfaces};
 use deltafin_spec::uag::synthesize_tokenizer_json;
@@ -37,12 +37,11 @@ fn start(root: &Path, spec: Option<SpecConfig>) -> TestServer {
     let root: PathBuf = root.to_path_buf();
     let s = TestServer::start_with(
         ServerConfig {
-            port: 0,
             queue: 8,
-            ..Default::default()
+            ..any_port()
         },
         move || {
-            let mut e = Engine::load(&root).map_err(|e| e.to_string())?;
+            let mut e = load_engine(&root)?;
             if let Some(spec) = spec {
                 let surfaces = Surfaces {
                     chat: true,

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use deltafin_k3::engine::EngineConfig;
-use deltafin_openai::{Engine, LoadError, ServerConfig};
+use deltafin_openai::{Engine, LoadError};
 use serde_json::json;
 
 fn completion(s: &TestServer) -> String {
@@ -20,10 +20,7 @@ fn completion(s: &TestServer) -> String {
 
 #[test]
 fn a_budgeted_engine_streams_and_answers_as_the_resident_one() {
-    let cfg = ServerConfig {
-        port: 0,
-        ..Default::default()
-    };
+    let cfg = any_port();
     let resident = TestServer::start(cfg.clone());
     resident.wait_ready();
     let want = completion(&resident);

@@ -16,27 +16,29 @@ use std::time::Duration;
 
 fn start(queue: usize, max_request_bytes: usize) -> TestServer {
     let s = TestServer::start(ServerConfig {
-        port: 0,
         queue,
         max_request_bytes,
-        ..Default::default()
+        ..any_port()
     });
     s.wait_ready();
     s
 }
 
+/// The bytes of `POST /v1/completions` with `body`.
+fn completion_request(body: &Value) -> Vec<u8> {
+    request_bytes("POST", "/v1/completions", body.to_string().as_bytes(), &[])
+}
+
 /// Connects and sends `POST /v1/completions` with `body`; the response is left unread.
 fn send_completion(addr: SocketAddr, body: &Value) -> TcpStream {
     let mut c = connect(addr);
-    let body = body.to_string();
-    c.write_all(&request_bytes(
-        "POST",
-        "/v1/completions",
-        body.as_bytes(),
-        &[],
-    ))
-    .unwrap();
+    c.write_all(&completion_request(body)).unwrap();
     c
+}
+
+/// Waits (at most 10 s) until `cond` holds.
+fn eventually(what: &str, cond: impl FnMut() -> bool) {
+    wait_until(Duration::from_secs(10), cond, what)
 }
 
 /// Opens a long streaming generation and waits for its first content frame, so the slot is
@@ -57,12 +59,27 @@ fn hold_slot(s: &TestServer) -> BufReader<TcpStream> {
     }
 }
 
+/// A server with a queue of 8 whose slot a long stream holds: the server, the generations
+/// started before the stream, and the stream's connection.
+fn held_server() -> (TestServer, u64, BufReader<TcpStream>) {
+    let s = start(8, 1 << 20);
+    let base = started(&s.stats);
+    let holder = hold_slot(&s);
+    (s, base, holder)
+}
+
 fn assert_busy(r: &Resp) {
     let e = r.error(429);
     assert_eq!(e["code"], "server_busy");
     assert_eq!(e["message"], BUSY_MESSAGE);
     assert_eq!(r.header("retry-after"), Some("1"));
     assert_eq!(r.header("connection"), Some("close"));
+}
+
+/// The slot and queue are free again, and the server still answers.
+fn recovered(s: &TestServer) {
+    s.wait_idle();
+    short_ok(s);
 }
 
 fn short_ok(s: &TestServer) {
@@ -113,15 +130,12 @@ fn sixty_four_clients_with_queue_0_get_429_while_busy() {
         assert_busy(r);
     }
     assert!(ok >= 1);
-    s.wait_idle();
-    short_ok(&s);
+    recovered(&s);
 }
 
 #[test]
 fn sixty_four_clients_with_queue_8_queue_eight_in_order_and_refuse_the_rest() {
-    let s = start(8, 1 << 20);
-    let base = started(&s.stats);
-    let holder = hold_slot(&s);
+    let (s, base, holder) = held_server();
     let handles = fire(&s, 64);
     wait_until(
         Duration::from_secs(20),
@@ -174,8 +188,7 @@ fn bodies_over_the_limit_get_413_and_close() {
         request(s.addr, "POST", "/v1/completions", body.as_bytes()).status,
         200
     );
-    s.wait_idle();
-    short_ok(&s);
+    recovered(&s);
 }
 
 #[test]
@@ -210,8 +223,7 @@ fn slow_client_is_served_and_holds_its_reservation_meanwhile() {
     std::thread::sleep(Duration::from_millis(300));
     let r = read_all(&mut c);
     assert_eq!(r.sse().last().map(String::as_str), Some("[DONE]"));
-    s.wait_idle();
-    short_ok(&s);
+    recovered(&s);
 }
 
 #[test]
@@ -219,49 +231,31 @@ fn disconnects_cancel_the_generation_and_free_the_slot() {
     let s = start(0, 1 << 20);
     let base = started(&s.stats);
     // Streaming: the client leaves after the first frame.
-    let holder = hold_slot(&s);
-    drop(holder);
-    wait_until(
-        Duration::from_secs(10),
-        || cancelled(&s.stats) == 1,
-        "stream cancelled",
-    );
+    drop(hold_slot(&s));
+    eventually("stream cancelled", || cancelled(&s.stats) == 1);
     s.wait_idle();
     // Non-streaming: the client leaves while the generation runs.
     let c = send_completion(s.addr, &json!({"prompt": "long", "max_tokens": 1_000_000}));
-    wait_until(
-        Duration::from_secs(10),
-        || started(&s.stats) == base + 2,
-        "second generation started",
-    );
+    eventually("second generation started", || {
+        started(&s.stats) == base + 2
+    });
     drop(c);
-    wait_until(
-        Duration::from_secs(10),
-        || cancelled(&s.stats) == 2,
-        "non-stream cancelled",
-    );
-    s.wait_idle();
-    short_ok(&s);
+    eventually("non-stream cancelled", || cancelled(&s.stats) == 2);
+    recovered(&s);
 }
 
 #[test]
 fn disconnect_storm_leaves_no_leaked_slot() {
-    let s = start(8, 1 << 20);
-    let base = started(&s.stats);
-    let holder = hold_slot(&s);
+    let (s, base, holder) = held_server();
     // Eight waiters queue, then all leave: they are dropped without generating.
     let mut waiters = Vec::new();
     for i in 0..8 {
         let c = send_completion(s.addr, &json!({"prompt": format!("w{i}"), "max_tokens": 2}));
         waiters.push(c);
     }
-    wait_until(Duration::from_secs(10), || s.reserved() == 9, "8 waiters");
+    eventually("8 waiters", || s.reserved() == 9);
     drop(waiters);
-    wait_until(
-        Duration::from_secs(10),
-        || s.reserved() == 1,
-        "waiters dropped",
-    );
+    eventually("waiters dropped", || s.reserved() == 1);
     assert_eq!(started(&s.stats), base + 1);
     drop(holder);
     s.wait_idle();
@@ -271,14 +265,8 @@ fn disconnect_storm_leaves_no_leaked_slot() {
             let addr = s.addr;
             std::thread::spawn(move || {
                 let mut c = TcpStream::connect(addr).unwrap();
-                let body =
-                    json!({"prompt": "storm", "max_tokens": 1_000_000, "stream": true}).to_string();
-                let _ = c.write_all(&request_bytes(
-                    "POST",
-                    "/v1/completions",
-                    body.as_bytes(),
-                    &[],
-                ));
+                let body = json!({"prompt": "storm", "max_tokens": 1_000_000, "stream": true});
+                let _ = c.write_all(&completion_request(&body));
                 std::thread::sleep(Duration::from_millis(30));
             })
         })
@@ -286,11 +274,9 @@ fn disconnect_storm_leaves_no_leaked_slot() {
     handles.into_iter().for_each(|h| h.join().unwrap());
     s.wait_idle();
     let st = &s.stats;
-    wait_until(
-        Duration::from_secs(10),
-        || started(st) == cancelled(st) + st.generations_finished.load(Ordering::SeqCst),
-        "every started generation ended",
-    );
+    eventually("every started generation ended", || {
+        started(st) == cancelled(st) + st.generations_finished.load(Ordering::SeqCst)
+    });
     short_ok(&s);
 }
 

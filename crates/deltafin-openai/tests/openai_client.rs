@@ -25,9 +25,8 @@ fn official_openai_client() {
         return;
     }
     let s = TestServer::start(ServerConfig {
-        port: 0,
         queue: 0,
-        ..Default::default()
+        ..any_port()
     });
     s.wait_ready();
     let script = concat!(

@@ -4,9 +4,9 @@
 mod common;
 
 use common::*;
-use deltafin_k3::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, LogitSummary, generate};
-use deltafin_k3::tokenizer::{END_OF_MSG, EOS};
+use deltafin_k3::text::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS};
 use deltafin_openai::{MODEL_ID, ServerConfig};
 use serde_json::{Value, json};
 use std::sync::OnceLock;
@@ -16,10 +16,9 @@ fn server() -> &'static TestServer {
     static S: OnceLock<TestServer> = OnceLock::new();
     S.get_or_init(|| {
         let s = TestServer::start(ServerConfig {
-            port: 0,
             queue: 64,
             max_request_bytes: 1 << 20,
-            ..Default::default()
+            ..any_port()
         });
         s.wait_ready();
         s
@@ -453,17 +452,11 @@ fn malformed_requests_get_well_formed_refusals() {
 #[test]
 fn context_overflow_is_a_400_before_generation() {
     let root = model_root().to_path_buf();
-    let s = TestServer::start_with(
-        ServerConfig {
-            port: 0,
-            ..Default::default()
-        },
-        move || {
-            let mut e = deltafin_openai::Engine::load(&root).map_err(|e| e.to_string())?;
-            e.max_context = 8;
-            Ok(e)
-        },
-    );
+    let s = TestServer::start_with(any_port(), move || {
+        let mut e = load_engine(&root)?;
+        e.max_context = 8;
+        Ok(e)
+    });
     s.wait_ready();
     let before = started(&s.stats);
     let e = post_json(
@@ -490,16 +483,10 @@ fn context_overflow_is_a_400_before_generation() {
 fn completions_answer_503_while_loading() {
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     let root = model_root().to_path_buf();
-    let s = TestServer::start_with(
-        ServerConfig {
-            port: 0,
-            ..Default::default()
-        },
-        move || {
-            go_rx.recv().map_err(|e| e.to_string())?;
-            deltafin_openai::Engine::load(&root).map_err(|e| e.to_string())
-        },
-    );
+    let s = TestServer::start_with(any_port(), move || {
+        go_rx.recv().map_err(|e| e.to_string())?;
+        load_engine(&root)
+    });
     assert_eq!(get(s.addr, "/v1/models").status, 200);
     let e = post_json(
         s.addr,
@@ -524,13 +511,7 @@ fn completions_answer_503_while_loading() {
 
 #[test]
 fn a_failed_load_stops_the_server_with_the_reason() {
-    let s = TestServer::start_with(
-        ServerConfig {
-            port: 0,
-            ..Default::default()
-        },
-        || Err("config.json is missing".to_string()),
-    );
+    let s = TestServer::start_with(any_port(), || Err("config.json is missing".to_string()));
     let err = s.join().unwrap_err();
     assert!(err.contains("config.json is missing"), "{err}");
 }

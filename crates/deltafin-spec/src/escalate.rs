@@ -15,7 +15,7 @@
 //! taps once, from [`Drafter::tap_layers`] at the start.
 
 use crate::{Drafter, StepFeedback};
-use deltafin_k3::taps::Taps;
+use deltafin_k3::model::taps::Taps;
 use std::collections::VecDeque;
 
 /// Drafting steps of the small drafter that decide whether to try the large one.

@@ -10,12 +10,13 @@
 //! equals plain greedy decoding whatever the drafter proposes.
 
 use deltafin_k3::generate::greedy;
+use deltafin_k3::model::state::State;
+use deltafin_k3::model::taps::Taps;
 use deltafin_k3::model::{K3Model, LogitRows, ModelError};
-use deltafin_k3::state::State;
-use deltafin_k3::taps::Taps;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+pub mod dense;
 pub mod dspark;
 pub mod escalate;
 mod fields;

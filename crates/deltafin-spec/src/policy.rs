@@ -368,12 +368,7 @@ impl SpecPolicy {
             (_, PolicyState::Probing | PolicyState::Drafting)
                 if proposed > 0 && self.hopeless() =>
             {
-                self.reprobe_after = if self.switched_off == 0 {
-                    REPROBE_TOKENS
-                } else {
-                    (self.reprobe_after * 2).min(MAX_REPROBE_TOKENS)
-                };
-                self.switch_off();
+                self.back_off();
             }
             (_, PolicyState::Probing) => {
                 if self.window.len() >= PROBE_STEPS {
@@ -381,12 +376,7 @@ impl SpecPolicy {
                         self.reprobe_after = REPROBE_TOKENS;
                         self.enter(PolicyState::Drafting);
                     } else {
-                        self.reprobe_after = if self.switched_off == 0 {
-                            REPROBE_TOKENS
-                        } else {
-                            (self.reprobe_after * 2).min(MAX_REPROBE_TOKENS)
-                        };
-                        self.switch_off();
+                        self.back_off();
                     }
                 }
             }
@@ -410,6 +400,17 @@ impl SpecPolicy {
             .filter_map(|k| self.cost(k).map(|v| (k + 1) as f64 / (d + v)))
             .fold(0f64, f64::max);
         best * t0 < 1.0 + self.min_speedup
+    }
+
+    /// Drafting did not pay: switch off, and wait longer before the next probe, doubling
+    /// after every switch-off but the first.
+    fn back_off(&mut self) {
+        self.reprobe_after = if self.switched_off == 0 {
+            REPROBE_TOKENS
+        } else {
+            (self.reprobe_after * 2).min(MAX_REPROBE_TOKENS)
+        };
+        self.switch_off();
     }
 
     fn switch_off(&mut self) {

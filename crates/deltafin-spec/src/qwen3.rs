@@ -3,9 +3,10 @@
 //! head tied to the embedding (or `lm_head.weight` when untied). Greedy drafting in Qwen's
 //! own token space; the K3-tokenizer bridge (re-encoding, §10 steps 1–3) is separate.
 
+use crate::dense::{SwiGlu, add_into, matmul, rms_rows};
 use crate::fields::{FieldError, Fields};
 use crate::tensors::{TensorIssue, Tensors};
-use deltafin_kernels::{argmax, matmul_bf16, rms_norm, silu, softmax_inplace};
+use deltafin_kernels::{argmax, softmax_inplace};
 use deltafin_tensor::{Bf16Matrix, SafetensorsFile};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -178,12 +179,8 @@ pub struct Qwen3Layer {
     pub q_norm: Vec<f32>,
     /// `self_attn.k_norm.weight` `[hd]`.
     pub k_norm: Vec<f32>,
-    /// `mlp.gate_proj.weight` `[F, D]`.
-    pub gate_proj: Bf16Matrix,
-    /// `mlp.up_proj.weight` `[F, D]`.
-    pub up_proj: Bf16Matrix,
-    /// `mlp.down_proj.weight` `[D, F]`.
-    pub down_proj: Bf16Matrix,
+    /// `mlp.*` (SwiGLU, `[F, D]` up, `[D, F]` down).
+    pub mlp: SwiGlu,
 }
 
 /// A loaded Qwen3 model.
@@ -225,20 +222,6 @@ impl Qwen3Cache {
     }
 }
 
-fn matmul(w: &Bf16Matrix, x: &[f32], n: usize) -> Vec<f32> {
-    let mut out = vec![0f32; n * w.rows()];
-    matmul_bf16(w, x, n, &mut out);
-    out
-}
-
-fn rms_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
-    for (a, o) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
-        rms_norm(a, w, eps, o);
-    }
-    out
-}
-
 impl Qwen3Model {
     /// Load `dir/config.json` and `dir/model.safetensors`.
     pub fn open(dir: &Path) -> Result<Qwen3Model, Qwen3Error> {
@@ -271,9 +254,7 @@ impl Qwen3Model {
                 k_proj: rd.matrix(&p("self_attn.k_proj.weight"), kvh * hd, d)?,
                 v_proj: rd.matrix(&p("self_attn.v_proj.weight"), kvh * hd, d)?,
                 o_proj: rd.matrix(&p("self_attn.o_proj.weight"), d, h * hd)?,
-                gate_proj: rd.matrix(&p("mlp.gate_proj.weight"), f, d)?,
-                up_proj: rd.matrix(&p("mlp.up_proj.weight"), f, d)?,
-                down_proj: rd.matrix(&p("mlp.down_proj.weight"), d, f)?,
+                mlp: SwiGlu::read(&mut rd, &p("mlp"), d, f)?,
                 input_layernorm: rd.vector(&p("input_layernorm.weight"), &[d])?,
                 post_attention_layernorm: rd.vector(&p("post_attention_layernorm.weight"), &[d])?,
                 q_norm: rd.vector(&p("self_attn.q_norm.weight"), &[hd])?,
@@ -384,14 +365,9 @@ impl Qwen3Model {
                     }
                 }
             }
-            let o = matmul(&layer.o_proj, &att, t);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            add_into(&mut x, &matmul(&layer.o_proj, &att, t));
             let y = rms_rows(&x, &layer.post_attention_layernorm, eps);
-            let g = matmul(&layer.gate_proj, &y, t);
-            let u = matmul(&layer.up_proj, &y, t);
-            let a: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect();
-            let m = matmul(&layer.down_proj, &a, t);
-            x.iter_mut().zip(&m).for_each(|(a, b)| *a += b);
+            add_into(&mut x, &layer.mlp.forward(&y, t));
         }
         cache.positions += t;
         let last = rms_rows(&x[(t - 1) * d..], &self.norm, eps);
@@ -426,6 +402,7 @@ impl Qwen3Model {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dense::reference::{mv, rms, row, swiglu};
     use deltafin_k3::synth::{QwenSize, synthesize_qwen3};
 
     const REAL_06: &str = include_str!("../../../assets/kimi/qwen3-0.6b-base-config.json");
@@ -446,24 +423,19 @@ mod tests {
         assert_eq!(numel(&b), 1_720_574_976);
         assert!(a.tie_word_embeddings && b.tie_word_embeddings);
         assert_eq!((a.head_dim, a.num_key_value_heads), (128, 8));
-        let mut v: Value = serde_json::from_str(REAL_06).unwrap();
-        v["rope_scaling"] = serde_json::json!({"type": "yarn"});
-        let e = Qwen3Config::from_json_str(&v.to_string())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("`rope_scaling`"), "{e}");
-        let mut v: Value = serde_json::from_str(REAL_06).unwrap();
-        v["novel"] = 1.into();
-        let e = Qwen3Config::from_json_str(&v.to_string())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("`novel`"), "{e}");
-        let mut v: Value = serde_json::from_str(REAL_06).unwrap();
-        v["num_key_value_heads"] = 3.into();
-        let e = Qwen3Config::from_json_str(&v.to_string())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("`num_key_value_heads`"), "{e}");
+        // One field of the real 0.6B config set to `value`: the error names the field.
+        for (field, value) in [
+            ("rope_scaling", serde_json::json!({"type": "yarn"})),
+            ("novel", 1.into()),
+            ("num_key_value_heads", 3.into()),
+        ] {
+            let mut v: Value = serde_json::from_str(REAL_06).unwrap();
+            v[field] = value;
+            let e = Qwen3Config::from_json_str(&v.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{field}`")), "{e}");
+        }
     }
 
     /// f64 reference of the whole model, every position at once (no cache).
@@ -477,15 +449,7 @@ mod tests {
             c.num_key_value_heads,
         );
         let eps = c.rms_norm_eps as f64;
-        let mv = |w: &Bf16Matrix, x: &[f64]| -> Vec<f64> {
-            (0..w.rows())
-                .map(|r| w.row(r).iter().zip(x).map(|(a, b)| a.to_f64() * b).sum())
-                .collect()
-        };
-        let rms = |x: &[f64], w: &[f32]| -> Vec<f64> {
-            let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + eps).sqrt();
-            x.iter().zip(w).map(|(v, &w)| v * inv * w as f64).collect()
-        };
+        let rms = |x: &[f64], w: &[f32]| rms(x, w, eps);
         let rope = |x: &mut [f64], pos: usize| {
             let half = x.len() / 2;
             for i in 0..half {
@@ -495,10 +459,7 @@ mod tests {
                 x[i + half] = b * ang.cos() + a * ang.sin();
             }
         };
-        let mut xs: Vec<Vec<f64>> = tokens
-            .iter()
-            .map(|&t| m.embed.row(t as usize).iter().map(|v| v.to_f64()).collect())
-            .collect();
+        let mut xs: Vec<Vec<f64>> = tokens.iter().map(|&t| row(&m.embed, t as usize)).collect();
         for l in &m.layers {
             let ys: Vec<Vec<f64>> = xs.iter().map(|x| rms(x, &l.input_layernorm)).collect();
             let heads = |w: &Bf16Matrix, y: &[f64], norm: &[f32], pos: usize| -> Vec<Vec<f64>> {
@@ -551,15 +512,7 @@ mod tests {
                 xs[p].iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             }
             for x in xs.iter_mut() {
-                let y = rms(x, &l.post_attention_layernorm);
-                let g = mv(&l.gate_proj, &y);
-                let u = mv(&l.up_proj, &y);
-                let a: Vec<f64> = g
-                    .iter()
-                    .zip(&u)
-                    .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                    .collect();
-                let mo = mv(&l.down_proj, &a);
+                let mo = swiglu(&l.mlp, &rms(x, &l.post_attention_layernorm));
                 x.iter_mut().zip(&mo).for_each(|(a, b)| *a += b);
             }
         }

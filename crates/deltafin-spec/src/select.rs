@@ -14,7 +14,7 @@ use crate::policy::{PolicyMode, SpecPolicy};
 use crate::qwen3::Qwen3Model;
 use crate::uag::{QWEN_LARGE_DIR, QWEN_SMALL_DIR, QwenTokenizer, UagDrafter, open_draft_dir};
 use deltafin_k3::model::K3Model;
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::text::tokenizer::Tokenizer;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};

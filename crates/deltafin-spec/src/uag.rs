@@ -9,7 +9,7 @@
 
 use crate::Drafter;
 use crate::qwen3::{Qwen3Cache, Qwen3Error, Qwen3Model};
-use deltafin_k3::tokenizer::Tokenizer;
+use deltafin_k3::text::tokenizer::Tokenizer;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

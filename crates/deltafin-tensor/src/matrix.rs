@@ -52,6 +52,10 @@ impl Bf16Matrix {
     pub fn row(&self, r: usize) -> &[bf16] {
         &self.data()[r * self.cols..(r + 1) * self.cols]
     }
+    /// Row `r` widened to f32.
+    pub fn row_f32(&self, r: usize) -> Vec<f32> {
+        self.row(r).iter().map(|v| v.to_f32()).collect()
+    }
     /// Rows `start..end` as a matrix sharing the same bytes.
     pub fn row_range(&self, start: usize, end: usize) -> Option<Bf16Matrix> {
         if start > end || end > self.rows {

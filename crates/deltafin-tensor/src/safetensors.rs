@@ -594,6 +594,7 @@ impl Write for CountingWriter<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn image(header: &str, data: &[u8]) -> Bytes {
         let mut v = (header.len() as u64).to_le_bytes().to_vec();
@@ -671,94 +672,77 @@ mod tests {
         assert!(e.to_string().contains("`t` got 7 bytes, expected 8"), "{e}");
     }
 
+    /// `header`, followed by `len` zero bytes of data, is refused with an error that contains
+    /// `want`.
+    fn refused(header: &str, len: usize, want: &str) {
+        let e = err(header, &vec![0; len]);
+        assert!(e.contains(want), "{header}: {e}");
+    }
+
+    /// The error of a file whose 8-byte length prefix says `header_len`, followed by `rest`.
+    fn prefix_err(header_len: u64, rest: &[u8]) -> String {
+        let mut v = header_len.to_le_bytes().to_vec();
+        v.extend_from_slice(rest);
+        SafetensorsFile::from_bytes("x", Bytes::from_vec(v))
+            .unwrap_err()
+            .to_string()
+    }
+
     #[test]
     fn malformed_headers() {
         let ok = r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
         assert!(SafetensorsFile::from_bytes("x", image(ok, &[0; 8])).is_ok());
-        assert!(err(ok, &[0; 7]).contains("truncated: tensor `t`"));
-        assert!(err("{nope", &[]).contains("not valid JSON"));
-        assert!(err("[1]", &[]).contains("not a JSON object"));
-        assert!(
-            err(
-                r#"{"t":{"dtype":"Q9","shape":[2],"data_offsets":[0,8]}}"#,
-                &[0; 8]
-            )
-            .contains("unknown dtype \"Q9\"")
+        refused(ok, 7, "truncated: tensor `t`");
+        refused("{nope", 0, "not valid JSON");
+        refused("[1]", 0, "not a JSON object");
+        // The valid header with one field of the entry changed (null: removed).
+        for (key, value, want) in [
+            ("dtype", json!("Q9"), "unknown dtype \"Q9\""),
+            ("shape", json!([3]), "needs 12"),
+            ("shape", Value::Null, "missing `shape`"),
+            ("data_offsets", Value::Null, "missing `data_offsets`"),
+            ("shape", json!([-2]), "not a non-negative integer"),
+            ("data_offsets", json!([8, 0]), "end before"),
+            (
+                "x",
+                json!(1),
+                "tensor `t`: unexpected key `x` in header entry",
+            ),
+        ] {
+            let mut header: Value = serde_json::from_str(ok).unwrap();
+            let t = header["t"].as_object_mut().unwrap();
+            match value {
+                Value::Null => t.remove(key),
+                value => t.insert(key.into(), value),
+            };
+            refused(&header.to_string(), 8, want);
+        }
+        refused(
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
+            12,
+            "overlap",
         );
-        assert!(
-            err(
-                r#"{"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
-                &[0; 8]
-            )
-            .contains("needs 12")
-        );
-        assert!(
-            err(r#"{"t":{"dtype":"F32","data_offsets":[0,8]}}"#, &[0; 8])
-                .contains("missing `shape`")
-        );
-        assert!(
-            err(r#"{"t":{"dtype":"F32","shape":[2]}}"#, &[0; 8]).contains("missing `data_offsets`")
-        );
-        assert!(
-            err(
-                r#"{"t":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}"#,
-                &[0; 8]
-            )
-            .contains("not a non-negative integer")
-        );
-        assert!(
-            err(
-                r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#,
-                &[0; 8]
-            )
-            .contains("end before")
-        );
-        assert!(
-            err(
-                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
-                &[0; 12]
-            )
-            .contains("overlap")
-        );
-        assert!(err(r#"{"__metadata__":3}"#, &[]).contains("__metadata__"));
+        refused(r#"{"__metadata__":3}"#, 0, "__metadata__");
         // Header length pointing past the end of the file.
-        let mut v = 100u64.to_le_bytes().to_vec();
-        v.extend_from_slice(b"{}");
-        let e = SafetensorsFile::from_bytes("x", Bytes::from_vec(v)).unwrap_err();
-        assert!(e.to_string().contains("runs past the end"), "{e}");
+        let e = prefix_err(100, b"{}");
+        assert!(e.contains("runs past the end"), "{e}");
         let e = SafetensorsFile::from_bytes("short.st", Bytes::from_vec(vec![1, 2])).unwrap_err();
         assert!(e.to_string().contains("short.st"), "{e}");
         // Invalid UTF-8.
-        let mut v = 2u64.to_le_bytes().to_vec();
-        v.extend_from_slice(&[0xff, 0xfe]);
-        let e = SafetensorsFile::from_bytes("x", Bytes::from_vec(v)).unwrap_err();
-        assert!(e.to_string().contains("UTF-8"), "{e}");
+        let e = prefix_err(2, &[0xff, 0xfe]);
+        assert!(e.contains("UTF-8"), "{e}");
     }
 
     #[test]
     fn checks_on_top_of_the_crate_and_what_it_refuses_but_we_accept() {
-        // The crate ignores unknown keys and knows dtypes we do not.
-        assert!(
-            err(
-                r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}}"#,
-                &[0; 8]
-            )
-            .contains("tensor `t`: unexpected key `x` in header entry")
+        // The crate ignores unknown keys (see `malformed_headers`) and knows dtypes we do not.
+        refused(
+            r#"{"t":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}}"#,
+            2,
+            "tensor `t`: unknown dtype \"F8_E4M3\"",
         );
-        assert!(
-            err(
-                r#"{"t":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}}"#,
-                &[0; 2]
-            )
-            .contains("tensor `t`: unknown dtype \"F8_E4M3\"")
-        );
-        let mut v = (MAX_HEADER_BYTES + 1).to_le_bytes().to_vec();
-        v.extend_from_slice(b"{}");
-        let e = SafetensorsFile::from_bytes("x", Bytes::from_vec(v)).unwrap_err();
-        assert!(
-            e.to_string().contains("exceeds the 100000000-byte limit"),
-            "{e}"
-        );
+        let e = prefix_err(MAX_HEADER_BYTES + 1, b"{}");
+        assert!(e.contains("exceeds the 100000000-byte limit"), "{e}");
         // A hole between tensors, bytes after the last one, non-string metadata: accepted.
         let hole = r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}}"#;
         let f = SafetensorsFile::from_bytes("x", image(hole, &[1, 2, 0, 0, 3, 4, 9])).unwrap();

@@ -29,7 +29,7 @@ use anyhow::{Context, Result, anyhow, bail};
 pub use args::BenchmarkArgs;
 use arms::{abba_schedule, parse_arms, parse_token_ids};
 use campaign::{Oracle, run_schedule};
-use deltafin_k3::checkpoint::CONFIG_FILE;
+use deltafin_k3::weights::checkpoint::CONFIG_FILE;
 use evidence::{
     create_evidence_dir, perf_environment, redacted, sha256_file, system_state, write_json,
 };

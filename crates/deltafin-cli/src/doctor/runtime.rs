@@ -201,7 +201,7 @@ pub(super) fn metal_canaries(r: &mut Report) {
 #[cfg(feature = "cuda")]
 pub(super) fn cuda_canaries(r: &mut Report, ordinal: usize) {
     use deltafin_kernels::cuda::{CudaDevice, canaries};
-    let opened = CudaDevice::open(ordinal)
+    let opened = CudaDevice::open_with(ordinal, &crate::kernel_env::cuda_paths_from_env())
         .map(|dev| (dev.kernel_origin().to_string(), canaries(&dev)))
         .map_err(|e| e.to_string());
     gpu_lines(

@@ -1,11 +1,75 @@
-//! Helpers shared by the tests of the `deltafin` process: its output as text, JSON-lines files
-//! (events files, `runs.jsonl`) and token-id arrays.
+//! Helpers shared by the tests of the `deltafin` process: synthesized checkpoints, running the
+//! binary, its output as text, the library's own greedy ids to compare a run with, JSON-lines
+//! files (events files, `runs.jsonl`) and token-id arrays.
 // Each test binary uses a part of this module.
 #![allow(dead_code)]
 
+use deltafin_k3::generate::{GenerateOptions, generate};
+use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
+use deltafin_k3::weights::spine_int8::SpineFormat;
 use serde_json::Value;
 use std::path::Path;
-use std::process::Output;
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// A fresh synthesized checkpoint of `dims` from `seed`.
+pub fn checkpoint(dims: SynthDims, seed: u64) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    synthesize(d.path(), &SynthSpec::new(dims, seed)).unwrap();
+    d
+}
+
+/// The checkpoint kept in `cell`, synthesized on first use: one checkpoint shared by the
+/// tests of a binary.
+pub fn shared_checkpoint(
+    cell: &'static OnceLock<tempfile::TempDir>,
+    dims: SynthDims,
+    seed: u64,
+) -> &'static Path {
+    cell.get_or_init(|| checkpoint(dims, seed)).path()
+}
+
+/// Runs the `deltafin` binary with `args`: the variables `unset` are taken out of the
+/// environment it inherits, then `env` is set in order (a later pair wins).
+pub fn deltafin(args: &[&str], unset: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+    cmd.args(args);
+    for k in unset {
+        cmd.env_remove(k);
+    }
+    cmd.envs(env.iter().copied()).output().unwrap()
+}
+
+/// [`deltafin`] on the model at `root` (`args --model-root root`) with the weight-exact bf16
+/// spine pinned before `env` (which may override it): runs compared with the library's model.
+pub fn deltafin_bf16(root: &Path, args: &[&str], unset: &[&str], env: &[(&str, &str)]) -> Output {
+    let root = root.to_str().unwrap();
+    let args = [args, &["--model-root", root]].concat();
+    deltafin(&args, unset, &[&[("K3_SPINE", "bf16")], env].concat())
+}
+
+/// The library's greedy completion of the raw `prompt` on `spine` (at most `max_new` tokens,
+/// stopping at K3's end ids): what `deltafin run` must emit.
+pub fn library_greedy(root: &Path, spine: SpineFormat, prompt: &str, max_new: usize) -> Vec<u32> {
+    let opts = EngineOptions {
+        spine,
+        ..Default::default()
+    };
+    let model = open_model(root, &opts).unwrap();
+    let ids = Tokenizer::from_dir(root).unwrap().encode_ordinary(prompt);
+    let opts = GenerateOptions {
+        max_new: Some(max_new),
+        stop_ids: vec![END_OF_MSG, EOS],
+        max_context: 4096,
+        top_logits: 0,
+    };
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    generate(&model, &ids, &opts, &stop, |_| Ok(()))
+        .unwrap()
+        .ids
+}
 
 /// A finished process's stdout then stderr, for assertions and failure messages.
 pub fn text(o: &Output) -> String {
@@ -22,6 +86,35 @@ pub fn stdout_stderr(o: &Output) -> (String, String) {
         String::from_utf8_lossy(&o.stdout).into_owned(),
         String::from_utf8_lossy(&o.stderr).into_owned(),
     )
+}
+
+/// Asserts that the process exited with `code` (its output is the failure message); returns
+/// its stdout then stderr.
+#[track_caller]
+pub fn exits(o: &Output, code: i32) -> String {
+    let t = text(o);
+    assert_eq!(o.status.code(), Some(code), "{t}");
+    t
+}
+
+/// Asserts that the process failed and that its stderr names `needle`; returns the stderr.
+#[track_caller]
+pub fn fails_with(o: &Output, needle: &str) -> String {
+    let (out, err) = stdout_stderr(o);
+    assert!(
+        !o.status.success() && err.contains(needle),
+        "{:?} without {needle:?} in stderr: {out}{err}",
+        o.status
+    );
+    err
+}
+
+/// Asserts that `text` contains each of `needles` (the text is the failure message).
+#[track_caller]
+pub fn assert_says(text: &str, needles: &[&str]) {
+    for n in needles {
+        assert!(text.contains(n), "{n:?} is missing from: {text}");
+    }
 }
 
 /// The values of a JSON-lines file, one a line.

@@ -26,13 +26,7 @@ impl Scale4Experts {
 }
 
 impl SourceLayer for Scale4Experts {
-    fn expert(
-        &self,
-        inner: &dyn ExpertSource,
-        layer: usize,
-        expert: usize,
-    ) -> Result<ExpertWeights, ExpertError> {
-        let raw = inner.expert(layer, expert)?;
+    fn adapt(&self, layer: usize, expert: usize, w: &mut ExpertWeights) -> Result<(), ExpertError> {
         let scales = self
             .sidecars
             .scales(layer, expert)
@@ -50,10 +44,11 @@ impl SourceLayer for Scale4Experts {
                     source,
                 })
         };
-        Ok(ExpertWeights {
-            w1: with(&raw.w1, s1, "w1")?,
-            w2: with(&raw.w2, s2, "w2")?,
-            w3: with(&raw.w3, s3, "w3")?,
-        })
+        *w = ExpertWeights {
+            w1: with(&w.w1, s1, "w1")?,
+            w2: with(&w.w2, s2, "w2")?,
+            w3: with(&w.w3, s3, "w3")?,
+        };
+        Ok(())
     }
 }

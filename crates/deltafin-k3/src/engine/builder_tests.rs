@@ -7,16 +7,10 @@ use crate::synth::{SynthDims, SynthSpec, synthesize};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// A tiny checkpoint with 64 experts of 52,224 B (F 256, Lr 128): 43 MB of experts.
+/// A tiny checkpoint with 43 MB of experts ([`SynthDims::tiny_streaming`]).
 fn tiny() -> tempfile::TempDir {
     let d = tempfile::tempdir().unwrap();
-    let dims = SynthDims {
-        experts: 64,
-        moe_inter: 256,
-        latent: 128,
-        ..SynthDims::tiny()
-    };
-    synthesize(d.path(), &SynthSpec::new(dims, 3)).unwrap();
+    synthesize(d.path(), &SynthSpec::new(SynthDims::tiny_streaming(), 3)).unwrap();
     d
 }
 

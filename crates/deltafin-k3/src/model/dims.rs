@@ -181,6 +181,17 @@ impl ModelDims {
     pub fn kda_width(&self) -> usize {
         self.kda_heads * self.kda_head_dim
     }
+    /// The MLA head sizes `(heads, qk_nope, qk_rope, v, kv_lora)` (docs/K3.md §4.4), in the
+    /// order the absorbed-attention kernels take them.
+    pub fn mla_head_sizes(&self) -> (usize, usize, usize, usize, usize) {
+        (
+            self.mla_heads,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.kv_lora_rank,
+        )
+    }
     /// MLA query width per head (`nope + rope`).
     pub fn mla_qk_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -288,7 +299,7 @@ impl ModelDims {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// The released K3 dimensions, written out by hand from docs/K3.md §1.

@@ -13,7 +13,8 @@
 //! None of it changes a value: the logits are the loop's whatever the hooks do.
 
 use crate::error::ModelError;
-use crate::model::forward::{K3Model, KdaForm, LogitRows, Logits, PassHooks};
+use crate::model::forward::{K3Model, LogitRows, Logits, PassHooks};
+use crate::model::kda::KdaForm;
 use crate::model::layer::{Ffn, Layer};
 use crate::model::moe_schedule::{ExpertSchedule, predict_across_dense};
 use crate::model::next_token::ProvisionalHead;
@@ -167,12 +168,7 @@ impl<'m> Execution<'m, '_> {
         };
         model.provisional.guessed(token);
         let d = &model.dims;
-        let e: Vec<f32> = model
-            .embed
-            .row(token as usize)
-            .iter()
-            .map(|v| v.to_f32())
-            .collect();
+        let e = model.embed.row_f32(token as usize);
         let y = rms_norm_rows_new(&e, &first.input_layernorm, d.rms_norm_eps);
         predict_across_dense(d, experts, 1, &next.router, &y, 1);
     }

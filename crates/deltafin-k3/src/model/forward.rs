@@ -23,6 +23,7 @@
 use crate::error::ModelError;
 use crate::model::attn_res::AttnResWeights;
 use crate::model::dims::{AttnKind, CacheDtype, FfnKind, ModelDims};
+use crate::model::kda::KdaForm;
 use crate::model::layer::{Attention, Ffn, Layer};
 use crate::model::linear::Linear;
 use crate::model::mla::MlaCache;
@@ -39,15 +40,6 @@ pub enum LogitRows {
     Last,
     /// Every input position (perplexity, speculative verification).
     All,
-}
-
-/// Which KDA form a multi-token forward uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum KdaForm {
-    /// Chunked (prefill; the reference's choice for more than one token).
-    Chunked,
-    /// Recurrent, token by token (bit-identical to decode).
-    Recurrent,
 }
 
 /// Logits, `rows × vocab`, row-major.
@@ -320,7 +312,7 @@ impl K3Model {
     }
 
     /// Check every weight shape against the checkpoint inventory for these dimensions
-    /// (`crate::inventory`) and every block against the layer schedule.
+    /// (`crate::weights::inventory`) and every block against the layer schedule.
     pub fn validate(&self) -> Result<(), ModelError> {
         let d = &self.dims;
         d.validate()?;
@@ -464,10 +456,9 @@ impl K3Model {
             let x = rms_norm_rows_new(&a, &layer.input_layernorm, d.rms_norm_eps);
             hooks.layer_input(l, layer, &x, t);
             let o = match (&layer.attn, ls) {
-                (Attention::Kda(w), LayerState::Kda(s)) => match kda_form {
-                    KdaForm::Chunked => w.forward(d, &x, t, s)?,
-                    KdaForm::Recurrent => w.forward_recurrent(d, &x, t, s)?,
-                },
+                (Attention::Kda(w), LayerState::Kda(s)) => {
+                    w.forward(d, &x, t, s, kda_form.for_rows(t))?
+                }
                 (Attention::Mla(w), LayerState::Mla(c)) => w.forward(d, &x, t, c)?,
                 _ => {
                     return Err(ModelError::StateMismatch(format!(
@@ -576,16 +567,8 @@ pub(crate) mod tests {
             latent_size: 32,
             num_experts: 8,
             experts_per_token: 3,
-            routed_scaling_factor: 1.0,
-            situ_beta: 4.0,
-            situ_linear_beta: 25.0,
-            rms_norm_eps: 1e-5,
-            attn_res_eps: 1e-5,
-            kda_o_norm_eps: 1e-5,
-            routed_expert_norm_eps: 1e-5,
-            mla_norm_eps: 1e-6,
-            kda_l2_eps: 1e-6,
-            router_renorm_eps: 1e-20,
+            // K3's scaling factor, SiTU betas and epsilons.
+            ..crate::model::dims::tests::k3_dims()
         }
     }
 
@@ -779,31 +762,28 @@ pub(crate) mod tests {
         // row-invariant. Through 14 random layers this grows to a few 1e-6 per logit row
         // (measured mean 3e-6 / 5e-6 for 70 / 130 tokens) with isolated sensitive rows up to
         // 1.4e-4. Bound: mean ≤ 1e-5 and max ≤ 3e-4 relative L2.
-        let dims = ModelDims {
-            mla_cache_dtype: CacheDtype::F32,
-            ..tiny_dims()
-        };
-        let (model, _) = random_model_with(dims, 1);
-        for &n in &[1usize, 7, 70, 130] {
-            let (max, mean) = prefill_vs_decode(&model, n);
-            eprintln!("f32 cache n={n}: max {max:.2e} mean {mean:.2e}");
-            assert!(
-                mean <= 1e-5 && max <= 3e-4,
-                "n={n}: f32 cache, prefill vs decode rel L2 max {max} mean {mean}"
-            );
-        }
+        //
         // With the default bf16 cache, f32-level differences upstream occasionally move a
         // cached `ĉ`/`kt` value across a bf16 rounding boundary (one bf16 ulp, 2^-8 relative),
         // which shows up as up to ~2e-4 relative L2 in this tiny model. Bound: mean ≤ 1e-4,
         // max ≤ 1e-3, and the greedy tokens must agree.
-        let (model, _) = random_model(1);
-        for &n in &[1usize, 7, 70, 130] {
-            let (max, mean) = prefill_vs_decode(&model, n);
-            eprintln!("bf16 cache n={n}: max {max:.2e} mean {mean:.2e}");
-            assert!(
-                mean <= 1e-4 && max <= 1e-3,
-                "n={n}: bf16 cache, prefill vs decode rel L2 max {max} mean {mean}"
-            );
+        for (cache, mean_bound, max_bound) in [
+            (CacheDtype::F32, 1e-5, 3e-4),
+            (CacheDtype::Bf16, 1e-4, 1e-3),
+        ] {
+            let dims = ModelDims {
+                mla_cache_dtype: cache,
+                ..tiny_dims()
+            };
+            let (model, _) = random_model_with(dims, 1);
+            for &n in &[1usize, 7, 70, 130] {
+                let (max, mean) = prefill_vs_decode(&model, n);
+                eprintln!("{cache:?} cache n={n}: max {max:.2e} mean {mean:.2e}");
+                assert!(
+                    mean <= mean_bound && max <= max_bound,
+                    "n={n}: {cache:?} cache, prefill vs decode rel L2 max {max} mean {mean}"
+                );
+            }
         }
     }
 
@@ -1088,30 +1068,11 @@ pub(crate) mod tests {
     #[test]
     fn construction_names_misshapen_tensor() {
         let (model, experts) = random_model(6);
-        let K3Model {
-            dims,
-            embed,
-            mut layers,
-            norm,
-            output_res,
-            lm_head,
-            ..
-        } = model;
-        if let Attention::Mla(w) = &mut layers[3].attn {
-            w.kv_b_proj = w.q_b_proj.clone();
-        }
-        let e = K3Model::new(
-            dims,
-            embed,
-            layers,
-            norm,
-            output_res,
-            lm_head,
-            Box::new(experts),
-        )
-        .err()
-        .unwrap()
-        .to_string();
+        let e = rebuilt_error(model, experts, |m| {
+            if let Attention::Mla(w) = &mut m.layers[3].attn {
+                w.kv_b_proj = w.q_b_proj.clone();
+            }
+        });
         assert!(
             e.contains("model.layers.3.self_attn.kv_b_proj.weight")
                 && e.contains("expected shape [32, 16], found [24, 16]"),

@@ -11,8 +11,8 @@
 //! 7. `o′_h = w_onorm ⊙ o_h / √(mean(o_h²) + ε) ⊙ σ((W_g y)_h)`;
 //! 8. `out = W_o concat_h(o′_h)`.
 //!
-//! Two equivalent evaluations of step 6: [`KdaWeights::decode_step`] runs the recurrence, and
-//! [`KdaWeights::prefill`] runs the chunked form (chunk length `kda_chunk`,
+//! Two equivalent evaluations of step 6 ([`KdaForm`]): the recurrence
+//! ([`KdaWeights::decode_step`], [`KdaForm::Recurrent`]), and the chunked form (chunk length `kda_chunk`,
 //! [`deltafin_kernels::kda_chunked`]), in which every exponent is a partial sum of `g ≤ 0`
 //! over a range of positions: the pairwise decays `e^{Γ_i − Γ_j}` are products of two factors
 //! taken over tiles of at most 16 positions spanning at most 80 nats (FLA's `safe_gate`
@@ -26,6 +26,23 @@ use deltafin_kernels::{
     KdaRows, kda_chunked, kda_delta_step, l2_normalize, sigmoid_inplace, silu_inplace,
 };
 use rayon::prelude::*;
+
+/// Which evaluation of the delta rule a KDA layer runs its rows with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KdaForm {
+    /// Chunked (prefill; the reference's choice for more than one token).
+    Chunked,
+    /// Recurrent, token by token (bit-identical to decode).
+    Recurrent,
+}
+
+impl KdaForm {
+    /// The form `t` rows run with under the reference's mode selection: one row always takes
+    /// the recurrent step, more rows this form.
+    pub fn for_rows(self, t: usize) -> KdaForm {
+        if t == 1 { KdaForm::Recurrent } else { self }
+    }
+}
 
 /// Weights of one KDA layer (`model.layers.N.self_attn.*`), bf16 matrices and f32 vectors.
 #[derive(Clone, Debug)]
@@ -288,61 +305,23 @@ impl KdaWeights {
         y: &[f32],
         state: &mut KdaState,
     ) -> Result<Vec<f32>, ModelError> {
-        self.forward_with(dims, y, 1, state, false)
+        self.forward(dims, y, 1, state, KdaForm::Recurrent)
     }
 
-    /// `t` rows through projections, heads (chunked or recurrent form) and the output.
-    fn forward_with(
-        &self,
-        dims: &ModelDims,
-        y: &[f32],
-        t: usize,
-        state: &mut KdaState,
-        chunked: bool,
-    ) -> Result<Vec<f32>, ModelError> {
-        let prep = self.prepare(dims, y, t, state)?;
-        let o = self.run_heads(dims, &prep, t, state, chunked);
-        self.finish(dims, o, &prep.gate, t)
-    }
-
-    /// `t` tokens through the layer with the chunked form (prefill). `y` holds `t` rows of D.
-    pub fn prefill(
-        &self,
-        dims: &ModelDims,
-        y: &[f32],
-        t: usize,
-        state: &mut KdaState,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.forward_with(dims, y, t, state, true)
-    }
-
-    /// `t` tokens through the layer with the recurrent form, one token after another: the
-    /// same floating-point operations as `t` calls of [`Self::decode_step`] (speculative
-    /// verification relies on this bit-identity).
-    pub fn forward_recurrent(
-        &self,
-        dims: &ModelDims,
-        y: &[f32],
-        t: usize,
-        state: &mut KdaState,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.forward_with(dims, y, t, state, false)
-    }
-
-    /// [`Self::decode_step`] for one row, [`Self::prefill`] otherwise (the reference's mode
-    /// selection).
+    /// `t` tokens (`t` rows of D in `y`) through projections, heads and output, the heads in
+    /// `form`. [`KdaForm::Recurrent`] runs the same floating-point operations as `t` calls of
+    /// [`Self::decode_step`] (speculative verification relies on this bit-identity).
     pub fn forward(
         &self,
         dims: &ModelDims,
         y: &[f32],
         t: usize,
         state: &mut KdaState,
+        form: KdaForm,
     ) -> Result<Vec<f32>, ModelError> {
-        if t == 1 {
-            self.decode_step(dims, y, state)
-        } else {
-            self.prefill(dims, y, t, state)
-        }
+        let prep = self.prepare(dims, y, t, state)?;
+        let o = self.run_heads(dims, &prep, t, state, form == KdaForm::Chunked);
+        self.finish(dims, o, &prep.gate, t)
     }
 }
 
@@ -552,7 +531,9 @@ pub(crate) mod tests {
         for &t in &[1usize, 5, 64, 65, 150] {
             let y = rng.vec(t * dm, 1.0);
             let mut st_p = KdaState::new(&dims);
-            let pre = w.prefill(&dims, &y, t, &mut st_p).unwrap();
+            let pre = w
+                .forward(&dims, &y, t, &mut st_p, KdaForm::Chunked)
+                .unwrap();
             let mut st_d = KdaState::new(&dims);
             let mut st_64 = Kda64::new(&dims);
             let mut dec = Vec::new();
@@ -586,10 +567,15 @@ pub(crate) mod tests {
         let dm = dims.hidden_size;
         let y = Rng(8).vec(110 * dm, 1.0);
         let mut a = KdaState::new(&dims);
-        let whole = w.prefill(&dims, &y, 110, &mut a).unwrap();
+        let whole = w.forward(&dims, &y, 110, &mut a, KdaForm::Chunked).unwrap();
         let mut b = KdaState::new(&dims);
-        let mut parts = w.prefill(&dims, &y[..40 * dm], 40, &mut b).unwrap();
-        parts.extend(w.prefill(&dims, &y[40 * dm..], 70, &mut b).unwrap());
+        let mut parts = w
+            .forward(&dims, &y[..40 * dm], 40, &mut b, KdaForm::Chunked)
+            .unwrap();
+        parts.extend(
+            w.forward(&dims, &y[40 * dm..], 70, &mut b, KdaForm::Chunked)
+                .unwrap(),
+        );
         assert!(rel_l2_32(&parts, &whole) < 1e-5);
         assert!(rel_l2_32(&b.recurrent, &a.recurrent) < 1e-5);
     }

@@ -187,13 +187,7 @@ impl MlaWeights {
         t: usize,
         cache: &mut CacheRows<E>,
     ) -> Vec<f32> {
-        let (h, dn, dr, dv, kvl) = (
-            dims.mla_heads,
-            dims.qk_nope_head_dim,
-            dims.qk_rope_head_dim,
-            dims.v_head_dim,
-            dims.kv_lora_rank,
-        );
+        let (h, dn, dr, dv, kvl) = dims.mla_head_sizes();
         let dq = dn + dr;
         let mut chat = vec![0f32; kvl];
         for row in kv.chunks_exact(kvl + dr) {
@@ -355,13 +349,7 @@ pub(crate) mod tests {
         y: &[f64],
         st: &mut Mla64,
     ) -> Vec<f64> {
-        let (h, dn, dr, dv, kvl) = (
-            dims.mla_heads,
-            dims.qk_nope_head_dim,
-            dims.qk_rope_head_dim,
-            dims.v_head_dim,
-            dims.kv_lora_rank,
-        );
+        let (h, dn, dr, dv, kvl) = dims.mla_head_sizes();
         let eps = dims.mla_norm_eps as f64;
         let cq = rms64(&mv64(&w.q_a_proj, y), &w.q_a_layernorm, eps);
         let q = mv64(&w.q_b_proj, &cq);
@@ -415,23 +403,40 @@ pub(crate) mod tests {
         mv64(&w.o_proj, &o)
     }
 
-    #[test]
-    fn absorbed_matches_expanded_f64_and_stepwise() {
-        let mut rng = Rng(31);
+    /// A random MLA layer of the tiny dims and `t` random input rows.
+    fn setup(seed: u64, t: usize) -> (ModelDims, MlaWeights, Vec<f32>) {
+        let mut rng = Rng(seed);
         let dims = crate::model::forward::tests::tiny_dims();
         let w = random_mla(&mut rng, &dims);
+        let y = rng.vec(t * dims.hidden_size, 1.0);
+        (dims, w, y)
+    }
+
+    /// Rows `rows` of `y` through `w` one at a time, appended to `cache`.
+    fn stepwise(
+        w: &MlaWeights,
+        dims: &ModelDims,
+        y: &[f32],
+        rows: std::ops::Range<usize>,
+        cache: &mut MlaCache,
+    ) -> Vec<f32> {
         let dm = dims.hidden_size;
+        rows.flat_map(|ti| {
+            w.forward(dims, &y[ti * dm..(ti + 1) * dm], 1, cache)
+                .unwrap()
+        })
+        .collect()
+    }
+
+    #[test]
+    fn absorbed_matches_expanded_f64_and_stepwise() {
         let t = 37;
-        let y = rng.vec(t * dm, 1.0);
+        let (dims, w, y) = setup(31, t);
+        let dm = dims.hidden_size;
         // Prefill 30, then 7 one by one.
         let mut cache = MlaCache::new(&dims);
         let mut out = w.forward(&dims, &y[..30 * dm], 30, &mut cache).unwrap();
-        for ti in 30..t {
-            out.extend(
-                w.forward(&dims, &y[ti * dm..(ti + 1) * dm], 1, &mut cache)
-                    .unwrap(),
-            );
-        }
+        out.extend(stepwise(&w, &dims, &y, 30..t, &mut cache));
         assert_eq!(cache.len(&dims), t);
         assert_eq!(
             cache.bytes(),
@@ -451,13 +456,7 @@ pub(crate) mod tests {
         assert!(e < 1e-5, "absorbed vs expanded f64: {e}");
         // All stepwise.
         let mut c2 = MlaCache::new(&dims);
-        let mut step = Vec::new();
-        for ti in 0..t {
-            step.extend(
-                w.forward(&dims, &y[ti * dm..(ti + 1) * dm], 1, &mut c2)
-                    .unwrap(),
-            );
-        }
+        let step = stepwise(&w, &dims, &y, 0..t, &mut c2);
         assert_eq!(c2, cache, "cache contents must not depend on batching");
         let e = rel_l2_32(&out, &step);
         assert!(e < 1e-6, "prefill vs stepwise: {e}");
@@ -465,11 +464,8 @@ pub(crate) mod tests {
 
     #[test]
     fn truncate_then_replay_is_identical() {
-        let mut rng = Rng(4);
-        let dims = crate::model::forward::tests::tiny_dims();
-        let w = random_mla(&mut rng, &dims);
+        let (dims, w, y) = setup(4, 12);
         let dm = dims.hidden_size;
-        let y = rng.vec(12 * dm, 1.0);
         let mut cache = MlaCache::new(&dims);
         let full = w.forward(&dims, &y, 12, &mut cache).unwrap();
         cache.truncate(9, &dims);
@@ -491,13 +487,7 @@ mod cuda_reference_parity {
         let mut rng = Rng(57);
         let dims = crate::model::forward::tests::tiny_dims();
         let w = random_mla(&mut rng, &dims);
-        let (h, dn, dr, dv, kvl) = (
-            dims.mla_heads,
-            dims.qk_nope_head_dim,
-            dims.qk_rope_head_dim,
-            dims.v_head_dim,
-            dims.kv_lora_rank,
-        );
+        let (h, dn, dr, dv, kvl) = dims.mla_head_sizes();
         let mut cache = CacheRows::<bf16>::default();
         for n in 1..=6 {
             let q = rng.vec(h * (dn + dr), 1.0);

@@ -87,6 +87,17 @@ impl SynthDims {
         }
     }
 
+    /// [`SynthDims::tiny`] with 64 experts of 52,224 B (F 256, Lr 128): 43 MB of experts, for
+    /// tests of memory budgets under which the experts stream.
+    pub fn tiny_streaming() -> SynthDims {
+        SynthDims {
+            experts: 64,
+            moe_inter: 256,
+            latent: 128,
+            ..SynthDims::tiny()
+        }
+    }
+
     /// ≈ 2.35 GB (issue #4 asks for a `mini` of at least 2 GB), for benchmarks: hidden 1024,
     /// 24 layers, 128 experts top-8, latent and expert width 512, KDA 8×128, MLA 8 heads.
     pub fn mini() -> SynthDims {

@@ -15,6 +15,7 @@
 
 use std::path::{Path, PathBuf};
 
+use serde::Serialize;
 use serde_json::{Map, Value};
 
 /// A configuration error. Every variant names the JSON path (or file) at fault.
@@ -62,7 +63,7 @@ pub enum LayerKind {
 }
 
 /// `text_config.linear_attn_config` (§1.3). Layer lists are 1-based, as in the file.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LinearAttnConfig {
     pub num_heads: usize,
     pub head_dim: usize,
@@ -82,8 +83,9 @@ pub struct QuantizationConfig {
     pub num_bits: usize,
 }
 
-/// `text_config` (§1.2).
-#[derive(Clone, Debug, PartialEq)]
+/// `text_config` (§1.2). Serialised, it is the file's fields of the same names (the nested
+/// configs are written back on their own).
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TextConfig {
     pub model_type: String,
     pub vocab_size: usize,
@@ -125,12 +127,14 @@ pub struct TextConfig {
     pub bos_token_id: u32,
     pub eos_token_id: u32,
     pub pad_token_id: u32,
+    #[serde(skip)]
     pub linear_attn: LinearAttnConfig,
+    #[serde(skip)]
     pub quantization: QuantizationConfig,
 }
 
 /// Shape fields of `vision_config` (MoonViT); used only to list the vision tensors.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct VisionConfig {
     pub patch_size: usize,
     pub vt_hidden_size: usize,
@@ -145,8 +149,9 @@ pub struct VisionConfig {
     pub text_hidden_size: usize,
 }
 
-/// The whole K3 `config.json`.
-#[derive(Clone, Debug, PartialEq)]
+/// The whole K3 `config.json`. Serialised, it is the file's top-level fields of the same
+/// names (the nested configs are written back on their own).
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct K3Config {
     pub model_type: String,
     pub bos_token_id: u32,
@@ -154,8 +159,11 @@ pub struct K3Config {
     pub pad_token_id: u32,
     pub media_placeholder_token_id: u32,
     pub tie_word_embeddings: bool,
+    #[serde(skip)]
     pub text: TextConfig,
+    #[serde(skip)]
     pub vision: Option<VisionConfig>,
+    #[serde(skip)]
     raw: Value,
 }
 
@@ -591,123 +599,29 @@ impl K3Config {
     /// the typed fields (possibly changed, e.g. scaled for synthesis) written back.
     pub fn to_json_value(&self) -> Value {
         let mut raw = self.raw.clone();
-        let t = &self.text;
-        let la = &t.linear_attn;
         if let Value::Object(top) = &mut raw {
-            top.insert("model_type".into(), self.model_type.clone().into());
-            top.insert("bos_token_id".into(), self.bos_token_id.into());
-            top.insert("eos_token_id".into(), self.eos_token_id.into());
-            top.insert("pad_token_id".into(), self.pad_token_id.into());
-            top.insert(
-                "media_placeholder_token_id".into(),
-                self.media_placeholder_token_id.into(),
-            );
-            top.insert(
-                "tie_word_embeddings".into(),
-                self.tie_word_embeddings.into(),
-            );
+            write_back(top, self);
             if let Some(Value::Object(tc)) = top.get_mut("text_config") {
-                let set = |tc: &mut Map<String, Value>, k: &str, v: Value| {
-                    tc.insert(k.to_string(), v);
-                };
-                set(tc, "model_type", t.model_type.clone().into());
-                set(tc, "vocab_size", t.vocab_size.into());
-                set(tc, "hidden_size", t.hidden_size.into());
-                set(tc, "num_hidden_layers", t.num_hidden_layers.into());
-                set(tc, "intermediate_size", t.intermediate_size.into());
-                set(tc, "num_attention_heads", t.num_attention_heads.into());
-                set(tc, "num_key_value_heads", t.num_key_value_heads.into());
-                set(tc, "q_lora_rank", t.q_lora_rank.into());
-                set(tc, "kv_lora_rank", t.kv_lora_rank.into());
-                set(tc, "qk_nope_head_dim", t.qk_nope_head_dim.into());
-                set(tc, "qk_rope_head_dim", t.qk_rope_head_dim.into());
-                set(tc, "v_head_dim", t.v_head_dim.into());
-                set(tc, "mla_use_nope", t.mla_use_nope.into());
-                set(tc, "mla_use_output_gate", t.mla_use_output_gate.into());
-                set(tc, "hidden_act", t.hidden_act.clone().into());
-                set(tc, "activation_situ_beta", t.activation_situ_beta.into());
-                set(
-                    tc,
-                    "activation_situ_linear_beta",
-                    t.activation_situ_linear_beta.into(),
-                );
-                set(tc, "rms_norm_eps", t.rms_norm_eps.into());
-                set(tc, "attn_res_block_size", t.attn_res_block_size.into());
-                set(tc, "num_experts", t.num_experts.into());
-                set(tc, "num_experts_per_token", t.num_experts_per_token.into());
-                set(tc, "num_shared_experts", t.num_shared_experts.into());
-                set(tc, "moe_intermediate_size", t.moe_intermediate_size.into());
-                set(
-                    tc,
-                    "routed_expert_hidden_size",
-                    t.routed_expert_hidden_size.into(),
-                );
-                set(tc, "latent_moe_use_norm", t.latent_moe_use_norm.into());
-                set(
-                    tc,
-                    "moe_router_activation_func",
-                    t.moe_router_activation_func.clone().into(),
-                );
-                set(tc, "moe_renormalize", t.moe_renormalize.into());
-                set(tc, "routed_scaling_factor", t.routed_scaling_factor.into());
-                set(tc, "topk_method", t.topk_method.clone().into());
-                set(tc, "use_grouped_topk", t.use_grouped_topk.into());
-                set(tc, "num_expert_group", t.num_expert_group.into());
-                set(tc, "topk_group", t.topk_group.into());
-                set(tc, "first_k_dense_replace", t.first_k_dense_replace.into());
-                set(tc, "moe_layer_freq", t.moe_layer_freq.into());
-                set(
-                    tc,
-                    "num_nextn_predict_layers",
-                    t.num_nextn_predict_layers.into(),
-                );
-                set(
-                    tc,
-                    "max_position_embeddings",
-                    t.max_position_embeddings.into(),
-                );
-                set(tc, "tie_word_embeddings", t.tie_word_embeddings.into());
-                set(tc, "bos_token_id", t.bos_token_id.into());
-                set(tc, "eos_token_id", t.eos_token_id.into());
-                set(tc, "pad_token_id", t.pad_token_id.into());
+                write_back(tc, &self.text);
                 if let Some(Value::Object(lc)) = tc.get_mut("linear_attn_config") {
-                    lc.insert("num_heads".into(), la.num_heads.into());
-                    lc.insert("head_dim".into(), la.head_dim.into());
-                    lc.insert(
-                        "short_conv_kernel_size".into(),
-                        la.short_conv_kernel_size.into(),
-                    );
-                    lc.insert("use_full_rank_gate".into(), la.use_full_rank_gate.into());
-                    lc.insert("gate_lower_bound".into(), la.gate_lower_bound.into());
-                    lc.insert(
-                        "full_attn_layers".into(),
-                        la.full_attn_layers.clone().into(),
-                    );
-                    lc.insert("kda_layers".into(), la.kda_layers.clone().into());
+                    write_back(lc, &self.text.linear_attn);
                 }
             }
             if let (Some(v), Some(Value::Object(vc))) = (&self.vision, top.get_mut("vision_config"))
             {
-                vc.insert("patch_size".into(), v.patch_size.into());
-                vc.insert("vt_hidden_size".into(), v.vt_hidden_size.into());
-                vc.insert("vt_intermediate_size".into(), v.vt_intermediate_size.into());
-                vc.insert("vt_num_hidden_layers".into(), v.vt_num_hidden_layers.into());
-                vc.insert(
-                    "vt_num_attention_heads".into(),
-                    v.vt_num_attention_heads.into(),
-                );
-                vc.insert("qkv_hidden_size".into(), v.qkv_hidden_size.into());
-                vc.insert("init_pos_emb_height".into(), v.init_pos_emb_height.into());
-                vc.insert("init_pos_emb_width".into(), v.init_pos_emb_width.into());
-                vc.insert(
-                    "merge_kernel_size".into(),
-                    v.merge_kernel_size.clone().into(),
-                );
-                vc.insert("mm_hidden_size".into(), v.mm_hidden_size.into());
-                vc.insert("text_hidden_size".into(), v.text_hidden_size.into());
+                write_back(vc, v);
             }
         }
         raw
+    }
+}
+
+/// Overwrite (in place, keeping the key order) the fields of `obj` that `typed` serialises.
+/// The config structs hold only numbers, strings, booleans and lists of numbers, whose
+/// serialisation cannot fail.
+fn write_back(obj: &mut Map<String, Value>, typed: &impl Serialize) {
+    if let Ok(Value::Object(fields)) = serde_json::to_value(typed) {
+        obj.extend(fields);
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// A held lock; dropping it releases the lock.
 #[derive(Debug)]
@@ -30,6 +30,26 @@ pub fn try_lock(path: &Path) -> std::io::Result<Option<FileLock>> {
         Ok(None)
     } else {
         Err(e)
+    }
+}
+
+/// Why [`lock_in`] took no lock.
+#[derive(Debug)]
+pub enum Refused {
+    /// Another process holds the lock file at this path.
+    Held(PathBuf),
+    /// The lock file at this path could not be opened or locked.
+    Io(PathBuf, std::io::Error),
+}
+
+/// Take the exclusive lock on the lock file `name` in `dir` (created if absent) without
+/// waiting.
+pub fn lock_in(dir: &Path, name: &str) -> Result<FileLock, Refused> {
+    let path = dir.join(name);
+    match try_lock(&path) {
+        Ok(Some(l)) => Ok(l),
+        Ok(None) => Err(Refused::Held(path)),
+        Err(e) => Err(Refused::Io(path, e)),
     }
 }
 

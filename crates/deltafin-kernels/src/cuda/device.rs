@@ -13,11 +13,11 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx as DriverPtx;
-use deltafin_tensor::bf16;
 
 use super::nvrtc::{Nvrtc, NvrtcError};
-use super::sources::{BATCH_WIDTHS, KERNELS};
-use crate::matvec::Weights;
+use super::sources::{KERNELS, translation_unit};
+use crate::gpu::{Element, GpuBackend, KdaStep, MlaDecode, ShapeError, batch_split, index};
+use crate::settings::CudaPaths;
 
 /// Rows per block of the matvec kernels (`ROWS_PER_BLOCK` in `matvec.cu`).
 const ROWS_PER_BLOCK: usize = 8;
@@ -62,13 +62,8 @@ pub enum CudaError {
         reason: String,
     },
     /// Inputs disagree with the shapes (or a size exceeds the kernels' 32-bit indices).
-    #[error("CUDA {kernel}: {detail}")]
-    Shape {
-        /// The kernel.
-        kernel: &'static str,
-        /// What disagrees.
-        detail: String,
-    },
+    #[error("CUDA {0}")]
+    Shape(#[from] ShapeError),
     /// The weight format has no CUDA kernel.
     #[error("CUDA: no kernel for {0} weights")]
     Unsupported(&'static str),
@@ -145,68 +140,8 @@ pub fn list_devices() -> Result<Vec<DeviceInfo>, CudaError> {
 
 pub use crate::gpu::MlaShape;
 
-/// A weight matrix resident on the device.
-#[derive(Debug)]
-pub enum DeviceMatrix {
-    /// bf16 bits, row-major.
-    Bf16 {
-        /// `rows · cols` values.
-        data: CudaSlice<u16>,
-        /// Rows.
-        rows: usize,
-        /// Columns.
-        cols: usize,
-    },
-    /// int8 codes with the row scales widened to f32 (exact).
-    RowInt8 {
-        /// `rows · cols` codes.
-        data: CudaSlice<i8>,
-        /// One scale per row.
-        scales: CudaSlice<f32>,
-        /// Rows.
-        rows: usize,
-        /// Columns.
-        cols: usize,
-    },
-    /// MXFP4 packed nibbles and E8M0 scales, as in the checkpoint.
-    Mxfp4 {
-        /// `rows · cols / 2` bytes.
-        packed: CudaSlice<u8>,
-        /// `rows · cols / 32` bytes.
-        scales: CudaSlice<u8>,
-        /// Rows.
-        rows: usize,
-        /// Columns.
-        cols: usize,
-    },
-}
-
-impl DeviceMatrix {
-    /// `(rows, cols)`.
-    pub fn shape(&self) -> (usize, usize) {
-        match self {
-            DeviceMatrix::Bf16 { rows, cols, .. }
-            | DeviceMatrix::RowInt8 { rows, cols, .. }
-            | DeviceMatrix::Mxfp4 { rows, cols, .. } => (*rows, *cols),
-        }
-    }
-    /// Bytes one product reads from the device (codes and scales as stored there).
-    pub fn weight_bytes(&self) -> usize {
-        let (r, c) = self.shape();
-        match self {
-            DeviceMatrix::Bf16 { .. } => r * c * 2,
-            DeviceMatrix::RowInt8 { .. } => r * c + r * 4,
-            DeviceMatrix::Mxfp4 { .. } => r * c / 2 + r * c / 32,
-        }
-    }
-    fn kind(&self) -> &'static str {
-        match self {
-            DeviceMatrix::Bf16 { .. } => "bf16",
-            DeviceMatrix::RowInt8 { .. } => "rowint8",
-            DeviceMatrix::Mxfp4 { .. } => "mxfp4",
-        }
-    }
-}
+/// A weight matrix resident on a CUDA device.
+pub type DeviceMatrix = crate::gpu::DeviceMatrix<CudaDevice>;
 
 /// One opened CUDA device with the deltafin kernels loaded.
 pub struct CudaDevice {
@@ -226,29 +161,17 @@ impl std::fmt::Debug for CudaDevice {
     }
 }
 
-fn i32_dim(kernel: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
-    i32::try_from(v).map_err(|_| CudaError::Shape {
-        kernel,
-        detail: format!("{what} = {v} exceeds the kernels' 32-bit index range"),
-    })
-}
-
-fn expect_len(kernel: &'static str, what: &str, got: usize, want: usize) -> Result<(), CudaError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(CudaError::Shape {
-            kernel,
-            detail: format!("{what} has {got} values, expected {want}"),
-        })
-    }
-}
-
 impl CudaDevice {
-    /// Open `cuda:ordinal` and load the kernels: from `DELTAFIN_CUDA_PTX_DIR` (precompiled
-    /// `<file>.ptx`, JIT-compiled by the driver) when set, else compiled by NVRTC for the
-    /// device's architecture.
+    /// Open `cuda:ordinal` and load the kernels where the installed kernel settings say
+    /// ([`crate::settings::KernelSettings::cuda`]; [`CudaDevice::open_with`]).
     pub fn open(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        CudaDevice::open_with(ordinal, &crate::settings::current().cuda)
+    }
+
+    /// Open `cuda:ordinal` and load the kernels: from `paths.ptx_dir` (precompiled
+    /// `<file>.ptx`, JIT-compiled by the driver) when set, else compiled for the device's
+    /// architecture by the NVRTC that [`Nvrtc::load`] finds through `paths`.
+    pub fn open_with(ordinal: usize, paths: &CudaPaths) -> Result<CudaDevice, CudaError> {
         let count = device_count()?;
         if ordinal >= count {
             return Err(CudaError::NoDevice { ordinal, count });
@@ -261,9 +184,8 @@ impl CudaDevice {
         let stream = ctx.default_stream();
         let (major, minor) = info.compute_capability;
         let arch = format!("compute_{major}{minor}");
-        let (ptxs, kernel_origin) = match std::env::var_os("DELTAFIN_CUDA_PTX_DIR") {
+        let (ptxs, kernel_origin) = match &paths.ptx_dir {
             Some(dir) => {
-                let dir = PathBuf::from(dir);
                 let mut v = Vec::new();
                 for k in KERNELS {
                     let path = dir.join(format!("{}.ptx", k.file));
@@ -276,10 +198,14 @@ impl CudaDevice {
                 (v, format!("precompiled PTX from {}", dir.display()))
             }
             None => {
-                let nvrtc = Nvrtc::load()?;
+                let nvrtc = Nvrtc::load(paths)?;
                 let mut v = Vec::new();
                 for k in KERNELS {
-                    v.push(nvrtc.compile_ptx(k.file, &k.unit(), &arch, &[])?.text);
+                    v.push(
+                        nvrtc
+                            .compile_ptx(k.file, &translation_unit(&k), &arch, &[])?
+                            .text,
+                    );
                 }
                 (v, format!("NVRTC {} for {arch}", nvrtc.path()))
             }
@@ -316,288 +242,11 @@ impl CudaDevice {
     }
 
     fn func(&self, name: &str) -> Result<&CudaFunction, CudaError> {
-        self.funcs.get(name).ok_or(CudaError::Shape {
+        let missing = || ShapeError {
             kernel: "launch",
             detail: format!("kernel {name} is not loaded"),
-        })
-    }
-
-    /// Copy host values to a new device buffer.
-    pub fn upload<T: cudarc::driver::DeviceRepr>(
-        &self,
-        what: &str,
-        v: &[T],
-    ) -> Result<CudaSlice<T>, CudaError> {
-        self.stream
-            .clone_htod(v)
-            .map_err(driver(format!("uploading {what}")))
-    }
-
-    /// Copy a device buffer back.
-    pub fn download<T: cudarc::driver::DeviceRepr>(
-        &self,
-        what: &str,
-        v: &CudaSlice<T>,
-    ) -> Result<Vec<T>, CudaError> {
-        let out = self
-            .stream
-            .clone_dtoh(v)
-            .map_err(driver(format!("downloading {what}")))?;
-        // Pageable copies complete before returning; the explicit wait makes it certain.
-        self.synchronize()?;
-        Ok(out)
-    }
-
-    /// A zeroed device buffer of `len` f32.
-    pub fn zeros(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
-        self.stream
-            .alloc_zeros(len)
-            .map_err(driver(format!("allocating {len} f32")))
-    }
-
-    /// Wait for all queued work.
-    pub fn synchronize(&self) -> Result<(), CudaError> {
-        self.stream.synchronize().map_err(driver("synchronizing"))
-    }
-
-    /// Upload a weight matrix (bf16, row-int8 or MXFP4).
-    pub fn upload_weights(&self, w: Weights<'_>) -> Result<DeviceMatrix, CudaError> {
-        let (rows, cols) = (w.rows(), w.cols());
-        Ok(match w {
-            Weights::F32 { .. } => return Err(CudaError::Unsupported("f32")),
-            Weights::Bf16(m) => {
-                let bits: Vec<u16> = m.data().iter().map(|v| v.to_bits()).collect();
-                DeviceMatrix::Bf16 {
-                    data: self.upload("bf16 weights", &bits)?,
-                    rows,
-                    cols,
-                }
-            }
-            Weights::RowInt8(m) => {
-                let scales: Vec<f32> = (0..rows).map(|r| m.scale(r)).collect();
-                DeviceMatrix::RowInt8 {
-                    data: self.upload("int8 codes", m.data())?,
-                    scales: self.upload("int8 row scales", &scales)?,
-                    rows,
-                    cols,
-                }
-            }
-            Weights::Mxfp4(m) => DeviceMatrix::Mxfp4 {
-                packed: self.upload("MXFP4 codes", m.packed())?,
-                scales: self.upload("MXFP4 scales", m.scales())?,
-                rows,
-                cols,
-            },
-        })
-    }
-
-    /// `ys[b, r] = W[r] · xs[b]` for `n` activation rows already on the device (`xs`:
-    /// `n · cols`, `ys`: `n · rows`). Queued on the stream; returns without waiting.
-    pub fn matmul_on_device(
-        &self,
-        w: &DeviceMatrix,
-        xs: &CudaSlice<f32>,
-        n: usize,
-        ys: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        const K: &str = "matmul";
-        let (rows, cols) = w.shape();
-        if xs.len() < n * cols || ys.len() < n * rows {
-            return Err(CudaError::Shape {
-                kernel: K,
-                detail: format!(
-                    "{n} rows need {} inputs and {} outputs, buffers hold {} and {}",
-                    n * cols,
-                    n * rows,
-                    xs.len(),
-                    ys.len()
-                ),
-            });
-        }
-        let (ri, ci) = (i32_dim(K, "rows", rows)?, i32_dim(K, "cols", cols)?);
-        i32_dim(K, "rows·cols", rows * cols)?;
-        let grid = rows.div_ceil(ROWS_PER_BLOCK) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
         };
-        let mut done = 0;
-        while done < n {
-            let nb = BATCH_WIDTHS
-                .into_iter()
-                .find(|&b| b <= n - done)
-                .unwrap_or(1);
-            let f = self.func(&format!("matmul_{}_nb{nb}", w.kind()))?;
-            let x = xs.slice(done * cols..(done + nb) * cols);
-            let mut y = ys.slice_mut(done * rows..(done + nb) * rows);
-            let mut b = self.stream.launch_builder(f);
-            match w {
-                DeviceMatrix::Bf16 { data, .. } => {
-                    b.arg(data);
-                }
-                DeviceMatrix::RowInt8 { data, scales, .. } => {
-                    b.arg(data).arg(scales);
-                }
-                DeviceMatrix::Mxfp4 { packed, scales, .. } => {
-                    b.arg(packed).arg(scales);
-                }
-            }
-            b.arg(&x).arg(&mut y).arg(&ri).arg(&ci);
-            // SAFETY: argument list matches the kernel signature; buffer bounds checked above.
-            unsafe { b.launch(cfg) }.map_err(driver(format!("launching matmul nb={nb}")))?;
-            done += nb;
-        }
-        Ok(())
-    }
-
-    /// `n` activation rows through `w`: upload, launch, download (`n · rows` results).
-    pub fn matmul(&self, w: &DeviceMatrix, xs: &[f32], n: usize) -> Result<Vec<f32>, CudaError> {
-        let (rows, cols) = w.shape();
-        expect_len("matmul", "xs", xs.len(), n * cols)?;
-        let x = self.upload("activations", xs)?;
-        let mut y = self.zeros(n * rows)?;
-        self.matmul_on_device(w, &x, n, &mut y)?;
-        self.download("products", &y)
-    }
-
-    /// One KDA recurrent step for all `heads` (see `kda.cu`): `state` is `[heads, d, d]` and
-    /// is updated in place; q, k, v, g are `[heads, d]`, beta `[heads]`; returns `[heads, d]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn kda_step(
-        &self,
-        heads: usize,
-        d: usize,
-        state: &mut [f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        g: &[f32],
-        beta: &[f32],
-    ) -> Result<Vec<f32>, CudaError> {
-        const K: &str = "kda_step";
-        expect_len(K, "state", state.len(), heads * d * d)?;
-        for (name, x) in [("q", q), ("k", k), ("v", v), ("g", g)] {
-            expect_len(K, name, x.len(), heads * d)?;
-        }
-        expect_len(K, "beta", beta.len(), heads)?;
-        let di = i32_dim(K, "d", d)?;
-        i32_dim(K, "heads·d·d", heads * d * d)?;
-        let mut s = self.upload("KDA state", state)?;
-        let (qd, kd, vd, gd, bd) = (
-            self.upload("q", q)?,
-            self.upload("k", k)?,
-            self.upload("v", v)?,
-            self.upload("g", g)?,
-            self.upload("beta", beta)?,
-        );
-        let mut out = self.zeros(heads * d)?;
-        let threads = d.div_ceil(32).clamp(1, 8) * 32;
-        let cfg = LaunchConfig {
-            grid_dim: (heads as u32, 1, 1),
-            block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: (3 * d * 4) as u32,
-        };
-        let f = self.func(K)?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&mut s)
-            .arg(&qd)
-            .arg(&kd)
-            .arg(&vd)
-            .arg(&gd)
-            .arg(&bd)
-            .arg(&mut out)
-            .arg(&di);
-        // SAFETY: arguments match `kda_step`; lengths checked above.
-        unsafe { b.launch(cfg) }.map_err(driver("launching kda_step"))?;
-        self.stream
-            .memcpy_dtoh(&s, state)
-            .map_err(driver("downloading the KDA state"))?;
-        self.synchronize()?;
-        self.download("KDA output", &out)
-    }
-
-    /// Absorbed MLA decode for one token over `n` cached tokens (see `mla.cu`); returns the
-    /// gated head outputs `[heads, v]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn mla_decode(
-        &self,
-        shape: MlaShape,
-        n: usize,
-        q: &[f32],
-        kv_b: &[bf16],
-        latent: &[bf16],
-        tail: &[bf16],
-        gate: &[f32],
-    ) -> Result<Vec<f32>, CudaError> {
-        const K: &str = "mla_decode";
-        let MlaShape {
-            heads,
-            nope,
-            rope,
-            v,
-            kvl,
-        } = shape;
-        if n == 0 {
-            return Err(CudaError::Shape {
-                kernel: K,
-                detail: "no cached tokens to attend to".into(),
-            });
-        }
-        expect_len(K, "q", q.len(), heads * (nope + rope))?;
-        expect_len(K, "kv_b_proj", kv_b.len(), heads * (nope + v) * kvl)?;
-        expect_len(K, "latent cache", latent.len(), n * kvl)?;
-        expect_len(K, "tail cache", tail.len(), n * rope)?;
-        expect_len(K, "gate", gate.len(), heads * v)?;
-        i32_dim(K, "kv_b_proj values", kv_b.len())?;
-        i32_dim(K, "cache values", n * kvl)?;
-        let bits = |x: &[bf16]| x.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
-        let qd = self.upload("q", q)?;
-        let kvd = self.upload("kv_b_proj", &bits(kv_b))?;
-        let lat = self.upload("latent cache", &bits(latent))?;
-        let tl = self.upload("tail cache", &bits(tail))?;
-        let gd = self.upload("gate", gate)?;
-        let mut scores = self.zeros(heads * n)?;
-        let mut out = self.zeros(heads * v)?;
-        let scale = 1.0 / ((nope + rope) as f32).sqrt();
-        let dims = [n, nope, rope, v, kvl].map(|x| x as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (heads as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: ((kvl + rope + 32) * 4) as u32,
-        };
-        let f = self.func(K)?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&qd)
-            .arg(&kvd)
-            .arg(&lat)
-            .arg(&tl)
-            .arg(&gd)
-            .arg(&mut scores)
-            .arg(&mut out);
-        for d in &dims {
-            b.arg(d);
-        }
-        b.arg(&scale);
-        // SAFETY: arguments match `mla_decode`; lengths checked above.
-        unsafe { b.launch(cfg) }.map_err(driver("launching mla_decode"))?;
-        self.download("MLA output", &out)
-    }
-
-    /// Seconds per `matmul_on_device` call, averaged over `iters` back-to-back launches
-    /// after one warm-up.
-    pub fn time_matmul(&self, w: &DeviceMatrix, n: usize, iters: usize) -> Result<f64, CudaError> {
-        let (rows, cols) = w.shape();
-        let x = self.upload("activations", &vec![0.5f32; n * cols])?;
-        let mut y = self.zeros(n * rows)?;
-        self.matmul_on_device(w, &x, n, &mut y)?;
-        self.synchronize()?;
-        let t = Instant::now();
-        for _ in 0..iters.max(1) {
-            self.matmul_on_device(w, &x, n, &mut y)?;
-        }
-        self.synchronize()?;
-        Ok(t.elapsed().as_secs_f64() / iters.max(1) as f64)
+        self.funcs.get(name).ok_or_else(|| missing().into())
     }
 
     /// Device-to-device copy bandwidth in GB/s (bytes read plus bytes written per second)
@@ -625,7 +274,157 @@ impl CudaDevice {
     }
 }
 
-crate::gpu::impl_canary_device!(CudaDevice, CudaError);
+impl GpuBackend for CudaDevice {
+    type Buf<T> = CudaSlice<T>;
+    type Error = CudaError;
+    type Index = i32;
+
+    fn upload<T: Element>(&self, what: &str, v: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        self.stream
+            .clone_htod(v)
+            .map_err(driver(format!("uploading {what}")))
+    }
+
+    fn zeros(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
+        self.stream
+            .alloc_zeros(len)
+            .map_err(driver(format!("allocating {len} f32")))
+    }
+
+    /// The whole buffer is copied back, then cut to `len` values.
+    fn download(
+        &self,
+        what: &str,
+        buf: &CudaSlice<f32>,
+        len: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        let mut out = self
+            .stream
+            .clone_dtoh(buf)
+            .map_err(driver(format!("downloading {what}")))?;
+        // Pageable copies complete before returning; the explicit wait makes it certain.
+        self.synchronize()?;
+        out.truncate(len);
+        Ok(out)
+    }
+
+    fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().map_err(driver("synchronizing"))
+    }
+
+    fn unsupported(dtype: &'static str) -> CudaError {
+        CudaError::Unsupported(dtype)
+    }
+
+    /// Queued on the stream; returns without waiting.
+    fn launch_matmul(
+        &self,
+        w: &DeviceMatrix,
+        xs: &CudaSlice<f32>,
+        n: usize,
+        ys: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const K: &str = "matmul";
+        let (rows, cols) = w.shape();
+        if xs.len() < n * cols || ys.len() < n * rows {
+            let detail = format!(
+                "{n} rows need {} inputs and {} outputs, buffers hold {} and {}",
+                n * cols,
+                n * rows,
+                xs.len(),
+                ys.len()
+            );
+            return Err(ShapeError { kernel: K, detail }.into());
+        }
+        let (ri, ci): (i32, i32) = (index(K, "rows", rows)?, index(K, "cols", cols)?);
+        index::<i32>(K, "rows·cols", rows * cols)?;
+        let grid = rows.div_ceil(ROWS_PER_BLOCK) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        for (done, nb) in batch_split(n) {
+            let f = self.func(&format!("matmul_{}_nb{nb}", w.kind()))?;
+            let x = xs.slice(done * cols..(done + nb) * cols);
+            let mut y = ys.slice_mut(done * rows..(done + nb) * rows);
+            let mut b = self.stream.launch_builder(f);
+            match w {
+                DeviceMatrix::Bf16 { data, .. } => {
+                    b.arg(data);
+                }
+                DeviceMatrix::RowInt8 { data, scales, .. } => {
+                    b.arg(data).arg(scales);
+                }
+                DeviceMatrix::Mxfp4 { packed, scales, .. } => {
+                    b.arg(packed).arg(scales);
+                }
+            }
+            b.arg(&x).arg(&mut y).arg(&ri).arg(&ci);
+            // SAFETY: argument list matches the kernel signature; buffer bounds checked above.
+            unsafe { b.launch(cfg) }.map_err(driver(format!("launching matmul nb={nb}")))?;
+        }
+        Ok(())
+    }
+
+    /// `kda.cu`: one block per head.
+    fn run_kda_step(&self, s: &mut [f32], x: &KdaStep<'_>, d: i32) -> Result<Vec<f32>, CudaError> {
+        const K: &str = "kda_step";
+        let mut state = self.upload("KDA state", s)?;
+        let inputs = x.upload(self)?;
+        let mut out = self.zeros(x.heads * x.d)?;
+        let threads = x.d.div_ceil(32).clamp(1, 8) * 32;
+        let cfg = LaunchConfig {
+            grid_dim: (x.heads as u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: (3 * x.d * 4) as u32,
+        };
+        let f = self.func(K)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&mut state);
+        for input in &inputs {
+            b.arg(input);
+        }
+        b.arg(&mut out).arg(&d);
+        // SAFETY: arguments match `kda_step`; lengths checked by `KdaStep::check`.
+        unsafe { b.launch(cfg) }.map_err(driver("launching kda_step"))?;
+        self.stream
+            .memcpy_dtoh(&state, s)
+            .map_err(driver("downloading the KDA state"))?;
+        self.synchronize()?;
+        self.download("KDA output", &out, x.heads * x.d)
+    }
+
+    /// `mla.cu`: one block per head.
+    fn run_mla_decode(&self, x: &MlaDecode<'_>) -> Result<Vec<f32>, CudaError> {
+        const K: &str = "mla_decode";
+        let sh = x.shape;
+        let mut bufs = x.upload(self)?;
+        let dims = [x.tokens, sh.nope, sh.rope, sh.v, sh.kvl].map(|v| v as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (sh.heads as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: ((sh.kvl + sh.rope + 32) * 4) as u32,
+        };
+        let f = self.func(K)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&bufs.q)
+            .arg(&bufs.kv_b)
+            .arg(&bufs.latent)
+            .arg(&bufs.tail)
+            .arg(&bufs.gate)
+            .arg(&mut bufs.scores)
+            .arg(&mut bufs.out);
+        for d in &dims {
+            b.arg(d);
+        }
+        let scale = sh.scale();
+        b.arg(&scale);
+        // SAFETY: arguments match `mla_decode`; lengths checked by `MlaDecode::check`.
+        unsafe { b.launch(cfg) }.map_err(driver("launching mla_decode"))?;
+        self.download("MLA output", &bufs.out, sh.heads * sh.v)
+    }
+}
 
 /// The doctor's device canaries ([`crate::gpu::canaries`] on this device).
 pub fn canaries(dev: &CudaDevice) -> Vec<(String, Result<f64, String>)> {

@@ -33,7 +33,7 @@ pub use device::{
 pub use products::CudaProducts;
 
 pub use nvrtc::{Nvrtc, NvrtcError, Ptx};
-pub use sources::{BATCH_WIDTHS, KERNELS, KernelSource, PRELUDE};
+pub use sources::{BATCH_WIDTHS, KERNELS, KernelSource, PRELUDE, translation_unit};
 
 /// Virtual architectures the CI compile check targets (A100-class and H100/H200-class).
 pub const CHECK_ARCHS: [&str; 2] = ["compute_80", "compute_90"];

@@ -1,7 +1,8 @@
 //! A minimal NVRTC binding loaded at run time (no CUDA toolkit at build time).
 //!
-//! [`Nvrtc::load`] finds `libnvrtc` (see [`Nvrtc::candidates`]), and [`Nvrtc::compile_ptx`]
-//! turns a CUDA C++ translation unit into PTX for a virtual architecture (`compute_80`, …).
+//! [`Nvrtc::load`] finds `libnvrtc` (first where [`CudaPaths`] points, then in the usual
+//! places: [`Nvrtc::candidates`]), and [`Nvrtc::compile_ptx`] turns a CUDA C++ translation
+//! unit into PTX for a virtual architecture (`compute_80`, …).
 //! Used by the device backend (feature `cuda`) and by the compile check that runs in CI
 //! without a GPU.
 
@@ -9,6 +10,11 @@ use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 
 use libloading::Library;
+
+use crate::settings::CudaPaths;
+
+/// The library names looked for, newest first.
+const SONAMES: [&str; 3] = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"];
 
 /// Errors of the NVRTC binding; each names the library, symbol or kernel involved.
 #[derive(Debug, thiserror::Error)]
@@ -113,43 +119,40 @@ impl Drop for ProgGuard<'_> {
 }
 
 impl Nvrtc {
-    /// Where [`Nvrtc::load`] looks, in order: `DELTAFIN_NVRTC` (a file, or a directory holding
-    /// `libnvrtc.so*`), `$CUDA_HOME`/`$CUDA_PATH` `lib64`, `/usr/local/cuda/lib64`, then the
-    /// sonames `libnvrtc.so.13`, `libnvrtc.so.12`, `libnvrtc.so` on the loader's path.
-    pub fn candidates() -> Vec<PathBuf> {
+    /// Where [`Nvrtc::load`] looks, in order: `paths.nvrtc` (a file, or a directory holding
+    /// `libnvrtc.so*`), each of `paths.toolkit_roots`' `lib64`, `/usr/local/cuda/lib64`, then
+    /// the sonames `libnvrtc.so.13`, `libnvrtc.so.12`, `libnvrtc.so` on the loader's path.
+    /// Binaries fill `paths` from `DELTAFIN_NVRTC`, `CUDA_HOME` and `CUDA_PATH`
+    /// ([`CudaPaths::from_lookup`]).
+    pub fn candidates(paths: &CudaPaths) -> Vec<PathBuf> {
         let mut out = Vec::new();
         let push_dir = |dir: &Path, out: &mut Vec<PathBuf>| {
-            for name in ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"] {
+            for name in SONAMES {
                 let p = dir.join(name);
                 if p.exists() {
                     out.push(p);
                 }
             }
         };
-        if let Some(v) = std::env::var_os("DELTAFIN_NVRTC") {
-            let p = PathBuf::from(v);
+        if let Some(p) = &paths.nvrtc {
             if p.is_dir() {
-                push_dir(&p, &mut out);
+                push_dir(p, &mut out);
             } else {
-                out.push(p);
+                out.push(p.clone());
             }
         }
-        for var in ["CUDA_HOME", "CUDA_PATH"] {
-            if let Some(v) = std::env::var_os(var) {
-                push_dir(&PathBuf::from(v).join("lib64"), &mut out);
-            }
+        for root in &paths.toolkit_roots {
+            push_dir(&root.join("lib64"), &mut out);
         }
         push_dir(Path::new("/usr/local/cuda/lib64"), &mut out);
-        for name in ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"] {
-            out.push(PathBuf::from(name));
-        }
+        out.extend(SONAMES.map(PathBuf::from));
         out
     }
 
-    /// Load the first candidate that opens and exports the NVRTC API.
-    pub fn load() -> Result<Nvrtc, NvrtcError> {
+    /// Load the first of [`Nvrtc::candidates`] that opens and exports the NVRTC API.
+    pub fn load(paths: &CudaPaths) -> Result<Nvrtc, NvrtcError> {
         let mut tried = Vec::new();
-        for cand in Self::candidates() {
+        for cand in Self::candidates(paths) {
             match Self::load_from(&cand) {
                 Ok(n) => return Ok(n),
                 Err(e) => tried.push(format!("{} ({e})", cand.display())),
@@ -310,5 +313,46 @@ impl Nvrtc {
             buf.pop();
         }
         Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_follow_the_paths_then_the_usual_places() {
+        // Nothing set: the toolkit's default directory, then the loader's path.
+        let tail = Nvrtc::candidates(&CudaPaths::default());
+        assert!(tail.ends_with(&SONAMES.map(PathBuf::from)), "{tail:?}");
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("toolkit");
+        std::fs::create_dir_all(root.join("lib64")).unwrap();
+        let lib = root.join("lib64").join("libnvrtc.so.12");
+        std::fs::write(&lib, b"").unwrap();
+        let file = tmp.path().join("my-libnvrtc.so");
+        // A file first (whether it exists or not), then each toolkit root's libraries.
+        let paths = CudaPaths {
+            nvrtc: Some(file.clone()),
+            toolkit_roots: vec![tmp.path().join("missing"), root.clone()],
+            ptx_dir: None,
+        };
+        let mut want = vec![file.clone(), lib.clone()];
+        want.extend(tail.iter().cloned());
+        assert_eq!(Nvrtc::candidates(&paths), want);
+        // A directory: the libraries it holds.
+        let dir = CudaPaths {
+            nvrtc: Some(root.join("lib64")),
+            ..CudaPaths::default()
+        };
+        assert_eq!(Nvrtc::candidates(&dir)[0], lib);
+        // What did not load is named.
+        let paths = CudaPaths {
+            nvrtc: Some(file.clone()),
+            ..CudaPaths::default()
+        };
+        if let Err(e) = Nvrtc::load(&paths) {
+            assert!(e.to_string().contains(&file.display().to_string()), "{e}");
+        }
     }
 }

@@ -8,22 +8,16 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::device::{CudaDevice, CudaError, DeviceMatrix};
+use crate::gpu::{GpuBackend, GpuDevice};
 use crate::matvec::Weights;
-use crate::offload::{DeviceError, DeviceWeights, ProductDevice, next_device_id};
+use crate::offload::{DeviceError, DeviceResult, DeviceWeights, ProductDevice, next_device_id};
 
 /// A CUDA device serving weight products.
+#[derive(Debug)]
 pub struct CudaProducts {
     dev: Mutex<CudaDevice>,
     desc: String,
     id: u64,
-}
-
-impl std::fmt::Debug for CudaProducts {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaProducts")
-            .field("device", &self.desc)
-            .finish()
-    }
 }
 
 impl CudaProducts {
@@ -90,20 +84,8 @@ impl ProductDevice for CudaProducts {
         Ok(DeviceWeights::new(name, &w, self.id, Box::new(m)))
     }
 
-    fn matmul(
-        &self,
-        w: &DeviceWeights,
-        xs: &[f32],
-        n: usize,
-        ys: &mut [f32],
-    ) -> Result<(), DeviceError> {
-        let Some(m) = w.handle::<DeviceMatrix>(self.id) else {
-            return Err(DeviceError::ForeignHandle {
-                device: self.desc.clone(),
-                what: w.name().to_string(),
-            });
-        };
-        w.check_io(&self.desc, xs.len(), n, ys.len())?;
+    fn matmul(&self, w: &DeviceWeights, xs: &[f32], n: usize, ys: &mut [f32]) -> DeviceResult<()> {
+        let m: &DeviceMatrix = w.handle_for(&self.desc, self.id, xs.len(), n, ys.len())?;
         let out = {
             let dev = self.lock();
             dev.matmul(m, xs, n).map_err(|e| DeviceError::Failed {

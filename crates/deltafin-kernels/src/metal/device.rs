@@ -7,9 +7,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::time::Instant;
 
-use deltafin_tensor::bf16;
 use objc2::rc::Retained;
 use objc2::runtime::ProtocolObject;
 use objc2_foundation::NSString;
@@ -20,11 +18,10 @@ use objc2_metal::{
 };
 
 use super::sources::{
-    KERNELS, KdaParams, MATVEC_THREADS, MLA_THREADS, MatvecParams, MlaShape, ROWS_PER_GROUP,
-    SIMD_WIDTH, batch_split, kda_threadgroup_bytes, kda_threads, library_source,
-    mla_threadgroup_bytes,
+    KERNELS, KdaParams, MATVEC_THREADS, MLA_THREADS, MatvecParams, ROWS_PER_GROUP, SIMD_WIDTH,
+    batch_split, kda_threadgroup_bytes, kda_threads, library_source, mla_threadgroup_bytes,
 };
-use crate::matvec::Weights;
+use crate::gpu::{Element, GpuBackend, KdaStep, MlaDecode, ShapeError, index};
 
 type Buffer = Retained<ProtocolObject<dyn MTLBuffer>>;
 type Pipeline = Retained<ProtocolObject<dyn MTLComputePipelineState>>;
@@ -37,6 +34,12 @@ pub enum MetalError {
         "Metal unavailable: this Mac reports no Metal device (MTLCreateSystemDefaultDevice returned nil)"
     )]
     NoDevice,
+    /// Inputs disagree with the shapes (or a size exceeds the kernels' 32-bit indices).
+    #[error("Metal {0}")]
+    Shape(#[from] ShapeError),
+    /// The weight format has no Metal kernel.
+    #[error("Metal: no kernel for {0} weights")]
+    Unsupported(&'static str),
     /// The kernel library did not compile.
     #[error("Metal: compiling kernels/metal failed: {0}")]
     Compile(String),
@@ -56,17 +59,6 @@ pub enum MetalError {
         /// Why it failed.
         detail: String,
     },
-    /// Inputs disagree with the shapes (or a size exceeds the kernels' 32-bit indices).
-    #[error("Metal {kernel}: {detail}")]
-    Shape {
-        /// The kernel.
-        kernel: &'static str,
-        /// What disagrees.
-        detail: String,
-    },
-    /// The weight format has no Metal kernel.
-    #[error("Metal: no kernel for {0} weights")]
-    Unsupported(&'static str),
 }
 
 fn device_err(what: impl Into<String>, detail: impl Into<String>) -> MetalError {
@@ -125,67 +117,7 @@ fn info_of(d: &ProtocolObject<dyn MTLDevice>) -> DeviceInfo {
 }
 
 /// A weight matrix resident in shared-storage Metal buffers.
-#[derive(Debug)]
-pub enum DeviceMatrix {
-    /// bf16 bits, row-major.
-    Bf16 {
-        /// `rows · cols` values.
-        data: Buffer,
-        /// Rows.
-        rows: usize,
-        /// Columns.
-        cols: usize,
-    },
-    /// int8 codes with the row scales widened to f32 (exact).
-    RowInt8 {
-        /// `rows · cols` codes.
-        data: Buffer,
-        /// One scale per row.
-        scales: Buffer,
-        /// Rows.
-        rows: usize,
-        /// Columns.
-        cols: usize,
-    },
-    /// MXFP4 packed nibbles and E8M0 scales, as in the checkpoint.
-    Mxfp4 {
-        /// `rows · cols / 2` bytes.
-        packed: Buffer,
-        /// `rows · cols / 32` bytes.
-        scales: Buffer,
-        /// Rows.
-        rows: usize,
-        /// Columns.
-        cols: usize,
-    },
-}
-
-impl DeviceMatrix {
-    /// `(rows, cols)`.
-    pub fn shape(&self) -> (usize, usize) {
-        match self {
-            DeviceMatrix::Bf16 { rows, cols, .. }
-            | DeviceMatrix::RowInt8 { rows, cols, .. }
-            | DeviceMatrix::Mxfp4 { rows, cols, .. } => (*rows, *cols),
-        }
-    }
-    /// Bytes one product reads (codes and scales as stored).
-    pub fn weight_bytes(&self) -> usize {
-        let (r, c) = self.shape();
-        match self {
-            DeviceMatrix::Bf16 { .. } => r * c * 2,
-            DeviceMatrix::RowInt8 { .. } => r * c + r * 4,
-            DeviceMatrix::Mxfp4 { .. } => r * c / 2 + r * c / 32,
-        }
-    }
-    fn kind(&self) -> &'static str {
-        match self {
-            DeviceMatrix::Bf16 { .. } => "bf16",
-            DeviceMatrix::RowInt8 { .. } => "rowint8",
-            DeviceMatrix::Mxfp4 { .. } => "mxfp4",
-        }
-    }
-}
+pub type DeviceMatrix = crate::gpu::DeviceMatrix<MetalDevice>;
 
 /// One buffer binding of a dispatch.
 enum Arg<'a> {
@@ -202,24 +134,6 @@ enum Bind<'a> {
 fn bytes_of<T: Copy>(v: &T) -> &[u8] {
     // SAFETY: the params structs are #[repr(C)] plain old data without padding.
     unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
-}
-
-fn u32_dim(kernel: &'static str, what: &str, v: usize) -> Result<u32, MetalError> {
-    u32::try_from(v).map_err(|_| MetalError::Shape {
-        kernel,
-        detail: format!("{what} = {v} exceeds the kernels' 32-bit index range"),
-    })
-}
-
-fn expect_len(kernel: &'static str, what: &str, got: usize, want: usize) -> Result<(), MetalError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(MetalError::Shape {
-            kernel,
-            detail: format!("{what} has {got} values, expected {want}"),
-        })
-    }
 }
 
 /// The system Metal device with the deltafin kernels compiled.
@@ -312,41 +226,9 @@ impl MetalDevice {
         "kernels/metal compiled at run time (newLibraryWithSource, fast math off)"
     }
 
-    /// A shared-storage buffer holding a copy of `v` (at least 4 bytes: Metal has no empty
-    /// buffers).
-    pub fn upload<T: Copy>(&self, what: &str, v: &[T]) -> Result<Buffer, MetalError> {
-        let len = std::mem::size_of_val(v);
-        let buf = if len == 0 {
-            self.device
-                .newBufferWithLength_options(4, MTLResourceOptions::StorageModeShared)
-        } else {
-            let ptr = NonNull::new(v.as_ptr() as *mut c_void)
-                .ok_or_else(|| device_err(format!("uploading {what}"), "null slice pointer"))?;
-            // SAFETY: `ptr` points at `len` readable bytes; Metal copies them.
-            unsafe {
-                self.device.newBufferWithBytes_length_options(
-                    ptr,
-                    len,
-                    MTLResourceOptions::StorageModeShared,
-                )
-            }
-        };
-        buf.ok_or_else(|| {
-            device_err(
-                format!("uploading {what} ({len} bytes)"),
-                "allocation failed",
-            )
-        })
-    }
-
-    /// A zeroed shared-storage buffer of `len` f32.
-    pub fn zeros(&self, len: usize) -> Result<Buffer, MetalError> {
-        self.upload("zeros", &vec![0f32; len])
-    }
-
     /// Copy `len` values of type `T` out of a shared-storage buffer (after the work that wrote
     /// it has completed).
-    pub fn download<T: Copy + Default>(
+    fn read_back<T: Copy + Default>(
         &self,
         what: &str,
         buf: &ProtocolObject<dyn MTLBuffer>,
@@ -454,54 +336,73 @@ impl MetalDevice {
             None => Ok(()),
         }
     }
+}
 
-    /// Upload a weight matrix (bf16, row-int8 or MXFP4) into shared-storage buffers.
-    pub fn upload_weights(&self, w: Weights<'_>) -> Result<DeviceMatrix, MetalError> {
-        let (rows, cols) = (w.rows(), w.cols());
-        Ok(match w {
-            Weights::F32 { .. } => return Err(MetalError::Unsupported("f32")),
-            Weights::Bf16(m) => {
-                let bits: Vec<u16> = m.data().iter().map(|v| v.to_bits()).collect();
-                DeviceMatrix::Bf16 {
-                    data: self.upload("bf16 weights", &bits)?,
-                    rows,
-                    cols,
-                }
+impl GpuBackend for MetalDevice {
+    type Buf<T> = Buffer;
+    type Error = MetalError;
+    type Index = u32;
+
+    /// A shared-storage buffer (at least 4 bytes: Metal has no empty buffers).
+    fn upload<T: Element>(&self, what: &str, v: &[T]) -> Result<Buffer, MetalError> {
+        let len = std::mem::size_of_val(v);
+        let buf = if len == 0 {
+            self.device
+                .newBufferWithLength_options(4, MTLResourceOptions::StorageModeShared)
+        } else {
+            let ptr = NonNull::new(v.as_ptr() as *mut c_void)
+                .ok_or_else(|| device_err(format!("uploading {what}"), "null slice pointer"))?;
+            // SAFETY: `ptr` points at `len` readable bytes; Metal copies them.
+            unsafe {
+                self.device.newBufferWithBytes_length_options(
+                    ptr,
+                    len,
+                    MTLResourceOptions::StorageModeShared,
+                )
             }
-            Weights::RowInt8(m) => {
-                let scales: Vec<f32> = (0..rows).map(|r| m.scale(r)).collect();
-                DeviceMatrix::RowInt8 {
-                    data: self.upload("int8 codes", m.data())?,
-                    scales: self.upload("int8 row scales", &scales)?,
-                    rows,
-                    cols,
-                }
-            }
-            Weights::Mxfp4(m) => DeviceMatrix::Mxfp4 {
-                packed: self.upload("MXFP4 codes", m.packed())?,
-                scales: self.upload("MXFP4 scales", m.scales())?,
-                rows,
-                cols,
-            },
+        };
+        buf.ok_or_else(|| {
+            device_err(
+                format!("uploading {what} ({len} bytes)"),
+                "allocation failed",
+            )
         })
     }
 
-    fn matmul_buffers(
+    fn zeros(&self, len: usize) -> Result<Buffer, MetalError> {
+        self.upload("zeros", &vec![0f32; len])
+    }
+
+    fn download(&self, what: &str, buf: &Buffer, len: usize) -> Result<Vec<f32>, MetalError> {
+        self.read_back(what, buf, len)
+    }
+
+    /// Nothing to wait for: every dispatch waits for its command buffer.
+    fn synchronize(&self) -> Result<(), MetalError> {
+        Ok(())
+    }
+
+    fn unsupported(dtype: &'static str) -> MetalError {
+        MetalError::Unsupported(dtype)
+    }
+
+    /// One command buffer, committed and waited for.
+    fn launch_matmul(
         &self,
         w: &DeviceMatrix,
         x: &Buffer,
         n: usize,
-        y: &Buffer,
+        y: &mut Buffer,
     ) -> Result<(), MetalError> {
         const K: &str = "matmul";
         let (rows, cols) = w.shape();
         let params = MatvecParams {
-            rows: u32_dim(K, "rows", rows)?,
-            cols: u32_dim(K, "cols", cols)?,
+            rows: index(K, "rows", rows)?,
+            cols: index(K, "cols", cols)?,
         };
-        u32_dim(K, "rows·cols", rows * cols)?;
-        u32_dim(K, "n·cols", n * cols)?;
-        u32_dim(K, "n·rows", n * rows)?;
+        index::<u32>(K, "rows·cols", rows * cols)?;
+        index::<u32>(K, "n·cols", n * cols)?;
+        index::<u32>(K, "n·rows", n * rows)?;
         let groups = rows.div_ceil(ROWS_PER_GROUP);
         let pb = bytes_of(&params);
         let mut launches = Vec::new();
@@ -531,153 +432,48 @@ impl MetalDevice {
         self.run("matmul", &launches)
     }
 
-    /// `n` activation rows through `w` (`xs`: `n · cols`); returns `n · rows` products.
-    pub fn matmul(&self, w: &DeviceMatrix, xs: &[f32], n: usize) -> Result<Vec<f32>, MetalError> {
-        let (rows, cols) = w.shape();
-        expect_len("matmul", "xs", xs.len(), n * cols)?;
-        let x = self.upload("activations", xs)?;
-        let y = self.zeros(n * rows)?;
-        self.matmul_buffers(w, &x, n, &y)?;
-        self.download("products", &y, n * rows)
-    }
-
-    /// Seconds per product of `n` rows through `w` (one command buffer each, after a warm-up).
-    pub fn time_matmul(&self, w: &DeviceMatrix, n: usize, iters: usize) -> Result<f64, MetalError> {
-        let (rows, cols) = w.shape();
-        let x = self.upload("activations", &vec![0.5f32; n * cols])?;
-        let y = self.zeros(n * rows)?;
-        self.matmul_buffers(w, &x, n, &y)?;
-        let t = Instant::now();
-        for _ in 0..iters.max(1) {
-            self.matmul_buffers(w, &x, n, &y)?;
-        }
-        Ok(t.elapsed().as_secs_f64() / iters.max(1) as f64)
-    }
-
-    /// One KDA recurrent step for all `heads` (see `kda.metal`): `state` is `[heads, d, d]`
-    /// and is updated in place; q, k, v, g are `[heads, d]`, beta `[heads]`; returns
-    /// `[heads, d]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn kda_step(
-        &self,
-        heads: usize,
-        d: usize,
-        state: &mut [f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        g: &[f32],
-        beta: &[f32],
-    ) -> Result<Vec<f32>, MetalError> {
+    /// `kda.metal`: one threadgroup per head.
+    fn run_kda_step(&self, s: &mut [f32], x: &KdaStep<'_>, d: u32) -> Result<Vec<f32>, MetalError> {
         const K: &str = "kda_step";
-        expect_len(K, "state", state.len(), heads * d * d)?;
-        for (name, x) in [("q", q), ("k", k), ("v", v), ("g", g)] {
-            expect_len(K, name, x.len(), heads * d)?;
-        }
-        expect_len(K, "beta", beta.len(), heads)?;
-        let params = KdaParams {
-            d: u32_dim(K, "d", d)?,
-        };
-        u32_dim(K, "heads·d·d", heads * d * d)?;
-        let s = self.upload("KDA state", state)?;
-        let bufs = [
-            self.upload("q", q)?,
-            self.upload("k", k)?,
-            self.upload("v", v)?,
-            self.upload("g", g)?,
-            self.upload("beta", beta)?,
-        ];
-        let out = self.zeros(heads * d)?;
-        let mut args = vec![Arg::Buf(&s, 0)];
+        let (heads, dim) = (x.heads, x.d);
+        let params = KdaParams { d };
+        let state = self.upload("KDA state", s)?;
+        let bufs = x.upload(self)?;
+        let out = self.zeros(heads * dim)?;
+        let mut args = vec![Arg::Buf(&state, 0)];
         args.extend(bufs.iter().map(|b| Arg::Buf(b, 0)));
         args.push(Arg::Buf(&out, 0));
         args.push(Arg::Bytes(bytes_of(&params)));
-        self.run(
-            K,
-            &[(
-                K.into(),
-                args,
-                heads,
-                kda_threads(d),
-                kda_threadgroup_bytes(d),
-            )],
-        )?;
-        state.copy_from_slice(&self.download::<f32>("KDA state", &s, heads * d * d)?);
-        self.download("KDA output", &out, heads * d)
+        let (threads, tg_bytes) = (kda_threads(dim), kda_threadgroup_bytes(dim));
+        self.run(K, &[(K.into(), args, heads, threads, tg_bytes)])?;
+        s.copy_from_slice(&self.download("KDA state", &state, heads * dim * dim)?);
+        self.download("KDA output", &out, heads * dim)
     }
 
-    /// Absorbed MLA decode for one token over `n` cached tokens (see `mla.metal`); returns
-    /// the gated head outputs `[heads, v]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn mla_decode(
-        &self,
-        shape: MlaShape,
-        n: usize,
-        q: &[f32],
-        kv_b: &[bf16],
-        latent: &[bf16],
-        tail: &[bf16],
-        gate: &[f32],
-    ) -> Result<Vec<f32>, MetalError> {
+    /// `mla.metal`: one threadgroup per head.
+    fn run_mla_decode(&self, x: &MlaDecode<'_>) -> Result<Vec<f32>, MetalError> {
         const K: &str = "mla_decode";
-        let MlaShape {
-            heads,
-            nope,
-            rope,
-            v,
-            kvl,
-        } = shape;
-        if n == 0 {
-            return Err(MetalError::Shape {
-                kernel: K,
-                detail: "no cached tokens to attend to".into(),
-            });
-        }
-        expect_len(K, "q", q.len(), heads * (nope + rope))?;
-        expect_len(K, "kv_b_proj", kv_b.len(), heads * (nope + v) * kvl)?;
-        expect_len(K, "latent cache", latent.len(), n * kvl)?;
-        expect_len(K, "tail cache", tail.len(), n * rope)?;
-        expect_len(K, "gate", gate.len(), heads * v)?;
-        u32_dim(K, "kv_b_proj values", kv_b.len())?;
-        u32_dim(K, "cache values", n * kvl)?;
-        u32_dim(K, "scores", heads * n)?;
-        let params = shape.params(n).ok_or(MetalError::Shape {
+        let sh = x.shape;
+        let params = sh.params(x.tokens).ok_or(ShapeError {
             kernel: K,
             detail: "a dimension exceeds 32 bits".into(),
         })?;
-        let bits = |x: &[bf16]| x.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
-        let qd = self.upload("q", q)?;
-        let kvd = self.upload("kv_b_proj", &bits(kv_b))?;
-        let lat = self.upload("latent cache", &bits(latent))?;
-        let tl = self.upload("tail cache", &bits(tail))?;
-        let gd = self.upload("gate", gate)?;
-        let scores = self.zeros(heads * n)?;
-        let out = self.zeros(heads * v)?;
+        let b = x.upload(self)?;
         let args = vec![
-            Arg::Buf(&qd, 0),
-            Arg::Buf(&kvd, 0),
-            Arg::Buf(&lat, 0),
-            Arg::Buf(&tl, 0),
-            Arg::Buf(&gd, 0),
-            Arg::Buf(&scores, 0),
-            Arg::Buf(&out, 0),
+            Arg::Buf(&b.q, 0),
+            Arg::Buf(&b.kv_b, 0),
+            Arg::Buf(&b.latent, 0),
+            Arg::Buf(&b.tail, 0),
+            Arg::Buf(&b.gate, 0),
+            Arg::Buf(&b.scores, 0),
+            Arg::Buf(&b.out, 0),
             Arg::Bytes(bytes_of(&params)),
         ];
-        self.run(
-            K,
-            &[(
-                K.into(),
-                args,
-                heads,
-                MLA_THREADS,
-                mla_threadgroup_bytes(kvl, rope),
-            )],
-        )?;
-        self.download("MLA output", &out, heads * v)
+        let tg_bytes = mla_threadgroup_bytes(sh.kvl, sh.rope);
+        self.run(K, &[(K.into(), args, sh.heads, MLA_THREADS, tg_bytes)])?;
+        self.download("MLA output", &b.out, sh.heads * sh.v)
     }
 }
-
-crate::gpu::impl_canary_device!(MetalDevice, MetalError);
 
 /// The doctor's device canaries ([`crate::gpu::canaries`] on this device).
 pub fn canaries(dev: &MetalDevice) -> Vec<(String, Result<f64, String>)> {

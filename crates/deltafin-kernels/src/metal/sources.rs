@@ -8,64 +8,20 @@
 /// The shared prelude (`kernels/metal/prelude.metal`): decoders, fixed-order reductions.
 pub const PRELUDE: &str = include_str!("../../../../kernels/metal/prelude.metal");
 
-/// One kernel file and the kernel functions it defines.
-#[derive(Clone, Copy, Debug)]
-pub struct KernelSource {
-    /// File name under `kernels/metal/`.
-    pub file: &'static str,
-    /// The file's text (without the prelude).
-    pub text: &'static str,
-    /// Kernel functions the file must define.
-    pub entries: &'static [&'static str],
-}
+pub use crate::gpu::{BATCH_WIDTHS, KernelSource, batch_split};
 
 /// Every kernel file, in library order.
-pub const KERNELS: [KernelSource; 3] = [
-    KernelSource {
-        file: "matvec.metal",
-        text: include_str!("../../../../kernels/metal/matvec.metal"),
-        entries: &[
-            "matmul_mxfp4_nb1",
-            "matmul_mxfp4_nb2",
-            "matmul_mxfp4_nb4",
-            "matmul_mxfp4_nb8",
-            "matmul_mxfp4_nb16",
-            "matmul_bf16_nb1",
-            "matmul_bf16_nb2",
-            "matmul_bf16_nb4",
-            "matmul_bf16_nb8",
-            "matmul_bf16_nb16",
-            "matmul_rowint8_nb1",
-            "matmul_rowint8_nb2",
-            "matmul_rowint8_nb4",
-            "matmul_rowint8_nb8",
-            "matmul_rowint8_nb16",
-        ],
-    },
-    KernelSource {
-        file: "kda.metal",
-        text: include_str!("../../../../kernels/metal/kda.metal"),
-        entries: &["kda_step"],
-    },
-    KernelSource {
-        file: "mla.metal",
-        text: include_str!("../../../../kernels/metal/mla.metal"),
-        entries: &["mla_decode"],
-    },
-];
+pub const KERNELS: [KernelSource; 3] =
+    crate::gpu::kernel_sources!("../../../../kernels/metal/", "metal");
 
 /// The library's full source: the prelude, then every kernel file.
 pub fn library_source() -> String {
     let mut s = String::from(PRELUDE);
     for k in KERNELS {
-        s.push_str(&format!("\n// ---- {} ----\n", k.file));
-        s.push_str(k.text);
+        s.push_str(&k.section());
     }
     s
 }
-
-/// Activation-row widths with a compiled small-batch kernel; larger batches are split.
-pub const BATCH_WIDTHS: [usize; 5] = [16, 8, 4, 2, 1];
 
 /// Threads per threadgroup of the product kernels (8 simdgroups of 32).
 pub const MATVEC_THREADS: usize = 256;
@@ -78,22 +34,6 @@ pub const MLA_THREADS: usize = 256;
 
 /// The SIMD-group width the kernels assume.
 pub const SIMD_WIDTH: usize = 32;
-
-/// How `n` activation rows are split into dispatches: `(first row, width)` pairs, widths from
-/// [`BATCH_WIDTHS`], largest first.
-pub fn batch_split(n: usize) -> Vec<(usize, usize)> {
-    let mut out = Vec::new();
-    let mut done = 0;
-    while done < n {
-        let nb = BATCH_WIDTHS
-            .into_iter()
-            .find(|&b| b <= n - done)
-            .unwrap_or(1);
-        out.push((done, nb));
-        done += nb;
-    }
-    out
-}
 
 /// Threads per threadgroup of `kda_step` for head dimension `d`: one per value column, in
 /// whole simdgroups, at most 256 (threads then stride the columns).
@@ -159,7 +99,7 @@ impl MlaShape {
             rope: u(self.rope)?,
             vdim: u(self.v)?,
             kvl: u(self.kvl)?,
-            scale: 1.0 / ((self.nope + self.rope) as f32).sqrt(),
+            scale: self.scale(),
         })
     }
 }

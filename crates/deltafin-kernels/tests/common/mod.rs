@@ -1,71 +1,24 @@
 //! Test logic shared by the GPU kernel tests (`cuda_device.rs`, `metal_device.rs`) and the
 //! Metal logic test (`metal_logic.rs`): random inputs, the per-value bounds against the CPU,
 //! and the matmul / KDA / MLA checks, each run through a closure that calls the kernel under
-//! test (a device, or the Metal sources compiled for the host). The KDA and MLA references
-//! (`deltafin_kernels::cuda::reference`) are line-by-line f32 ports of the recurrent step in
-//! `crates/deltafin-k3/src/kda.rs` and of `MlaWeights::attend` (t = 1) in `mla.rs`.
+//! test (a device, or the Metal sources compiled for the host); the device tests run them
+//! through [`GpuDevice`], which both devices have (`device_*`). The KDA and MLA references
+//! (`KdaStep::reference`, `MlaDecode::reference`: `deltafin_kernels::cuda::reference`) are
+//! line-by-line f32 ports of the recurrent step in `crates/deltafin-k3/src/kda.rs` and of
+//! `MlaWeights::attend` (t = 1) in `mla.rs`.
 // Each test binary uses a part of this module.
 #![allow(dead_code)]
 
-use deltafin_kernels::cuda::reference;
+use deltafin_kernels::gpu::{GpuDevice, KdaStep, MlaDecode, MlaShape};
 use deltafin_kernels::{Backend, Weights, matmul_with};
-use deltafin_tensor::{Bf16Matrix, Bytes, Mxfp4Matrix, RowInt8Matrix, bf16};
-use std::io::Write as _;
+use deltafin_tensor::{Bf16Matrix, Mxfp4Matrix, RowInt8Matrix, bf16};
 
-/// `test` cannot run here because of `why`: a failure when `switch=1` (`.ci/run` sets the
-/// switch of everything CI installs), else a SKIP line written to the process's stderr past
-/// the test harness's capture, so that `cargo test` shows it.
-pub fn skip(test: &str, switch: &str, why: &str) {
-    assert!(
-        !std::env::var(switch).is_ok_and(|v| v == "1"),
-        "{switch}=1 but {test} cannot run: {why}"
-    );
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIP {test}: {why} ({switch}=1 makes this a failure)"
-    );
-}
-
-/// xorshift64: the same inputs on every run.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Uniform in [−1, 1).
-    pub fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-
-    pub fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f()).collect()
-    }
-}
-
-/// Random MXFP4 codes with scales around 2⁻⁹…2⁶, some zero (2⁻¹²⁷) and some large (2¹³).
-pub fn mxfp4(rng: &mut Rng, rows: usize, cols: usize) -> Mxfp4Matrix {
-    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
-    let scales: Vec<u8> = (0..rows * cols / 32)
-        .map(|_| match rng.next() % 16 {
-            0 => 0,
-            1 => 140,
-            _ => 118 + (rng.next() % 16) as u8,
-        })
-        .collect();
-    Mxfp4Matrix::new(
-        "t",
-        Bytes::from_vec(packed),
-        Bytes::from_vec(scales),
-        rows,
-        cols,
-    )
-    .unwrap()
-}
+mod shared;
+mod skip;
+#[allow(unused_imports)] // each test binary uses a part
+pub use shared::{Rng, mxfp4};
+#[allow(unused_imports)] // Not every test binary has a test that may skip.
+pub use skip::skip;
 
 pub fn bf16m(rng: &mut Rng, rows: usize, cols: usize) -> Bf16Matrix {
     let v: Vec<bf16> = rng
@@ -238,56 +191,40 @@ fn l2n(v: &mut [f32]) {
     v.iter_mut().for_each(|x| *x /= n);
 }
 
-/// One KDA step's inputs for `heads` heads of `d`: q and k L2-normalised per head, log-decays
-/// `g` in (−1, 0) (α ∈ (0.37, 1)), `beta` in (0, 1) per head.
-pub struct KdaInputs {
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-    pub g: Vec<f32>,
-    pub beta: Vec<f32>,
-}
-
 /// `steps` KDA recurrent steps per `(heads, d)` shape through `step` (state `[heads, d, d]`
 /// updated in place, returns the `[heads, d]` outputs), against the reference: outputs and
-/// state within 1e-5 of their largest value after every step.
+/// state within 1e-5 of their largest value after every step. The inputs: q and k
+/// L2-normalised per head, log-decays `g` in (−1, 0) (α ∈ (0.37, 1)), `beta` in (0, 1).
 pub fn check_kda_steps(
     who: &str,
     shapes: &[(usize, usize)],
     steps: usize,
-    mut step: impl FnMut(usize, usize, &mut [f32], &KdaInputs) -> Vec<f32>,
+    mut step: impl FnMut(&mut [f32], &KdaStep<'_>) -> Vec<f32>,
 ) {
     let mut rng = Rng(7);
     for &(heads, d) in shapes {
         let mut s_dev = vec![0f32; heads * d * d];
         let mut s_cpu = s_dev.clone();
         for t in 0..steps {
-            let mut x = KdaInputs {
-                q: rng.vec(heads * d),
-                k: rng.vec(heads * d),
-                v: rng.vec(heads * d),
-                g: Vec::new(),
-                beta: Vec::new(),
+            let (mut q, mut k, v) = (rng.vec(heads * d), rng.vec(heads * d), rng.vec(heads * d));
+            let g: Vec<f32> = (0..heads * d).map(|_| -0.5 * (rng.f() + 1.0)).collect();
+            let beta: Vec<f32> = (0..heads).map(|_| 0.5 * (rng.f() + 1.0)).collect();
+            for h in 0..heads {
+                l2n(&mut q[h * d..(h + 1) * d]);
+                l2n(&mut k[h * d..(h + 1) * d]);
+            }
+            let (q, k, v, g, beta) = (&q[..], &k[..], &v[..], &g[..], &beta[..]);
+            let x = KdaStep {
+                heads,
+                d,
+                q,
+                k,
+                v,
+                g,
+                beta,
             };
-            x.g = (0..heads * d).map(|_| -0.5 * (rng.f() + 1.0)).collect();
-            x.beta = (0..heads).map(|_| 0.5 * (rng.f() + 1.0)).collect();
-            for h in 0..heads {
-                l2n(&mut x.q[h * d..(h + 1) * d]);
-                l2n(&mut x.k[h * d..(h + 1) * d]);
-            }
-            let out = step(heads, d, &mut s_dev, &x);
-            let mut o_cpu = Vec::new();
-            for h in 0..heads {
-                let sl = h * d..(h + 1) * d;
-                o_cpu.extend(reference::kda_step(
-                    &mut s_cpu[h * d * d..(h + 1) * d * d],
-                    &x.q[sl.clone()],
-                    &x.k[sl.clone()],
-                    &x.v[sl.clone()],
-                    &x.g[sl],
-                    x.beta[h],
-                ));
-            }
+            let out = step(&mut s_dev, &x);
+            let o_cpu = x.reference(&mut s_cpu);
             let at = format!("KDA H={heads} d={d} step {t}");
             close(&format!("{at} out"), who, &out, &o_cpu, 1e-5);
             close(&format!("{at} state"), who, &s_dev, &s_cpu, 1e-5);
@@ -295,44 +232,165 @@ pub fn check_kda_steps(
     }
 }
 
-/// An MLA decode shape `(heads, qk_nope, qk_rope, v_head, kv_lora)`, as
-/// `reference::mla_decode` takes it.
-pub type Mla = (usize, usize, usize, usize, usize);
-
 /// A small MLA shape: 3 heads, head sizes and kv_lora not multiples of 32.
-pub const MLA_SMALL: Mla = (3, 16, 8, 24, 72);
+pub const MLA_SMALL: MlaShape = MlaShape {
+    heads: 3,
+    nope: 16,
+    rope: 8,
+    v: 24,
+    kvl: 72,
+};
 
-/// One MLA decode's inputs for `n` cached tokens (bf16 as the cache holds them).
-pub struct MlaInputs {
-    pub q: Vec<f32>,
-    pub kvb: Vec<bf16>,
-    pub latent: Vec<bf16>,
-    pub tail: Vec<bf16>,
-    pub gate: Vec<f32>,
-}
-
-/// Every `(shape, n)` case through `decode` against the reference, within 2e-5 of the largest
-/// output.
+/// Every `(shape, tokens)` case through `decode` against the reference, within 2e-5 of the
+/// largest output (bf16 inputs as the cache holds them).
 pub fn check_mla_decode(
     who: &str,
-    cases: &[(Mla, usize)],
-    mut decode: impl FnMut(Mla, usize, &MlaInputs) -> Vec<f32>,
+    cases: &[(MlaShape, usize)],
+    mut decode: impl FnMut(&MlaDecode<'_>) -> Vec<f32>,
 ) {
     let mut rng = Rng(11);
     let bfv = |rng: &mut Rng, len: usize, amp: f32| -> Vec<bf16> {
         (0..len).map(|_| bf16::from_f32(amp * rng.f())).collect()
     };
-    for &(sh, n) in cases {
-        let (heads, nope, rope, v, kvl) = sh;
-        let x = MlaInputs {
-            q: rng.vec(heads * (nope + rope)),
-            kvb: bfv(&mut rng, heads * (nope + v) * kvl, 0.2),
-            latent: bfv(&mut rng, n * kvl, 1.0),
-            tail: bfv(&mut rng, n * rope, 1.0),
-            gate: rng.vec(heads * v),
+    for &(shape, tokens) in cases {
+        let MlaShape {
+            heads,
+            nope,
+            rope,
+            v,
+            kvl,
+        } = shape;
+        let q = rng.vec(heads * (nope + rope));
+        let kv_b = bfv(&mut rng, heads * (nope + v) * kvl, 0.2);
+        let latent = bfv(&mut rng, tokens * kvl, 1.0);
+        let tail = bfv(&mut rng, tokens * rope, 1.0);
+        let gate = rng.vec(heads * v);
+        let (q, kv_b, latent, tail, gate) = (&q[..], &kv_b[..], &latent[..], &tail[..], &gate[..]);
+        let x = MlaDecode {
+            shape,
+            tokens,
+            q,
+            kv_b,
+            latent,
+            tail,
+            gate,
         };
-        let got = decode(sh, n, &x);
-        let cpu = reference::mla_decode(sh, n, &x.q, &x.kvb, &x.latent, &x.tail, &x.gate);
-        close(&format!("MLA {sh:?} n={n}"), who, &got, &cpu, 2e-5);
+        let got = decode(&x);
+        close(
+            &format!("MLA {shape:?} n={tokens}"),
+            who,
+            &got,
+            &x.reference(),
+            2e-5,
+        );
+    }
+}
+
+/// The `kind` device `opened` for `test`, described on stderr; the test fails here, saying why,
+/// when there is none.
+pub fn device_for<D, E: std::fmt::Display>(
+    test: &str,
+    kind: &str,
+    opened: Result<D, E>,
+    describe: impl Fn(&D) -> String,
+) -> D {
+    match opened {
+        Ok(d) => {
+            eprintln!("{test}: {}", describe(&d));
+            d
+        }
+        Err(e) => panic!("{test} needs a usable {kind} device: {e}"),
+    }
+}
+
+/// A device call's result; the test fails naming the call when it is an error.
+fn on_device<T, E: std::fmt::Display>(call: &str, r: Result<T, E>) -> T {
+    r.unwrap_or_else(|e| panic!("{call} failed on the device: {e}"))
+}
+
+/// [`check_matmul_on_ragged_shapes`] on a device, against `cpu`.
+pub fn device_matmul_on_ragged_shapes<D: GpuDevice>(
+    dev: &D,
+    cpu: impl Fn(Weights<'_>, &[f32], usize) -> Vec<f32>,
+) {
+    check_matmul_on_ragged_shapes(
+        |w| on_device("upload_weights", dev.upload_weights(w)),
+        |m, xs, n| on_device("matmul", dev.matmul(m, xs, n)),
+        cpu,
+    );
+}
+
+/// [`check_kda_steps`] on a device: six tokens at d = 40 (not a multiple of 32), 128 and 300
+/// (more columns than threads).
+pub fn device_kda_steps<D: GpuDevice>(dev: &D) {
+    check_kda_steps("gpu", &[(3, 40), (4, 128), (2, 300)], 6, |s, x| {
+        on_device("kda_step", dev.kda_step(s, x))
+    });
+}
+
+/// [`check_mla_decode`] on a device: [`MLA_SMALL`] and K3's shape, from one cached token to
+/// more than the threads of a block.
+pub fn device_mla_decode<D: GpuDevice>(dev: &D) {
+    let k3 = MlaShape {
+        heads: 8,
+        nope: 128,
+        rope: 64,
+        v: 128,
+        kvl: 512,
+    };
+    let cases = [
+        (MLA_SMALL, 1),
+        (MLA_SMALL, 7),
+        (MLA_SMALL, 333),
+        (k3, 1),
+        (k3, 1500),
+    ];
+    check_mla_decode("gpu", &cases, |x| {
+        on_device("mla_decode", dev.mla_decode(x))
+    });
+}
+
+/// The checks every GPU backend's device test runs, each an `#[ignore]`d (`$why`) test named
+/// as given, on the device `$device(test name)` opens: the products against `$cpu` on ragged
+/// shapes, several KDA steps, MLA decodes, and the doctor's canaries.
+#[allow(unused_macros)] // the device test binaries use it
+macro_rules! device_tests {
+    ($why:literal, $device:ident, $cpu:expr,
+        matmul: $matmul:ident, kda: $kda:ident, mla: $mla:ident, canaries: $canaries:ident) => {
+        #[test]
+        #[ignore = $why]
+        fn $matmul() {
+            $crate::common::device_matmul_on_ragged_shapes(&$device(stringify!($matmul)), $cpu);
+        }
+
+        #[test]
+        #[ignore = $why]
+        fn $kda() {
+            $crate::common::device_kda_steps(&$device(stringify!($kda)));
+        }
+
+        #[test]
+        #[ignore = $why]
+        fn $mla() {
+            $crate::common::device_mla_decode(&$device(stringify!($mla)));
+        }
+
+        #[test]
+        #[ignore = $why]
+        fn $canaries() {
+            $crate::common::device_canaries(&$device(stringify!($canaries)));
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use device_tests;
+
+/// The doctor's canaries on a device: every one passes.
+pub fn device_canaries<D: GpuDevice>(dev: &D) {
+    for (name, r) in deltafin_kernels::gpu::canaries(dev) {
+        match r {
+            Ok(e) => eprintln!("  canary {name}: {e:.2e}"),
+            Err(e) => panic!("canary {name}: {e}"),
+        }
     }
 }

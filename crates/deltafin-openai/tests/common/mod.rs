@@ -12,19 +12,10 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-/// `test` cannot run here because of `why`: a failure when `switch=1` (`.ci/run` sets the
-/// switch of everything CI installs), else a SKIP line written to the process's stderr past
-/// the test harness's capture, so that `cargo test` shows it.
-pub fn skip(test: &str, switch: &str, why: &str) {
-    assert!(
-        !std::env::var(switch).is_ok_and(|v| v == "1"),
-        "{switch}=1 but {test} cannot run: {why}"
-    );
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIP {test}: {why} ({switch}=1 makes this a failure)"
-    );
-}
+#[path = "../../../deltafin-kernels/tests/common/skip.rs"]
+mod skip;
+#[allow(unused_imports)] // Not every test binary has a test that may skip.
+pub use skip::skip;
 
 /// One tiny checkpoint shared by every test of a test binary.
 pub fn model_root() -> &'static Path {
@@ -51,10 +42,23 @@ pub struct TestServer {
     thread: Option<std::thread::JoinHandle<Result<(), String>>>,
 }
 
+/// The default server settings on a free loopback port.
+pub fn any_port() -> ServerConfig {
+    ServerConfig {
+        port: 0,
+        ..Default::default()
+    }
+}
+
+/// The engine of `root`, loaded as a server's loader does (the error as text).
+pub fn load_engine(root: &Path) -> Result<Engine, String> {
+    Engine::load(root).map_err(|e| e.to_string())
+}
+
 impl TestServer {
     pub fn start(cfg: ServerConfig) -> TestServer {
         let root = model_root().to_path_buf();
-        Self::start_with(cfg, move || Engine::load(&root).map_err(|e| e.to_string()))
+        Self::start_with(cfg, move || load_engine(&root))
     }
 
     pub fn start_with(

@@ -1,12 +1,12 @@
 //! [`DsparkDrafter`]: the DSpark model as a [`Drafter`], fed K3's taps of every committed
-//! position, and [`SpecConfig`], the speculative-decoding settings from the environment.
+//! position, and [`SpecConfig`], the speculative-decoding settings of the `K3_*` variables.
 
 use super::DsparkError;
 use super::model::{DsparkContext, DsparkModel, Proposal};
 use crate::Drafter;
-use deltafin_k3::linear::Linear;
 use deltafin_k3::model::K3Model;
-use deltafin_k3::taps::Taps;
+use deltafin_k3::model::linear::Linear;
+use deltafin_k3::model::taps::Taps;
 use deltafin_tensor::Bf16Matrix;
 use std::sync::Arc;
 
@@ -77,13 +77,9 @@ fn parse_mode(v: &str) -> Option<DraftMode> {
 }
 
 impl SpecConfig {
-    /// Read `K3_DSPARK`, `K3_DSPARK_MAX_CONTEXT`, `K3_SPEC_DEPTH`, `K3_UAG_DRAFT` and
-    /// `K3_DSPARK_AUTO_MIN_SPEEDUP` (unset: defaults).
-    pub fn from_env() -> Result<SpecConfig, SpecConfigError> {
-        Self::from_lookup(|k| std::env::var(k).ok())
-    }
-
-    /// [`Self::from_env`] over any variable lookup.
+    /// Parse `K3_DSPARK`, `K3_DSPARK_MAX_CONTEXT`, `K3_SPEC_DEPTH`, `K3_UAG_DRAFT` and
+    /// `K3_DSPARK_AUTO_MIN_SPEEDUP` as `get` returns them (unset: defaults). The library reads
+    /// no environment: the binary passes its environment lookup in.
     pub fn from_lookup(
         get: impl Fn(&str) -> Option<String>,
     ) -> Result<SpecConfig, SpecConfigError> {
@@ -298,7 +294,7 @@ mod tests {
     }
 
     #[test]
-    fn spec_config_from_env_is_strict() {
+    fn spec_config_from_lookup_is_strict() {
         assert_eq!(
             SpecConfig::from_lookup(lookup(&[])).unwrap(),
             SpecConfig::default()

@@ -6,10 +6,11 @@
 use super::DsparkError;
 use super::config::{BLOCK, DsparkConfig};
 use super::rope::Yarn;
+use crate::dense::{SwiGlu, add_into, matmul, rms_rows};
 use crate::tensors::Tensors;
-use deltafin_k3::linear::Linear;
 use deltafin_k3::model::K3Model;
-use deltafin_kernels::{argmax, matmul_bf16, matvec_bf16, rms_norm, silu, softmax_inplace};
+use deltafin_k3::model::linear::Linear;
+use deltafin_kernels::{argmax, matvec_bf16, rms_norm, softmax_inplace};
 use deltafin_tensor::{Bf16Matrix, SafetensorsFile};
 use rayon::prelude::*;
 use std::path::Path;
@@ -35,12 +36,8 @@ pub struct DsparkLayer {
     pub kv_b_proj: Bf16Matrix,
     /// `self_attn.o_proj.weight` `[D, H·v]`.
     pub o_proj: Bf16Matrix,
-    /// `mlp.gate_proj.weight` `[F, D]`.
-    pub gate_proj: Bf16Matrix,
-    /// `mlp.up_proj.weight` `[F, D]`.
-    pub up_proj: Bf16Matrix,
-    /// `mlp.down_proj.weight` `[D, F]`.
-    pub down_proj: Bf16Matrix,
+    /// `mlp.*` (SwiGLU, `[F, D]` up, `[D, F]` down).
+    pub mlp: SwiGlu,
 }
 
 /// The DSpark drafter's own weights (K3's embedding and `lm_head` are used at run time).
@@ -102,62 +99,86 @@ pub struct Proposal {
     pub confidence: Vec<f32>,
 }
 
-fn matmul(w: &Bf16Matrix, x: &[f32], n: usize) -> Vec<f32> {
-    let mut out = vec![0f32; n * w.rows()];
-    matmul_bf16(w, x, n, &mut out);
-    out
+/// The sizes the tensor shapes are built from (docs/K3.md §9.2).
+struct Sizes {
+    d: usize,
+    f: usize,
+    h: usize,
+    ql: usize,
+    kvl: usize,
+    dn: usize,
+    dr: usize,
+    dv: usize,
+    v: usize,
+    r: usize,
+    /// `taps·D_target`: the width of `context_proj`'s input.
+    taps: usize,
+    /// The confidence head's input width (`D`, plus `r` with the Markov feature).
+    confidence: usize,
 }
 
-fn rms_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
-    for (a, o) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
-        rms_norm(a, w, eps, o);
+impl Sizes {
+    fn of(c: &DsparkConfig) -> Sizes {
+        Sizes {
+            d: c.hidden_size,
+            f: c.intermediate_size,
+            h: c.num_attention_heads,
+            ql: c.q_lora_rank,
+            kvl: c.kv_lora_rank,
+            dn: c.qk_nope_head_dim,
+            dr: c.qk_rope_head_dim,
+            dv: c.v_head_dim,
+            v: c.vocab_size,
+            r: c.markov_rank,
+            taps: c.target_layer_ids.len() * c.target_hidden_size,
+            confidence: c.hidden_size
+                + if c.confidence_head_with_markov {
+                    c.markov_rank
+                } else {
+                    0
+                },
+        }
     }
-    out
 }
 
 /// The checkpoint's tensors (name, shape) for `c` (docs/K3.md §9.2), including the
 /// `embed_tokens.weight` copy.
 pub fn expected_tensors(c: &DsparkConfig) -> Vec<(String, Vec<usize>)> {
-    let (d, f, h) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
-    let (ql, kvl, dn, dr, dv) = (
-        c.q_lora_rank,
-        c.kv_lora_rank,
-        c.qk_nope_head_dim,
-        c.qk_rope_head_dim,
-        c.v_head_dim,
-    );
-    let (v, r) = (c.vocab_size, c.markov_rank);
-    let taps = c.target_layer_ids.len() * c.target_hidden_size;
+    let s = Sizes::of(c);
     let mut out: Vec<(String, Vec<usize>)> = vec![
-        ("context_proj.weight".into(), vec![d, taps]),
-        ("context_norm.weight".into(), vec![d]),
-        ("embed_tokens.weight".into(), vec![v, d]),
+        ("context_proj.weight".into(), vec![s.d, s.taps]),
+        ("context_norm.weight".into(), vec![s.d]),
+        ("embed_tokens.weight".into(), vec![s.v, s.d]),
     ];
     for n in 0..c.num_hidden_layers {
         for (name, shape) in [
-            ("input_layernorm.weight", vec![d]),
-            ("post_attention_layernorm.weight", vec![d]),
-            ("self_attn.q_a_proj.weight", vec![ql, d]),
-            ("self_attn.q_a_layernorm.weight", vec![ql]),
-            ("self_attn.q_b_proj.weight", vec![h * (dn + dr), ql]),
-            ("self_attn.kv_a_proj_with_mqa.weight", vec![kvl + dr, d]),
-            ("self_attn.kv_a_layernorm.weight", vec![kvl]),
-            ("self_attn.kv_b_proj.weight", vec![h * (dn + dv), kvl]),
-            ("self_attn.o_proj.weight", vec![d, h * dv]),
-            ("mlp.gate_proj.weight", vec![f, d]),
-            ("mlp.up_proj.weight", vec![f, d]),
-            ("mlp.down_proj.weight", vec![d, f]),
+            ("input_layernorm.weight", vec![s.d]),
+            ("post_attention_layernorm.weight", vec![s.d]),
+            ("self_attn.q_a_proj.weight", vec![s.ql, s.d]),
+            ("self_attn.q_a_layernorm.weight", vec![s.ql]),
+            ("self_attn.q_b_proj.weight", vec![s.h * (s.dn + s.dr), s.ql]),
+            (
+                "self_attn.kv_a_proj_with_mqa.weight",
+                vec![s.kvl + s.dr, s.d],
+            ),
+            ("self_attn.kv_a_layernorm.weight", vec![s.kvl]),
+            (
+                "self_attn.kv_b_proj.weight",
+                vec![s.h * (s.dn + s.dv), s.kvl],
+            ),
+            ("self_attn.o_proj.weight", vec![s.d, s.h * s.dv]),
+            ("mlp.gate_proj.weight", vec![s.f, s.d]),
+            ("mlp.up_proj.weight", vec![s.f, s.d]),
+            ("mlp.down_proj.weight", vec![s.d, s.f]),
         ] {
             out.push((format!("layers.{n}.{name}"), shape));
         }
     }
-    out.push(("final_norm.weight".into(), vec![d]));
-    out.push(("markov_head.markov_w1.weight".into(), vec![v, r]));
-    out.push(("markov_head.markov_w2.weight".into(), vec![v, r]));
+    out.push(("final_norm.weight".into(), vec![s.d]));
+    out.push(("markov_head.markov_w1.weight".into(), vec![s.v, s.r]));
+    out.push(("markov_head.markov_w2.weight".into(), vec![s.v, s.r]));
     if c.enable_confidence_head {
-        let width = d + if c.confidence_head_with_markov { r } else { 0 };
-        out.push(("confidence_head.proj.weight".into(), vec![1, width]));
+        out.push(("confidence_head.proj.weight".into(), vec![1, s.confidence]));
         out.push(("confidence_head.proj.bias".into(), vec![1]));
     }
     out
@@ -179,53 +200,50 @@ impl DsparkModel {
         file: &SafetensorsFile,
     ) -> Result<DsparkModel, DsparkError> {
         let c = &config;
-        let (d, f, h) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
-        let (ql, kvl, dn, dr, dv) = (
-            c.q_lora_rank,
-            c.kv_lora_rank,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-        );
-        let (v, r) = (c.vocab_size, c.markov_rank);
+        let s = Sizes::of(c);
         let mut rd = Tensors::<DsparkError>::new(file);
-        let taps_width = c.target_layer_ids.len() * c.target_hidden_size;
-        let context_proj = rd.matrix("context_proj.weight", d, taps_width)?;
-        let context_norm = rd.vector("context_norm.weight", &[d])?;
+        let context_proj = rd.matrix("context_proj.weight", s.d, s.taps)?;
+        let context_norm = rd.vector("context_norm.weight", &[s.d])?;
         if rd.has("embed_tokens.weight") {
-            rd.check("embed_tokens.weight", &[v, d])?;
+            rd.check("embed_tokens.weight", &[s.v, s.d])?;
         }
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for n in 0..c.num_hidden_layers {
-            let p = |s: &str| format!("layers.{n}.{s}");
+            let p = |t: &str| format!("layers.{n}.{t}");
             layers.push(DsparkLayer {
-                input_layernorm: rd.vector(&p("input_layernorm.weight"), &[d])?,
-                post_attention_layernorm: rd.vector(&p("post_attention_layernorm.weight"), &[d])?,
-                q_a_proj: rd.matrix(&p("self_attn.q_a_proj.weight"), ql, d)?,
-                q_a_layernorm: rd.vector(&p("self_attn.q_a_layernorm.weight"), &[ql])?,
-                q_b_proj: rd.matrix(&p("self_attn.q_b_proj.weight"), h * (dn + dr), ql)?,
-                kv_a_proj: rd.matrix(&p("self_attn.kv_a_proj_with_mqa.weight"), kvl + dr, d)?,
-                kv_a_layernorm: rd.vector(&p("self_attn.kv_a_layernorm.weight"), &[kvl])?,
-                kv_b_proj: rd.matrix(&p("self_attn.kv_b_proj.weight"), h * (dn + dv), kvl)?,
-                o_proj: rd.matrix(&p("self_attn.o_proj.weight"), d, h * dv)?,
-                gate_proj: rd.matrix(&p("mlp.gate_proj.weight"), f, d)?,
-                up_proj: rd.matrix(&p("mlp.up_proj.weight"), f, d)?,
-                down_proj: rd.matrix(&p("mlp.down_proj.weight"), d, f)?,
+                input_layernorm: rd.vector(&p("input_layernorm.weight"), &[s.d])?,
+                post_attention_layernorm: rd
+                    .vector(&p("post_attention_layernorm.weight"), &[s.d])?,
+                q_a_proj: rd.matrix(&p("self_attn.q_a_proj.weight"), s.ql, s.d)?,
+                q_a_layernorm: rd.vector(&p("self_attn.q_a_layernorm.weight"), &[s.ql])?,
+                q_b_proj: rd.matrix(&p("self_attn.q_b_proj.weight"), s.h * (s.dn + s.dr), s.ql)?,
+                kv_a_proj: rd.matrix(
+                    &p("self_attn.kv_a_proj_with_mqa.weight"),
+                    s.kvl + s.dr,
+                    s.d,
+                )?,
+                kv_a_layernorm: rd.vector(&p("self_attn.kv_a_layernorm.weight"), &[s.kvl])?,
+                kv_b_proj: rd.matrix(
+                    &p("self_attn.kv_b_proj.weight"),
+                    s.h * (s.dn + s.dv),
+                    s.kvl,
+                )?,
+                o_proj: rd.matrix(&p("self_attn.o_proj.weight"), s.d, s.h * s.dv)?,
+                mlp: SwiGlu::read(&mut rd, &p("mlp"), s.d, s.f)?,
             });
         }
-        let final_norm = rd.vector("final_norm.weight", &[d])?;
-        let markov_w1 = rd.matrix("markov_head.markov_w1.weight", v, r)?;
-        let markov_w2 = rd.matrix("markov_head.markov_w2.weight", v, r)?;
+        let final_norm = rd.vector("final_norm.weight", &[s.d])?;
+        let markov_w1 = rd.matrix("markov_head.markov_w1.weight", s.v, s.r)?;
+        let markov_w2 = rd.matrix("markov_head.markov_w2.weight", s.v, s.r)?;
         let confidence = if c.enable_confidence_head {
-            let width = d + if c.confidence_head_with_markov { r } else { 0 };
-            let w = rd.vector("confidence_head.proj.weight", &[1, width])?;
+            let w = rd.vector("confidence_head.proj.weight", &[1, s.confidence])?;
             let b = rd.vector("confidence_head.proj.bias", &[1])?;
             Some((w, b[0]))
         } else {
             None
         };
         rd.finish("DSpark")?;
-        let rope = Yarn::new(&c.rope, dr, c.qk_head_dim());
+        let rope = Yarn::new(&c.rope, s.dr, c.qk_head_dim());
         Ok(DsparkModel {
             config,
             context_proj,
@@ -323,14 +341,9 @@ impl DsparkModel {
         }
         for (layer, lc) in self.layers.iter().zip(&ctx.layers) {
             let y = rms_rows(&x, &layer.input_layernorm, eps);
-            let a = self.attention(layer, lc, ctx.positions, &y);
-            x.iter_mut().zip(&a).for_each(|(p, o)| *p += o);
+            add_into(&mut x, &self.attention(layer, lc, ctx.positions, &y));
             let y = rms_rows(&x, &layer.post_attention_layernorm, eps);
-            let g = matmul(&layer.gate_proj, &y, BLOCK);
-            let u = matmul(&layer.up_proj, &y, BLOCK);
-            let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect();
-            let m = matmul(&layer.down_proj, &act, BLOCK);
-            x.iter_mut().zip(&m).for_each(|(p, o)| *p += o);
+            add_into(&mut x, &layer.mlp.forward(&y, BLOCK));
         }
         let rows = rows.min(BLOCK);
         let hidden = rms_rows(&x[..rows * d], &self.final_norm, eps);
@@ -426,12 +439,7 @@ impl DsparkModel {
 
     /// The Markov bias `markov_w2 · markov_w1[prev]` (V values).
     pub fn markov_bias(&self, prev: u32) -> Vec<f32> {
-        let e: Vec<f32> = self
-            .markov_w1
-            .row(prev as usize)
-            .iter()
-            .map(|v| v.to_f32())
-            .collect();
+        let e = self.markov_w1.row_f32(prev as usize);
         let mut bias = vec![0f32; self.markov_w2.rows()];
         matvec_bf16(&self.markov_w2, &e, &mut bias);
         bias
@@ -490,7 +498,7 @@ impl DsparkModel {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::dspark::config::YarnConfig;
+    use crate::dense::reference::{mv, rms, row, swiglu};
     use deltafin_tensor::bf16;
 
     /// xorshift64, uniform in [-1, 1).
@@ -540,15 +548,7 @@ pub(crate) mod tests {
             markov_rank: 3,
             enable_confidence_head: true,
             confidence_head_with_markov: true,
-            rope: YarnConfig {
-                rope_theta: 50000.0,
-                factor: 32.0,
-                original_max_position_embeddings: 32768,
-                beta_fast: 32.0,
-                beta_slow: 1.0,
-                mscale: 1.0,
-                mscale_all_dim: 1.0,
-            },
+            rope: crate::dspark::rope::tests::real(),
         }
     }
 
@@ -556,60 +556,41 @@ pub(crate) mod tests {
     pub(crate) fn random_dspark(seed: u64) -> (DsparkModel, Bf16Matrix, Linear) {
         let c = small_config();
         let mut rng = Rng(seed);
-        let (d, f, h) = (c.hidden_size, c.intermediate_size, c.num_attention_heads);
-        let (ql, kvl, dn, dr, dv) = (
-            c.q_lora_rank,
-            c.kv_lora_rank,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-        );
+        let s = Sizes::of(&c);
         let layers = (0..c.num_hidden_layers)
             .map(|_| DsparkLayer {
-                input_layernorm: rng.around_one(d),
-                post_attention_layernorm: rng.around_one(d),
-                q_a_proj: rng.matrix(ql, d, 1.0),
-                q_a_layernorm: rng.around_one(ql),
-                q_b_proj: rng.matrix(h * (dn + dr), ql, 2.0),
-                kv_a_proj: rng.matrix(kvl + dr, d, 2.0),
-                kv_a_layernorm: rng.around_one(kvl),
-                kv_b_proj: rng.matrix(h * (dn + dv), kvl, 1.0),
-                o_proj: rng.matrix(d, h * dv, 1.0),
-                gate_proj: rng.matrix(f, d, 1.0),
-                up_proj: rng.matrix(f, d, 1.0),
-                down_proj: rng.matrix(d, f, 1.0),
+                input_layernorm: rng.around_one(s.d),
+                post_attention_layernorm: rng.around_one(s.d),
+                q_a_proj: rng.matrix(s.ql, s.d, 1.0),
+                q_a_layernorm: rng.around_one(s.ql),
+                q_b_proj: rng.matrix(s.h * (s.dn + s.dr), s.ql, 2.0),
+                kv_a_proj: rng.matrix(s.kvl + s.dr, s.d, 2.0),
+                kv_a_layernorm: rng.around_one(s.kvl),
+                kv_b_proj: rng.matrix(s.h * (s.dn + s.dv), s.kvl, 1.0),
+                o_proj: rng.matrix(s.d, s.h * s.dv, 1.0),
+                mlp: SwiGlu {
+                    gate_proj: rng.matrix(s.f, s.d, 1.0),
+                    up_proj: rng.matrix(s.f, s.d, 1.0),
+                    down_proj: rng.matrix(s.d, s.f, 1.0),
+                },
             })
             .collect();
-        let taps = c.target_layer_ids.len() * c.target_hidden_size;
         let model = DsparkModel {
-            context_proj: rng.matrix(d, taps, 1.0),
-            context_norm: rng.around_one(d),
+            context_proj: rng.matrix(s.d, s.taps, 1.0),
+            context_norm: rng.around_one(s.d),
             layers,
-            final_norm: rng.around_one(d),
-            markov_w1: rng.matrix(c.vocab_size, c.markov_rank, 1.0),
-            markov_w2: rng.matrix(c.vocab_size, c.markov_rank, 2.0),
-            confidence: Some((
-                (0..d + c.markov_rank).map(|_| rng.f() * 0.3).collect(),
-                0.25,
-            )),
-            rope: Yarn::new(&c.rope, dr, c.qk_head_dim()),
+            final_norm: rng.around_one(s.d),
+            markov_w1: rng.matrix(s.v, s.r, 1.0),
+            markov_w2: rng.matrix(s.v, s.r, 2.0),
+            confidence: Some(((0..s.confidence).map(|_| rng.f() * 0.3).collect(), 0.25)),
+            rope: Yarn::new(&c.rope, s.dr, c.qk_head_dim()),
             config: c,
         };
-        let embed = rng.matrix(model.config.vocab_size, d, 3.0);
-        let lm_head = Linear::from(rng.matrix(model.config.vocab_size, d, 3.0));
+        let embed = rng.matrix(s.v, s.d, 3.0);
+        let lm_head = Linear::from(rng.matrix(s.v, s.d, 3.0));
         (model, embed, lm_head)
     }
 
-    fn mv(w: &Bf16Matrix, x: &[f64]) -> Vec<f64> {
-        (0..w.rows())
-            .map(|r| w.row(r).iter().zip(x).map(|(a, b)| a.to_f64() * b).sum())
-            .collect()
-    }
-    fn rms(x: &[f64], w: &[f32], eps: f64) -> Vec<f64> {
-        let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
-        let inv = 1.0 / (ms + eps).sqrt();
-        x.iter().zip(w).map(|(v, &w)| v * inv * w as f64).collect()
-    }
     fn rot(y: &Yarn, x: &mut [f64], pos: usize) {
         for (i, pair) in x.chunks_exact_mut(2).enumerate() {
             let ang = pos as f64 * y.inv_freq[i];
@@ -647,7 +628,7 @@ pub(crate) mod tests {
         let mut x: Vec<Vec<f64>> = (0..BLOCK)
             .map(|r| {
                 let t = if r == 0 { anchor } else { c.mask_token_id };
-                embed.row(t as usize).iter().map(|v| v.to_f64()).collect()
+                row(embed, t as usize)
             })
             .collect();
         for w in &m.layers {
@@ -694,17 +675,9 @@ pub(crate) mod tests {
                 let out = mv(&w.o_proj, &heads);
                 x[r].iter_mut().zip(&out).for_each(|(a, b)| *a += b);
             }
-            for row in x.iter_mut() {
-                let y = rms(row, &w.post_attention_layernorm, eps);
-                let g = mv(&w.gate_proj, &y);
-                let u = mv(&w.up_proj, &y);
-                let a: Vec<f64> = g
-                    .iter()
-                    .zip(&u)
-                    .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                    .collect();
-                let o = mv(&w.down_proj, &a);
-                row.iter_mut().zip(&o).for_each(|(p, b)| *p += b);
+            for xr in x.iter_mut() {
+                let o = swiglu(&w.mlp, &rms(xr, &w.post_attention_layernorm, eps));
+                xr.iter_mut().zip(&o).for_each(|(p, b)| *p += b);
             }
         }
         let hidden: Vec<Vec<f64>> = x.iter().map(|r| rms(r, &m.final_norm, eps)).collect();
@@ -714,12 +687,7 @@ pub(crate) mod tests {
             .collect();
         let (mut drafts, mut conf, mut prev) = (Vec::new(), Vec::new(), anchor);
         for r in 0..BLOCK {
-            let e: Vec<f64> = m
-                .markov_w1
-                .row(prev as usize)
-                .iter()
-                .map(|v| v.to_f64())
-                .collect();
+            let e = row(&m.markov_w1, prev as usize);
             let bias = mv(&m.markov_w2, &e);
             let row: Vec<f64> = logits[r].iter().zip(&bias).map(|(a, b)| a + b).collect();
             let best = (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b });

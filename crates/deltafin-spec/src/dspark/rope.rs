@@ -99,10 +99,11 @@ impl Yarn {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn real() -> YarnConfig {
+    /// The released DSpark `rope_parameters`.
+    pub(crate) fn real() -> YarnConfig {
         YarnConfig {
             rope_theta: 50000.0,
             factor: 32.0,

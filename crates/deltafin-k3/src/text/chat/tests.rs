@@ -73,21 +73,19 @@ fn attribute_values_are_escaped() {
     assert_eq!(escape("<|open|>'"), "<|open|>'");
 }
 
+/// A tool call with an id.
+fn call(id: &str, name: &str, arguments: &str) -> ToolCall {
+    ToolCall {
+        id: Some(id.into()),
+        name: name.into(),
+        arguments: arguments.into(),
+    }
+}
+
 #[test]
 fn tool_index_counter_restarts_per_assistant() {
     let mut a1 = ChatMessage::new("assistant", "");
-    a1.tool_calls = vec![
-        ToolCall {
-            id: Some("c1".into()),
-            name: "f".into(),
-            arguments: "{}".into(),
-        },
-        ToolCall {
-            id: Some("c2".into()),
-            name: "g".into(),
-            arguments: String::new(),
-        },
-    ];
+    a1.tool_calls = vec![call("c1", "f", "{}"), call("c2", "g", "")];
     let tool = |content: &str| ChatMessage {
         role: "tool".into(),
         content: Some(Content::Text(content.into())),
@@ -117,18 +115,7 @@ fn tool_index_counter_restarts_per_assistant() {
 #[test]
 fn matched_tool_results_are_reordered() {
     let mut a = ChatMessage::new("assistant", "");
-    a.tool_calls = vec![
-        ToolCall {
-            id: Some("x".into()),
-            name: "first".into(),
-            arguments: "{}".into(),
-        },
-        ToolCall {
-            id: Some("y".into()),
-            name: "second".into(),
-            arguments: "{}".into(),
-        },
-    ];
+    a.tool_calls = vec![call("x", "first", "{}"), call("y", "second", "{}")];
     let res = |id: &str, name: &str, c: &str| ChatMessage {
         role: "tool".into(),
         content: Some(Content::Text(c.into())),

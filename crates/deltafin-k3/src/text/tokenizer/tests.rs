@@ -207,48 +207,33 @@ fn small_vocab_loads() {
 
 #[test]
 fn bad_files_are_reported() {
+    // A rank line after the 256 byte ranks, or a special-token config: the error names it.
     let ok_config = r#"{"added_tokens_decoder": {}}"#;
-    let mut ranks = byte_ranks();
-    ranks.push_str("!!notbase64 256\n");
-    let (_d, r, c) = write_files(&ranks, ok_config);
-    let err = Tokenizer::from_files(&r, &c).unwrap_err().to_string();
-    assert!(err.contains(":257:") && err.contains("base64"), "{err}");
-
-    let mut ranks = byte_ranks();
-    ranks.push_str("YWI= 5\n");
-    let (_d, r, c) = write_files(&ranks, ok_config);
-    let err = Tokenizer::from_files(&r, &c).unwrap_err().to_string();
-    assert!(
-        err.contains(":257:") && err.contains("duplicate rank 5"),
-        "{err}"
-    );
-
-    let mut ranks = byte_ranks();
-    ranks.push_str("YWI= 300\n");
-    let (_d, r, c) = write_files(&ranks, ok_config);
-    let err = Tokenizer::from_files(&r, &c).unwrap_err().to_string();
-    assert!(err.contains(":257:") && err.contains("contiguous"), "{err}");
-
-    let mut ranks = byte_ranks();
-    ranks.push_str("YQ== 256\n");
-    let (_d, r, c) = write_files(&ranks, ok_config);
-    let err = Tokenizer::from_files(&r, &c).unwrap_err().to_string();
-    assert!(err.contains("already defined on line 98"), "{err}");
-
-    let bad_id = r#"{"added_tokens_decoder": {"12": {"content": "<|x|>"}}}"#;
-    let (_d, r, c) = write_files(&byte_ranks(), bad_id);
-    let err = Tokenizer::from_files(&r, &c).unwrap_err().to_string();
-    assert!(err.contains("id 12 is outside"), "{err}");
-
-    let clash = r#"{"added_tokens_decoder": {"256": {"content": "<|reserved_token_300|>"}}}"#;
-    let (_d, r, c) = write_files(&byte_ranks(), clash);
-    let err = Tokenizer::from_files(&r, &c).unwrap_err().to_string();
-    assert!(err.contains("same spelling"), "{err}");
-
-    let bad_eos = r#"{"added_tokens_decoder": {}, "eos_token": "[EOS]"}"#;
-    let (_d, r, c) = write_files(&byte_ranks(), bad_eos);
-    let err = Tokenizer::from_files(&r, &c).unwrap_err().to_string();
-    assert!(err.contains("eos_token"), "{err}");
+    for (extra_rank, config, wants) in [
+        ("!!notbase64 256\n", ok_config, &[":257:", "base64"][..]),
+        ("YWI= 5\n", ok_config, &[":257:", "duplicate rank 5"]),
+        ("YWI= 300\n", ok_config, &[":257:", "contiguous"]),
+        ("YQ== 256\n", ok_config, &["already defined on line 98"]),
+        (
+            "",
+            r#"{"added_tokens_decoder": {"12": {"content": "<|x|>"}}}"#,
+            &["id 12 is outside"],
+        ),
+        (
+            "",
+            r#"{"added_tokens_decoder": {"256": {"content": "<|reserved_token_300|>"}}}"#,
+            &["same spelling"],
+        ),
+        (
+            "",
+            r#"{"added_tokens_decoder": {}, "eos_token": "[EOS]"}"#,
+            &["eos_token"],
+        ),
+    ] {
+        let (_d, r, c) = write_files(&(byte_ranks() + extra_rank), config);
+        let err = Tokenizer::from_files(&r, &c).unwrap_err().to_string();
+        assert!(wants.iter().all(|w| err.contains(w)), "{err}");
+    }
 
     let missing = Tokenizer::from_dir(Path::new("/nonexistent/dir")).unwrap_err();
     assert!(

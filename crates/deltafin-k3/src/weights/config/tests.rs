@@ -137,33 +137,23 @@ fn cross_field_checks() {
     );
     let e = with(|v| v["text_config"]["num_experts_per_token"] = 900.into()).unwrap_err();
     assert!(e.to_string().contains("exceeds num_experts"), "{e}");
-    let e = with(|v| {
-        v["text_config"]["linear_attn_config"]["kda_layers"]
-            .as_array_mut()
-            .unwrap()
-            .pop();
-    })
-    .unwrap_err();
-    assert!(
-        e.to_string().contains("layer 91 (1-based) is in neither"),
-        "{e}"
-    );
-    let e = with(|v| {
-        v["text_config"]["linear_attn_config"]["kda_layers"]
-            .as_array_mut()
-            .unwrap()
-            .push(4.into());
-    })
-    .unwrap_err();
-    assert!(e.to_string().contains("layer 4 is listed twice"), "{e}");
-    let e = with(|v| {
-        v["text_config"]["linear_attn_config"]["kda_layers"]
-            .as_array_mut()
-            .unwrap()
-            .push(0.into());
-    })
-    .unwrap_err();
-    assert!(e.to_string().contains("outside 1..=93"), "{e}");
+    // `kda_layers` edited: a layer in neither list, one listed twice, layer 0 (1-based).
+    let kda_layers_err = |edit: fn(&mut Vec<Value>)| {
+        with(|v| {
+            let layers = &mut v["text_config"]["linear_attn_config"]["kda_layers"];
+            edit(layers.as_array_mut().unwrap())
+        })
+        .unwrap_err()
+        .to_string()
+    };
+    let e = kda_layers_err(|l| {
+        l.pop();
+    });
+    assert!(e.contains("layer 91 (1-based) is in neither"), "{e}");
+    let e = kda_layers_err(|l| l.push(4.into()));
+    assert!(e.contains("layer 4 is listed twice"), "{e}");
+    let e = kda_layers_err(|l| l.push(0.into()));
+    assert!(e.contains("outside 1..=93"), "{e}");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use super::format::*;
 use crate::weights::checkpoint::{Checkpoint, CheckpointError};
-use crate::weights::filelock::{FileLock, try_lock};
+use crate::weights::filelock::{FileLock, Refused, lock_in};
 use crate::weights::inventory::TensorSpec;
 use deltafin_tensor::int8::quantize_row;
 use half::f16;
@@ -65,12 +65,10 @@ pub struct ConvertReport {
 }
 
 pub(super) fn lock(dir: &Path) -> Result<FileLock, SpineError> {
-    let path = dir.join(LOCK_FILE);
-    match try_lock(&path) {
-        Ok(Some(l)) => Ok(l),
-        Ok(None) => Err(SpineError::Locked { path }),
-        Err(e) => Err(io_err(&path)(e)),
-    }
+    lock_in(dir, LOCK_FILE).map_err(|r| match r {
+        Refused::Held(path) => SpineError::Locked { path },
+        Refused::Io(path, e) => io_err(&path)(e),
+    })
 }
 
 /// Running sums of one tensor: three hashes and the squared error / norm.

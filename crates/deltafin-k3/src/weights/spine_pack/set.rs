@@ -5,7 +5,7 @@ use super::format::*;
 use super::read::*;
 use super::write::*;
 use crate::weights::checkpoint::Checkpoint;
-use crate::weights::filelock::{FileLock, try_lock};
+use crate::weights::filelock::{FileLock, Refused, lock_in};
 use crate::weights::inventory::TensorKind;
 use crate::weights::spine_int8::{Int8Spine, SpineFormat};
 use deltafin_tensor::{Bf16Matrix, DType, RowInt8Matrix};
@@ -67,12 +67,10 @@ pub fn selected_packs(layers: usize, layer: Option<usize>) -> Result<Vec<PackId>
 }
 
 pub(super) fn lock(dir: &Path) -> Result<FileLock, PackError> {
-    let path = dir.join(LOCK_FILE);
-    match try_lock(&path) {
-        Ok(Some(l)) => Ok(l),
-        Ok(None) => Err(PackError::Locked { path }),
-        Err(e) => Err(io_err(&path)(e)),
-    }
+    lock_in(dir, LOCK_FILE).map_err(|r| match r {
+        Refused::Held(path) => PackError::Locked { path },
+        Refused::Io(path, e) => io_err(&path)(e),
+    })
 }
 
 pub(super) fn source_len(sources: &[PackSource]) -> u64 {

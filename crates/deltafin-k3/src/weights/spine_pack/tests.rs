@@ -13,6 +13,14 @@ fn small(int8: bool) -> (tempfile::TempDir, Checkpoint) {
     crate::test_util::small_checkpoint(5, int8)
 }
 
+/// Options packing only layer `layer`.
+fn one_layer(ckpt: &Checkpoint, format: SpineFormat, layer: usize) -> PackOptions {
+    PackOptions {
+        layer: Some(layer),
+        ..opts(ckpt, format)
+    }
+}
+
 fn opts(ckpt: &Checkpoint, format: SpineFormat) -> PackOptions {
     PackOptions {
         format,
@@ -126,26 +134,19 @@ fn corrupt_message(path: &Path) -> String {
 #[test]
 fn verify_detects_every_flipped_byte_and_truncation() {
     let (_d, ckpt) = small(true);
-    let o = PackOptions {
-        layer: Some(1),
-        ..opts(&ckpt, SpineFormat::Int8)
-    };
+    let o = one_layer(&ckpt, SpineFormat::Int8, 1);
     pack_spine(&ckpt, &o, &mut |_| {}).unwrap();
     let path = o.output.join("layer-001.dfsp");
     let clean = std::fs::read(&path).unwrap();
     let p = SpinePack::open(&path).unwrap();
-    let q = p
-        .tensors()
-        .iter()
-        .find(|t| t.codec == Codec::RowI8F16Scale)
-        .unwrap()
-        .clone();
-    let raw = p
-        .tensors()
-        .iter()
-        .find(|t| t.codec == Codec::Raw)
-        .unwrap()
-        .clone();
+    let first = |codec| {
+        p.tensors()
+            .iter()
+            .find(|t| t.codec == codec)
+            .unwrap()
+            .clone()
+    };
+    let (q, raw) = (first(Codec::RowI8F16Scale), first(Codec::Raw));
     let payload = p.payload_off;
     drop(p);
     let cases: Vec<(&str, u64, &str)> = vec![
@@ -194,16 +195,8 @@ fn verify_detects_every_flipped_byte_and_truncation() {
 #[test]
 fn wrong_format_root_is_rejected() {
     let (_d, ckpt) = small(true);
-    let o = opts(&ckpt, SpineFormat::Bf16);
-    pack_spine(
-        &ckpt,
-        &PackOptions {
-            layer: Some(0),
-            ..o.clone()
-        },
-        &mut |_| {},
-    )
-    .unwrap();
+    let o = one_layer(&ckpt, SpineFormat::Bf16, 0);
+    pack_spine(&ckpt, &o, &mut |_| {}).unwrap();
     // A bf16 pack copied under the int8 root.
     let int8_root = ckpt.root().join(INT8_PACK_DIR);
     std::fs::create_dir_all(&int8_root).unwrap();
@@ -217,10 +210,7 @@ fn wrong_format_root_is_rejected() {
         matches!(e, PackError::WrongFormat { found: "bf16", .. }),
         "{e}"
     );
-    let io = PackOptions {
-        layer: Some(0),
-        ..opts(&ckpt, SpineFormat::Int8)
-    };
+    let io = one_layer(&ckpt, SpineFormat::Int8, 0);
     let e = pack_spine(&ckpt, &io, &mut |_| {}).unwrap_err();
     assert!(matches!(e, PackError::WrongFormat { .. }), "{e}");
 }
@@ -248,16 +238,8 @@ fn the_loader_uses_complete_packs_with_identical_logits() {
         assert!(PackSet::open_if_complete(&ckpt, format).unwrap().is_none());
         let want = logits();
         // Incomplete (one layer): not used.
+        pack_spine(&ckpt, &one_layer(&ckpt, format, 0), &mut |_| {}).unwrap();
         let o = opts(&ckpt, format);
-        pack_spine(
-            &ckpt,
-            &PackOptions {
-                layer: Some(0),
-                ..o.clone()
-            },
-            &mut |_| {},
-        )
-        .unwrap();
         assert!(PackSet::open_if_complete(&ckpt, format).unwrap().is_none());
         pack_spine(&ckpt, &o, &mut |_| {}).unwrap();
         let set = PackSet::open_if_complete(&ckpt, format).unwrap().unwrap();
@@ -289,10 +271,7 @@ fn the_loader_uses_complete_packs_with_identical_logits() {
 #[test]
 fn a_second_packer_is_locked_out() {
     let (_d, ckpt) = small(false);
-    let o = PackOptions {
-        layer: Some(0),
-        ..opts(&ckpt, SpineFormat::Bf16)
-    };
+    let o = one_layer(&ckpt, SpineFormat::Bf16, 0);
     std::fs::create_dir_all(&o.output).unwrap();
     let held = lock(&o.output).unwrap();
     let e = pack_spine(&ckpt, &o, &mut |_| {}).unwrap_err();
@@ -357,19 +336,13 @@ fn resume_after_a_stop_skips_complete_packs_and_redoes_parts() {
 fn layer_out_of_range_and_other_model_are_rejected() {
     let (_d, ckpt) = small(false);
     let layers = ckpt.config().n_layers();
-    let o = PackOptions {
-        layer: Some(layers),
-        ..opts(&ckpt, SpineFormat::Bf16)
-    };
+    let o = one_layer(&ckpt, SpineFormat::Bf16, layers);
     let e = pack_spine(&ckpt, &o, &mut |_| {}).unwrap_err();
     assert!(matches!(e, PackError::LayerOutOfRange { .. }), "{e}");
     assert!(e.to_string().contains(&format!("0…{}", layers - 1)), "{e}");
     // A pack of another model (different seed, same shapes: the index differs in nothing,
     // so change config.json) is refused by verify.
-    let o = PackOptions {
-        layer: Some(0),
-        ..opts(&ckpt, SpineFormat::Bf16)
-    };
+    let o = one_layer(&ckpt, SpineFormat::Bf16, 0);
     pack_spine(&ckpt, &o, &mut |_| {}).unwrap();
     let cfg = ckpt.root().join(CONFIG_FILE);
     let mut text = std::fs::read_to_string(&cfg).unwrap();
