@@ -32,7 +32,7 @@ pub fn engine_config(
     let spine = resolve_spine(model.spine.as_deref())?;
     let device_reserve = device_reserve()?;
     let heat = heat_settings_from_env()?;
-    let (spine_resident_layers, spine_stream) = spine_stream_from_env(&model.model_root)?;
+    let (spine_resident_layers, spine_stream) = spine_stream_from_env(&model.root())?;
     let huge_pages = huge_pages_from_env()?;
     // The streaming variables are read only when experts stream.
     let stream = match memory_budget {
@@ -60,19 +60,29 @@ pub fn engine_config(
 /// The spine from `--spine`, else `K3_SPINE`, else `auto` (= int8). Both are parsed
 /// strictly; `mixed` is rejected with its reason.
 pub fn resolve_spine(flag: Option<&str>) -> Result<SpineFormat> {
-    let env = env_var("K3_SPINE")?
+    Ok(resolve_spine_choice(flag)?.0.format())
+}
+
+/// [`resolve_spine`]'s choice, and where it came from in the operator's words
+/// (`--spine int8`, `K3_SPINE=bf16`, `the default --spine auto`).
+pub fn resolve_spine_choice(flag: Option<&str>) -> Result<(SpineChoice, String)> {
+    let env = env_var("K3_SPINE")?;
+    let env_choice = env
+        .as_deref()
         .map(|v| {
             v.parse::<SpineChoice>()
                 .map_err(|e| anyhow!("environment variable K3_SPINE: {e}"))
         })
         .transpose()?;
-    let choice = match flag {
-        Some(f) => f
-            .parse::<SpineChoice>()
-            .map_err(|e| anyhow!("--spine: {e}"))?,
-        None => env.unwrap_or_default(),
-    };
-    Ok(choice.format())
+    Ok(match (flag, env_choice) {
+        (Some(f), _) => (
+            f.parse::<SpineChoice>()
+                .map_err(|e| anyhow!("--spine: {e}"))?,
+            format!("--spine {f}"),
+        ),
+        (None, Some(c)) => (c, format!("K3_SPINE={}", env.unwrap_or_default())),
+        (None, None) => (SpineChoice::default(), "the default --spine auto".into()),
+    })
 }
 
 /// The budget from `--memory-budget-gb`, else `K3_MEMORY_BUDGET_GB`, else none. Both are
@@ -116,17 +126,8 @@ pub fn device_reserve() -> Result<u64> {
 /// cache size is the memory plan's.
 pub fn stream_options_from_env() -> Result<StreamOptions> {
     let base = StreamOptions::with_cache_bytes(0);
-    let read_threads = env_choice("K3_EXPERT_READ_THREADS", base.read_threads, |v| {
-        v.parse::<usize>()
-            .ok()
-            .filter(|n| (1..=16).contains(n))
-            .ok_or_else(|| format!("{v:?} is not an integer in 1…16"))
-    })?;
-    let direct_io = env_choice("K3_EXPERT_STREAM_NOCACHE", DirectIo::Auto, |v| match v {
-        "auto" | "1" => Ok(DirectIo::Auto),
-        "0" => Ok(DirectIo::Off),
-        _ => Err(format!("{v:?} is not auto, 0 or 1")),
-    })?;
+    let read_threads = read_threads_env("K3_EXPERT_READ_THREADS", base.read_threads)?;
+    let direct_io = direct_io_env("K3_EXPERT_STREAM_NOCACHE")?;
     let threshold = env_choice("K3_PILOT_GATE_THRESHOLD", 0.10, |v| {
         v.parse::<f64>()
             .ok()
@@ -167,6 +168,26 @@ pub fn stream_options_from_env() -> Result<StreamOptions> {
         read_threads,
         direct_io,
         pilot,
+    })
+}
+
+/// Reader threads from the variable `name` (an integer 1…16), else `default`.
+fn read_threads_env(name: &str, default: usize) -> Result<usize> {
+    env_choice(name, default, |v| {
+        v.parse::<usize>()
+            .ok()
+            .filter(|n| (1..=16).contains(n))
+            .ok_or_else(|| format!("{v:?} is not an integer in 1…16"))
+    })
+}
+
+/// The O_DIRECT policy from the variable `name`: `auto`/`1` (where allowed, the default) or
+/// `0` (the page cache).
+fn direct_io_env(name: &str) -> Result<DirectIo> {
+    env_choice(name, DirectIo::Auto, |v| match v {
+        "auto" | "1" => Ok(DirectIo::Auto),
+        "0" => Ok(DirectIo::Off),
+        _ => Err(format!("{v:?} is not auto, 0 or 1")),
     })
 }
 
@@ -216,17 +237,8 @@ pub fn spine_stream_from_env(root: &Path) -> Result<(Option<usize>, SpineStreamO
         }
     };
     let base = SpineStreamOptions::default();
-    let read_threads = env_choice("K3_SPINE_READ_THREADS", base.read_threads, |v| {
-        v.parse::<usize>()
-            .ok()
-            .filter(|n| (1..=16).contains(n))
-            .ok_or_else(|| format!("{v:?} is not an integer in 1…16"))
-    })?;
-    let direct_io = env_choice("K3_SPINE_STREAM_NOCACHE", DirectIo::Auto, |v| match v {
-        "auto" | "1" => Ok(DirectIo::Auto),
-        "0" => Ok(DirectIo::Off),
-        _ => Err(format!("{v:?} is not auto, 0 or 1")),
-    })?;
+    let read_threads = read_threads_env("K3_SPINE_READ_THREADS", base.read_threads)?;
+    let direct_io = direct_io_env("K3_SPINE_STREAM_NOCACHE")?;
     Ok((
         cap,
         SpineStreamOptions {

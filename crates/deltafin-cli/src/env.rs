@@ -1,7 +1,21 @@
-//! Strict reading of environment variables.
+//! Strict reading of environment variables, and the model root every command resolves the
+//! same way.
 
 use anyhow::{Result, anyhow, bail};
 use deltafin_spec::dspark::SpecConfig;
+use std::path::{Path, PathBuf};
+
+/// The model root of every command that takes `--model-root`: the flag, else
+/// `DELTAFIN_ROOT` (when set and not empty; any path, UTF-8 or not), else the current
+/// directory.
+pub fn model_root(flag: Option<&Path>) -> PathBuf {
+    match flag {
+        Some(p) => p.to_path_buf(),
+        None => std::env::var_os("DELTAFIN_ROOT")
+            .filter(|v| !v.is_empty())
+            .map_or_else(|| PathBuf::from("."), PathBuf::from),
+    }
+}
 
 /// Value of environment variable `name`, if set; a non-UTF-8 value is an error.
 pub fn env_var(name: &str) -> Result<Option<String>> {

@@ -86,9 +86,9 @@ enum Command {
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Install root holding config.json, model.safetensors.index.json, the shards and the
-    /// tokenizer files.
-    #[arg(long, value_name = "PATH", default_value = ".")]
-    pub model_root: PathBuf,
+    /// tokenizer files [default: DELTAFIN_ROOT, else the current directory].
+    #[arg(long, value_name = "PATH")]
+    pub model_root: Option<PathBuf>,
     /// Whole-process RAM budget in decimal GB [env: K3_MEMORY_BUDGET_GB]. Default: no budget,
     /// every expert resident through the shard mmaps. With a budget the spine stays mmap'd, the
     /// KV/state and runtime are reserved, and the routed experts stream from disk into an
@@ -109,6 +109,13 @@ pub struct ModelArgs {
     /// bf16 (the original weights, weight-exact) [env: K3_SPINE; default: auto = int8].
     #[arg(long, value_name = "FORMAT")]
     pub spine: Option<String>,
+}
+
+impl ModelArgs {
+    /// The model root: `--model-root`, else `DELTAFIN_ROOT`, else `.` ([`env::model_root`]).
+    pub fn root(&self) -> PathBuf {
+        env::model_root(self.model_root.as_deref())
+    }
 }
 
 #[derive(Args, Debug, Clone)]

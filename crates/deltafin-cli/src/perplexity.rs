@@ -16,7 +16,8 @@ pub fn perplexity(args: &PerplexityArgs) -> Result<ExitCode> {
         .map_err(|e| anyhow::anyhow!("{} is not valid UTF-8: {e}", args.file.display()))?;
     let config = crate::engine_config::engine_config(&args.model, None, None)?;
     let interrupt = session::interrupt_flag();
-    let s = session::load(&args.model.model_root, &config)?;
+    let root = args.model.root();
+    let s = session::load(&root, &config)?;
     session::report_memory_plan(&s.model, s.plan.as_ref());
     let mut tokens = s.tokenizer.encode_ordinary(&text);
     if let Some(m) = args.max_tokens {
@@ -41,7 +42,7 @@ pub fn perplexity(args: &PerplexityArgs) -> Result<ExitCode> {
         "[deltafin] perplexity {} spine={} model_root={} tokens={} chunk={chunk}",
         session::backend_description(),
         s.spine.as_str(),
-        args.model.model_root.display(),
+        root.display(),
         tokens.len()
     );
     let bar = if tokens.len() > chunk && !args.json {

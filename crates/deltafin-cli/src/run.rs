@@ -40,9 +40,14 @@ fn resolve_effort(flag: Option<&str>) -> Result<(ReasoningEffort, &'static str)>
     })
 }
 
-fn summary_json(s: &LogitSummary) -> (Value, Value) {
-    let top: Vec<Value> = s.top.iter().map(|&(id, l)| json!([id, l])).collect();
-    (Value::Array(top), json!(s.logsumexp))
+/// Add `summary`'s largest logits and log-sum-exp (`--top-logits`) to `event` under
+/// `top_key` and `lse_key`.
+fn add_summary(event: &mut Value, summary: Option<&LogitSummary>, top_key: &str, lse_key: &str) {
+    if let Some(s) = summary {
+        let top: Vec<Value> = s.top.iter().map(|&(id, l)| json!([id, l])).collect();
+        event[top_key] = Value::Array(top);
+        event[lse_key] = json!(s.logsumexp);
+    }
 }
 
 /// Context tokens reserved beyond the prompt and `--max-new`: a speculative verification
@@ -74,7 +79,7 @@ pub fn engine_config(args: &RunArgs, effort: ReasoningEffort) -> Result<EngineCo
     config.router_trace = crate::engine_config::resolve_router_trace(
         args.router_trace.as_deref(),
         args.router_trace_mode.as_deref(),
-        &args.model.model_root,
+        &args.model.root(),
     )?;
     Ok(config)
 }
@@ -103,6 +108,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .map(EventWriter::create)
         .transpose()?;
     let config = engine_config(args, effort)?;
+    let root = args.model.root();
     let interrupt = session::interrupt_flag();
     let started = Instant::now();
 
@@ -114,7 +120,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         plan: memory,
         spine,
         ..
-    } = session::load(&args.model.model_root, &config)?;
+    } = session::load(&root, &config)?;
     let tokenizer = Arc::new(tokenizer);
     // Drafters: none when --top-logits asks for every distribution (auto modes yield).
     let surfaces = Surfaces {
@@ -127,9 +133,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
             uag: DraftMode::Off,
             ..spec.clone()
         };
-        DraftModels::load(&args.model.model_root, &off, surfaces, &model)
+        DraftModels::load(&root, &off, surfaces, &model)
     } else {
-        DraftModels::load(&args.model.model_root, &spec, surfaces, &model)
+        DraftModels::load(&root, &spec, surfaces, &model)
     }
     .map_err(|e| anyhow!("{e}"))?;
     session::report_memory_plan(&model, memory.as_ref());
@@ -193,7 +199,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         "[deltafin] surface={surface} {} spine={} model_root={} prompt_tokens={} reasoning_effort={effort_text} max_new={max_new_text} top_logits={top_n} {} drafter={} load={load_seconds:.2}s",
         session::backend_description(),
         spine.as_str(),
-        args.model.model_root.display(),
+        root.display(),
         prompt_ids.len(),
         drafts.describe(),
         chosen.as_ref().map_or("none", |c| c.name),
@@ -209,15 +215,16 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
             events.as_mut(),
             &interrupt,
             started,
+            spine.as_str(),
         );
     }
     let config = json!({
         "surface": surface,
-        "model_root": args.model.model_root.display().to_string(),
+        "model_root": root.display().to_string(),
         "reasoning_effort": if args.chat { json!(effort.to_string()) } else { Value::Null },
         "max_new": args.max_new,
         "top_logits": top_n,
-        "spine": "bf16",
+        "spine": spine.as_str(),
         "backend": session::backend_description(),
     });
 
@@ -247,11 +254,12 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
                                 "prompt_token_ids": prompt_ids,
                                 "config": config,
                             });
-                            if let Some(s) = summary {
-                                let (top, lse) = summary_json(s);
-                                start["last_prompt_top_logits"] = top;
-                                start["last_prompt_logsumexp"] = lse;
-                            }
+                            add_summary(
+                                &mut start,
+                                summary,
+                                "last_prompt_top_logits",
+                                "last_prompt_logsumexp",
+                            );
                             w.emit("run_start", start)?;
                             w.emit(
                             "prefill_done",
@@ -295,11 +303,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
                                 "accepted_token_count": 0,
                                 "proposal_memory_rejected": false,
                             });
-                            if let Some(s) = summary {
-                                let (top, lse) = summary_json(s);
-                                step_ev["top_logits"] = top;
-                                step_ev["logsumexp"] = lse;
-                            }
+                            add_summary(&mut step_ev, summary, "top_logits", "logsumexp");
                             w.emit("decode_step", step_ev)?;
                         }
                     }
@@ -319,30 +323,12 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         Err(e) => {
             let err = sink_error.take().unwrap_or_else(|| anyhow!(e));
             if let Some(w) = events.as_mut() {
-                let _ = w.emit(
-                    "run_error",
-                    json!({
-                        "phase": if emitted.is_empty() { "prefill" } else { "decode" },
-                        "error_type": "generation",
-                        "message": format!("{err:#}"),
-                        "duration_ns": started.elapsed().as_nanos() as u64,
-                    }),
-                );
+                emit_run_error(w, emitted.is_empty(), &format!("{err:#}"), started);
             }
             return Err(err);
         }
     };
-    let tail = decoder.finish();
-    text.push_str(&tail);
-    if args.stats {
-        if live_stats {
-            writeln!(out)?;
-        }
-    } else {
-        write!(out, "{tail}")?;
-        writeln!(out)?;
-    }
-    out.flush()?;
+    finish_output(decoder, &mut text, &mut out, args.stats, live_stats)?;
     let completion: Vec<u32> = match outcome.stop {
         StopReason::Eos => outcome.ids[..outcome.ids.len().saturating_sub(1)].to_vec(),
         _ => outcome.ids.clone(),
@@ -410,6 +396,7 @@ fn run_speculative(
     mut events: Option<&mut EventWriter>,
     interrupt: &std::sync::atomic::AtomicBool,
     started: Instant,
+    spine: &str,
 ) -> Result<ExitCode> {
     let Chosen {
         name,
@@ -441,7 +428,7 @@ fn run_speculative(
                 "input_token_ids": prompt_ids,
                 "prompt_token_ids": prompt_ids,
                 "config": {"surface": if args.chat { "chat" } else { "raw" }, "drafter": name,
-                           "draft_mode": mode, "spine": "bf16",
+                           "draft_mode": mode, "spine": spine,
                            "backend": session::backend_description()},
             }),
         )?;
@@ -536,25 +523,12 @@ fn run_speculative(
         Ok(v) => v,
         Err(e) => {
             if let Some(w) = events.as_deref_mut() {
-                let _ = w.emit(
-                    "run_error",
-                    json!({"phase": if step == 0 { "prefill" } else { "decode" }, "error_type": "generation", "message": e.to_string(),
-                           "duration_ns": started.elapsed().as_nanos() as u64}),
-                );
+                emit_run_error(w, step == 0, &e.to_string(), started);
             }
             bail!("{e}");
         }
     };
-    let tail = decoder.finish();
-    text.push_str(&tail);
-    if args.stats {
-        if live_stats {
-            writeln!(out)?;
-        }
-    } else {
-        writeln!(out, "{tail}")?;
-    }
-    out.flush()?;
+    finish_output(decoder, &mut text, &mut out, args.stats, live_stats)?;
     let stop = if ids.last().is_some_and(|t| opts.stop_ids.contains(t)) {
         StopReason::Eos
     } else if ids.len() >= max_new {
@@ -629,6 +603,39 @@ fn run_speculative(
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The `run_error` event of a generation that failed (in the prefill when `in_prefill`);
+/// best effort: the error itself is what the run reports.
+fn emit_run_error(w: &mut EventWriter, in_prefill: bool, message: &str, started: Instant) {
+    let _ = w.emit(
+        "run_error",
+        json!({
+            "phase": if in_prefill { "prefill" } else { "decode" },
+            "error_type": "generation",
+            "message": message,
+            "duration_ns": started.elapsed().as_nanos() as u64,
+        }),
+    );
+}
+
+/// End the output of a generation: the decoder's held-back bytes go to `text` and `out`,
+/// then the line ends (after the text, or after the live `--stats` line on a terminal).
+fn finish_output(
+    decoder: StreamDecoder,
+    text: &mut String,
+    out: &mut impl Write,
+    stats: bool,
+    live_stats: bool,
+) -> std::io::Result<()> {
+    let tail = decoder.finish();
+    text.push_str(&tail);
+    if !stats {
+        writeln!(out, "{tail}")?;
+    } else if live_stats {
+        writeln!(out)?;
+    }
+    out.flush()
 }
 
 /// One `--stats` line: rewritten in place on a terminal (`\r`), one line per token otherwise.

@@ -119,7 +119,7 @@ pub fn engine_config(args: &ServeArgs) -> Result<EngineConfig> {
     let router_trace = crate::engine_config::resolve_router_trace(
         args.router_trace.as_deref(),
         args.router_trace_mode.as_deref(),
-        &args.model.model_root,
+        &args.model.root(),
     )?;
     crate::engine_config::engine_config(&args.model, router_trace, None)
 }
@@ -135,8 +135,11 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     session::check_kernels()?;
     let config = engine_config(args)?;
     let spine = config.spine;
-    // Fail at startup, not in the background loader, when the int8 spine is missing.
-    deltafin_k3::engine::check_spine(&args.model.model_root, spine)?;
+    // Fail at startup, not in the background loader, when the model root is wrong or the
+    // int8 spine is missing (in that order: a wrong path is not a missing conversion).
+    let root = args.model.root();
+    session::check_root(&root)?;
+    deltafin_k3::engine::check_spine(&root, spine)?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (effort, effort_source) = resolve_effort()?;
     let spec = crate::env::spec_config()?;
@@ -157,13 +160,13 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         let shutdown = shutdown_signal();
         // The model loads through the same path as `run` (memory budget included), on the
         // server's background loader thread.
-        let root = args.model.model_root.clone();
+        let loader_root = root.clone();
         let server = Server::bind_with_loader(cfg.clone(), move || {
-            let s = session::load(&root, &config).map_err(|e| format!("{e:#}"))?;
+            let s = session::load(&loader_root, &config).map_err(|e| format!("{e:#}"))?;
             session::report_memory_plan(&s.model, s.plan.as_ref());
             // The same drafting as `run`: DSpark for chat completions, Qwen for completions.
             let surfaces = Surfaces { chat: true, raw: true };
-            let drafts = DraftModels::load(&root, &spec, surfaces, &s.model)?;
+            let drafts = DraftModels::load(&loader_root, &spec, surfaces, &s.model)?;
             deltafin_openai::log_line!("[deltafin serve] drafting: {}", drafts.describe());
             Ok(deltafin_openai::Engine::from_loaded(s, Some(drafts)))
         })
@@ -173,7 +176,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
             "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={effort} ({effort_source})",
             session::backend_description(),
             spine.as_str(),
-            args.model.model_root.display(),
+            root.display(),
             cfg.host,
             addr.port(),
             cfg.max_tokens,

@@ -101,9 +101,55 @@ pub fn builder(root: &Path, config: &EngineConfig) -> EngineBuilder {
         }))
 }
 
+/// Why a model root cannot be loaded (`detail`), and what to do about it (`fix`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RootProblem {
+    pub detail: String,
+    pub fix: String,
+}
+
+/// What keeps `root` from being loaded as a K3 install, before anything else is checked: a
+/// path that does not exist, is not a directory or cannot be read, or a directory without
+/// the files of an install (`None`: it has a config and a checkpoint layout).
+pub fn root_problem(root: &Path) -> Option<RootProblem> {
+    let r = root.display();
+    let point = "point --model-root (or DELTAFIN_ROOT) at the directory of a K3 install";
+    let (detail, fix) = match std::fs::metadata(root) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (
+            format!("model root {r} does not exist"),
+            format!("check the path: {point} (`deltafin setup --model-root PATH` installs one)"),
+        ),
+        Err(e) => (
+            format!("model root {r} cannot be read: {e}"),
+            format!("check the path and its permissions, or {point}"),
+        ),
+        Ok(m) if !m.is_dir() => (
+            format!("model root {r} is not a directory"),
+            point.to_string(),
+        ),
+        Ok(_) => {
+            let what = deltafin_k3::weights::install::missing(root)?;
+            (
+                format!("no K3 model installed at {r}: {what}"),
+                format!("install it with `deltafin setup --model-root {r}`, or {point}"),
+            )
+        }
+    };
+    Some(RootProblem { detail, fix })
+}
+
+/// Fail with [`root_problem`]'s words unless `root` holds an install.
+pub fn check_root(root: &Path) -> Result<()> {
+    match root_problem(root) {
+        Some(p) => Err(anyhow!("{}; {}", p.detail, p.fix)),
+        None => Ok(()),
+    }
+}
+
 /// Load the install at `root` with `config`; the device line goes into
 /// [`backend_description`].
 pub fn load(root: &Path, config: &EngineConfig) -> Result<LoadedEngine> {
+    check_root(root)?;
     check_kernels()?;
     let loaded = builder(root, config).build().map_err(cli_error)?;
     *DEVICE_LINE.lock().unwrap_or_else(|p| p.into_inner()) = Some(loaded.device_line.clone());
@@ -135,11 +181,18 @@ pub fn report_memory_plan(model: &K3Model, plan: Option<&deltafin_k3::engine::Me
         .stats()
         .map(|s| (s.io_path, s.read_threads))
         .unwrap_or_default();
-    let pilot = crate::env::env_var("K3_PILOT_GATE")
+    eprintln!(
+        "[deltafin] {}",
+        plan.describe(&io, threads, &pilot_gate_setting())
+    );
+}
+
+/// `K3_PILOT_GATE` as set (`off` when unset), for the memory-plan line.
+pub fn pilot_gate_setting() -> String {
+    crate::env::env_var("K3_PILOT_GATE")
         .ok()
         .flatten()
-        .unwrap_or_else(|| "off".into());
-    eprintln!("[deltafin] {}", plan.describe(&io, threads, &pilot));
+        .unwrap_or_else(|| "off".into())
 }
 
 /// The expert-streaming summary (stderr): cache hits, prefetch recall, bytes read, achieved

@@ -8,8 +8,10 @@ use deltafin_fetch::hub::HubClient;
 use deltafin_fetch::inventory::Inventory;
 use deltafin_fetch::layers::{format_layers, parse_layers};
 use deltafin_fetch::manifest::Manifests;
-use deltafin_fetch::plan::{Mode, Selection, plan_setup, weight_items, weight_jobs};
-use deltafin_fetch::setup::{self as fsetup, Setup, check_setup, choose_mode, recorded_mode};
+use deltafin_fetch::plan::{Mode, Selection, plan_setup, size_text, weight_items, weight_jobs};
+use deltafin_fetch::setup::{
+    self as fsetup, DiskCheck, Setup, check_setup, choose_mode, recorded_mode,
+};
 use deltafin_fetch::transfer::{TransferOptions, parse_workers};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -23,14 +25,10 @@ pub struct RootArg {
 }
 
 impl RootArg {
-    /// `--model-root`, else `DELTAFIN_ROOT`, else the current directory.
+    /// `--model-root`, else `DELTAFIN_ROOT`, else the current directory
+    /// ([`crate::env::model_root`], as every command resolves it).
     pub fn resolve(&self) -> PathBuf {
-        self.model_root.clone().unwrap_or_else(|| {
-            std::env::var_os("DELTAFIN_ROOT")
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from("."))
-        })
+        crate::env::model_root(self.model_root.as_deref())
     }
 }
 
@@ -129,10 +127,21 @@ fn client() -> Result<HubClient> {
     HubClient::from_env().context("hub endpoint")
 }
 
-fn opts(workers: usize) -> TransferOptions {
-    TransferOptions {
-        workers,
-        ..TransferOptions::default()
+/// The setup steps at `root` through `client` with `workers` parallel transfers.
+fn setup_with<'a>(
+    root: PathBuf,
+    manifests: &'a Manifests,
+    client: &'a HubClient,
+    workers: usize,
+) -> Setup<'a> {
+    Setup {
+        root,
+        manifests,
+        client,
+        transfer: TransferOptions {
+            workers,
+            ..TransferOptions::default()
+        },
     }
 }
 
@@ -173,25 +182,26 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
             &check_setup(&root, &ms, mode, a.include_qwen),
         ));
     }
-    let choice = choose_mode(&root, &ms, a.include_qwen, flag)?;
+    // The disk the whole plan needs (weights, drafters, the int8 spine converted last)
+    // against the free space, before anything is written.
+    let free = deltafin_fetch::disk::free_bytes(&root)?;
+    let choice = choose_mode(&root, &ms, a.include_qwen, flag, free);
+    let plan = plan_setup(&root, &ms, choice.mode, a.include_qwen);
+    let disk = DiskCheck::new(&root, &ms, &plan, a.include_qwen, free);
     if a.dry_run {
-        let plan = plan_setup(&root, &ms, choice.mode, a.include_qwen);
-        let free = deltafin_fetch::disk::free_bytes(&root).ok();
-        print!("{}", fsetup::render_plan(&root, &plan, &choice, free));
-        println!(
-            "then: convert the row-int8 spine (deltafin convert-spine-int8) into {}/k3-resident-int8, about half the BF16 spine's size, no network",
-            root.display()
-        );
-        return Ok(ExitCode::SUCCESS);
+        print!("{}", fsetup::render_plan(&root, &plan, &choice, &disk));
+        return Ok(if disk.fits() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        });
+    }
+    if !disk.fits() {
+        bail!("setup: {}", disk.refusal(&root));
     }
     println!("mode: {} ({})", choice.mode.as_str(), choice.reason);
     let c = client()?;
-    let s = Setup {
-        root: root.clone(),
-        manifests: &ms,
-        client: &c,
-        transfer: opts(a.workers),
-    };
+    let s = setup_with(root.clone(), &ms, &c, a.workers);
     s.run(choice.mode, a.include_qwen, &mut log)?;
     // The last step of a one-shot setup (docs/SETUP.md): the int8 spine that `run`
     // and `serve` use by default. Resumable: an interrupted setup rerun continues it.
@@ -204,7 +214,9 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
         no_resume: false,
         check: false,
     })
-    .context("setup: the weights are installed, but converting the int8 spine failed (rerun `deltafin setup` or `deltafin convert-spine-int8`; `--spine bf16` runs without it)")
+    .context("setup: the weights are installed, but converting the int8 spine failed (rerun `deltafin setup` or `deltafin convert-spine-int8`; `--spine bf16` runs without it)")?;
+    println!("setup complete ({} install)", choice.mode.as_str());
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `deltafin setup-k3`.
@@ -216,12 +228,7 @@ pub fn setup_k3(a: &SetupK3Args) -> Result<ExitCode> {
         return Ok(report("setup-k3 --check", &r));
     }
     let c = client()?;
-    let s = Setup {
-        root,
-        manifests: &ms,
-        client: &c,
-        transfer: opts(8),
-    };
+    let s = setup_with(root, &ms, &c, 8);
     s.k3_meta(&mut log)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -246,12 +253,7 @@ pub fn setup_dspark(a: &SetupDsparkArgs) -> Result<ExitCode> {
         println!("setup-dspark --audit-only: ok");
         return Ok(ExitCode::SUCCESS);
     }
-    let s = Setup {
-        root,
-        manifests: &ms,
-        client: &c,
-        transfer: opts(8),
-    };
+    let s = setup_with(root, &ms, &c, 8);
     s.repo(&ms.dspark, &dest, &mut log)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -267,12 +269,7 @@ pub fn setup_qwen(a: &SetupQwenArgs) -> Result<ExitCode> {
         return Ok(report("setup-qwen --check", &r));
     }
     let c = client()?;
-    let s = Setup {
-        root,
-        manifests: &ms,
-        client: &c,
-        transfer: opts(8),
-    };
+    let s = setup_with(root, &ms, &c, 8);
     s.qwen(&mut log)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -303,10 +300,10 @@ pub fn fetch_weights(a: &FetchWeightsArgs) -> Result<ExitCode> {
             (Selection::Experts(layers), _) => {
                 let n = (layers.len() * m.experts_per_layer) as u64;
                 println!(
-                    "experts of layers {}: {n} files of {} B = {} B",
+                    "experts of layers {}: {n} files of {} = {}",
                     format_layers(layers),
-                    m.expert_bytes,
-                    n * m.expert_bytes
+                    size_text(m.expert_bytes),
+                    size_text(n.saturating_mul(m.expert_bytes))
                 );
             }
             (_, Some(inv)) => {
@@ -316,7 +313,11 @@ pub fn fetch_weights(a: &FetchWeightsArgs) -> Result<ExitCode> {
                     .filter(|j| !deltafin_fetch::transfer::is_complete(&j.dest, j.size))
                     .map(|j| j.size)
                     .sum();
-                println!("{} files, {} B still to fetch", jobs.len(), missing);
+                println!(
+                    "{} files, {} still to fetch",
+                    jobs.len(),
+                    size_text(missing)
+                );
             }
             (_, None) => {
                 let mode = if sel == Selection::Spine {
@@ -327,8 +328,9 @@ pub fn fetch_weights(a: &FetchWeightsArgs) -> Result<ExitCode> {
                 let items = weight_items(&root, m, None, mode);
                 let total: u64 = items.iter().map(|i| i.bytes).sum();
                 println!(
-                    "{} shard items, ≈{total} B (exact after `setup-k3 --meta-only`)",
-                    items.len()
+                    "{} shard items, ≈{} (exact after `setup-k3 --meta-only`)",
+                    items.len(),
+                    size_text(total)
                 );
             }
         }
@@ -342,12 +344,7 @@ pub fn fetch_weights(a: &FetchWeightsArgs) -> Result<ExitCode> {
         );
     };
     let c = client()?;
-    let s = Setup {
-        root: root.clone(),
-        manifests: &ms,
-        client: &c,
-        transfer: opts(a.workers),
-    };
+    let s = setup_with(root.clone(), &ms, &c, a.workers);
     s.weights(&inv, &sel, &mut log)?;
     if sel == Selection::Shards {
         let r = check_k3(&root, m, Mode::Full);

@@ -79,6 +79,19 @@ fn dry_run_makes_no_requests_and_no_writes() {
     assert!(!e.root().exists(), "dry run created the model root");
 }
 
+/// The decimal GB of a size text (`16.26 GB`, `59.8 MB`, `3.1 kB`, `53 B`).
+fn gb_of(text: &str) -> f64 {
+    let (n, unit) = text.trim().trim_start_matches('≈').split_once(' ').unwrap();
+    let n: f64 = n.parse().unwrap();
+    n * match unit {
+        "GB" => 1.0,
+        "MB" => 1e-3,
+        "kB" => 1e-6,
+        "B" => 1e-9,
+        other => panic!("unit {other:?} in {text:?}"),
+    }
+}
+
 #[test]
 fn real_manifest_dry_run_adds_up_to_the_index_total() {
     let tmp = tempfile::tempdir().unwrap();
@@ -87,20 +100,139 @@ fn real_manifest_dry_run_adds_up_to_the_index_total() {
         .args(["setup", "--dry-run", "--full", "--model-root"])
         .arg(&root)
         .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .env("DELTAFIN_TEST_FREE_DISK_BYTES", "2000000000000")
         .output()
         .unwrap();
     let t = text(&o);
     assert!(o.status.success(), "{t}");
-    let data: Vec<u64> = t
+    let data: Vec<f64> = t
         .lines()
         .filter(|l| l.starts_with("weights"))
-        .map(|l| l.rsplit("data=").next().unwrap().trim().parse().unwrap())
+        .map(|l| gb_of(l.rsplit("data=").next().unwrap()))
         .collect();
     assert_eq!(data.len(), 96, "{t}");
-    assert_eq!(data.iter().sum::<u64>(), 1_560_860_324_864);
-    assert!(t.contains("weight tensor data: 1560860324864 B"), "{t}");
+    // Each line is rounded to 10 MB.
+    let sum: f64 = data.iter().sum();
+    assert!((sum - 1560.860).abs() < 96.0 * 0.005, "{sum}");
+    assert!(t.contains("weight tensor data: 1560.86 GB"), "{t}");
     assert!(t.contains("peak additional disk: ≈"), "{t}");
+    assert!(
+        t.contains("free disk: 2000.00 GB\ndisk: the plan fits"),
+        "{t}"
+    );
+    // Sizes are for people: no raw byte counts.
+    assert!(
+        !t.split_whitespace()
+            .any(|w| w.len() > 4 && w.chars().all(|c| c.is_ascii_digit())),
+        "{t}"
+    );
+    // The int8 spine of the released configuration is exact, and said once.
+    let int8: Vec<&str> = t.lines().filter(|l| l.contains("int8")).collect();
+    assert_eq!(int8.len(), 2, "{int8:?}");
+    assert!(
+        int8[0].starts_with("int8      k3-resident-int8/tensors/"),
+        "{int8:?}"
+    );
+    assert!(
+        int8[1].starts_with("row-int8 spine: 54.98 GB written after the weights"),
+        "{int8:?}"
+    );
     assert!(!root.exists());
+}
+
+#[test]
+fn dry_run_says_the_int8_spine_once_and_what_setup_will_do() {
+    let e = env();
+    let o = e.run(&["setup", "--dry-run", "--stream"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(!t.contains("not available"), "{t}");
+    assert!(!t.contains("then:"), "{t}");
+    let int8: Vec<&str> = t.lines().filter(|l| l.contains("int8")).collect();
+    assert_eq!(int8.len(), 3, "{int8:?}");
+    assert!(int8[0].starts_with("int8      "), "{int8:?}");
+    assert!(int8[1].starts_with("row-int8 spine: ≈"), "{int8:?}");
+    assert!(
+        int8[2].starts_with("note: ≈ the row-int8 spine is estimated"),
+        "{int8:?}"
+    );
+    assert!(t.contains("disk: the plan fits"), "{t}");
+    assert!(e.hub.requests().is_empty());
+}
+
+#[test]
+fn setup_refuses_before_writing_when_the_disk_is_too_small() {
+    use deltafin_fetch::plan::{Mode, plan_setup, size_text};
+    let e = env();
+    let need = |mode| plan_setup(&e.root(), &e.src.manifests, mode, false).peak_additional_bytes();
+    let (full, stream) = (need(Mode::Full), need(Mode::Stream));
+    assert!(stream < full);
+    // Room for a stream install only: `--full` is refused with both numbers and the hint.
+    let free = stream.to_string();
+    let o = e
+        .cmd(&["setup", "--full"])
+        .env("DELTAFIN_TEST_FREE_DISK_BYTES", &free)
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains(&format!(
+            "not enough disk at {}: a full setup needs ",
+            e.root().display()
+        )),
+        "{t}"
+    );
+    assert!(t.contains(&format!("{} more (", size_text(full))), "{t}");
+    assert!(
+        t.contains(&format!("only {} are free", size_text(stream))),
+        "{t}"
+    );
+    assert!(
+        t.contains(&format!(
+            "`deltafin setup --stream` needs {}",
+            size_text(stream)
+        )),
+        "{t}"
+    );
+    // Too little for either: refused, and nothing was fetched or written.
+    for args in [&["setup"][..], &["setup", "--stream"]] {
+        let o = e
+            .cmd(args)
+            .env("DELTAFIN_TEST_FREE_DISK_BYTES", "1000")
+            .output()
+            .unwrap();
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{t}");
+        assert!(t.contains("a stream setup needs "), "{t}");
+        assert!(t.contains("only 1.0 kB are free"), "{t}");
+    }
+    // The dry run says the same, and exits 1.
+    let o = e
+        .cmd(&["setup", "--dry-run"])
+        .env("DELTAFIN_TEST_FREE_DISK_BYTES", "1000")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains("disk: setup would refuse: not enough disk at "),
+        "{t}"
+    );
+    assert!(e.hub.requests().is_empty(), "{:?}", e.hub.requests());
+    assert!(!e.root().exists(), "a refused setup wrote the model root");
+    // A bad test value is an error naming the variable.
+    let o = e
+        .cmd(&["setup", "--dry-run"])
+        .env("DELTAFIN_TEST_FREE_DISK_BYTES", "lots")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o).contains("DELTAFIN_TEST_FREE_DISK_BYTES"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]
@@ -215,11 +347,21 @@ fn killed_at_random_points_resumes_and_finishes() {
 fn stream_setup_check_and_layer_fetch() {
     let e = env();
     let o = e.run(&["setup", "--stream", "--include-qwen"]);
-    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(!t.contains("not available"), "{t}");
+    assert!(t.contains("converting the row-int8 spine"), "{t}");
+    assert!(t.contains("setup complete (stream install)\n"), "{t}");
+    assert!(e.root().join("k3-resident-int8/tensors").is_dir());
+    // Everything is in place: the plan has nothing left to fetch or convert.
+    let o = e.run(&["setup", "--dry-run", "--stream", "--include-qwen"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("peak additional disk: 0 B\n"), "{t}");
     assert!(
-        text(&o).contains("int8 spine conversion: not available"),
-        "{}",
-        text(&o)
+        t.lines()
+            .any(|l| l.starts_with("int8      ") && l.ends_with(" (present)")),
+        "{t}"
     );
     let o = e.run(&["setup", "--check", "--include-qwen"]);
     assert!(o.status.success(), "{}", text(&o));

@@ -49,6 +49,9 @@ pub enum FetchError {
     /// A bad argument (layer list, worker count, …).
     #[error("{0}")]
     Invalid(String),
+    /// The install does not fit the free disk (the message has the numbers).
+    #[error("{0}")]
+    Disk(String),
     /// Another transfer failed and this one was stopped (its `.part` file is kept).
     #[error("stopped after another transfer failed")]
     Stopped,

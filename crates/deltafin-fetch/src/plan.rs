@@ -2,13 +2,17 @@
 //!
 //! [`plan_setup`] needs no network: sizes come from the manifests, and the exact shard sizes
 //! from the local inventory when `setup-k3` has already run (otherwise the estimate of the
-//! manifest, flagged `≈`). [`weight_jobs`] turns a weight selection into transfer jobs; it
-//! needs the inventory (exact tensor offsets).
+//! manifest, flagged `≈`); the plan ends with the row-int8 spine `setup` converts locally.
+//! [`weight_jobs`] turns a weight selection into transfer jobs; it needs the inventory
+//! (exact tensor offsets).
 
 use crate::error::FetchError;
 use crate::inventory::{INVENTORY_PATH, Inventory};
 use crate::manifest::{K3Manifest, Manifests, RepoManifest};
 use crate::transfer::{Job, is_complete};
+use deltafin_k3::weights::config::{K3Config, REAL_CONFIG_JSON};
+use deltafin_k3::weights::spine_int8::{INT8_DIR, Int8Spine, SpineFormat, quantized_tensors};
+use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 /// Directory of the BF16 spine, one raw file per tensor.
@@ -17,6 +21,22 @@ pub const SPINE_DIR: &str = "k3-resident/tensors";
 pub const EXPERT_DIR: &str = "k3-experts";
 /// Headroom kept free when `setup` chooses full mode (contract §5.2).
 pub const FULL_HEADROOM: u64 = 100_000_000_000;
+/// The plan step of the row-int8 spine `setup` converts last (written locally, no download).
+pub const INT8_STEP: &str = "int8";
+
+/// `bytes` for people, in decimal units: `121.70 GB`, `59.8 MB`, `3.1 kB`, `53 B`.
+pub fn size_text(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.1} MB", b / 1e6)
+    } else if b >= 1e3 {
+        format!("{:.1} kB", b / 1e3)
+    } else {
+        format!("{bytes} B")
+    }
+}
 
 /// Full (all shards) or stream (spine only, experts on demand).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,19 +90,29 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Bytes still to download (items not present).
-    pub fn download_bytes(&self) -> u64 {
+    /// Bytes of the items still to make, downloaded (`convert` false) or converted locally.
+    fn missing_bytes(&self, convert: bool) -> u64 {
         self.items
             .iter()
-            .filter(|i| !i.present)
+            .filter(|i| !i.present && (i.step == INT8_STEP) == convert)
             .map(|i| i.bytes)
             .sum()
     }
 
+    /// Bytes still to download (items not present).
+    pub fn download_bytes(&self) -> u64 {
+        self.missing_bytes(false)
+    }
+
+    /// Bytes the row-int8 spine conversion still writes (no network).
+    pub fn convert_bytes(&self) -> u64 {
+        self.missing_bytes(true)
+    }
+
     /// Peak additional disk use: every missing byte lands once (`.part` files are renamed,
-    /// never copied), so the peak equals the download.
+    /// never copied), so the peak is the download plus the int8 spine written after it.
     pub fn peak_additional_bytes(&self) -> u64 {
-        self.download_bytes()
+        self.download_bytes().saturating_add(self.convert_bytes())
     }
 
     /// Sum of the tensor data bytes of the weight items.
@@ -93,6 +123,16 @@ impl Plan {
     /// Whether every size is exact.
     pub fn exact(&self) -> bool {
         self.items.iter().all(|i| i.exact)
+    }
+
+    /// Whether the sizes of the downloads are exact (shard headers known).
+    pub fn download_exact(&self) -> bool {
+        self.items.iter().all(|i| i.exact || i.step == INT8_STEP)
+    }
+
+    /// Whether the size of the row-int8 spine is exact (its `config.json` known).
+    pub fn convert_exact(&self) -> bool {
+        self.items.iter().all(|i| i.exact || i.step != INT8_STEP)
     }
 }
 
@@ -140,7 +180,51 @@ pub fn plan_setup(root: &Path, ms: &Manifests, mode: Mode, include_qwen: bool) -
         repo_items(root, &ms.qwen_small, "qwen", &mut items);
     }
     items.extend(weight_items(root, m, inv.as_ref(), mode));
+    items.push(int8_item(root, m));
     Plan { mode, items }
+}
+
+/// The row-int8 spine `setup` ends with (`convert-spine-int8`, docs/K3.md §12.6): the codes
+/// and f16 row scales of every quantized spine matrix of `config.json` (the installed one
+/// when it is complete, else the pinned one when it is the released configuration built into
+/// the runtime); without either, estimated as half the BF16 spine of the manifest.
+fn int8_item(root: &Path, m: &K3Manifest) -> PlanItem {
+    let pinned = m.metadata.iter().find(|f| f.path == "config.json");
+    let local = pinned
+        .filter(|f| is_complete(&root.join(&f.path), f.size))
+        .and_then(|f| K3Config::from_file(root.join(&f.path)).ok());
+    let real = || {
+        let sha = hex::encode(Sha256::digest(REAL_CONFIG_JSON.as_bytes()));
+        pinned
+            .filter(|f| f.sha256.as_deref() == Some(sha.as_str()))
+            .and_then(|_| K3Config::from_json_str(REAL_CONFIG_JSON).ok())
+    };
+    let dest = format!("{INT8_DIR}/tensors/ (row-int8 spine, converted locally)");
+    let Some(cfg) = local.or_else(real) else {
+        let bf16: u64 = m.shards.iter().map(|s| s.spine_bytes()).sum();
+        return PlanItem {
+            step: INT8_STEP,
+            dest,
+            bytes: bf16.div_ceil(2),
+            data_bytes: None,
+            exact: false,
+            present: false,
+        };
+    };
+    // The planner's formula: the spine in int8 of a spine that is only the quantized
+    // matrices in BF16 is their codes and scales.
+    let quantized: u64 = quantized_tensors(&cfg)
+        .iter()
+        .map(|t| t.byte_len() as u64)
+        .sum();
+    PlanItem {
+        step: INT8_STEP,
+        dest,
+        bytes: deltafin_k3::engine::plan::spine_bytes_in_format(&cfg, SpineFormat::Int8, quantized),
+        data_bytes: None,
+        exact: true,
+        present: Int8Spine::open(root, &cfg).is_ok(),
+    }
 }
 
 /// Weight lines of a plan, per shard.
@@ -308,4 +392,25 @@ pub fn weight_jobs(
         }
     }
     Ok(jobs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::size_text;
+
+    #[test]
+    fn sizes_read_in_decimal_units() {
+        for (bytes, text) in [
+            (0, "0 B"),
+            (999, "999 B"),
+            (1_000, "1.0 kB"),
+            (3_065, "3.1 kB"),
+            (59_764_096, "59.8 MB"),
+            (999_999_999, "1000.0 MB"),
+            (1_000_000_000, "1.00 GB"),
+            (1_560_860_324_864, "1560.86 GB"),
+        ] {
+            assert_eq!(size_text(bytes), text, "{bytes}");
+        }
+    }
 }

@@ -1,5 +1,6 @@
 //! The setup steps (product contract §5): K3 metadata and inventory → DSpark → optional Qwen
-//! → weight plan and transfer → int8 spine conversion (not available yet: reported).
+//! → weight plan and transfer; the disk the whole plan needs (the row-int8 spine conversion
+//! the CLI runs last included) is checked against the free space before anything is written.
 //!
 //! Messages go through a `log` callback so the CLI decides where they are printed.
 
@@ -9,7 +10,7 @@ use crate::error::FetchError;
 use crate::hub::HubClient;
 use crate::inventory::{Inventory, write_atomic};
 use crate::manifest::{Manifests, PinnedFile, RepoManifest};
-use crate::plan::{FULL_HEADROOM, Mode, Plan, Selection, plan_setup, weight_jobs};
+use crate::plan::{FULL_HEADROOM, Mode, Plan, Selection, plan_setup, size_text, weight_jobs};
 use crate::transfer::{Job, TransferOptions, TransferReport, run_jobs};
 use std::path::{Path, PathBuf};
 
@@ -33,35 +34,108 @@ pub struct ModeChoice {
 }
 
 /// Pick full or stream: a flag wins; otherwise full when the full plan's peak additional
-/// disk use plus [`FULL_HEADROOM`] fits in the free space.
+/// disk use plus [`FULL_HEADROOM`] fits in the `free` bytes at the model root.
 pub fn choose_mode(
     root: &Path,
     ms: &Manifests,
     include_qwen: bool,
     flag: Option<Mode>,
-) -> Result<ModeChoice, FetchError> {
+    free: u64,
+) -> ModeChoice {
     if let Some(m) = flag {
-        return Ok(ModeChoice {
+        return ModeChoice {
             mode: m,
             reason: format!("--{} given", m.as_str()),
-        });
+        };
     }
     let need = plan_setup(root, ms, Mode::Full, include_qwen).peak_additional_bytes();
-    let free = free_bytes(root)?;
-    Ok(if need.saturating_add(FULL_HEADROOM) <= free {
+    let want = need.saturating_add(FULL_HEADROOM);
+    let (free_t, need_t, room_t) = (size_text(free), size_text(need), size_text(FULL_HEADROOM));
+    if want <= free {
         ModeChoice {
             mode: Mode::Full,
-            reason: format!("free {free} B ≥ full need {need} B + {FULL_HEADROOM} B headroom"),
+            reason: format!("free {free_t} ≥ full need {need_t} + {room_t} headroom"),
         }
     } else {
         ModeChoice {
             mode: Mode::Stream,
             reason: format!(
-                "free {free} B < full need {need} B + {FULL_HEADROOM} B headroom (full-mode shortfall {} B)",
-                need.saturating_add(FULL_HEADROOM) - free
+                "free {free_t} < full need {need_t} + {room_t} headroom (full-mode shortfall {})",
+                size_text(want - free)
             ),
         }
-    })
+    }
+}
+
+/// A setup plan's peak additional disk use against the free space at the model root.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskCheck {
+    pub mode: Mode,
+    /// Bytes still to download.
+    pub download: u64,
+    /// Bytes the row-int8 spine conversion still writes.
+    pub convert: u64,
+    /// Free bytes at the model root (or its nearest existing ancestor).
+    pub free: u64,
+    /// Whether `download` and `convert` are exact (else estimated, `≈`).
+    pub download_exact: bool,
+    pub convert_exact: bool,
+    /// For a full plan: the peak additional disk use of a stream install instead.
+    pub stream_need: Option<u64>,
+}
+
+impl DiskCheck {
+    /// The disk `plan` needs at `root` with `free` bytes free.
+    pub fn new(root: &Path, ms: &Manifests, plan: &Plan, include_qwen: bool, free: u64) -> Self {
+        DiskCheck {
+            mode: plan.mode,
+            download: plan.download_bytes(),
+            convert: plan.convert_bytes(),
+            free,
+            download_exact: plan.download_exact(),
+            convert_exact: plan.convert_exact(),
+            stream_need: (plan.mode == Mode::Full)
+                .then(|| plan_setup(root, ms, Mode::Stream, include_qwen).peak_additional_bytes()),
+        }
+    }
+
+    /// The peak additional disk use.
+    pub fn need(&self) -> u64 {
+        self.download.saturating_add(self.convert)
+    }
+
+    /// Whether the plan fits the free space.
+    pub fn fits(&self) -> bool {
+        self.need() <= self.free
+    }
+
+    /// Why a setup that does not fit is refused, with both numbers and what would fit.
+    pub fn refusal(&self, root: &Path) -> String {
+        let approx = |exact: bool| if exact { "" } else { "≈" };
+        let hint = match self.stream_need {
+            Some(s) if s <= self.free => format!(
+                "`deltafin setup --stream` needs {}: the spine only, routed experts fetched on demand",
+                size_text(s)
+            ),
+            Some(s) => format!(
+                "even `--stream` needs {}: free space or choose another --model-root",
+                size_text(s)
+            ),
+            None => "free space or choose another --model-root".into(),
+        };
+        format!(
+            "not enough disk at {}: a {} setup needs {}{} more ({}{} to download + {}{} for the row-int8 spine), only {} are free; {hint}",
+            root.display(),
+            self.mode.as_str(),
+            approx(self.download_exact && self.convert_exact),
+            size_text(self.need()),
+            approx(self.download_exact),
+            size_text(self.download),
+            approx(self.convert_exact),
+            size_text(self.convert),
+            size_text(self.free),
+        )
+    }
 }
 
 /// The recorded install mode, if any.
@@ -168,19 +242,22 @@ impl Setup<'_> {
         let jobs = weight_jobs(&self.root, &self.manifests.k3, inv, sel)?;
         let total: u64 = jobs.iter().map(|j| j.size).sum();
         log(&format!(
-            "weights ({}): {} files, {total} B",
+            "weights ({}): {} files, {}",
             match sel {
                 Selection::Shards => "full: release shards".to_string(),
                 Selection::Spine => "stream: spine tensors".to_string(),
                 Selection::Experts(l) =>
                     format!("experts of layers {}", crate::layers::format_layers(l)),
             },
-            jobs.len()
+            jobs.len(),
+            size_text(total)
         ));
         let r = run_jobs(self.client, &jobs, &self.transfer)?;
         log(&format!(
-            "weights: {} fetched ({} B received), {} already complete",
-            r.fetched, r.bytes, r.skipped
+            "weights: {} fetched ({} received), {} already complete",
+            r.fetched,
+            size_text(r.bytes),
+            r.skipped
         ));
         Ok(r)
     }
@@ -198,16 +275,13 @@ impl Setup<'_> {
         if include_qwen {
             self.qwen(log)?;
         }
-        // Capacity recheck just before the weight phase (sizes are now exact).
+        // Capacity recheck just before the weight phase (sizes are now exact). The plan
+        // includes the int8 spine that `deltafin setup` converts after the weights.
         let plan = plan_setup(&self.root, self.manifests, mode, include_qwen);
-        let need = plan.peak_additional_bytes();
         let free = free_bytes(&self.root)?;
-        if need > free {
-            return Err(FetchError::Invalid(format!(
-                "{} mode needs {need} B more disk, only {free} B are free at {}",
-                mode.as_str(),
-                self.root.display()
-            )));
+        let disk = DiskCheck::new(&self.root, self.manifests, &plan, include_qwen, free);
+        if !disk.fits() {
+            return Err(FetchError::Disk(disk.refusal(&self.root)));
         }
         record_mode(&self.root, mode)?;
         let sel = match mode {
@@ -215,16 +289,15 @@ impl Setup<'_> {
             Mode::Stream => Selection::Spine,
         };
         self.weights(&inv, &sel, log)?;
-        log(
-            "int8 spine conversion: not available in this build yet (skipped); the BF16 spine is installed",
-        );
-        log(&format!("setup complete ({} install)", mode.as_str()));
+        log(&format!("weights installed ({} install)", mode.as_str()));
         Ok(())
     }
 }
 
-/// Render a plan for `--dry-run`.
-pub fn render_plan(root: &Path, plan: &Plan, choice: &ModeChoice, free: Option<u64>) -> String {
+/// Render a plan for `--dry-run`, with its disk check (sizes in decimal units, `≈` where
+/// estimated).
+pub fn render_plan(root: &Path, plan: &Plan, choice: &ModeChoice, disk: &DiskCheck) -> String {
+    let approx = |exact: bool| if exact { "" } else { "≈" };
     let mut s = String::new();
     s.push_str("setup plan (dry run: no network, no writes)\n");
     s.push_str(&format!("model root: {}\n", root.display()));
@@ -235,40 +308,59 @@ pub fn render_plan(root: &Path, plan: &Plan, choice: &ModeChoice, free: Option<u
     ));
     for it in &plan.items {
         s.push_str(&format!(
-            "{:<9} {:<60} {}{} B{}{}\n",
+            "{:<9} {:<60} {}{}{}{}\n",
             it.step,
             it.dest,
-            if it.exact { "" } else { "≈" },
-            it.bytes,
+            approx(it.exact),
+            size_text(it.bytes),
             it.data_bytes
-                .map(|d| format!(" data={d}"))
+                .map(|d| format!(" data={}", size_text(d)))
                 .unwrap_or_default(),
             if it.present { " (present)" } else { "" }
         ));
     }
+    let (weights_exact, int8_exact) = (disk.download_exact, disk.convert_exact);
     s.push_str(&format!(
-        "weight tensor data: {} B\n",
-        plan.weight_data_bytes()
+        "weight tensor data: {}\n",
+        size_text(plan.weight_data_bytes())
     ));
     s.push_str(&format!(
-        "download: {}{} B\npeak additional disk: {}{} B\n",
-        if plan.exact() { "" } else { "≈" },
-        plan.download_bytes(),
-        if plan.exact() { "" } else { "≈" },
-        plan.peak_additional_bytes()
+        "download: {}{}\n",
+        approx(weights_exact),
+        size_text(plan.download_bytes())
     ));
-    if !plan.exact() {
+    s.push_str(&format!(
+        "row-int8 spine: {}{} written after the weights by `convert-spine-int8` (no network; the default --spine)\n",
+        approx(int8_exact),
+        size_text(plan.convert_bytes())
+    ));
+    s.push_str(&format!(
+        "peak additional disk: {}{}\nfree disk: {}\n",
+        approx(plan.exact()),
+        size_text(plan.peak_additional_bytes()),
+        size_text(disk.free)
+    ));
+    if disk.fits() {
+        s.push_str("disk: the plan fits\n");
+    } else {
+        s.push_str(&format!(
+            "disk: setup would refuse: {}\n",
+            disk.refusal(root)
+        ));
+    }
+    if !weights_exact {
         s.push_str(
-            "note: ≈ sizes add an estimated safetensors header per shard (header lengths are not pinned; exact after `setup-k3 --meta-only`)\n",
+            "note: ≈ shard sizes add an estimated safetensors header per shard (header lengths are not pinned; exact after `setup-k3 --meta-only`)\n",
         );
     }
-    if let Some(f) = free {
-        s.push_str(&format!("free disk: {f} B\n"));
+    if !int8_exact {
+        s.push_str(
+            "note: ≈ the row-int8 spine is estimated as half the BF16 spine (exact once config.json is installed)\n",
+        );
     }
     if plan.mode == Mode::Stream {
         s.push_str("experts: fetched on demand by byte range into k3-experts/\n");
     }
-    s.push_str("then: int8 spine conversion (not available in this build yet)\n");
     s
 }
 

@@ -314,5 +314,18 @@ fn dry_run_plan_of_the_real_manifest_adds_up() {
     let stream = plan_setup(tmp.path(), &ms, Mode::Stream, true);
     assert_eq!(stream.weight_data_bytes(), 114_404_258_816);
     assert!(stream.exact());
+    // Both end with the row-int8 spine of the released configuration, written locally: in
+    // the peak disk use, not in the download.
+    let int8 = stream.convert_bytes();
+    assert_eq!(int8, full.convert_bytes());
+    assert!(
+        int8 > 50_000_000_000 && int8 < 114_404_258_816 / 2,
+        "{int8}"
+    );
+    assert_eq!(
+        stream.peak_additional_bytes(),
+        stream.download_bytes() + int8
+    );
+    assert!(full.convert_exact() && !full.download_exact());
     assert!(walk(tmp.path()).is_empty(), "a plan wrote files");
 }

@@ -3,8 +3,9 @@
 use super::report::{Report, Status};
 use deltafin_k3::engine::host::MemInfo;
 use serde_json::json;
-pub(super) fn gib(b: u64) -> f64 {
-    b as f64 / (1u64 << 30) as f64
+/// Decimal GB (1e9 bytes), the unit of `--memory-budget-gb`.
+pub(super) fn gb(b: u64) -> f64 {
+    b as f64 / 1e9
 }
 
 pub(super) fn memory_check(r: &mut Report, mem: Option<MemInfo>) {
@@ -17,9 +18,9 @@ pub(super) fn memory_check(r: &mut Report, mem: Option<MemInfo>) {
                 "memory",
                 Status::Ok,
                 format!(
-                    "{:.1} GiB available of {:.1} GiB",
-                    gib(m.available),
-                    gib(m.total)
+                    "{:.1} GB available of {:.1} GB",
+                    gb(m.available),
+                    gb(m.total)
                 ),
             );
         }

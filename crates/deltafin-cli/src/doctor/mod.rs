@@ -1,8 +1,10 @@
 //! `deltafin doctor`: a read-only, network-free health audit of the host and, unless
-//! `--runtime-only`, of the model installation (product contract §6).
+//! `--runtime-only`, of the model installation as `run` and `serve` would load it with the
+//! same model flags and environment (docs/CLI.md, docs/OPERATIONS.md).
 //!
 //! Every check ends as `ok`, `info`, `warn` or `fail`; a `fail` carries a fix suggestion and
-//! makes the exit status 1. `--json` prints one object (schema `deltafin.doctor.v1`).
+//! makes the exit status 1: whatever would make `run` or `serve` refuse to start is a `fail`.
+//! `--json` prints one object (schema `deltafin.doctor.v1`).
 
 use anyhow::Result;
 pub use deltafin_k3::engine::host::meminfo;
@@ -12,8 +14,10 @@ use std::process::ExitCode;
 
 mod canaries;
 mod disk;
+mod load;
 mod memory;
 mod model;
+mod plan;
 mod report;
 mod runtime;
 
@@ -23,31 +27,23 @@ use model::model_checks;
 use report::{Report, Status};
 use runtime::runtime_checks;
 
-/// `doctor` flags.
+/// `doctor` flags: the model flags are `run`'s and `serve`'s, read the same way (flag, else
+/// its environment variable, else the default), so the audit is of what they would load.
 #[derive(clap::Args, Debug, Clone)]
 pub struct DoctorArgs {
     /// Check only the host (CPU, kernels, canaries, disk, memory); skip all model data.
-    #[arg(long, conflicts_with = "model_root")]
+    #[arg(long, conflicts_with_all = ["model_root", "memory_budget_gb", "device", "expert_backend", "spine"])]
     pub runtime_only: bool,
-    /// Install root to audit [default: DELTAFIN_ROOT, else the current directory].
-    #[arg(long, value_name = "PATH")]
-    pub model_root: Option<PathBuf>,
     /// Print one JSON object (schema deltafin.doctor.v1) instead of text.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub model: crate::ModelArgs,
 }
 
 /// Run the audit and print it; exit status 0 when healthy, 1 when a problem was found.
 pub fn doctor(args: &DoctorArgs) -> Result<ExitCode> {
-    let root = if args.runtime_only {
-        None
-    } else if let Some(r) = &args.model_root {
-        Some(r.clone())
-    } else {
-        Some(PathBuf::from(
-            crate::env::env_var("DELTAFIN_ROOT")?.unwrap_or_else(|| ".".to_string()),
-        ))
-    };
+    let root = (!args.runtime_only).then(|| args.model.root());
     let mut report = Report::default();
     runtime_checks(&mut report);
     let mem = meminfo();
@@ -58,7 +54,7 @@ pub fn doctor(args: &DoctorArgs) -> Result<ExitCode> {
     );
     let mut probe_file: Option<PathBuf> = None;
     if let Some(root) = &root {
-        probe_file = model_checks(&mut report, root, mem.map(|m| m.available));
+        probe_file = model_checks(&mut report, root, &args.model, mem.map(|m| m.available));
     }
     disk_probe(&mut report, probe_file.as_deref());
 

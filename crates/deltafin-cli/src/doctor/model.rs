@@ -1,7 +1,9 @@
-//! The model installation: config, index, shards, tokenizer, drafters.
+//! The model installation: config, index, shards, tokenizer, drafters; then what `run` and
+//! `serve` would load from it ([`super::load`]).
 
-use super::memory::gib;
+use super::memory::gb;
 use super::report::{Report, Status};
+use crate::ModelArgs;
 use deltafin_k3::text::tokenizer::Tokenizer;
 use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, INDEX_FILE};
 use deltafin_k3::weights::config::{K3Config, REAL_CONFIG_JSON};
@@ -10,6 +12,7 @@ use deltafin_k3::weights::loader::{EngineOptions, dims_from_config};
 use deltafin_tensor::SafetensorsFile;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
+
 /// A fix suggestion for a checkpoint error.
 pub(super) fn checkpoint_fix(e: &CheckpointError, root: &Path) -> String {
     let r = root.display();
@@ -32,20 +35,27 @@ pub(super) fn checkpoint_fix(e: &CheckpointError, root: &Path) -> String {
     }
 }
 
-/// Check the install at `root`; returns the largest shard, for the disk probe.
-pub(super) fn model_checks(r: &mut Report, root: &Path, available: Option<u64>) -> Option<PathBuf> {
+/// Check the install at `root` and what `run`/`serve` would load from it with `model`'s
+/// flags; returns the largest shard, for the disk probe.
+pub(super) fn model_checks(
+    r: &mut Report,
+    root: &Path,
+    model: &ModelArgs,
+    available: Option<u64>,
+) -> Option<PathBuf> {
     let rd = root.display().to_string();
-    let config_path = root.join(CONFIG_FILE);
-    if !config_path.is_file() {
+    if let Some(p) = crate::session::root_problem(root) {
         r.fail(
             "model root",
-            format!("no K3 model installed at {rd}: {CONFIG_FILE} is missing"),
+            p.detail,
             format!(
-                "install it with `deltafin setup --model-root {rd}`, point --model-root (or DELTAFIN_ROOT) at an install, or check only the host with `deltafin doctor --runtime-only`"
+                "{}; or check only the host with `deltafin doctor --runtime-only`",
+                p.fix
             ),
         );
         return None;
     }
+    let config_path = root.join(CONFIG_FILE);
     let cfg = match K3Config::from_file(&config_path) {
         Ok(c) => c,
         Err(e) => {
@@ -59,48 +69,24 @@ pub(super) fn model_checks(r: &mut Report, root: &Path, available: Option<u64>) 
             return None;
         }
     };
-    config_contract(r, &cfg, available);
+    let consistent = config_contract(r, &cfg);
 
     let mut largest: Option<(u64, PathBuf)> = None;
-    match Checkpoint::open(root) {
-        Ok(ckpt) if ckpt.layout() == deltafin_k3::weights::checkpoint::Layout::StreamInstall => {
-            let missing = deltafin_k3::weights::loader::stream_install_missing_experts(&ckpt).len();
-            r.add(
-                "checkpoint",
-                Status::Ok,
-                format!(
-                    "stream install: {} spine tensor files ({:.2} GiB) in k3-resident/tensors/ with their exact sizes; {missing} routed experts not yet in k3-experts/ (fetched on demand)",
-                    ckpt.spine_files().len(),
-                    gib(ckpt.spine_bytes())
-                ),
-            );
-        }
+    let checkpoint = match Checkpoint::open(root) {
         Ok(ckpt) => {
-            let paths = ckpt.shard_paths();
-            let mut bytes = 0u64;
-            for p in &paths {
-                let len = std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-                bytes += len;
-                if largest.as_ref().is_none_or(|(l, _)| len > *l) {
-                    largest = Some((len, p.to_path_buf()));
-                }
-            }
-            r.add(
-                "checkpoint",
-                Status::Ok,
-                format!(
-                    "{INDEX_FILE} and {} shards ({:.2} GiB) complete: every tensor of the K3 inventory present with its dtype, shape and byte range",
-                    paths.len(),
-                    gib(bytes)
-                ),
-            );
+            largest = checkpoint_ok(r, &ckpt);
+            Some(ckpt)
         }
         Err(e) => {
             let fix = checkpoint_fix(&e, root);
             r.fail("checkpoint", e.to_string(), fix);
+            None
         }
-    }
+    };
 
+    let tokenizer_fix = format!(
+        "restore the pinned tokenizer files with `deltafin setup-k3 --meta-only --model-root {rd}`"
+    );
     match Tokenizer::from_dir(root) {
         Ok(t) if t.vocab_size() == cfg.text.vocab_size => r.add(
             "tokenizer",
@@ -117,17 +103,9 @@ pub(super) fn model_checks(r: &mut Report, root: &Path, available: Option<u64>) 
                 t.vocab_size(),
                 cfg.text.vocab_size
             ),
-            format!(
-                "restore the pinned tokenizer files with `deltafin setup-k3 --meta-only --model-root {rd}`"
-            ),
+            tokenizer_fix,
         ),
-        Err(e) => r.fail(
-            "tokenizer",
-            e.to_string(),
-            format!(
-                "restore the pinned tokenizer files with `deltafin setup-k3 --meta-only --model-root {rd}`"
-            ),
-        ),
+        Err(e) => r.fail("tokenizer", e.to_string(), tokenizer_fix),
     }
     if !root.join("generation_config.json").is_file() {
         r.add(
@@ -137,24 +115,53 @@ pub(super) fn model_checks(r: &mut Report, root: &Path, available: Option<u64>) 
         );
     }
     draft_checks(r, root);
-    for (dir, what) in [
-        ("k3-resident-int8", "row-int8 spine"),
-        ("k3-resident-packs", "DFSP spine packs"),
-        ("k3-experts-scale4", "scale4 expert sidecars"),
-    ] {
-        if root.join(dir).is_dir() {
-            r.add(
-                what,
-                Status::Info,
-                format!("{dir}/ present but not used by this build (it reads the original shards)"),
-            );
-        }
+    if consistent && let Some(ckpt) = &checkpoint {
+        super::load::load_checks(r, ckpt, model, available);
     }
     largest.map(|(_, p)| p)
 }
 
-/// The model contract line and the context admitted by the memory available.
-pub(super) fn config_contract(r: &mut Report, cfg: &K3Config, available: Option<u64>) {
+/// The `checkpoint` line of an install that opened; returns its largest shard (none for a
+/// stream install).
+fn checkpoint_ok(r: &mut Report, ckpt: &Checkpoint) -> Option<(u64, PathBuf)> {
+    if ckpt.layout() == deltafin_k3::weights::checkpoint::Layout::StreamInstall {
+        let missing = deltafin_k3::weights::loader::stream_install_missing_experts(ckpt).len();
+        r.add(
+            "checkpoint",
+            Status::Ok,
+            format!(
+                "stream install: {} spine tensor files ({:.2} GB) in k3-resident/tensors/ with their exact sizes; {missing} routed experts not yet in k3-experts/ (fetched on demand)",
+                ckpt.spine_files().len(),
+                gb(ckpt.spine_bytes())
+            ),
+        );
+        return None;
+    }
+    let paths = ckpt.shard_paths();
+    let mut largest: Option<(u64, PathBuf)> = None;
+    let mut bytes = 0u64;
+    for p in &paths {
+        let len = std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        bytes = bytes.saturating_add(len);
+        if largest.as_ref().is_none_or(|(l, _)| len > *l) {
+            largest = Some((len, p.to_path_buf()));
+        }
+    }
+    r.add(
+        "checkpoint",
+        Status::Ok,
+        format!(
+            "{INDEX_FILE} and {} shards ({:.2} GB) complete: every tensor of the K3 inventory present with its dtype, shape and byte range",
+            paths.len(),
+            gb(bytes)
+        ),
+    );
+    largest
+}
+
+/// The `config.json` line and the model contract line; false when the dimensions are
+/// inconsistent (a failure).
+pub(super) fn config_contract(r: &mut Report, cfg: &K3Config) -> bool {
     let dims = dims_from_config(cfg, &EngineOptions::default());
     if let Err(e) = dims.validate() {
         r.fail(
@@ -162,7 +169,7 @@ pub(super) fn config_contract(r: &mut Report, cfg: &K3Config, available: Option<
             e.to_string(),
             "restore the pinned metadata with `deltafin setup-k3 --meta-only`",
         );
-        return;
+        return false;
     }
     let is_release = K3Config::from_json_str(REAL_CONFIG_JSON)
         .map(|real| &real == cfg)
@@ -177,7 +184,6 @@ pub(super) fn config_contract(r: &mut Report, cfg: &K3Config, available: Option<
                 .to_string()
         },
     );
-    let context = cfg.text.max_position_embeddings as u64;
     r.contract_after = r.checks.len();
     r.model_contract = Some(format!(
         "model contract: Kimi K3 {} layers ({} KDA, {} MLA), {} experts/top-{}, context {}",
@@ -186,50 +192,23 @@ pub(super) fn config_contract(r: &mut Report, cfg: &K3Config, available: Option<
         dims.num_mla_layers(),
         dims.num_experts,
         dims.experts_per_token,
-        context
+        cfg.text.max_position_embeddings
     ));
     let spine: u64 = inventory::text_inventory(cfg)
         .iter()
         .filter(|t| matches!(t.kind, TensorKind::Spine { .. }))
         .map(|t| t.byte_len() as u64)
         .sum();
-    let kda = dims.kda_state_bytes() as u64;
-    let per_token = dims.mla_cache_bytes_per_token() as u64;
     r.facts.insert("spine_bytes".into(), json!(spine));
-    r.facts.insert("kda_state_bytes".into(), json!(kda));
-    r.facts
-        .insert("mla_cache_bytes_per_token".into(), json!(per_token));
-    let Some(avail) = available else {
-        r.add(
-            "admitted context",
-            Status::Warn,
-            "unknown: free memory could not be read",
-        );
-        return;
-    };
-    let fixed = spine + kda;
-    let room = avail.saturating_sub(fixed);
-    let admitted = room
-        .checked_div(per_token)
-        .map_or(context, |n| n.min(context));
-    r.admitted_context = Some(admitted);
-    let detail = format!(
-        "{admitted} of {context} tokens: MLA cache {per_token} B/token into {:.2} GiB available after the {:.2} GiB spine and {:.3} GiB KDA state",
-        gib(room),
-        gib(spine),
-        gib(kda)
+    r.facts.insert(
+        "kda_state_bytes".into(),
+        json!(dims.kda_state_bytes() as u64),
     );
-    if admitted == 0 {
-        r.add(
-            "admitted context",
-            Status::Warn,
-            format!(
-                "{detail}; the spine does not fit in free memory and will be re-read from disk"
-            ),
-        );
-    } else {
-        r.add("admitted context", Status::Info, detail);
-    }
+    r.facts.insert(
+        "mla_cache_bytes_per_token".into(),
+        json!(dims.mla_cache_bytes_per_token() as u64),
+    );
+    true
 }
 
 /// A draft directory must hold a config and a safetensors file whose header is valid.
@@ -243,6 +222,14 @@ pub(super) fn check_draft_dir(dir: &Path) -> std::result::Result<u64, String> {
     Ok(f.tensors().len() as u64)
 }
 
+/// The line of the draft directory `root/dir`: its tensor count, or a failure with `fix`.
+fn draft_dir_line(r: &mut Report, check: &str, root: &Path, dir: &str, fix: String) {
+    match check_draft_dir(&root.join(dir)) {
+        Ok(n) => r.add(check, Status::Ok, format!("{dir}/: config and {n} tensors")),
+        Err(e) => r.fail(check, e, fix),
+    }
+}
+
 pub(super) fn draft_checks(r: &mut Report, root: &Path) {
     let rd = root.display();
     let dspark = root.join("k3-draft-dspark");
@@ -253,20 +240,13 @@ pub(super) fn draft_checks(r: &mut Report, root: &Path) {
             "k3-draft-dspark/ absent (chat drafting off)",
         );
     } else {
-        match check_draft_dir(&dspark) {
-            Ok(n) => r.add(
-                "draft dspark",
-                Status::Ok,
-                format!("k3-draft-dspark/: config and {n} tensors"),
-            ),
-            Err(e) => r.fail(
-                "draft dspark",
-                e,
-                format!(
-                    "reinstall it with `deltafin setup-dspark --destination {rd}/k3-draft-dspark`"
-                ),
-            ),
-        }
+        draft_dir_line(
+            r,
+            "draft dspark",
+            root,
+            "k3-draft-dspark",
+            format!("reinstall it with `deltafin setup-dspark --destination {rd}/k3-draft-dspark`"),
+        );
     }
     let pair = ["k3-draft-qwen3-0.6b-base", "k3-draft-qwen3-1.7b-base"];
     let present: Vec<bool> = pair.iter().map(|d| root.join(d).exists()).collect();
@@ -278,18 +258,13 @@ pub(super) fn draft_checks(r: &mut Report, root: &Path) {
         ),
         (true, true) => {
             for d in pair {
-                match check_draft_dir(&root.join(d)) {
-                    Ok(n) => r.add(
-                        "draft qwen",
-                        Status::Ok,
-                        format!("{d}/: config and {n} tensors"),
-                    ),
-                    Err(e) => r.fail(
-                        "draft qwen",
-                        e,
-                        format!("reinstall the pair with `deltafin setup-qwen --model-root {rd}`"),
-                    ),
-                }
+                draft_dir_line(
+                    r,
+                    "draft qwen",
+                    root,
+                    d,
+                    format!("reinstall the pair with `deltafin setup-qwen --model-root {rd}`"),
+                );
             }
         }
         _ => {

@@ -42,27 +42,37 @@ pub struct Report {
 }
 
 impl Report {
-    pub fn add(&mut self, name: impl Into<String>, status: Status, detail: impl Into<String>) {
+    fn push(&mut self, name: String, status: Status, detail: String, fix: Option<String>) {
         self.checks.push(Check {
-            name: name.into(),
+            name,
             status,
-            detail: detail.into(),
-            fix: None,
+            detail,
+            fix,
         });
     }
 
+    pub fn add(&mut self, name: impl Into<String>, status: Status, detail: impl Into<String>) {
+        self.push(name.into(), status, detail.into(), None);
+    }
+
+    /// A failure (a problem: the exit status becomes 1) with what to do about it.
     pub fn fail(
         &mut self,
         name: impl Into<String>,
         detail: impl Into<String>,
         fix: impl Into<String>,
     ) {
-        self.checks.push(Check {
-            name: name.into(),
-            status: Status::Fail,
-            detail: detail.into(),
-            fix: Some(fix.into()),
-        });
+        self.push(name.into(), Status::Fail, detail.into(), Some(fix.into()));
+    }
+
+    /// A warning with a suggestion (it does not count as a problem).
+    pub fn warn(
+        &mut self,
+        name: impl Into<String>,
+        detail: impl Into<String>,
+        fix: impl Into<String>,
+    ) {
+        self.push(name.into(), Status::Warn, detail.into(), Some(fix.into()));
     }
 
     pub fn problems(&self) -> usize {

@@ -1,7 +1,7 @@
 //! The runtime checks: build, CPU features, kernels, GPU backends and their canaries.
 
 use super::canaries::canaries;
-use super::report::{Check, Report, Status};
+use super::report::{Report, Status};
 use crate::buildinfo;
 use crate::elfdeps;
 use serde_json::json;
@@ -29,12 +29,11 @@ pub(super) fn runtime_checks(r: &mut Report) {
     if supported {
         r.add("host", Status::Ok, host);
     } else {
-        r.checks.push(Check {
-            name: "host".into(),
-            status: Status::Warn,
-            detail: format!("{host}; not a qualified platform (Linux x86-64/aarch64, macOS arm64)"),
-            fix: None,
-        });
+        r.add(
+            "host",
+            Status::Warn,
+            format!("{host}; not a qualified platform (Linux x86-64/aarch64, macOS arm64)"),
+        );
     }
     if buildinfo::PROFILE != "release" {
         r.add(
@@ -183,48 +182,17 @@ pub(super) fn gpu_checks(r: &mut Report) {
 #[cfg(all(target_os = "macos", feature = "metal"))]
 pub(super) fn metal_canaries(r: &mut Report) {
     use deltafin_kernels::metal::{MetalDevice, canaries};
-    let dev = match MetalDevice::open() {
-        Ok(d) => d,
-        Err(e) => {
-            r.checks.push(Check {
-                name: "mps kernels".into(),
-                status: Status::Warn,
-                detail: e.to_string(),
-                fix: Some(
-                    "the Metal kernels are untested on Apple hardware: please report this \
-                     message; keep --device cpu"
-                        .into(),
-                ),
-            });
-            return;
-        }
-    };
-    r.add(
-        "mps kernels",
-        Status::Ok,
-        format!(
-            "MXFP4, bf16, row-int8 products, KDA and MLA decode compiled ({})",
-            dev.kernel_origin()
-        ),
+    let opened = MetalDevice::open()
+        .map(|dev| (dev.kernel_origin().to_string(), canaries(&dev)))
+        .map_err(|e| e.to_string());
+    gpu_lines(
+        r,
+        "mps",
+        opened,
+        "the Metal kernels are untested on Apple hardware: please report this message; keep \
+         --device cpu",
+        "the Metal kernels disagree with the CPU on this Mac; keep --device cpu",
     );
-    for (name, res) in canaries(&dev) {
-        let name = format!("mps canary {name}");
-        match res {
-            Ok(err) => r.add(
-                name,
-                Status::Ok,
-                format!("worst relative error {err:.1e} vs the CPU"),
-            ),
-            Err(e) => r.checks.push(Check {
-                name,
-                status: Status::Warn,
-                detail: e,
-                fix: Some(
-                    "the Metal kernels disagree with the CPU on this Mac; keep --device cpu".into(),
-                ),
-            }),
-        }
-    }
 }
 
 /// Open `cuda:ordinal` (NVRTC compiles the kernels) and run the kernel canaries against the
@@ -233,47 +201,55 @@ pub(super) fn metal_canaries(r: &mut Report) {
 #[cfg(feature = "cuda")]
 pub(super) fn cuda_canaries(r: &mut Report, ordinal: usize) {
     use deltafin_kernels::cuda::{CudaDevice, canaries};
-    let dev = match CudaDevice::open_with(ordinal, &crate::kernel_env::cuda_paths_from_env()) {
-        Ok(d) => d,
+    let opened = CudaDevice::open_with(ordinal, &crate::kernel_env::cuda_paths_from_env())
+        .map(|dev| (dev.kernel_origin().to_string(), canaries(&dev)))
+        .map_err(|e| e.to_string());
+    gpu_lines(
+        r,
+        &format!("cuda:{ordinal}"),
+        opened,
+        "install the CUDA toolkit's NVRTC or `pip install nvidia-cuda-nvrtc-cu12` and set \
+         DELTAFIN_NVRTC to its libnvrtc.so.12",
+        "the CUDA kernels disagree with the CPU on this device; keep --device cpu",
+    );
+}
+
+/// One GPU's canary results by name (the worst relative error, or why it failed).
+#[cfg(any(feature = "cuda", all(target_os = "macos", feature = "metal")))]
+type CanaryResults = Vec<(String, Result<f64, String>)>;
+
+/// The lines of one opened GPU (`device`: `mps`, `cuda:N`): `DEVICE kernels` (compiled, and
+/// from where; or the reason it could not be opened, a warning with `open_fix`), then a line
+/// `DEVICE canary NAME` per canary (a disagreement is a warning with `canary_fix`).
+#[cfg(any(feature = "cuda", all(target_os = "macos", feature = "metal")))]
+fn gpu_lines(
+    r: &mut Report,
+    device: &str,
+    opened: Result<(String, CanaryResults), String>,
+    open_fix: &str,
+    canary_fix: &str,
+) {
+    let (origin, results) = match opened {
+        Ok(v) => v,
         Err(e) => {
-            r.checks.push(Check {
-                name: format!("cuda:{ordinal} kernels"),
-                status: Status::Warn,
-                detail: e.to_string(),
-                fix: Some(
-                    "install the CUDA toolkit's NVRTC or `pip install nvidia-cuda-nvrtc-cu12` and \
-                     set DELTAFIN_NVRTC to its libnvrtc.so.12"
-                        .into(),
-                ),
-            });
+            r.warn(format!("{device} kernels"), e, open_fix);
             return;
         }
     };
     r.add(
-        format!("cuda:{ordinal} kernels"),
+        format!("{device} kernels"),
         Status::Ok,
-        format!(
-            "MXFP4, bf16, row-int8 products, KDA and MLA decode compiled ({})",
-            dev.kernel_origin()
-        ),
+        format!("MXFP4, bf16, row-int8 products, KDA and MLA decode compiled ({origin})"),
     );
-    for (name, res) in canaries(&dev) {
-        let name = format!("cuda:{ordinal} canary {name}");
+    for (name, res) in results {
+        let name = format!("{device} canary {name}");
         match res {
             Ok(err) => r.add(
                 name,
                 Status::Ok,
                 format!("worst relative error {err:.1e} vs the CPU"),
             ),
-            Err(e) => r.checks.push(Check {
-                name,
-                status: Status::Warn,
-                detail: e,
-                fix: Some(
-                    "the CUDA kernels disagree with the CPU on this device; keep --device cpu"
-                        .into(),
-                ),
-            }),
+            Err(e) => r.warn(name, e, canary_fix),
         }
     }
 }

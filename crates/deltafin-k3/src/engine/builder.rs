@@ -125,6 +125,15 @@ impl EngineBuilder {
         Ok(Some(self.plan_for(&checkpoint, budget, huge_pages)?))
     }
 
+    /// What the planner is given for `budget` bytes ([`plan_memory`] of it is the plan the
+    /// build would use with that budget), without loading the model: for asking how much
+    /// context a budget admits ([`crate::engine::plan::max_context_tokens`]). Opens the
+    /// checkpoint and reads its expert table; does not check the int8 spine.
+    pub fn plan_inputs(&self, budget: u64) -> Result<PlanInputs, EngineError> {
+        let checkpoint = install::open_checkpoint(&self.root)?;
+        self.plan_inputs_for(&checkpoint, budget, self.config.huge_pages)
+    }
+
     fn check_install(&self) -> Result<(), EngineError> {
         let root = &self.root;
         if let Some(what) = install::missing(root) {
@@ -142,6 +151,16 @@ impl EngineBuilder {
         budget: u64,
         huge_pages: HugePages,
     ) -> Result<MemoryPlan, EngineError> {
+        let inputs = self.plan_inputs_for(checkpoint, budget, huge_pages)?;
+        Ok(plan_memory(&inputs)?)
+    }
+
+    fn plan_inputs_for(
+        &self,
+        checkpoint: &Checkpoint,
+        budget: u64,
+        huge_pages: HugePages,
+    ) -> Result<PlanInputs, EngineError> {
         let cfg = checkpoint.config();
         let layers = cfg.n_layers();
         if let Some(cap) = self.config.spine_resident_layers
@@ -178,7 +197,7 @@ impl EngineBuilder {
         let runtime = self
             .runtime
             .unwrap_or_else(|| crate::engine::host::proc_memory().map_or(0, |m| m.rss));
-        let inputs = PlanInputs::for_model(
+        Ok(PlanInputs::for_model(
             cfg,
             self.config.spine,
             stored_spine,
@@ -191,8 +210,7 @@ impl EngineBuilder {
                 resident_layers_cap: self.config.spine_resident_layers,
                 spine_copied: huge_pages.copies(),
             },
-        );
-        Ok(plan_memory(&inputs)?)
+        ))
     }
 
     /// Open the install, plan, assemble the expert stack, load and place the model.

@@ -84,6 +84,9 @@ fn plan_without_loading_equals_the_loaded_plan_and_refuses_small_budgets() {
     let dry = b().plan().unwrap().unwrap();
     let loaded = b().build().unwrap().plan.unwrap();
     assert_eq!(dry, loaded);
+    // The planner's inputs for the same budget give the same plan.
+    let inputs = b().plan_inputs(200_000_000).unwrap();
+    assert_eq!(plan_memory(&inputs).unwrap(), dry);
     assert_eq!(EngineBuilder::new(d.path()).plan().unwrap(), None);
     let e = EngineBuilder::new(d.path())
         .memory_budget(Some(1_000_000))

@@ -194,6 +194,34 @@ pub fn plan_memory(i: &PlanInputs) -> Result<MemoryPlan, PlanError> {
     })
 }
 
+/// The most tokens of context (at most `limit`) whose state [`plan_memory`] fits in
+/// `i.budget` beside everything else `i` asks for: the largest `context_tokens` for which
+/// the plan succeeds (`None`: not even an empty context fits). A plan's feasibility only
+/// falls as its context grows (more state, a smaller expert cache), so a bisection finds it.
+pub fn max_context_tokens(i: &PlanInputs, limit: usize) -> Option<usize> {
+    let fits = |tokens: usize| {
+        plan_memory(&PlanInputs {
+            context_tokens: tokens,
+            ..i.clone()
+        })
+        .is_ok()
+    };
+    if !fits(0) {
+        return None;
+    }
+    // Invariant: `lo` fits, `hi + 1` does not (or is past `limit`).
+    let (mut lo, mut hi) = (0usize, limit);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Some(lo)
+}
+
 /// Matrix bytes of each layer's spine projections in `format` (what streaming a layer
 /// reads per pass): bf16 bytes, or int8 codes plus f16 row scales.
 pub fn layer_spine_bytes(cfg: &K3Config, format: SpineFormat) -> Vec<u64> {
@@ -307,6 +335,11 @@ impl PlanInputs {
 }
 
 impl MemoryPlan {
+    /// Experts the expert cache holds (at most all of them).
+    pub fn cached_experts(&self) -> u64 {
+        (self.cache / self.expert_bytes.max(1)).min(self.experts as u64)
+    }
+
     /// The startup line: how the budget is split and how experts are read (`io`, `threads`
     /// and `pilot`: the expert source's read path, its reader threads and the PILOT gate).
     pub fn describe(&self, io: &str, threads: usize, pilot: &str) -> String {
@@ -335,10 +368,9 @@ impl MemoryPlan {
             gb(self.runtime),
             gb(self.scratch),
             gb(self.cache),
-            self.cache / self.expert_bytes.max(1),
+            self.cached_experts(),
             self.experts,
-            100.0 * self.cache as f64
-                / (self.expert_bytes.max(1) * self.experts.max(1) as u64) as f64,
+            100.0 * self.cached_experts() as f64 / self.experts.max(1) as f64,
             gb(self.pin),
             if self.contiguous {
                 "six tensors contiguous: one read per expert"

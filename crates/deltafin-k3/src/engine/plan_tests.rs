@@ -252,6 +252,12 @@ fn small_sizes_by_hand() {
             .contains("mmap'd, resident as touched")
     );
     assert!(p.describe("x", 1, "off").contains("non-contiguous"));
+    // A cache larger than every expert holds all of them, not more.
+    assert_eq!(p.cached_experts(), 10);
+    assert!(
+        p.describe("x", 1, "off")
+            .contains("(10 of 10 experts, 100.0%;")
+    );
     // 300 B: the whole spine (250) + state (10) + one buffer (8) fits.
     let p = plan_memory(&PlanInputs {
         budget: 268,
@@ -267,5 +273,35 @@ fn small_sizes_by_hand() {
             ..i.clone()
         })
         .is_err()
+    );
+}
+
+#[test]
+fn the_longest_admitted_context_is_the_last_that_plans() {
+    let cfg = real();
+    let limit = cfg.text.max_position_embeddings;
+    for (budget, format) in [(16, SpineFormat::Int8), (20, SpineFormat::Bf16)] {
+        let i = real_inputs(budget, format);
+        let n = max_context_tokens(&i, limit).unwrap();
+        assert!(n > CONTEXT_RESERVE_TOKENS && n < limit, "{budget} GB: {n}");
+        let at = |tokens| PlanInputs {
+            context_tokens: tokens,
+            ..i.clone()
+        };
+        plan_memory(&at(n)).unwrap();
+        assert!(
+            matches!(plan_memory(&at(n + 1)), Err(PlanError::TooSmall { .. })),
+            "{budget} GB: {n} + 1"
+        );
+    }
+    // A budget that holds the whole context is capped by the limit.
+    assert_eq!(
+        max_context_tokens(&real_inputs(512, SpineFormat::Int8), 1000),
+        Some(1000)
+    );
+    // Below the minimum plan not even an empty context fits.
+    assert_eq!(
+        max_context_tokens(&real_inputs(2, SpineFormat::Int8), limit),
+        None
     );
 }
