@@ -1,12 +1,15 @@
 //! `cargo xtask`: developer tasks (checkpoint synthesis, conversions).
 //!
 //! - `cargo xtask synth --preset tiny|mini|stream [--ram-gb N] [--seed N] --out DIR [dims]`
+//! - `cargo xtask synth-layout --out DIR`: the real release layout at full scale (96 sparse
+//!   shards, 1.42 TiB of tensors left as holes; docs/PERFORMANCE.md, "Full-scale layout")
 //! - `cargo xtask synth-dspark --target DIR --out DIR [--seed N]`
 //! - `cargo xtask synth-qwen3 --size 0.6b|1.7b --out DIR [--seed N] [--tokenizer-from K3_DIR]`
 //! - `cargo xtask spine-quality --model-root DIR [--convert] [--json]`: the int8-vs-bf16
 //!   quality report (docs/NUMERICS.md)
 
 mod kernel_env;
+mod layout;
 mod resident_bench;
 mod stream_bench;
 
@@ -90,6 +93,13 @@ enum Cmd {
         /// Allow a vocabulary smaller than the real one (the tokenizer then does not fit).
         #[arg(long)]
         small_vocab: bool,
+    },
+    /// Write the real K3 release layout at full scale as sparse files: the 96 shards with the
+    /// real index's tensors (shapes from the real config) and their data left as holes, the
+    /// real config, index and tokenizer. Takes about 120 MB of disk.
+    SynthLayout {
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Expert-streaming benchmark: read-bandwidth probe, then prefill + greedy decode with
     /// experts streamed under a cache budget; prints ratios against the probe (not in CI).
@@ -246,6 +256,22 @@ fn summary(r: &SynthReport) {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::SynthLayout { out } => {
+            let assets = layout::default_assets_dir();
+            let plan = layout::plan(&assets)?;
+            println!(
+                "writing the K3 release layout ({} shards, {} tensors, {} tensor bytes as holes) into {}",
+                plan.shards.len(),
+                plan.tensor_count(),
+                plan.total_size,
+                out.display()
+            );
+            let r = layout::write(&out, &plan, &assets, &mut |line| println!("  {line}"))?;
+            println!(
+                "wrote {} shards, {} tensors: {} bytes apparent, {} bytes on disk ({} tensor bytes)",
+                r.shards, r.tensors, r.shard_bytes, r.shard_disk_bytes, r.tensor_bytes
+            );
+        }
         Cmd::StreamBench(args) => stream_bench::run(&args)?,
         Cmd::ResidentBench(args) => resident_bench::run(&args)?,
         Cmd::ConvertExperts { model_root } => {

@@ -85,6 +85,13 @@ fn disk_gbps(ckpt: &Checkpoint) -> Option<(f64, String)> {
         .shard_paths()
         .into_iter()
         .max_by_key(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))?;
+    sequential_gbps(largest)
+}
+
+/// The sequential-read probe of `path`: up to 1 GB from its start in 8 MiB reads, four in
+/// flight, O_DIRECT where the filesystem takes it (the expert read path). GB/s and the read
+/// path (`direct` or `buffered (why)`).
+pub(crate) fn sequential_gbps(path: &Path) -> Option<(f64, String)> {
     let opts = ProbeOptions {
         sequential_bytes: 1_000_000_000,
         sequential_chunk: 8 << 20,
@@ -94,7 +101,7 @@ fn disk_gbps(ckpt: &Checkpoint) -> Option<(f64, String)> {
         direct_io: DirectIo::Auto,
         seed: 1,
     };
-    let r = probe(largest, &opts).ok()?;
+    let r = probe(path, &opts).ok()?;
     (r.sequential_bytes > 0).then_some((r.sequential_gbps, r.io_path))
 }
 

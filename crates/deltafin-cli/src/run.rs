@@ -112,6 +112,13 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     let interrupt = session::interrupt_flag();
     let started = Instant::now();
 
+    // The read probe `--stats` compares the load with, before the load (docs/PERFORMANCE.md,
+    // "Loading").
+    let probe = if args.stats {
+        session::load_probe(&root)
+    } else {
+        None
+    };
     let LoadedEngine {
         model,
         tokenizer,
@@ -119,8 +126,12 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         checkpoint,
         plan: memory,
         spine,
+        resident_copies,
         ..
     } = session::load(&root, &config)?;
+    if args.stats {
+        session::report_load(load_seconds, &resident_copies, probe.as_ref());
+    }
     let tokenizer = Arc::new(tokenizer);
     // Drafters: none when --top-logits asks for every distribution (auto modes yield).
     let surfaces = Surfaces {

@@ -253,6 +253,72 @@ pub fn report_expert_stats(model: &K3Model) {
     }
 }
 
+/// The sequential-read probe `--stats` compares the load with, taken before the load (so
+/// that nothing else reads the disk meanwhile): the largest shard under `root`, up to 1 GB
+/// ([`crate::convert::sequential_gbps`]). `(GB/s, read path, file)`; `None` without a shard.
+pub fn load_probe(root: &Path) -> Option<(f64, String, std::path::PathBuf)> {
+    let largest = std::fs::read_dir(root)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|p| std::fs::metadata(&p).ok().map(|m| (m.len(), p)))
+        .max()?
+        .1;
+    let (gbps, io) = crate::convert::sequential_gbps(&largest)?;
+    Some((gbps, io, largest))
+}
+
+/// `--stats`: the load against the sequential-read probe ([`load_probe`]). The bytes placed
+/// in huge-page memory (read from their files or copied), the load's seconds and GB/s, the
+/// copies' own GB/s, then the probe and the two ratios (load GB/s and copy GB/s over probe
+/// GB/s; docs/PERFORMANCE.md, "Loading").
+pub fn report_load(
+    load_seconds: f64,
+    copies: &[deltafin_k3::weights::resident::ResidentCopy],
+    probe: Option<&(f64, String, std::path::PathBuf)>,
+) {
+    if copies.is_empty() {
+        eprintln!(
+            "[stats] load: {load_seconds:.2} s; nothing copied into huge-page memory (the weights stay mapped from their files)"
+        );
+        return;
+    }
+    let bytes: u64 = copies.iter().map(|c| c.stats.total_bytes()).sum();
+    let (direct, buffered, memory) = copies.iter().fold((0, 0, 0), |a, c| {
+        (
+            a.0 + c.stats.direct_bytes,
+            a.1 + c.stats.buffered_bytes,
+            a.2 + c.stats.memory_bytes,
+        )
+    });
+    let copy_seconds: f64 = copies.iter().map(|c| c.stats.seconds).sum();
+    let gb = |b: u64| b as f64 / 1e9;
+    let load_gbps = gb(bytes) / load_seconds.max(1e-9);
+    let copy_gbps = gb(bytes) / copy_seconds.max(1e-9);
+    eprintln!(
+        "[stats] load: {:.3} GB placed in huge-page memory ({:.3} GB O_DIRECT, {:.3} GB buffered, {:.3} GB from memory) in {load_seconds:.2} s of load, {copy_seconds:.2} s of it copying: {load_gbps:.3} GB/s over the load, {copy_gbps:.3} GB/s over the copies",
+        gb(bytes),
+        gb(direct),
+        gb(buffered),
+        gb(memory)
+    );
+    for c in copies {
+        if let Some(why) = &c.stats.direct_refused {
+            eprintln!("[stats] load: {}: O_DIRECT refused ({why})", c.what);
+        }
+    }
+    match probe {
+        Some((gbps, io, file)) => eprintln!(
+            "[stats] load: sequential-read probe {gbps:.3} GB/s ({io}, {}, before the load); ratio load/probe {:.2}, copies/probe {:.2}",
+            file.display(),
+            load_gbps / gbps.max(1e-9),
+            copy_gbps / gbps.max(1e-9)
+        ),
+        None => eprintln!("[stats] load: no sequential-read probe (no shard to read)"),
+    }
+}
+
 /// A flag raised by the first Ctrl-C; a second Ctrl-C exits at once with status 130.
 pub fn interrupt_flag() -> Arc<AtomicBool> {
     let flag = Arc::new(AtomicBool::new(false));

@@ -6,6 +6,7 @@
 //! file falls back to buffered reads for good, with the reason recorded.
 
 use crate::layout::Region;
+use deltafin_tensor::storage::open_direct;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -46,20 +47,6 @@ pub struct SourceFile {
 
 fn is_refusal(e: &io::Error) -> bool {
     e.raw_os_error() == Some(libc::EINVAL)
-}
-
-#[cfg(target_os = "linux")]
-fn open_direct(path: &Path) -> io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-}
-
-#[cfg(not(target_os = "linux"))]
-fn open_direct(_path: &Path) -> io::Result<File> {
-    Err(io::Error::from_raw_os_error(libc::EINVAL))
 }
 
 #[cfg(target_os = "macos")]

@@ -22,8 +22,8 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, Metadata, SafeTensorError};
@@ -98,11 +98,30 @@ impl SafetensorsFile {
                 format!("file is {len} bytes, too short for the 8-byte safetensors header length"),
             ));
         }
-        // SAFETY: the map is read-only; like every mmap-based loader we rely on the file not
-        // being truncated or rewritten while mapped.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err)?;
-        let bytes = Bytes::from_owner(Arc::new(mmap));
-        Self::from_bytes(path, bytes)
+        // A mapping that remembers its file, so that resident copies are read from the file
+        // (`storage::copy_to_anonymous`); the file must not change while mapped.
+        let bytes = crate::storage::map_file(&file, path).map_err(io_err)?;
+        // The header is read through the mapping. A page fault there would read the
+        // megabytes around it too (readahead), most of them tensor data nobody asked for
+        // yet: read the header's bytes into the page cache with one explicit read, and parse
+        // them with readahead off.
+        let mut prefix = [0u8; 8];
+        file.read_exact_at(&mut prefix, 0).map_err(io_err)?;
+        let header = u64::from_le_bytes(prefix)
+            .min(MAX_HEADER_BYTES)
+            .min(len - 8);
+        let mut warm = vec![0u8; 8 + header as usize];
+        file.read_exact_at(&mut warm, 0).map_err(io_err)?;
+        drop(warm);
+        let mapping = bytes.file_origin().map(|(m, _)| m);
+        if let Some(m) = mapping {
+            m.advise_random(true);
+        }
+        let parsed = Self::from_bytes(path, bytes.clone());
+        if let Some(m) = mapping {
+            m.advise_random(false);
+        }
+        parsed
     }
 
     /// Parse an in-memory safetensors image (tests, embedded data). `path` is used in errors.

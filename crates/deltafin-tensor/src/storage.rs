@@ -1,8 +1,17 @@
-//! Reference-counted byte ranges over memory-mapped files or owned buffers.
+//! Reference-counted byte ranges over memory-mapped files or owned buffers, and the copy of
+//! resident weights into anonymous memory ([`copy_to_anonymous`], in `storage/anon.rs`).
 
 use std::fmt;
+use std::fs::File;
 use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+mod anon;
+mod direct;
+
+pub use anon::{ANON_ALIGN, AnonCopies, CopyStats, copy_to_anonymous};
+pub use direct::open_direct;
 
 /// Anything that owns a contiguous byte buffer and can be shared between threads.
 pub trait ByteOwner: Send + Sync {
@@ -13,6 +22,13 @@ pub trait ByteOwner: Send + Sync {
     /// whole pages from the process (they stay in the page cache and come back unchanged
     /// if read again); owners of heap memory ignore it.
     fn release(&self, _range: Range<usize>) {}
+
+    /// The mapped file, when [`ByteOwner::bytes`] is a whole-file mapping made by
+    /// [`map_file`]: byte `i` of the owner is byte `i` of that file, so a copy of a range can
+    /// be read from the file with explicit reads instead of page faults.
+    fn file_mapping(&self) -> Option<&FileMapping> {
+        None
+    }
 }
 
 impl ByteOwner for Vec<u8> {
@@ -27,23 +43,27 @@ impl ByteOwner for memmap2::Mmap {
     }
 
     fn release(&self, range: Range<usize>) {
-        #[cfg(unix)]
-        {
-            let Some((start, len)) = whole_pages(range, self.len()) else {
-                return;
-            };
-            // SAFETY: `memmap2::Mmap::map` makes a shared, read-only file mapping. For such a
-            // mapping MADV_DONTNEED only unmaps the pages from this process: a later read
-            // faults them back in from the page cache or the file with the same content, so
-            // every view into the mapping stays valid. The result is only a hint; failure
-            // leaves the pages mapped.
-            let _ = unsafe {
-                self.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len)
-            };
-        }
-        #[cfg(not(unix))]
-        let _ = range;
+        release_mapped(self, range);
     }
+}
+
+/// Drop the whole pages of `range` of a read-only file mapping from the process.
+fn release_mapped(map: &memmap2::Mmap, range: Range<usize>) {
+    #[cfg(unix)]
+    {
+        let Some((start, len)) = whole_pages(range, map.len()) else {
+            return;
+        };
+        // SAFETY: `memmap2::Mmap::map` makes a shared, read-only file mapping. For such a
+        // mapping MADV_DONTNEED only unmaps the pages from this process: a later read
+        // faults them back in from the page cache or the file with the same content, so
+        // every view into the mapping stays valid. The result is only a hint; failure
+        // leaves the pages mapped.
+        let _ =
+            unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len) };
+    }
+    #[cfg(not(unix))]
+    let _ = (map, range);
 }
 
 /// The whole pages inside `range` of a mapping of `total` bytes: `(offset, len)`, or `None`
@@ -54,6 +74,102 @@ fn whole_pages(range: Range<usize>, total: usize) -> Option<(usize, usize)> {
     let start = range.start.div_ceil(PAGE) * PAGE;
     let end = (range.end.min(total) / PAGE) * PAGE;
     (end > start).then(|| (start, end - start))
+}
+
+/// A read-only mapping of a whole file that remembers which file it maps (its path and, on
+/// Unix, its device and inode), so that [`copy_to_anonymous`] can read a copy with large
+/// explicit reads, O_DIRECT where the filesystem allows it, instead of faulting the mapping
+/// in page by page.
+pub struct FileMapping {
+    map: memmap2::Mmap,
+    path: PathBuf,
+    /// `(device, inode)` of the mapped file.
+    #[cfg(unix)]
+    id: (u64, u64),
+}
+
+impl FileMapping {
+    /// The path the file was opened at.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether `file` is the file this maps (same device and inode): a file replaced at the
+    /// same path since it was mapped is not.
+    pub fn is_same_file(&self, file: &File) -> bool {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            file.metadata().is_ok_and(|m| (m.dev(), m.ino()) == self.id)
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = file;
+            false
+        }
+    }
+
+    /// Advise the kernel that the mapping is read at random (`true`: a page fault reads only
+    /// its page, no readahead around it) or back to normal (`false`). Only a hint.
+    pub fn advise_random(&self, random: bool) {
+        #[cfg(unix)]
+        {
+            let advice = if random {
+                memmap2::Advice::Random
+            } else {
+                memmap2::Advice::Normal
+            };
+            let _ = self.map.advise(advice);
+        }
+        #[cfg(not(unix))]
+        let _ = random;
+    }
+
+    /// The fraction of the pages of `range` that are in the page cache (Linux `mincore`);
+    /// `None` where the system cannot tell.
+    pub fn cached_fraction(&self, range: Range<usize>) -> Option<f64> {
+        direct::cached_fraction(&self.map, range)
+    }
+}
+
+impl ByteOwner for FileMapping {
+    fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    fn release(&self, range: Range<usize>) {
+        release_mapped(&self.map, range);
+    }
+
+    fn file_mapping(&self) -> Option<&FileMapping> {
+        Some(self)
+    }
+}
+
+/// Map the whole of `file` (opened read-only from `path`) as a [`FileMapping`]; an empty file
+/// is an empty buffer (a zero-length mapping does not exist).
+///
+/// The contract of every mapped weight file applies: the file must not be truncated or
+/// rewritten while mapped.
+pub fn map_file(file: &File, path: &Path) -> std::io::Result<Bytes> {
+    let meta = file.metadata()?;
+    if meta.len() == 0 {
+        return Ok(Bytes::from_vec(Vec::new()));
+    }
+    // SAFETY: a read-only shared mapping; like every mmap-based loader we rely on the file
+    // not being truncated or rewritten while mapped (the contract above).
+    let map = unsafe { memmap2::Mmap::map(file) }?;
+    #[cfg(unix)]
+    let id = {
+        use std::os::unix::fs::MetadataExt;
+        (meta.dev(), meta.ino())
+    };
+    Ok(Bytes::from_owner(Arc::new(FileMapping {
+        map,
+        path: path.to_path_buf(),
+        #[cfg(unix)]
+        id,
+    })))
 }
 
 /// A buffer backed by `u64` words so that it is 8-byte aligned.
@@ -135,6 +251,44 @@ impl Bytes {
         self.len
     }
 
+    /// The file mapping this view lies in and the view's byte offset in that file, when the
+    /// owner is a [`FileMapping`].
+    pub fn file_origin(&self) -> Option<(&FileMapping, u64)> {
+        self.owner.file_mapping().map(|m| (m, self.start as u64))
+    }
+
+    /// A copy of the view's bytes: read from its file with explicit reads when it is a view of
+    /// a [`FileMapping`] (no page fault, so no readahead of the megabytes around a small
+    /// tensor), else copied from memory. A file replaced since it was mapped is copied from
+    /// the mapping; a file that ends early is an error naming it.
+    pub fn read_to_vec(&self) -> std::io::Result<Vec<u8>> {
+        let Some((m, off)) = self.file_origin() else {
+            return Ok(self.as_slice().to_vec());
+        };
+        let file = File::open(m.path())?;
+        if !m.is_same_file(&file) {
+            return Ok(self.as_slice().to_vec());
+        }
+        let mut out = vec![0u8; self.len];
+        let got = direct::read_full_at(&file, &mut out, off)?;
+        if got < self.len {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "{}: the file ends {got} bytes into a {}-byte read at offset {off}",
+                    m.path().display(),
+                    self.len
+                ),
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Whether `self` and `other` are views of the same owner.
+    pub fn same_owner(&self, other: &Bytes) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.owner), Arc::as_ptr(&other.owner))
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -172,151 +326,6 @@ impl Bytes {
     }
 }
 
-/// Alignment of every view [`copy_to_anonymous`] returns: a cache line, which keeps 512-bit
-/// loads of a row start aligned wherever the source had them so.
-pub const ANON_ALIGN: usize = 64;
-
-/// One anonymous mapping holding copies of resident weights ([`copy_to_anonymous`]).
-struct AnonArena(memmap2::MmapMut);
-
-impl ByteOwner for AnonArena {
-    fn bytes(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-/// Bytes copied between releases of the source ([`copy_parts`]).
-const RELEASE_CHUNK: usize = 8 << 20;
-
-/// Copy each part to its offset in `dst` and release its source, on up to four threads,
-/// each taking a contiguous run of parts of about equal bytes: the first write to each new
-/// page of an anonymous mapping is a page fault that zeroes the page, which is most of the
-/// cost of a copy, and faults on different threads proceed in parallel.
-fn copy_parts(
-    dst: &mut [u8],
-    parts: &[Bytes],
-    offsets: &[usize],
-    progress: &(dyn Fn(u64, u64) + Sync),
-) {
-    let to_copy: u64 = parts.iter().map(|p| p.len() as u64).sum();
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, 4);
-    let total = dst.len();
-    // Split points: the first part whose offset reaches each k/threads of the bytes.
-    let mut bounds = vec![0];
-    for k in 1..threads {
-        let goal = total / threads * k;
-        let i = offsets.partition_point(|&o| o < goal);
-        if i > *bounds.last().unwrap_or(&0) && i < parts.len() {
-            bounds.push(i);
-        }
-    }
-    bounds.push(parts.len());
-    std::thread::scope(|scope| {
-        let mut rest = dst;
-        let mut consumed = 0;
-        for w in bounds.windows(2) {
-            let (first, end) = (w[0], w[1]);
-            let stop = offsets.get(end).copied().unwrap_or(total);
-            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(stop - consumed);
-            rest = tail;
-            let base = consumed;
-            consumed = stop;
-            let run = move |mine: &mut [u8]| {
-                for (p, &at) in parts[first..end].iter().zip(&offsets[first..end]) {
-                    let dst = &mut mine[at - base..at - base + p.len()];
-                    // Chunk by chunk, so a large part's source pages leave as they are copied.
-                    for (k, d) in dst.chunks_mut(RELEASE_CHUNK).enumerate() {
-                        let from = k * RELEASE_CHUNK;
-                        d.copy_from_slice(&p.as_slice()[from..from + d.len()]);
-                        if let Some(done) = p.slice(from..from + d.len()) {
-                            done.release();
-                        }
-                        progress(d.len() as u64, to_copy);
-                    }
-                    p.release();
-                }
-            };
-            if end == parts.len() {
-                run(mine);
-            } else {
-                scope.spawn(move || run(mine));
-            }
-        }
-    });
-}
-
-/// Copies made by [`copy_to_anonymous`].
-#[derive(Debug)]
-pub struct AnonCopies {
-    /// One view per part, in order, each with the part's bytes.
-    pub views: Vec<Bytes>,
-    /// Size of the mapping (the parts, each padded to [`ANON_ALIGN`]).
-    pub mapped: usize,
-    /// Whether the kernel accepted the transparent-huge-page advice for the mapping.
-    pub huge_advised: bool,
-}
-
-/// Copy `parts` back to back (each at a multiple of [`ANON_ALIGN`]) into one new anonymous
-/// memory mapping and return views of the copies, in order; each source view is
-/// [released](Bytes::release) after its copy, so a file mapping's pages leave the process as
-/// the copy grows and peak memory stays near one copy of the weights.
-///
-/// With `huge_pages` the mapping is advised for transparent huge pages before it is first
-/// written, where the system supports them (Linux; otherwise the advice is skipped and
-/// `huge_advised` is false). Weights read once per token from 2 MiB pages need 512 times fewer
-/// page-table walks than from the 4 KiB pages of a file mapping; in a virtual machine each
-/// walk is a nested one.
-///
-/// `progress(bytes, total)` is called (from the copying threads) after each piece of at most
-/// 8 MiB, with the bytes just copied and the total to copy.
-pub fn copy_to_anonymous(
-    parts: &[Bytes],
-    huge_pages: bool,
-    progress: &(dyn Fn(u64, u64) + Sync),
-) -> std::io::Result<AnonCopies> {
-    let mut offsets = Vec::with_capacity(parts.len());
-    let mut total = 0usize;
-    for p in parts {
-        offsets.push(total);
-        total = total
-            .checked_add(p.len().div_ceil(ANON_ALIGN) * ANON_ALIGN)
-            .ok_or_else(|| std::io::Error::other("weights too large to copy"))?;
-    }
-    if total == 0 {
-        return Ok(AnonCopies {
-            views: parts.iter().map(|_| Bytes::from_vec(Vec::new())).collect(),
-            mapped: 0,
-            huge_advised: false,
-        });
-    }
-    let mut map = memmap2::MmapMut::map_anon(total)?;
-    #[cfg(target_os = "linux")]
-    let huge_advised = huge_pages && map.advise(memmap2::Advice::HugePage).is_ok();
-    #[cfg(not(target_os = "linux"))]
-    let huge_advised = {
-        let _ = huge_pages;
-        false
-    };
-    copy_parts(&mut map, parts, &offsets, progress);
-    let arena = Bytes::from_owner(Arc::new(AnonArena(map)));
-    let views = parts
-        .iter()
-        .zip(&offsets)
-        .map(|(p, &at)| {
-            arena
-                .slice(at..at + p.len())
-                .ok_or_else(|| std::io::Error::other("copy outside its mapping"))
-        })
-        .collect::<std::io::Result<Vec<_>>>()?;
-    Ok(AnonCopies {
-        views,
-        mapped: total,
-        huge_advised,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -346,29 +355,38 @@ mod tests {
     }
 
     #[test]
-    fn anonymous_copies_keep_bytes_order_and_alignment() {
-        let parts = [
-            Bytes::from_vec((0..100u8).collect()),
-            Bytes::from_vec(Vec::new()),
-            Bytes::from_vec((0..4097u32).map(|i| (i * 7 % 251) as u8).collect()),
-            Bytes::from_vec(vec![9u8; 3]).slice(1..3).unwrap(),
-        ];
-        for huge in [false, true] {
-            let c = copy_to_anonymous(&parts, huge, &|_, _| {}).unwrap();
-            assert_eq!(c.views.len(), parts.len());
-            for (v, p) in c.views.iter().zip(&parts) {
-                assert_eq!(v.as_slice(), p.as_slice());
-                assert!((v.as_slice().as_ptr() as usize).is_multiple_of(ANON_ALIGN));
-            }
-            // 100 → 128, 0, 4097 → 4160, 2 → 64.
-            assert_eq!(c.mapped, 128 + 4160 + 64);
-            if !huge {
-                assert!(!c.huge_advised);
-            }
-        }
-        let none = copy_to_anonymous(&[], true, &|_, _| {}).unwrap();
-        assert!(none.views.is_empty());
-        assert_eq!(none.mapped, 0);
+    fn a_file_mapping_knows_its_file_and_reads_views_from_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.bin");
+        let data: Vec<u8> = (0..3 * 4096 + 5).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let f = File::open(&path).unwrap();
+        let all = map_file(&f, &path).unwrap();
+        let v = all.slice(4000..9000).unwrap();
+        let (m, off) = v.file_origin().unwrap();
+        assert_eq!((m.path(), off), (path.as_path(), 4000));
+        assert!(m.is_same_file(&f));
+        assert!(v.same_owner(&all));
+        assert_eq!(v.read_to_vec().unwrap(), &data[4000..9000]);
+        let c = m.cached_fraction(0..data.len());
+        assert!(c.is_none_or(|c| (0.0..=1.0).contains(&c)), "{c:?}");
+        // Memory views have no file; an empty file maps to an empty buffer.
+        let mem = Bytes::from_vec(vec![1, 2, 3]);
+        assert!(mem.file_origin().is_none() && !mem.same_owner(&v));
+        assert_eq!(mem.read_to_vec().unwrap(), vec![1, 2, 3]);
+        let empty = dir.path().join("e.bin");
+        std::fs::write(&empty, b"").unwrap();
+        let e = map_file(&File::open(&empty).unwrap(), &empty).unwrap();
+        assert!(e.is_empty() && e.file_origin().is_none());
+        // A file that shrank since it was mapped is an error naming it.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(6000)
+            .unwrap();
+        let err = v.read_to_vec().unwrap_err().to_string();
+        assert!(err.contains("m.bin") && err.contains("ends"), "{err}");
     }
 
     #[cfg(unix)]

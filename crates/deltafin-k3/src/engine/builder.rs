@@ -20,8 +20,10 @@ use crate::model::K3Model;
 use crate::text::tokenizer::Tokenizer;
 use crate::weights::checkpoint::{Checkpoint, Layout};
 use crate::weights::install;
-use crate::weights::loader::{EngineOptions, expert_table, load_model_with_experts};
-use crate::weights::resident::HugePages;
+use crate::weights::loader::{
+    EngineOptions, assemble_model, expert_table, touch_embedding_in_background,
+};
+use crate::weights::resident::{HugePages, ResidentCopy};
 use crate::weights::spine_int8::{SpineError, SpineFormat, int8_spine_present, tensor_dir};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -43,6 +45,9 @@ pub struct LoadedEngine {
     pub spine: SpineFormat,
     /// Where the products run (`device=cpu`, `device=cuda:0 … spine=N/M matrices …`).
     pub device_line: String,
+    /// The copies into huge-page memory made while loading (the routed experts, then the
+    /// resident spine), with how their bytes were read.
+    pub resident_copies: Vec<ResidentCopy>,
 }
 
 /// Builds a [`LoadedEngine`] from an install root and an [`EngineConfig`].
@@ -249,10 +254,11 @@ impl EngineBuilder {
             huge_pages: HugePages::Off,
             ..EngineOptions::default()
         };
+        let mut copies = Vec::new();
         let (mut model, plan) = match config.memory_budget {
             None => {
                 let copy = config.copy_resident_experts && huge_pages.copies();
-                let (experts, observers) = assemble_expert_stack(
+                let stack = assemble_expert_stack(
                     &checkpoint,
                     config,
                     Base::Resident { copy },
@@ -261,9 +267,10 @@ impl EngineBuilder {
                     layer,
                     progress,
                 )?;
-                let mut model = load_model_with_experts(checkpoint.clone(), &engine, experts)
+                copies.extend(stack.copy);
+                let mut model = assemble_model(checkpoint.clone(), &engine, stack.experts)
                     .map_err(build_context(root))?;
-                model.route_observers = observers;
+                model.route_observers = stack.observers;
                 (model, None)
             }
             Some(budget) => {
@@ -273,7 +280,7 @@ impl EngineBuilder {
                         cache_bytes: plan.cache,
                         ..config.stream.clone()
                     };
-                    let (experts, observers) = assemble_expert_stack(
+                    let stack = assemble_expert_stack(
                         &checkpoint,
                         config,
                         Base::Streaming(stream),
@@ -286,8 +293,8 @@ impl EngineBuilder {
                         spine_resident_layers: Some(plan.spine_resident_layers),
                         ..engine
                     };
-                    let mut model = load_model_with_experts(checkpoint.clone(), &engine, experts)?;
-                    model.route_observers = observers;
+                    let mut model = assemble_model(checkpoint.clone(), &engine, stack.experts)?;
+                    model.route_observers = stack.observers;
                     Ok((model, plan))
                 };
                 let (model, plan) = load().map_err(build_context(root))?;
@@ -318,8 +325,11 @@ impl EngineBuilder {
                 "copying the resident spine into huge-page memory",
             ))?;
             progress.info(&c.describe());
+            copies.push(c.clone());
             model.resident_copy = Some(c);
         }
+        // After the copy, so that the two reads do not compete for the disk.
+        touch_embedding_in_background(&model);
         install::check_vocab(&tokenizer, &model)?;
         let device_line = place_on_device(&mut model, &placement, config.device_reserve, progress)?;
         Ok(LoadedEngine {
@@ -330,6 +340,7 @@ impl EngineBuilder {
             load_seconds: t.elapsed().as_secs_f64(),
             spine: config.spine,
             device_line,
+            resident_copies: copies,
         })
     }
 }

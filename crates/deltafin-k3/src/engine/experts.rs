@@ -11,7 +11,7 @@ use crate::model::moe::ExpertSource;
 use crate::weights::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
 use crate::weights::config::K3Config;
 use crate::weights::loader::{CheckpointExperts, expert_table, streaming_experts};
-use crate::weights::resident::HugePages;
+use crate::weights::resident::{HugePages, ResidentCopy};
 use deltafin_experts::heat::{HeatDims, HeatRecorder, HeatTable};
 use deltafin_experts::scale4::{SCALE4_DIR, Scale4Experts, Scale4Layout, Scale4Sidecars};
 use deltafin_experts::{ExpertShape, RouteObservers, RouterTrace, StreamOptions};
@@ -153,6 +153,16 @@ pub(crate) enum Base {
     Streaming(StreamOptions),
 }
 
+/// What [`assemble_expert_stack`] built.
+pub(crate) struct ExpertStack {
+    /// The source the model asks for experts.
+    pub experts: Box<dyn ExpertSource>,
+    /// The route observers the model notifies.
+    pub observers: RouteObservers,
+    /// The copy of the resident experts into huge-page memory, when one was made.
+    pub copy: Option<ResidentCopy>,
+}
+
 /// Assemble the routed-expert source stack, bottom to top:
 ///
 /// 1. the base: resident experts (optionally copied into huge-page memory), or streaming
@@ -170,8 +180,9 @@ pub(crate) fn assemble_expert_stack(
     heat_path: PathBuf,
     layer: Option<ExpertLayerFactory>,
     progress: &dyn LoadProgress,
-) -> Result<(Box<dyn ExpertSource>, RouteObservers), EngineError> {
+) -> Result<ExpertStack, EngineError> {
     let pin = config.heat.pin_bytes;
+    let mut copy_report = None;
     let (source, layer): (Box<dyn ExpertSource>, _) = match base {
         Base::Resident { copy } => {
             if pin > 0 {
@@ -181,7 +192,7 @@ pub(crate) fn assemble_expert_stack(
             }
             let resident = CheckpointExperts::new(checkpoint.clone());
             if copy && checkpoint.layout() == Layout::Shards {
-                copy_experts_if_they_fit(&resident, progress)?;
+                copy_report = copy_experts_if_they_fit(&resident, progress)?;
             }
             let experts = wrap_scale4(checkpoint, Box::new(resident), config.scale4, progress)?;
             let layer = match layer {
@@ -240,16 +251,20 @@ pub(crate) fn assemble_expert_stack(
             )))?,
         ));
     }
-    Ok((experts, observers))
+    Ok(ExpertStack {
+        experts,
+        observers,
+        copy: copy_report,
+    })
 }
 
 /// With every expert resident, copy the experts into huge-page memory when they take at
-/// most half of the memory available now; otherwise they stay mapped from the shards
-/// (paged in as used) and a note says why.
+/// most half of the memory available now (returning what was copied); otherwise they stay
+/// mapped from the shards (paged in as used) and a note says why.
 fn copy_experts_if_they_fit(
     experts: &CheckpointExperts,
     progress: &dyn LoadProgress,
-) -> Result<(), EngineError> {
+) -> Result<Option<ResidentCopy>, EngineError> {
     let need = experts.total_bytes();
     let available = crate::engine::host::meminfo().map(|m| m.available);
     match available {
@@ -261,8 +276,10 @@ fn copy_experts_if_they_fit(
                 "copying the routed experts into huge-page memory",
             ))?;
             progress.info(&c.describe());
+            Ok(Some(c))
         }
-        _ => progress.note(&format!(
+        _ => {
+            progress.note(&format!(
             "routed experts stay mapped from the shards: {:.3} GB is more than half of the {} available ({}=off never copies them)",
             need as f64 / 1e9,
             available.map_or("(unknown) memory".into(), |a| format!(
@@ -270,7 +287,8 @@ fn copy_experts_if_they_fit(
                 a as f64 / 1e9
             )),
             HugePages::ENV
-        )),
+            ));
+            Ok(None)
+        }
     }
-    Ok(())
 }

@@ -126,48 +126,50 @@ impl CheckpointExperts {
         progress: &(dyn Fn(u64, u64) + Sync),
     ) -> Result<ResidentCopy, LoadError> {
         let cfg = self.ckpt.config();
-        let ids: Vec<(usize, usize)> = (0..cfg.n_layers())
-            .filter(|&l| !cfg.is_dense(l))
-            .flat_map(|l| (0..self.num_experts).map(move |e| (l, e)))
-            .collect();
-        let mut parts = Vec::with_capacity(ids.len() * 6);
-        let mut shapes = Vec::with_capacity(ids.len());
-        for &(l, e) in &ids {
-            let m = self.ckpt.expert_matrices(l, e)?;
-            for w in [&m.w1, &m.w2, &m.w3] {
-                parts.extend(w.parts().into_iter().cloned());
+        // The stored views only: the scales are checked on the copies, in memory, so that
+        // nothing reads the shards through their mappings first.
+        let mut experts = Vec::new();
+        for l in (0..cfg.n_layers()).filter(|&l| !cfg.is_dense(l)) {
+            for e in 0..self.num_experts {
+                experts.push(((l, e), self.ckpt.expert_tensor_bytes(l, e)?));
             }
-            shapes.push(m);
         }
+        // In file order (the shards store experts in the string order of their ids,
+        // docs/K3.md §3.4): experts that follow each other in a shard then follow each other
+        // in the copy, and the copy reads them with a few large reads.
+        experts.sort_by_cached_key(|(id, parts)| {
+            let at = parts[0].file_origin();
+            (
+                at.map(|(f, _)| f.path().to_path_buf()),
+                at.map_or(0, |(_, o)| o),
+                *id,
+            )
+        });
+        let parts: Vec<deltafin_tensor::Bytes> = experts
+            .iter()
+            .flat_map(|(_, p)| p.iter().cloned())
+            .collect();
         let copies =
             copy_to_anonymous(&parts, true, progress).map_err(|e| ModelError::Weights {
                 name: "routed experts".into(),
-                message: format!("cannot map anonymous memory for the copy: {e}"),
+                message: format!("cannot copy the experts into anonymous memory: {e}"),
             })?;
         drop(parts);
         let mut views = copies.views.into_iter();
-        for (&(l, e), m) in ids.iter().zip(shapes) {
-            let name = format!("layer {l} expert {e}");
-            let mut moved = |w: &deltafin_tensor::Mxfp4Matrix| -> Result<_, LoadError> {
-                let (Some(p), Some(s)) = (views.next(), views.next()) else {
-                    return Err(ModelError::Weights {
-                        name: name.clone(),
-                        message: "no copy for this expert".into(),
-                    }
-                    .into());
-                };
-                w.with_bytes(&name, p, s).map_err(|err| {
-                    ModelError::Weights {
-                        name: name.clone(),
-                        message: err.to_string(),
-                    }
-                    .into()
+        let count = experts.len();
+        for ((l, e), _) in experts {
+            let mut next = || {
+                views.next().ok_or_else(|| ModelError::Weights {
+                    name: format!("layer {l} expert {e}"),
+                    message: "no copy for this expert".into(),
                 })
             };
+            let copied = [next()?, next()?, next()?, next()?, next()?, next()?];
+            let m = self.ckpt.expert_matrices_from(l, e, copied)?;
             let w = ExpertWeights {
-                w1: moved(&m.w1)?,
-                w2: moved(&m.w2)?,
-                w3: moved(&m.w3)?,
+                w1: m.w1,
+                w2: m.w2,
+                w3: m.w3,
             };
             if let Some(cell) = self.cells.get(l * self.num_experts + e) {
                 // A cell filled earlier keeps its (identical) mapped view.
@@ -176,9 +178,10 @@ impl CheckpointExperts {
         }
         Ok(ResidentCopy {
             what: "routed experts",
-            matrices: ids.len() * 3,
+            matrices: count * 3,
             bytes: copies.mapped as u64,
             huge_advised: copies.huge_advised,
+            stats: copies.stats,
         })
     }
 }
@@ -546,6 +549,23 @@ pub fn load_model_with_experts(
     opts: &EngineOptions,
     experts: Box<dyn ExpertSource>,
 ) -> Result<K3Model, LoadError> {
+    let mut model = assemble_model(ckpt, opts, experts)?;
+    if opts.huge_pages.copies() {
+        model.resident_copy = Some(model.copy_spine_to_huge_pages(&|_, _| {})?);
+    }
+    touch_embedding_in_background(&model);
+    Ok(model)
+}
+
+/// [`load_model_with_experts`] without its last two steps, the huge-page copy and the
+/// embedding's background read, for a caller that runs them itself: the engine builder copies
+/// with progress, then starts the read ([`touch_embedding_in_background`]), so that the two do
+/// not compete for the disk.
+pub(crate) fn assemble_model(
+    ckpt: Arc<Checkpoint>,
+    opts: &EngineOptions,
+    experts: Box<dyn ExpertSource>,
+) -> Result<K3Model, LoadError> {
     let dims = dims_from_config(ckpt.config(), opts);
     // Complete DFSP packs of the chosen spine (docs/DFSP.md) replace the shards / int8 files.
     let packs = PackSet::open_if_complete(&ckpt, opts.spine)?;
@@ -574,7 +594,6 @@ pub fn load_model_with_experts(
         prefix: "model.".into(),
     };
     let embed = g.mat("embed_tokens.weight")?;
-    touch_in_background(embed.bytes().clone());
     let norm = g.vec("norm.weight")?;
     let output_res = g.attn_res("output_attn_res")?;
     let top = Names {
@@ -586,9 +605,6 @@ pub fn load_model_with_experts(
     let lm_head = top.lin("lm_head.weight")?;
     let mut model = K3Model::new(dims, embed, layers, norm, output_res, lm_head, experts)?;
     model.spine_stream = streamer;
-    if opts.huge_pages.copies() {
-        model.resident_copy = Some(model.copy_spine_to_huge_pages(&|_, _| {})?);
-    }
     Ok(model)
 }
 
@@ -605,6 +621,11 @@ pub(crate) fn touch_pages(bytes: &[u8]) -> usize {
         touched += 1;
     }
     touched
+}
+
+/// Bring the model's embedding table into memory on a background thread ([`touch_pages`]).
+pub(crate) fn touch_embedding_in_background(model: &K3Model) {
+    touch_in_background(model.embed.bytes().clone());
 }
 
 /// Bring the embedding table into memory on a background thread ([`touch_pages`]).

@@ -302,10 +302,9 @@ fn stored_file_shape(spec: &TensorSpec, len: u64) -> Option<Vec<usize>> {
 pub(super) fn map_file(path: &Path) -> Result<Bytes, CheckpointError> {
     let io = |e: std::io::Error| file_err(path, e.to_string());
     let file = std::fs::File::open(path).map_err(io)?;
-    // SAFETY: the mapping is read-only; the install's files are not modified while loaded
-    // (the same contract as the shard mmaps of `SafetensorsFile::open`).
-    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-    Ok(Bytes::from_owner(std::sync::Arc::new(mmap)))
+    // The install's files are not modified while loaded (the same contract as the shard
+    // mappings of `SafetensorsFile::open`).
+    deltafin_tensor::storage::map_file(&file, path).map_err(io)
 }
 
 /// Parse `model.safetensors.index.json`: `weight_map` (name → shard file) and the optional

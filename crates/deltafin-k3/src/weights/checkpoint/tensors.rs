@@ -117,15 +117,22 @@ impl Checkpoint {
     /// A BF16 or F32 tensor of any rank (norms, biases, conv taps, `res_proj`) widened to f32.
     pub fn f32_vector(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
         let found = self.find(name)?;
-        let (bytes, full) = (found.bytes, found.full);
+        let full = found.full;
+        // Read, not faulted in: a fault would bring the megabytes around this small tensor
+        // into the page cache (readahead) during the load.
+        let bytes = found
+            .bytes
+            .read_to_vec()
+            .map_err(|e| CheckpointError::Request {
+                name: full.clone(),
+                message: format!("cannot read it: {e}"),
+            })?;
         match found.dtype {
             DType::F32 => Ok(bytes
-                .as_slice()
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect()),
             DType::BF16 => Ok(bytes
-                .as_slice()
                 .chunks_exact(2)
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect()),
@@ -163,6 +170,19 @@ impl Checkpoint {
         layer: usize,
         expert: usize,
     ) -> Result<ExpertMatrices, CheckpointError> {
+        let bytes = self.expert_tensor_bytes(layer, expert)?;
+        self.expert_matrices_from(layer, expert, bytes)
+    }
+
+    /// The six tensors of `expert` in MoE layer `layer` as stored, in the §3.4 order (w1
+    /// codes, w1 scales, w2 codes, …), sizes checked, values not read: the views
+    /// [`Checkpoint::expert_matrices_from`] makes matrices of. Reading nothing lets a copy of
+    /// every expert read them from the files in large reads before any scale is checked.
+    pub fn expert_tensor_bytes(
+        &self,
+        layer: usize,
+        expert: usize,
+    ) -> Result<[Bytes; 6], CheckpointError> {
         self.check_expert(layer, expert)?;
         let lay = inventory::expert_layout(&self.config, layer, expert);
         // A stream install keeps each expert as one raw-v1 file: map it and slice the six
@@ -204,13 +224,38 @@ impl Checkpoint {
                 }
             }
         };
+        let [a, b, c, d, e, f] = &lay.tensors;
+        Ok([
+            part(&a.name, a.bytes)?,
+            part(&b.name, b.bytes)?,
+            part(&c.name, c.bytes)?,
+            part(&d.name, d.bytes)?,
+            part(&e.name, e.bytes)?,
+            part(&f.name, f.bytes)?,
+        ])
+    }
+
+    /// The three MXFP4 matrices of `expert` in MoE layer `layer` over `bytes`, its six
+    /// tensors in the §3.4 order (from [`Checkpoint::expert_tensor_bytes`], or copies of
+    /// them): sizes and scales (no NaN) checked, each error naming the tensor.
+    pub fn expert_matrices_from(
+        &self,
+        layer: usize,
+        expert: usize,
+        bytes: [Bytes; 6],
+    ) -> Result<ExpertMatrices, CheckpointError> {
+        self.check_expert(layer, expert)?;
+        let lay = inventory::expert_layout(&self.config, layer, expert);
+        let [p1, s1, p2, s2, p3, s3] = bytes;
         let mut mats = Vec::with_capacity(3);
-        for pair in lay.tensors.chunks_exact(2) {
-            let (p, s) = (&pair[0], &pair[1]);
+        for (pair, (packed, scale)) in
+            lay.tensors
+                .chunks_exact(2)
+                .zip([(p1, s1), (p2, s2), (p3, s3)])
+        {
+            let p = &pair[0];
             let [rows, cols] = inventory::ExpertLayout::logical_shape(&self.config, p.matrix);
             let name = p.name.trim_end_matches(".weight_packed");
-            let packed = part(&p.name, p.bytes)?;
-            let scale = part(&s.name, s.bytes)?;
             mats.push(Mxfp4Matrix::new(name, packed, scale, rows, cols)?);
         }
         let mut it = mats.into_iter();

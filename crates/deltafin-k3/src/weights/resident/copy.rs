@@ -95,7 +95,7 @@ impl K3Model {
             copy_to_anonymous(&parts, true, progress).map_err(|e| ModelError::Weights {
                 name: "resident spine".into(),
                 message: format!(
-                    "cannot map {} bytes of anonymous memory for the copy: {e}",
+                    "cannot copy {} bytes into anonymous memory: {e}",
                     parts.iter().map(Bytes::len).sum::<usize>()
                 ),
             })?;
@@ -107,6 +107,7 @@ impl K3Model {
             matrices,
             bytes: copies.mapped as u64,
             huge_advised: copies.huge_advised,
+            stats: copies.stats,
         })
     }
 

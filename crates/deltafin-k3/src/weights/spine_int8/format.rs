@@ -9,7 +9,6 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// Directory of the row-int8 spine under the model root.
 pub const INT8_DIR: &str = "k3-resident-int8";
@@ -294,18 +293,10 @@ pub(super) fn check_receipt(
 
 pub(super) fn map_file(name: &str, path: &Path) -> Result<Bytes, SpineError> {
     let file = File::open(path).map_err(|e| tensor_err(name, path, e.to_string()))?;
-    let len = file
-        .metadata()
-        .map_err(|e| tensor_err(name, path, e.to_string()))?
-        .len();
-    if len == 0 {
-        return Ok(Bytes::from_vec(Vec::new()));
-    }
-    // SAFETY: the file is opened read-only; like the shards, the spine files must not be
-    // modified while a model runs (docs/OPERATIONS.md, "The row-int8 spine").
-    let mmap =
-        unsafe { memmap2::Mmap::map(&file) }.map_err(|e| tensor_err(name, path, e.to_string()))?;
-    Ok(Bytes::from_owner(Arc::new(mmap)))
+    // Like the shards, the spine files must not be modified while a model runs
+    // (docs/OPERATIONS.md, "The row-int8 spine").
+    deltafin_tensor::storage::map_file(&file, path)
+        .map_err(|e| tensor_err(name, path, e.to_string()))
 }
 
 /// The loaded int8 spine: one zero-copy [`RowInt8Matrix`] per quantized tensor.

@@ -7,7 +7,6 @@ use deltafin_tensor::{Bf16Matrix, Bytes, DType, RowInt8Matrix};
 use rayon::prelude::*;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// An opened, structurally validated pack (the whole file mapped).
 #[derive(Debug)]
@@ -41,15 +40,8 @@ impl SpinePack {
                 io_err(path)(e)
             }
         })?;
-        let len = file.metadata().map_err(io_err(path))?.len();
-        let bytes = if len == 0 {
-            Bytes::from_vec(Vec::new())
-        } else {
-            // SAFETY: read-only map; packs must not be modified while in use
-            // (docs/OPERATIONS.md, "Spine packs").
-            let m = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))?;
-            Bytes::from_owner(Arc::new(m))
-        };
+        // Packs must not be modified while in use (docs/OPERATIONS.md, "Spine packs").
+        let bytes = deltafin_tensor::storage::map_file(&file, path).map_err(io_err(path))?;
         Self::parse(path, bytes)
     }
 
