@@ -2,8 +2,9 @@
 # The full-scale layout benchmark (not in CI; docs/PERFORMANCE.md, "Full-scale layout").
 #
 # On the real K3 release layout at full scale as sparse files (`cargo xtask synth-layout`:
-# 96 shards, 497,220 tensors, 1.42 TiB of tensor bytes left as holes, ≈ 120 MB on disk), runs
-# `deltafin doctor`, `deltafin setup --dry-run` and `setup --check`, then one
+# 96 shards, 497,220 tensors, 1.42 TiB of tensor bytes left as holes, ≈ 130 MB on disk), runs
+# `deltafin doctor` (with the run's budget and spine), `deltafin setup --dry-run` and
+# `setup --check`, then one
 # `deltafin run --memory-budget-gb BUDGET_GB --spine bf16 --max-new TOKENS --stats` after
 # dropping the page cache, under /usr/bin/time -v, and prints: load time, peak RSS against the
 # budget, spine and expert bytes read per forward pass against what the config predicts, and
@@ -47,7 +48,7 @@ step() { # step NAME CMD...: run, keep its output, print its exit status and las
     tail -n "${TAIL:-6}" "$OUT/$name.out" | sed 's/^/   /'
 }
 
-TAIL=40 step doctor "$BIN" doctor --model-root "$LAYOUT"
+TAIL=40 step doctor "$BIN" doctor --model-root "$LAYOUT" --memory-budget-gb "$BUDGET_GB" --spine bf16
 TAIL=20 step setup-dry-run "$BIN" setup --dry-run --model-root "$LAYOUT"
 TAIL=20 step setup-check "$BIN" setup --check --model-root "$LAYOUT"
 
