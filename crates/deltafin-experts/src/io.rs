@@ -6,7 +6,7 @@
 //! file falls back to buffered reads for good, with the reason recorded.
 
 use crate::layout::Region;
-use deltafin_tensor::storage::open_direct;
+use deltafin_tensor::storage::{is_refusal, open_direct};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -43,10 +43,6 @@ pub struct SourceFile {
     /// Test hook: the next direct read fails with `EINVAL`.
     #[cfg(test)]
     pub(crate) fail_next_direct_read: AtomicBool,
-}
-
-fn is_refusal(e: &io::Error) -> bool {
-    e.raw_os_error() == Some(libc::EINVAL)
 }
 
 #[cfg(target_os = "macos")]

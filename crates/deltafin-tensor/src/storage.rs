@@ -11,7 +11,7 @@ mod anon;
 mod direct;
 
 pub use anon::{ANON_ALIGN, AnonCopies, CopyStats, copy_to_anonymous};
-pub use direct::open_direct;
+pub use direct::{is_refusal, open_direct};
 
 /// Anything that owns a contiguous byte buffer and can be shared between threads.
 pub trait ByteOwner: Send + Sync {

@@ -32,7 +32,7 @@ pub fn open_direct(_path: &Path) -> io::Result<File> {
 
 /// Whether `e` is a filesystem refusing O_DIRECT (at open or at a read) rather than a
 /// failure of the device or the file.
-pub(super) fn is_refusal(e: &io::Error) -> bool {
+pub fn is_refusal(e: &io::Error) -> bool {
     e.raw_os_error() == Some(libc::EINVAL)
 }
 
