@@ -115,9 +115,9 @@ impl Engine {
     pub fn encode(&self, req: &GenRequest) -> Result<Vec<u32>, ApiError> {
         let ids = match &req.prompt {
             Prompt::Raw(text) => self.tokenizer.encode_ordinary(text),
-            Prompt::Chat { messages, effort } => {
+            Prompt::Chat { messages, controls } => {
                 let opts = ChatOptions {
-                    effort: Some(*effort),
+                    effort: Some(controls.effort),
                     ..Default::default()
                 };
                 encode_chat(&self.tokenizer, messages, &opts)
@@ -141,6 +141,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` reached or the context is full.
     Length,
+    /// The answer ended with tool calls.
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -149,6 +151,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }

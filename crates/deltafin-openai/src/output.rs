@@ -39,6 +39,21 @@ pub struct TokenEntry {
     pub text_offset: usize,
 }
 
+/// A piece of one tool call in the model's output, in the shape of OpenAI's streamed
+/// `tool_calls` deltas: the first piece of a call carries its `id` and `name`, later pieces
+/// append to its `arguments` (a JSON object text, complete once the call has closed).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ToolCallDelta {
+    /// 0-based position of the call in this answer.
+    pub index: usize,
+    /// The call id (first piece only).
+    pub id: Option<String>,
+    /// The function name (first piece only).
+    pub name: Option<String>,
+    /// More of the arguments' JSON text.
+    pub arguments: String,
+}
+
 /// Newly releasable output.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Delta {
@@ -50,6 +65,8 @@ pub struct Delta {
     pub reasoning_logprobs: Vec<TokenEntry>,
     /// Log-probabilities of the content tokens whose text starts in `content`.
     pub content_logprobs: Vec<TokenEntry>,
+    /// Tool-call pieces, in order (chat only).
+    pub tool_calls: Vec<ToolCallDelta>,
 }
 
 impl Delta {
@@ -59,6 +76,7 @@ impl Delta {
             && self.content.is_empty()
             && self.reasoning_logprobs.is_empty()
             && self.content_logprobs.is_empty()
+            && self.tool_calls.is_empty()
     }
 
     /// Appends `other`.
@@ -67,6 +85,7 @@ impl Delta {
         self.content.push_str(&other.content);
         self.reasoning_logprobs.extend(other.reasoning_logprobs);
         self.content_logprobs.extend(other.content_logprobs);
+        self.tool_calls.extend(other.tool_calls);
     }
 }
 
@@ -362,6 +381,7 @@ impl<'t> Assembler<'t> {
             content,
             reasoning_logprobs,
             content_logprobs,
+            tool_calls: Vec::new(),
         }
     }
 }

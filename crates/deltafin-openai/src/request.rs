@@ -6,7 +6,7 @@
 
 use crate::MODEL_ID;
 use crate::error::ApiError;
-use deltafin_k3::text::chat::{ChatMessage, ReasoningEffort};
+use deltafin_k3::text::chat::{ChatMessage, ReasoningEffort, ResponseFormat};
 use serde_json::{Map, Value};
 
 /// Which endpoint a request came to.
@@ -33,13 +33,60 @@ impl Surface {
 pub enum Prompt {
     /// Raw text, encoded with specials off and no BOS.
     Raw(String),
-    /// A conversation and its thinking effort.
+    /// A conversation and how the answer is controlled.
     Chat {
         /// The messages, in order.
         messages: Vec<ChatMessage>,
-        /// The effort of the thinking-effort system message.
-        effort: ReasoningEffort,
+        /// Thinking, tools and output format.
+        controls: ChatControls,
     },
+}
+
+/// `tool_choice`, as the client asked it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ToolMode {
+    /// `auto` (the default when tools are declared): the model decides.
+    #[default]
+    Auto,
+    /// `none`: the model must not call tools.
+    None,
+    /// `required`: the model must call at least one tool.
+    Required,
+    /// `{"type":"function","function":{"name":…}}`: the model must call this tool.
+    Named(String),
+}
+
+/// How a chat request controls its answer beyond the messages: thinking, tools and the
+/// response format. Every endpoint that renders the XTML chat template fills one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatControls {
+    /// Thinking on (the default) or off (`reasoning_effort: none`).
+    pub thinking: bool,
+    /// The effort of the thinking-effort system message (used only when thinking).
+    pub effort: ReasoningEffort,
+    /// Declared function tools, each `{"type":"function","function":{"name", "description"?,
+    /// "parameters"?, "strict"?}}`, as they are rendered.
+    pub tools: Vec<serde_json::Value>,
+    /// `tool_choice`.
+    pub tool_mode: ToolMode,
+    /// `parallel_tool_calls` (default true): more than one call per answer allowed.
+    pub parallel_tool_calls: bool,
+    /// `response_format` `json_object` / `json_schema` (`None`: free text).
+    pub response_format: Option<ResponseFormat>,
+}
+
+impl ChatControls {
+    /// Thinking on at `effort`, no tools, free text.
+    pub fn with_effort(effort: ReasoningEffort) -> Self {
+        ChatControls {
+            thinking: true,
+            effort,
+            tools: Vec::new(),
+            tool_mode: ToolMode::Auto,
+            parallel_tool_calls: true,
+            response_format: None,
+        }
+    }
 }
 
 /// A validated generation request.
@@ -531,7 +578,7 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
     }
     Ok(Prompt::Chat {
         messages: parsed,
-        effort,
+        controls: ChatControls::with_effort(effort),
     })
 }
 
@@ -665,10 +712,10 @@ mod tests {
         assert!(!r.stream && r.stop.is_empty() && r.logprobs.is_none());
         let r = chat(json!({})).unwrap();
         assert_eq!(r.max_new, 1000);
-        let Prompt::Chat { effort, messages } = r.prompt else {
+        let Prompt::Chat { controls, messages } = r.prompt else {
             panic!()
         };
-        assert_eq!(effort, ReasoningEffort::Max);
+        assert_eq!(controls, ChatControls::with_effort(ReasoningEffort::Max));
         assert_eq!(messages.len(), 1);
     }
 
@@ -785,7 +832,10 @@ mod tests {
         assert!(matches!(
             r.prompt,
             Prompt::Chat {
-                effort: ReasoningEffort::High,
+                controls: ChatControls {
+                    effort: ReasoningEffort::High,
+                    ..
+                },
                 ..
             }
         ));
@@ -793,7 +843,10 @@ mod tests {
         assert!(matches!(
             r.prompt,
             Prompt::Chat {
-                effort: ReasoningEffort::Low,
+                controls: ChatControls {
+                    effort: ReasoningEffort::Low,
+                    ..
+                },
                 ..
             }
         ));
