@@ -8,6 +8,7 @@ pub mod engine;
 pub mod error;
 pub mod output;
 pub mod request;
+pub mod response;
 pub mod server;
 
 pub use engine::{Engine, LoadError};
