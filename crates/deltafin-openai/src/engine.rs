@@ -137,8 +137,10 @@ impl Engine {
 /// Why generation ended, as OpenAI names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
-    /// End of message / document, or a stop sequence.
+    /// End of message / document.
     Stop,
+    /// The stop sequence with this index in the request's list matched.
+    StopSequence(usize),
     /// `max_tokens` reached or the context is full.
     Length,
     /// The answer ended with tool calls.
@@ -146,10 +148,11 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
-    /// `"stop"` or `"length"`.
+    /// OpenAI's `finish_reason`: `"stop"` (also for a stop sequence), `"length"` or
+    /// `"tool_calls"`.
     pub fn as_str(self) -> &'static str {
         match self {
-            FinishReason::Stop => "stop",
+            FinishReason::Stop | FinishReason::StopSequence(_) => "stop",
             FinishReason::Length => "length",
             FinishReason::ToolCalls => "tool_calls",
         }
@@ -306,7 +309,9 @@ fn run_drafted(
     let eos = ids
         .get(counted.wrapping_sub(1))
         .is_some_and(|t| stop_ids.contains(t));
-    let finish = if asm.stop_hit() || eos {
+    let finish = if let Some(i) = asm.matched_stop() {
+        FinishReason::StopSequence(i)
+    } else if asm.stop_hit() || eos {
         FinishReason::Stop
     } else if ids.len() >= max_new {
         FinishReason::Length
@@ -393,11 +398,12 @@ fn run_plain(
         Ok(o) => o,
         Err(e) => return generation_failed(sink_error, e),
     };
-    let finish = match outcome.stop {
-        _ if asm.stop_hit() => FinishReason::Stop,
-        StopReason::Eos => FinishReason::Stop,
-        StopReason::MaxNew | StopReason::ContextFull => FinishReason::Length,
-        StopReason::Interrupted => {
+    let finish = match (asm.matched_stop(), outcome.stop) {
+        (Some(i), _) => FinishReason::StopSequence(i),
+        (None, _) if asm.stop_hit() => FinishReason::Stop,
+        (None, StopReason::Eos) => FinishReason::Stop,
+        (None, StopReason::MaxNew | StopReason::ContextFull) => FinishReason::Length,
+        (None, StopReason::Interrupted) => {
             return interrupted(client_gone, shutdown);
         }
     };

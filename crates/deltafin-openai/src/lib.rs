@@ -6,7 +6,9 @@
 
 pub mod engine;
 pub mod error;
+pub mod messages;
 pub mod output;
+pub mod reply;
 pub mod request;
 pub mod server;
 

@@ -103,6 +103,8 @@ struct ChannelText {
     released: usize,
     records: Vec<Record>,
     closed: bool,
+    /// The index (in the request's list) of the stop sequence that matched.
+    matched: Option<usize>,
 }
 
 impl ChannelText {
@@ -134,8 +136,16 @@ impl ChannelText {
     /// A match can only start in the unreleased tail (a possible prefix is held back).
     fn check_stops(&mut self, stops: &[String]) -> bool {
         let tail = &self.text[self.released..];
-        let hit = stops.iter().filter_map(|s| tail.find(s.as_str())).min();
-        let Some(pos) = hit else { return false };
+        // The earliest match; of two starting there, the shorter (it completed first).
+        let hit = stops
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| tail.find(s.as_str()).map(|pos| (pos, s.len(), i)))
+            .min();
+        let Some((pos, _, index)) = hit else {
+            return false;
+        };
+        self.matched = Some(index);
         let cut = self.released + pos;
         self.text.truncate(cut);
         self.chars = self.text.chars().count();
@@ -242,6 +252,11 @@ impl<'t> Assembler<'t> {
     /// Whether a stop sequence matched (generation must end).
     pub fn stop_hit(&self) -> bool {
         self.stop_hit
+    }
+
+    /// Which stop sequence matched (its index in the request's list), once one has.
+    pub fn matched_stop(&self) -> Option<usize> {
+        self.reasoning.matched.or(self.content.matched)
     }
 
     /// Generated tokens up to and including the marker that closes the thinking channel.

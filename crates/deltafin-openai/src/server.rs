@@ -3,7 +3,9 @@
 
 use crate::engine::{Ending, Engine, FinishReason, GenEvent, Usage, run_generation};
 use crate::error::{ApiError, json_response};
+use crate::messages::{self, MessagesMeta, reply::MessagesReply};
 use crate::output::{Delta, chat_logprob_entries, completions_logprobs};
+use crate::reply::{Reply, ReplyContext};
 use crate::request::{self, Limits, Surface};
 use crate::{MODEL_ID, ServerConfig};
 use axum::Router;
@@ -209,12 +211,13 @@ impl AppState {
     }
 
     fn response_id(&self, prefix: &str) -> String {
+        format!("{prefix}-{}", self.id_suffix())
+    }
+
+    /// 20 hex digits unique to one response: 8 of time, 12 of sequence.
+    fn id_suffix(&self) -> String {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        format!(
-            "{prefix}-{:08x}{:012x}",
-            unix_now() as u32,
-            seq & 0xffff_ffff_ffff
-        )
+        format!("{:08x}{:012x}", unix_now() as u32, seq & 0xffff_ffff_ffff)
     }
 
     fn begin_shutdown(&self) {
@@ -359,10 +362,35 @@ impl Server {
     }
 }
 
+/// Which API a generation request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Api {
+    /// OpenAI's completions or chat completions.
+    OpenAi(Surface),
+    /// Anthropic's Messages API (`/v1/messages`).
+    Messages,
+}
+
+impl Api {
+    /// The error in this API's shape.
+    fn error(self, e: ApiError) -> Response {
+        match self {
+            Api::Messages => e.response_with_body(&messages::wire::error_body(&e)),
+            Api::OpenAi(_) => e.into_response(),
+        }
+    }
+}
+
+/// The endpoint-specific part of a validated request.
+enum Front {
+    OpenAi(Surface),
+    Messages(MessagesMeta),
+}
+
 async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    let surface = match path.as_str() {
+    let api = match path.as_str() {
         "/v1/models" | "/models" => {
             return if method == Method::GET {
                 json_response(
@@ -373,8 +401,9 @@ async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
                 ApiError::method_not_allowed().into_response()
             };
         }
-        "/v1/completions" | "/completions" => Surface::Completions,
-        "/v1/chat/completions" | "/chat/completions" => Surface::Chat,
+        "/v1/completions" | "/completions" => Api::OpenAi(Surface::Completions),
+        "/v1/chat/completions" | "/chat/completions" => Api::OpenAi(Surface::Chat),
+        "/v1/messages" => Api::Messages,
         p => {
             let id = p
                 .strip_prefix("/v1/models/")
@@ -393,7 +422,12 @@ async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
         }
     };
     if method != Method::POST {
-        return ApiError::method_not_allowed().into_response();
+        return api.error(ApiError::method_not_allowed());
+    }
+    if api == Api::Messages
+        && let Err(e) = messages::check_headers(req.headers())
+    {
+        return api.error(e);
     }
     let conn = req
         .extensions()
@@ -403,9 +437,9 @@ async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
             #[cfg(unix)]
             sock: None,
         });
-    match generate(state, surface, req, conn).await {
+    match generate(state, api, req, conn).await {
         Ok(resp) => resp,
-        Err(e) => e.into_response(),
+        Err(e) => api.error(e),
     }
 }
 
@@ -441,7 +475,7 @@ async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
 
 async fn generate(
     state: Arc<AppState>,
-    surface: Surface,
+    api: Api,
     req: Request,
     conn: ClientConn,
 ) -> Result<Response, ApiError> {
@@ -468,7 +502,16 @@ async fn generate(
         max_tokens: state.cfg.max_tokens,
         default_effort: state.cfg.default_effort,
     };
-    let gen_req = request::parse(&json, surface, &limits)?;
+    let (gen_req, front) = match api {
+        Api::OpenAi(surface) => (
+            request::parse(&json, surface, &limits)?,
+            Front::OpenAi(surface),
+        ),
+        Api::Messages => {
+            let (r, meta) = messages::parse(&json, &limits)?;
+            (r, Front::Messages(meta))
+        }
+    };
     drop(json);
     let (gen_req, prompt) = {
         let engine = engine.clone();
@@ -487,6 +530,7 @@ async fn generate(
     if state.shutdown.load(Ordering::SeqCst) {
         return Err(ApiError::shutting_down());
     }
+    let prompt_tokens = prompt.len();
     let interrupt = Arc::new(AtomicBool::new(false));
     let guard = CancelOnDrop {
         flag: interrupt.clone(),
@@ -533,6 +577,14 @@ async fn generate(
             let _ = tx.send(ev);
         }
     });
+    let surface = match front {
+        Front::OpenAi(surface) => surface,
+        Front::Messages(meta) => {
+            let ctx = reply_context(&state, "msg_", prompt_tokens, gen_req.max_new);
+            let reply = Box::new(MessagesReply::new(ctx, meta));
+            return answer_with(reply, gen_req.stream, rx, guard, conn).await;
+        }
+    };
     let tok_engine = state.engine.borrow().clone();
     let EngineState::Ready(tok_engine) = tok_engine else {
         return Err(ApiError::server("the model is not loaded"));
@@ -747,6 +799,132 @@ impl SseState {
     }
 }
 
+fn reply_context(
+    state: &AppState,
+    prefix: &str,
+    prompt_tokens: usize,
+    max_new: usize,
+) -> ReplyContext {
+    let suffix = state.id_suffix();
+    ReplyContext {
+        id: format!("{prefix}{suffix}"),
+        suffix,
+        created: unix_now(),
+        prompt_tokens,
+        max_new,
+    }
+}
+
+/// Answers a generation with `reply`: its JSON body, or its event stream.
+async fn answer_with(
+    reply: Box<dyn Reply>,
+    stream: bool,
+    rx: mpsc::UnboundedReceiver<GenEvent>,
+    guard: CancelOnDrop,
+    conn: ClientConn,
+) -> Result<Response, ApiError> {
+    if stream {
+        return Ok(reply_sse(reply, rx, guard, conn));
+    }
+    match unless_gone(&conn, collect_reply(reply, rx, guard)).await {
+        Some(r) => r,
+        None => Ok(abandoned()),
+    }
+}
+
+async fn collect_reply(
+    mut reply: Box<dyn Reply>,
+    mut rx: mpsc::UnboundedReceiver<GenEvent>,
+    mut guard: CancelOnDrop,
+) -> Result<Response, ApiError> {
+    let mut all = Delta::default();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Delta(d) => all.extend(d),
+            GenEvent::Done { finish, usage } => {
+                guard.armed = false;
+                let body = reply.body(all, finish, &usage)?;
+                return Ok(json_response(StatusCode::OK, &body));
+            }
+            GenEvent::Failed(e) => {
+                guard.armed = false;
+                return Err(e);
+            }
+        }
+    }
+    Err(ApiError::server("the generation ended without a result"))
+}
+
+struct ReplySse {
+    conn: ClientConn,
+    reply: Box<dyn Reply>,
+    rx: mpsc::UnboundedReceiver<GenEvent>,
+    guard: CancelOnDrop,
+    pending: VecDeque<String>,
+    ended: bool,
+}
+
+impl ReplySse {
+    fn on_event(&mut self, ev: Option<GenEvent>) {
+        let frames = match ev {
+            Some(GenEvent::Delta(d)) => match self.reply.delta(d) {
+                Ok(frames) => frames,
+                // The guard stays armed: dropping the stream stops the generation.
+                Err(e) => {
+                    self.ended = true;
+                    self.reply.failed(&e)
+                }
+            },
+            Some(GenEvent::Done { finish, usage }) => {
+                self.ended = true;
+                self.guard.armed = false;
+                self.reply.done(finish, &usage)
+            }
+            Some(GenEvent::Failed(e)) => {
+                self.ended = true;
+                self.guard.armed = false;
+                self.reply.failed(&e)
+            }
+            None => {
+                self.ended = true;
+                self.reply
+                    .failed(&ApiError::server("the generation ended without a result"))
+            }
+        };
+        self.pending.extend(frames);
+    }
+}
+
+/// The event stream of `reply`: its opening events at once, then one batch per event.
+fn reply_sse(
+    mut reply: Box<dyn Reply>,
+    rx: mpsc::UnboundedReceiver<GenEvent>,
+    guard: CancelOnDrop,
+    conn: ClientConn,
+) -> Response {
+    let st = ReplySse {
+        pending: reply.opening().into(),
+        conn,
+        reply,
+        rx,
+        guard,
+        ended: false,
+    };
+    let stream = futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(f) = st.pending.pop_front() {
+                return Some((Ok::<Bytes, Infallible>(Bytes::from(f)), st));
+            }
+            if st.ended {
+                return None;
+            }
+            let ev = unless_gone(&st.conn, st.rx.recv()).await?;
+            st.on_event(ev);
+        }
+    });
+    sse_headers(Response::new(Body::from_stream(stream)))
+}
+
 fn sse_response(
     shape: Shape,
     rx: mpsc::UnboundedReceiver<GenEvent>,
@@ -781,7 +959,11 @@ fn sse_response(
             st.on_event(ev);
         }
     });
-    let mut resp = Response::new(Body::from_stream(stream));
+    sse_headers(Response::new(Body::from_stream(stream)))
+}
+
+/// The headers of every event stream.
+fn sse_headers(mut resp: Response) -> Response {
     let h = resp.headers_mut();
     h.insert(
         header::CONTENT_TYPE,
