@@ -10,6 +10,7 @@ pub mod messages;
 pub mod output;
 pub mod reply;
 pub mod request;
+pub mod responses;
 pub mod server;
 
 pub use engine::{Engine, LoadError};

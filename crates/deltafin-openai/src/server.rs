@@ -7,6 +7,7 @@ use crate::messages::{self, MessagesMeta, reply::MessagesReply};
 use crate::output::{Delta, chat_logprob_entries, completions_logprobs};
 use crate::reply::{Reply, ReplyContext};
 use crate::request::{self, Limits, Surface};
+use crate::responses::{self, ResponsesMeta, reply::ResponsesReply};
 use crate::{MODEL_ID, ServerConfig};
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -369,6 +370,8 @@ enum Api {
     OpenAi(Surface),
     /// Anthropic's Messages API (`/v1/messages`).
     Messages,
+    /// OpenAI's Responses API (`/v1/responses`).
+    Responses,
 }
 
 impl Api {
@@ -376,7 +379,7 @@ impl Api {
     fn error(self, e: ApiError) -> Response {
         match self {
             Api::Messages => e.response_with_body(&messages::wire::error_body(&e)),
-            Api::OpenAi(_) => e.into_response(),
+            Api::OpenAi(_) | Api::Responses => e.into_response(),
         }
     }
 }
@@ -385,6 +388,7 @@ impl Api {
 enum Front {
     OpenAi(Surface),
     Messages(MessagesMeta),
+    Responses(ResponsesMeta),
 }
 
 async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
@@ -404,6 +408,7 @@ async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
         "/v1/completions" | "/completions" => Api::OpenAi(Surface::Completions),
         "/v1/chat/completions" | "/chat/completions" => Api::OpenAi(Surface::Chat),
         "/v1/messages" => Api::Messages,
+        "/v1/responses" | "/responses" => Api::Responses,
         p => {
             let id = p
                 .strip_prefix("/v1/models/")
@@ -511,6 +516,10 @@ async fn generate(
             let (r, meta) = messages::parse(&json, &limits)?;
             (r, Front::Messages(meta))
         }
+        Api::Responses => {
+            let (r, meta) = responses::parse(&json, &limits)?;
+            (r, Front::Responses(meta))
+        }
     };
     drop(json);
     let (gen_req, prompt) = {
@@ -582,6 +591,11 @@ async fn generate(
         Front::Messages(meta) => {
             let ctx = reply_context(&state, "msg_", prompt_tokens, gen_req.max_new);
             let reply = Box::new(MessagesReply::new(ctx, meta));
+            return answer_with(reply, gen_req.stream, rx, guard, conn).await;
+        }
+        Front::Responses(meta) => {
+            let ctx = reply_context(&state, "resp_", prompt_tokens, gen_req.max_new);
+            let reply = Box::new(ResponsesReply::new(ctx, meta));
             return answer_with(reply, gen_req.stream, rx, guard, conn).await;
         }
     };

@@ -18,8 +18,9 @@ use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat};
 use serde_json::{Map, Value, json};
 use wire::{ENDPOINT, bad, check_cache_control, object, only_keys, string};
 
-/// The only Messages API version (the `anthropic-version` header).
-pub const API_VERSION: &str = "2023-06-01";
+/// The Messages API versions (the `anthropic-version` header) whose request and response
+/// shapes this endpoint implements: the original one and the one current clients send.
+pub const API_VERSIONS: &[&str] = &["2023-06-01", "2026-10-21"];
 /// Most `stop_sequences`.
 pub const MAX_STOP_SEQUENCES: usize = 8;
 /// Smallest `thinking.budget_tokens` (Anthropic's rule).
@@ -32,15 +33,16 @@ pub struct MessagesMeta {
     pub stops: Vec<String>,
 }
 
-/// Checks the headers Anthropic clients send: `anthropic-version` must be the one version
-/// there is; `anthropic-beta` asks for features that are not implemented. `x-api-key` and
+/// Checks the headers Anthropic clients send: `anthropic-version` must be one of
+/// [`API_VERSIONS`]; `anthropic-beta` asks for features that are not implemented. `x-api-key` and
 /// `authorization` are accepted (there is no authentication).
 pub fn check_headers(headers: &HeaderMap) -> Result<(), ApiError> {
     if let Some(v) = headers.get("anthropic-version") {
         let v = v.to_str().unwrap_or_default().trim();
-        if v != API_VERSION {
+        if !API_VERSIONS.contains(&v) {
             return Err(ApiError::invalid(format!(
-                "`anthropic-version: {v}` is not a Messages API version Deltafin implements; send `{API_VERSION}`"
+                "`anthropic-version: {v}` is not a Messages API version Deltafin implements; send one of {}",
+                API_VERSIONS.join(", ")
             )));
         }
     }

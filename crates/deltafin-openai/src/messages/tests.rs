@@ -282,6 +282,8 @@ fn headers() {
     h.insert("anthropic-version", HeaderValue::from_static("2023-06-01"));
     h.insert("x-api-key", HeaderValue::from_static("anything"));
     assert!(check_headers(&h).is_ok());
+    h.insert("anthropic-version", HeaderValue::from_static("2026-10-21"));
+    assert!(check_headers(&h).is_ok());
     h.insert("anthropic-version", HeaderValue::from_static("2099-01-01"));
     assert!(
         check_headers(&h)
