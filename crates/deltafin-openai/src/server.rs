@@ -5,14 +5,17 @@ use crate::engine::{Ending, Engine, FinishReason, GenEvent, Usage, run_generatio
 use crate::error::{ApiError, json_response};
 use crate::messages::{self, MessagesMeta, reply::MessagesReply};
 use crate::output::{Delta, chat_logprob_entries, completions_logprobs};
-use crate::reply::{Reply, ReplyContext};
+use crate::reply::ReplyContext;
 use crate::request::{self, Limits, Surface};
 use crate::responses::{self, ResponsesMeta, reply::ResponsesReply};
+use crate::transport::{
+    CancelOnDrop, ClientConn, abandoned, answer_with, sse_headers, unless_gone,
+};
 use crate::{MODEL_ID, ServerConfig};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::http::{Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -92,104 +95,6 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         self.0.reserved.fetch_sub(1, Ordering::SeqCst);
     }
-}
-
-/// Raises a generation's interrupt flag when dropped armed (the handler or the SSE body
-/// went away).
-struct CancelOnDrop {
-    flag: Arc<AtomicBool>,
-    armed: bool,
-}
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if self.armed {
-            self.flag.store(true, Ordering::SeqCst);
-        }
-    }
-}
-
-/// The client's socket, duplicated when the connection is accepted, so that a handler can
-/// see the client leave while it waits (hyper does not poll a connection whose request said
-/// `Connection: close`).
-#[derive(Clone)]
-struct ClientConn {
-    #[cfg(unix)]
-    sock: Option<Arc<std::net::TcpStream>>,
-}
-
-impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TcpListener>>
-    for ClientConn
-{
-    fn connect_info(stream: axum::serve::IncomingStream<'_, TcpListener>) -> Self {
-        #[cfg(unix)]
-        {
-            use std::os::fd::AsFd;
-            // The duplicate shares the socket's non-blocking mode with tokio's descriptor.
-            let sock = stream
-                .io()
-                .as_fd()
-                .try_clone_to_owned()
-                .ok()
-                .map(|fd| Arc::new(std::net::TcpStream::from(fd)));
-            ClientConn { sock }
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = stream;
-            ClientConn {}
-        }
-    }
-}
-
-/// How often a waiting handler checks its client.
-const CLIENT_CHECK_INTERVAL: Duration = Duration::from_millis(50);
-
-impl ClientConn {
-    /// Whether the client closed or reset its connection (a peek reads end-of-stream or
-    /// fails). Unknown (no socket) counts as present.
-    fn is_gone(&self) -> bool {
-        #[cfg(unix)]
-        if let Some(sock) = &self.sock {
-            let mut b = [0u8; 1];
-            return match sock.peek(&mut b) {
-                Ok(0) => true,
-                Ok(_) => false,
-                Err(e) => !matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                ),
-            };
-        }
-        false
-    }
-
-    /// Completes once the client is gone.
-    async fn gone(&self) {
-        loop {
-            tokio::time::sleep(CLIENT_CHECK_INTERVAL).await;
-            if self.is_gone() {
-                return;
-            }
-        }
-    }
-}
-
-/// `fut`, or `None` if the client leaves first.
-async fn unless_gone<T>(conn: &ClientConn, fut: impl Future<Output = T>) -> Option<T> {
-    tokio::select! {
-        v = fut => Some(v),
-        _ = conn.gone() => None,
-    }
-}
-
-/// An answer nobody will read (the client is gone).
-fn abandoned() -> Response {
-    let mut r = Response::new(Body::empty());
-    *r.status_mut() = StatusCode::NO_CONTENT;
-    r.headers_mut()
-        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-    r
 }
 
 fn unix_now() -> u64 {
@@ -829,116 +734,6 @@ fn reply_context(
     }
 }
 
-/// Answers a generation with `reply`: its JSON body, or its event stream.
-async fn answer_with(
-    reply: Box<dyn Reply>,
-    stream: bool,
-    rx: mpsc::UnboundedReceiver<GenEvent>,
-    guard: CancelOnDrop,
-    conn: ClientConn,
-) -> Result<Response, ApiError> {
-    if stream {
-        return Ok(reply_sse(reply, rx, guard, conn));
-    }
-    match unless_gone(&conn, collect_reply(reply, rx, guard)).await {
-        Some(r) => r,
-        None => Ok(abandoned()),
-    }
-}
-
-async fn collect_reply(
-    mut reply: Box<dyn Reply>,
-    mut rx: mpsc::UnboundedReceiver<GenEvent>,
-    mut guard: CancelOnDrop,
-) -> Result<Response, ApiError> {
-    let mut all = Delta::default();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            GenEvent::Delta(d) => all.extend(d),
-            GenEvent::Done { finish, usage } => {
-                guard.armed = false;
-                let body = reply.body(all, finish, &usage)?;
-                return Ok(json_response(StatusCode::OK, &body));
-            }
-            GenEvent::Failed(e) => {
-                guard.armed = false;
-                return Err(e);
-            }
-        }
-    }
-    Err(ApiError::server("the generation ended without a result"))
-}
-
-struct ReplySse {
-    conn: ClientConn,
-    reply: Box<dyn Reply>,
-    rx: mpsc::UnboundedReceiver<GenEvent>,
-    guard: CancelOnDrop,
-    pending: VecDeque<String>,
-    ended: bool,
-}
-
-impl ReplySse {
-    fn on_event(&mut self, ev: Option<GenEvent>) {
-        let frames = match ev {
-            Some(GenEvent::Delta(d)) => match self.reply.delta(d) {
-                Ok(frames) => frames,
-                // The guard stays armed: dropping the stream stops the generation.
-                Err(e) => {
-                    self.ended = true;
-                    self.reply.failed(&e)
-                }
-            },
-            Some(GenEvent::Done { finish, usage }) => {
-                self.ended = true;
-                self.guard.armed = false;
-                self.reply.done(finish, &usage)
-            }
-            Some(GenEvent::Failed(e)) => {
-                self.ended = true;
-                self.guard.armed = false;
-                self.reply.failed(&e)
-            }
-            None => {
-                self.ended = true;
-                self.reply
-                    .failed(&ApiError::server("the generation ended without a result"))
-            }
-        };
-        self.pending.extend(frames);
-    }
-}
-
-/// The event stream of `reply`: its opening events at once, then one batch per event.
-fn reply_sse(
-    mut reply: Box<dyn Reply>,
-    rx: mpsc::UnboundedReceiver<GenEvent>,
-    guard: CancelOnDrop,
-    conn: ClientConn,
-) -> Response {
-    let st = ReplySse {
-        pending: reply.opening().into(),
-        conn,
-        reply,
-        rx,
-        guard,
-        ended: false,
-    };
-    let stream = futures_util::stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(f) = st.pending.pop_front() {
-                return Some((Ok::<Bytes, Infallible>(Bytes::from(f)), st));
-            }
-            if st.ended {
-                return None;
-            }
-            let ev = unless_gone(&st.conn, st.rx.recv()).await?;
-            st.on_event(ev);
-        }
-    });
-    sse_headers(Response::new(Body::from_stream(stream)))
-}
-
 fn sse_response(
     shape: Shape,
     rx: mpsc::UnboundedReceiver<GenEvent>,
@@ -974,21 +769,4 @@ fn sse_response(
         }
     });
     sse_headers(Response::new(Body::from_stream(stream)))
-}
-
-/// The headers of every event stream.
-fn sse_headers(mut resp: Response) -> Response {
-    let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream; charset=utf-8"),
-    );
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    h.insert(header::CONNECTION, HeaderValue::from_static("close"));
-    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    h.insert(
-        header::X_CONTENT_TYPE_OPTIONS,
-        HeaderValue::from_static("nosniff"),
-    );
-    resp
 }

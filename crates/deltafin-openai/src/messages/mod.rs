@@ -214,7 +214,7 @@ fn sampling(obj: &Map<String, Value>) -> Result<(), ApiError> {
         ));
     }
     if let Some(v) = get("top_k")
-        && !v.as_u64().is_some_and(|k| k >= 1)
+        && v.as_u64().is_none_or(|k| k < 1)
     {
         return Err(bad(
             "top_k",

@@ -148,11 +148,10 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
     for key in ["user", "safety_identifier", "prompt_cache_key"] {
         match get(key) {
             None => {}
-            Some(Value::String(s)) => {
-                if key == "user" {
-                    echo.insert("user".into(), Value::from(s.as_str()));
-                }
+            Some(Value::String(s)) if key == "user" => {
+                echo.insert("user".into(), Value::from(s.as_str()));
             }
+            Some(Value::String(_)) => {}
             Some(_) => return Err(bad(key, format!("`{key}` must be a JSON string"))),
         }
     }
