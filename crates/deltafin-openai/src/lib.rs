@@ -5,6 +5,7 @@
 //! runs one generation at a time, and refuses every unsupported field with a 400 instead of
 //! silently ignoring it. `docs/SERVER.md` lists every field and rule.
 
+mod conn;
 pub mod engine;
 pub mod error;
 pub mod messages;

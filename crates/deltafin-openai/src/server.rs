@@ -1,6 +1,7 @@
 //! The HTTP side: routing, admission (one generation plus a bounded FIFO queue), body limits,
 //! JSON and SSE responses, disconnect cancellation and graceful shutdown.
 
+use crate::conn::{CancelOnDrop, ClientConn, abandoned, unless_gone};
 use crate::engine::{Ending, Engine, FinishReason, GenEvent, Usage, run_generation};
 use crate::error::{ApiError, json_response};
 use crate::messages::{self, MessagesMeta, reply::MessagesReply};
@@ -8,9 +9,7 @@ use crate::output::{Delta, chat_logprob_entries, completions_logprobs};
 use crate::reply::ReplyContext;
 use crate::request::{self, Limits, Surface};
 use crate::responses::{self, ResponsesMeta, reply::ResponsesReply};
-use crate::transport::{
-    CancelOnDrop, ClientConn, abandoned, answer_with, sse_headers, unless_gone,
-};
+use crate::transport::{answer_with, sse_headers};
 use crate::{MODEL_ID, ServerConfig};
 use axum::Router;
 use axum::body::{Body, Bytes};
