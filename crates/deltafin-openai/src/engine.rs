@@ -1,12 +1,12 @@
 //! The loaded model, its tokenizer and one greedy generation with its output events.
 
 use crate::error::ApiError;
-use crate::output::{Assembler, Delta, TokenLogprob};
-use crate::request::{GenRequest, Prompt};
+use crate::output::{Assembler, Delta, EarlyEnd, TokenLogprob};
+use crate::request::{ChatControls, GenRequest, Prompt, ToolMode};
 use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, StopReason, generate};
 use deltafin_k3::model::K3Model;
-use deltafin_k3::text::chat::{ChatOptions, encode_chat};
+use deltafin_k3::text::chat::{ChatOptions, ToolChoice, encode_chat};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_k3::weights::install::{self, Missing};
 use deltafin_spec::select::{Chosen, DraftModels};
@@ -111,16 +111,13 @@ impl Engine {
     }
 
     /// The prompt ids: raw text with specials off and no BOS, or the XTML chat template
-    /// with thinking on (the same ids `deltafin run` uses).
+    /// rendered with the request's [`chat_options`] (the same ids `deltafin run` uses for the
+    /// same options).
     pub fn encode(&self, req: &GenRequest) -> Result<Vec<u32>, ApiError> {
         let ids = match &req.prompt {
             Prompt::Raw(text) => self.tokenizer.encode_ordinary(text),
             Prompt::Chat { messages, controls } => {
-                let opts = ChatOptions {
-                    effort: Some(controls.effort),
-                    ..Default::default()
-                };
-                encode_chat(&self.tokenizer, messages, &opts)
+                encode_chat(&self.tokenizer, messages, &chat_options(controls))
                     .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?
             }
         };
@@ -131,6 +128,28 @@ impl Engine {
             return Err(ApiError::context_length(ids.len(), self.max_context));
         }
         Ok(ids)
+    }
+}
+
+/// How a chat request's controls render (docs/SERVER.md "Tool calling"): thinking and its
+/// effort, the declared tools, the tool-choice message and the response format.
+///
+/// `tool_choice` follows the reference renderers (NeMo AutoModel's K3 encoder, llama.cpp's
+/// Kimi-K3 template): `required` and `none` add their internal system message, `auto` adds
+/// none, and a named function adds none either: neither reference has a frame for it, so
+/// the named choice is enforced only by constrained decoding, never by the prompt.
+pub fn chat_options(controls: &ChatControls) -> ChatOptions {
+    ChatOptions {
+        thinking: controls.thinking,
+        effort: controls.thinking.then_some(controls.effort),
+        add_generation_prompt: true,
+        tools: controls.tools.clone(),
+        tool_choice: match controls.tool_mode {
+            ToolMode::Required => Some(ToolChoice::Required),
+            ToolMode::None => Some(ToolChoice::Forbidden),
+            ToolMode::Auto | ToolMode::Named(_) => None,
+        },
+        response_format: controls.response_format.clone(),
     }
 }
 
@@ -258,7 +277,7 @@ fn run_drafted(
         mut drafter,
         mut policy,
     } = chosen;
-    let mut asm = Assembler::new(&engine.tokenizer, chat, req.stop.clone());
+    let mut asm = Assembler::for_request(&engine.tokenizer, req);
     let mut client_gone = false;
     let mut counted = 0usize;
     let mut sink_error: Option<ApiError> = None;
@@ -275,7 +294,7 @@ fn run_drafted(
             interrupt,
             |c: &Committed<'_>| {
                 for &id in c.ids {
-                    if asm.stop_hit() {
+                    if asm.early_end().is_some() {
                         break;
                     }
                     counted += 1;
@@ -290,7 +309,7 @@ fn run_drafted(
                         break;
                     }
                 }
-                if asm.stop_hit() {
+                if asm.early_end().is_some() {
                     interrupt.store(true, Ordering::Relaxed);
                 }
                 Ok(())
@@ -309,14 +328,10 @@ fn run_drafted(
     let eos = ids
         .get(counted.wrapping_sub(1))
         .is_some_and(|t| stop_ids.contains(t));
-    let finish = if let Some(i) = asm.matched_stop() {
-        FinishReason::StopSequence(i)
-    } else if asm.stop_hit() || eos {
-        FinishReason::Stop
-    } else if ids.len() >= max_new {
-        FinishReason::Length
-    } else {
-        return interrupted(client_gone, shutdown);
+    let finish = match finish_reason(&asm, eos) {
+        Some(finish) => finish,
+        None if ids.len() >= max_new => FinishReason::Length,
+        None => return interrupted(client_gone, shutdown),
     };
     let completion_tokens = if eos {
         counted.saturating_sub(1)
@@ -346,7 +361,7 @@ fn run_plain(
         top_logits: req.logprobs.map(|k| k.max(1)).unwrap_or(0),
     };
     let tok = &engine.tokenizer;
-    let mut asm = Assembler::new(tok, chat, req.stop.clone());
+    let mut asm = Assembler::for_request(tok, req);
     let mut client_gone = false;
     let mut sink_error: Option<ApiError> = None;
     // On a rayon worker, as `deltafin run` does: the kernels' parallel loops then start by
@@ -387,7 +402,7 @@ fn run_plain(
                 client_gone = true;
                 interrupt.store(true, Ordering::Relaxed);
             }
-            if asm.stop_hit() {
+            if asm.early_end().is_some() {
                 // Ends generation before the next forward pass.
                 interrupt.store(true, Ordering::Relaxed);
             }
@@ -398,20 +413,36 @@ fn run_plain(
         Ok(o) => o,
         Err(e) => return generation_failed(sink_error, e),
     };
-    let finish = match (asm.matched_stop(), outcome.stop) {
-        (Some(i), _) => FinishReason::StopSequence(i),
-        (None, _) if asm.stop_hit() => FinishReason::Stop,
-        (None, StopReason::Eos) => FinishReason::Stop,
+    let finish = match (
+        finish_reason(&asm, outcome.stop == StopReason::Eos),
+        outcome.stop,
+    ) {
+        (Some(finish), _) => finish,
         (None, StopReason::MaxNew | StopReason::ContextFull) => FinishReason::Length,
-        (None, StopReason::Interrupted) => {
-            return interrupted(client_gone, shutdown);
-        }
+        (None, _) => return interrupted(client_gone, shutdown),
     };
     let completion_tokens = match outcome.stop {
         StopReason::Eos => outcome.ids.len().saturating_sub(1),
         _ => outcome.ids.len(),
     };
     done(asm, finish, prompt.len(), completion_tokens, send)
+}
+
+/// The finish reason of an answer the assembler ended, or that ended with the model's end
+/// token (`eos`); `None` otherwise (a limit was reached or generation was interrupted).
+/// An answer that ended with at least one tool call finishes with `tool_calls`.
+fn finish_reason(asm: &Assembler<'_>, eos: bool) -> Option<FinishReason> {
+    match asm.early_end() {
+        Some(EarlyEnd::StopSequence) => Some(
+            asm.matched_stop()
+                .map_or(FinishReason::Stop, FinishReason::StopSequence),
+        ),
+        Some(EarlyEnd::ToolsRefused) => Some(FinishReason::Stop),
+        Some(EarlyEnd::CallLimit) => Some(FinishReason::ToolCalls),
+        None if eos && asm.tool_calls() > 0 => Some(FinishReason::ToolCalls),
+        None if eos => Some(FinishReason::Stop),
+        None => None,
+    }
 }
 
 /// The generation failed: the sink's own error if it raised one, else the model's.

@@ -12,6 +12,7 @@ pub mod messages;
 pub mod output;
 pub mod reply;
 pub mod request;
+pub mod response;
 pub mod responses;
 pub mod server;
 mod transport;

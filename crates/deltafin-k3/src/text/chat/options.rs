@@ -1,4 +1,5 @@
-//! Rendering options (reasoning effort, tool choice, response format) and [`ChatError`].
+//! Rendering options (thinking and its effort, tool choice, response format) and
+//! [`ChatError`].
 
 use std::fmt;
 use std::str::FromStr;
@@ -57,6 +58,74 @@ impl FromStr for ReasoningEffort {
                 value: s.to_string(),
             }),
         }
+    }
+}
+
+/// Whether the model thinks, and at which effort: the one reading of the spellings users
+/// send (`reasoning_effort` on the server, `--reasoning-effort` on the CLI), so that every
+/// front end accepts the same words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Thinking {
+    /// Thinking off: no think blocks, the generation prompt opens `response` (§8.3).
+    Off,
+    /// Thinking on at this effort.
+    On(ReasoningEffort),
+}
+
+/// Every spelling [`Thinking::parse`] accepts, for messages and help texts.
+pub const THINKING_SPELLINGS: &str =
+    "`none`, `off`, `minimal` (thinking off), `low`, `medium`, `high`, `max`";
+
+/// A thinking setting that is none of [`THINKING_SPELLINGS`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid reasoning effort {value:?}: expected one of {THINKING_SPELLINGS}")]
+pub struct ParseThinkingError {
+    /// The rejected value, as given.
+    pub value: String,
+}
+
+impl Thinking {
+    /// Reads a thinking setting, trimmed and case-insensitive. `none` and `off` turn thinking
+    /// off; so does `minimal` (OpenAI's lowest level), because the template has no level below
+    /// `low` and the least thinking it can do is none. `low`, `medium`, `high`, `max` are the
+    /// template's four efforts.
+    pub fn parse(raw: &str) -> Result<Thinking, ParseThinkingError> {
+        match raw.trim().to_ascii_lowercase().as_str() {
+            "none" | "off" | "minimal" => Ok(Thinking::Off),
+            level => level
+                .parse::<ReasoningEffort>()
+                .map(Thinking::On)
+                .map_err(|_| ParseThinkingError {
+                    value: raw.to_string(),
+                }),
+        }
+    }
+
+    /// Whether thinking is on.
+    pub fn is_on(self) -> bool {
+        matches!(self, Thinking::On(_))
+    }
+
+    /// The effort when thinking is on.
+    pub fn effort(self) -> Option<ReasoningEffort> {
+        match self {
+            Thinking::Off => None,
+            Thinking::On(effort) => Some(effort),
+        }
+    }
+
+    /// Sets [`ChatOptions::thinking`] and [`ChatOptions::effort`] to this setting.
+    pub fn apply(self, opts: &mut ChatOptions) {
+        opts.thinking = self.is_on();
+        opts.effort = self.effort();
+    }
+}
+
+impl FromStr for Thinking {
+    type Err = ParseThinkingError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Thinking::parse(s)
     }
 }
 

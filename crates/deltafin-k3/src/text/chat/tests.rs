@@ -219,6 +219,35 @@ fn effort_parsing_is_strict() {
 }
 
 #[test]
+fn thinking_spellings() {
+    use ReasoningEffort::*;
+    for (raw, want) in [
+        ("none", Thinking::Off),
+        (" OFF ", Thinking::Off),
+        ("Minimal", Thinking::Off),
+        ("low", Thinking::On(Low)),
+        ("medium", Thinking::On(Medium)),
+        (" High", Thinking::On(High)),
+        ("MAX", Thinking::On(Max)),
+    ] {
+        assert_eq!(Thinking::parse(raw), Ok(want), "{raw:?}");
+        assert_eq!(raw.parse::<Thinking>(), Ok(want), "{raw:?}");
+    }
+    let err = Thinking::parse("extreme").unwrap_err();
+    assert_eq!(err.value, "extreme");
+    assert!(
+        err.to_string().contains("`minimal` (thinking off)"),
+        "{err}"
+    );
+    assert!(Thinking::parse("").is_err());
+    let mut opts = ChatOptions::default();
+    Thinking::Off.apply(&mut opts);
+    assert!(!opts.thinking && opts.effort.is_none());
+    Thinking::On(Medium).apply(&mut opts);
+    assert!(opts.thinking && opts.effort == Some(Medium));
+}
+
+#[test]
 fn message_from_json() {
     let m = ChatMessage::from_json(&json!({
         "role": "assistant",
