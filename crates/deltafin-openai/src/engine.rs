@@ -156,8 +156,10 @@ pub fn chat_options(controls: &ChatControls) -> ChatOptions {
 /// Why generation ended, as OpenAI names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
-    /// End of message / document, or a stop sequence.
+    /// End of message / document.
     Stop,
+    /// The stop sequence with this index in the request's list matched.
+    StopSequence(usize),
     /// `max_tokens` reached or the context is full.
     Length,
     /// The answer ended with tool calls.
@@ -165,10 +167,11 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
-    /// `"stop"`, `"length"` or `"tool_calls"`.
+    /// OpenAI's `finish_reason`: `"stop"` (also for a stop sequence), `"length"` or
+    /// `"tool_calls"`.
     pub fn as_str(self) -> &'static str {
         match self {
-            FinishReason::Stop => "stop",
+            FinishReason::Stop | FinishReason::StopSequence(_) => "stop",
             FinishReason::Length => "length",
             FinishReason::ToolCalls => "tool_calls",
         }
@@ -430,7 +433,11 @@ fn run_plain(
 /// An answer that ended with at least one tool call finishes with `tool_calls`.
 fn finish_reason(asm: &Assembler<'_>, eos: bool) -> Option<FinishReason> {
     match asm.early_end() {
-        Some(EarlyEnd::StopSequence | EarlyEnd::ToolsRefused) => Some(FinishReason::Stop),
+        Some(EarlyEnd::StopSequence) => Some(
+            asm.matched_stop()
+                .map_or(FinishReason::Stop, FinishReason::StopSequence),
+        ),
+        Some(EarlyEnd::ToolsRefused) => Some(FinishReason::Stop),
         Some(EarlyEnd::CallLimit) => Some(FinishReason::ToolCalls),
         None if eos && asm.tool_calls() > 0 => Some(FinishReason::ToolCalls),
         None if eos => Some(FinishReason::Stop),

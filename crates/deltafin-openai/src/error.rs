@@ -171,9 +171,11 @@ pub fn json_response(status: StatusCode, body: &Value) -> Response {
     resp
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut resp = json_response(self.status, &self.body());
+impl ApiError {
+    /// The answer with `body` (another API's error shape) and this error's status and
+    /// connection headers.
+    pub fn response_with_body(&self, body: &Value) -> Response {
+        let mut resp = json_response(self.status, body);
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -183,5 +185,11 @@ impl IntoResponse for ApiError {
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.response_with_body(&self.body())
     }
 }

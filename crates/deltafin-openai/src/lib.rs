@@ -1,15 +1,21 @@
 //! `deltafin-openai`: the strict OpenAI-compatible HTTP server behind `deltafin serve`.
 //!
-//! It implements a documented subset of `/v1/chat/completions` and `/v1/completions`
-//! exactly, runs one generation at a time, and refuses every unsupported field with a 400
-//! instead of silently ignoring it. `docs/SERVER.md` lists every field and rule.
+//! It implements a documented subset of `/v1/chat/completions`, `/v1/completions`, the
+//! Responses API (`/v1/responses`) and the Anthropic Messages API (`/v1/messages`) exactly,
+//! runs one generation at a time, and refuses every unsupported field with a 400 instead of
+//! silently ignoring it. `docs/SERVER.md` lists every field and rule.
 
+mod conn;
 pub mod engine;
 pub mod error;
+pub mod messages;
 pub mod output;
+pub mod reply;
 pub mod request;
 pub mod response;
+pub mod responses;
 pub mod server;
+mod transport;
 
 pub use engine::{Engine, LoadError};
 pub use error::ApiError;

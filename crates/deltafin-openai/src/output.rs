@@ -166,6 +166,11 @@ impl<'t> Assembler<'t> {
         self.block.as_ref().map_or(0, ToolBlock::calls)
     }
 
+    /// Which stop sequence matched (its index in the request's list), once one has.
+    pub fn matched_stop(&self) -> Option<usize> {
+        self.reasoning.matched.or(self.content.matched)
+    }
+
     /// Generated tokens up to and including the marker that closes the thinking channel.
     pub fn reasoning_tokens(&self) -> usize {
         self.reasoning_tokens

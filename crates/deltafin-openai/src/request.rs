@@ -151,7 +151,7 @@ fn require(
     }
 }
 
-fn finite_number(v: &Value) -> Option<f64> {
+pub(crate) fn finite_number(v: &Value) -> Option<f64> {
     v.as_f64().filter(|x| x.is_finite())
 }
 
@@ -571,7 +571,7 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
     })
 }
 
-const MULTIMODAL: &str = "native Deltafin production inference is text-only; image and other multimodal chat content require the K3 vision/projector path, which is not implemented";
+pub(crate) const MULTIMODAL: &str = "native Deltafin production inference is text-only; image and other multimodal chat content require the K3 vision/projector path, which is not implemented";
 
 /// Checks one message against §3.4 and converts it.
 fn parse_message(index: usize, m: &Value) -> Result<ChatMessage, ApiError> {

@@ -1,16 +1,21 @@
 //! The HTTP side: routing, admission (one generation plus a bounded FIFO queue), body limits,
 //! JSON and SSE responses, disconnect cancellation and graceful shutdown.
 
+use crate::conn::{CancelOnDrop, ClientConn, abandoned, unless_gone};
 use crate::engine::{Ending, Engine, GenEvent, run_generation};
 use crate::error::{ApiError, json_response};
+use crate::messages::{self, MessagesMeta, reply::MessagesReply};
 use crate::output::Delta;
+use crate::reply::ReplyContext;
 use crate::request::{self, Limits, Surface};
 use crate::response::Shape;
+use crate::responses::{self, ResponsesMeta, reply::ResponsesReply};
+use crate::transport::{answer_with, sse_headers};
 use crate::{MODEL_ID, ServerConfig};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::http::{Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -92,104 +97,6 @@ impl Drop for Ticket {
     }
 }
 
-/// Raises a generation's interrupt flag when dropped armed (the handler or the SSE body
-/// went away).
-struct CancelOnDrop {
-    flag: Arc<AtomicBool>,
-    armed: bool,
-}
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if self.armed {
-            self.flag.store(true, Ordering::SeqCst);
-        }
-    }
-}
-
-/// The client's socket, duplicated when the connection is accepted, so that a handler can
-/// see the client leave while it waits (hyper does not poll a connection whose request said
-/// `Connection: close`).
-#[derive(Clone)]
-struct ClientConn {
-    #[cfg(unix)]
-    sock: Option<Arc<std::net::TcpStream>>,
-}
-
-impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TcpListener>>
-    for ClientConn
-{
-    fn connect_info(stream: axum::serve::IncomingStream<'_, TcpListener>) -> Self {
-        #[cfg(unix)]
-        {
-            use std::os::fd::AsFd;
-            // The duplicate shares the socket's non-blocking mode with tokio's descriptor.
-            let sock = stream
-                .io()
-                .as_fd()
-                .try_clone_to_owned()
-                .ok()
-                .map(|fd| Arc::new(std::net::TcpStream::from(fd)));
-            ClientConn { sock }
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = stream;
-            ClientConn {}
-        }
-    }
-}
-
-/// How often a waiting handler checks its client.
-const CLIENT_CHECK_INTERVAL: Duration = Duration::from_millis(50);
-
-impl ClientConn {
-    /// Whether the client closed or reset its connection (a peek reads end-of-stream or
-    /// fails). Unknown (no socket) counts as present.
-    fn is_gone(&self) -> bool {
-        #[cfg(unix)]
-        if let Some(sock) = &self.sock {
-            let mut b = [0u8; 1];
-            return match sock.peek(&mut b) {
-                Ok(0) => true,
-                Ok(_) => false,
-                Err(e) => !matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                ),
-            };
-        }
-        false
-    }
-
-    /// Completes once the client is gone.
-    async fn gone(&self) {
-        loop {
-            tokio::time::sleep(CLIENT_CHECK_INTERVAL).await;
-            if self.is_gone() {
-                return;
-            }
-        }
-    }
-}
-
-/// `fut`, or `None` if the client leaves first.
-async fn unless_gone<T>(conn: &ClientConn, fut: impl Future<Output = T>) -> Option<T> {
-    tokio::select! {
-        v = fut => Some(v),
-        _ = conn.gone() => None,
-    }
-}
-
-/// An answer nobody will read (the client is gone).
-fn abandoned() -> Response {
-    let mut r = Response::new(Body::empty());
-    *r.status_mut() = StatusCode::NO_CONTENT;
-    r.headers_mut()
-        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-    r
-}
-
 fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -210,12 +117,13 @@ impl AppState {
     }
 
     fn response_id(&self, prefix: &str) -> String {
+        format!("{prefix}-{}", self.id_suffix())
+    }
+
+    /// 20 hex digits unique to one response: 8 of time, 12 of sequence.
+    fn id_suffix(&self) -> String {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        format!(
-            "{prefix}-{:08x}{:012x}",
-            unix_now() as u32,
-            seq & 0xffff_ffff_ffff
-        )
+        format!("{:08x}{:012x}", unix_now() as u32, seq & 0xffff_ffff_ffff)
     }
 
     fn begin_shutdown(&self) {
@@ -360,10 +268,38 @@ impl Server {
     }
 }
 
+/// Which API a generation request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Api {
+    /// OpenAI's completions or chat completions.
+    OpenAi(Surface),
+    /// Anthropic's Messages API (`/v1/messages`).
+    Messages,
+    /// OpenAI's Responses API (`/v1/responses`).
+    Responses,
+}
+
+impl Api {
+    /// The error in this API's shape.
+    fn error(self, e: ApiError) -> Response {
+        match self {
+            Api::Messages => e.response_with_body(&messages::wire::error_body(&e)),
+            Api::OpenAi(_) | Api::Responses => e.into_response(),
+        }
+    }
+}
+
+/// The endpoint-specific part of a validated request.
+enum Front {
+    OpenAi(Surface),
+    Messages(MessagesMeta),
+    Responses(ResponsesMeta),
+}
+
 async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    let surface = match path.as_str() {
+    let api = match path.as_str() {
         "/v1/models" | "/models" => {
             return if method == Method::GET {
                 json_response(
@@ -374,8 +310,10 @@ async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
                 ApiError::method_not_allowed().into_response()
             };
         }
-        "/v1/completions" | "/completions" => Surface::Completions,
-        "/v1/chat/completions" | "/chat/completions" => Surface::Chat,
+        "/v1/completions" | "/completions" => Api::OpenAi(Surface::Completions),
+        "/v1/chat/completions" | "/chat/completions" => Api::OpenAi(Surface::Chat),
+        "/v1/messages" => Api::Messages,
+        "/v1/responses" | "/responses" => Api::Responses,
         p => {
             let id = p
                 .strip_prefix("/v1/models/")
@@ -394,7 +332,12 @@ async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
         }
     };
     if method != Method::POST {
-        return ApiError::method_not_allowed().into_response();
+        return api.error(ApiError::method_not_allowed());
+    }
+    if api == Api::Messages
+        && let Err(e) = messages::check_headers(req.headers())
+    {
+        return api.error(e);
     }
     let conn = req
         .extensions()
@@ -404,9 +347,9 @@ async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
             #[cfg(unix)]
             sock: None,
         });
-    match generate(state, surface, req, conn).await {
+    match generate(state, api, req, conn).await {
         Ok(resp) => resp,
-        Err(e) => e.into_response(),
+        Err(e) => api.error(e),
     }
 }
 
@@ -442,7 +385,7 @@ async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
 
 async fn generate(
     state: Arc<AppState>,
-    surface: Surface,
+    api: Api,
     req: Request,
     conn: ClientConn,
 ) -> Result<Response, ApiError> {
@@ -469,7 +412,20 @@ async fn generate(
         max_tokens: state.cfg.max_tokens,
         default_effort: state.cfg.default_effort,
     };
-    let gen_req = request::parse(&json, surface, &limits)?;
+    let (gen_req, front) = match api {
+        Api::OpenAi(surface) => (
+            request::parse(&json, surface, &limits)?,
+            Front::OpenAi(surface),
+        ),
+        Api::Messages => {
+            let (r, meta) = messages::parse(&json, &limits)?;
+            (r, Front::Messages(meta))
+        }
+        Api::Responses => {
+            let (r, meta) = responses::parse(&json, &limits)?;
+            (r, Front::Responses(meta))
+        }
+    };
     drop(json);
     let (gen_req, prompt) = {
         let engine = engine.clone();
@@ -488,6 +444,7 @@ async fn generate(
     if state.shutdown.load(Ordering::SeqCst) {
         return Err(ApiError::shutting_down());
     }
+    let prompt_tokens = prompt.len();
     let interrupt = Arc::new(AtomicBool::new(false));
     let guard = CancelOnDrop {
         flag: interrupt.clone(),
@@ -534,6 +491,19 @@ async fn generate(
             let _ = tx.send(ev);
         }
     });
+    let surface = match front {
+        Front::OpenAi(surface) => surface,
+        Front::Messages(meta) => {
+            let ctx = reply_context(&state, "msg_", prompt_tokens, gen_req.max_new);
+            let reply = Box::new(MessagesReply::new(ctx, meta));
+            return answer_with(reply, gen_req.stream, rx, guard, conn).await;
+        }
+        Front::Responses(meta) => {
+            let ctx = reply_context(&state, "resp_", prompt_tokens, gen_req.max_new);
+            let reply = Box::new(ResponsesReply::new(ctx, meta));
+            return answer_with(reply, gen_req.stream, rx, guard, conn).await;
+        }
+    };
     let tok_engine = state.engine.borrow().clone();
     let EngineState::Ready(tok_engine) = tok_engine else {
         return Err(ApiError::server("the model is not loaded"));
@@ -633,6 +603,22 @@ impl SseState {
     }
 }
 
+fn reply_context(
+    state: &AppState,
+    prefix: &str,
+    prompt_tokens: usize,
+    max_new: usize,
+) -> ReplyContext {
+    let suffix = state.id_suffix();
+    ReplyContext {
+        id: format!("{prefix}{suffix}"),
+        suffix,
+        created: unix_now(),
+        prompt_tokens,
+        max_new,
+    }
+}
+
 fn sse_response(
     shape: Shape,
     rx: mpsc::UnboundedReceiver<GenEvent>,
@@ -667,18 +653,5 @@ fn sse_response(
             st.on_event(ev);
         }
     });
-    let mut resp = Response::new(Body::from_stream(stream));
-    let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream; charset=utf-8"),
-    );
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    h.insert(header::CONNECTION, HeaderValue::from_static("close"));
-    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    h.insert(
-        header::X_CONTENT_TYPE_OPTIONS,
-        HeaderValue::from_static("nosniff"),
-    );
-    resp
+    sse_headers(Response::new(Body::from_stream(stream)))
 }

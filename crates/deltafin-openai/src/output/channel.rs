@@ -20,6 +20,8 @@ pub(super) struct ChannelText {
     records: Vec<Record>,
     /// No more text is held back (the channel ended or a stop sequence cut it).
     pub(super) closed: bool,
+    /// The index (in the request's list) of the stop sequence that matched.
+    pub(super) matched: Option<usize>,
 }
 
 impl ChannelText {
@@ -52,8 +54,16 @@ impl ChannelText {
     /// A match can only start in the unreleased tail (a possible prefix is held back).
     fn check_stops(&mut self, stops: &[String]) -> bool {
         let tail = &self.text[self.released..];
-        let hit = stops.iter().filter_map(|s| tail.find(s.as_str())).min();
-        let Some(pos) = hit else { return false };
+        // The earliest match; of two starting there, the shorter (it completed first).
+        let hit = stops
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| tail.find(s.as_str()).map(|pos| (pos, s.len(), i)))
+            .min();
+        let Some((pos, _, index)) = hit else {
+            return false;
+        };
+        self.matched = Some(index);
         let cut = self.released + pos;
         self.text.truncate(cut);
         self.chars = self.text.chars().count();

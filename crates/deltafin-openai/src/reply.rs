@@ -1,0 +1,155 @@
+//! How the endpoints beyond OpenAI's completions answer one generation: the Anthropic
+//! Messages API (`/v1/messages`) and the OpenAI Responses API (`/v1/responses`).
+//!
+//! Both translate their request into the one [`crate::request::GenRequest`] the engine runs
+//! and consume the same [`crate::engine::GenEvent`] stream; a [`Reply`] turns that stream into
+//! the endpoint's JSON body or its typed server-sent events. The server owns admission,
+//! disconnects and the SSE transport; a reply only says what to write.
+
+use crate::engine::{FinishReason, Usage};
+use crate::error::ApiError;
+use crate::output::{Delta, ToolCallDelta};
+use serde_json::Value;
+
+/// What every reply needs to know about its request besides the events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplyContext {
+    /// The response id (`msg_…`, `resp_…`).
+    pub id: String,
+    /// Unique per response: the id without its prefix, for item and call ids.
+    pub suffix: String,
+    /// Unix seconds the response was created.
+    pub created: u64,
+    /// Tokens of the encoded prompt.
+    pub prompt_tokens: usize,
+    /// The token budget the generation ran with.
+    pub max_new: usize,
+}
+
+/// One endpoint's rendering of a generation.
+pub trait Reply: Send {
+    /// The non-streaming body from everything the generation released.
+    fn body(&mut self, all: Delta, finish: FinishReason, usage: &Usage) -> Result<Value, ApiError>;
+    /// The events written as soon as the stream opens (before the first token).
+    fn opening(&mut self) -> Vec<String>;
+    /// The events of newly released output; an error ends the stream with [`Reply::failed`].
+    fn delta(&mut self, d: Delta) -> Result<Vec<String>, ApiError>;
+    /// The events that end a stream normally.
+    fn done(&mut self, finish: FinishReason, usage: &Usage) -> Vec<String>;
+    /// The event that reports a failure after the stream opened (the stream then ends).
+    fn failed(&mut self, e: &ApiError) -> Vec<String>;
+}
+
+/// One server-sent event with a type line: `event: NAME`, `data: JSON`, blank line.
+pub fn sse_event(name: &str, data: &Value) -> String {
+    format!("event: {name}\ndata: {data}\n\n")
+}
+
+/// One complete tool call, assembled from its pieces.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ToolCall {
+    /// 0-based position of the call in the answer.
+    pub index: usize,
+    /// The call id the model output carried, if any.
+    pub id: Option<String>,
+    /// The function name.
+    pub name: String,
+    /// The arguments' JSON text.
+    pub arguments: String,
+}
+
+/// The calls of `pieces` in the order they started: the first piece of a call gives its id
+/// and name, later pieces append to its arguments.
+pub fn assemble_tool_calls(pieces: &[ToolCallDelta]) -> Vec<ToolCall> {
+    let mut calls: Vec<ToolCall> = Vec::new();
+    for p in pieces {
+        let pos = match calls.iter().position(|c| c.index == p.index) {
+            Some(pos) => pos,
+            None => {
+                calls.push(ToolCall {
+                    index: p.index,
+                    ..Default::default()
+                });
+                calls.len() - 1
+            }
+        };
+        let call = &mut calls[pos];
+        if call.id.is_none() {
+            call.id.clone_from(&p.id);
+        }
+        if let Some(name) = &p.name {
+            call.name.push_str(name);
+        }
+        call.arguments.push_str(&p.arguments);
+    }
+    calls
+}
+
+/// The arguments of a finished call as the JSON object they must be (blank means `{}`).
+pub fn arguments_object(call: &ToolCall) -> Result<Value, ApiError> {
+    if call.arguments.trim().is_empty() {
+        return Ok(Value::Object(Default::default()));
+    }
+    match serde_json::from_str::<Value>(&call.arguments) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        _ => Err(ApiError::server(format!(
+            "the model's call of `{}` has arguments that are not a JSON object: {}",
+            call.name, call.arguments
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn piece(index: usize, id: Option<&str>, name: Option<&str>, args: &str) -> ToolCallDelta {
+        ToolCallDelta {
+            index,
+            id: id.map(str::to_string),
+            name: name.map(str::to_string),
+            arguments: args.to_string(),
+        }
+    }
+
+    #[test]
+    fn calls_assemble_in_start_order() {
+        let calls = assemble_tool_calls(&[
+            piece(0, Some("c0"), Some("get"), ""),
+            piece(0, None, None, "{\"a\":"),
+            piece(1, Some("c1"), Some("put"), "{}"),
+            piece(0, None, None, "1}"),
+        ]);
+        assert_eq!(calls.len(), 2);
+        assert_eq!(
+            (calls[0].id.as_deref(), calls[0].name.as_str()),
+            (Some("c0"), "get")
+        );
+        assert_eq!(calls[0].arguments, "{\"a\":1}");
+        assert_eq!(arguments_object(&calls[0]).unwrap(), json!({"a": 1}));
+        assert_eq!(calls[1].arguments, "{}");
+    }
+
+    #[test]
+    fn arguments_must_be_an_object() {
+        let mut c = ToolCall {
+            name: "f".into(),
+            ..Default::default()
+        };
+        assert_eq!(arguments_object(&c).unwrap(), json!({}));
+        c.arguments = "[1]".into();
+        let e = arguments_object(&c).unwrap_err();
+        assert!(e.message.contains("not a JSON object"), "{e}");
+        c.arguments = "{\"a\"".into();
+        assert!(arguments_object(&c).is_err());
+    }
+
+    #[test]
+    fn sse_events_carry_their_type_line() {
+        assert_eq!(
+            sse_event("ping", &json!({"type": "ping"})),
+            "event: ping\ndata: {\"type\":\"ping\"}\n\n"
+        );
+    }
+}

@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Checks `deltafin serve`'s /v1/messages with the official `anthropic` Python package.
+
+Usage: anthropic_client_test.py BASE_URL   (e.g. http://127.0.0.1:8000)
+
+The server must run a model (tests use a synthesized checkpoint, so the text is gibberish:
+only structure and exactness are checked). Run by the Rust test
+crates/deltafin-openai/tests/api_clients.rs; CI installs the pinned package (.ci/run).
+Exits non-zero with the failing check on the first failure.
+"""
+
+import sys
+
+import anthropic
+from anthropic import Anthropic
+
+MODEL = "deltafin-kimi-k3"
+CHECKS = 0
+
+
+def check(cond, what):
+    global CHECKS
+    if not cond:
+        raise AssertionError(what)
+    CHECKS += 1
+
+
+def expect_bad_request(fn, fragment, what):
+    try:
+        fn()
+    except anthropic.BadRequestError as e:
+        check(e.status_code == 400, f"{what}: status {e.status_code}")
+        body = e.body if isinstance(e.body, dict) else {}
+        check(body.get("type") == "error", f"{what}: body {body}")
+        err = body.get("error", {})
+        check(err.get("type") == "invalid_request_error", f"{what}: error type {err}")
+        check(fragment in err.get("message", ""), f"{what}: message {err!r} lacks {fragment!r}")
+        return
+    raise AssertionError(f"{what}: no BadRequestError")
+
+
+def blocks(message):
+    return [b.model_dump(exclude_none=True) for b in message.content]
+
+
+def main():
+    client = Anthropic(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": "Say hello"}]
+
+    # Non-streaming.
+    m = client.messages.create(model=MODEL, max_tokens=12, messages=msgs)
+    check(m.type == "message" and m.role == "assistant" and m.model == MODEL, f"message {m}")
+    check(m.id.startswith("msg_"), f"id {m.id}")
+    check(m.stop_reason in ("end_turn", "max_tokens"), f"stop_reason {m.stop_reason}")
+    check(m.usage.input_tokens > 0, f"usage {m.usage}")
+    check(m.usage.output_tokens <= 12, f"usage {m.usage}")
+    kinds = [b.type for b in m.content]
+    check(kinds in ([], ["thinking"], ["text"], ["thinking", "text"]), f"content kinds {kinds}")
+    for b in m.content:
+        if b.type == "thinking":
+            check(isinstance(b.signature, str) and b.signature, "thinking signature")
+
+    # The stream helper rebuilds the same message; its text stream is the text block.
+    with client.messages.stream(model=MODEL, max_tokens=12, messages=msgs) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    check(blocks(final) == blocks(m), f"streamed {blocks(final)} != {blocks(m)}")
+    check(final.stop_reason == m.stop_reason, "stream stop_reason")
+    check(final.usage.output_tokens == m.usage.output_tokens, "stream usage")
+    check(final.usage.input_tokens == m.usage.input_tokens, "stream input usage")
+    check(text == "".join(b.text for b in m.content if b.type == "text"), "text_stream")
+
+    # Raw events: message_start first, message_stop last.
+    events = list(client.messages.create(model=MODEL, max_tokens=4, messages=msgs, stream=True))
+    check(events[0].type == "message_start" and events[-1].type == "message_stop", f"events {events}")
+    check(events[-2].type == "message_delta", "message_delta before message_stop")
+
+    # Thinking off / on with a budget; both answer.
+    off = client.messages.create(model=MODEL, max_tokens=6, messages=msgs, thinking={"type": "disabled"})
+    check(off.stop_reason in ("end_turn", "max_tokens"), "thinking disabled")
+    on = client.messages.create(
+        model=MODEL, max_tokens=2048, messages=msgs, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
+    check(on.usage.output_tokens > 0, "thinking enabled")
+
+    # The answer sent back as history (thinking block with its signature) is accepted.
+    history = msgs + [{"role": "assistant", "content": blocks(m) or "ok"}, {"role": "user", "content": "More"}]
+    again = client.messages.create(model=MODEL, max_tokens=4, messages=history, system="Be brief.")
+    check(again.usage.input_tokens > m.usage.input_tokens, "history is rendered")
+
+    # Tool history: tool_use in the assistant turn, tool_result (with is_error) in the user turn.
+    tool_history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "timeout", "is_error": True},
+                {"type": "text", "text": "Try again?"},
+            ],
+        },
+    ]
+    t = client.messages.create(model=MODEL, max_tokens=4, messages=tool_history, stop_sequences=["\u0000never"])
+    check(t.stop_reason in ("end_turn", "max_tokens", "tool_use"), f"tool history {t.stop_reason}")
+
+    # Refusals.
+    expect_bad_request(
+        # Current clients no longer take `temperature` (older API versions did): send it raw.
+        lambda: client.messages.create(model=MODEL, max_tokens=4, messages=msgs, extra_body={"temperature": 0.7}),
+        "greedily",
+        "temperature",
+    )
+    expect_bad_request(
+        lambda: client.messages.create(model="claude-x", max_tokens=4, messages=msgs), "unavailable", "model"
+    )
+    expect_bad_request(
+        lambda: client.messages.create(model=MODEL, max_tokens=4, messages=msgs, extra_body={"frobnicate": 1}),
+        "`frobnicate` is not supported",
+        "unknown field",
+    )
+    expect_bad_request(
+        lambda: client.messages.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}],
+        ),
+        "text-only",
+        "image",
+    )
+    forged = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "made up", "signature": "sig"}]},
+        {"role": "user", "content": "y"},
+    ]
+    expect_bad_request(
+        lambda: client.messages.create(model=MODEL, max_tokens=4, messages=forged), "signature", "forged thinking"
+    )
+
+    print(f"anthropic_client_test: {CHECKS} checks passed (anthropic {anthropic.__version__})")
+
+
+if __name__ == "__main__":
+    main()
