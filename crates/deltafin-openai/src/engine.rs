@@ -14,6 +14,7 @@ use deltafin_spec::{Committed, WallClock, generate_with_policy};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 /// Why the model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -111,13 +112,14 @@ impl Engine {
     }
 
     /// The prompt ids: raw text with specials off and no BOS, or the XTML chat template
-    /// with thinking on (the same ids `deltafin run` uses).
+    /// with the request's thinking (the same ids `deltafin run` uses).
     pub fn encode(&self, req: &GenRequest) -> Result<Vec<u32>, ApiError> {
         let ids = match &req.prompt {
             Prompt::Raw(text) => self.tokenizer.encode_ordinary(text),
             Prompt::Chat { messages, controls } => {
                 let opts = ChatOptions {
-                    effort: Some(controls.effort),
+                    thinking: controls.thinking,
+                    effort: controls.thinking.then_some(controls.effort),
                     ..Default::default()
                 };
                 encode_chat(&self.tokenizer, messages, &opts)
@@ -204,6 +206,17 @@ pub enum Ending {
     Cancelled(Cancelled),
 }
 
+/// Where the time of one generation went (for `/metrics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Timing {
+    /// The prefill pass over the prompt (it also yields the first generated token).
+    pub prefill: Duration,
+    /// Everything after the prefill.
+    pub decode: Duration,
+    /// Tokens generated after the prefill's (generated tokens − 1).
+    pub decode_tokens: usize,
+}
+
 /// Runs one greedy generation, sending deltas to `send`; stops within one token once
 /// `interrupt` is raised or `send` fails. Returns the closing event, or why it was cancelled.
 /// With draft models and no `logprobs`, K3 verifies drafts (same tokens, fewer passes).
@@ -215,6 +228,18 @@ pub fn run_generation(
     shutdown: &AtomicBool,
     send: impl FnMut(GenEvent) -> bool + Send,
 ) -> Ending {
+    run_generation_timed(engine, req, prompt, interrupt, shutdown, send).0
+}
+
+/// [`run_generation`], also returning where its time went (zero where it failed before).
+pub fn run_generation_timed(
+    engine: &Engine,
+    req: &GenRequest,
+    prompt: &[u32],
+    interrupt: &AtomicBool,
+    shutdown: &AtomicBool,
+    send: impl FnMut(GenEvent) -> bool + Send,
+) -> (Ending, Timing) {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     if let (Some(drafts), None) = (&engine.drafts, req.logprobs) {
         match drafts.choose(&engine.model, &engine.tokenizer, chat) {
@@ -222,10 +247,29 @@ pub fn run_generation(
                 return run_drafted(engine, req, prompt, chosen, interrupt, shutdown, send);
             }
             Ok(None) => {}
-            Err(e) => return Ending::Event(GenEvent::Failed(ApiError::server(e))),
+            Err(e) => {
+                let failed = Ending::Event(GenEvent::Failed(ApiError::server(e)));
+                return (failed, Timing::default());
+            }
         }
     }
     run_plain(engine, req, prompt, interrupt, shutdown, send)
+}
+
+/// The output assembler of `req`: chat output starts in the thinking channel, or in the
+/// content channel when thinking is off (the generation prompt opened `response`).
+fn assembler<'t>(engine: &'t Engine, req: &GenRequest) -> Assembler<'t> {
+    match &req.prompt {
+        Prompt::Raw(_) => Assembler::new(&engine.tokenizer, false, req.stop.clone()),
+        Prompt::Chat { controls, .. } => {
+            let asm = Assembler::new(&engine.tokenizer, true, req.stop.clone());
+            if controls.thinking {
+                asm
+            } else {
+                asm.after_response_prompt()
+            }
+        }
+    }
 }
 
 /// [`run_generation`] with a drafter: the same deltas, finish reason and usage as plain
@@ -238,7 +282,7 @@ fn run_drafted(
     interrupt: &AtomicBool,
     shutdown: &AtomicBool,
     mut send: impl FnMut(GenEvent) -> bool + Send,
-) -> Ending {
+) -> (Ending, Timing) {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     let stop_ids = if chat {
         vec![END_OF_MSG]
@@ -255,9 +299,11 @@ fn run_drafted(
         mut drafter,
         mut policy,
     } = chosen;
-    let mut asm = Assembler::new(&engine.tokenizer, chat, req.stop.clone());
+    let mut asm = assembler(engine, req);
     let mut client_gone = false;
     let mut counted = 0usize;
+    let mut prefill: Option<Duration> = None;
+    let started = Instant::now();
     let mut sink_error: Option<ApiError> = None;
     let clock = WallClock::new();
     let result = deltafin_kernels::pool::run_warm(|| {
@@ -271,6 +317,7 @@ fn run_drafted(
             &clock,
             interrupt,
             |c: &Committed<'_>| {
+                prefill.get_or_insert(c.duration);
                 for &id in c.ids {
                     if asm.stop_hit() {
                         break;
@@ -301,7 +348,13 @@ fn run_drafted(
     }
     let ids = match result {
         Ok((ids, _)) => ids,
-        Err(e) => return generation_failed(sink_error, e),
+        Err(e) => return (generation_failed(sink_error, e), Timing::default()),
+    };
+    let prefill = prefill.unwrap_or_default();
+    let timing = Timing {
+        prefill,
+        decode: started.elapsed().saturating_sub(prefill),
+        decode_tokens: ids.len().saturating_sub(1),
     };
     let eos = ids
         .get(counted.wrapping_sub(1))
@@ -311,14 +364,15 @@ fn run_drafted(
     } else if ids.len() >= max_new {
         FinishReason::Length
     } else {
-        return interrupted(client_gone, shutdown);
+        return (interrupted(client_gone, shutdown), timing);
     };
     let completion_tokens = if eos {
         counted.saturating_sub(1)
     } else {
         counted
     };
-    done(asm, finish, prompt.len(), completion_tokens, send)
+    let ending = done(asm, finish, prompt.len(), completion_tokens, send);
+    (ending, timing)
 }
 
 fn run_plain(
@@ -328,7 +382,7 @@ fn run_plain(
     interrupt: &AtomicBool,
     shutdown: &AtomicBool,
     mut send: impl FnMut(GenEvent) -> bool + Send,
-) -> Ending {
+) -> (Ending, Timing) {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     let opts = GenerateOptions {
         max_new: Some(req.max_new),
@@ -340,8 +394,7 @@ fn run_plain(
         max_context: engine.max_context,
         top_logits: req.logprobs.map(|k| k.max(1)).unwrap_or(0),
     };
-    let tok = &engine.tokenizer;
-    let mut asm = Assembler::new(tok, chat, req.stop.clone());
+    let mut asm = assembler(engine, req);
     let mut client_gone = false;
     let mut sink_error: Option<ApiError> = None;
     // On a rayon worker, as `deltafin run` does: the kernels' parallel loops then start by
@@ -391,21 +444,29 @@ fn run_plain(
     });
     let outcome = match result {
         Ok(o) => o,
-        Err(e) => return generation_failed(sink_error, e),
+        Err(e) => return (generation_failed(sink_error, e), Timing::default()),
+    };
+    let timing = Timing {
+        prefill: outcome.prefill_duration,
+        decode: outcome
+            .total_duration
+            .saturating_sub(outcome.prefill_duration),
+        decode_tokens: outcome.ids.len().saturating_sub(1),
     };
     let finish = match outcome.stop {
         _ if asm.stop_hit() => FinishReason::Stop,
         StopReason::Eos => FinishReason::Stop,
         StopReason::MaxNew | StopReason::ContextFull => FinishReason::Length,
         StopReason::Interrupted => {
-            return interrupted(client_gone, shutdown);
+            return (interrupted(client_gone, shutdown), timing);
         }
     };
     let completion_tokens = match outcome.stop {
         StopReason::Eos => outcome.ids.len().saturating_sub(1),
         _ => outcome.ids.len(),
     };
-    done(asm, finish, prompt.len(), completion_tokens, send)
+    let ending = done(asm, finish, prompt.len(), completion_tokens, send);
+    (ending, timing)
 }
 
 /// The generation failed: the sink's own error if it raised one, else the model's.

@@ -239,6 +239,15 @@ impl<'t> Assembler<'t> {
         }
     }
 
+    /// Chat output after a generation prompt that opened `response` (thinking off): the
+    /// first tokens are content, and no token counts as reasoning.
+    pub fn after_response_prompt(mut self) -> Self {
+        if self.chat {
+            self.phase = Phase::Content;
+        }
+        self
+    }
+
     /// Whether a stop sequence matched (generation must end).
     pub fn stop_hit(&self) -> bool {
         self.stop_hit
@@ -506,6 +515,28 @@ mod tests {
         );
         // Offsets are character positions in the channel text.
         assert_eq!(all.content_logprobs[0].text_offset, 0);
+    }
+
+    #[test]
+    fn without_thinking_the_output_starts_as_content() {
+        let tok = kimi();
+        let mut ids = tok.encode_ordinary("Paris.");
+        ids.extend(marker(&tok, false, "response"));
+        ids.extend(marker(&tok, false, "message"));
+        ids.push(END_OF_MSG);
+        let mut a = Assembler::new(&tok, true, vec![]).after_response_prompt();
+        let mut all = Delta::default();
+        for &id in &ids {
+            all.extend(a.push(id, None).unwrap());
+        }
+        all.extend(a.finish().unwrap());
+        assert_eq!(all.content, "Paris.");
+        assert_eq!(all.reasoning, "");
+        assert_eq!(a.reasoning_tokens(), 0);
+        // Raw completions have no channels to start in.
+        let mut raw = Assembler::new(&tok, false, vec![]).after_response_prompt();
+        let d = raw.push(tok.encode_ordinary("x")[0], None).unwrap();
+        assert_eq!(d.content, "x");
     }
 
     #[test]

@@ -219,6 +219,38 @@ fn effort_parsing_is_strict() {
 }
 
 #[test]
+fn thinking_spellings_are_shared_and_strict() {
+    use ReasoningEffort::*;
+    for (text, want) in [
+        ("none", Thinking::Off),
+        ("off", Thinking::Off),
+        ("minimal", Thinking::Off),
+        (" None ", Thinking::Off),
+        ("OFF", Thinking::Off),
+        ("low", Thinking::On(Low)),
+        ("medium", Thinking::On(Medium)),
+        ("High", Thinking::On(High)),
+        ("\tmax\n", Thinking::On(Max)),
+    ] {
+        assert_eq!(parse_thinking(text), Ok(want), "{text:?}");
+    }
+    for bad in ["", "extreme", "maximum", "no", "lo w"] {
+        let msg = parse_thinking(bad).unwrap_err().to_string();
+        assert!(
+            msg.contains(&format!("{bad:?}")) && msg.contains(THINKING_SPELLINGS),
+            "{msg}"
+        );
+    }
+    assert_eq!(Thinking::Off.to_string(), "none");
+    assert_eq!(Thinking::On(High).to_string(), "high");
+    assert_eq!(Thinking::Off.chat_options(), no_think());
+    let on = Thinking::On(Low).chat_options();
+    assert_eq!((on.thinking, on.effort), (true, Some(Low)));
+    let off = texts(&render_segments(&[], &Thinking::Off.chat_options()).unwrap());
+    assert!(off.ends_with("<|open|>response<|sep|>") && !off.contains("thinking_effort"));
+}
+
+#[test]
 fn message_from_json() {
     let m = ChatMessage::from_json(&json!({
         "role": "assistant",
