@@ -129,9 +129,9 @@ def main():
         lambda: client.chat.completions.create(
             model=MODEL,
             messages=chat_msgs,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            tools=[{"type": "function", "function": {"name": "no spaces", "parameters": {"type": "object"}}}],
         ),
-        "tool calling is not implemented",
+        "1 to 64 characters",
         "tools",
     )
     expect_bad_request(

@@ -120,7 +120,7 @@ fn model_with(fx: &Value, cache: CacheDtype, llama_eps: bool) -> (tempfile::Temp
 }
 
 /// Same numerics as the oracle run (f32 activations, f32 cache, llama.cpp's epsilons): the two
-/// engines differ only in summation order and the router-sum clamp. Measured ≤ 1.4e-6.
+/// engines differ only in summation order and the router-sum clamp. Measured ≤ 3e-6.
 #[test]
 fn identical_to_llama_cpp_in_its_configuration() {
     let fx = fixture();

@@ -227,6 +227,25 @@ case("dynamic_tools_system", [
 case("system_with_empty_tools_is_plain", [{"role": "system", "content": "plain", "tools": []}, U("x")])
 case("tool_choice_required", [U("Weather?")], tools=[WEATHER], tool_choice="required")
 case("tool_choice_none", [U("Weather?")], tools=[WEATHER], tool_choice="none", thinking=False)
+case("tool_choice_required_nothink", [U("Weather?")], tools=[WEATHER, SEARCH], tool_choice="required",
+     thinking=False)
+# A named function: neither NeMo nor llama.cpp's template has a frame for it (no message).
+case("tool_choice_named", [U("Weather?")], tools=[WEATHER, SEARCH],
+     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+case("tool_choice_named_nothink", [U("Weather?")], tools=[WEATHER],
+     tool_choice={"type": "function", "function": {"name": "get_weather"}}, thinking=False)
+case("tool_choice_none_without_tools", [U("Hi")], tool_choice="none")
+# One agent-loop turn as an OpenAI client sends it back: the call, then its result.
+case("agent_loop_second_turn_nothink", [
+    U("Weather in Paris?"),
+    A(None, tool_calls=[call("call_1", "get_weather", '{"city": "Paris"}')]),
+    T("Sunny, 21 C", tool_call_id="call_1"),
+], tools=[WEATHER], tool_choice="required", thinking=False)
+case("agent_loop_second_turn", [
+    U("Weather in Paris?"),
+    A(None, reasoning_content="Call the tool.", tool_calls=[call("call_1", "get_weather", '{"city": "Paris"}')]),
+    T("Sunny, 21 C", tool_call_id="call_1"),
+], tools=[WEATHER], effort="low")
 case("response_format_json_object", [U("Give JSON.")], response_format={"type": "json_object"})
 case("response_format_json_schema", [U("Give JSON.")], response_format={
     "type": "json_schema",

@@ -51,6 +51,17 @@ class K3Ref:
     def w(self, name: str) -> np.ndarray:
         return self.t[name].load().astype(np.float64)
 
+    def a_log(self, name: str, heads: int) -> np.ndarray:
+        """The first `heads` entries of the zero-padded `A_log` (docs/K3.md §3.2: the reference
+        stores one value per KDA head, padded to a multiple of 128, and reads the first
+        `num_heads`); a short tensor or non-zero padding is refused, as deltafin's loader does."""
+        v = self.w(name).ravel()
+        if v.size < heads:
+            raise ValueError(f"{name}: {v.size} entries, fewer than the {heads} KDA heads")
+        if np.any(v[heads:] != 0):
+            raise ValueError(f"{name}: the padding past entry {heads} is not zero")
+        return v[:heads]
+
     def expert(self, l: int, e: int, wid: str) -> np.ndarray:
         p = f"model.layers.{l}.block_sparse_moe.experts.{e}.{wid}."
         pk = self.t[p + "weight_packed"].raw()
@@ -84,7 +95,7 @@ class K3Ref:
         k = conv(y @ self.w(p + "k_proj.weight").T, "k_conv1d.weight").reshape(T, H, d)
         v = conv(y @ self.w(p + "v_proj.weight").T, "v_conv1d.weight").reshape(T, H, d)
         z = (y @ self.w(p + "f_a_proj.weight").T) @ self.w(p + "f_b_proj.weight").T + self.w(p + "dt_bias")
-        A = np.exp(self.w(p + "A_log")[:H])
+        A = np.exp(self.a_log(p + "A_log", H))
         g = la["gate_lower_bound"] * sigmoid(A[None, :, None] * z.reshape(T, H, d))
         alpha = np.exp(g)
         beta = sigmoid(y @ self.w(p + "b_proj.weight").T)  # [T, H]

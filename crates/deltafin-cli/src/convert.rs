@@ -1,26 +1,27 @@
 //! `deltafin convert-spine-int8`: quantize the BF16 spine of the shards into the row-int8
 //! spine (`k3-resident-int8/`, docs/K3.md §12.6), resumably, or check it (`--check`).
 
+use crate::RootArg;
+use crate::session::check_root;
 use anyhow::{Result, bail};
 use clap::Args;
 use deltafin_experts::DirectIo;
 use deltafin_experts::probe::{ProbeOptions, probe};
 use deltafin_fetch::progress::{self, stderr_bar};
-use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint};
+use deltafin_k3::weights::checkpoint::Checkpoint;
 use deltafin_k3::weights::install;
 use deltafin_k3::weights::spine_int8::{
     ConvertOptions, ConvertProgress, DEFAULT_CHECKPOINT_ROWS, INT8_DIR, MAX_CHECKPOINT_ROWS,
     convert_spine, verify_spine,
 };
 use indicatif::ProgressBar;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
 #[derive(Args, Debug, Clone)]
 pub struct ConvertSpineInt8Args {
-    /// Install root holding config.json and the shards.
-    #[arg(long, value_name = "PATH", default_value = ".")]
-    pub model_root: PathBuf,
+    #[command(flatten)]
+    pub root: RootArg,
     /// Durable resume interval in rows (1…1048576).
     #[arg(long, value_name = "N", default_value_t = DEFAULT_CHECKPOINT_ROWS)]
     pub checkpoint_rows: usize,
@@ -55,17 +56,6 @@ impl LazyBar {
             bar.finish_and_clear();
         }
     }
-}
-
-/// Fail unless `root` holds an install's config.json.
-pub(crate) fn require_model(root: &Path) -> Result<()> {
-    if !root.join(CONFIG_FILE).is_file() {
-        bail!(
-            "no K3 model installed at {}: {CONFIG_FILE} is missing (pass --model-root PATH)",
-            root.display()
-        );
-    }
-    Ok(())
 }
 
 /// After a job (`what`) that read the shards at `gbps` GB/s: the disk's sequential read
@@ -107,8 +97,8 @@ pub(crate) fn sequential_gbps(path: &Path) -> Option<(f64, String)> {
 
 /// Run the command.
 pub fn convert_spine_int8(args: &ConvertSpineInt8Args) -> Result<ExitCode> {
-    let root = &args.model_root;
-    require_model(root)?;
+    let root = &args.root.resolve();
+    check_root(root)?;
     if args.checkpoint_rows == 0 || args.checkpoint_rows > MAX_CHECKPOINT_ROWS {
         bail!(
             "--checkpoint-rows {}: must be in 1…{MAX_CHECKPOINT_ROWS}",

@@ -2,7 +2,7 @@
 //! same way.
 
 use anyhow::{Result, anyhow, bail};
-use deltafin_k3::text::chat::{Thinking, parse_thinking};
+use deltafin_k3::text::chat::Thinking;
 use deltafin_spec::dspark::SpecConfig;
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
@@ -52,7 +52,8 @@ pub fn spec_config() -> Result<SpecConfig> {
 pub fn env_thinking() -> Result<Option<Thinking>> {
     env_var("K3_REASONING_EFFORT")?
         .map(|v| {
-            parse_thinking(&v).map_err(|e| anyhow!("environment variable K3_REASONING_EFFORT: {e}"))
+            Thinking::parse(&v)
+                .map_err(|e| anyhow!("environment variable K3_REASONING_EFFORT: {e}"))
         })
         .transpose()
 }

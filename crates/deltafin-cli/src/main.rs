@@ -82,13 +82,35 @@ enum Command {
     PackSpine(pack::PackSpineArgs),
 }
 
+/// `--model-root`, the one definition of the flag every command that takes a model root
+/// flattens in (docs/CLI.md "The model root").
+#[derive(Args, Debug, Clone, Default)]
+pub struct RootArg {
+    /// Install root: config.json, the tokenizer files, and the release shards or a stream
+    /// install [env: DELTAFIN_ROOT; default: the current directory].
+    #[arg(long, value_name = "PATH")]
+    pub model_root: Option<PathBuf>,
+}
+
+impl RootArg {
+    /// An explicit root, as if `--model-root PATH` was given.
+    pub fn at(path: PathBuf) -> Self {
+        Self {
+            model_root: Some(path),
+        }
+    }
+
+    /// `--model-root`, else `DELTAFIN_ROOT`, else `.` ([`env::model_root`]).
+    pub fn resolve(&self) -> PathBuf {
+        env::model_root(self.model_root.as_deref())
+    }
+}
+
 /// Options shared by the commands that load the model.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Install root holding config.json, model.safetensors.index.json, the shards and the
-    /// tokenizer files [default: DELTAFIN_ROOT, else the current directory].
-    #[arg(long, value_name = "PATH")]
-    pub model_root: Option<PathBuf>,
+    #[command(flatten)]
+    pub install: RootArg,
     /// Whole-process RAM budget in decimal GB [env: K3_MEMORY_BUDGET_GB]. Default: no budget,
     /// every expert resident through the shard mmaps. With a budget the spine stays mmap'd, the
     /// KV/state and runtime are reserved, and the routed experts stream from disk into an
@@ -112,9 +134,9 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// The model root: `--model-root`, else `DELTAFIN_ROOT`, else `.` ([`env::model_root`]).
+    /// The model root: `--model-root`, else `DELTAFIN_ROOT`, else `.` ([`RootArg::resolve`]).
     pub fn root(&self) -> PathBuf {
-        env::model_root(self.model_root.as_deref())
+        self.install.resolve()
     }
 }
 

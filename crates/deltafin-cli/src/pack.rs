@@ -2,7 +2,9 @@
 //! docs/K3.md §12.7) of the BF16 or int8 spine, resumably, with a progress bar and a disk-bandwidth
 //! comparison.
 
-use crate::convert::{LazyBar, print_disk_share, require_model};
+use crate::RootArg;
+use crate::convert::{LazyBar, print_disk_share};
+use crate::session::check_root;
 use anyhow::Result;
 use clap::Args;
 use deltafin_k3::weights::install;
@@ -14,9 +16,8 @@ use std::process::ExitCode;
 
 #[derive(Args, Debug, Clone)]
 pub struct PackSpineArgs {
-    /// Install root holding config.json and the shards (and `k3-resident-int8/` for int8).
-    #[arg(long, value_name = "PATH", default_value = ".")]
-    pub model_root: PathBuf,
+    #[command(flatten)]
+    pub root: RootArg,
     /// Spine to pack: auto or int8 (the row-int8 spine), bf16 (the checkpoint's weights)
     /// [env: K3_SPINE; default: auto = int8].
     #[arg(long, value_name = "FORMAT")]
@@ -35,8 +36,8 @@ pub struct PackSpineArgs {
 
 /// Run the command.
 pub fn pack_spine_cmd(args: &PackSpineArgs) -> Result<ExitCode> {
-    let root = &args.model_root;
-    require_model(root)?;
+    let root = &args.root.resolve();
+    check_root(root)?;
     let format = crate::engine_config::resolve_spine(args.spine.as_deref())?;
     let output = args
         .output

@@ -7,7 +7,7 @@ use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use deltafin_k3::engine::{EngineConfig, LoadedEngine};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, LogitSummary, StopReason, generate};
-use deltafin_k3::text::chat::{self, ChatMessage, ReasoningEffort, Thinking, parse_thinking};
+use deltafin_k3::text::chat::{self, ChatMessage, ReasoningEffort, Thinking};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
 use deltafin_spec::select::{Chosen, DraftModels, Surfaces};
@@ -27,7 +27,7 @@ fn resolve_thinking(args: &RunArgs) -> Result<(Thinking, &'static str)> {
         return Ok((Thinking::Off, "flag"));
     }
     if let Some(f) = args.reasoning_effort.as_deref() {
-        let t = parse_thinking(f).map_err(|e| anyhow!("--reasoning-effort: {e}"))?;
+        let t = Thinking::parse(f).map_err(|e| anyhow!("--reasoning-effort: {e}"))?;
         return Ok((t, "flag"));
     }
     Ok(match from_env {

@@ -8,6 +8,7 @@
 //! restarts an interrupted layer (`.part`) from scratch. The manifest is removed at the start
 //! and written last, so sidecars are never active while incomplete.
 
+use crate::RootArg;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use deltafin_experts::DirectIo;
@@ -24,9 +25,8 @@ use std::time::Instant;
 /// `convert-experts-scale4` flags.
 #[derive(Args, Debug, Clone)]
 pub struct Scale4Args {
-    /// Install root holding config.json (and, by default, the raw experts).
-    #[arg(long, value_name = "PATH", default_value = ".")]
-    pub model_root: PathBuf,
+    #[command(flatten)]
+    pub root: RootArg,
     /// Where the raw experts are read: `k3-experts/` files when present there, else the
     /// release shards [default: the model root].
     #[arg(long, value_name = "PATH")]
@@ -123,7 +123,8 @@ fn raw_source(model: &Checkpoint, source_root: &Path) -> Result<RawSource> {
 /// Convert; `stop_after` stops after that many converted layers (an interruption, for tests).
 pub fn convert_with(args: &Scale4Args, stop_after: Option<usize>) -> Result<ConvertReport> {
     let t0 = Instant::now();
-    let root = &args.model_root;
+    let root = &args.root.resolve();
+    crate::session::check_root(root)?;
     let ckpt = install::open_checkpoint(root)?;
     let (layout, moe) = layout_of(ckpt.config());
     let source_root = args.source_root.clone().unwrap_or_else(|| root.clone());
@@ -236,7 +237,7 @@ mod tests {
 
     fn args(root: &Path) -> Scale4Args {
         Scale4Args {
-            model_root: root.to_path_buf(),
+            root: RootArg::at(root.to_path_buf()),
             source_root: None,
             output_root: None,
             workers: 3,

@@ -112,8 +112,25 @@ pub struct RootProblem {
 /// path that does not exist, is not a directory or cannot be read, or a directory without
 /// the files of an install (`None`: it has a config and a checkpoint layout).
 pub fn root_problem(root: &Path) -> Option<RootProblem> {
+    if let Some(p) = path_problem(root) {
+        return Some(p);
+    }
+    let what = deltafin_k3::weights::install::missing(root)?;
     let r = root.display();
-    let point = "point --model-root (or DELTAFIN_ROOT) at the directory of a K3 install";
+    Some(RootProblem {
+        detail: format!("no K3 model installed at {r}: {what}"),
+        fix: format!("install it with `deltafin setup --model-root {r}`, or {POINT}"),
+    })
+}
+
+/// How to fix a wrong model root.
+const POINT: &str = "point --model-root (or DELTAFIN_ROOT) at the directory of a K3 install";
+
+/// What keeps `root` from being a model root at all, whatever it holds: a path that does not
+/// exist, is not a directory or cannot be read (`None`: a readable directory).
+pub fn path_problem(root: &Path) -> Option<RootProblem> {
+    let r = root.display();
+    let point = POINT;
     let (detail, fix) = match std::fs::metadata(root) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => (
             format!("model root {r} does not exist"),
@@ -127,13 +144,7 @@ pub fn root_problem(root: &Path) -> Option<RootProblem> {
             format!("model root {r} is not a directory"),
             point.to_string(),
         ),
-        Ok(_) => {
-            let what = deltafin_k3::weights::install::missing(root)?;
-            (
-                format!("no K3 model installed at {r}: {what}"),
-                format!("install it with `deltafin setup --model-root {r}`, or {point}"),
-            )
-        }
+        Ok(_) => return None,
     };
     Some(RootProblem { detail, fix })
 }

@@ -1,6 +1,7 @@
 //! `setup`, `setup-k3`, `setup-dspark`, `setup-qwen` and `fetch-weights` (product contract
 //! §1.3, §5; docs/SETUP.md). Model root: `--model-root`, else `DELTAFIN_ROOT`, else `.`.
 
+use crate::RootArg;
 use anyhow::{Context, Result, bail};
 use clap::{ArgGroup, Args};
 use deltafin_fetch::check::{CheckReport, check_k3, check_k3_meta, check_repo};
@@ -15,22 +16,6 @@ use deltafin_fetch::setup::{
 use deltafin_fetch::transfer::{TransferOptions, parse_workers};
 use std::path::PathBuf;
 use std::process::ExitCode;
-
-/// Install root shared by the setup family.
-#[derive(Args, Debug, Clone)]
-pub struct RootArg {
-    /// Install root [default: $DELTAFIN_ROOT, else the current directory].
-    #[arg(long, value_name = "PATH")]
-    pub model_root: Option<PathBuf>,
-}
-
-impl RootArg {
-    /// `--model-root`, else `DELTAFIN_ROOT`, else the current directory
-    /// ([`crate::env::model_root`], as every command resolves it).
-    pub fn resolve(&self) -> PathBuf {
-        crate::env::model_root(self.model_root.as_deref())
-    }
-}
 
 /// `deltafin setup`.
 #[derive(Args, Debug, Clone)]
@@ -209,7 +194,7 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
         "converting the row-int8 spine (the default --spine; about half the BF16 spine's size)"
     );
     crate::convert::convert_spine_int8(&crate::convert::ConvertSpineInt8Args {
-        model_root: root,
+        root: RootArg::at(root),
         checkpoint_rows: deltafin_k3::weights::spine_int8::DEFAULT_CHECKPOINT_ROWS,
         no_resume: false,
         check: false,

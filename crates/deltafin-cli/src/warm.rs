@@ -7,7 +7,7 @@
 //! writes the missing files from the local shards; a full install without `k3-experts/`
 //! already reads every expert from its shards, so nothing is missing.
 
-use crate::setup::RootArg;
+use crate::RootArg;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use deltafin_experts::heat::{self, HeatDims};
@@ -174,6 +174,10 @@ fn parallel<T: Sync, R: Send>(
 pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
     reject_npz(a)?;
     let root = a.root.resolve();
+    // A metadata-only install is enough here, so only the path itself is checked first.
+    if let Some(p) = crate::session::path_problem(&root) {
+        bail!("{}; {}", p.detail, p.fix);
+    }
     let cfg_path = root.join(CONFIG_FILE);
     if !cfg_path.is_file() {
         bail!(

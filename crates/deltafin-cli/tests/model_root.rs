@@ -1,6 +1,6 @@
-//! The model root of `run` and `serve`: `--model-root`, else `DELTAFIN_ROOT`, else `.` (as
-//! `setup` and `doctor` resolve it), and a wrong root named for what it is — a path that does
-//! not exist, a file, a directory without an install — before anything else is checked.
+//! The model root of every command that takes one: `--model-root`, else `DELTAFIN_ROOT`, else
+//! `.` (one rule, `RootArg`), and a wrong root named for what it is — a path that does not
+//! exist, a file, a directory without an install — before anything else is checked.
 
 mod common;
 
@@ -162,4 +162,136 @@ fn a_root_that_is_no_install_says_what_is_missing() {
             assert!(!err.contains("convert-spine-int8"), "{err}");
         }
     }
+}
+
+/// A fresh tiny install (the commands below write into their root).
+fn fresh_root(seed: u64) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), seed)).unwrap();
+    d
+}
+
+fn succeeds(o: &Output, what: &str) {
+    assert_eq!(o.status.code(), Some(0), "{what}: {}", text(o));
+}
+
+/// The commands that write under their model root: with only `DELTAFIN_ROOT` set they write
+/// there; with a wrong `DELTAFIN_ROOT` and `--model-root` the flag wins (a rerun over the
+/// outputs, which must find them); with only a wrong `DELTAFIN_ROOT` they say it does not
+/// exist.
+#[test]
+fn the_converters_take_the_root_from_deltafin_root_and_the_flag_wins() {
+    let cases: [(&[&str], &str); 3] = [
+        (&["convert-spine-int8"], "k3-resident-int8"),
+        (
+            &["pack-spine", "--spine", "bf16", "--layer", "0"],
+            "k3-resident-packs-bf16/layer-000.dfsp",
+        ),
+        (
+            &["convert-experts-scale4", "--workers", "1"],
+            "k3-experts-scale4/scale4-manifest.json",
+        ),
+    ];
+    for (i, (args, output_path)) in cases.into_iter().enumerate() {
+        let d = fresh_root(40 + i as u64);
+        let root = d.path().to_str().unwrap();
+        let o = output(args, &[("DELTAFIN_ROOT", root)]);
+        succeeds(&o, &format!("{args:?} under DELTAFIN_ROOT"));
+        assert!(
+            d.path().join(output_path).exists(),
+            "{args:?}: {}",
+            text(&o)
+        );
+
+        let o = output(
+            &[args, &["--model-root", root]].concat(),
+            &[("DELTAFIN_ROOT", "/no/such/install")],
+        );
+        succeeds(&o, &format!("{args:?} with --model-root"));
+
+        let o = output(args, &[("DELTAFIN_ROOT", "/no/such/install")]);
+        let err = stdout_stderr(&o).1;
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("model root /no/such/install does not exist"),
+            "{args:?}: {err}"
+        );
+    }
+    // The int8 check re-hashes what the conversion wrote: it found the same root.
+    let d = fresh_root(43);
+    let root = d.path().to_str().unwrap();
+    succeeds(
+        &output(&["convert-spine-int8"], &[("DELTAFIN_ROOT", root)]),
+        "convert-spine-int8",
+    );
+    succeeds(
+        &output(
+            &["convert-spine-int8", "--check", "--model-root", root],
+            &[("DELTAFIN_ROOT", "/no/such/install")],
+        ),
+        "convert-spine-int8 --check",
+    );
+}
+
+/// `benchmark` resolves the root once and passes it to every run: the campaign records it.
+#[test]
+fn benchmark_takes_the_root_from_deltafin_root_and_the_flag_wins() {
+    let root = model_root().to_str().unwrap();
+    let canonical = model_root().canonicalize().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, extra, env) in [
+        ("env", &[][..], root),
+        ("flag", &["--model-root", root][..], "/no/such/install"),
+    ] {
+        let ev = tmp.path().join(name);
+        let o = output(
+            &[
+                &["benchmark", "--reps", "1", "--max-new", "1", "--output-dir"][..],
+                &[ev.to_str().unwrap()],
+                extra,
+            ]
+            .concat(),
+            &[("DELTAFIN_ROOT", env)],
+        );
+        succeeds(&o, name);
+        let campaign: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(ev.join("campaign.json")).unwrap())
+                .unwrap();
+        assert_eq!(
+            campaign["arguments"]["model_root"],
+            canonical.display().to_string(),
+            "{name}"
+        );
+    }
+    let o = output(
+        &["benchmark", "--reps", "1", "--max-new", "1"],
+        &[("DELTAFIN_ROOT", "/no/such/install")],
+    );
+    let err = stdout_stderr(&o).1;
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("model root /no/such/install does not exist"),
+        "{err}"
+    );
+}
+
+/// Every other command that takes a root reads a wrong `DELTAFIN_ROOT` as that root.
+#[test]
+fn a_wrong_deltafin_root_is_named_by_every_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text_file = tmp.path().join("t.txt");
+    std::fs::write(&text_file, "some text to score").unwrap();
+    let file = text_file.to_str().unwrap();
+    for args in [&["perplexity", "--file", file][..], &["warm-expert-cache"]] {
+        let o = output(args, &[("DELTAFIN_ROOT", "/no/such/install")]);
+        let err = stdout_stderr(&o).1;
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("model root /no/such/install does not exist"),
+            "{args:?}: {err}"
+        );
+    }
+    let root = model_root().to_str().unwrap();
+    let o = output(&["perplexity", "--file", file], &[("DELTAFIN_ROOT", root)]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
 }

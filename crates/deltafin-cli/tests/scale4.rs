@@ -160,5 +160,11 @@ fn bad_flags_are_clear_errors() {
     }
     let o = deltafin(&["convert-experts-scale4", "--model-root", &root], &[]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("not usable"), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!(
+            "no K3 model installed at {root}: config.json is missing"
+        )),
+        "{}",
+        text(&o)
+    );
 }

@@ -147,7 +147,7 @@ fn conflicting_or_misplaced_thinking_flags_are_errors() {
     assert!(
         err.contains("--reasoning-effort")
             && err.contains("\"extreme\"")
-            && err.contains("none, off, minimal, low, medium, high, max"),
+            && err.contains(deltafin_k3::text::chat::THINKING_SPELLINGS),
         "{err}"
     );
     // The variable is checked even when the flag wins.

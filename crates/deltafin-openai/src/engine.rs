@@ -1,12 +1,12 @@
 //! The loaded model, its tokenizer and one greedy generation with its output events.
 
 use crate::error::ApiError;
-use crate::output::{Assembler, Delta, TokenLogprob};
-use crate::request::{GenRequest, Prompt};
+use crate::output::{Assembler, Delta, EarlyEnd, TokenLogprob};
+use crate::request::{ChatControls, GenRequest, Prompt, ToolMode};
 use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, StopReason, generate};
 use deltafin_k3::model::K3Model;
-use deltafin_k3::text::chat::{ChatOptions, encode_chat};
+use deltafin_k3::text::chat::{ChatOptions, ToolChoice, encode_chat};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_k3::weights::install::{self, Missing};
 use deltafin_spec::select::{Chosen, DraftModels};
@@ -112,17 +112,13 @@ impl Engine {
     }
 
     /// The prompt ids: raw text with specials off and no BOS, or the XTML chat template
-    /// with the request's thinking (the same ids `deltafin run` uses).
+    /// rendered with the request's [`chat_options`] (the same ids `deltafin run` uses for the
+    /// same options).
     pub fn encode(&self, req: &GenRequest) -> Result<Vec<u32>, ApiError> {
         let ids = match &req.prompt {
             Prompt::Raw(text) => self.tokenizer.encode_ordinary(text),
             Prompt::Chat { messages, controls } => {
-                let opts = ChatOptions {
-                    thinking: controls.thinking,
-                    effort: controls.thinking.then_some(controls.effort),
-                    ..Default::default()
-                };
-                encode_chat(&self.tokenizer, messages, &opts)
+                encode_chat(&self.tokenizer, messages, &chat_options(controls))
                     .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?
             }
         };
@@ -133,6 +129,28 @@ impl Engine {
             return Err(ApiError::context_length(ids.len(), self.max_context));
         }
         Ok(ids)
+    }
+}
+
+/// How a chat request's controls render (docs/SERVER.md "Tool calling"): thinking and its
+/// effort, the declared tools, the tool-choice message and the response format.
+///
+/// `tool_choice` follows the reference renderers (NeMo AutoModel's K3 encoder, llama.cpp's
+/// Kimi-K3 template): `required` and `none` add their internal system message, `auto` adds
+/// none, and a named function adds none either: neither reference has a frame for it, so
+/// the named choice is enforced only by constrained decoding, never by the prompt.
+pub fn chat_options(controls: &ChatControls) -> ChatOptions {
+    ChatOptions {
+        thinking: controls.thinking,
+        effort: controls.thinking.then_some(controls.effort),
+        add_generation_prompt: true,
+        tools: controls.tools.clone(),
+        tool_choice: match controls.tool_mode {
+            ToolMode::Required => Some(ToolChoice::Required),
+            ToolMode::None => Some(ToolChoice::Forbidden),
+            ToolMode::Auto | ToolMode::Named(_) => None,
+        },
+        response_format: controls.response_format.clone(),
     }
 }
 
@@ -148,7 +166,7 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
-    /// `"stop"` or `"length"`.
+    /// `"stop"`, `"length"` or `"tool_calls"`.
     pub fn as_str(self) -> &'static str {
         match self {
             FinishReason::Stop => "stop",
@@ -256,22 +274,6 @@ pub fn run_generation_timed(
     run_plain(engine, req, prompt, interrupt, shutdown, send)
 }
 
-/// The output assembler of `req`: chat output starts in the thinking channel, or in the
-/// content channel when thinking is off (the generation prompt opened `response`).
-fn assembler<'t>(engine: &'t Engine, req: &GenRequest) -> Assembler<'t> {
-    match &req.prompt {
-        Prompt::Raw(_) => Assembler::new(&engine.tokenizer, false, req.stop.clone()),
-        Prompt::Chat { controls, .. } => {
-            let asm = Assembler::new(&engine.tokenizer, true, req.stop.clone());
-            if controls.thinking {
-                asm
-            } else {
-                asm.after_response_prompt()
-            }
-        }
-    }
-}
-
 /// [`run_generation`] with a drafter: the same deltas, finish reason and usage as plain
 /// greedy decoding (ids after a stop sequence are verified but never released or counted).
 fn run_drafted(
@@ -299,7 +301,7 @@ fn run_drafted(
         mut drafter,
         mut policy,
     } = chosen;
-    let mut asm = assembler(engine, req);
+    let mut asm = Assembler::for_request(&engine.tokenizer, req);
     let mut client_gone = false;
     let mut counted = 0usize;
     let mut prefill: Option<Duration> = None;
@@ -319,7 +321,7 @@ fn run_drafted(
             |c: &Committed<'_>| {
                 prefill.get_or_insert(c.duration);
                 for &id in c.ids {
-                    if asm.stop_hit() {
+                    if asm.early_end().is_some() {
                         break;
                     }
                     counted += 1;
@@ -334,7 +336,7 @@ fn run_drafted(
                         break;
                     }
                 }
-                if asm.stop_hit() {
+                if asm.early_end().is_some() {
                     interrupt.store(true, Ordering::Relaxed);
                 }
                 Ok(())
@@ -359,12 +361,10 @@ fn run_drafted(
     let eos = ids
         .get(counted.wrapping_sub(1))
         .is_some_and(|t| stop_ids.contains(t));
-    let finish = if asm.stop_hit() || eos {
-        FinishReason::Stop
-    } else if ids.len() >= max_new {
-        FinishReason::Length
-    } else {
-        return (interrupted(client_gone, shutdown), timing);
+    let finish = match finish_reason(&asm, eos) {
+        Some(finish) => finish,
+        None if ids.len() >= max_new => FinishReason::Length,
+        None => return (interrupted(client_gone, shutdown), timing),
     };
     let completion_tokens = if eos {
         counted.saturating_sub(1)
@@ -394,7 +394,8 @@ fn run_plain(
         max_context: engine.max_context,
         top_logits: req.logprobs.map(|k| k.max(1)).unwrap_or(0),
     };
-    let mut asm = assembler(engine, req);
+    let tok = &engine.tokenizer;
+    let mut asm = Assembler::for_request(tok, req);
     let mut client_gone = false;
     let mut sink_error: Option<ApiError> = None;
     // On a rayon worker, as `deltafin run` does: the kernels' parallel loops then start by
@@ -435,7 +436,7 @@ fn run_plain(
                 client_gone = true;
                 interrupt.store(true, Ordering::Relaxed);
             }
-            if asm.stop_hit() {
+            if asm.early_end().is_some() {
                 // Ends generation before the next forward pass.
                 interrupt.store(true, Ordering::Relaxed);
             }
@@ -453,13 +454,13 @@ fn run_plain(
             .saturating_sub(outcome.prefill_duration),
         decode_tokens: outcome.ids.len().saturating_sub(1),
     };
-    let finish = match outcome.stop {
-        _ if asm.stop_hit() => FinishReason::Stop,
-        StopReason::Eos => FinishReason::Stop,
-        StopReason::MaxNew | StopReason::ContextFull => FinishReason::Length,
-        StopReason::Interrupted => {
-            return (interrupted(client_gone, shutdown), timing);
-        }
+    let finish = match (
+        finish_reason(&asm, outcome.stop == StopReason::Eos),
+        outcome.stop,
+    ) {
+        (Some(finish), _) => finish,
+        (None, StopReason::MaxNew | StopReason::ContextFull) => FinishReason::Length,
+        (None, _) => return (interrupted(client_gone, shutdown), timing),
     };
     let completion_tokens = match outcome.stop {
         StopReason::Eos => outcome.ids.len().saturating_sub(1),
@@ -467,6 +468,19 @@ fn run_plain(
     };
     let ending = done(asm, finish, prompt.len(), completion_tokens, send);
     (ending, timing)
+}
+
+/// The finish reason of an answer the assembler ended, or that ended with the model's end
+/// token (`eos`); `None` otherwise (a limit was reached or generation was interrupted).
+/// An answer that ended with at least one tool call finishes with `tool_calls`.
+fn finish_reason(asm: &Assembler<'_>, eos: bool) -> Option<FinishReason> {
+    match asm.early_end() {
+        Some(EarlyEnd::StopSequence | EarlyEnd::ToolsRefused) => Some(FinishReason::Stop),
+        Some(EarlyEnd::CallLimit) => Some(FinishReason::ToolCalls),
+        None if eos && asm.tool_calls() > 0 => Some(FinishReason::ToolCalls),
+        None if eos => Some(FinishReason::Stop),
+        None => None,
+    }
 }
 
 /// The generation failed: the sink's own error if it raised one, else the model's.

@@ -12,6 +12,7 @@ pub mod models;
 mod ops;
 pub mod output;
 pub mod request;
+pub mod response;
 pub mod server;
 mod tokenize;
 

@@ -1,211 +1,89 @@
-//! From generated token ids to the text a client sees.
+//! From generated token ids to what a client sees: reasoning, content and tool calls.
 //!
-//! Chat output is split into channels on **token ids** (docs/K3.md §8.5): a marker is
-//! `<|open|>` or `<|close|>`, ordinary tag tokens, then `<|sep|>`. Text between the generation
-//! prompt's `<|open|>think<|sep|>` and `<|close|>think<|sep|>` is `reasoning_content`; text
-//! between `<|open|>response<|sep|>` and `<|close|>response<|sep|>` is `content`. A user or
-//! model string that spells `<|close|>` is ordinary tokens and stays text.
+//! Chat output is split into channels on **token ids** (docs/K3.md §8.5, docs/SERVER.md
+//! "Responses"): a marker is `<|open|>` or `<|close|>`, ordinary tag tokens, then `<|sep|>`.
+//! Text between the generation prompt's `<|open|>think<|sep|>` and `<|close|>think<|sep|>` is
+//! `reasoning_content`; text between `<|open|>response<|sep|>` and `<|close|>response<|sep|>`
+//! is `content` (with thinking off the answer starts inside the response). A tools block after
+//! the response becomes tool calls (`tools`). A user or model string that spells `<|close|>`
+//! is ordinary tokens and stays text.
 //!
-//! Stop sequences are matched on each channel's decoded text across token boundaries; the
-//! match and everything after it is never emitted, and while streaming only a suffix that
-//! could still become a match is held back (plus incomplete UTF-8 and unfinished markers).
+//! Stop sequences are matched on the content's decoded text across token boundaries (never on
+//! reasoning or tool arguments); the match and everything after it is never emitted, and
+//! while streaming only a suffix that could still become a match is held back (plus
+//! incomplete UTF-8 and unfinished markers).
+//!
+//! Output that does not fit the answer's shape is never dropped: a marker with no meaning
+//! where it stands is text (spelled with its markers), and from the first token after the
+//! response that is neither whitespace nor part of a well-formed tools block, everything up
+//! to `<|close|>message<|sep|>` is content.
 
-use deltafin_k3::text::tokenizer::{
-    CLOSE, END_OF_MSG, EOS, OPEN, SEP, StreamDecoder, Tokenizer, TokenizerError,
-};
+mod channel;
+mod delta;
+#[cfg(test)]
+mod tests;
+mod tools;
+
+pub use delta::*;
+
+use crate::request::{ChatControls, GenRequest, Prompt, ToolMode};
+use channel::ChannelText;
+use deltafin_k3::text::tokenizer::{CLOSE, END_OF_MSG, EOS, OPEN, SEP, Tokenizer, TokenizerError};
 use serde_json::{Map, Value, json};
+use tools::{CallIds, Step, ToolBlock, is_blank};
 
 /// Longest tag (in ordinary tokens) a marker may carry before it is read as text.
 pub const MAX_MARKER_TOKENS: usize = 16;
-
-/// The exact log-probability of one emitted token and its most likely alternatives
-/// (log-softmax of K3's final logits at that position).
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenLogprob {
-    /// The emitted (greedy) token.
-    pub id: u32,
-    /// `logit[id] − logsumexp(logits)`.
-    pub logprob: f64,
-    /// The most likely tokens, descending, ties by lower id.
-    pub top: Vec<(u32, f64)>,
-}
-
-/// A token's log-probability with the character offset of its text in its channel.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenEntry {
-    /// The log-probabilities.
-    pub lp: TokenLogprob,
-    /// Offset (in Unicode scalar values) of the token's text in the channel's text.
-    pub text_offset: usize,
-}
-
-/// A piece of one tool call in the model's output, in the shape of OpenAI's streamed
-/// `tool_calls` deltas: the first piece of a call carries its `id` and `name`, later pieces
-/// append to its `arguments` (a JSON object text, complete once the call has closed).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ToolCallDelta {
-    /// 0-based position of the call in this answer.
-    pub index: usize,
-    /// The call id (first piece only).
-    pub id: Option<String>,
-    /// The function name (first piece only).
-    pub name: Option<String>,
-    /// More of the arguments' JSON text.
-    pub arguments: String,
-}
-
-/// Newly releasable output.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Delta {
-    /// Reasoning text (chat only).
-    pub reasoning: String,
-    /// Content text (the completion text on `/v1/completions`).
-    pub content: String,
-    /// Log-probabilities of the reasoning tokens whose text starts in `reasoning`.
-    pub reasoning_logprobs: Vec<TokenEntry>,
-    /// Log-probabilities of the content tokens whose text starts in `content`.
-    pub content_logprobs: Vec<TokenEntry>,
-    /// Tool-call pieces, in order (chat only).
-    pub tool_calls: Vec<ToolCallDelta>,
-}
-
-impl Delta {
-    /// Whether there is nothing to send.
-    pub fn is_empty(&self) -> bool {
-        self.reasoning.is_empty()
-            && self.content.is_empty()
-            && self.reasoning_logprobs.is_empty()
-            && self.content_logprobs.is_empty()
-            && self.tool_calls.is_empty()
-    }
-
-    /// Appends `other`.
-    pub fn extend(&mut self, other: Delta) {
-        self.reasoning.push_str(&other.reasoning);
-        self.content.push_str(&other.content);
-        self.reasoning_logprobs.extend(other.reasoning_logprobs);
-        self.content_logprobs.extend(other.content_logprobs);
-        self.tool_calls.extend(other.tool_calls);
-    }
-}
-
-struct Record {
-    entry: Option<TokenEntry>,
-    start_byte: usize,
-}
-
-/// The decoded text of one channel and what of it has been released.
-#[derive(Default)]
-struct ChannelText {
-    decoder: StreamDecoder,
-    text: String,
-    chars: usize,
-    released: usize,
-    records: Vec<Record>,
-    closed: bool,
-}
-
-impl ChannelText {
-    /// Appends `piece`; returns true if a stop sequence now matches (the text is cut there).
-    fn append(&mut self, piece: &str, lp: Option<TokenLogprob>, stops: &[String]) -> bool {
-        self.records.push(Record {
-            entry: lp.map(|lp| TokenEntry {
-                lp,
-                text_offset: self.chars,
-            }),
-            start_byte: self.text.len(),
-        });
-        self.text.push_str(piece);
-        self.chars += piece.chars().count();
-        self.check_stops(stops)
-    }
-
-    fn push(
-        &mut self,
-        tok: &Tokenizer,
-        id: u32,
-        lp: Option<TokenLogprob>,
-        stops: &[String],
-    ) -> Result<bool, TokenizerError> {
-        let piece = self.decoder.push(tok, id)?;
-        Ok(self.append(&piece, lp, stops))
-    }
-
-    /// A match can only start in the unreleased tail (a possible prefix is held back).
-    fn check_stops(&mut self, stops: &[String]) -> bool {
-        let tail = &self.text[self.released..];
-        let hit = stops.iter().filter_map(|s| tail.find(s.as_str())).min();
-        let Some(pos) = hit else { return false };
-        let cut = self.released + pos;
-        self.text.truncate(cut);
-        self.chars = self.text.chars().count();
-        self.records.retain(|r| r.start_byte < cut);
-        self.closed = true;
-        true
-    }
-
-    /// Flushes the decoder: no more tokens will come to this channel.
-    fn close(&mut self, stops: &[String]) -> bool {
-        if self.closed {
-            return false;
-        }
-        self.closed = true;
-        let tail = std::mem::take(&mut self.decoder).finish();
-        if tail.is_empty() {
-            return false;
-        }
-        self.text.push_str(&tail);
-        self.chars += tail.chars().count();
-        self.check_stops(stops)
-    }
-
-    /// Where released text may end: before the longest suffix that is a proper prefix of a
-    /// stop sequence (nothing is held back once the channel is closed).
-    fn release_point(&self, stops: &[String]) -> usize {
-        if self.closed || stops.is_empty() {
-            return self.text.len();
-        }
-        let longest = stops.iter().map(String::len).max().unwrap_or(0);
-        let from = self
-            .text
-            .len()
-            .saturating_sub(longest.saturating_sub(1))
-            .max(self.released);
-        (from..self.text.len())
-            .filter(|&q| self.text.is_char_boundary(q))
-            .find(|&q| {
-                let suffix = &self.text[q..];
-                stops
-                    .iter()
-                    .any(|s| s.len() > suffix.len() && s.starts_with(suffix))
-            })
-            .unwrap_or(self.text.len())
-    }
-
-    fn release(&mut self, stops: &[String]) -> (String, Vec<TokenEntry>) {
-        let q = self.release_point(stops);
-        let text = self.text[self.released..q].to_string();
-        self.released = q;
-        let n = if self.closed {
-            self.records.len()
-        } else {
-            self.records.partition_point(|r| r.start_byte < q)
-        };
-        let entries = self.records.drain(..n).filter_map(|r| r.entry).collect();
-        (text, entries)
-    }
-}
+/// The same inside a tools block, where a tag carries a tool name or an argument key.
+pub const MAX_TOOL_MARKER_TOKENS: usize = 256;
 
 /// Where the chat output is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
+    /// The thinking channel.
     Reasoning,
+    /// After `<|close|>think<|sep|>`, before `<|open|>response<|sep|>`.
     BeforeResponse,
+    /// The response channel.
     Content,
+    /// After `<|close|>response<|sep|>`: a tools block or the end of the message may follow.
+    Epilogue,
+    /// Inside the tools block.
+    Tools,
+    /// After `<|close|>tools<|sep|>`.
+    AfterTools,
+    /// After `<|close|>message<|sep|>`.
     After,
+    /// Output that does not fit the answer's shape: every token is content.
+    Raw,
 }
 
-/// Turns generated ids into released text, channel by channel.
+/// Whether an answer's tools block becomes tool calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolOutput {
+    /// No tools were declared, or `tool_choice` is `none`: a tools block ends the answer
+    /// where it opens (the response before it is complete).
+    Refused,
+    /// Calls are returned; with `single` (`parallel_tool_calls: false`) the answer ends when
+    /// the first call closes.
+    Allowed {
+        /// At most one call.
+        single: bool,
+    },
+}
+
+/// Why an answer ended before the model ended its message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EarlyEnd {
+    /// A stop sequence matched in the content.
+    StopSequence,
+    /// The one call `parallel_tool_calls: false` allows closed.
+    CallLimit,
+    /// A tools block opened although no calls may be returned ([`ToolOutput::Refused`]).
+    ToolsRefused,
+}
+
+/// Turns generated ids into released text and tool calls, channel by channel.
 pub struct Assembler<'t> {
     tok: &'t Tokenizer,
     chat: bool,
@@ -214,13 +92,17 @@ pub struct Assembler<'t> {
     reasoning: ChannelText,
     content: ChannelText,
     stops: Vec<String>,
-    stop_hit: bool,
+    early: Option<EarlyEnd>,
     reasoning_tokens: usize,
+    tools: ToolOutput,
+    block: Option<ToolBlock>,
+    call_ids: CallIds,
+    calls: Vec<ToolCallDelta>,
 }
 
 impl<'t> Assembler<'t> {
-    /// An assembler for chat output (after a thinking generation prompt) or raw completion
-    /// output.
+    /// An assembler for raw completion output, or for chat output after a thinking
+    /// generation prompt with no tools.
     pub fn new(tok: &'t Tokenizer, chat: bool, stops: Vec<String>) -> Self {
         Assembler {
             tok,
@@ -234,23 +116,54 @@ impl<'t> Assembler<'t> {
             reasoning: ChannelText::default(),
             content: ChannelText::default(),
             stops,
-            stop_hit: false,
+            early: None,
             reasoning_tokens: 0,
+            tools: ToolOutput::Refused,
+            block: None,
+            call_ids: CallIds::new(),
+            calls: Vec::new(),
         }
     }
 
-    /// Chat output after a generation prompt that opened `response` (thinking off): the
-    /// first tokens are content, and no token counts as reasoning.
-    pub fn after_response_prompt(mut self) -> Self {
-        if self.chat {
-            self.phase = Phase::Content;
+    /// An assembler for chat output rendered with `controls`: thinking on or off (the
+    /// generation prompt opened `think` or `response`), and whether tool calls are returned.
+    pub fn for_chat(tok: &'t Tokenizer, controls: &ChatControls, stops: Vec<String>) -> Self {
+        let mut a = Assembler::new(tok, true, stops);
+        if !controls.thinking {
+            a.phase = Phase::Content;
         }
-        self
+        a.tools = if controls.tools.is_empty() || controls.tool_mode == ToolMode::None {
+            ToolOutput::Refused
+        } else {
+            ToolOutput::Allowed {
+                single: !controls.parallel_tool_calls,
+            }
+        };
+        a
     }
 
-    /// Whether a stop sequence matched (generation must end).
+    /// The assembler `req` needs (raw or chat, its controls, its stop sequences).
+    pub fn for_request(tok: &'t Tokenizer, req: &GenRequest) -> Self {
+        match &req.prompt {
+            Prompt::Raw(_) => Assembler::new(tok, false, req.stop.clone()),
+            Prompt::Chat { controls, .. } => Assembler::for_chat(tok, controls, req.stop.clone()),
+        }
+    }
+
+    /// Whether a stop sequence matched.
     pub fn stop_hit(&self) -> bool {
-        self.stop_hit
+        self.early == Some(EarlyEnd::StopSequence)
+    }
+
+    /// Whether generation must end now (a stop sequence, the call limit, a refused tools
+    /// block), and why.
+    pub fn early_end(&self) -> Option<EarlyEnd> {
+        self.early
+    }
+
+    /// Tool calls begun so far.
+    pub fn tool_calls(&self) -> usize {
+        self.block.as_ref().map_or(0, ToolBlock::calls)
     }
 
     /// Generated tokens up to and including the marker that closes the thinking channel.
@@ -258,23 +171,71 @@ impl<'t> Assembler<'t> {
         self.reasoning_tokens
     }
 
-    fn channel(&mut self) -> Option<&mut ChannelText> {
+    fn push_reasoning(&mut self, id: u32, lp: Option<TokenLogprob>) -> Result<(), TokenizerError> {
+        self.reasoning.push(self.tok, id, lp, &[])?;
+        Ok(())
+    }
+
+    fn push_content(&mut self, id: u32, lp: Option<TokenLogprob>) -> Result<(), TokenizerError> {
+        if self.content.push(self.tok, id, lp, &self.stops)? {
+            self.early = Some(EarlyEnd::StopSequence);
+        }
+        Ok(())
+    }
+
+    /// From here on every token is content (see the module comment).
+    fn enter_raw(&mut self) {
+        if self.phase == Phase::Tools
+            && let Some(block) = self.block.as_mut()
+        {
+            block.abandon(&mut self.calls);
+        }
+        self.close_reasoning();
+        self.content.reopen();
+        self.phase = Phase::Raw;
+    }
+
+    /// One ordinary token.
+    fn text_token(&mut self, id: u32, lp: Option<TokenLogprob>) -> Result<(), TokenizerError> {
         match self.phase {
-            Phase::Reasoning => Some(&mut self.reasoning),
-            Phase::Content => Some(&mut self.content),
-            Phase::BeforeResponse | Phase::After => None,
+            Phase::Reasoning => self.push_reasoning(id, lp),
+            Phase::Content | Phase::Raw => self.push_content(id, lp),
+            _ if is_blank(self.tok, id) && self.phase != Phase::Tools => Ok(()),
+            // Text without the response marker: the response began implicitly.
+            Phase::BeforeResponse => {
+                self.close_reasoning();
+                self.phase = Phase::Content;
+                self.push_content(id, lp)
+            }
+            Phase::Tools => {
+                let Some(block) = self.block.as_mut() else {
+                    return Ok(());
+                };
+                if block.text(self.tok, id, &mut self.calls)? == Step::Broken {
+                    self.enter_raw();
+                    self.push_content(id, lp)?;
+                }
+                Ok(())
+            }
+            Phase::Epilogue | Phase::AfterTools | Phase::After => {
+                self.enter_raw();
+                self.push_content(id, lp)
+            }
         }
     }
 
-    fn text_token(&mut self, id: u32, lp: Option<TokenLogprob>) -> Result<(), TokenizerError> {
-        let stops = std::mem::take(&mut self.stops);
-        let tok = self.tok;
-        let hit = match self.channel() {
-            Some(ch) => ch.push(tok, id, lp, &stops)?,
-            None => false,
-        };
-        self.stops = stops;
-        self.stop_hit |= hit;
+    /// A marker's tokens as text of the current channel, markers spelled.
+    fn spell(&mut self, marker: Vec<(u32, Option<TokenLogprob>)>) -> Result<(), TokenizerError> {
+        for (id, lp) in marker {
+            if self.early.is_some() {
+                break;
+            }
+            if self.phase == Phase::Reasoning {
+                self.push_reasoning(id, lp)?;
+            } else {
+                self.push_content(id, lp)?;
+            }
+        }
         Ok(())
     }
 
@@ -282,7 +243,7 @@ impl<'t> Assembler<'t> {
     fn flush_marker(&mut self) -> Result<(), TokenizerError> {
         let pending = std::mem::take(&mut self.marker);
         for (id, lp) in pending.into_iter().skip(1) {
-            if self.stop_hit {
+            if self.early.is_some() {
                 break;
             }
             self.text_token(id, lp)?;
@@ -290,44 +251,108 @@ impl<'t> Assembler<'t> {
         Ok(())
     }
 
-    fn close_channel(&mut self, reasoning: bool) {
-        let stops = std::mem::take(&mut self.stops);
-        let ch = if reasoning {
-            &mut self.reasoning
-        } else {
-            &mut self.content
-        };
-        self.stop_hit |= ch.close(&stops);
-        self.stops = stops;
+    fn close_reasoning(&mut self) {
+        self.reasoning.close(&[]);
+    }
+
+    fn close_content(&mut self) {
+        if self.content.close(&self.stops) {
+            self.early = Some(EarlyEnd::StopSequence);
+        }
+    }
+
+    fn close_channels(&mut self) {
+        self.close_reasoning();
+        self.close_content();
     }
 
     fn complete_marker(&mut self) -> Result<(), TokenizerError> {
-        let ids: Vec<u32> = self.marker[1..].iter().map(|(id, _)| *id).collect();
-        let opening = self.marker[0].0 == OPEN;
-        self.marker.clear();
+        let marker = std::mem::take(&mut self.marker);
+        let ids: Vec<u32> = marker[1..marker.len() - 1]
+            .iter()
+            .map(|(id, _)| *id)
+            .collect();
+        let opening = marker[0].0 == OPEN;
         let tag = self.tok.decode(&ids)?;
-        match (opening, tag.as_str(), self.phase) {
-            (false, "think", Phase::Reasoning) => {
-                self.close_channel(true);
-                self.phase = Phase::BeforeResponse;
-            }
-            (true, "response", Phase::Reasoning | Phase::BeforeResponse) => {
-                self.close_channel(true);
-                self.phase = Phase::Content;
-            }
-            (false, "response", Phase::Content) | (true, "tools", _) | (false, "message", _) => {
-                self.close_channel(true);
-                self.close_channel(false);
+        let end_of_message = !opening && tag == "message";
+        match self.phase {
+            Phase::Raw if end_of_message => {
+                self.close_content();
                 self.phase = Phase::After;
             }
-            _ => {}
+            Phase::Raw => self.spell(marker)?,
+            Phase::Tools if end_of_message => {
+                // The block ends with the message: a call in progress keeps what it has.
+                if let Some(block) = self.block.as_mut() {
+                    block.abandon(&mut self.calls);
+                }
+                self.phase = Phase::After;
+            }
+            Phase::Tools => {
+                let Some(block) = self.block.as_mut() else {
+                    return Ok(());
+                };
+                match block.marker(opening, &tag, &self.call_ids, &mut self.calls) {
+                    Step::Continue => {}
+                    Step::CallClosed => {
+                        if self.tools == (ToolOutput::Allowed { single: true }) {
+                            self.early = Some(EarlyEnd::CallLimit);
+                        }
+                    }
+                    Step::Closed => self.phase = Phase::AfterTools,
+                    Step::Broken => {
+                        self.enter_raw();
+                        self.spell(marker)?;
+                    }
+                }
+            }
+            phase => match (opening, tag.as_str(), phase) {
+                (false, "think", Phase::Reasoning) => {
+                    self.close_reasoning();
+                    self.phase = Phase::BeforeResponse;
+                }
+                (true, "response", Phase::Reasoning | Phase::BeforeResponse) => {
+                    self.close_reasoning();
+                    self.phase = Phase::Content;
+                }
+                (false, "response", Phase::Content) => {
+                    self.close_content();
+                    self.phase = Phase::Epilogue;
+                }
+                (
+                    true,
+                    "tools",
+                    Phase::Reasoning | Phase::BeforeResponse | Phase::Content | Phase::Epilogue,
+                ) => {
+                    self.close_channels();
+                    match self.tools {
+                        ToolOutput::Refused => {
+                            self.early.get_or_insert(EarlyEnd::ToolsRefused);
+                            self.phase = Phase::After;
+                        }
+                        ToolOutput::Allowed { .. } => {
+                            self.block = Some(ToolBlock::new());
+                            self.phase = Phase::Tools;
+                        }
+                    }
+                }
+                (false, "message", _) => {
+                    self.close_channels();
+                    self.phase = Phase::After;
+                }
+                (_, _, Phase::Reasoning | Phase::Content) => self.spell(marker)?,
+                _ => {
+                    self.enter_raw();
+                    self.spell(marker)?;
+                }
+            },
         }
         Ok(())
     }
 
     /// Takes one generated token (with its log-probabilities when requested).
     pub fn push(&mut self, id: u32, lp: Option<TokenLogprob>) -> Result<Delta, TokenizerError> {
-        if self.stop_hit {
+        if self.early.is_some() {
             return Ok(Delta::default());
         }
         if !self.chat {
@@ -340,17 +365,23 @@ impl<'t> Assembler<'t> {
         if self.phase == Phase::Reasoning {
             self.reasoning_tokens += 1;
         }
+        let limit = if self.phase == Phase::Tools {
+            MAX_TOOL_MARKER_TOKENS
+        } else {
+            MAX_MARKER_TOKENS
+        };
         if !self.marker.is_empty() {
             if id == SEP {
+                self.marker.push((id, lp));
                 self.complete_marker()?;
             } else if self.tok.is_special(id) {
                 self.flush_marker()?;
-                if id == OPEN || id == CLOSE {
+                if (id == OPEN || id == CLOSE) && self.early.is_none() {
                     self.marker.push((id, lp));
                 }
             } else {
                 self.marker.push((id, lp));
-                if self.marker.len() > MAX_MARKER_TOKENS {
+                if self.marker.len() > limit {
                     self.flush_marker()?;
                 }
             }
@@ -362,16 +393,19 @@ impl<'t> Assembler<'t> {
         Ok(self.release())
     }
 
-    /// Generation ended: flushes unfinished markers and incomplete UTF-8, releases the rest.
+    /// Generation ended: flushes unfinished markers, a cut-off tool call and incomplete
+    /// UTF-8, and releases the rest.
     pub fn finish(&mut self) -> Result<Delta, TokenizerError> {
-        if !self.stop_hit && !self.marker.is_empty() {
+        if self.early.is_none() && !self.marker.is_empty() {
             self.flush_marker()?;
         }
-        if !self.stop_hit {
-            self.close_channel(true);
+        if self.phase == Phase::Tools
+            && let Some(block) = self.block.as_mut()
+        {
+            block.abandon(&mut self.calls);
         }
-        if !self.stop_hit {
-            self.close_channel(false);
+        if self.early.is_none() {
+            self.close_channels();
         }
         self.reasoning.closed = true;
         self.content.closed = true;
@@ -379,18 +413,18 @@ impl<'t> Assembler<'t> {
     }
 
     fn release(&mut self) -> Delta {
-        if self.stop_hit {
+        if self.early.is_some() {
             self.reasoning.closed = true;
             self.content.closed = true;
         }
-        let (reasoning, reasoning_logprobs) = self.reasoning.release(&self.stops);
+        let (reasoning, reasoning_logprobs) = self.reasoning.release(&[]);
         let (content, content_logprobs) = self.content.release(&self.stops);
         Delta {
             reasoning,
             content,
             reasoning_logprobs,
             content_logprobs,
-            tool_calls: Vec::new(),
+            tool_calls: std::mem::take(&mut self.calls),
         }
     }
 }
@@ -450,178 +484,4 @@ pub fn completions_logprobs(tok: &Tokenizer, entries: &[TokenEntry]) -> Value {
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::path::Path;
-
-    fn kimi() -> Tokenizer {
-        let dir = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/kimi"));
-        Tokenizer::from_dir(dir).expect("load assets/kimi tokenizer")
-    }
-
-    fn run(tok: &Tokenizer, chat: bool, stops: &[&str], ids: &[u32]) -> (Vec<Delta>, Delta, bool) {
-        let mut a = Assembler::new(tok, chat, stops.iter().map(|s| s.to_string()).collect());
-        let mut deltas = Vec::new();
-        for (i, &id) in ids.iter().enumerate() {
-            let lp = TokenLogprob {
-                id,
-                logprob: -(i as f64),
-                top: vec![],
-            };
-            deltas.push(a.push(id, Some(lp)).unwrap());
-            if a.stop_hit() {
-                break;
-            }
-        }
-        deltas.push(a.finish().unwrap());
-        let mut all = Delta::default();
-        for d in &deltas {
-            all.extend(d.clone());
-        }
-        (deltas, all, a.stop_hit())
-    }
-
-    fn marker(tok: &Tokenizer, open: bool, tag: &str) -> Vec<u32> {
-        let mut v = vec![if open { OPEN } else { CLOSE }];
-        v.extend(tok.encode_ordinary(tag));
-        v.push(SEP);
-        v
-    }
-
-    #[test]
-    fn chat_channels_split_on_ids() {
-        let tok = kimi();
-        let mut ids = tok.encode_ordinary("Let me think <|close|>think<|sep|> hard.");
-        ids.extend(marker(&tok, false, "think"));
-        ids.extend(marker(&tok, true, "response"));
-        ids.extend(tok.encode_ordinary("Paris."));
-        ids.extend(marker(&tok, false, "response"));
-        ids.extend(marker(&tok, false, "message"));
-        ids.push(END_OF_MSG);
-        let (_, all, stopped) = run(&tok, true, &[], &ids);
-        assert!(!stopped);
-        assert_eq!(all.reasoning, "Let me think <|close|>think<|sep|> hard.");
-        assert_eq!(all.content, "Paris.");
-        let n_reason = tok
-            .encode_ordinary("Let me think <|close|>think<|sep|> hard.")
-            .len();
-        assert_eq!(all.reasoning_logprobs.len(), n_reason);
-        assert_eq!(
-            all.content_logprobs.len(),
-            tok.encode_ordinary("Paris.").len()
-        );
-        // Offsets are character positions in the channel text.
-        assert_eq!(all.content_logprobs[0].text_offset, 0);
-    }
-
-    #[test]
-    fn without_thinking_the_output_starts_as_content() {
-        let tok = kimi();
-        let mut ids = tok.encode_ordinary("Paris.");
-        ids.extend(marker(&tok, false, "response"));
-        ids.extend(marker(&tok, false, "message"));
-        ids.push(END_OF_MSG);
-        let mut a = Assembler::new(&tok, true, vec![]).after_response_prompt();
-        let mut all = Delta::default();
-        for &id in &ids {
-            all.extend(a.push(id, None).unwrap());
-        }
-        all.extend(a.finish().unwrap());
-        assert_eq!(all.content, "Paris.");
-        assert_eq!(all.reasoning, "");
-        assert_eq!(a.reasoning_tokens(), 0);
-        // Raw completions have no channels to start in.
-        let mut raw = Assembler::new(&tok, false, vec![]).after_response_prompt();
-        let d = raw.push(tok.encode_ordinary("x")[0], None).unwrap();
-        assert_eq!(d.content, "x");
-    }
-
-    #[test]
-    fn overlong_marker_is_text_and_specials_are_not() {
-        let tok = kimi();
-        let mut ids = vec![CLOSE];
-        let words = tok.encode_ordinary(&"x ".repeat(MAX_MARKER_TOKENS + 4));
-        ids.extend(&words);
-        ids.push(EOS);
-        let (_, all, _) = run(&tok, true, &[], &ids);
-        assert_eq!(all.reasoning, tok.decode(&words).unwrap());
-        assert_eq!(all.reasoning_logprobs.len(), words.len());
-    }
-
-    #[test]
-    fn unfinished_marker_is_text() {
-        let tok = kimi();
-        let mut ids = tok.encode_ordinary("a");
-        ids.push(OPEN);
-        ids.extend(tok.encode_ordinary("b"));
-        let (_, all, _) = run(&tok, true, &[], &ids);
-        assert_eq!(all.reasoning, "ab");
-        assert!(all.content.is_empty());
-    }
-
-    #[test]
-    fn stop_across_token_boundaries_is_trimmed_and_held_back() {
-        let tok = kimi();
-        let text = "hello world, goodbye world";
-        let ids: Vec<u32> = tok.encode_ordinary(text);
-        let (deltas, all, stopped) = run(&tok, false, &["o w"], &ids);
-        assert!(stopped);
-        assert_eq!(all.content, "hell");
-        // Nothing of the match was ever released.
-        assert!(deltas.iter().all(|d| !d.content.contains('o')));
-        let (_, all, stopped) = run(&tok, false, &["xyz"], &ids);
-        assert!(!stopped);
-        assert_eq!(all.content, text);
-        // Raw completions drop the terminal stop id.
-        let mut with_eos = ids.clone();
-        with_eos.push(EOS);
-        assert_eq!(run(&tok, false, &[], &with_eos).1.content, text);
-    }
-
-    #[test]
-    fn earliest_match_wins_and_logprobs_stop_with_the_text() {
-        let tok = kimi();
-        let ids: Vec<u32> = "abcdef"
-            .bytes()
-            .map(|b| tok.encode_ordinary(&(b as char).to_string())[0])
-            .collect();
-        let (_, all, stopped) = run(&tok, false, &["cd", "bcdx", "e"], &ids);
-        assert!(stopped);
-        assert_eq!(all.content, "ab");
-        assert_eq!(all.content_logprobs.len(), 2);
-        // Streaming holds back only a possible prefix: "b" may start "bcdx".
-        let (deltas, _, _) = run(&tok, false, &["bcdx"], &ids);
-        assert_eq!(deltas[0].content, "a");
-        assert_eq!(deltas[1].content, "");
-        assert_eq!(deltas[3].content, "");
-        assert_eq!(deltas[4].content, "bcde");
-    }
-
-    #[test]
-    fn incomplete_utf8_is_held_back() {
-        let tok = kimi();
-        // Find a token that is an incomplete UTF-8 prefix.
-        let id = (0..tok.num_ranks())
-            .find(|&i| {
-                let b = tok.token_bytes(i).unwrap();
-                b.len() == 1 && b[0] >= 0xE0 && b[0] < 0xF0
-            })
-            .unwrap();
-        let (deltas, all, _) = run(&tok, false, &[], &[id]);
-        assert_eq!(deltas[0].content, "");
-        assert_eq!(all.content, "\u{FFFD}");
-    }
-
-    #[test]
-    fn stop_in_reasoning_channel() {
-        let tok = kimi();
-        let ids = tok.encode_ordinary("one two three");
-        let (_, all, stopped) = run(&tok, true, &[" two"], &ids);
-        assert!(stopped);
-        assert_eq!(all.reasoning, "one");
-        assert_eq!(all.content, "");
-    }
 }

@@ -4,8 +4,14 @@
 //! exactly what it asks for, or refused with a 400 naming it. `docs/SERVER.md` lists the rule
 //! for each field; the messages follow the product contract §3.3–§3.4.
 
+mod tools;
+
+pub use tools::{MAX_TOOL_NAME_CHARS, ToolMode, valid_tool_name};
+
 use crate::error::ApiError;
-use deltafin_k3::text::chat::{ChatMessage, ReasoningEffort, ResponseFormat, Thinking};
+use deltafin_k3::text::chat::{
+    ChatMessage, ReasoningEffort, ResponseFormat, THINKING_SPELLINGS, Thinking,
+};
 use serde_json::{Map, Value};
 
 /// Which endpoint a request came to.
@@ -39,20 +45,6 @@ pub enum Prompt {
         /// Thinking, tools and output format.
         controls: ChatControls,
     },
-}
-
-/// `tool_choice`, as the client asked it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum ToolMode {
-    /// `auto` (the default when tools are declared): the model decides.
-    #[default]
-    Auto,
-    /// `none`: the model must not call tools.
-    None,
-    /// `required`: the model must call at least one tool.
-    Required,
-    /// `{"type":"function","function":{"name":…}}`: the model must call this tool.
-    Named(String),
 }
 
 /// How a chat request controls its answer beyond the messages: thinking, tools and the
@@ -525,25 +517,7 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
         is_text,
         "only `response_format: {\"type\":\"text\"}` is implemented; structured output (json_object, json_schema) is refused rather than ignored",
     )?;
-    require(
-        get("tools"),
-        "tools",
-        |v| v.as_array().is_some_and(Vec::is_empty),
-        "tool calling is not implemented by native Deltafin; `tools` must be absent, null or []",
-    )?;
-    require(
-        get("tool_choice"),
-        "tool_choice",
-        |v| v == "none",
-        "`tool_choice` must be absent, null or \"none\": tool calling is not implemented",
-    )?;
-    let parallel = "`parallel_tool_calls` must be a boolean";
-    require(
-        get("parallel_tool_calls"),
-        "parallel_tool_calls",
-        Value::is_boolean,
-        parallel,
-    )?;
+    let tool_fields = tools::parse_tool_fields(obj)?;
     require(
         get("modalities"),
         "modalities",
@@ -562,11 +536,19 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
     }
     let thinking = match get("reasoning_effort") {
         None => limits.default_thinking,
-        Some(Value::String(s)) => Thinking::On(parse_effort(s)?),
+        Some(Value::String(s)) => Thinking::parse(s).map_err(|e| {
+            ApiError::invalid_param(
+                "reasoning_effort",
+                format!(
+                    "`reasoning_effort` must be one of {THINKING_SPELLINGS}, not {:?}",
+                    e.value
+                ),
+            )
+        })?,
         Some(_) => {
             return Err(ApiError::invalid_param(
                 "reasoning_effort",
-                "`reasoning_effort` must be a JSON string: `low`, `medium`, `high`, or `max`",
+                format!("`reasoning_effort` must be a JSON string: one of {THINKING_SPELLINGS}"),
             ));
         }
     };
@@ -585,24 +567,15 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
     }
     Ok(Prompt::Chat {
         messages: parsed,
-        controls: ChatControls::with_thinking(thinking),
+        controls: ChatControls {
+            thinking: thinking.is_on(),
+            effort: thinking.effort().unwrap_or(ReasoningEffort::Max),
+            tools: tool_fields.tools,
+            tool_mode: tool_fields.mode,
+            parallel_tool_calls: tool_fields.parallel,
+            ..ChatControls::with_effort(ReasoningEffort::Max)
+        },
     })
-}
-
-/// OpenAI's `reasoning_effort` onto the template's four levels: `minimal` → `low`.
-fn parse_effort(raw: &str) -> Result<ReasoningEffort, ApiError> {
-    match raw.trim().to_ascii_lowercase().as_str() {
-        "minimal" | "low" => Ok(ReasoningEffort::Low),
-        "medium" => Ok(ReasoningEffort::Medium),
-        "high" => Ok(ReasoningEffort::High),
-        "max" => Ok(ReasoningEffort::Max),
-        _ => Err(ApiError::invalid_param(
-            "reasoning_effort",
-            format!(
-                "`reasoning_effort` must be `minimal`, `low`, `medium`, `high`, or `max`, not {raw:?}"
-            ),
-        )),
-    }
 }
 
 const MULTIMODAL: &str = "native Deltafin production inference is text-only; image and other multimodal chat content require the K3 vision/projector path, which is not implemented";
@@ -835,30 +808,35 @@ mod tests {
                 .is_ok()
         );
         let e = chat(json!({"tools": [{"type": "function"}]})).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("tools"));
+        assert_eq!(e.param.as_deref(), Some("tools[0].function"));
         assert!(chat(json!({"response_format": {"type": "json_object"}})).is_err());
         let r = chat(json!({"reasoning_effort": " High "})).unwrap();
         assert!(matches!(
             r.prompt,
             Prompt::Chat {
                 controls: ChatControls {
+                    thinking: true,
                     effort: ReasoningEffort::High,
                     ..
                 },
                 ..
             }
         ));
-        let r = chat(json!({"reasoning_effort": "minimal"})).unwrap();
-        assert!(matches!(
-            r.prompt,
-            Prompt::Chat {
-                controls: ChatControls {
-                    effort: ReasoningEffort::Low,
-                    ..
-                },
-                ..
-            }
-        ));
+        // `none`, `off` and `minimal` turn thinking off (the template has no level below low).
+        for off in ["none", "OFF", "minimal"] {
+            let r = chat(json!({"reasoning_effort": off})).unwrap();
+            let Prompt::Chat { controls, .. } = r.prompt else {
+                panic!()
+            };
+            assert!(!controls.thinking, "{off}");
+            assert_eq!(controls.effort, ReasoningEffort::Max);
+        }
+        let e = chat(json!({"reasoning_effort": "extreme"})).unwrap_err();
+        assert!(
+            e.message
+                .contains("`none`, `off`, `minimal` (thinking off), `low`"),
+            "{e}"
+        );
         assert!(chat(json!({"reasoning_effort": "extreme"})).is_err());
         assert!(
             chat(json!({"reasoning_effort": 3}))

@@ -3,12 +3,13 @@
 //! and the counters of `/metrics`.
 
 use crate::conn::{CancelOnDrop, ClientConn, ClientLeft, abandoned, unless_gone};
-use crate::engine::{Ending, Engine, FinishReason, GenEvent, Usage, run_generation_timed};
+use crate::engine::{Ending, Engine, GenEvent, run_generation_timed};
 use crate::error::{ApiError, json_response};
-use crate::metrics::{CLIENT_CLOSED, GenSummary, Metrics, RequestLog, Snapshot};
+use crate::metrics::{CLIENT_CLOSED, Metrics, RequestLog, Snapshot};
 use crate::ops::{self, TokenizerOp, read_body};
-use crate::output::{Delta, chat_logprob_entries, completions_logprobs};
+use crate::output::Delta;
 use crate::request::{self, Limits, Surface};
+use crate::response::Shape;
 use crate::{MODEL_ID, ServerConfig, models};
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -542,137 +543,6 @@ async fn generate(
         match unless_gone(&conn, collect_response(shape, rx, guard)).await {
             Some(r) => r,
             None => Ok(abandoned()),
-        }
-    }
-}
-
-/// What every response frame needs.
-struct Shape {
-    surface: Surface,
-    id: String,
-    /// The request's log line, which this shape's end fills in.
-    log: RequestLog,
-    created: u64,
-    engine: Arc<Engine>,
-    logprobs: bool,
-    include_usage: bool,
-}
-
-impl Shape {
-    /// Records how the generation ended on the request's log line.
-    fn ended(&self, finish: Option<(FinishReason, &Usage)>) {
-        self.log.set_summary(match finish {
-            Some((f, u)) => GenSummary {
-                tokens: Some((u.prompt_tokens, u.completion_tokens)),
-                finish: f.as_str(),
-            },
-            None => GenSummary {
-                tokens: None,
-                finish: "error",
-            },
-        });
-    }
-
-    fn usage(&self, u: &Usage) -> Value {
-        let mut v = json!({
-            "prompt_tokens": u.prompt_tokens,
-            "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-        });
-        if self.surface == Surface::Chat {
-            v["completion_tokens_details"] = json!({"reasoning_tokens": u.reasoning_tokens});
-        }
-        v
-    }
-
-    fn chat_logprobs(&self, d: &Delta, reasoning: bool, content: bool) -> Value {
-        if !self.logprobs {
-            return Value::Null;
-        }
-        let tok = &self.engine.tokenizer;
-        let mut v = json!({
-            "content": if content { chat_logprob_entries(tok, &d.content_logprobs) } else { Value::Null },
-            "refusal": null,
-        });
-        if reasoning {
-            v["reasoning_content"] = chat_logprob_entries(tok, &d.reasoning_logprobs);
-        }
-        v
-    }
-
-    fn completions_logprobs(&self, d: &Delta) -> Value {
-        if self.logprobs {
-            completions_logprobs(&self.engine.tokenizer, &d.content_logprobs)
-        } else {
-            Value::Null
-        }
-    }
-
-    fn full(&self, d: &Delta, finish: FinishReason, usage: &Usage) -> Value {
-        match self.surface {
-            Surface::Completions => json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": MODEL_ID,
-                "choices": [{"index": 0, "text": d.content, "logprobs": self.completions_logprobs(d),
-                             "finish_reason": finish.as_str()}],
-                "usage": self.usage(usage),
-            }),
-            Surface::Chat => json!({
-                "id": self.id, "object": "chat.completion", "created": self.created, "model": MODEL_ID,
-                "choices": [{"index": 0,
-                             "message": {"role": "assistant", "content": d.content, "reasoning_content": d.reasoning},
-                             "logprobs": self.chat_logprobs(d, true, true),
-                             "finish_reason": finish.as_str()}],
-                "usage": self.usage(usage),
-            }),
-        }
-    }
-
-    fn chunk(&self, choice: Value) -> Value {
-        let object = match self.surface {
-            Surface::Completions => "text_completion",
-            Surface::Chat => "chat.completion.chunk",
-        };
-        let mut v = json!({
-            "id": self.id, "object": object, "created": self.created, "model": MODEL_ID,
-            "choices": [choice],
-        });
-        if self.include_usage {
-            v["usage"] = Value::Null;
-        }
-        v
-    }
-
-    /// The frames of one delta: chat sends reasoning and content as separate frames.
-    fn delta_frames(&self, d: &Delta, out: &mut VecDeque<Value>) {
-        match self.surface {
-            Surface::Completions => out.push_back(self.chunk(json!({
-                "index": 0, "text": d.content, "logprobs": self.completions_logprobs(d), "finish_reason": null,
-            }))),
-            Surface::Chat => {
-                if !d.reasoning.is_empty() || !d.reasoning_logprobs.is_empty() {
-                    out.push_back(self.chunk(json!({
-                        "index": 0, "delta": {"reasoning_content": d.reasoning},
-                        "logprobs": self.chat_logprobs(d, true, false), "finish_reason": null,
-                    })));
-                }
-                if !d.content.is_empty() || !d.content_logprobs.is_empty() {
-                    out.push_back(self.chunk(json!({
-                        "index": 0, "delta": {"content": d.content},
-                        "logprobs": self.chat_logprobs(d, false, true), "finish_reason": null,
-                    })));
-                }
-            }
-        }
-    }
-
-    fn finish_frame(&self, finish: FinishReason) -> Value {
-        match self.surface {
-            Surface::Completions => self.chunk(json!({
-                "index": 0, "text": "", "logprobs": null, "finish_reason": finish.as_str(),
-            })),
-            Surface::Chat => self.chunk(json!({
-                "index": 0, "delta": {}, "logprobs": null, "finish_reason": finish.as_str(),
-            })),
         }
     }
 }

@@ -488,8 +488,8 @@ fn a_server_whose_default_is_thinking_off_answers_in_content() {
         top_logits: 0,
     };
     let out = generate(&e.model, &ids, &opts, &AtomicBool::new(false), |_| Ok(())).unwrap();
-    let mut asm =
-        deltafin_openai::output::Assembler::new(&e.tokenizer, true, vec![]).after_response_prompt();
+    let controls = deltafin_openai::request::ChatControls::with_thinking(Thinking::Off);
+    let mut asm = deltafin_openai::output::Assembler::for_chat(&e.tokenizer, &controls, vec![]);
     let mut d = deltafin_openai::output::Delta::default();
     for id in &out.ids {
         d.extend(asm.push(*id, None).unwrap());

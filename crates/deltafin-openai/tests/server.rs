@@ -385,28 +385,40 @@ fn stop_sequences_cut_the_text_exactly() {
         assert_eq!(got, text[..cut], "stream={stream}");
         assert_eq!(finish, "stop");
     }
-    // Chat: the stop applies to the reasoning text as well.
-    let base = post_json(
-        a,
-        "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}),
-    )
-    .json();
+    // Chat: stop sequences apply to the response channel only. A stop taken from the
+    // reasoning changes nothing.
+    let chat_body = |extra: Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post_json(a, "/v1/chat/completions", &b).json()
+    };
+    let base = chat_body(json!({}));
     let reasoning = base["choices"][0]["message"]["reasoning_content"]
         .as_str()
         .unwrap()
         .to_string();
     let rc: Vec<char> = reasoning.chars().collect();
-    if rc.len() >= 6 {
-        let stop: String = rc[3..5].iter().collect();
-        let cut = reasoning.find(&stop).unwrap();
-        let v = post_json(a, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "stop": stop})).json();
-        assert_eq!(
-            v["choices"][0]["message"]["reasoning_content"],
-            &reasoning[..cut]
-        );
-        assert_eq!(v["choices"][0]["finish_reason"], "stop");
-    }
+    assert!(rc.len() >= 6, "need reasoning text: {reasoning:?}");
+    let stop: String = rc[3..5].iter().collect();
+    let v = chat_body(json!({"stop": stop}));
+    assert_eq!(v["choices"][0], base["choices"][0]);
+    assert_eq!(v["usage"], base["usage"]);
+    // With thinking off the answer is content, and the same kind of stop cuts it.
+    let base = chat_body(json!({"reasoning_effort": "none"}));
+    let content = base["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let cc: Vec<char> = content.chars().collect();
+    assert!(cc.len() >= 6, "need content text: {content:?}");
+    let stop: String = cc[3..5].iter().collect();
+    let cut = content.find(&stop).unwrap();
+    let v = chat_body(json!({"reasoning_effort": "none", "stop": stop}));
+    assert_eq!(v["choices"][0]["message"]["content"], &content[..cut]);
+    assert_eq!(v["choices"][0]["message"]["reasoning_content"], "");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! The `benchmark` command's flags.
 
+use crate::RootArg;
 use std::path::PathBuf;
 
 fn positive_seconds(s: &str) -> std::result::Result<f64, String> {
@@ -60,9 +61,9 @@ pub struct BenchmarkArgs {
     /// Continue after an invalid run.
     #[arg(long)]
     pub keep_going: bool,
-    /// Install root passed to every run.
-    #[arg(long, value_name = "PATH", default_value = ".")]
-    pub model_root: PathBuf,
+    /// The install root, passed to every run as `--model-root` (resolved once, here).
+    #[command(flatten)]
+    pub root: RootArg,
     /// Compute device passed to every run (`--device`; auto, cpu, mps, cuda, cuda:N)
     /// [default: the runs read K3_DEV].
     #[arg(long, value_name = "DEV")]

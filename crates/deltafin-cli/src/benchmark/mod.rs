@@ -29,7 +29,6 @@ use anyhow::{Context, Result, anyhow, bail};
 pub use args::BenchmarkArgs;
 use arms::{abba_schedule, parse_arms, parse_token_ids};
 use campaign::{Oracle, run_schedule};
-use deltafin_k3::weights::checkpoint::CONFIG_FILE;
 use evidence::{
     create_evidence_dir, perf_environment, redacted, sha256_file, system_state, write_json,
 };
@@ -81,16 +80,11 @@ pub fn benchmark(args: &BenchmarkArgs) -> Result<ExitCode> {
     if let Some(b) = &args.expert_backend {
         crate::device::parse_expert_backend(b).map_err(|e| anyhow!("--expert-backend {e}"))?;
     }
-    if !args.model_root.join(CONFIG_FILE).is_file() {
-        bail!(
-            "no K3 model installed at {}: {CONFIG_FILE} is missing; pass --model-root PATH",
-            args.model_root.display()
-        );
-    }
-    let model_root = args
-        .model_root
+    let given_root = args.root.resolve();
+    crate::session::check_root(&given_root)?;
+    let model_root = given_root
         .canonicalize()
-        .with_context(|| format!("cannot resolve {}", args.model_root.display()))?;
+        .with_context(|| format!("cannot resolve {}", given_root.display()))?;
     let explicit = (explicit_ids.is_some() || args.expect_text.is_some()).then(|| Oracle {
         source: "expected",
         ids: explicit_ids.clone(),

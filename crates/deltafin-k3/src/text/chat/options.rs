@@ -1,4 +1,5 @@
-//! Rendering options (reasoning effort, tool choice, response format) and [`ChatError`].
+//! Rendering options (thinking and its effort, tool choice, response format) and
+//! [`ChatError`].
 
 use std::fmt;
 use std::str::FromStr;
@@ -36,78 +37,12 @@ impl fmt::Display for ReasoningEffort {
     }
 }
 
-/// A reasoning effort (or thinking spelling) that is not one of the accepted ones.
+/// A reasoning effort that is not one of `low`, `medium`, `high`, `max`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid reasoning effort {value:?}: expected one of {expected}")]
+#[error("invalid reasoning effort {value:?}: expected one of low, medium, high, max")]
 pub struct ParseEffortError {
     /// The rejected value.
     pub value: String,
-    /// The accepted spellings, comma-separated.
-    pub expected: &'static str,
-}
-
-/// Whether the model thinks before it answers, and how hard (§8.3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Thinking {
-    /// No thinking: no thinking-effort message, the generation prompt opens `response`.
-    Off,
-    /// Thinking at this effort: the generation prompt opens `think`.
-    On(ReasoningEffort),
-}
-
-impl Thinking {
-    /// Whether thinking is on.
-    pub fn is_on(self) -> bool {
-        matches!(self, Thinking::On(_))
-    }
-
-    /// The effort when thinking, `None` when not.
-    pub fn effort(self) -> Option<ReasoningEffort> {
-        match self {
-            Thinking::Off => None,
-            Thinking::On(e) => Some(e),
-        }
-    }
-
-    /// Rendering options with this thinking and everything else at its default.
-    pub fn chat_options(self) -> ChatOptions {
-        ChatOptions {
-            thinking: self.is_on(),
-            effort: self.effort(),
-            ..ChatOptions::default()
-        }
-    }
-}
-
-impl fmt::Display for Thinking {
-    /// `none` when off, else the effort's spelling.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Thinking::Off => f.write_str("none"),
-            Thinking::On(e) => e.fmt(f),
-        }
-    }
-}
-
-/// The accepted spellings of [`parse_thinking`].
-pub const THINKING_SPELLINGS: &str = "none, off, minimal, low, medium, high, max";
-
-/// Parses the one thinking spelling shared by the server, `deltafin run --reasoning-effort`
-/// and `K3_REASONING_EFFORT` (docs/K3.md §8.3): surrounding whitespace is trimmed and ASCII
-/// case is ignored; `none`, `off` and `minimal` turn thinking off, `low`, `medium`, `high` and
-/// `max` think at that effort. Anything else is an error naming the value and every spelling.
-pub fn parse_thinking(s: &str) -> Result<Thinking, ParseEffortError> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "none" | "off" | "minimal" => Ok(Thinking::Off),
-        "low" => Ok(Thinking::On(ReasoningEffort::Low)),
-        "medium" => Ok(Thinking::On(ReasoningEffort::Medium)),
-        "high" => Ok(Thinking::On(ReasoningEffort::High)),
-        "max" => Ok(Thinking::On(ReasoningEffort::Max)),
-        _ => Err(ParseEffortError {
-            value: s.to_string(),
-            expected: THINKING_SPELLINGS,
-        }),
-    }
 }
 
 impl FromStr for ReasoningEffort {
@@ -121,9 +56,95 @@ impl FromStr for ReasoningEffort {
             "max" => Ok(ReasoningEffort::Max),
             _ => Err(ParseEffortError {
                 value: s.to_string(),
-                expected: "low, medium, high, max",
             }),
         }
+    }
+}
+
+/// Whether the model thinks, and at which effort: the one reading of the spellings users
+/// send (`reasoning_effort` on the server, `--reasoning-effort` on the CLI), so that every
+/// front end accepts the same words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Thinking {
+    /// Thinking off: no think blocks, the generation prompt opens `response` (§8.3).
+    Off,
+    /// Thinking on at this effort.
+    On(ReasoningEffort),
+}
+
+/// Every spelling [`Thinking::parse`] accepts, for messages and help texts.
+pub const THINKING_SPELLINGS: &str =
+    "`none`, `off`, `minimal` (thinking off), `low`, `medium`, `high`, `max`";
+
+/// A thinking setting that is none of [`THINKING_SPELLINGS`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid reasoning effort {value:?}: expected one of {THINKING_SPELLINGS}")]
+pub struct ParseThinkingError {
+    /// The rejected value, as given.
+    pub value: String,
+}
+
+impl Thinking {
+    /// Reads a thinking setting, trimmed and case-insensitive. `none` and `off` turn thinking
+    /// off; so does `minimal` (OpenAI's lowest level), because the template has no level below
+    /// `low` and the least thinking it can do is none. `low`, `medium`, `high`, `max` are the
+    /// template's four efforts.
+    pub fn parse(raw: &str) -> Result<Thinking, ParseThinkingError> {
+        match raw.trim().to_ascii_lowercase().as_str() {
+            "none" | "off" | "minimal" => Ok(Thinking::Off),
+            level => level
+                .parse::<ReasoningEffort>()
+                .map(Thinking::On)
+                .map_err(|_| ParseThinkingError {
+                    value: raw.to_string(),
+                }),
+        }
+    }
+
+    /// Whether thinking is on.
+    pub fn is_on(self) -> bool {
+        matches!(self, Thinking::On(_))
+    }
+
+    /// The effort when thinking is on.
+    pub fn effort(self) -> Option<ReasoningEffort> {
+        match self {
+            Thinking::Off => None,
+            Thinking::On(effort) => Some(effort),
+        }
+    }
+
+    /// Sets [`ChatOptions::thinking`] and [`ChatOptions::effort`] to this setting.
+    pub fn apply(self, opts: &mut ChatOptions) {
+        opts.thinking = self.is_on();
+        opts.effort = self.effort();
+    }
+}
+
+impl Thinking {
+    /// Rendering options with this thinking and everything else at its default.
+    pub fn chat_options(self) -> ChatOptions {
+        let mut opts = ChatOptions::default();
+        self.apply(&mut opts);
+        opts
+    }
+}
+
+impl fmt::Display for Thinking {
+    /// `none` when off, else the effort's spelling.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Thinking::Off => f.write_str("none"),
+            Thinking::On(e) => e.fmt(f),
+        }
+    }
+}
+
+impl FromStr for Thinking {
+    type Err = ParseThinkingError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Thinking::parse(s)
     }
 }
 

@@ -219,33 +219,41 @@ fn effort_parsing_is_strict() {
 }
 
 #[test]
-fn thinking_spellings_are_shared_and_strict() {
+fn thinking_spellings() {
     use ReasoningEffort::*;
-    for (text, want) in [
+    for (raw, want) in [
         ("none", Thinking::Off),
-        ("off", Thinking::Off),
-        ("minimal", Thinking::Off),
-        (" None ", Thinking::Off),
-        ("OFF", Thinking::Off),
+        (" OFF ", Thinking::Off),
+        ("Minimal", Thinking::Off),
         ("low", Thinking::On(Low)),
         ("medium", Thinking::On(Medium)),
-        ("High", Thinking::On(High)),
-        ("\tmax\n", Thinking::On(Max)),
+        (" High", Thinking::On(High)),
+        ("MAX", Thinking::On(Max)),
     ] {
-        assert_eq!(parse_thinking(text), Ok(want), "{text:?}");
+        assert_eq!(Thinking::parse(raw), Ok(want), "{raw:?}");
+        assert_eq!(raw.parse::<Thinking>(), Ok(want), "{raw:?}");
     }
-    for bad in ["", "extreme", "maximum", "no", "lo w"] {
-        let msg = parse_thinking(bad).unwrap_err().to_string();
-        assert!(
-            msg.contains(&format!("{bad:?}")) && msg.contains(THINKING_SPELLINGS),
-            "{msg}"
-        );
-    }
+    let err = Thinking::parse("extreme").unwrap_err();
+    assert_eq!(err.value, "extreme");
+    assert!(
+        err.to_string().contains("`minimal` (thinking off)"),
+        "{err}"
+    );
+    assert!(Thinking::parse("").is_err());
+    let mut opts = ChatOptions::default();
+    Thinking::Off.apply(&mut opts);
+    assert!(!opts.thinking && opts.effort.is_none());
+    Thinking::On(Medium).apply(&mut opts);
+    assert!(opts.thinking && opts.effort == Some(Medium));
+}
+
+#[test]
+fn thinking_display_and_chat_options() {
     assert_eq!(Thinking::Off.to_string(), "none");
-    assert_eq!(Thinking::On(High).to_string(), "high");
+    assert_eq!(Thinking::On(ReasoningEffort::High).to_string(), "high");
     assert_eq!(Thinking::Off.chat_options(), no_think());
-    let on = Thinking::On(Low).chat_options();
-    assert_eq!((on.thinking, on.effort), (true, Some(Low)));
+    let on = Thinking::On(ReasoningEffort::Low).chat_options();
+    assert_eq!((on.thinking, on.effort), (true, Some(ReasoningEffort::Low)));
     let off = texts(&render_segments(&[], &Thinking::Off.chat_options()).unwrap());
     assert!(off.ends_with("<|open|>response<|sep|>") && !off.contains("thinking_effort"));
 }

@@ -23,7 +23,8 @@ use crate::weights::spine_pack::{PackOptions, PackSet, default_pack_dir, pack_sp
 const HEADS: usize = 3;
 
 /// 3 KDA heads of dim 32 (`A_log` stored as `[128]`), 5 MLA heads, `q_lora ≠ kv_lora`,
-/// `qk_nope ≠ v_head`, `latent ≠ moe_intermediate`.
+/// `qk_nope ≠ v_head`, and the latent (128), expert (32), shared (2 × 32) and dense (80)
+/// widths all different, so no two matrices of a layer share a shape by accident.
 fn distinct_dims() -> SynthDims {
     SynthDims {
         vocab: 1024,
@@ -39,7 +40,7 @@ fn distinct_dims() -> SynthDims {
         qk_nope: 12,
         qk_rope: 6,
         v_head: 20,
-        latent: 64,
+        latent: 128,
         moe_inter: 32,
         ..SynthDims::tiny()
     }

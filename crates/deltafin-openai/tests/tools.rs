@@ -1,0 +1,283 @@
+//! Tool calling and thinking control end to end on the synthesized tiny checkpoint: the
+//! prompt each request renders (against the renderer driven directly with the options the
+//! reference gives those fields), the answer (against direct greedy generation read by the
+//! assembler), streaming, and validation over HTTP.
+
+mod common;
+
+use common::*;
+use deltafin_k3::generate::{GenerateEvent, GenerateOptions, generate};
+use deltafin_k3::text::chat::{
+    ChatMessage, ChatOptions, ReasoningEffort, ToolCall, ToolChoice, encode_chat,
+};
+use deltafin_k3::text::tokenizer::END_OF_MSG;
+use deltafin_openai::ServerConfig;
+use deltafin_openai::output::{Assembler, Delta, EarlyEnd};
+use deltafin_openai::request::{ChatControls, ToolMode};
+use deltafin_openai::response::chat_message;
+use serde_json::{Value, json};
+use std::sync::OnceLock;
+use std::sync::atomic::AtomicBool;
+
+fn server() -> &'static TestServer {
+    static S: OnceLock<TestServer> = OnceLock::new();
+    S.get_or_init(|| {
+        let s = TestServer::start(ServerConfig {
+            queue: 64,
+            ..any_port()
+        });
+        s.wait_ready();
+        s
+    })
+}
+
+fn weather() -> Value {
+    json!({"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city"]}}})
+}
+
+/// Direct generation from `prompt`, read by the assembler of `controls`: the message the
+/// server must answer, the finish reason, and the token counts.
+fn direct(prompt: &[u32], controls: &ChatControls, max_new: usize) -> (Value, &'static str) {
+    let e = engine();
+    let opts = GenerateOptions {
+        max_new: Some(max_new),
+        stop_ids: vec![END_OF_MSG],
+        max_context: e.max_context,
+        top_logits: 0,
+    };
+    let mut ids = Vec::new();
+    generate(&e.model, prompt, &opts, &AtomicBool::new(false), |ev| {
+        if let GenerateEvent::Token { id, .. } = ev {
+            ids.push(id);
+        }
+        Ok(())
+    })
+    .unwrap();
+    let mut asm = Assembler::for_chat(&e.tokenizer, controls, vec![]);
+    let mut d = Delta::default();
+    for &id in &ids {
+        d.extend(asm.push(id, None).unwrap());
+        if asm.early_end().is_some() {
+            break;
+        }
+    }
+    d.extend(asm.finish().unwrap());
+    let ended = ids.last() == Some(&END_OF_MSG);
+    let finish = match asm.early_end() {
+        Some(EarlyEnd::CallLimit) => "tool_calls",
+        Some(_) => "stop",
+        None if ended && asm.tool_calls() > 0 => "tool_calls",
+        None if ended => "stop",
+        None => "length",
+    };
+    (chat_message(&d), finish)
+}
+
+fn chat(body: &Value) -> Value {
+    let r = post_json(server().addr, "/v1/chat/completions", body);
+    let v = r.json();
+    assert_eq!(r.status, 200, "{v}");
+    v
+}
+
+/// The history of one agent-loop turn: the user asks, the assistant called the tool, the
+/// tool answered.
+fn agent_history() -> (Value, Vec<ChatMessage>) {
+    let wire = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "refusal": null,
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}
+    ]);
+    let msgs = vec![
+        ChatMessage::new("user", "Weather in Paris?"),
+        ChatMessage {
+            role: "assistant".into(),
+            tool_calls: vec![ToolCall {
+                id: Some("call_1".into()),
+                name: "get_weather".into(),
+                arguments: "{\"city\": \"Paris\"}".into(),
+            }],
+            ..Default::default()
+        },
+        ChatMessage {
+            role: "tool".into(),
+            tool_call_id: Some("call_1".into()),
+            content: Some(deltafin_k3::text::chat::Content::Text("Sunny, 21 C".into())),
+            ..Default::default()
+        },
+    ];
+    (wire, msgs)
+}
+
+#[test]
+fn tools_and_thinking_render_as_the_reference_and_answer_exactly() {
+    let tok = &engine().tokenizer;
+    let user = || vec![ChatMessage::new("user", "Weather in Paris?")];
+    let wire_user = json!([{"role": "user", "content": "Weather in Paris?"}]);
+    let (wire_history, history) = agent_history();
+    let base = ChatControls::with_effort(ReasoningEffort::Max);
+    let with_tools = ChatControls {
+        tools: vec![weather()],
+        ..base.clone()
+    };
+    // (request fields, messages, options the reference renders them with, controls)
+    let cases: Vec<(Value, Value, Vec<ChatMessage>, ChatOptions, ChatControls)> = vec![
+        (
+            json!({"reasoning_effort": "none"}),
+            wire_user.clone(),
+            user(),
+            ChatOptions {
+                thinking: false,
+                ..Default::default()
+            },
+            ChatControls {
+                thinking: false,
+                ..base.clone()
+            },
+        ),
+        (
+            json!({"tools": [weather()], "reasoning_effort": "low"}),
+            wire_user.clone(),
+            user(),
+            ChatOptions {
+                tools: vec![weather()],
+                effort: Some(ReasoningEffort::Low),
+                ..Default::default()
+            },
+            with_tools.clone(),
+        ),
+        (
+            json!({"tools": [weather()], "tool_choice": "none", "reasoning_effort": "off"}),
+            wire_user.clone(),
+            user(),
+            ChatOptions {
+                thinking: false,
+                tools: vec![weather()],
+                tool_choice: Some(ToolChoice::Forbidden),
+                ..Default::default()
+            },
+            ChatControls {
+                thinking: false,
+                tool_mode: ToolMode::None,
+                ..with_tools.clone()
+            },
+        ),
+        (
+            json!({"tool_choice": "none"}),
+            wire_user.clone(),
+            user(),
+            ChatOptions {
+                tool_choice: Some(ToolChoice::Forbidden),
+                ..Default::default()
+            },
+            ChatControls {
+                tool_mode: ToolMode::None,
+                ..base.clone()
+            },
+        ),
+        (
+            json!({"tools": [weather()], "reasoning_effort": "minimal", "parallel_tool_calls": false}),
+            wire_history,
+            history,
+            ChatOptions {
+                thinking: false,
+                tools: vec![weather()],
+                ..Default::default()
+            },
+            ChatControls {
+                thinking: false,
+                parallel_tool_calls: false,
+                ..with_tools.clone()
+            },
+        ),
+    ];
+    for (fields, wire, messages, opts, controls) in cases {
+        let mut body = json!({"messages": wire, "max_tokens": 12});
+        for (k, v) in fields.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let prompt = encode_chat(tok, &messages, &opts).unwrap();
+        let (message, finish) = direct(&prompt, &controls, 12);
+        let v = chat(&body);
+        assert_eq!(v["usage"]["prompt_tokens"], prompt.len(), "{fields}");
+        assert_eq!(v["choices"][0]["message"], message, "{fields}");
+        assert_eq!(v["choices"][0]["finish_reason"], finish, "{fields}");
+        if !controls.thinking {
+            assert_eq!(
+                v["usage"]["completion_tokens_details"]["reasoning_tokens"],
+                0
+            );
+            assert_eq!(v["choices"][0]["message"]["reasoning_content"], "");
+        }
+        // Streaming gives the same answer.
+        body["stream"] = json!(true);
+        let r = post_json(server().addr, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200);
+        let frames: Vec<Value> = r
+            .sse()
+            .iter()
+            .filter(|p| *p != "[DONE]")
+            .map(|p| serde_json::from_str(p).unwrap())
+            .collect();
+        let text = |key: &str| -> String {
+            frames
+                .iter()
+                .filter_map(|f| f["choices"][0]["delta"][key].as_str())
+                .collect()
+        };
+        let content = message["content"].as_str().unwrap_or("");
+        assert_eq!(text("content"), content, "{fields}");
+        assert_eq!(
+            text("reasoning_content"),
+            message["reasoning_content"],
+            "{fields}"
+        );
+        assert_eq!(
+            frames.last().unwrap()["choices"][0]["finish_reason"],
+            finish,
+            "{fields}"
+        );
+    }
+}
+
+#[test]
+fn tool_fields_are_validated_over_http() {
+    let a = server().addr;
+    let msgs = json!([{"role": "user", "content": "x"}]);
+    let cases = [
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"tools": [weather()], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "params": {}}}]}),
+            "tools[0].function.params",
+        ),
+        (json!({"reasoning_effort": "ultra"}), "reasoning_effort"),
+        (json!({"parallel_tool_calls": 1}), "parallel_tool_calls"),
+    ];
+    for (fields, param) in cases {
+        let mut body = json!({"messages": msgs});
+        for (k, v) in fields.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let e = post_json(a, "/v1/chat/completions", &body).error(400);
+        assert_eq!(e["param"], param, "{fields}: {e}");
+        assert_eq!(e["type"], "invalid_request_error");
+    }
+    // Tool-call history that names an undeclared tool is fine (it is history).
+    let (wire, _) = agent_history();
+    let body = json!({"messages": wire, "max_tokens": 1});
+    assert_eq!(post_json(a, "/v1/chat/completions", &body).status, 200);
+}
