@@ -34,9 +34,11 @@ pub fn engine_config(
     let heat = heat_settings_from_env()?;
     let (spine_resident_layers, spine_stream) = spine_stream_from_env(&model.root())?;
     let huge_pages = huge_pages_from_env()?;
-    // The streaming variables are read only when experts stream.
+    // The streaming variables are parsed always (a bad or non-UTF-8 value is an error even
+    // without a budget) and used only when experts stream.
+    let streamed = stream_options_from_env()?;
     let stream = match memory_budget {
-        Some(_) => stream_options_from_env()?,
+        Some(_) => streamed,
         None => StreamOptions::with_cache_bytes(0),
     };
     Ok(EngineConfig {

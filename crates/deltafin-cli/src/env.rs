@@ -2,7 +2,9 @@
 //! same way.
 
 use anyhow::{Result, anyhow, bail};
+use deltafin_k3::text::chat::Thinking;
 use deltafin_spec::dspark::SpecConfig;
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
 /// The model root of every command that takes `--model-root`: the flag, else
@@ -29,9 +31,31 @@ pub fn env_var(name: &str) -> Result<Option<String>> {
 }
 
 /// The speculative-decoding settings from `K3_DSPARK`, `K3_DSPARK_MAX_CONTEXT`,
-/// `K3_SPEC_DEPTH`, `K3_UAG_DRAFT` and `K3_DSPARK_AUTO_MIN_SPEEDUP` (unset: defaults).
+/// `K3_SPEC_DEPTH`, `K3_UAG_DRAFT` and `K3_DSPARK_AUTO_MIN_SPEEDUP` (unset: defaults); a
+/// value that is not UTF-8 is an error naming its variable, as for every other variable.
 pub fn spec_config() -> Result<SpecConfig> {
-    SpecConfig::from_lookup(|k| std::env::var(k).ok()).map_err(|e| anyhow!("{e}"))
+    let not_utf8 = RefCell::new(None);
+    let config = SpecConfig::from_lookup(|k| {
+        env_var(k).unwrap_or_else(|e| {
+            not_utf8.borrow_mut().get_or_insert(e);
+            None
+        })
+    });
+    if let Some(e) = not_utf8.into_inner() {
+        return Err(e);
+    }
+    config.map_err(|e| anyhow!("{e}"))
+}
+
+/// `K3_REASONING_EFFORT` parsed with the server's spellings (`none`, `off`, `minimal`: no
+/// thinking; `low` … `max`), `None` when unset.
+pub fn env_thinking() -> Result<Option<Thinking>> {
+    env_var("K3_REASONING_EFFORT")?
+        .map(|v| {
+            Thinking::parse(&v)
+                .map_err(|e| anyhow!("environment variable K3_REASONING_EFFORT: {e}"))
+        })
+        .transpose()
 }
 
 /// `name` parsed by `parse`, else `default`; a value `parse` rejects is an error naming the

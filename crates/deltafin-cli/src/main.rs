@@ -145,17 +145,21 @@ pub struct RunArgs {
     /// Text to continue (raw completion) or the user message (with --chat).
     #[arg(long, value_name = "TEXT", default_value = "The capital of France is")]
     pub prompt: String,
-    /// Wrap the prompt in K3's XTML chat template (thinking on).
+    /// Wrap the prompt in K3's XTML chat template (thinking on unless --no-thinking).
     #[arg(long)]
     pub chat: bool,
     /// Stop after at most N generated tokens (default: until end of message or a full
     /// context).
     #[arg(long, value_name = "N")]
     pub max_new: Option<usize>,
-    /// Thinking effort for --chat: low, medium, high or max [env: K3_REASONING_EFFORT;
-    /// default: max].
-    #[arg(long, value_name = "LEVEL")]
+    /// Thinking effort for --chat: low, medium, high or max; none, off or minimal turn
+    /// thinking off [env: K3_REASONING_EFFORT; default: max].
+    #[arg(long, value_name = "LEVEL", requires = "chat")]
     pub reasoning_effort: Option<String>,
+    /// --chat without thinking: the answer starts at once (the generation prompt opens
+    /// `response`); the same as --reasoning-effort none.
+    #[arg(long, requires = "chat", conflicts_with = "reasoning_effort")]
+    pub no_thinking: bool,
     /// Print a live cumulative speed line per token instead of the text.
     #[arg(long)]
     pub stats: bool,

@@ -7,7 +7,7 @@ use crate::{Cli, Command};
 use clap::Parser;
 use deltafin_k3::engine::{EngineBuilder, EngineConfig, MemoryPlan};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::text::chat::ReasoningEffort;
+use deltafin_k3::text::chat::{ReasoningEffort, Thinking};
 use deltafin_k3::weights::spine_int8::SpineFormat;
 use std::path::Path;
 
@@ -21,7 +21,9 @@ fn run_config(root: &Path, extra: &[&str]) -> EngineConfig {
     argv.extend(["--memory-budget-gb", BUDGET_GB, "--spine", "bf16"]);
     argv.extend(extra);
     match Cli::try_parse_from(argv).unwrap().command {
-        Some(Command::Run(args)) => crate::run::engine_config(&args, ReasoningEffort::Max).unwrap(),
+        Some(Command::Run(args)) => {
+            crate::run::engine_config(&args, Thinking::On(ReasoningEffort::Max)).unwrap()
+        }
         other => panic!("{other:?}"),
     }
 }

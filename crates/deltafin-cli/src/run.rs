@@ -7,7 +7,7 @@ use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use deltafin_k3::engine::{EngineConfig, LoadedEngine};
 use deltafin_k3::generate::{GenerateEvent, GenerateOptions, LogitSummary, StopReason, generate};
-use deltafin_k3::text::chat::{self, ChatMessage, ChatOptions, ReasoningEffort};
+use deltafin_k3::text::chat::{self, ChatMessage, ReasoningEffort, Thinking};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
 use deltafin_spec::select::{Chosen, DraftModels, Surfaces};
@@ -15,28 +15,24 @@ use deltafin_spec::{Committed, WallClock, generate_with_policy};
 use serde_json::{Value, json};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Effort from the flag, else `K3_REASONING_EFFORT`, else the template default (max). Both
-/// sources are parsed strictly, even without --chat.
-fn resolve_effort(flag: Option<&str>) -> Result<(ReasoningEffort, &'static str)> {
-    let env = crate::env::env_var("K3_REASONING_EFFORT")?;
-    let from_env = env
-        .as_deref()
-        .map(|v| {
-            ReasoningEffort::from_str(v)
-                .map_err(|e| anyhow!("environment variable K3_REASONING_EFFORT: {e}"))
-        })
-        .transpose()?;
-    if let Some(f) = flag {
-        let e = ReasoningEffort::from_str(f).map_err(|e| anyhow!("--reasoning-effort: {e}"))?;
-        return Ok((e, "flag"));
+/// Thinking from `--no-thinking` or `--reasoning-effort` (clap refuses both at once), else
+/// `K3_REASONING_EFFORT`, else thinking at the template default (max). The variable is
+/// parsed strictly even when a flag wins or without --chat.
+fn resolve_thinking(args: &RunArgs) -> Result<(Thinking, &'static str)> {
+    let from_env = crate::env::env_thinking()?;
+    if args.no_thinking {
+        return Ok((Thinking::Off, "flag"));
+    }
+    if let Some(f) = args.reasoning_effort.as_deref() {
+        let t = Thinking::parse(f).map_err(|e| anyhow!("--reasoning-effort: {e}"))?;
+        return Ok((t, "flag"));
     }
     Ok(match from_env {
-        Some(e) => (e, "env"),
-        None => (ReasoningEffort::Max, "default"),
+        Some(t) => (t, "env"),
+        None => (Thinking::On(ReasoningEffort::Max), "default"),
     })
 }
 
@@ -59,14 +55,11 @@ const VERIFY_SLACK_TOKENS: usize = 32;
 /// `max_new` plus a speculative verification window), so the memory budget reserves state
 /// for that instead of `CONTEXT_RESERVE_TOKENS` and gives the rest to the spine and the
 /// expert cache.
-pub fn engine_config(args: &RunArgs, effort: ReasoningEffort) -> Result<EngineConfig> {
+pub fn engine_config(args: &RunArgs, thinking: Thinking) -> Result<EngineConfig> {
     let mut config = crate::engine_config::engine_config(&args.model, None, None)?;
     if let Some(max_new) = args.max_new {
         let prompt_bound = if args.chat {
-            let chat_opts = ChatOptions {
-                effort: Some(effort),
-                ..Default::default()
-            };
+            let chat_opts = thinking.chat_options();
             chat::token_bound(
                 &chat::render_segments(&[ChatMessage::new("user", &args.prompt)], &chat_opts)
                     .context("cannot render the chat prompt")?,
@@ -85,7 +78,7 @@ pub fn engine_config(args: &RunArgs, effort: ReasoningEffort) -> Result<EngineCo
 }
 
 pub fn run(args: &RunArgs) -> Result<ExitCode> {
-    let (effort, effort_source) = resolve_effort(args.reasoning_effort.as_deref())?;
+    let (thinking, thinking_source) = resolve_thinking(args)?;
     if args.top_logits.is_some() && args.events_jsonl.is_none() {
         bail!("--top-logits adds fields to the events file: it needs --events-jsonl PATH");
     }
@@ -107,7 +100,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .as_deref()
         .map(EventWriter::create)
         .transpose()?;
-    let config = engine_config(args, effort)?;
+    let config = engine_config(args, thinking)?;
     let root = args.model.root();
     let interrupt = session::interrupt_flag();
     let started = Instant::now();
@@ -151,10 +144,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     .map_err(|e| anyhow!("{e}"))?;
     session::report_memory_plan(&model, memory.as_ref());
 
-    let chat_opts = ChatOptions {
-        effort: Some(effort),
-        ..Default::default()
-    };
+    // Without thinking the generation prompt opens `response`: the text printed is the
+    // answer, then the closing markers the model writes.
+    let chat_opts = thinking.chat_options();
     let chat_messages = [ChatMessage::new("user", &args.prompt)];
     let prompt_ids = if args.chat {
         chat::encode_chat(&tokenizer, &chat_messages, &chat_opts)
@@ -195,7 +187,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     };
     let surface = if args.chat { "chat" } else { "raw" };
     let effort_text = if args.chat {
-        format!("{effort} ({effort_source})")
+        format!("{thinking} ({thinking_source})")
     } else {
         "n/a".to_string()
     };
@@ -232,7 +224,8 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     let config = json!({
         "surface": surface,
         "model_root": root.display().to_string(),
-        "reasoning_effort": if args.chat { json!(effort.to_string()) } else { Value::Null },
+        "reasoning_effort": if args.chat { json!(thinking.to_string()) } else { Value::Null },
+        "thinking": if args.chat { json!(thinking.is_on()) } else { Value::Null },
         "max_new": args.max_new,
         "top_logits": top_n,
         "spine": spine.as_str(),

@@ -5,14 +5,13 @@ use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use deltafin_k3::engine::EngineConfig;
-use deltafin_k3::text::chat::ReasoningEffort;
+use deltafin_k3::text::chat::{ReasoningEffort, Thinking};
 use deltafin_openai::{
     DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, MAX_QUEUE,
-    MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig,
+    MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig, check_model_aliases,
 };
 use deltafin_spec::select::{DraftModels, Surfaces};
 use std::process::ExitCode;
-use std::str::FromStr;
 
 /// Flags of `deltafin serve`.
 #[derive(Args, Debug, Clone)]
@@ -42,6 +41,11 @@ pub struct ServeArgs {
     /// Router trace mode: off, buffered or sync [env: K3_TRACE; default: off].
     #[arg(long, value_name = "MODE")]
     pub router_trace_mode: Option<String>,
+    /// Another name requests may give as `model` (repeatable); `/v1/models` lists it after
+    /// `deltafin-kimi-k3`. Non-empty, at most 256 bytes, no whitespace or control
+    /// characters, each once.
+    #[arg(long = "model-alias", value_name = "NAME")]
+    pub model_aliases: Vec<String>,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -65,15 +69,13 @@ fn resolve_queue(flag: Option<u64>) -> Result<(usize, &'static str)> {
     })
 }
 
-fn resolve_effort() -> Result<(ReasoningEffort, &'static str)> {
-    match crate::env::env_var("K3_REASONING_EFFORT")? {
-        Some(v) => Ok((
-            ReasoningEffort::from_str(&v)
-                .map_err(|e| anyhow!("environment variable K3_REASONING_EFFORT: {e}"))?,
-            "env",
-        )),
-        None => Ok((ReasoningEffort::Max, "default")),
-    }
+/// The chat default when a request names no effort: `K3_REASONING_EFFORT` (the server's
+/// spellings, `none` included), else thinking at `max`.
+fn resolve_thinking() -> Result<(Thinking, &'static str)> {
+    Ok(match crate::env::env_thinking()? {
+        Some(t) => (t, "env"),
+        None => (Thinking::On(ReasoningEffort::Max), "default"),
+    })
 }
 
 /// Register the SIGINT/SIGTERM handlers now (before the server says it is listening, so a
@@ -132,6 +134,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
             args.host
         );
     }
+    check_model_aliases(&args.model_aliases).map_err(|e| anyhow!("--model-alias: {e}"))?;
     session::check_kernels()?;
     let config = engine_config(args)?;
     let spine = config.spine;
@@ -141,7 +144,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     session::check_root(&root)?;
     deltafin_k3::engine::check_spine(&root, spine)?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
-    let (effort, effort_source) = resolve_effort()?;
+    let (thinking, thinking_source) = resolve_thinking()?;
     let spec = crate::env::spec_config()?;
     let cfg = ServerConfig {
         host: args.host.clone(),
@@ -149,7 +152,8 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         max_tokens: usize::try_from(args.max_tokens).unwrap_or(usize::MAX),
         queue,
         max_request_bytes: args.max_request_bytes as usize,
-        default_effort: effort,
+        default_thinking: thinking,
+        model_aliases: args.model_aliases.clone(),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -173,7 +177,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         .await?;
         let addr = server.local_addr()?;
         deltafin_openai::log_line!(
-            "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={effort} ({effort_source})",
+            "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={thinking} ({thinking_source}) model_aliases={}",
             session::backend_description(),
             spine.as_str(),
             root.display(),
@@ -181,6 +185,11 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
             addr.port(),
             cfg.max_tokens,
             cfg.max_request_bytes,
+            if cfg.model_aliases.is_empty() {
+                "none".to_string()
+            } else {
+                cfg.model_aliases.join(",")
+            },
         );
         if !addr.ip().is_loopback() {
             deltafin_openai::log_line!(

@@ -99,10 +99,16 @@ pub(crate) async fn unless_gone<T>(conn: &ClientConn, fut: impl Future<Output = 
     }
 }
 
+/// Marks an answer nobody will read (logged and counted as
+/// [`crate::metrics::CLIENT_CLOSED`]).
+#[derive(Clone, Copy)]
+pub(crate) struct ClientLeft;
+
 /// An answer nobody will read (the client is gone).
 pub(crate) fn abandoned() -> Response {
     let mut r = Response::new(Body::empty());
     *r.status_mut() = StatusCode::NO_CONTENT;
+    r.extensions_mut().insert(ClientLeft);
     r.headers_mut()
         .insert(header::CONNECTION, HeaderValue::from_static("close"));
     r

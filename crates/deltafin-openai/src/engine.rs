@@ -14,6 +14,7 @@ use deltafin_spec::{Committed, WallClock, generate_with_policy};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 /// Why the model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -226,6 +227,17 @@ pub enum Ending {
     Cancelled(Cancelled),
 }
 
+/// Where the time of one generation went (for `/metrics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Timing {
+    /// The prefill pass over the prompt (it also yields the first generated token).
+    pub prefill: Duration,
+    /// Everything after the prefill.
+    pub decode: Duration,
+    /// Tokens generated after the prefill's (generated tokens − 1).
+    pub decode_tokens: usize,
+}
+
 /// Runs one greedy generation, sending deltas to `send`; stops within one token once
 /// `interrupt` is raised or `send` fails. Returns the closing event, or why it was cancelled.
 /// With draft models and no `logprobs`, K3 verifies drafts (same tokens, fewer passes).
@@ -237,6 +249,18 @@ pub fn run_generation(
     shutdown: &AtomicBool,
     send: impl FnMut(GenEvent) -> bool + Send,
 ) -> Ending {
+    run_generation_timed(engine, req, prompt, interrupt, shutdown, send).0
+}
+
+/// [`run_generation`], also returning where its time went (zero where it failed before).
+pub fn run_generation_timed(
+    engine: &Engine,
+    req: &GenRequest,
+    prompt: &[u32],
+    interrupt: &AtomicBool,
+    shutdown: &AtomicBool,
+    send: impl FnMut(GenEvent) -> bool + Send,
+) -> (Ending, Timing) {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     if let (Some(drafts), None) = (&engine.drafts, req.logprobs) {
         match drafts.choose(&engine.model, &engine.tokenizer, chat) {
@@ -244,7 +268,10 @@ pub fn run_generation(
                 return run_drafted(engine, req, prompt, chosen, interrupt, shutdown, send);
             }
             Ok(None) => {}
-            Err(e) => return Ending::Event(GenEvent::Failed(ApiError::server(e))),
+            Err(e) => {
+                let failed = Ending::Event(GenEvent::Failed(ApiError::server(e)));
+                return (failed, Timing::default());
+            }
         }
     }
     run_plain(engine, req, prompt, interrupt, shutdown, send)
@@ -260,7 +287,7 @@ fn run_drafted(
     interrupt: &AtomicBool,
     shutdown: &AtomicBool,
     mut send: impl FnMut(GenEvent) -> bool + Send,
-) -> Ending {
+) -> (Ending, Timing) {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     let stop_ids = if chat {
         vec![END_OF_MSG]
@@ -280,6 +307,8 @@ fn run_drafted(
     let mut asm = Assembler::for_request(&engine.tokenizer, req);
     let mut client_gone = false;
     let mut counted = 0usize;
+    let mut prefill: Option<Duration> = None;
+    let started = Instant::now();
     let mut sink_error: Option<ApiError> = None;
     let clock = WallClock::new();
     let result = deltafin_kernels::pool::run_warm(|| {
@@ -293,6 +322,7 @@ fn run_drafted(
             &clock,
             interrupt,
             |c: &Committed<'_>| {
+                prefill.get_or_insert(c.duration);
                 for &id in c.ids {
                     if asm.early_end().is_some() {
                         break;
@@ -323,7 +353,13 @@ fn run_drafted(
     }
     let ids = match result {
         Ok((ids, _)) => ids,
-        Err(e) => return generation_failed(sink_error, e),
+        Err(e) => return (generation_failed(sink_error, e), Timing::default()),
+    };
+    let prefill = prefill.unwrap_or_default();
+    let timing = Timing {
+        prefill,
+        decode: started.elapsed().saturating_sub(prefill),
+        decode_tokens: ids.len().saturating_sub(1),
     };
     let eos = ids
         .get(counted.wrapping_sub(1))
@@ -331,14 +367,15 @@ fn run_drafted(
     let finish = match finish_reason(&asm, eos) {
         Some(finish) => finish,
         None if ids.len() >= max_new => FinishReason::Length,
-        None => return interrupted(client_gone, shutdown),
+        None => return (interrupted(client_gone, shutdown), timing),
     };
     let completion_tokens = if eos {
         counted.saturating_sub(1)
     } else {
         counted
     };
-    done(asm, finish, prompt.len(), completion_tokens, send)
+    let ending = done(asm, finish, prompt.len(), completion_tokens, send);
+    (ending, timing)
 }
 
 fn run_plain(
@@ -348,7 +385,7 @@ fn run_plain(
     interrupt: &AtomicBool,
     shutdown: &AtomicBool,
     mut send: impl FnMut(GenEvent) -> bool + Send,
-) -> Ending {
+) -> (Ending, Timing) {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     let opts = GenerateOptions {
         max_new: Some(req.max_new),
@@ -411,7 +448,14 @@ fn run_plain(
     });
     let outcome = match result {
         Ok(o) => o,
-        Err(e) => return generation_failed(sink_error, e),
+        Err(e) => return (generation_failed(sink_error, e), Timing::default()),
+    };
+    let timing = Timing {
+        prefill: outcome.prefill_duration,
+        decode: outcome
+            .total_duration
+            .saturating_sub(outcome.prefill_duration),
+        decode_tokens: outcome.ids.len().saturating_sub(1),
     };
     let finish = match (
         finish_reason(&asm, outcome.stop == StopReason::Eos),
@@ -419,13 +463,14 @@ fn run_plain(
     ) {
         (Some(finish), _) => finish,
         (None, StopReason::MaxNew | StopReason::ContextFull) => FinishReason::Length,
-        (None, _) => return interrupted(client_gone, shutdown),
+        (None, _) => return (interrupted(client_gone, shutdown), timing),
     };
     let completion_tokens = match outcome.stop {
         StopReason::Eos => outcome.ids.len().saturating_sub(1),
         _ => outcome.ids.len(),
     };
-    done(asm, finish, prompt.len(), completion_tokens, send)
+    let ending = done(asm, finish, prompt.len(), completion_tokens, send);
+    (ending, timing)
 }
 
 /// The finish reason of an answer the assembler ended, or that ended with the model's end

@@ -64,18 +64,15 @@ impl ApiError {
         Self::new(StatusCode::NOT_FOUND, "not_found", "endpoint not found")
     }
 
-    /// 404 for `GET /v1/models/{id}` with another id.
-    pub fn model_not_found(id: &str) -> Self {
+    /// 404 for `GET /v1/models/{id}` with an id that is neither the model's nor an alias.
+    pub fn model_not_found(id: &str, aliases: &[String]) -> Self {
         ApiError {
             code: "model_not_found",
             param: Some("model".into()),
             ..Self::new(
                 StatusCode::NOT_FOUND,
                 "not_found",
-                format!(
-                    "requested model `{id}` is unavailable; this server exposes only `{}`",
-                    crate::MODEL_ID
-                ),
+                crate::models::unavailable(id, aliases),
             )
         }
     }
@@ -132,6 +129,16 @@ impl ApiError {
             StatusCode::SERVICE_UNAVAILABLE,
             "server_shutting_down",
             "the server is shutting down; the generation was cancelled",
+        )
+    }
+
+    /// 503 `server_shutting_down` for a request that arrives while the server stops
+    /// (`GET /health`).
+    pub fn stopping() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_shutting_down",
+            "the server is shutting down",
         )
     }
 

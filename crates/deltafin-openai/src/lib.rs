@@ -9,6 +9,9 @@ mod conn;
 pub mod engine;
 pub mod error;
 pub mod messages;
+pub mod metrics;
+pub mod models;
+mod ops;
 pub mod output;
 pub mod reply;
 pub mod request;
@@ -16,12 +19,14 @@ pub mod response;
 pub mod responses;
 pub mod server;
 mod transport;
+mod tokenize;
 
 pub use engine::{Engine, LoadError};
 pub use error::ApiError;
+pub use models::{MAX_MODEL_ALIAS_BYTES, check_model_aliases};
 pub use server::{ServeError, Server, ServerStats};
 
-use deltafin_k3::text::chat::ReasoningEffort;
+use deltafin_k3::text::chat::{ReasoningEffort, Thinking};
 
 /// Writes one line to stderr, ignoring a closed stderr (a server must not die for its log).
 #[macro_export]
@@ -58,8 +63,12 @@ pub struct ServerConfig {
     pub queue: usize,
     /// JSON body limit in bytes (`--max-request-bytes`).
     pub max_request_bytes: usize,
-    /// Chat effort when a request names none (`K3_REASONING_EFFORT`, else `max`).
-    pub default_effort: ReasoningEffort,
+    /// Chat thinking when a request names no `reasoning_effort` (`K3_REASONING_EFFORT`,
+    /// else thinking at `max`).
+    pub default_thinking: Thinking,
+    /// More names requests may use for the model (`--model-alias`), listed by `/v1/models`
+    /// after [`MODEL_ID`]; checked by [`check_model_aliases`] when the server binds.
+    pub model_aliases: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -70,7 +79,8 @@ impl Default for ServerConfig {
             max_tokens: DEFAULT_MAX_TOKENS,
             queue: 0,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
-            default_effort: ReasoningEffort::Max,
+            default_thinking: Thinking::On(ReasoningEffort::Max),
+            model_aliases: Vec::new(),
         }
     }
 }

@@ -8,7 +8,6 @@ mod tools;
 
 pub use tools::{MAX_TOOL_NAME_CHARS, ToolMode, valid_tool_name};
 
-use crate::MODEL_ID;
 use crate::error::ApiError;
 use deltafin_k3::text::chat::{
     ChatMessage, ReasoningEffort, ResponseFormat, THINKING_SPELLINGS, Thinking,
@@ -79,6 +78,14 @@ impl ChatControls {
             response_format: None,
         }
     }
+
+    /// `thinking` (on at its effort, or off), no tools, free text.
+    pub fn with_thinking(thinking: Thinking) -> Self {
+        ChatControls {
+            thinking: thinking.is_on(),
+            ..Self::with_effort(thinking.effort().unwrap_or(ReasoningEffort::Max))
+        }
+    }
 }
 
 /// A validated generation request.
@@ -103,11 +110,13 @@ pub struct GenRequest {
 
 /// Server-wide settings that validation needs.
 #[derive(Clone, Copy, Debug)]
-pub struct Limits {
+pub struct Limits<'a> {
     /// `--max-tokens`: per-response ceiling.
     pub max_tokens: usize,
-    /// Effort when a chat request names none (`K3_REASONING_EFFORT`, else `max`).
-    pub default_effort: ReasoningEffort,
+    /// Thinking when a chat request names no effort (`K3_REASONING_EFFORT`, else `max`).
+    pub default_thinking: Thinking,
+    /// `--model-alias` names a request's `model` may use besides [`crate::MODEL_ID`].
+    pub model_aliases: &'a [String],
 }
 
 /// Default `max_tokens` of `/v1/completions` (product contract §3.3).
@@ -221,12 +230,10 @@ pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenReque
         let m = m
             .as_str()
             .ok_or_else(|| ApiError::invalid_param("model", "`model` must be a JSON string"))?;
-        if m != MODEL_ID {
+        if !crate::models::is_served(m, limits.model_aliases) {
             return Err(ApiError::invalid_param(
                 "model",
-                format!(
-                    "requested model `{m}` is unavailable; this server exposes only `{MODEL_ID}`"
-                ),
+                crate::models::unavailable(m, limits.model_aliases),
             ));
         }
     }
@@ -528,7 +535,7 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
         return Err(non_default("store"));
     }
     let thinking = match get("reasoning_effort") {
-        None => Thinking::On(limits.default_effort),
+        None => limits.default_thinking,
         Some(Value::String(s)) => Thinking::parse(s).map_err(|e| {
             ApiError::invalid_param(
                 "reasoning_effort",
@@ -562,11 +569,11 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
         messages: parsed,
         controls: ChatControls {
             thinking: thinking.is_on(),
-            effort: thinking.effort().unwrap_or(limits.default_effort),
+            effort: thinking.effort().unwrap_or(ReasoningEffort::Max),
             tools: tool_fields.tools,
             tool_mode: tool_fields.mode,
             parallel_tool_calls: tool_fields.parallel,
-            ..ChatControls::with_effort(limits.default_effort)
+            ..ChatControls::with_effort(ReasoningEffort::Max)
         },
     })
 }
@@ -655,11 +662,13 @@ fn parse_message(index: usize, m: &Value) -> Result<ChatMessage, ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::MODEL_ID;
     use serde_json::json;
 
-    const LIMITS: Limits = Limits {
+    const LIMITS: Limits<'static> = Limits {
         max_tokens: 1000,
-        default_effort: ReasoningEffort::Max,
+        default_thinking: Thinking::On(ReasoningEffort::Max),
+        model_aliases: &[],
     };
 
     fn chat(extra: Value) -> Result<GenRequest, ApiError> {
@@ -895,5 +904,50 @@ mod tests {
         );
         assert!(p(json!({"prompt": "a", "model": MODEL_ID})).is_ok());
         assert!(p(json!([1])).unwrap_err().message.contains("JSON object"));
+    }
+
+    #[test]
+    fn aliases_and_the_default_thinking_come_from_the_server() {
+        let aliases = vec!["kimi".to_string(), "gpt-4o".to_string()];
+        let limits = Limits {
+            default_thinking: Thinking::Off,
+            model_aliases: &aliases,
+            ..LIMITS
+        };
+        let body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        for name in [MODEL_ID, "kimi", "gpt-4o"] {
+            let mut b = body.clone();
+            b["model"] = json!(name);
+            assert!(parse(&b, Surface::Chat, &limits).is_ok(), "{name}");
+        }
+        let mut b = body.clone();
+        b["model"] = json!("Kimi");
+        let e = parse(&b, Surface::Chat, &limits).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("model"));
+        assert!(
+            e.message.contains("aliases `kimi`, `gpt-4o`"),
+            "{}",
+            e.message
+        );
+        // Without aliases an alias is just another unknown model.
+        b["model"] = json!("kimi");
+        assert!(parse(&b, Surface::Chat, &LIMITS).is_err());
+
+        let Prompt::Chat { controls, .. } = parse(&body, Surface::Chat, &limits).unwrap().prompt
+        else {
+            panic!("chat prompt")
+        };
+        assert!(!controls.thinking);
+        // A request's own effort wins over the server's default.
+        let mut b = body.clone();
+        b["reasoning_effort"] = json!("high");
+        let Prompt::Chat { controls, .. } = parse(&b, Surface::Chat, &limits).unwrap().prompt
+        else {
+            panic!("chat prompt")
+        };
+        assert_eq!(
+            (controls.thinking, controls.effort),
+            (true, ReasoningEffort::High)
+        );
     }
 }

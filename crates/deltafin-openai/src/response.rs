@@ -3,6 +3,7 @@
 
 use crate::MODEL_ID;
 use crate::engine::{Engine, FinishReason, Usage};
+use crate::metrics::{GenSummary, RequestLog};
 use crate::output::{Delta, ToolCallDelta, chat_logprob_entries, completions_logprobs};
 use crate::request::Surface;
 use serde_json::{Value, json};
@@ -68,9 +69,25 @@ pub struct Shape {
     pub logprobs: bool,
     /// Streams: whether a usage frame ends the stream.
     pub include_usage: bool,
+    /// The request's log line, which the end of the answer fills in.
+    pub log: RequestLog,
 }
 
 impl Shape {
+    /// Records how the generation ended on the request's log line.
+    pub fn ended(&self, finish: Option<(FinishReason, &Usage)>) {
+        self.log.set_summary(match finish {
+            Some((f, u)) => GenSummary {
+                tokens: Some((u.prompt_tokens, u.completion_tokens)),
+                finish: f.as_str(),
+            },
+            None => GenSummary {
+                tokens: None,
+                finish: "error",
+            },
+        });
+    }
+
     /// The usage object.
     pub fn usage(&self, u: &Usage) -> Value {
         let mut v = json!({

@@ -1,23 +1,25 @@
 //! The HTTP side: routing, admission (one generation plus a bounded FIFO queue), body limits,
-//! JSON and SSE responses, disconnect cancellation and graceful shutdown.
+//! JSON and SSE responses, disconnect cancellation and graceful shutdown; the request log
+//! and the counters of `/metrics`.
 
-use crate::conn::{CancelOnDrop, ClientConn, abandoned, unless_gone};
-use crate::engine::{Ending, Engine, GenEvent, run_generation};
+use crate::conn::{CancelOnDrop, ClientConn, ClientLeft, abandoned, unless_gone};
+use crate::engine::{Ending, Engine, GenEvent, run_generation_timed};
 use crate::error::{ApiError, json_response};
 use crate::messages::{self, MessagesMeta, reply::MessagesReply};
+use crate::metrics::{CLIENT_CLOSED, Metrics, RequestLog, Snapshot};
+use crate::ops::{self, TokenizerOp, read_body};
 use crate::output::Delta;
 use crate::reply::ReplyContext;
 use crate::request::{self, Limits, Surface};
 use crate::response::Shape;
 use crate::responses::{self, ResponsesMeta, reply::ResponsesReply};
 use crate::transport::{answer_with, sse_headers};
-use crate::{MODEL_ID, ServerConfig};
+use crate::{MODEL_ID, ServerConfig, models};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::{Method, StatusCode, header};
+use axum::http::{HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -25,12 +27,11 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc, watch};
 
-/// A request body that stops arriving for this long is answered with 408.
-pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+pub use crate::ops::BODY_IDLE_TIMEOUT;
 /// After a shutdown signal, connections still open after this long are abandoned.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
@@ -48,6 +49,9 @@ pub enum ServeError {
     /// The model failed to load.
     #[error("{0}")]
     Load(String),
+    /// A setting of [`ServerConfig`] is invalid (a model alias).
+    #[error("{0}")]
+    Config(String),
     /// The HTTP server failed.
     #[error("server error: {0}")]
     Io(#[from] std::io::Error),
@@ -79,6 +83,8 @@ pub struct ServerStats {
 struct AppState {
     cfg: ServerConfig,
     created: u64,
+    started: Instant,
+    metrics: Arc<Metrics>,
     engine: watch::Receiver<EngineState>,
     slot: Arc<Semaphore>,
     shutdown: AtomicBool,
@@ -124,6 +130,46 @@ impl AppState {
     fn id_suffix(&self) -> String {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         format!("{:08x}{:012x}", unix_now() as u32, seq & 0xffff_ffff_ffff)
+    }
+
+    /// The engine, or why requests cannot use it yet.
+    fn ready_engine(&self) -> Result<Arc<Engine>, ApiError> {
+        if self.shutdown.load(Ordering::SeqCst) {
+            return Err(ApiError::shutting_down());
+        }
+        match &*self.engine.borrow() {
+            EngineState::Loading => Err(ApiError::loading()),
+            EngineState::Failed(e) => {
+                Err(ApiError::server(format!("the model failed to load: {e}")))
+            }
+            EngineState::Ready(e) => Ok(e.clone()),
+        }
+    }
+
+    /// What `/metrics` reads besides the request counters.
+    fn snapshot(&self) -> Snapshot {
+        let started = self.stats.generations_started.load(Ordering::SeqCst);
+        let finished = self.stats.generations_finished.load(Ordering::SeqCst);
+        let cancelled = self.stats.generations_cancelled.load(Ordering::SeqCst);
+        let running = started.saturating_sub(finished + cancelled) as usize;
+        let reserved = self.stats.reserved.load(Ordering::SeqCst);
+        let engine = match &*self.engine.borrow() {
+            EngineState::Ready(e) => Some(e.clone()),
+            _ => None,
+        };
+        Snapshot {
+            uptime_seconds: self.started.elapsed().as_secs_f64(),
+            ready: engine.is_some(),
+            busy: running > 0,
+            queue_depth: reserved.saturating_sub(running),
+            queue_capacity: self.cfg.queue,
+            generations_finished: finished,
+            generations_cancelled: cancelled,
+            host_experts: engine.as_ref().and_then(|e| e.model.experts.stats()),
+            device_experts: engine
+                .as_ref()
+                .and_then(|e| e.model.device_experts.as_ref().map(|c| c.stats())),
+        }
     }
 
     fn begin_shutdown(&self) {
@@ -173,6 +219,7 @@ impl Server {
         cfg: ServerConfig,
         loader: impl FnOnce() -> Result<Engine, String> + Send + 'static,
     ) -> Result<Server, ServeError> {
+        models::check_model_aliases(&cfg.model_aliases).map_err(ServeError::Config)?;
         let addr = format!("{}:{}", cfg.host, cfg.port);
         let listener = TcpListener::bind((cfg.host.as_str(), cfg.port))
             .await
@@ -198,6 +245,8 @@ impl Server {
             state: Arc::new(AppState {
                 cfg,
                 created: unix_now(),
+                started: Instant::now(),
+                metrics: Arc::new(Metrics::default()),
                 engine: rx,
                 slot: Arc::new(Semaphore::new(1)),
                 shutdown: AtomicBool::new(false),
@@ -296,34 +345,104 @@ enum Front {
     Responses(ResponsesMeta),
 }
 
+/// Every request: its id, its answer, then (when the answer's body is done) its log line
+/// and its count.
 async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
     let api = match path.as_str() {
-        "/v1/models" | "/models" => {
-            return if method == Method::GET {
-                json_response(
-                    StatusCode::OK,
-                    &json!({"object": "list", "data": [model_object(&state)]}),
-                )
-            } else {
-                ApiError::method_not_allowed().into_response()
-            };
+        "/v1/completions" | "/completions" => Some(Api::OpenAi(Surface::Completions)),
+        "/v1/chat/completions" | "/chat/completions" => Some(Api::OpenAi(Surface::Chat)),
+        "/v1/messages" => Some(Api::Messages),
+        "/v1/responses" | "/responses" => Some(Api::Responses),
+        _ => None,
+    };
+    let prefix = match api {
+        Some(Api::OpenAi(Surface::Completions)) => "cmpl",
+        Some(Api::OpenAi(Surface::Chat)) => "chatcmpl",
+        Some(Api::Messages) => "msg",
+        Some(Api::Responses) => "resp",
+        None => "req",
+    };
+    let log = RequestLog::new(
+        state.metrics.clone(),
+        method.as_str(),
+        &path,
+        &state.response_id(prefix),
+        api.is_some(),
+    );
+    let mut resp = dispatch(&state, req, &path, &method, api, &log).await;
+    log.set_status(if resp.extensions().get::<ClientLeft>().is_some() {
+        CLIENT_CLOSED
+    } else {
+        resp.status().as_u16()
+    });
+    if let Ok(v) = HeaderValue::from_str(log.id()) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+async fn dispatch(
+    state: &Arc<AppState>,
+    req: Request,
+    path: &str,
+    method: &Method,
+    api: Option<Api>,
+    log: &RequestLog,
+) -> Response {
+    let get = method == Method::GET || method == Method::HEAD;
+    let answer = |ok: bool, f: &dyn Fn() -> Response| {
+        if ok {
+            f()
+        } else {
+            ApiError::method_not_allowed().into_response()
         }
-        "/v1/completions" | "/completions" => Api::OpenAi(Surface::Completions),
-        "/v1/chat/completions" | "/chat/completions" => Api::OpenAi(Surface::Chat),
-        "/v1/messages" => Api::Messages,
-        "/v1/responses" | "/responses" => Api::Responses,
-        p => {
+    };
+    let aliases = &state.cfg.model_aliases;
+    let api = match (path, api) {
+        (_, Some(a)) => a,
+        ("/v1/models" | "/models", _) => {
+            return answer(method == Method::GET, &|| {
+                let data: Vec<Value> = std::iter::once(MODEL_ID)
+                    .chain(aliases.iter().map(String::as_str))
+                    .map(|id| model_object(state, id))
+                    .collect();
+                json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+            });
+        }
+        ("/health" | "/v1/health", _) => {
+            return answer(get, &|| ops::health(state.ready_engine().map(drop)));
+        }
+        ("/metrics", _) => {
+            return answer(get, &|| ops::metrics(&state.metrics, &state.snapshot()));
+        }
+        ("/tokenize" | "/detokenize", _) => {
+            if method != Method::POST {
+                return ApiError::method_not_allowed().into_response();
+            }
+            let op = if path == "/tokenize" {
+                TokenizerOp::Tokenize
+            } else {
+                TokenizerOp::Detokenize
+            };
+            let limit = state.cfg.max_request_bytes;
+            let result = match state.ready_engine() {
+                Ok(engine) => ops::tokenizer(engine, req, limit, op).await,
+                Err(e) => Err(e),
+            };
+            return result.unwrap_or_else(IntoResponse::into_response);
+        }
+        (p, _) => {
             let id = p
                 .strip_prefix("/v1/models/")
                 .or_else(|| p.strip_prefix("/models/"));
             return match id {
                 Some(id) if method == Method::GET => {
-                    if id == MODEL_ID {
-                        json_response(StatusCode::OK, &model_object(&state))
+                    if models::is_served(id, aliases) {
+                        json_response(StatusCode::OK, &model_object(state, id))
                     } else {
-                        ApiError::model_not_found(id).into_response()
+                        ApiError::model_not_found(id, aliases).into_response()
                     }
                 }
                 Some(_) => ApiError::method_not_allowed().into_response(),
@@ -347,40 +466,14 @@ async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
             #[cfg(unix)]
             sock: None,
         });
-    match generate(state, api, req, conn).await {
+    match generate(state.clone(), api, req, conn, log.clone()).await {
         Ok(resp) => resp,
         Err(e) => api.error(e),
     }
 }
 
-fn model_object(state: &AppState) -> Value {
-    json!({"id": MODEL_ID, "object": "model", "created": state.created, "owned_by": "deltafin"})
-}
-
-/// Reads the body: `Content-Length` first, then at most `limit` bytes.
-async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
-    if let Some(len) = req.headers().get(header::CONTENT_LENGTH)
-        && let Some(len) = len.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok())
-        && len > limit as u64
-    {
-        return Err(ApiError::too_large(limit));
-    }
-    let mut stream = req.into_body().into_data_stream();
-    let mut buf = Vec::new();
-    loop {
-        match tokio::time::timeout(BODY_IDLE_TIMEOUT, stream.next()).await {
-            Err(_) => return Err(ApiError::body_timeout(BODY_IDLE_TIMEOUT.as_secs())),
-            Ok(None) => break,
-            Ok(Some(Err(_))) => return Err(ApiError::invalid("could not read request body")),
-            Ok(Some(Ok(chunk))) => {
-                if buf.len() + chunk.len() > limit {
-                    return Err(ApiError::too_large(limit));
-                }
-                buf.extend_from_slice(&chunk);
-            }
-        }
-    }
-    Ok(Bytes::from(buf))
+fn model_object(state: &AppState, id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": state.created, "owned_by": "deltafin"})
 }
 
 async fn generate(
@@ -388,17 +481,9 @@ async fn generate(
     api: Api,
     req: Request,
     conn: ClientConn,
+    log: RequestLog,
 ) -> Result<Response, ApiError> {
-    if state.shutdown.load(Ordering::SeqCst) {
-        return Err(ApiError::shutting_down());
-    }
-    let engine = match &*state.engine.borrow() {
-        EngineState::Loading => return Err(ApiError::loading()),
-        EngineState::Failed(e) => {
-            return Err(ApiError::server(format!("the model failed to load: {e}")));
-        }
-        EngineState::Ready(e) => e.clone(),
-    };
+    let engine = state.ready_engine()?;
     // Reserve before reading the body: at most one generation plus `queue` waiters.
     let Some(ticket) = state.try_reserve() else {
         state.stats.busy_rejections.fetch_add(1, Ordering::Relaxed);
@@ -410,7 +495,8 @@ async fn generate(
     drop(body);
     let limits = Limits {
         max_tokens: state.cfg.max_tokens,
-        default_effort: state.cfg.default_effort,
+        default_thinking: state.cfg.default_thinking,
+        model_aliases: &state.cfg.model_aliases,
     };
     let (gen_req, front) = match api {
         Api::OpenAi(surface) => (
@@ -464,7 +550,7 @@ async fn generate(
         if st.shutdown.load(Ordering::SeqCst) {
             interrupt.store(true, Ordering::SeqCst);
         }
-        let ending = run_generation(
+        let (ending, timing) = run_generation_timed(
             &engine,
             &gen_for_worker,
             &prompt,
@@ -486,6 +572,9 @@ async fn generate(
             })) => &st.stats.generations_cancelled,
             Ending::Event(_) => &st.stats.generations_finished,
         };
+        if let Ending::Event(GenEvent::Done { usage, .. }) = &ending {
+            st.metrics.record_generation(usage, &timing);
+        }
         counter.fetch_add(1, Ordering::SeqCst);
         if let Ending::Event(ev) = ending {
             let _ = tx.send(ev);
@@ -510,10 +599,8 @@ async fn generate(
     };
     let shape = Shape {
         surface,
-        id: state.response_id(match surface {
-            Surface::Completions => "cmpl",
-            Surface::Chat => "chatcmpl",
-        }),
+        id: log.id().to_string(),
+        log,
         created: unix_now(),
         engine: tok_engine,
         logprobs: gen_req.logprobs.is_some(),
@@ -540,6 +627,7 @@ async fn collect_response(
             GenEvent::Delta(d) => all.extend(d),
             GenEvent::Done { finish, usage } => {
                 guard.armed = false;
+                shape.ended(Some((finish, &usage)));
                 return Ok(json_response(
                     StatusCode::OK,
                     &shape.full(&all, finish, &usage),
@@ -547,6 +635,7 @@ async fn collect_response(
             }
             GenEvent::Failed(e) => {
                 guard.armed = false;
+                shape.ended(None);
                 return Err(e);
             }
         }
@@ -573,6 +662,7 @@ impl SseState {
         match ev {
             Some(GenEvent::Delta(d)) => self.shape.delta_frames(&d, &mut frames),
             Some(GenEvent::Done { finish, usage }) => {
+                self.shape.ended(Some((finish, &usage)));
                 frames.push_back(self.shape.finish_frame(finish));
                 if self.shape.include_usage {
                     let mut u = self.shape.chunk(Value::Null);
@@ -587,6 +677,7 @@ impl SseState {
                 return;
             }
             Some(GenEvent::Failed(e)) => {
+                self.shape.ended(None);
                 let mut body = e.body();
                 body["error"]["type"] = Value::from("server_error");
                 body["error"]["code"] = Value::from(e.code);

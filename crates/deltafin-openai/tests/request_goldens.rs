@@ -3,7 +3,7 @@
 //! sent as OpenAI request bodies (`tools`, `tool_choice`, `reasoning_effort`), parsed and
 //! rendered by the server's own path ([`deltafin_openai::engine::chat_options`]).
 
-use deltafin_k3::text::chat::{ReasoningEffort, encode_chat};
+use deltafin_k3::text::chat::{ReasoningEffort, Thinking, encode_chat};
 use deltafin_k3::text::tokenizer::Tokenizer;
 use deltafin_openai::engine::chat_options;
 use deltafin_openai::request::{Limits, Prompt, Surface, parse};
@@ -40,7 +40,8 @@ fn requests_render_like_the_reference() {
     .unwrap();
     let limits = Limits {
         max_tokens: 16,
-        default_effort: ReasoningEffort::Max,
+        default_thinking: Thinking::On(ReasoningEffort::Max),
+        model_aliases: &[],
     };
     let mut seen = 0;
     for case in doc["cases"].as_array().unwrap() {

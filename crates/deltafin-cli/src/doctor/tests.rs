@@ -1,7 +1,7 @@
 use super::canaries::{canaries, worst_ratio};
 use super::memory::huge_pages_check;
 use super::*;
-use deltafin_k3::text::chat::ReasoningEffort;
+use deltafin_k3::text::chat::{ReasoningEffort, Thinking};
 
 #[test]
 fn canaries_pass_on_this_host() {
@@ -78,7 +78,7 @@ fn the_admitted_context_is_the_longest_the_run_plan_accepts() {
     assert!(admitted < ckpt.config().text.max_position_embeddings);
 
     let run_plan = |context: Option<usize>| {
-        let mut c = crate::run::engine_config(&run, ReasoningEffort::Max).unwrap();
+        let mut c = crate::run::engine_config(&run, Thinking::On(ReasoningEffort::Max)).unwrap();
         if context.is_some() {
             c.context_tokens = context;
         }

@@ -14,7 +14,7 @@ use crate::MODEL_ID;
 use crate::error::ApiError;
 use crate::request::{ChatControls, GenRequest, Limits, Prompt, Surface, ToolMode, finite_number};
 use axum::http::HeaderMap;
-use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat};
+use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat, Thinking};
 use serde_json::{Map, Value, json};
 use wire::{ENDPOINT, bad, check_cache_control, object, only_keys, string};
 
@@ -148,7 +148,7 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, MessagesMeta)
     check_cache_control(get("cache_control"), "cache_control")?;
     let stops = stop_sequences(get("stop_sequences"))?;
 
-    let (thinking, effort, response_format) = thinking(obj, asked, limits.default_effort)?;
+    let (thinking, effort, response_format) = thinking(obj, asked, limits.default_thinking)?;
     let tools = tools(get("tools"))?;
     let (tool_mode, parallel_tool_calls) = tool_choice(get("tool_choice"), &tools)?;
 
@@ -267,10 +267,10 @@ pub fn budget_effort(budget: u64) -> ReasoningEffort {
 fn thinking(
     obj: &Map<String, Value>,
     max_tokens: u64,
-    default_effort: ReasoningEffort,
+    default: Thinking,
 ) -> Result<(bool, ReasoningEffort, Option<ResponseFormat>), ApiError> {
     let get = |k: &str| field(obj, k);
-    let (mut on, mut effort) = (true, default_effort);
+    let (mut on, mut effort) = thinking_default(default);
     if let Some(t) = get("thinking") {
         let t = object(t, "thinking", "`thinking`")?;
         let kind = string(t, "type", "thinking", "`thinking`")?;
@@ -522,3 +522,11 @@ fn tool_choice(v: Option<&Value>, tools: &[Value]) -> Result<(ToolMode, bool), A
 
 #[cfg(test)]
 mod tests;
+
+/// The server's default thinking (`K3_REASONING_EFFORT`) as (on, effort).
+pub(crate) fn thinking_default(default: Thinking) -> (bool, ReasoningEffort) {
+    match default {
+        Thinking::Off => (false, ReasoningEffort::Max),
+        Thinking::On(effort) => (true, effort),
+    }
+}

@@ -3,7 +3,8 @@ use axum::http::HeaderValue;
 
 const LIMITS: Limits = Limits {
     max_tokens: 1000,
-    default_effort: ReasoningEffort::High,
+    default_thinking: deltafin_k3::text::chat::Thinking::On(ReasoningEffort::High),
+    model_aliases: &[],
 };
 
 fn parse_with(extra: Value) -> Result<(GenRequest, MessagesMeta), ApiError> {

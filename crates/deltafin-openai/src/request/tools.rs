@@ -257,12 +257,13 @@ pub(super) fn parse_tool_fields(obj: &Map<String, Value>) -> Result<ToolFields, 
 mod tests {
     use super::super::{ChatControls, Limits, Prompt, Surface, parse};
     use super::*;
-    use deltafin_k3::text::chat::ReasoningEffort;
+    use deltafin_k3::text::chat::{ReasoningEffort, Thinking};
     use serde_json::json;
 
-    const LIMITS: Limits = Limits {
+    const LIMITS: Limits<'static> = Limits {
         max_tokens: 100,
-        default_effort: ReasoningEffort::High,
+        default_thinking: Thinking::On(ReasoningEffort::High),
+        model_aliases: &[],
     };
 
     fn chat(extra: Value) -> Result<ChatControls, ApiError> {

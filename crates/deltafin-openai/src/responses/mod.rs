@@ -14,7 +14,7 @@ pub mod reply;
 use crate::MODEL_ID;
 use crate::error::ApiError;
 use crate::request::{ChatControls, GenRequest, Limits, Prompt, Surface, ToolMode, finite_number};
-use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat};
+use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat, Thinking};
 use input::{ENDPOINT, bad, only_keys};
 use serde_json::{Map, Value, json};
 
@@ -183,7 +183,7 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
     );
 
     let (thinking, effort, summary) =
-        reasoning(get("reasoning"), limits.default_effort, &mut echo)?;
+        reasoning(get("reasoning"), limits.default_thinking, &mut echo)?;
     let response_format = text_config(get("text"), &mut echo)?;
     let tools = tools(get("tools"), &mut echo)?;
     let tool_mode = tool_choice(get("tool_choice"), &tools, &mut echo)?;
@@ -313,11 +313,12 @@ fn sampling(obj: &Map<String, Value>, echo: &mut Map<String, Value>) -> Result<(
 /// `reasoning`: thinking on or off, its effort, and whether the text is the summary.
 fn reasoning(
     v: Option<&Value>,
-    default_effort: ReasoningEffort,
+    default: Thinking,
     echo: &mut Map<String, Value>,
 ) -> Result<(bool, ReasoningEffort, bool), ApiError> {
     let mut r = Map::new();
-    let (mut on, mut effort, mut summary) = (true, default_effort, false);
+    let (mut on, default_effort) = crate::messages::thinking_default(default);
+    let (mut effort, mut summary) = (default_effort, false);
     if let Some(v) = v {
         let obj = v
             .as_object()

@@ -121,6 +121,25 @@ impl Thinking {
     }
 }
 
+impl Thinking {
+    /// Rendering options with this thinking and everything else at its default.
+    pub fn chat_options(self) -> ChatOptions {
+        let mut opts = ChatOptions::default();
+        self.apply(&mut opts);
+        opts
+    }
+}
+
+impl fmt::Display for Thinking {
+    /// `none` when off, else the effort's spelling.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Thinking::Off => f.write_str("none"),
+            Thinking::On(e) => e.fmt(f),
+        }
+    }
+}
+
 impl FromStr for Thinking {
     type Err = ParseThinkingError;
 

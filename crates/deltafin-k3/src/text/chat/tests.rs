@@ -248,6 +248,17 @@ fn thinking_spellings() {
 }
 
 #[test]
+fn thinking_display_and_chat_options() {
+    assert_eq!(Thinking::Off.to_string(), "none");
+    assert_eq!(Thinking::On(ReasoningEffort::High).to_string(), "high");
+    assert_eq!(Thinking::Off.chat_options(), no_think());
+    let on = Thinking::On(ReasoningEffort::Low).chat_options();
+    assert_eq!((on.thinking, on.effort), (true, Some(ReasoningEffort::Low)));
+    let off = texts(&render_segments(&[], &Thinking::Off.chat_options()).unwrap());
+    assert!(off.ends_with("<|open|>response<|sep|>") && !off.contains("thinking_effort"));
+}
+
+#[test]
 fn message_from_json() {
     let m = ChatMessage::from_json(&json!({
         "role": "assistant",

@@ -1,0 +1,139 @@
+//! The endpoints around generation: `GET /health`, `GET /metrics`, `POST /tokenize`,
+//! `POST /detokenize` (docs/SERVER.md), and reading a request body under the size limit.
+
+use crate::engine::Engine;
+use crate::error::{ApiError, json_response};
+use crate::metrics::{self, Metrics, Snapshot};
+use axum::body::{Body, Bytes};
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A request body that stops arriving for this long is answered with 408.
+pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `GET /health` from whether the engine serves requests: 200 `{"status":"ok"}`, else the
+/// state's 503 (`model_loading`, `server_shutting_down`, `server_error` after a failed load).
+pub fn health(ready: Result<(), ApiError>) -> Response {
+    match ready {
+        Ok(()) => json_response(StatusCode::OK, &json!({"status": "ok"})),
+        Err(e) if e.kind == "server_shutting_down" => ApiError::stopping().into_response(),
+        Err(e) => ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            ..e
+        }
+        .into_response(),
+    }
+}
+
+/// `GET /metrics`: the text exposition.
+pub fn metrics(m: &Metrics, s: &Snapshot) -> Response {
+    let mut resp = Response::new(Body::from(m.render(s)));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(metrics::CONTENT_TYPE),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    resp
+}
+
+/// Which tokenizer endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenizerOp {
+    /// `POST /tokenize`.
+    Tokenize,
+    /// `POST /detokenize`.
+    Detokenize,
+}
+
+/// `POST /tokenize` and `POST /detokenize` on the loaded model's tokenizer; they never wait
+/// for the generation slot.
+pub async fn tokenizer(
+    engine: Arc<Engine>,
+    req: Request,
+    limit: usize,
+    op: TokenizerOp,
+) -> Result<Response, ApiError> {
+    let body = read_body(req, limit).await?;
+    let json: Value = serde_json::from_slice(&body)
+        .map_err(|_| ApiError::invalid("request body must be valid JSON"))?;
+    drop(body);
+    let out = tokio::task::spawn_blocking(move || match op {
+        TokenizerOp::Tokenize => crate::tokenize::tokenize(&engine.tokenizer, &json),
+        TokenizerOp::Detokenize => crate::tokenize::detokenize(&engine.tokenizer, &json),
+    })
+    .await
+    .map_err(|e| ApiError::server(format!("the tokenizer failed: {e}")))??;
+    Ok(json_response(StatusCode::OK, &out))
+}
+
+/// Reads the body: `Content-Length` first, then at most `limit` bytes.
+pub async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
+    if let Some(len) = req.headers().get(header::CONTENT_LENGTH)
+        && let Some(len) = len.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok())
+        && len > limit as u64
+    {
+        return Err(ApiError::too_large(limit));
+    }
+    let mut stream = req.into_body().into_data_stream();
+    let mut buf = Vec::new();
+    loop {
+        match tokio::time::timeout(BODY_IDLE_TIMEOUT, stream.next()).await {
+            Err(_) => return Err(ApiError::body_timeout(BODY_IDLE_TIMEOUT.as_secs())),
+            Ok(None) => break,
+            Ok(Some(Err(_))) => return Err(ApiError::invalid("could not read request body")),
+            Ok(Some(Ok(chunk))) => {
+                if buf.len() + chunk.len() > limit {
+                    return Err(ApiError::too_large(limit));
+                }
+                buf.extend_from_slice(&chunk);
+            }
+        }
+    }
+    Ok(Bytes::from(buf))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body_of(r: Response) -> (u16, Value) {
+        let status = r.status().as_u16();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let bytes = rt
+            .block_on(axum::body::to_bytes(r.into_body(), 1 << 20))
+            .unwrap();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[test]
+    fn health_is_ok_only_when_ready() {
+        assert_eq!(body_of(health(Ok(()))), (200, json!({"status": "ok"})));
+        for (r, kind) in [
+            (ApiError::loading(), "model_loading"),
+            (ApiError::shutting_down(), "server_shutting_down"),
+            (
+                ApiError::server("the model failed to load: no disk"),
+                "server_error",
+            ),
+        ] {
+            let r = Err(r);
+            let (status, v) = body_of(health(r));
+            assert_eq!(status, 503);
+            assert_eq!(v["error"]["type"], kind);
+            assert_eq!(v["error"]["code"], kind);
+        }
+        let (_, v) = body_of(health(Err(ApiError::shutting_down())));
+        assert_eq!(v["error"]["message"], "the server is shutting down");
+    }
+}
