@@ -18,8 +18,8 @@ pub mod request;
 pub mod response;
 pub mod responses;
 pub mod server;
-mod transport;
 mod tokenize;
+mod transport;
 
 pub use engine::{Engine, LoadError};
 pub use error::ApiError;
