@@ -2,12 +2,9 @@
 //! spine (`k3-resident-int8/`, docs/K3.md §12.6), resumably, or check it (`--check`).
 
 use crate::RootArg;
-use crate::session::check_root;
+use crate::session::{check_root, progress_bar, sequential_gbps};
 use anyhow::{Result, bail};
 use clap::Args;
-use deltafin_experts::DirectIo;
-use deltafin_experts::probe::{ProbeOptions, probe};
-use deltafin_fetch::progress::{self, stderr_bar};
 use deltafin_k3::weights::checkpoint::Checkpoint;
 use deltafin_k3::weights::install;
 use deltafin_k3::weights::spine_int8::{
@@ -31,11 +28,6 @@ pub struct ConvertSpineInt8Args {
     /// Write nothing: re-hash every int8 file and its BF16 source against the receipts.
     #[arg(long)]
     pub check: bool,
-}
-
-/// A byte progress bar on stderr, hidden when stderr is not a terminal.
-pub(crate) fn progress_bar(total: u64) -> ProgressBar {
-    stderr_bar(total, progress::BYTES, true)
 }
 
 /// The byte progress bar of a job that reports `(done, total, what)`: made at the first
@@ -76,23 +68,6 @@ fn disk_gbps(ckpt: &Checkpoint) -> Option<(f64, String)> {
         .into_iter()
         .max_by_key(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))?;
     sequential_gbps(largest)
-}
-
-/// The sequential-read probe of `path`: up to 1 GB from its start in 8 MiB reads, four in
-/// flight, O_DIRECT where the filesystem takes it (the expert read path). GB/s and the read
-/// path (`direct` or `buffered (why)`).
-pub(crate) fn sequential_gbps(path: &Path) -> Option<(f64, String)> {
-    let opts = ProbeOptions {
-        sequential_bytes: 1_000_000_000,
-        sequential_chunk: 8 << 20,
-        random_size: 1 << 20,
-        random_count: 0,
-        threads: 4,
-        direct_io: DirectIo::Auto,
-        seed: 1,
-    };
-    let r = probe(path, &opts).ok()?;
-    (r.sequential_bytes > 0).then_some((r.sequential_gbps, r.io_path))
 }
 
 /// Run the command.

@@ -28,7 +28,7 @@ impl LoadProgress for StderrProgress {
         eprintln!("deltafin: note: {line}");
     }
     fn copy_started(&self, what: &str) {
-        let bar = crate::convert::progress_bar(0);
+        let bar = progress_bar(0);
         bar.set_message(format!("copying the {what} into huge-page memory"));
         *self.bar.lock().unwrap_or_else(|p| p.into_inner()) = Some(bar);
     }
@@ -266,7 +266,7 @@ pub fn report_expert_stats(model: &K3Model) {
 
 /// The sequential-read probe `--stats` compares the load with, taken before the load (so
 /// that nothing else reads the disk meanwhile): the largest shard under `root`, up to 1 GB
-/// ([`crate::convert::sequential_gbps`]). `(GB/s, read path, file)`; `None` without a shard.
+/// ([`sequential_gbps`]). `(GB/s, read path, file)`; `None` without a shard.
 pub fn load_probe(root: &Path) -> Option<(f64, String, std::path::PathBuf)> {
     let largest = std::fs::read_dir(root)
         .ok()?
@@ -276,7 +276,7 @@ pub fn load_probe(root: &Path) -> Option<(f64, String, std::path::PathBuf)> {
         .filter_map(|p| std::fs::metadata(&p).ok().map(|m| (m.len(), p)))
         .max()?
         .1;
-    let (gbps, io) = crate::convert::sequential_gbps(&largest)?;
+    let (gbps, io) = sequential_gbps(&largest)?;
     Some((gbps, io, largest))
 }
 
@@ -367,4 +367,26 @@ pub fn backend_description() -> String {
         deltafin_kernels::kernel_backend(),
         deltafin_kernels::pool_settings(),
     )
+}
+
+/// A byte progress bar on stderr, hidden when stderr is not a terminal.
+pub(crate) fn progress_bar(total: u64) -> indicatif::ProgressBar {
+    deltafin_fetch::progress::stderr_bar(total, deltafin_fetch::progress::BYTES, true)
+}
+
+/// The sequential-read probe of `path`: up to 1 GB from its start in 8 MiB reads, four in
+/// flight, O_DIRECT where the filesystem takes it (the expert read path). GB/s and the read
+/// path (`direct` or `buffered (why)`).
+pub(crate) fn sequential_gbps(path: &std::path::Path) -> Option<(f64, String)> {
+    let opts = deltafin_experts::probe::ProbeOptions {
+        sequential_bytes: 1_000_000_000,
+        sequential_chunk: 8 << 20,
+        random_size: 1 << 20,
+        random_count: 0,
+        threads: 4,
+        direct_io: deltafin_experts::DirectIo::Auto,
+        seed: 1,
+    };
+    let r = deltafin_experts::probe::probe(path, &opts).ok()?;
+    (r.sequential_bytes > 0).then_some((r.sequential_gbps, r.io_path))
 }
