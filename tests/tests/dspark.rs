@@ -4,6 +4,7 @@
 //! tapped K3 partial sums, loading errors name the tensor, and a draft built to agree with
 //! the target (its Markov head set to K3's greedy bigrams) is accepted.
 
+use deltafin_k3::generate::Greedy;
 use deltafin_k3::model::{K3Model, LogitRows};
 use deltafin_k3::synth::{SynthDims, SynthSpec, scaled_config, synthesize, synthesize_dspark};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
@@ -494,6 +495,7 @@ fn measure_agreeing_drafters_under_each_policy() {
                     N,
                     &STOP,
                     d.as_mut(),
+                    &mut Greedy,
                     &mut policy,
                     &WallClock::new(),
                     &AtomicBool::new(false),

@@ -17,6 +17,7 @@
 
 use deltafin_k3::weights::config::K3Config;
 
+use deltafin_k3::generate::Greedy;
 use deltafin_k3::model::{K3Model, LogitRows};
 use deltafin_k3::synth::synthesize_dspark;
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
@@ -305,6 +306,7 @@ fn mini_agreeing_drafters_under_each_policy() {
                     n,
                     &STOP,
                     d.as_mut(),
+                    &mut Greedy,
                     &mut policy,
                     &WallClock::new(),
                     &AtomicBool::new(false),

@@ -1,13 +1,14 @@
 //! Speculative decoding is exact: whatever a drafter proposes, the emitted ids equal plain
 //! greedy K3 (synthesized tiny checkpoint: real vocabulary, KDA/MLA pattern, MXFP4 experts).
 
+use deltafin_k3::generate::Greedy;
 use deltafin_k3::model::{K3Model, LogitRows};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use deltafin_spec::policy::PROBE_STEPS;
 use deltafin_spec::{
-    Clock, Drafter, PolicyMode, PolicyReport, PolicyState, SpecPolicy, SpecStats,
+    Clock, Drafter, PolicyMode, PolicyReport, PolicyState, RuleRows, SpecPolicy, SpecStats,
     generate_speculative, generate_with_policy, verify,
 };
 use std::cell::Cell;
@@ -126,7 +127,12 @@ fn rejected_drafts_roll_the_state_back_exactly() {
     let mut state = reference.clone();
     // Two right drafts, then wrong ones.
     let drafts = [truth[1], truth[2], truth[3] ^ 1, 7, 9];
-    let v = verify(&model, &mut state, truth[0], &drafts).unwrap();
+    let mut rows = RuleRows {
+        rule: &mut Greedy,
+        step: 1,
+        stop_ids: &[],
+    };
+    let v = verify(&model, &mut state, truth[0], &drafts, &mut rows, None).unwrap();
     assert_eq!(v.accepted, 2);
     assert_eq!(v.next, truth[3]);
     model
@@ -247,6 +253,7 @@ fn with_policy(
         max_new,
         &STOP,
         drafter,
+        &mut Greedy,
         &mut policy,
         clock,
         &AtomicBool::new(false),

@@ -2,6 +2,7 @@
 //! synthesized Qwen3-0.6B-shaped model: exact output, the history round-trip rule, and
 //! proposals that are K3's own re-encoding of the drafted text.
 
+use deltafin_k3::generate::Greedy;
 use deltafin_k3::synth::{QwenSize, SynthDims, SynthSpec, synthesize, synthesize_qwen3};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_k3::weights::loader::{EngineOptions, open_model};
@@ -202,6 +203,7 @@ fn the_1_7b_is_tried_when_the_0_6b_is_rarely_accepted_and_kept_only_when_it_pays
             N,
             &STOP,
             &mut d,
+            &mut Greedy,
             &mut policy,
             &clock,
             &AtomicBool::new(false),

@@ -6,7 +6,9 @@ use crate::events::EventWriter;
 use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use deltafin_k3::engine::{EngineConfig, LoadedEngine};
-use deltafin_k3::generate::{GenerateEvent, GenerateOptions, LogitSummary, StopReason, generate};
+use deltafin_k3::generate::{
+    GenerateEvent, GenerateOptions, Greedy, LogitSummary, StopReason, generate,
+};
 use deltafin_k3::text::chat::{self, ChatMessage, ReasoningEffort, Thinking};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
@@ -276,6 +278,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
                         id,
                         duration,
                         summary,
+                        ..
                     } => {
                         emitted.push(id);
                         let piece = decoder
@@ -455,6 +458,7 @@ fn run_speculative(
             max_new,
             &opts.stop_ids,
             drafter.as_mut(),
+            &mut Greedy,
             &mut policy,
             &clock,
             interrupt,

@@ -1,9 +1,12 @@
-//! Greedy generation and teacher-forced scoring over a [`K3Model`].
+//! Generation and teacher-forced scoring over a [`K3Model`].
 //!
-//! Greedy decoding takes the first index of the maximum logit (torch `argmax`), so every
-//! emitted token is exactly defined by the model's logits. The prompt is prefilled in one
-//! batched pass; each later token is one decode step. Logit summaries (top-N and
-//! log-sum-exp) are the engine's own final logits after `lm_head`, unscaled.
+//! Every emitted token is chosen from K3's own logits by a [`Choose`] rule. The default,
+//! [`Greedy`], takes the first index of the maximum logit (torch `argmax`), so every emitted
+//! token is exactly defined by the model's logits; a constrained rule (structured output,
+//! `deltafin-openai`) takes the maximum over the tokens its grammar allows, still K3's choice.
+//! The prompt is prefilled in one batched pass; each later token is one decode step. Logit
+//! summaries (top-N and log-sum-exp) are the engine's own final logits after `lm_head`,
+//! unscaled.
 
 use crate::error::ModelError;
 use crate::model::state::State;
@@ -99,6 +102,34 @@ pub fn greedy(logits: &[f32]) -> u32 {
     deltafin_kernels::argmax(logits).unwrap_or(0) as u32
 }
 
+/// The rule that turns K3's logits into the emitted token, one generated position at a time.
+///
+/// Plain decoding calls `choose(step, logits)` then `accept(id)` for every step in order.
+/// Speculative verification ([`deltafin-spec`](../../deltafin_spec/index.html)) calls the same
+/// pair on each verified row and accepts a draft only when it equals what `choose` returned,
+/// so a drafted run emits exactly the ids of a plain one. A rule must therefore depend only
+/// on `step`, the logits and the ids accepted before (never on how many times it was asked).
+pub trait Choose {
+    /// The token for generated position `step` (0 = the first generated token), from K3's
+    /// logits for that position. An error ends generation ([`GenerateError::Choose`]).
+    fn choose(&mut self, step: usize, logits: &[f32]) -> Result<u32, String>;
+    /// `id` is emitted at the next position (it was returned by `choose`).
+    fn accept(&mut self, id: u32) -> Result<(), String>;
+}
+
+/// K3's argmax at every step ([`greedy`]); the default rule.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Greedy;
+
+impl Choose for Greedy {
+    fn choose(&mut self, _step: usize, logits: &[f32]) -> Result<u32, String> {
+        Ok(greedy(logits))
+    }
+    fn accept(&mut self, _id: u32) -> Result<(), String> {
+        Ok(())
+    }
+}
+
 /// One event of a generation, in order: `Prefilled` once, then one `Token` per emitted token.
 #[derive(Clone, Debug)]
 pub enum GenerateEvent<'a> {
@@ -112,6 +143,8 @@ pub enum GenerateEvent<'a> {
     Token {
         step: usize,
         id: u32,
+        /// K3's logit for `id` (with `summary`'s log-sum-exp it gives the token's logprob).
+        logit: f32,
         duration: Duration,
         summary: Option<&'a LogitSummary>,
     },
@@ -135,6 +168,9 @@ pub enum GenerateError {
     PromptTooLong { prompt: usize, max_context: usize },
     #[error("{0}")]
     Sink(String),
+    /// The token rule failed (e.g. a grammar that allows no token).
+    #[error("{0}")]
+    Choose(String),
 }
 
 /// Greedy generation from `prompt` on a fresh state. `on_event` sees every event; an error
@@ -143,6 +179,18 @@ pub fn generate(
     model: &K3Model,
     prompt: &[u32],
     opts: &GenerateOptions,
+    interrupt: &AtomicBool,
+    on_event: impl FnMut(GenerateEvent<'_>) -> Result<(), String>,
+) -> Result<GenerateOutcome, GenerateError> {
+    generate_with(model, prompt, opts, &mut Greedy, interrupt, on_event)
+}
+
+/// [`generate`] with the tokens chosen by `rule` instead of plain argmax.
+pub fn generate_with(
+    model: &K3Model,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    rule: &mut dyn Choose,
     interrupt: &AtomicBool,
     mut on_event: impl FnMut(GenerateEvent<'_>) -> Result<(), String>,
 ) -> Result<GenerateOutcome, GenerateError> {
@@ -174,11 +222,21 @@ pub fn generate(
         if interrupt.load(Ordering::Relaxed) {
             break StopReason::Interrupted;
         }
-        let id = greedy(&logits);
+        let id = rule
+            .choose(ids.len(), &logits)
+            .map_err(GenerateError::Choose)?;
+        let logit = logits.get(id as usize).copied().ok_or_else(|| {
+            GenerateError::Choose(format!(
+                "token {id} is outside the vocabulary of {}",
+                logits.len()
+            ))
+        })?;
+        rule.accept(id).map_err(GenerateError::Choose)?;
         ids.push(id);
         on_event(GenerateEvent::Token {
             step: ids.len() - 1,
             id,
+            logit,
             duration,
             summary: summary.as_ref(),
         })

@@ -9,7 +9,7 @@
 //! restored, MLA caches truncated) to the accepted length. The emitted sequence therefore
 //! equals plain greedy decoding whatever the drafter proposes.
 
-use deltafin_k3::generate::greedy;
+use deltafin_k3::generate::{Choose, Greedy};
 use deltafin_k3::model::state::State;
 use deltafin_k3::model::taps::Taps;
 use deltafin_k3::model::{K3Model, LogitRows, ModelError};
@@ -90,39 +90,47 @@ pub struct Verified {
 /// Verify `drafts` after `pending` (the newest K3-chosen token, not yet run through K3).
 ///
 /// Runs K3 once over `[pending, d₁…d_k]`; row `i` is K3's distribution after `d_i` (row 0
-/// after `pending`). Accepts the longest prefix with `d_{i+1} = argmax(row i)`, then K3's
-/// own token from the first disagreeing row. On return `state` holds exactly
-/// `pending, d₁…d_accepted` beyond what it held before.
+/// after `pending`). `rows.rule` chooses the token of each row in turn; the longest prefix of
+/// drafts equal to those choices is accepted, then the rule's token from the first
+/// disagreeing row is `next` (not yet accepted by the rule: the caller emits it). With
+/// [`Greedy`] that is "accept while `d_{i+1} = argmax(row i)`". On return `state` holds
+/// exactly `pending, d₁…d_accepted` beyond what it held before.
+///
+/// With `taps`, also appends the partial sums of the positions it keeps (`pending` and the
+/// accepted drafts: the rows of rejected drafts are dropped; each kept row is what the replay
+/// of the accepted prefix computes, the exact pass being row-invariant).
 pub fn verify(
     model: &K3Model,
     state: &mut State,
     pending: u32,
     drafts: &[u32],
-) -> Result<Verified, ModelError> {
-    verify_impl(model, state, pending, drafts, None)
+    rows: &mut RuleRows<'_>,
+    taps: Option<&mut Taps>,
+) -> Result<Verified, SpecError> {
+    verify_impl::<String>(model, state, pending, drafts, rows, taps).map_err(Failure::into_spec)
 }
 
-/// [`verify`] that also appends to `taps` the partial sums of the positions it keeps
-/// (`pending` and the accepted drafts: the rows of rejected drafts are dropped; each kept
-/// row is what the replay of the accepted prefix computes, the exact pass being
-/// row-invariant).
-pub fn verify_tapped(
+/// The token rule as verification drives it: `rule` chooses the token of generated position
+/// `step + i` from row `i`; a draft equal to that choice is accepted (and the rule told), so
+/// the ids are the rule's own choices whatever the drafter proposes. Verification stops after
+/// an accepted draft in `stop_ids` (nothing follows a stop token).
+pub struct RuleRows<'r> {
+    /// The token rule (its state holds every id accepted before `step`).
+    pub rule: &'r mut dyn Choose,
+    /// Generated position of row 0's token.
+    pub step: usize,
+    /// Ids that end generation.
+    pub stop_ids: &'r [u32],
+}
+
+fn verify_impl<E>(
     model: &K3Model,
     state: &mut State,
     pending: u32,
     drafts: &[u32],
-    taps: &mut Taps,
-) -> Result<Verified, ModelError> {
-    verify_impl(model, state, pending, drafts, Some(taps))
-}
-
-fn verify_impl(
-    model: &K3Model,
-    state: &mut State,
-    pending: u32,
-    drafts: &[u32],
+    rows: &mut RuleRows<'_>,
     mut taps: Option<&mut Taps>,
-) -> Result<Verified, ModelError> {
+) -> Result<Verified, Failure<E>> {
     let saved = (!drafts.is_empty()).then(|| state.checkpoint());
     let mut tape = Vec::with_capacity(drafts.len() + 1);
     tape.push(pending);
@@ -133,9 +141,20 @@ fn verify_impl(
         None => model.forward_exact(state, &tape, LogitRows::All)?,
     };
     let mut accepted = 0;
-    while accepted < drafts.len() && greedy(logits.row(accepted)) == drafts[accepted] {
+    let next = loop {
+        let choice = rows
+            .rule
+            .choose(rows.step + accepted, logits.row(accepted))
+            .map_err(Failure::Choose)?;
+        if drafts.get(accepted) != Some(&choice) {
+            break choice;
+        }
+        rows.rule.accept(choice).map_err(Failure::Choose)?;
         accepted += 1;
-    }
+        if rows.stop_ids.contains(&choice) {
+            break choice;
+        }
+    };
     if let Some(t) = taps {
         t.truncate(kept_rows + accepted + 1);
     }
@@ -149,7 +168,7 @@ fn verify_impl(
     }
     Ok(Verified {
         accepted,
-        next: greedy(&next_logits),
+        next,
         next_logits,
     })
 }
@@ -219,11 +238,25 @@ pub enum SpecError {
     /// The callback asked to stop.
     #[error("{0}")]
     Sink(String),
+    /// The token rule failed (e.g. a grammar that allows no token).
+    #[error("{0}")]
+    Choose(String),
 }
 
 enum Failure<E> {
     Model(ModelError),
     Sink(E),
+    Choose(String),
+}
+
+impl<E: Into<String>> Failure<E> {
+    fn into_spec(self) -> SpecError {
+        match self {
+            Failure::Model(e) => SpecError::Model(e),
+            Failure::Sink(e) => SpecError::Sink(e.into()),
+            Failure::Choose(e) => SpecError::Choose(e),
+        }
+    }
 }
 
 impl<E> From<ModelError> for Failure<E> {
@@ -243,24 +276,17 @@ pub fn generate_speculative(
     width: usize,
     drafter: &mut dyn Drafter,
     interrupt: &AtomicBool,
-) -> Result<(Vec<u32>, SpecStats), ModelError> {
-    let never = |_: &Committed<'_>| Ok::<(), std::convert::Infallible>(());
-    let mut policy = SpecPolicy::fixed(width);
-    run(
+) -> Result<(Vec<u32>, SpecStats), SpecError> {
+    generate_speculative_streaming(
         model,
         prompt,
         max_new,
         stop_ids,
+        width,
         drafter,
-        &mut policy,
-        &WallClock::new(),
         interrupt,
-        never,
+        |_| Ok(()),
     )
-    .map_err(|f| match f {
-        Failure::Model(e) => e,
-        Failure::Sink(never) => match never {},
-    })
 }
 
 /// [`generate_speculative`] that reports every step to `on_commit` as it is committed (for
@@ -283,6 +309,7 @@ pub fn generate_speculative_streaming(
         max_new,
         stop_ids,
         drafter,
+        &mut Greedy,
         &mut policy,
         &WallClock::new(),
         interrupt,
@@ -291,8 +318,9 @@ pub fn generate_speculative_streaming(
 }
 
 /// Speculative generation under a drafting `policy` ([`policy`]: when to draft, how many
-/// drafts to verify), timed by `clock`; every step is reported to `on_commit`. The ids equal
-/// plain greedy decoding exactly, whatever the policy and the drafter do.
+/// drafts to verify), timed by `clock`, with every token chosen by `rule`; every step is
+/// reported to `on_commit`. The ids equal plain decoding with the same rule
+/// ([`deltafin_k3::generate::generate_with`]) exactly, whatever the policy and the drafter do.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_with_policy(
     model: &K3Model,
@@ -300,32 +328,48 @@ pub fn generate_with_policy(
     max_new: usize,
     stop_ids: &[u32],
     drafter: &mut dyn Drafter,
+    rule: &mut dyn Choose,
     policy: &mut SpecPolicy,
     clock: &dyn Clock,
     interrupt: &AtomicBool,
     on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
 ) -> Result<(Vec<u32>, SpecStats), SpecError> {
-    run(
-        model, prompt, max_new, stop_ids, drafter, policy, clock, interrupt, on_commit,
-    )
-    .map_err(|f| match f {
-        Failure::Model(e) => SpecError::Model(e),
-        Failure::Sink(e) => SpecError::Sink(e),
-    })
+    let session = Session {
+        model,
+        prompt,
+        max_new,
+        stop_ids,
+        clock,
+        interrupt,
+    };
+    run(session, drafter, rule, policy, on_commit).map_err(Failure::into_spec)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run<E>(
-    model: &K3Model,
-    prompt: &[u32],
+/// The fixed inputs of one speculative run.
+struct Session<'a> {
+    model: &'a K3Model,
+    prompt: &'a [u32],
     max_new: usize,
-    stop_ids: &[u32],
+    stop_ids: &'a [u32],
+    clock: &'a dyn Clock,
+    interrupt: &'a AtomicBool,
+}
+
+fn run(
+    session: Session<'_>,
     drafter: &mut dyn Drafter,
+    rule: &mut dyn Choose,
     policy: &mut SpecPolicy,
-    clock: &dyn Clock,
-    interrupt: &AtomicBool,
-    mut on_commit: impl FnMut(&Committed<'_>) -> Result<(), E>,
-) -> Result<(Vec<u32>, SpecStats), Failure<E>> {
+    mut on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
+) -> Result<(Vec<u32>, SpecStats), Failure<String>> {
+    let Session {
+        model,
+        prompt,
+        max_new,
+        stop_ids,
+        clock,
+        interrupt,
+    } = session;
     let mut stats = SpecStats::default();
     let mut out = Vec::new();
     if max_new == 0 {
@@ -347,7 +391,8 @@ fn run<E>(
         }
         None => model.prefill(&mut state, prompt)?,
     };
-    let mut pending = greedy(&logits);
+    let mut pending = rule.choose(0, &logits).map_err(Failure::Choose)?;
+    rule.accept(pending).map_err(Failure::Choose)?;
     out.push(pending);
     let mut history: Vec<u32> = prompt.to_vec();
     history.push(pending);
@@ -379,15 +424,23 @@ fn run<E>(
         let keep = policy.cut(drafter.confidence(), drafts.len(), draft_s);
         drafts.truncate(keep);
         let position = state.position;
-        let v = match taps.as_mut() {
-            Some(t) => {
-                let v = verify_tapped(model, &mut state, pending, &drafts, t)?;
-                drafter.observe(position, t);
-                t.clear();
-                v
-            }
-            None => verify(model, &mut state, pending, &drafts)?,
+        let mut rows = RuleRows {
+            rule: &mut *rule,
+            step: out.len(),
+            stop_ids,
         };
+        let v = verify_impl(
+            model,
+            &mut state,
+            pending,
+            &drafts,
+            &mut rows,
+            taps.as_mut(),
+        )?;
+        if let Some(t) = taps.as_mut() {
+            drafter.observe(position, t);
+            t.clear();
+        }
         stats.verify_passes += 1;
         stats.proposed += drafts.len();
         stats.accepted += v.accepted;
@@ -404,6 +457,7 @@ fn run<E>(
         }
         if !stopped {
             pending = v.next;
+            rule.accept(pending).map_err(Failure::Choose)?;
             out.push(pending);
             history.push(pending);
         }
