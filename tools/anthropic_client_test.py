@@ -113,9 +113,14 @@ def main():
         "greedily",
         "temperature",
     )
-    expect_bad_request(
-        lambda: client.messages.create(model="claude-x", max_tokens=4, messages=msgs), "unavailable", "model"
-    )
+    # A model this server does not serve (nor names with --model-alias): Anthropic's 404.
+    try:
+        client.messages.create(model="claude-x", max_tokens=4, messages=msgs)
+        raise AssertionError("model: no NotFoundError")
+    except anthropic.NotFoundError as e:
+        err = e.body.get("error", {}) if isinstance(e.body, dict) else {}
+        check(err.get("type") == "not_found_error", f"model: error {err}")
+        check("claude-x" in err.get("message", ""), f"model: message {err}")
     expect_bad_request(
         lambda: client.messages.create(model=MODEL, max_tokens=4, messages=msgs, extra_body={"frobnicate": 1}),
         "`frobnicate` is not supported",

@@ -9,6 +9,7 @@ crates/deltafin-openai/tests/openai_client.rs; CI installs the pinned package (.
 Exits non-zero with the failing check on the first failure.
 """
 
+import json
 import sys
 import time
 
@@ -134,9 +135,29 @@ def main():
         "1 to 64 characters",
         "tools",
     )
+    # Structured output: the schema's JSON, K3's argmax over what the grammar allows.
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=chat_msgs,
+        reasoning_effort="none",
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+    )
+    check(r.choices[0].finish_reason == "stop", f"json_schema: finish {r.choices[0].finish_reason}")
+    answer = json.loads(r.choices[0].message.content)
+    check(set(answer) == {"ok", "n"} and isinstance(answer["ok"], bool), f"json_schema: {answer}")
+    check(isinstance(answer["n"], int) and 0 <= answer["n"] <= 99, f"json_schema: {answer}")
     expect_bad_request(
-        lambda: client.chat.completions.create(model=MODEL, messages=chat_msgs, response_format={"type": "json_object"}),
-        "response_format",
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=chat_msgs, response_format={"type": "json_schema", "json_schema": {"schema": {}}}
+        ),
+        "json_schema.name",
         "response_format",
     )
     expect_bad_request(

@@ -8,7 +8,9 @@ and lets the model answer, non-streaming and streaming, with thinking off and on
 checkpoint is synthesized (random weights: the text is gibberish and the model would never
 choose a tool by itself), so the calls are forced with `tool_choice` (a named function, or
 `required`), which the server enforces by constrained decoding. Only structure, agreement
-between streaming and non-streaming, and the protocol are checked. Run by
+between streaming and non-streaming, and the protocol are checked. Such a model also never
+closes its thinking, so the agent loop runs with thinking off; with thinking on, a forced
+call is checked to stay out of the reasoning until the budget ends. Run by
 crates/deltafin-openai/tests/openai_client.rs. Exits non-zero on the first failing check.
 """
 
@@ -45,7 +47,9 @@ TOOLS = [
     },
 ]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-MAX_TOKENS = 256
+# Room for the most calls a constrained answer holds (16 without parallel_tool_calls false): the
+# random-weight model keeps calling while it may.
+MAX_TOKENS = 900
 
 
 def check(cond, what):
@@ -149,8 +153,20 @@ def agent_turn(client, thinking):
 def main():
     base = sys.argv[1]
     client = OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
-    for thinking in (False, True):
-        agent_turn(client, thinking)
+    agent_turn(client, False)
+
+    # Thinking on: the reasoning runs to the budget; nothing of it is a call or content.
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather?"}],
+        tools=TOOLS,
+        tool_choice=NAMED,
+        max_tokens=48,
+    )
+    c = r.choices[0]
+    check(c.finish_reason == "length", f"thinking: finish {c.finish_reason}")
+    check(getattr(c.message, "reasoning_content", ""), "thinking: no reasoning")
+    check(not c.message.tool_calls and not c.message.content, f"thinking: {c.message}")
 
     # `required`: some declared tool is called; with parallel_tool_calls false, exactly one.
     messages = [{"role": "user", "content": "Anything."}]

@@ -1,10 +1,13 @@
 //! The loaded model, its tokenizer and one greedy generation with its output events.
 
+use crate::constrain::{self, GrammarRule, Grammars};
 use crate::error::ApiError;
 use crate::output::{Assembler, Delta, EarlyEnd, TokenLogprob};
 use crate::request::{ChatControls, GenRequest, Prompt, ToolMode};
 use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine};
-use deltafin_k3::generate::{GenerateEvent, GenerateOptions, StopReason, generate};
+use deltafin_k3::generate::{
+    Choose, GenerateEvent, GenerateOptions, Greedy, StopReason, generate_with,
+};
 use deltafin_k3::model::K3Model;
 use deltafin_k3::text::chat::{ChatOptions, ToolChoice, encode_chat};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
@@ -12,8 +15,8 @@ use deltafin_k3::weights::install::{self, Missing};
 use deltafin_spec::select::{Chosen, DraftModels};
 use deltafin_spec::{Committed, WallClock, generate_with_policy};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Why the model could not be loaded.
@@ -66,6 +69,8 @@ pub struct Engine {
     /// Draft models (DSpark for chat completions, Qwen for completions), used by requests
     /// without `logprobs`; `None`: plain greedy decoding only.
     pub drafts: Option<DraftModels>,
+    /// The grammar engine over the tokenizer, built on the first constrained request.
+    grammars: OnceLock<Result<Grammars, String>>,
 }
 
 // Generation runs on a blocking thread while handlers hold the engine.
@@ -108,7 +113,26 @@ impl Engine {
             model: loaded.model,
             tokenizer: Arc::new(loaded.tokenizer),
             drafts,
+            grammars: OnceLock::new(),
         }
+    }
+
+    /// The token rule of `req`: K3's argmax over what its constraint allows
+    /// ([`crate::constrain`]), or `None` for plain argmax. A constraint that cannot be
+    /// built is the request's error (a 400), found before generation starts.
+    pub fn rule(&self, req: &GenRequest) -> Result<Option<GrammarRule>, ApiError> {
+        let Prompt::Chat { controls, .. } = &req.prompt else {
+            return Ok(None);
+        };
+        if !constrain::constrains(controls) {
+            return Ok(None);
+        }
+        let grammars = self
+            .grammars
+            .get_or_init(|| Grammars::new(self.tokenizer.clone()))
+            .as_ref()
+            .map_err(|e| ApiError::server(e.clone()))?;
+        grammars.for_controls(controls)
     }
 
     /// The prompt ids: raw text with specials off and no BOS, or the XTML chat template
@@ -128,6 +152,8 @@ impl Engine {
         if ids.len() > self.max_context {
             return Err(ApiError::context_length(ids.len(), self.max_context));
         }
+        // A constraint that cannot be built is refused now, not when generation starts.
+        self.rule(req)?;
         Ok(ids)
     }
 }
@@ -262,10 +288,25 @@ pub fn run_generation_timed(
     send: impl FnMut(GenEvent) -> bool + Send,
 ) -> (Ending, Timing) {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
+    let mut grammar = match engine.rule(req) {
+        Ok(g) => g,
+        Err(e) => return (Ending::Event(GenEvent::Failed(e)), Timing::default()),
+    };
+    let rule: &mut (dyn Choose + Send) = match grammar.as_mut() {
+        Some(g) => g,
+        None => &mut Greedy,
+    };
     if let (Some(drafts), None) = (&engine.drafts, req.logprobs) {
         match drafts.choose(&engine.model, &engine.tokenizer, chat) {
             Ok(Some(chosen)) => {
-                return run_drafted(engine, req, prompt, chosen, interrupt, shutdown, send);
+                let run = Run {
+                    engine,
+                    req,
+                    prompt,
+                    interrupt,
+                    shutdown,
+                };
+                return run_drafted(run, chosen, rule, send);
             }
             Ok(None) => {}
             Err(e) => {
@@ -274,20 +315,40 @@ pub fn run_generation_timed(
             }
         }
     }
-    run_plain(engine, req, prompt, interrupt, shutdown, send)
+    let run = Run {
+        engine,
+        req,
+        prompt,
+        interrupt,
+        shutdown,
+    };
+    run_plain(run, rule, send)
+}
+
+/// The fixed inputs of one generation.
+struct Run<'a> {
+    engine: &'a Engine,
+    req: &'a GenRequest,
+    prompt: &'a [u32],
+    interrupt: &'a AtomicBool,
+    shutdown: &'a AtomicBool,
 }
 
 /// [`run_generation`] with a drafter: the same deltas, finish reason and usage as plain
 /// greedy decoding (ids after a stop sequence are verified but never released or counted).
 fn run_drafted(
-    engine: &Engine,
-    req: &GenRequest,
-    prompt: &[u32],
+    run: Run<'_>,
     chosen: Chosen,
-    interrupt: &AtomicBool,
-    shutdown: &AtomicBool,
+    rule: &mut (dyn Choose + Send),
     mut send: impl FnMut(GenEvent) -> bool + Send,
 ) -> (Ending, Timing) {
+    let Run {
+        engine,
+        req,
+        prompt,
+        interrupt,
+        shutdown,
+    } = run;
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     let stop_ids = if chat {
         vec![END_OF_MSG]
@@ -318,6 +379,7 @@ fn run_drafted(
             max_new,
             &stop_ids,
             drafter.as_mut(),
+            rule,
             &mut policy,
             &clock,
             interrupt,
@@ -379,13 +441,17 @@ fn run_drafted(
 }
 
 fn run_plain(
-    engine: &Engine,
-    req: &GenRequest,
-    prompt: &[u32],
-    interrupt: &AtomicBool,
-    shutdown: &AtomicBool,
+    run: Run<'_>,
+    rule: &mut (dyn Choose + Send),
     mut send: impl FnMut(GenEvent) -> bool + Send,
 ) -> (Ending, Timing) {
+    let Run {
+        engine,
+        req,
+        prompt,
+        interrupt,
+        shutdown,
+    } = run;
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     let opts = GenerateOptions {
         max_new: Some(req.max_new),
@@ -404,31 +470,26 @@ fn run_plain(
     // On a rayon worker, as `deltafin run` does: the kernels' parallel loops then start by
     // work-stealing instead of waking the pool from outside for every product.
     let result = deltafin_kernels::pool::run_warm(|| {
-        generate(&engine.model, prompt, &opts, interrupt, |ev| {
-            let GenerateEvent::Token { id, summary, .. } = ev else {
+        generate_with(&engine.model, prompt, &opts, rule, interrupt, |ev| {
+            let GenerateEvent::Token {
+                id, logit, summary, ..
+            } = ev
+            else {
                 return Ok(());
             };
+            // K3's unfiltered log-softmax of the emitted token (under a grammar it need not
+            // be the top one) and of the top alternatives.
             let lp = match (req.logprobs, summary) {
-                (Some(k), Some(s)) => {
-                    let Some(&(top_id, top_logit)) = s.top.first() else {
-                        return Err("internal: empty logit summary".into());
-                    };
-                    if top_id != id {
-                        return Err(format!(
-                            "internal: greedy token {id} is not the top logit {top_id}"
-                        ));
-                    }
-                    Some(TokenLogprob {
-                        id,
-                        logprob: f64::from(top_logit) - s.logsumexp,
-                        top: s
-                            .top
-                            .iter()
-                            .take(k)
-                            .map(|&(t, l)| (t, f64::from(l) - s.logsumexp))
-                            .collect(),
-                    })
-                }
+                (Some(k), Some(s)) => Some(TokenLogprob {
+                    id,
+                    logprob: f64::from(logit) - s.logsumexp,
+                    top: s
+                        .top
+                        .iter()
+                        .take(k)
+                        .map(|&(t, l)| (t, f64::from(l) - s.logsumexp))
+                        .collect(),
+                }),
                 _ => None,
             };
             let delta = asm.push(id, lp).map_err(|e| {

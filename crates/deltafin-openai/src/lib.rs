@@ -6,6 +6,7 @@
 //! silently ignoring it. `docs/SERVER.md` lists every field and rule.
 
 mod conn;
+pub mod constrain;
 pub mod engine;
 pub mod error;
 pub mod messages;

@@ -401,7 +401,11 @@ impl<'t> Assembler<'t> {
     /// Generation ended: flushes unfinished markers, a cut-off tool call and incomplete
     /// UTF-8, and releases the rest.
     pub fn finish(&mut self) -> Result<Delta, TokenizerError> {
-        if self.early.is_none() && !self.marker.is_empty() {
+        if self.phase == Phase::Tools {
+            // A marker cut off inside the tools block belongs to the block (a call that was
+            // never completed), not to the content.
+            self.marker.clear();
+        } else if self.early.is_none() && !self.marker.is_empty() {
             self.flush_marker()?;
         }
         if self.phase == Phase::Tools

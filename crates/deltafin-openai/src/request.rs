@@ -507,16 +507,7 @@ fn chat_logprobs(obj: &Map<String, Value>) -> Result<Option<usize>, ApiError> {
 
 fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt, ApiError> {
     let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
-    let is_text = |v: &Value| {
-        v.as_object()
-            .is_some_and(|m| m.len() == 1 && m.get("type") == Some(&Value::from("text")))
-    };
-    require(
-        get("response_format"),
-        "response_format",
-        is_text,
-        "only `response_format: {\"type\":\"text\"}` is implemented; structured output (json_object, json_schema) is refused rather than ignored",
-    )?;
+    let response_format = parse_response_format(get("response_format"))?;
     let tool_fields = tools::parse_tool_fields(obj)?;
     require(
         get("modalities"),
@@ -573,9 +564,82 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
             tools: tool_fields.tools,
             tool_mode: tool_fields.mode,
             parallel_tool_calls: tool_fields.parallel,
-            ..ChatControls::with_effort(ReasoningEffort::Max)
+            response_format,
         },
     })
+}
+
+/// `response_format`: `{"type":"text"}` (the default), `{"type":"json_object"}`, or
+/// `{"type":"json_schema","json_schema":{"name", "schema"?, "description"?, "strict"?}}`
+/// (OpenAI's shape; a missing schema allows any JSON value). Enforced by constrained decoding
+/// (docs/SERVER.md "Constrained decoding"); `strict` is accepted either way, since every
+/// answer is constrained to the schema.
+fn parse_response_format(v: Option<&Value>) -> Result<Option<ResponseFormat>, ApiError> {
+    const P: &str = "response_format";
+    let Some(v) = v else { return Ok(None) };
+    let bad = |m: &str| ApiError::invalid_param(P, m);
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad("`response_format` must be a JSON object"))?;
+    let only = |keys: &[&str], what: &str| match obj.keys().find(|k| !keys.contains(&k.as_str())) {
+        Some(k) => Err(bad(&format!("unknown field `{k}` in {what}"))),
+        None => Ok(()),
+    };
+    match obj.get("type").and_then(Value::as_str) {
+        Some("text") => only(&["type"], "`response_format`").map(|()| None),
+        Some("json_object") => {
+            only(&["type"], "`response_format`").map(|()| Some(ResponseFormat::JsonObject))
+        }
+        Some("json_schema") => {
+            only(&["type", "json_schema"], "`response_format`")?;
+            let js = obj
+                .get("json_schema")
+                .and_then(Value::as_object)
+                .ok_or_else(|| bad("`response_format.json_schema` must be a JSON object"))?;
+            if let Some(k) = js
+                .keys()
+                .find(|k| !["name", "schema", "description", "strict"].contains(&k.as_str()))
+            {
+                return Err(bad(&format!(
+                    "unknown field `{k}` in `response_format.json_schema`"
+                )));
+            }
+            match js.get("name").and_then(Value::as_str) {
+                Some(n) if valid_tool_name(n) => {}
+                _ => {
+                    return Err(bad(&format!(
+                        "`response_format.json_schema.name` must be 1-{MAX_TOOL_NAME_CHARS} letters, digits, `_` or `-`"
+                    )));
+                }
+            }
+            if js.get("description").is_some_and(|d| !d.is_string()) {
+                return Err(bad(
+                    "`response_format.json_schema.description` must be a string",
+                ));
+            }
+            if js
+                .get("strict")
+                .is_some_and(|s| !s.is_boolean() && !s.is_null())
+            {
+                return Err(bad(
+                    "`response_format.json_schema.strict` must be a boolean",
+                ));
+            }
+            let schema = match js.get("schema") {
+                None | Some(Value::Null) => serde_json::json!({}),
+                Some(s @ Value::Object(_)) => s.clone(),
+                Some(_) => {
+                    return Err(bad(
+                        "`response_format.json_schema.schema` must be a JSON object",
+                    ));
+                }
+            };
+            Ok(Some(ResponseFormat::JsonSchema(schema)))
+        }
+        _ => Err(bad(
+            "`response_format.type` must be \"text\", \"json_object\" or \"json_schema\"",
+        )),
+    }
 }
 
 pub(crate) const MULTIMODAL: &str = "native Deltafin production inference is text-only; image and other multimodal chat content require the K3 vision/projector path, which is not implemented";
@@ -809,7 +873,13 @@ mod tests {
         );
         let e = chat(json!({"tools": [{"type": "function"}]})).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("tools[0].function"));
-        assert!(chat(json!({"response_format": {"type": "json_object"}})).is_err());
+        let r = chat(json!({"response_format": {"type": "json_object"}})).unwrap();
+        assert!(matches!(
+            r.prompt,
+            Prompt::Chat { ref controls, .. }
+                if controls.response_format == Some(ResponseFormat::JsonObject)
+        ));
+        assert!(chat(json!({"response_format": {"type": "json_object", "x": 1}})).is_err());
         let r = chat(json!({"reasoning_effort": " High "})).unwrap();
         assert!(matches!(
             r.prompt,

@@ -72,6 +72,11 @@ fn answer(s: &TestServer, path: &str, body: &Value) -> Value {
                 let mut v: Value = serde_json::from_str(f).unwrap();
                 v.as_object_mut().unwrap().remove("id");
                 v.as_object_mut().unwrap().remove("created");
+                if let Some(calls) = v["choices"][0]["delta"]["tool_calls"].as_array_mut() {
+                    for c in calls {
+                        c.as_object_mut().unwrap().remove("id");
+                    }
+                }
                 v
             })
             .collect();
@@ -80,6 +85,12 @@ fn answer(s: &TestServer, path: &str, body: &Value) -> Value {
     let mut v = r.json();
     v.as_object_mut().unwrap().remove("id");
     v.as_object_mut().unwrap().remove("created");
+    // Tool-call ids are unique per answer.
+    if let Some(calls) = v["choices"][0]["message"]["tool_calls"].as_array_mut() {
+        for c in calls {
+            c.as_object_mut().unwrap().remove("id");
+        }
+    }
     v
 }
 
@@ -106,7 +117,48 @@ fn drafted_responses_equal_plain_responses() {
             json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "stream": stream}),
         ));
     }
+    // Constrained answers (a JSON schema, a required tool call): K3's argmax over what the
+    // grammar allows, with drafts the grammar forbids simply rejected.
+    let tool = json!({"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"which": {"type": "string", "enum": ["a", "b"]}},
+        "required": ["which"]}}});
+    let schema = json!({"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "n"], "additionalProperties": false});
+    for stream in [false, true] {
+        for thinking in ["none", "high"] {
+            bodies.push((
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "JSON please"}],
+                       "max_tokens": 40, "stream": stream, "reasoning_effort": thinking,
+                       "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "r", "schema": schema}}}),
+            ));
+        }
+        bodies.push((
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Pick"}], "max_tokens": 40,
+                   "stream": stream, "reasoning_effort": "none", "tools": [tool],
+                   "tool_choice": "required"}),
+        ));
+    }
     let mut want: Vec<Value> = bodies.iter().map(|(p, b)| answer(&plain, p, b)).collect();
+    // The thinking-off constrained answers are complete: the schema's JSON, the forced call.
+    for w in &want {
+        let Some(choice) = w.get("choices").map(|c| &c[0]) else {
+            continue;
+        };
+        if choice["finish_reason"] == "tool_calls" {
+            let args = choice["message"]["tool_calls"][0]["function"]["arguments"]
+                .as_str()
+                .unwrap();
+            let args: Value = serde_json::from_str(args).unwrap();
+            assert!(
+                args == json!({"which": "a"}) || args == json!({"which": "b"}),
+                "{args}"
+            );
+        }
+    }
     // Stop sequences cut mid-proposal: take one from the middle of the plain text.
     let text = want[2]["choices"][0]["text"].as_str().unwrap().to_string();
     let chars: Vec<char> = text.chars().collect();

@@ -64,7 +64,6 @@ fn official_openai_client() {
 /// tools/openai_tools_test.py: declare a tool, the model calls it (forced by `tool_choice`),
 /// the client sends the result back, the model answers; streaming and not.
 #[test]
-#[ignore = "the calls are forced by tool_choice, which only constrained decoding enforces (grammar branch, not merged yet)"]
 fn official_openai_client_agent_loop() {
     run_client_script("official_openai_client_agent_loop", "openai_tools_test.py");
 }

@@ -10,7 +10,6 @@ mod content;
 pub mod reply;
 pub mod wire;
 
-use crate::MODEL_ID;
 use crate::error::ApiError;
 use crate::request::{ChatControls, GenRequest, Limits, Prompt, Surface, ToolMode, finite_number};
 use axum::http::HeaderMap;
@@ -91,14 +90,9 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, MessagesMeta)
 
     match get("model") {
         None => return Err(bad("model", "`model` is required")),
-        Some(Value::String(m)) if m == MODEL_ID => {}
+        Some(Value::String(m)) if crate::models::is_served(m, limits.model_aliases) => {}
         Some(Value::String(m)) => {
-            return Err(bad(
-                "model",
-                format!(
-                    "requested model `{m}` is unavailable; this server exposes only `{MODEL_ID}`"
-                ),
-            ));
+            return Err(ApiError::model_not_found(m, limits.model_aliases));
         }
         Some(_) => return Err(bad("model", "`model` must be a JSON string")),
     }

@@ -1,4 +1,5 @@
 use super::*;
+use crate::MODEL_ID;
 use axum::http::HeaderValue;
 
 const LIMITS: Limits = Limits {
@@ -316,4 +317,17 @@ fn messages_become_chat_messages() {
     assert_eq!(messages.len(), 2);
     assert_eq!(messages[0].role, "system");
     assert_eq!(messages[1].role, "user");
+}
+
+#[test]
+fn model_aliases_are_served() {
+    let aliases = vec!["claude-sonnet-4-5".to_string()];
+    let limits = Limits {
+        model_aliases: &aliases,
+        ..LIMITS
+    };
+    let body = |m: &str| json!({"model": m, "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]});
+    assert!(parse(&body("claude-sonnet-4-5"), &limits).is_ok());
+    let e = parse(&body("claude-opus"), &limits).unwrap_err();
+    assert_eq!(e.code, "model_not_found");
 }

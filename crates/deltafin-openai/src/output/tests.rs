@@ -716,3 +716,28 @@ fn split_utf8_in_values_is_held_to_complete_characters() {
     );
     assert_eq!(r.all.tool_calls[0].arguments, "{\"e\":\"😀\"}");
 }
+
+#[test]
+fn a_marker_cut_off_inside_the_tools_block_is_not_content() {
+    let tok = kimi();
+    let mut ids = tok.encode_ordinary("Checking.");
+    ids.extend(marker(&tok, false, "response"));
+    ids.extend(marker(&tok, true, "tools"));
+    ids.extend(marker(&tok, true, r#"call tool="get_weather" index="1""#));
+    ids.extend(marker(&tok, true, r#"json type="object""#));
+    ids.extend(tok.encode_ordinary(r#"{"which":"a"}"#));
+    ids.extend(marker(&tok, false, "json"));
+    ids.extend(marker(&tok, false, "call"));
+    // The budget ends inside the next call's opening marker.
+    ids.push(OPEN);
+    ids.extend(tok.encode_ordinary(r#"call tool="get_weather"#));
+    let all = run_chat(&tok, &controls(false, true), &[], &ids).all;
+    assert_eq!(all.content, "Checking.");
+    assert_eq!(all.tool_calls.len(), 1, "{:?}", all.tool_calls);
+    let args: String = all
+        .tool_calls
+        .iter()
+        .map(|c| c.arguments.as_str())
+        .collect();
+    assert_eq!(args, r#"{"which":"a"}"#);
+}

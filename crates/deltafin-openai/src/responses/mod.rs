@@ -11,10 +11,9 @@
 pub mod input;
 pub mod reply;
 
-use crate::MODEL_ID;
 use crate::error::ApiError;
 use crate::request::{ChatControls, GenRequest, Limits, Prompt, Surface, ToolMode, finite_number};
-use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat, Thinking};
+use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat, THINKING_SPELLINGS, Thinking};
 use input::{ENDPOINT, bad, only_keys};
 use serde_json::{Map, Value, json};
 
@@ -80,14 +79,9 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
 
     match get("model") {
         None => {}
-        Some(Value::String(m)) if m == MODEL_ID => {}
+        Some(Value::String(m)) if crate::models::is_served(m, limits.model_aliases) => {}
         Some(Value::String(m)) => {
-            return Err(bad(
-                "model",
-                format!(
-                    "requested model `{m}` is unavailable; this server exposes only `{MODEL_ID}`"
-                ),
-            ));
+            return Err(ApiError::model_not_found(m, limits.model_aliases));
         }
         Some(_) => return Err(bad("model", "`model` must be a JSON string")),
     }
@@ -327,18 +321,22 @@ fn reasoning(
         match obj.get("effort").filter(|e| !e.is_null()) {
             None => {}
             Some(e) => {
-                (on, effort) = match e.as_str().map(str::trim) {
-                    Some("none") => (false, default_effort),
-                    Some("minimal" | "low") => (true, ReasoningEffort::Low),
-                    Some("medium") => (true, ReasoningEffort::Medium),
-                    Some("high") => (true, ReasoningEffort::High),
-                    Some("xhigh" | "max") => (true, ReasoningEffort::Max),
-                    _ => {
-                        return Err(bad(
-                            "reasoning",
-                            "`reasoning.effort` must be none, minimal, low, medium, high, xhigh or max",
-                        ));
-                    }
+                let bad_effort = || {
+                    bad(
+                        "reasoning",
+                        format!(
+                            "`reasoning.effort` must be one of {THINKING_SPELLINGS} or xhigh (= max)"
+                        ),
+                    )
+                };
+                let e = e.as_str().ok_or_else(bad_effort)?;
+                // The shared spellings (none/off/minimal = thinking off), and the Responses
+                // API's `xhigh`, K3's highest template level.
+                (on, effort) = if e.trim().eq_ignore_ascii_case("xhigh") {
+                    (true, ReasoningEffort::Max)
+                } else {
+                    let t = Thinking::parse(e).map_err(|_| bad_effort())?;
+                    (t.is_on(), t.effort().unwrap_or(default_effort))
                 };
             }
         }

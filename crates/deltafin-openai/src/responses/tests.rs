@@ -1,4 +1,5 @@
 use super::*;
+use crate::MODEL_ID;
 
 const LIMITS: Limits = Limits {
     max_tokens: 1000,
@@ -84,10 +85,8 @@ fn reasoning_rules() {
         (c.thinking, c.effort, meta.summary)
     };
     assert!(!th(json!({"effort": "none"})).0);
-    assert_eq!(
-        th(json!({"effort": "minimal"})),
-        (true, ReasoningEffort::Low, false)
-    );
+    // `minimal` is below the template's lowest level: thinking off, as on chat completions.
+    assert!(!th(json!({"effort": "minimal"})).0);
     assert_eq!(
         th(json!({"effort": "medium"})),
         (true, ReasoningEffort::Medium, false)
@@ -324,4 +323,32 @@ fn instructions_come_first() {
     assert_eq!(messages.len(), 2);
     assert_eq!(messages[0].role, "system");
     assert_eq!(meta.echo["instructions"], "be terse");
+}
+
+#[test]
+fn effort_spellings_are_the_shared_ones_and_aliases_are_served() {
+    for (effort, on) in [
+        ("minimal", false),
+        ("off", false),
+        ("none", false),
+        ("low", true),
+        ("xhigh", true),
+    ] {
+        let b = json!({"model": MODEL_ID, "input": "hi", "reasoning": {"effort": effort}});
+        let (r, _) = parse(&b, &LIMITS).unwrap();
+        let Prompt::Chat { controls, .. } = r.prompt else {
+            panic!("not a chat")
+        };
+        assert_eq!(controls.thinking, on, "{effort}");
+    }
+    let b = json!({"model": MODEL_ID, "input": "hi", "reasoning": {"effort": "huge"}});
+    assert!(parse(&b, &LIMITS).is_err());
+    let aliases = vec!["gpt-4o".to_string()];
+    let limits = Limits {
+        model_aliases: &aliases,
+        ..LIMITS
+    };
+    assert!(parse(&json!({"model": "gpt-4o", "input": "hi"}), &limits).is_ok());
+    let e = parse(&json!({"model": "gpt-5", "input": "hi"}), &limits).unwrap_err();
+    assert_eq!(e.code, "model_not_found");
 }

@@ -1,0 +1,223 @@
+//! Constrained decoding (docs/SERVER.md "Constrained decoding"): `response_format` JSON
+//! modes, `tool_choice` `required` / named, and `strict` tools.
+//!
+//! The grammar engine is llguidance (the one llama.cpp and vLLM use), over a token trie built
+//! from K3's own tokenizer. At each step the rule takes K3's argmax over the tokens the
+//! grammar allows ([`GrammarRule`], a [`Choose`] rule): still K3's choice, never a repair
+//! afterwards. Speculative drafting stays on: verification asks the same rule for each row,
+//! so a draft the grammar forbids is simply rejected and drafted ids equal plain ones.
+
+pub mod grammar;
+
+use crate::error::ApiError;
+use crate::request::{ChatControls, ToolMode};
+use deltafin_k3::generate::{Choose, greedy};
+use deltafin_k3::text::chat::ResponseFormat;
+use deltafin_k3::text::tokenizer::{END_OF_MSG, Tokenizer};
+use grammar::{Content, Shape, Tools};
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{InferenceCapabilities, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+/// K3's tokenizer as llguidance sees it: every token's bytes (a special as `0xFF` followed by
+/// its spelling, toktrie's convention), and encoding through K3's own encoder.
+struct K3TokEnv {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for K3TokEnv {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
+        match std::str::from_utf8(s) {
+            Ok(text) => self.tokenizer.encode_ordinary(text),
+            Err(_) => self.trie.greedy_tokenize(s),
+        }
+    }
+}
+
+/// The parser factory of one tokenizer (built once per engine: the token trie of the whole
+/// vocabulary).
+pub struct Grammars {
+    factory: ParserFactory,
+    num_ranks: u32,
+}
+
+impl Grammars {
+    /// The factory for `tokenizer`.
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Grammars, String> {
+        let vocab = tokenizer.vocab_size();
+        let mut words = Vec::with_capacity(vocab);
+        for id in 0..vocab as u32 {
+            let bytes = tokenizer
+                .token_bytes(id)
+                .ok_or_else(|| format!("token {id} has no bytes"))?;
+            words.push(if tokenizer.is_special(id) {
+                let mut w = Vec::with_capacity(bytes.len() + 1);
+                w.push(TokTrie::SPECIAL_TOKEN_MARKER);
+                w.extend_from_slice(bytes);
+                w
+            } else {
+                bytes.to_vec()
+            });
+        }
+        let info = TokRxInfo::new(vocab as u32, END_OF_MSG);
+        let trie = TokTrie::from(&info, &words);
+        let num_ranks = tokenizer.num_ranks();
+        let env: TokEnv = Arc::new(K3TokEnv { trie, tokenizer });
+        let mut factory = ParserFactory::new(
+            &env,
+            InferenceCapabilities::default(),
+            &llguidance::earley::SlicedBiasComputer::general_slices(),
+        )
+        .map_err(|e| format!("cannot build the grammar engine: {e}"))?;
+        factory.quiet();
+        Ok(Grammars { factory, num_ranks })
+    }
+
+    /// The rule of one answer of `shape`.
+    pub fn rule(&self, shape: &Shape<'_>) -> Result<GrammarRule, String> {
+        let lark = grammar::lark(shape, self.num_ranks)?;
+        let parser = self
+            .factory
+            .create_parser(TopLevelGrammar::from_lark(lark))
+            .map_err(|e| e.to_string())?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(e);
+        }
+        Ok(GrammarRule { matcher })
+    }
+
+    /// The rule a chat request's controls ask for (`None`: unconstrained); a schema the
+    /// grammar engine cannot compile is the client's error.
+    pub fn for_controls(&self, controls: &ChatControls) -> Result<Option<GrammarRule>, ApiError> {
+        let Some(shape_parts) = shape_of(controls) else {
+            return Ok(None);
+        };
+        let (content, tools_owned, required) = shape_parts;
+        let tools = match (&tools_owned, required) {
+            (None, _) => Tools::Forbidden,
+            (Some(t), true) => Tools::Required(t),
+            (Some(t), false) => Tools::Optional(t),
+        };
+        let shape = Shape {
+            thinking: controls.thinking,
+            content: match &content {
+                Some(schema) => Content::Json(schema),
+                None => Content::Free,
+            },
+            tools,
+            parallel: controls.parallel_tool_calls,
+        };
+        self.rule(&shape).map(Some).map_err(|e| {
+            ApiError::invalid_param(
+                param_of(controls),
+                format!("cannot constrain the answer: {e}"),
+            )
+        })
+    }
+}
+
+/// The parameter a grammar failure is blamed on.
+fn param_of(controls: &ChatControls) -> &'static str {
+    if controls.response_format.is_some() {
+        "response_format"
+    } else {
+        "tools"
+    }
+}
+
+/// The content schema, the tools the block may call, and whether the block is required;
+/// `None` when nothing is constrained.
+type ShapeParts = (Option<Value>, Option<Vec<Value>>, bool);
+
+/// Whether `controls` constrain the answer (a JSON `response_format`, a `none`, `required` or
+/// named `tool_choice` over declared tools, or a `strict` tool the model may call).
+pub fn constrains(controls: &ChatControls) -> bool {
+    shape_of(controls).is_some()
+}
+
+fn shape_of(controls: &ChatControls) -> Option<ShapeParts> {
+    let content = match &controls.response_format {
+        None => None,
+        Some(ResponseFormat::JsonObject) => Some(json!({"type": "object"})),
+        Some(ResponseFormat::JsonSchema(s)) => Some(s.clone()),
+    };
+    let strict = controls
+        .tools
+        .iter()
+        .any(|t| t["function"]["strict"] == Value::Bool(true));
+    if controls.tools.is_empty() {
+        return content.map(|c| (Some(c), None, false));
+    }
+    let (tools, required) = match &controls.tool_mode {
+        // Declared tools the model must not call: a tools block is forbidden.
+        ToolMode::None => (None, false),
+        ToolMode::Required => (Some(controls.tools.clone()), true),
+        ToolMode::Named(name) => (
+            Some(
+                controls
+                    .tools
+                    .iter()
+                    .filter(|t| t["function"]["name"].as_str() == Some(name))
+                    .cloned()
+                    .collect(),
+            ),
+            true,
+        ),
+        // The model decides; unconstrained unless a tool is strict or the content is JSON.
+        ToolMode::Auto if content.is_none() && !strict => return None,
+        ToolMode::Auto => (Some(controls.tools.clone()), false),
+    };
+    Some((content, tools, required))
+}
+
+/// K3's argmax over the tokens a grammar allows.
+pub struct GrammarRule {
+    matcher: Matcher,
+}
+
+impl Choose for GrammarRule {
+    fn choose(&mut self, _step: usize, logits: &[f32]) -> Result<u32, String> {
+        // The unconstrained argmax, when the grammar allows it, is also the first maximum
+        // among the allowed ids; checking one token is far cheaper than a whole mask (most
+        // steps of free text or of a long string take this path).
+        let g = greedy(logits);
+        if self
+            .matcher
+            .validate_tokens(&[g])
+            .map_err(|e| format!("grammar: {e}"))?
+            == 1
+        {
+            return Ok(g);
+        }
+        let mask = self
+            .matcher
+            .compute_mask()
+            .map_err(|e| format!("grammar: {e}"))?;
+        let allowed = |id: usize| id < mask.len() && mask.is_allowed(id as u32);
+        let mut best: Option<(usize, f32)> = None;
+        for (id, &l) in logits.iter().enumerate() {
+            if allowed(id) && best.is_none_or(|(_, b)| l > b) {
+                best = Some((id, l));
+            }
+        }
+        best.map(|(id, _)| id as u32)
+            .ok_or_else(|| "grammar: no token of the model's vocabulary is allowed".into())
+    }
+
+    fn accept(&mut self, id: u32) -> Result<(), String> {
+        self.matcher
+            .consume_token(id)
+            .map_err(|e| format!("grammar: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests;
