@@ -106,6 +106,52 @@ def main():
     t = client.messages.create(model=MODEL, max_tokens=4, messages=tool_history, stop_sequences=["\u0000never"])
     check(t.stop_reason in ("end_turn", "max_tokens", "tool_use"), f"tool history {t.stop_reason}")
 
+    # A forced tool call (random weights never choose one: `tool_choice` forces it, enforced by
+    # constrained decoding), its result sent back, the model's answer; streamed the same.
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "The current weather.",
+            "input_schema": {
+                "type": "object",
+                "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                "required": ["unit"],
+            },
+        }
+    ]
+    ask = [{"role": "user", "content": "What is the weather?"}]
+    forced = dict(
+        model=MODEL,
+        max_tokens=64,
+        messages=ask,
+        tools=tools,
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        thinking={"type": "disabled"},
+    )
+    call = client.messages.create(**forced)
+    check(call.stop_reason == "tool_use", f"forced call: {call.stop_reason}")
+    uses = [b for b in call.content if b.type == "tool_use"]
+    check(len(uses) == 1 and uses[0].name == "get_weather", f"forced call: {call.content}")
+    check(uses[0].input in ({"unit": "celsius"}, {"unit": "fahrenheit"}), f"input {uses[0].input}")
+    check(uses[0].id.startswith("toolu_"), f"tool_use id {uses[0].id}")
+    with client.messages.stream(**forced) as stream:
+        streamed = stream.get_final_message()
+    s_uses = [b for b in streamed.content if b.type == "tool_use"]
+    check(
+        [(b.name, b.input) for b in s_uses] == [(b.name, b.input) for b in uses],
+        f"streamed call {streamed.content}",
+    )
+    back = ask + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in call.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny"}]},
+    ]
+    answer = client.messages.create(
+        model=MODEL, max_tokens=8, messages=back, tools=tools, tool_choice={"type": "none"}, thinking={"type": "disabled"}
+    )
+    check(answer.stop_reason in ("end_turn", "max_tokens"), f"answer {answer.stop_reason}")
+    check(all(b.type == "text" for b in answer.content), f"answer {answer.content}")
+    check(answer.usage.input_tokens > call.usage.input_tokens, "the call and its result are rendered")
+
     # Refusals.
     expect_bad_request(
         # Current clients no longer take `temperature` (older API versions did): send it raw.

@@ -9,6 +9,7 @@ crates/deltafin-openai/tests/api_clients.rs; CI installs the pinned package (.ci
 Exits non-zero with the failing check on the first failure.
 """
 
+import json
 import sys
 
 import openai
@@ -110,6 +111,72 @@ def main():
     check(h.status in ("completed", "incomplete"), "function-call history")
     check(h.usage.input_tokens > r.usage.input_tokens, "history is rendered")
     check(h.tools[0].name == "get_weather" and h.parallel_tool_calls is False, "tools echoed")
+
+    # A forced function call (enforced by constrained decoding), its output sent back, the answer;
+    # streamed the same.
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    }
+    forced = dict(
+        model=MODEL,
+        input="What is the weather?",
+        max_output_tokens=64,
+        tools=[weather],
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+        reasoning={"effort": "none"},
+    )
+    fc = client.responses.create(**forced)
+    calls = [i for i in fc.output if i.type == "function_call"]
+    check(fc.status == "completed" and len(calls) == 1, f"forced call: {fc.status} {fc.output}")
+    check(calls[0].name == "get_weather", f"forced call name {calls[0].name}")
+    check(json.loads(calls[0].arguments) in ({"unit": "celsius"}, {"unit": "fahrenheit"}), calls[0].arguments)
+    done = None
+    with client.responses.stream(**forced) as stream:
+        for event in stream:
+            if event.type == "response.completed":
+                done = event.response
+    s_calls = [i for i in done.output if i.type == "function_call"] if done else []
+    check([(c.name, c.arguments) for c in s_calls] == [(c.name, c.arguments) for c in calls], "streamed call")
+    after = client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "What is the weather?"},
+            calls[0].model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"},
+        ],
+        tools=[weather],
+        tool_choice="none",
+        max_output_tokens=8,
+        reasoning={"effort": "none"},
+    )
+    check(all(i.type == "message" for i in after.output), f"answer {after.output}")
+    check(after.usage.input_tokens > fc.usage.input_tokens, "the call and its output are rendered")
+
+    # Structured output through `text.format`.
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    js = client.responses.create(
+        model=MODEL,
+        input="JSON please",
+        max_output_tokens=32,
+        reasoning={"effort": "none"},
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}},
+    )
+    check(js.status == "completed", f"json_schema status {js.status}")
+    check(isinstance(json.loads(js.output_text)["ok"], bool), f"json_schema {js.output_text!r}")
 
     # Refusals.
     expect_bad_request(

@@ -53,11 +53,13 @@ impl MessagesReply {
         }
     }
 
+    /// Anthropic's `toolu_` id of a call: the assembler's unique `call_` id respelled, or
+    /// one made from the message's suffix.
     fn tool_id(&self, index: usize, given: Option<&str>) -> String {
-        given.map_or_else(
-            || format!("toolu_{}_{index}", self.ctx.suffix),
-            str::to_string,
-        )
+        match given {
+            Some(id) => format!("toolu_{}", id.strip_prefix("call_").unwrap_or(id)),
+            None => format!("toolu_{}_{index}", self.ctx.suffix),
+        }
     }
 
     fn message(
@@ -412,8 +414,8 @@ mod tests {
             json!([
                 {"type": "thinking", "thinking": "let me think", "signature": signature("let me think")},
                 {"type": "text", "text": "Sure, calling."},
-                {"type": "tool_use", "id": "call_get", "name": "get", "input": {"city": "Paris"}},
-                {"type": "tool_use", "id": "call_put", "name": "put", "input": {}},
+                {"type": "tool_use", "id": "toolu_get", "name": "get", "input": {"city": "Paris"}},
+                {"type": "tool_use", "id": "toolu_put", "name": "put", "input": {}},
             ])
         );
         assert_eq!(body["stop_reason"], "tool_use");
