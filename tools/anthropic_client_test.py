@@ -154,9 +154,9 @@ def main():
 
     # Refusals.
     expect_bad_request(
-        # Current clients no longer take `temperature` (older API versions did): send it raw.
-        lambda: client.messages.create(model=MODEL, max_tokens=4, messages=msgs, extra_body={"temperature": 0.7}),
-        "greedily",
+        # Anthropic's temperature range is 0..1 (sent raw: current clients no longer take it).
+        lambda: client.messages.create(model=MODEL, max_tokens=4, messages=msgs, extra_body={"temperature": 1.5}),
+        "0..=1",
         "temperature",
     )
     # A model this server does not serve (nor names with --model-alias): Anthropic's 404.

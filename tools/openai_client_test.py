@@ -120,10 +120,40 @@ def main():
     check(all(x <= 0 for x in clp.token_logprobs), "completion logprobs <= 0")
     check(all(max(d.values()) == x for d, x in zip(clp.top_logprobs, clp.token_logprobs)), "top-1 = chosen")
 
+    # Sampling: temperature 0.7 and 1.0 answer; the seed comes back in X-Deltafin-Seed, and the
+    # same seed gives the same text, streamed or not.
+    for temperature in (0.7, 1.0):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=chat_msgs, temperature=temperature, max_tokens=8, reasoning_effort="none"
+        )
+        seed = int(raw.headers["x-deltafin-seed"])
+        first = raw.parse().choices[0].message.content
+        again = client.chat.completions.create(
+            model=MODEL, messages=chat_msgs, temperature=temperature, max_tokens=8, reasoning_effort="none", seed=seed
+        )
+        check(again.choices[0].message.content == first, f"seed {seed} repeats at T={temperature}")
+        parts = client.chat.completions.create(
+            model=MODEL,
+            messages=chat_msgs,
+            temperature=temperature,
+            max_tokens=8,
+            reasoning_effort="none",
+            seed=seed,
+            stream=True,
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+        check(text == first, f"seed {seed} streamed at T={temperature}: {text!r} vs {first!r}")
+    greedy = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=12)
+    sampled = [
+        client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=12, temperature=1.0, seed=s).choices[0].text
+        for s in range(4)
+    ]
+    check(any(t != greedy.choices[0].text for t in sampled), "sampling changes the text")
+
     # Refused fields surface as BadRequestError with the reason.
     expect_bad_request(
-        lambda: client.chat.completions.create(model=MODEL, messages=chat_msgs, temperature=0.7),
-        "greedily",
+        lambda: client.chat.completions.create(model=MODEL, messages=chat_msgs, temperature=2.5),
+        "0..=2",
         "temperature",
     )
     expect_bad_request(

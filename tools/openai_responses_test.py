@@ -186,7 +186,7 @@ def main():
     )
     expect_bad_request(lambda: client.responses.create(model=MODEL, input="x", store=True), "store", "store")
     expect_bad_request(
-        lambda: client.responses.create(model=MODEL, input="x", temperature=0.5), "greedily", "temperature"
+        lambda: client.responses.create(model=MODEL, input="x", temperature=2.5), "0..=2", "temperature"
     )
     expect_bad_request(
         lambda: client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}]),

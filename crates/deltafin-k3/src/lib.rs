@@ -60,6 +60,7 @@ pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod model;
+pub mod sampling;
 #[cfg(any(test, feature = "synth"))]
 pub mod synth;
 #[cfg(test)]

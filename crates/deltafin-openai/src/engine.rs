@@ -9,6 +9,7 @@ use deltafin_k3::generate::{
     Choose, GenerateEvent, GenerateOptions, Greedy, StopReason, generate_with,
 };
 use deltafin_k3::model::K3Model;
+use deltafin_k3::sampling::Sampler;
 use deltafin_k3::text::chat::{ChatOptions, ToolChoice, encode_chat};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_k3::weights::install::{self, Missing};
@@ -292,9 +293,15 @@ pub fn run_generation_timed(
         Ok(g) => g,
         Err(e) => return (Ending::Event(GenEvent::Failed(e)), Timing::default()),
     };
-    let rule: &mut (dyn Choose + Send) = match grammar.as_mut() {
-        Some(g) => g,
-        None => &mut Greedy,
+    // The token rule: the grammar (argmax or sampled within it), the sampler, or argmax.
+    let mut sampler = req.sampling.map(Sampler);
+    if let Some(g) = grammar.take() {
+        grammar = Some(g.with_sampling(req.sampling));
+    }
+    let rule: &mut (dyn Choose + Send) = match (grammar.as_mut(), sampler.as_mut()) {
+        (Some(g), _) => g,
+        (None, Some(s)) => s,
+        (None, None) => &mut Greedy,
     };
     if let (Some(drafts), None) = (&engine.drafts, req.logprobs) {
         match drafts.choose(&engine.model, &engine.tokenizer, chat) {

@@ -4,11 +4,14 @@
 //! exactly what it asks for, or refused with a 400 naming it. `docs/SERVER.md` lists the rule
 //! for each field; the messages follow the product contract §3.3–§3.4.
 
+mod sampling;
 mod tools;
 
+pub use sampling::parse_sampling;
 pub use tools::{MAX_TOOL_NAME_CHARS, ToolMode, valid_tool_name};
 
 use crate::error::ApiError;
+use deltafin_k3::sampling::Sampling;
 use deltafin_k3::text::chat::{
     ChatMessage, ReasoningEffort, ResponseFormat, THINKING_SPELLINGS, Thinking,
 };
@@ -106,6 +109,8 @@ pub struct GenRequest {
     /// `Some(k)`: report the log-probability of every emitted token and the `k` most likely
     /// alternatives.
     pub logprobs: Option<usize>,
+    /// Seeded sampling (`None`: greedy decoding).
+    pub sampling: Option<Sampling>,
 }
 
 /// Server-wide settings that validation needs.
@@ -184,6 +189,8 @@ const COMMON_FIELDS: &[&str] = &[
     "best_of",
     "temperature",
     "top_p",
+    "top_k",
+    "min_p",
     "user",
     "metadata",
     "frequency_penalty",
@@ -310,37 +317,8 @@ pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenReque
         require(get(field), field, |v| v.as_u64() == Some(1), &message)?;
     }
 
-    // temperature / top_p: only values for which greedy decoding is exactly what is asked.
-    if let Some(v) = get("temperature") {
-        match finite_number(v) {
-            Some(0.0) => {}
-            Some(t) if (0.0..=2.0).contains(&t) => {
-                return Err(ApiError::invalid_param(
-                    "temperature",
-                    format!(
-                        "`temperature` {t} asks for sampling; Deltafin decodes greedily, which is exactly `temperature: 0` (or leaving it out)"
-                    ),
-                ));
-            }
-            _ => {
-                return Err(ApiError::invalid_param(
-                    "temperature",
-                    "`temperature` must be a finite JSON number in 0..=2; Deltafin decodes greedily and accepts only 0",
-                ));
-            }
-        }
-    }
-    if let Some(v) = get("top_p") {
-        match finite_number(v) {
-            Some(p) if p > 0.0 && p <= 1.0 => {}
-            _ => {
-                return Err(ApiError::invalid_param(
-                    "top_p",
-                    "`top_p` must be a finite JSON number in (0, 1]; every such nucleus contains the greedy token",
-                ));
-            }
-        }
-    }
+    // temperature / top_p / top_k / min_p / seed: greedy without a temperature.
+    let sampling = parse_sampling(get, 2.0)?;
 
     // user / metadata: carry no generation semantics.
     let user = "`user` must be a JSON string";
@@ -362,10 +340,6 @@ pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenReque
         return Err(non_default("logit_bias"));
     }
 
-    // seed: any integer; greedy output does not depend on it.
-    let seed = "`seed` must be an integer";
-    require(get("seed"), "seed", |v| v.is_i64() || v.is_u64(), seed)?;
-
     let stop = parse_stop(get("stop"))?;
 
     let (prompt, logprobs) = match surface {
@@ -381,6 +355,7 @@ pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenReque
         include_usage,
         stop,
         logprobs,
+        sampling,
     })
 }
 
@@ -797,11 +772,19 @@ mod tests {
     }
 
     #[test]
-    fn sampling_fields_only_where_greedy_is_exact() {
-        assert!(chat(json!({"temperature": 0, "top_p": 1, "seed": 7})).is_ok());
+    fn sampling_fields() {
+        assert_eq!(
+            chat(json!({"temperature": 0, "top_p": 1, "seed": 7}))
+                .unwrap()
+                .sampling,
+            None
+        );
         assert!(chat(json!({"top_p": 0.1})).is_ok());
-        let e = chat(json!({"temperature": 0.7})).unwrap_err();
-        assert!(e.message.contains("greedily"), "{e}");
+        let s = chat(json!({"temperature": 0.7, "min_p": 0.1}))
+            .unwrap()
+            .sampling
+            .unwrap();
+        assert_eq!((s.temperature, s.min_p), (0.7, 0.1));
         assert!(chat(json!({"temperature": 3})).is_err());
         assert!(chat(json!({"top_p": 0})).is_err());
         assert!(chat(json!({"seed": "x"})).is_err());

@@ -580,17 +580,25 @@ async fn generate(
             let _ = tx.send(ev);
         }
     });
+    // A sampled answer names its seed, so that the run can be repeated.
+    let seed = gen_req.sampling.map(|s| s.seed);
     let surface = match front {
         Front::OpenAi(surface) => surface,
         Front::Messages(meta) => {
             let ctx = reply_context(&state, "msg_", prompt_tokens, gen_req.max_new);
             let reply = Box::new(MessagesReply::new(ctx, meta));
-            return answer_with(reply, gen_req.stream, rx, guard, conn).await;
+            return with_seed(
+                answer_with(reply, gen_req.stream, rx, guard, conn).await,
+                seed,
+            );
         }
         Front::Responses(meta) => {
             let ctx = reply_context(&state, "resp_", prompt_tokens, gen_req.max_new);
             let reply = Box::new(ResponsesReply::new(ctx, meta));
-            return answer_with(reply, gen_req.stream, rx, guard, conn).await;
+            return with_seed(
+                answer_with(reply, gen_req.stream, rx, guard, conn).await,
+                seed,
+            );
         }
     };
     let tok_engine = state.engine.borrow().clone();
@@ -606,14 +614,24 @@ async fn generate(
         logprobs: gen_req.logprobs.is_some(),
         include_usage: gen_req.include_usage,
     };
-    if gen_req.stream {
+    let answer = if gen_req.stream {
         Ok(sse_response(shape, rx, guard, conn))
     } else {
         match unless_gone(&conn, collect_response(shape, rx, guard)).await {
             Some(r) => r,
             None => Ok(abandoned()),
         }
-    }
+    };
+    with_seed(answer, seed)
+}
+
+/// The `X-Deltafin-Seed` header of a sampled answer (docs/SERVER.md "Sampling").
+fn with_seed(answer: Result<Response, ApiError>, seed: Option<u64>) -> Result<Response, ApiError> {
+    let Some(seed) = seed else { return answer };
+    let mut resp = answer?;
+    resp.headers_mut()
+        .insert("x-deltafin-seed", axum::http::HeaderValue::from(seed));
+    Ok(resp)
 }
 
 async fn collect_response(

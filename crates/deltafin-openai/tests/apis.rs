@@ -412,9 +412,9 @@ fn messages_refusals_are_anthropic_shaped() {
     );
     assert!(e["message"].as_str().unwrap().contains("2023-06-01"), "{e}");
     let mut sampled = message_body("x", 5);
-    sampled["temperature"] = json!(0.5);
+    sampled["temperature"] = json!(1.5);
     let e = anthropic_error(&post("/v1/messages", &sampled, &[]), 400);
-    assert!(e["message"].as_str().unwrap().contains("greedily"), "{e}");
+    assert!(e["message"].as_str().unwrap().contains("0..=1"), "{e}");
     let e = anthropic_error(&get(server().addr, "/v1/messages"), 405);
     assert_eq!(e["type"], "invalid_request_error");
     // A prompt past the context is a 400 before generation.

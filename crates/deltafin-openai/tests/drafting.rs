@@ -142,6 +142,19 @@ fn drafted_responses_equal_plain_responses() {
                    "tool_choice": "required"}),
         ));
     }
+    // Seeded sampling: the same seed gives the same answer with drafting on.
+    for stream in [false, true] {
+        bodies.push((
+            "/v1/completions",
+            json!({"prompt": "A story:", "max_tokens": 16, "stream": stream,
+                   "temperature": 1.0, "top_p": 0.95, "seed": 11}),
+        ));
+        bodies.push((
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
+                   "stream": stream, "temperature": 0.7, "seed": 12, "reasoning_effort": "none"}),
+        ));
+    }
     let mut want: Vec<Value> = bodies.iter().map(|(p, b)| answer(&plain, p, b)).collect();
     // The thinking-off constrained answers are complete: the schema's JSON, the forced call.
     for w in &want {

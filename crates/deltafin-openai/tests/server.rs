@@ -436,7 +436,7 @@ fn malformed_requests_get_well_formed_refusals() {
     let e = post_json(
         a,
         "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "x"}], "temperature": 0.7}),
+        &json!({"messages": [{"role": "user", "content": "x"}], "temperature": 2.5}),
     )
     .error(400);
     assert_eq!(e["param"], "temperature");

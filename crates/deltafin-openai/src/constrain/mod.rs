@@ -12,6 +12,7 @@ pub mod grammar;
 use crate::error::ApiError;
 use crate::request::{ChatControls, ToolMode};
 use deltafin_k3::generate::{Choose, greedy};
+use deltafin_k3::sampling::Sampling;
 use deltafin_k3::text::chat::ResponseFormat;
 use deltafin_k3::text::tokenizer::{END_OF_MSG, Tokenizer};
 use grammar::{Content, Shape, Tools};
@@ -91,7 +92,10 @@ impl Grammars {
         if let Some(e) = matcher.get_error() {
             return Err(e);
         }
-        Ok(GrammarRule { matcher })
+        Ok(GrammarRule {
+            matcher,
+            sampling: None,
+        })
     }
 
     /// The rule a chat request's controls ask for (`None`: unconstrained); a schema the
@@ -178,13 +182,34 @@ fn shape_of(controls: &ChatControls) -> Option<ShapeParts> {
     Some((content, tools, required))
 }
 
-/// K3's argmax over the tokens a grammar allows.
+/// K3's argmax over the tokens a grammar allows, or with sampling, the position's draw from
+/// K3's distribution restricted to them (the grammar masks first, then the filters apply:
+/// vLLM's order).
 pub struct GrammarRule {
     matcher: Matcher,
+    sampling: Option<Sampling>,
+}
+
+impl GrammarRule {
+    /// The same grammar, sampled with `sampling` (`None`: argmax).
+    pub fn with_sampling(self, sampling: Option<Sampling>) -> GrammarRule {
+        GrammarRule { sampling, ..self }
+    }
 }
 
 impl Choose for GrammarRule {
-    fn choose(&mut self, _step: usize, logits: &[f32]) -> Result<u32, String> {
+    fn choose(&mut self, step: usize, logits: &[f32]) -> Result<u32, String> {
+        if let Some(s) = self.sampling {
+            let mask = self
+                .matcher
+                .compute_mask()
+                .map_err(|e| format!("grammar: {e}"))?;
+            return s
+                .sample(step, logits, &|id| {
+                    (id as usize) < mask.len() && mask.is_allowed(id)
+                })
+                .ok_or_else(|| "grammar: no token of the model's vocabulary is allowed".into());
+        }
         // The unconstrained argmax, when the grammar allows it, is also the first maximum
         // among the allowed ids; checking one token is far cheaper than a whole mask (most
         // steps of free text or of a long string take this path).

@@ -11,8 +11,9 @@ pub mod reply;
 pub mod wire;
 
 use crate::error::ApiError;
-use crate::request::{ChatControls, GenRequest, Limits, Prompt, Surface, ToolMode, finite_number};
+use crate::request::{ChatControls, GenRequest, Limits, Prompt, Surface, ToolMode};
 use axum::http::HeaderMap;
+use deltafin_k3::sampling::Sampling;
 use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat, Thinking};
 use serde_json::{Map, Value, json};
 use wire::{ENDPOINT, bad, check_cache_control, object, only_keys, string};
@@ -65,6 +66,8 @@ const FIELDS: &[&str] = &[
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
+    "seed",
     "thinking",
     "tools",
     "tool_choice",
@@ -119,7 +122,7 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, MessagesMeta)
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("stream", "`stream` must be a boolean")),
     };
-    sampling(obj)?;
+    let sampling = sampling(obj)?;
     if let Some(m) = get("metadata") {
         let m = object(m, "metadata", "`metadata`")?;
         only_keys(m, &["user_id"], "metadata", "`metadata`")?;
@@ -160,6 +163,7 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, MessagesMeta)
         response_format,
     };
     let req = GenRequest {
+        sampling,
         surface: Surface::Chat,
         prompt: Prompt::Chat { messages, controls },
         max_new,
@@ -176,46 +180,10 @@ fn field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
-/// `temperature` 0…1 (only 0: greedy), `top_p` (0, 1] and `top_k` ≥ 1: every such filter
-/// keeps the greedy token, so greedy decoding is exactly what they ask for.
-fn sampling(obj: &Map<String, Value>) -> Result<(), ApiError> {
-    let get = |k: &str| field(obj, k);
-    if let Some(v) = get("temperature") {
-        match finite_number(v) {
-            Some(0.0) => {}
-            Some(t) if (0.0..=1.0).contains(&t) => {
-                return Err(bad(
-                    "temperature",
-                    format!(
-                        "`temperature` {t} asks for sampling; Deltafin decodes greedily, which is exactly `temperature: 0`"
-                    ),
-                ));
-            }
-            _ => {
-                return Err(bad(
-                    "temperature",
-                    "`temperature` must be a number in 0..=1; Deltafin decodes greedily and accepts only 0",
-                ));
-            }
-        }
-    }
-    if let Some(v) = get("top_p")
-        && !finite_number(v).is_some_and(|p| p > 0.0 && p <= 1.0)
-    {
-        return Err(bad(
-            "top_p",
-            "`top_p` must be a number in (0, 1]; every such nucleus contains the greedy token",
-        ));
-    }
-    if let Some(v) = get("top_k")
-        && v.as_u64().is_none_or(|k| k < 1)
-    {
-        return Err(bad(
-            "top_k",
-            "`top_k` must be an integer >= 1; every such filter keeps the greedy token",
-        ));
-    }
-    Ok(())
+/// `temperature` 0…1, `top_p`, `top_k`, `min_p`, `seed` (docs/SERVER.md "Sampling"; Anthropic
+/// has no `seed`, so a sampled request without one gets a fresh seed, reported back).
+fn sampling(obj: &Map<String, Value>) -> Result<Option<Sampling>, ApiError> {
+    crate::request::parse_sampling(|k| field(obj, k), 1.0)
 }
 
 fn stop_sequences(v: Option<&Value>) -> Result<Vec<String>, ApiError> {

@@ -151,16 +151,14 @@ fn thinking_rules() {
 
 #[test]
 fn sampling_rules() {
-    assert!(parse_with(json!({"temperature": 0, "top_p": 0.5, "top_k": 40})).is_ok());
-    assert!(
-        err(json!({"temperature": 0.7}))
-            .message
-            .contains("greedily")
-    );
+    let (r, _) = parse_with(json!({"temperature": 0, "top_p": 0.5, "top_k": 40})).unwrap();
+    assert_eq!(r.sampling, None);
+    let (r, _) = parse_with(json!({"temperature": 0.7, "top_k": 40, "seed": 5})).unwrap();
+    let s = r.sampling.unwrap();
+    assert_eq!((s.temperature, s.top_k, s.seed), (0.7, 40, 5));
     assert!(err(json!({"temperature": 1.5})).message.contains("0..=1"));
     assert!(err(json!({"top_p": 0})).message.contains("(0, 1]"));
-    assert!(err(json!({"top_k": 0})).message.contains(">= 1"));
-    assert!(err(json!({"top_k": 1.5})).message.contains(">= 1"));
+    assert!(err(json!({"top_k": 1.5})).message.contains(">= 0"));
 }
 
 #[test]

@@ -12,7 +12,8 @@ pub mod input;
 pub mod reply;
 
 use crate::error::ApiError;
-use crate::request::{ChatControls, GenRequest, Limits, Prompt, Surface, ToolMode, finite_number};
+use crate::request::{ChatControls, GenRequest, Limits, Prompt, Surface, ToolMode};
+use deltafin_k3::sampling::Sampling;
 use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat, THINKING_SPELLINGS, Thinking};
 use input::{ENDPOINT, bad, only_keys};
 use serde_json::{Map, Value, json};
@@ -46,6 +47,9 @@ const FIELDS: &[&str] = &[
     "metadata",
     "temperature",
     "top_p",
+    "top_k",
+    "min_p",
+    "seed",
     "user",
     "safety_identifier",
     "prompt_cache_key",
@@ -138,7 +142,7 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
             ));
         }
     }
-    sampling(obj, &mut echo)?;
+    let sampling = sampling(obj, &mut echo)?;
     for key in ["user", "safety_identifier", "prompt_cache_key"] {
         match get(key) {
             None => {}
@@ -207,6 +211,7 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
         response_format,
     };
     let req = GenRequest {
+        sampling,
         surface: Surface::Chat,
         prompt: Prompt::Chat { messages, controls },
         max_new,
@@ -267,41 +272,17 @@ fn refusals(obj: &Map<String, Value>) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `temperature` 0…2 (only 0: greedy) and `top_p` (0, 1] (every nucleus keeps the greedy
-/// token); both echoed.
-fn sampling(obj: &Map<String, Value>, echo: &mut Map<String, Value>) -> Result<(), ApiError> {
-    let t = field(obj, "temperature");
-    if let Some(v) = t {
-        match finite_number(v) {
-            Some(0.0) => {}
-            Some(t) if (0.0..=2.0).contains(&t) => {
-                return Err(bad(
-                    "temperature",
-                    format!(
-                        "`temperature` {t} asks for sampling; Deltafin decodes greedily, which is exactly `temperature: 0`"
-                    ),
-                ));
-            }
-            _ => {
-                return Err(bad(
-                    "temperature",
-                    "`temperature` must be a number in 0..=2; Deltafin decodes greedily and accepts only 0",
-                ));
-            }
-        }
+/// `temperature` 0…2, `top_p`, `top_k`, `min_p`, `seed` (docs/SERVER.md "Sampling");
+/// `temperature` and `top_p` echoed.
+fn sampling(
+    obj: &Map<String, Value>,
+    echo: &mut Map<String, Value>,
+) -> Result<Option<Sampling>, ApiError> {
+    let s = crate::request::parse_sampling(|k| field(obj, k), 2.0)?;
+    for key in ["temperature", "top_p"] {
+        echo.insert(key.into(), field(obj, key).cloned().unwrap_or(Value::Null));
     }
-    let p = field(obj, "top_p");
-    if let Some(v) = p
-        && !finite_number(v).is_some_and(|p| p > 0.0 && p <= 1.0)
-    {
-        return Err(bad(
-            "top_p",
-            "`top_p` must be a number in (0, 1]; every such nucleus contains the greedy token",
-        ));
-    }
-    echo.insert("temperature".into(), t.cloned().unwrap_or(Value::Null));
-    echo.insert("top_p".into(), p.cloned().unwrap_or(Value::Null));
-    Ok(())
+    Ok(s)
 }
 
 /// `reasoning`: thinking on or off, its effort, and whether the text is the summary.

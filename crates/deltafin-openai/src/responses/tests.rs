@@ -273,11 +273,8 @@ fn state_and_other_refusals() {
             .message
             .contains("max_tool_calls")
     );
-    assert!(
-        err(json!({"temperature": 0.2}))
-            .message
-            .contains("greedily")
-    );
+    let (r, _) = parse_with(json!({"temperature": 0.2, "seed": 9})).unwrap();
+    assert_eq!(r.sampling.map(|s| (s.temperature, s.seed)), Some((0.2, 9)));
     assert!(err(json!({"top_p": 2})).message.contains("(0, 1]"));
     assert!(
         err(json!({"metadata": {"a": 1}}))
