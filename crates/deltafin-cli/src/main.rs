@@ -160,6 +160,26 @@ pub struct RunArgs {
     /// `response`); the same as --reasoning-effort none.
     #[arg(long, requires = "chat", conflicts_with = "reasoning_effort")]
     pub no_thinking: bool,
+    /// Sample at this temperature (0 < T ≤ 2) instead of greedy decoding; each token is
+    /// K3's own draw with its position's seeded random number [env: K3_TEMPERATURE; default:
+    /// greedy].
+    #[arg(long, value_name = "T")]
+    pub temperature: Option<f64>,
+    /// Sampling: keep the smallest most-likely set reaching probability P [env: K3_TOP_P;
+    /// default 1: all].
+    #[arg(long, value_name = "P")]
+    pub top_p: Option<f64>,
+    /// Sampling: keep the K most likely tokens [env: K3_TOP_K; default 0: all].
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Sampling: drop tokens less likely than M × the most likely one [env: K3_MIN_P;
+    /// default 0].
+    #[arg(long, value_name = "M")]
+    pub min_p: Option<f64>,
+    /// Sampling seed: the same seed gives the same tokens [env: K3_SEED; default: a fresh
+    /// one, printed and written to the events file].
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
     /// Print a live cumulative speed line per token instead of the text.
     #[arg(long)]
     pub stats: bool,

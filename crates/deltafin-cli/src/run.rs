@@ -7,8 +7,9 @@ use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use deltafin_k3::engine::{EngineConfig, LoadedEngine};
 use deltafin_k3::generate::{
-    GenerateEvent, GenerateOptions, Greedy, LogitSummary, StopReason, generate,
+    Choose, GenerateEvent, GenerateOptions, Greedy, LogitSummary, StopReason, generate_with,
 };
+use deltafin_k3::sampling::{Sampler, Sampling, fresh_seed};
 use deltafin_k3::text::chat::{self, ChatMessage, ReasoningEffort, Thinking};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
@@ -36,6 +37,41 @@ fn resolve_thinking(args: &RunArgs) -> Result<(Thinking, &'static str)> {
         Some(t) => (t, "env"),
         None => (Thinking::On(ReasoningEffort::Max), "default"),
     })
+}
+
+/// Sampling from the flags, else their `K3_*` variables (docs/CLI.md "Sampling"); `None`
+/// (greedy) without a temperature or at 0. Every variable is parsed strictly.
+fn resolve_sampling(args: &RunArgs) -> Result<Option<Sampling>> {
+    fn pick<T: std::str::FromStr>(flag: Option<T>, var: &str) -> Result<Option<T>> {
+        let env = crate::env::env_var(var)?
+            .map(|v| {
+                v.trim()
+                    .parse::<T>()
+                    .map_err(|_| anyhow!("environment variable {var}: {v:?} is not a number"))
+            })
+            .transpose()?;
+        Ok(flag.or(env))
+    }
+    let temperature = pick(args.temperature, "K3_TEMPERATURE")?.unwrap_or(0.0);
+    let top_p = pick(args.top_p, "K3_TOP_P")?.unwrap_or(1.0);
+    let top_k = pick(args.top_k, "K3_TOP_K")?.unwrap_or(0);
+    let min_p = pick(args.min_p, "K3_MIN_P")?.unwrap_or(0.0);
+    let seed = pick(args.seed, "K3_SEED")?;
+    if !(0.0..=2.0).contains(&temperature) {
+        bail!("--temperature {temperature} must be in 0..=2 (0: greedy)");
+    }
+    if temperature == 0.0 {
+        return Ok(None);
+    }
+    Sampling::new(
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed.unwrap_or_else(fresh_seed),
+    )
+    .map(Some)
+    .map_err(|e| anyhow!("sampling: {e}"))
 }
 
 /// Add `summary`'s largest logits and log-sum-exp (`--top-logits`) to `event` under
@@ -81,6 +117,7 @@ pub fn engine_config(args: &RunArgs, thinking: Thinking) -> Result<EngineConfig>
 
 pub fn run(args: &RunArgs) -> Result<ExitCode> {
     let (thinking, thinking_source) = resolve_thinking(args)?;
+    let sampling = resolve_sampling(args)?;
     if args.top_logits.is_some() && args.events_jsonl.is_none() {
         bail!("--top-logits adds fields to the events file: it needs --events-jsonl PATH");
     }
@@ -201,13 +238,14 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         .choose(&model, &tokenizer, args.chat)
         .map_err(|e| anyhow!("{e}"))?;
     eprintln!(
-        "[deltafin] surface={surface} {} spine={} model_root={} prompt_tokens={} reasoning_effort={effort_text} max_new={max_new_text} top_logits={top_n} {} drafter={} load={load_seconds:.2}s",
+        "[deltafin] surface={surface} {} spine={} model_root={} prompt_tokens={} reasoning_effort={effort_text} max_new={max_new_text} top_logits={top_n} {} drafter={} {} load={load_seconds:.2}s",
         session::backend_description(),
         spine.as_str(),
         root.display(),
         prompt_ids.len(),
         drafts.describe(),
         chosen.as_ref().map_or("none", |c| c.name),
+        sampling_text(sampling.as_ref()),
     );
     if let Some(chosen) = chosen {
         return run_speculative(
@@ -221,6 +259,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
             &interrupt,
             started,
             spine.as_str(),
+            sampling,
         );
     }
     let config = json!({
@@ -230,6 +269,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         "thinking": if args.chat { json!(thinking.is_on()) } else { Value::Null },
         "max_new": args.max_new,
         "top_logits": top_n,
+        "sampling": sampling_json(sampling.as_ref()),
         "spine": spine.as_str(),
         "backend": session::backend_description(),
     });
@@ -247,7 +287,12 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     // work-stealing from this thread instead of waking the pool from outside for every
     // matrix product.
     let result = deltafin_kernels::pool::run_warm(|| {
-        generate(&model, &prompt_ids, &opts, &interrupt, |ev| {
+        let mut sampler = sampling.map(Sampler);
+        let rule: &mut dyn Choose = match sampler.as_mut() {
+            Some(s) => s,
+            None => &mut Greedy,
+        };
+        generate_with(&model, &prompt_ids, &opts, rule, &interrupt, |ev| {
             let r: Result<()> = (|| {
                 match ev {
                     GenerateEvent::Prefilled { duration, summary } => {
@@ -385,6 +430,25 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
 }
 
 /// Percent text of a speed-up (`+12.3%`), or `n/a`.
+/// The header line's sampling field.
+fn sampling_text(s: Option<&Sampling>) -> String {
+    match s {
+        None => "sampling=greedy".into(),
+        Some(s) => format!(
+            "sampling=temperature:{},top_p:{},top_k:{},min_p:{},seed:{}",
+            s.temperature, s.top_p, s.top_k, s.min_p, s.seed
+        ),
+    }
+}
+
+/// The events file's `sampling` (`null`: greedy).
+fn sampling_json(s: Option<&Sampling>) -> Value {
+    s.map_or(Value::Null, |s| {
+        json!({"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+               "min_p": s.min_p, "seed": s.seed})
+    })
+}
+
 fn percent(x: Option<f64>) -> String {
     x.map_or("n/a".into(), |s| format!("{:+.1}%", 100.0 * s))
 }
@@ -404,6 +468,7 @@ fn run_speculative(
     interrupt: &std::sync::atomic::AtomicBool,
     started: Instant,
     spine: &str,
+    sampling: Option<Sampling>,
 ) -> Result<ExitCode> {
     let Chosen {
         name,
@@ -436,6 +501,7 @@ fn run_speculative(
                 "prompt_token_ids": prompt_ids,
                 "config": {"surface": if args.chat { "chat" } else { "raw" }, "drafter": name,
                            "draft_mode": mode, "spine": spine,
+                           "sampling": sampling_json(sampling.as_ref()),
                            "backend": session::backend_description()},
             }),
         )?;
@@ -451,6 +517,11 @@ fn run_speculative(
     let mut prefill_ns = 0u64;
     let gen_start = Instant::now();
     let clock = WallClock::new();
+    let mut sampler = sampling.map(Sampler);
+    let rule: &mut (dyn Choose + Send) = match sampler.as_mut() {
+        Some(s) => s,
+        None => &mut Greedy,
+    };
     let result = deltafin_kernels::pool::run_warm(|| {
         generate_with_policy(
             model,
@@ -458,7 +529,7 @@ fn run_speculative(
             max_new,
             &opts.stop_ids,
             drafter.as_mut(),
-            &mut Greedy,
+            rule,
             &mut policy,
             &clock,
             interrupt,

@@ -275,3 +275,99 @@ fn benchmark_ab_tests_dspark_against_plain() {
         }
     }
 }
+
+/// `deltafin run --temperature`: the same seed gives the same ids with drafting on or off and
+/// through the `K3_*` variables; the seed is in the events file; a run without one reports a
+/// fresh seed that repeats it; bad values are named.
+#[test]
+fn seeded_sampling_repeats_with_and_without_drafts() {
+    let root = checkpoint(SynthDims::tiny(), 3);
+    let cfg = K3Config::from_file(root.path().join("config.json")).unwrap();
+    synthesize_dspark(&root.path().join("k3-draft-dspark"), 3, &cfg).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, extra: &[&str], env: &[(&str, &str)]| -> Vec<Value> {
+        let events = tmp.path().join(name);
+        let mut args = vec![
+            "run",
+            "--chat",
+            "--no-thinking",
+            "--prompt",
+            "Hi",
+            "--max-new",
+            "12",
+        ];
+        args.extend(extra);
+        args.extend(["--events-jsonl", events.to_str().unwrap()]);
+        let unset = [
+            "K3_TEMPERATURE",
+            "K3_SEED",
+            "K3_TOP_P",
+            "K3_TOP_K",
+            "K3_MIN_P",
+        ];
+        let out = deltafin_bf16(root.path(), &args, &unset, env);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        jsonl(&events)
+    };
+    let emitted = |ev: &[Value]| ev.last().unwrap()["emitted_token_ids"].clone();
+    let sampled = ["--temperature", "1.0", "--top-p", "0.95", "--seed", "42"];
+    let off = run("off.jsonl", &sampled, &[("K3_DSPARK", "off")]);
+    let on = run("on.jsonl", &sampled, &[("K3_DSPARK", "on")]);
+    assert_eq!(emitted(&off), emitted(&on));
+    let via_env = run(
+        "env.jsonl",
+        &[],
+        &[
+            ("K3_DSPARK", "off"),
+            ("K3_TEMPERATURE", "1.0"),
+            ("K3_TOP_P", "0.95"),
+            ("K3_SEED", "42"),
+        ],
+    );
+    assert_eq!(emitted(&via_env), emitted(&off));
+    assert_eq!(off[0]["config"]["sampling"]["seed"], 42, "{}", off[0]);
+    let greedy = run("greedy.jsonl", &[], &[("K3_DSPARK", "off")]);
+    assert!(greedy[0]["config"]["sampling"].is_null());
+    assert_ne!(emitted(&greedy), emitted(&off), "sampling changed nothing");
+    // No seed: a fresh one, reported, repeats the run.
+    let fresh = run(
+        "fresh.jsonl",
+        &["--temperature", "0.8"],
+        &[("K3_DSPARK", "off")],
+    );
+    let seed = fresh[0]["config"]["sampling"]["seed"]
+        .as_u64()
+        .unwrap()
+        .to_string();
+    let again = run(
+        "again.jsonl",
+        &["--temperature", "0.8", "--seed", &seed],
+        &[("K3_DSPARK", "off")],
+    );
+    assert_eq!(emitted(&fresh), emitted(&again));
+    for (args, env, needle) in [
+        (vec!["--temperature", "3"], vec![], "--temperature"),
+        (vec!["--temperature", "1", "--top-p", "0"], vec![], "top_p"),
+        (vec![], vec![("K3_TEMPERATURE", "hot")], "K3_TEMPERATURE"),
+    ] {
+        let root_s = root.path().to_str().unwrap();
+        let mut a = vec![
+            "run",
+            "--prompt",
+            "Hi",
+            "--max-new",
+            "2",
+            "--model-root",
+            root_s,
+        ];
+        a.extend(args);
+        let out = common::deltafin(&a, &[], &[&[("K3_SPINE", "bf16")], env.as_slice()].concat());
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+}
