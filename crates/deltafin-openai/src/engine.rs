@@ -1,4 +1,5 @@
-//! The loaded model, its tokenizer and one greedy generation with its output events.
+//! The loaded model, its tokenizer and one generation (greedy, constrained or sampled) with
+//! its output events.
 
 use crate::constrain::{self, GrammarRule, Grammars};
 use crate::error::ApiError;

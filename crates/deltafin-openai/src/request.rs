@@ -1,7 +1,7 @@
 //! Strict validation of `/v1/completions` and `/v1/chat/completions` request bodies.
 //!
-//! Every top-level field is either implemented exactly, accepted because greedy decoding is
-//! exactly what it asks for, or refused with a 400 naming it. `docs/SERVER.md` lists the rule
+//! Every top-level field is either implemented exactly, accepted because it changes nothing
+//! (e.g. `top_p` under greedy decoding), or refused with a 400 naming it. `docs/SERVER.md` lists the rule
 //! for each field; the messages follow the product contract §3.3–§3.4.
 
 mod sampling;

@@ -21,14 +21,13 @@ use std::sync::atomic::AtomicBool;
 
 fn server() -> &'static TestServer {
     static S: OnceLock<TestServer> = OnceLock::new();
-    S.get_or_init(|| {
-        let s = TestServer::start(ServerConfig {
+    shared_server(
+        &S,
+        ServerConfig {
             queue: 64,
             ..any_port()
-        });
-        s.wait_ready();
-        s
-    })
+        },
+    )
 }
 
 fn weather() -> Value {

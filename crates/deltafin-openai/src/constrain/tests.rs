@@ -248,6 +248,63 @@ fn parallel_calls_count_their_index_up_to_the_cap() {
 }
 
 #[test]
+fn optional_calls_after_free_content_follow_the_schema() {
+    // tool_choice auto with a strict tool: the model may answer in text, or call with
+    // arguments that follow the schema.
+    let tools = [tool("get_weather")];
+    let shape = Shape {
+        thinking: true,
+        content: Content::Free,
+        tools: Tools::Optional(&tools),
+        parallel: true,
+    };
+    let text_only = ids(&[
+        "Hmm.",
+        "<close>think",
+        "<open>response",
+        "It is sunny.",
+        "<close>response",
+        "<close>message",
+        "<eom>",
+    ]);
+    assert_eq!(accepted(&shape, &text_only), text_only.len());
+    let call = ids(&[
+        "Hmm.",
+        "<close>think",
+        "<open>response",
+        "Checking.",
+        "<close>response",
+        "<open>tools",
+        r#"<open>call tool="get_weather" index="1""#,
+        r#"<open>argument key="city" type="string""#,
+        "Lyon",
+        "<close>argument",
+        r#"<open>argument key="days" type="number""#,
+        "3",
+        "<close>argument",
+        "<close>call",
+        "<close>tools",
+        "<close>message",
+        "<eom>",
+    ]);
+    assert_eq!(accepted(&shape, &call), call.len());
+    let bad_type = ids(&[
+        "Hmm.",
+        "<close>think",
+        "<open>response",
+        "<close>response",
+        "<open>tools",
+        r#"<open>call tool="get_weather" index="1""#,
+        r#"<open>argument key="city" type="string""#,
+        "Lyon",
+        "<close>argument",
+        r#"<open>argument key="days" type="number""#,
+        "three",
+    ]);
+    assert!(accepted(&shape, &bad_type) < bad_type.len());
+}
+
+#[test]
 fn a_named_choice_allows_only_that_tool() {
     let controls = ChatControls {
         tools: vec![tool("get_weather"), tool("get_time")],

@@ -50,6 +50,19 @@ pub fn any_port() -> ServerConfig {
     }
 }
 
+/// The server kept in `cell`, started with `cfg` (ready) on first use: one server shared by
+/// the tests of a binary.
+pub fn shared_server(
+    cell: &'static OnceLock<TestServer>,
+    cfg: ServerConfig,
+) -> &'static TestServer {
+    cell.get_or_init(|| {
+        let s = TestServer::start(cfg);
+        s.wait_ready();
+        s
+    })
+}
+
 /// The engine of `root`, loaded as a server's loader does (the error as text).
 pub fn load_engine(root: &Path) -> Result<Engine, String> {
     Engine::load(root).map_err(|e| e.to_string())
