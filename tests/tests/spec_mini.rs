@@ -383,3 +383,169 @@ fn mini_agreeing_drafters_under_each_policy() {
         }
     }
 }
+
+/// Seeded sampling at T = 1.0 (top-p 0.95, Moonshot's API setting) on mini: plain sampled
+/// decoding against the fixed-width bigram drafter built from (a) the sampled trajectories
+/// themselves (a drafter that agrees with K3's draws) and (b) the greedy trajectories (a drafter
+/// that agrees with K3's argmax), and greedy decoding with (b) for comparison. Every drafted run
+/// emits exactly the plain sampled ids (identity acceptance). Arms run A B B A.
+///
+/// A bigram drafter proposes one token, a point mass `q`: the classic rule accepts it with
+/// `min(1, p(d)/q(d)) = p(d)`, the probability that K3's own draw is `d`, i.e. the identity
+/// rule's acceptance: for such drafters identity costs nothing in acceptance.
+#[test]
+#[ignore = "measurement on mini; needs DELTAFIN_MINI"]
+fn mini_sampled_drafting() {
+    use deltafin_k3::sampling::{Sampler, Sampling};
+    let root = mini_root();
+    let n = 64;
+    let tok = Tokenizer::from_dir(&root).unwrap();
+    let prompts: Vec<Vec<u32>> = PROMPTS[..3]
+        .iter()
+        .map(|t| tok.encode_ordinary(t))
+        .collect();
+    let x = Sampling::new(1.0, 0, 0.95, 0.0, 0).unwrap();
+    let seeded = |i: usize| {
+        Sampler(Sampling {
+            seed: 1000 + i as u64,
+            ..x
+        })
+    };
+    let bigrams = |runs: &[Vec<u32>]| -> HashMap<u32, u32> {
+        let seqs: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(runs)
+            .map(|(p, t)| {
+                std::iter::once(*p.last().unwrap())
+                    .chain(t.iter().copied())
+                    .collect()
+            })
+            .collect();
+        deltafin_tests::greedy_bigrams(&seqs).into_iter().collect()
+    };
+    for spine in spines() {
+        let model = load(&root, spine);
+        let plain_sampled = |i: usize, p: &[u32]| -> Vec<u32> {
+            let opts = deltafin_k3::generate::GenerateOptions {
+                max_new: Some(n),
+                stop_ids: STOP.to_vec(),
+                max_context: 4096,
+                top_logits: 0,
+            };
+            deltafin_k3::generate::generate_with(
+                &model,
+                p,
+                &opts,
+                &mut seeded(i),
+                &AtomicBool::new(false),
+                |_| Ok(()),
+            )
+            .unwrap()
+            .ids
+        };
+        let sampled: Vec<Vec<u32>> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| plain_sampled(i, p))
+            .collect();
+        let greedy: Vec<Vec<u32>> = prompts.iter().map(|p| greedy_ids(&model, p, n)).collect();
+        let tables = [bigrams(&sampled), bigrams(&greedy)];
+        // Arms: 0 plain sampled, 1 sampled + sampled-bigram drafter, 2 sampled + greedy-bigram
+        // drafter, 3 plain greedy, 4 greedy + greedy-bigram drafter.
+        let names = [
+            "T=1.0, plain",
+            "T=1.0, drafter agreeing with the draws",
+            "T=1.0, drafter agreeing with the argmax",
+            "greedy, plain",
+            "greedy, drafter agreeing with the argmax",
+        ];
+        let mut secs = vec![Vec::new(); names.len()];
+        let mut stats = vec![SpecStats::default(); names.len()];
+        let load_before = uptime();
+        let order: Vec<usize> = (0..names.len()).chain((0..names.len()).rev()).collect();
+        for &arm in &order {
+            let t0 = Instant::now();
+            let mut st = SpecStats::default();
+            for (i, p) in prompts.iter().enumerate() {
+                let want = if arm < 3 { &sampled[i] } else { &greedy[i] };
+                let ids = match arm {
+                    0 => plain_sampled(i, p),
+                    3 => greedy_ids(&model, p, n),
+                    _ => {
+                        let table = if arm == 1 { &tables[0] } else { &tables[1] };
+                        let mut d = BigramTable(table.clone());
+                        let mut policy = SpecPolicy::new(PolicyMode::Fixed, BLOCK, 0.03);
+                        let mut sampler = seeded(i);
+                        let mut greedy_rule = Greedy;
+                        let rule: &mut dyn deltafin_k3::generate::Choose = if arm == 4 {
+                            &mut greedy_rule
+                        } else {
+                            &mut sampler
+                        };
+                        let (ids, s) = generate_with_policy(
+                            &model,
+                            p,
+                            n,
+                            &STOP,
+                            &mut d,
+                            rule,
+                            &mut policy,
+                            &WallClock::new(),
+                            &AtomicBool::new(false),
+                            |_| Ok(()),
+                        )
+                        .unwrap();
+                        st.verify_passes += s.verify_passes;
+                        st.proposed += s.proposed;
+                        st.accepted += s.accepted;
+                        st.drafting_passes += s.drafting_passes;
+                        ids
+                    }
+                };
+                assert_eq!(&ids, want, "{}", names[arm]);
+            }
+            secs[arm].push(t0.elapsed().as_secs_f64());
+            stats[arm] = st;
+        }
+        let tokens = |arm: usize| -> usize {
+            if arm < 3 { &sampled } else { &greedy }
+                .iter()
+                .map(Vec::len)
+                .sum()
+        };
+        eprintln!(
+            "mini, spine {}, {} prompts × ≤ {n} tokens, fixed width {BLOCK}; load average {load_before} → {}",
+            spine_name(spine),
+            prompts.len(),
+            uptime()
+        );
+        eprintln!(
+            "| run | proposed | accepted | acceptance | tokens/s (A, B) | vs its plain run |"
+        );
+        eprintln!("|---|---|---|---|---|---|");
+        for arm in 0..names.len() {
+            let mean = secs[arm].iter().sum::<f64>() / secs[arm].len() as f64;
+            let base = if arm < 3 { 0 } else { 3 };
+            let base_mean = secs[base].iter().sum::<f64>() / secs[base].len() as f64;
+            let rates: Vec<String> = secs[arm]
+                .iter()
+                .map(|s| format!("{:.1}", tokens(arm) as f64 / s))
+                .collect();
+            let s = &stats[arm];
+            let acc = if s.proposed == 0 {
+                "–".to_string()
+            } else {
+                format!("{:.1} %", 100.0 * s.acceptance_rate())
+            };
+            eprintln!(
+                "| {} | {} | {} | {acc} | {:.1} ({}) | {:.2}× |",
+                names[arm],
+                s.proposed,
+                s.accepted,
+                tokens(arm) as f64 / mean,
+                rates.join(", "),
+                base_mean / mean
+            );
+        }
+    }
+}

@@ -94,14 +94,24 @@ impl Sampling {
             kept.truncate(self.top_k);
         }
         if self.top_p < 1.0 {
+            let target = self.top_p * kept.iter().map(|x| x.1).sum::<f64>();
+            // Sort only the head: every weight ≥ t, for the largest t of the ladder whose
+            // head already reaches the target. Those are exactly the first entries of the
+            // whole sorted list, so the nucleus is the same as after a full sort.
+            for t in [0.5, 0.1, 1e-2, 1e-3, 1e-4, 1e-6, 0.0] {
+                let head: f64 = kept.iter().filter(|x| x.1 >= t).map(|x| x.1).sum();
+                if head >= target || t == 0.0 {
+                    kept.retain(|x| x.1 >= t);
+                    break;
+                }
+            }
             kept.sort_by(by_weight);
-            let total: f64 = kept.iter().map(|x| x.1).sum();
             let mut acc = 0.0;
             let mut n = 0;
             for &(_, w) in &kept {
                 acc += w;
                 n += 1;
-                if acc >= self.top_p * total {
+                if acc >= target {
                     break;
                 }
             }
@@ -229,6 +239,36 @@ mod tests {
             .sum();
         // 4 degrees of freedom: P(χ² > 18.47) = 0.001.
         assert!(chi2 < 18.47, "chi2 {chi2}: {counts:?}");
+    }
+
+    #[test]
+    fn the_nucleus_equals_the_full_sort_prefix() {
+        // A flat-ish row over many ids, where the head ladder matters.
+        let l: Vec<f32> = (0..5000)
+            .map(|i| ((i * 7919) % 1000) as f32 / 250.0)
+            .collect();
+        for top_p in [0.05, 0.3, 0.95, 0.999] {
+            let x = s(1.0, 0, top_p, 0.0);
+            let got = x.distribution(&l, &|_| true);
+            let mut all: Vec<(u32, f64)> = l
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| (i as u32, (f64::from(v) - 3.996).exp()))
+                .collect();
+            all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let total: f64 = all.iter().map(|x| x.1).sum();
+            let (mut acc, mut n) = (0.0, 0);
+            for &(_, w) in &all {
+                acc += w;
+                n += 1;
+                if acc >= top_p * total {
+                    break;
+                }
+            }
+            let want: Vec<u32> = all[..n].iter().map(|x| x.0).collect();
+            let got: Vec<u32> = got.iter().map(|x| x.0).collect();
+            assert_eq!(got, want, "top_p {top_p}");
+        }
     }
 
     #[test]
