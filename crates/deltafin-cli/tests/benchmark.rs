@@ -265,3 +265,36 @@ fn bad_arguments_are_refused_before_any_run() {
         text(&out)
     );
 }
+
+/// Greedy against seeded sampling: each sampling setting is its own output class (its runs
+/// must repeat each other, not match greedy), and a seed-less sampled arm, which cannot
+/// repeat, is caught.
+#[test]
+fn sampled_arms_are_checked_against_their_own_first_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev = tmp.path().join("ev");
+    let arms = [
+        "--arm",
+        "greedy=",
+        "--arm",
+        "t1=K3_TEMPERATURE=1.0 K3_SEED=7",
+        "--arm",
+        "t1b=K3_SEED=7 K3_TEMPERATURE=1.0",
+    ];
+    let (_, r) = campaign(&ev, "--max-new 6 --reps 2", &arms, 0);
+    assert_eq!(r.len(), 6);
+    assert!(r.iter().all(|x| x["valid"] == true), "{r:?}");
+    let ids = |arm: &str| -> Vec<Value> {
+        r.iter()
+            .filter(|x| x["arm"] == arm)
+            .map(|x| x["completion_token_ids"].clone())
+            .collect()
+    };
+    assert_eq!(ids("t1"), ids("t1b"));
+    assert_ne!(ids("greedy")[0], ids("t1")[0], "sampling changed nothing");
+    let ev2 = tmp.path().join("ev2");
+    let fresh = ["--arm", "greedy=", "--arm", "fresh=K3_TEMPERATURE=1.0"];
+    let (t, r) = campaign(&ev2, "--max-new 6 --reps 2 --keep-going", &fresh, 0);
+    assert!(t.contains("1 of 4 runs were invalid"), "{t}");
+    assert!(r.iter().any(|x| x["oracle"] == "mismatch"), "{r:?}");
+}

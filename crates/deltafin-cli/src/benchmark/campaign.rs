@@ -131,6 +131,29 @@ fn write_runs(path: &Path, records: &[RunRecord], arms: &[Arm]) -> Result<()> {
     std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// The variables that make `deltafin run` sample: arms that set them differently emit other
+/// ids, so each distinct setting has its own implicit oracle (docs/CLI.md "deltafin
+/// benchmark").
+const SAMPLING_VARS: [&str; 5] = [
+    "K3_TEMPERATURE",
+    "K3_TOP_P",
+    "K3_TOP_K",
+    "K3_MIN_P",
+    "K3_SEED",
+];
+
+/// An arm's sampling settings (sorted): arms with equal settings must emit equal ids.
+fn output_class(arm: &Arm) -> Vec<(String, String)> {
+    let mut c: Vec<(String, String)> = arm
+        .env
+        .iter()
+        .filter(|(k, _)| SAMPLING_VARS.contains(&k.as_str()))
+        .cloned()
+        .collect();
+    c.sort();
+    c
+}
+
 /// What the run loop leaves: one record per executed run, the oracle derived from the first
 /// arm (when none was given), and whether it stopped at an invalid run.
 pub(super) struct Runs {
@@ -154,7 +177,10 @@ pub(super) fn run_schedule(
     std::fs::create_dir_all(&runs_dir)
         .with_context(|| format!("cannot create {}", runs_dir.display()))?;
     let mut records: Vec<RunRecord> = Vec::new();
-    let mut implicit: Option<Oracle> = None;
+    // The implicit oracle of each output class: the first valid run of its first arm.
+    let classes: Vec<Vec<(String, String)>> = arms.iter().map(output_class).collect();
+    let leader = |a: usize| classes.iter().position(|c| *c == classes[a]).unwrap_or(a);
+    let mut implicit: Vec<Option<Oracle>> = (0..arms.len()).map(|_| None).collect();
     let mut stopped = false;
     for (index, &(rep, arm, position)) in schedule.iter().enumerate() {
         let name = format!("{:03}-{}-rep{}", index + 1, arms[arm].name, rep + 1);
@@ -218,7 +244,8 @@ pub(super) fn run_schedule(
             match validate_events(&text, &args.prompt, args.chat, args.max_new) {
                 Ok(d) => {
                     rec.metrics = Some(metrics(&d, args.warmup_steps));
-                    let oracle = explicit.or(implicit.as_ref());
+                    let lead = leader(arm);
+                    let oracle = explicit.or(implicit[lead].as_ref());
                     match oracle {
                         Some(o) => match o.check(&d) {
                             None => rec.oracle = OracleCheck::Match,
@@ -227,9 +254,13 @@ pub(super) fn run_schedule(
                                 rec.invalid = Some(why);
                             }
                         },
-                        None if arm == 0 => {
-                            implicit = Some(Oracle {
-                                source: "first valid run of the first arm",
+                        None if arm == lead => {
+                            implicit[lead] = Some(Oracle {
+                                source: if lead == 0 {
+                                    "first valid run of the first arm"
+                                } else {
+                                    "first valid run of the first arm with these sampling settings"
+                                },
                                 ids: Some(d.completion_ids.clone()),
                                 text: Some(d.completion_text.clone()),
                             });
@@ -273,13 +304,13 @@ pub(super) fn run_schedule(
             break;
         }
     }
-    // Runs of later arms that ran before the first arm produced its oracle.
-    if let Some(o) = &implicit {
-        for r in records
-            .iter_mut()
-            .filter(|r| r.oracle == OracleCheck::Unchecked)
-        {
-            if let Some(d) = &r.data {
+    // Runs of later arms that ran before the first arm of their class produced its oracle.
+    for r in records
+        .iter_mut()
+        .filter(|r| r.oracle == OracleCheck::Unchecked)
+    {
+        if let (Some(o), Some(d)) = (&implicit[leader(r.arm)], &r.data) {
+            {
                 match o.check(d) {
                     None => r.oracle = OracleCheck::Match,
                     Some(why) => {
@@ -294,7 +325,7 @@ pub(super) fn run_schedule(
 
     Ok(Runs {
         records,
-        implicit,
+        implicit: implicit.into_iter().next().flatten(),
         stopped,
     })
 }
