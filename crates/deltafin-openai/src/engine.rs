@@ -290,15 +290,12 @@ pub fn run_generation_timed(
     send: impl FnMut(GenEvent) -> bool + Send,
 ) -> (Ending, Timing) {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
+    // The token rule: the grammar (argmax or sampled within it), the sampler, or argmax.
     let mut grammar = match engine.rule(req) {
-        Ok(g) => g,
+        Ok(g) => g.map(|g| g.with_sampling(req.sampling)),
         Err(e) => return (Ending::Event(GenEvent::Failed(e)), Timing::default()),
     };
-    // The token rule: the grammar (argmax or sampled within it), the sampler, or argmax.
     let mut sampler = req.sampling.map(Sampler);
-    if let Some(g) = grammar.take() {
-        grammar = Some(g.with_sampling(req.sampling));
-    }
     let rule: &mut (dyn Choose + Send) = match (grammar.as_mut(), sampler.as_mut()) {
         (Some(g), _) => g,
         (None, Some(s)) => s,

@@ -123,11 +123,7 @@ impl Builder {
     fn string_value(&mut self, schema: &Value) -> String {
         match schema.get("enum").and_then(Value::as_array) {
             Some(values) if values.iter().all(Value::is_string) && !values.is_empty() => {
-                let alts: Vec<String> = values
-                    .iter()
-                    .filter_map(Value::as_str)
-                    .map(|s| if s.is_empty() { "\"\"".into() } else { lit(s) })
-                    .collect();
+                let alts: Vec<String> = values.iter().filter_map(Value::as_str).map(lit).collect();
                 self.rule(alts.join(" | "))
             }
             _ => self.text.clone(),

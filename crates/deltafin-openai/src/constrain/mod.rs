@@ -20,7 +20,7 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{InferenceCapabilities, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{Value, json};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 /// K3's tokenizer as llguidance sees it: every token's bytes (a special as `0xFF` followed by
 /// its spelling, toktrie's convention), and encoding through K3's own encoder.
@@ -101,23 +101,8 @@ impl Grammars {
     /// The rule a chat request's controls ask for (`None`: unconstrained); a schema the
     /// grammar engine cannot compile is the client's error.
     pub fn for_controls(&self, controls: &ChatControls) -> Result<Option<GrammarRule>, ApiError> {
-        let Some(shape_parts) = shape_of(controls) else {
+        let Some(shape) = shape_of(controls) else {
             return Ok(None);
-        };
-        let (content, tools_owned, required) = shape_parts;
-        let tools = match (&tools_owned, required) {
-            (None, _) => Tools::Forbidden,
-            (Some(t), true) => Tools::Required(t),
-            (Some(t), false) => Tools::Optional(t),
-        };
-        let shape = Shape {
-            thinking: controls.thinking,
-            content: match &content {
-                Some(schema) => Content::Json(schema),
-                None => Content::Free,
-            },
-            tools,
-            parallel: controls.parallel_tool_calls,
         };
         self.rule(&shape).map(Some).map_err(|e| {
             ApiError::invalid_param(
@@ -137,49 +122,49 @@ fn param_of(controls: &ChatControls) -> &'static str {
     }
 }
 
-/// The content schema, the tools the block may call, and whether the block is required;
-/// `None` when nothing is constrained.
-type ShapeParts = (Option<Value>, Option<Vec<Value>>, bool);
-
 /// Whether `controls` constrain the answer (a JSON `response_format`, a `none`, `required` or
 /// named `tool_choice` over declared tools, or a `strict` tool the model may call).
 pub fn constrains(controls: &ChatControls) -> bool {
     shape_of(controls).is_some()
 }
 
-fn shape_of(controls: &ChatControls) -> Option<ShapeParts> {
+/// The shape `controls` ask of the answer; `None` when nothing is constrained.
+fn shape_of(controls: &ChatControls) -> Option<Shape<'_>> {
+    static OBJECT: LazyLock<Value> = LazyLock::new(|| json!({"type": "object"}));
     let content = match &controls.response_format {
         None => None,
-        Some(ResponseFormat::JsonObject) => Some(json!({"type": "object"})),
-        Some(ResponseFormat::JsonSchema(s)) => Some(s.clone()),
+        Some(ResponseFormat::JsonObject) => Some(&*OBJECT),
+        Some(ResponseFormat::JsonSchema(s)) => Some(s),
     };
-    let strict = controls
-        .tools
+    let declared = controls.tools.as_slice();
+    let strict = declared
         .iter()
         .any(|t| t["function"]["strict"] == Value::Bool(true));
-    if controls.tools.is_empty() {
-        return content.map(|c| (Some(c), None, false));
-    }
-    let (tools, required) = match &controls.tool_mode {
+    let tools = match &controls.tool_mode {
+        _ if declared.is_empty() => {
+            content?;
+            Tools::Forbidden
+        }
         // Declared tools the model must not call: a tools block is forbidden.
-        ToolMode::None => (None, false),
-        ToolMode::Required => (Some(controls.tools.clone()), true),
-        ToolMode::Named(name) => (
-            Some(
-                controls
-                    .tools
-                    .iter()
-                    .filter(|t| t["function"]["name"].as_str() == Some(name))
-                    .cloned()
-                    .collect(),
-            ),
-            true,
+        ToolMode::None => Tools::Forbidden,
+        ToolMode::Required => Tools::Required(declared),
+        // Names are unique (request validation); an undeclared one leaves nothing to call.
+        ToolMode::Named(name) => Tools::Required(
+            declared
+                .iter()
+                .position(|t| t["function"]["name"].as_str() == Some(name))
+                .map_or(&[][..], |i| &declared[i..=i]),
         ),
         // The model decides; unconstrained unless a tool is strict or the content is JSON.
         ToolMode::Auto if content.is_none() && !strict => return None,
-        ToolMode::Auto => (Some(controls.tools.clone()), false),
+        ToolMode::Auto => Tools::Optional(declared),
     };
-    Some((content, tools, required))
+    Some(Shape {
+        thinking: controls.thinking,
+        content: content.map_or(Content::Free, Content::Json),
+        tools,
+        parallel: controls.parallel_tool_calls,
+    })
 }
 
 /// K3's argmax over the tokens a grammar allows, or with sampling, the position's draw from
