@@ -430,7 +430,12 @@ fn demo(out: &std::path::Path, max_new: usize, run_args: &[String]) -> Result<()
         )?;
         summary(&r);
     }
-    let exe = root.join("target/release/deltafin");
+    // The binary cargo just built: under CARGO_TARGET_DIR when set (relative to the
+    // workspace, as cargo reads it), else the workspace's target/.
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .filter(|d| !d.is_empty())
+        .map_or_else(|| root.join("target"), |d| root.join(d));
+    let exe = target.join("release/deltafin");
     if deltafin_k3::weights::spine_int8::int8_spine_present(&out) {
         println!("int8 spine present at {}", out.display());
     } else {
