@@ -41,7 +41,9 @@ pub fn engine_config(
         Some(_) => streamed,
         None => StreamOptions::with_cache_bytes(0),
     };
+    let states = state_cache_settings(model)?;
     Ok(EngineConfig {
+        state_cache_ram: if states.enabled { states.ram_bytes } else { 0 },
         memory_budget,
         spine,
         device,
@@ -56,6 +58,47 @@ pub fn engine_config(
         router_trace,
         huge_pages,
         copy_resident_experts: true,
+    })
+}
+
+/// The prefix-state cache of a command (`--state-cache`, `K3_STATE_CACHE`,
+/// `K3_STATE_CACHE_RAM_GB`, `K3_STATE_CACHE_DISK_GB`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateCacheSettings {
+    pub enabled: bool,
+    /// The RAM tier (reserved in a memory budget's plan).
+    pub ram_bytes: u64,
+    /// The disk tier under `k3-meta/state-cache/` (0: none).
+    pub disk_bytes: u64,
+}
+
+/// Default RAM tier (decimal GB).
+pub const STATE_CACHE_RAM_GB: u64 = 1;
+/// Default disk tier (decimal GB).
+pub const STATE_CACHE_DISK_GB: u64 = 16;
+
+/// [`StateCacheSettings`] from `--state-cache` (else `K3_STATE_CACHE`, else on) and the two
+/// size variables (decimal GB ≥ 0; 0 turns a tier off), all parsed strictly.
+pub fn state_cache_settings(model: &ModelArgs) -> Result<StateCacheSettings> {
+    let on_off = |v: &str| match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{v:?} is not on or off")),
+    };
+    let enabled = match model.state_cache.as_deref() {
+        Some(v) => on_off(v).map_err(|e| anyhow!("--state-cache: {e}"))?,
+        None => env_choice("K3_STATE_CACHE", true, on_off)?,
+    };
+    let size = |name: &str, default_gb: u64| {
+        env_choice(name, default_gb * 1_000_000_000, |v| match v.trim() {
+            "0" => Ok(0),
+            v => parse_gb(v).map_err(|e| format!("{e} (0 turns the tier off)")),
+        })
+    };
+    Ok(StateCacheSettings {
+        enabled,
+        ram_bytes: size("K3_STATE_CACHE_RAM_GB", STATE_CACHE_RAM_GB)?,
+        disk_bytes: size("K3_STATE_CACHE_DISK_GB", STATE_CACHE_DISK_GB)?,
     })
 }
 

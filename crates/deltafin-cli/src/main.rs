@@ -15,6 +15,7 @@ mod events;
 mod kernel_env;
 mod pack;
 mod perplexity;
+mod prefill_bar;
 mod run;
 mod scale4;
 mod serve;
@@ -131,6 +132,14 @@ pub struct ModelArgs {
     /// bf16 (the original weights, weight-exact) [env: K3_SPINE; default: auto = int8].
     #[arg(long, value_name = "FORMAT")]
     pub spine: Option<String>,
+    /// Prefix states kept between prompts: on or off [env: K3_STATE_CACHE; default on]. On:
+    /// a prompt that begins like an earlier one (the same chat history, a repeated prompt)
+    /// resumes from the stored state after that beginning instead of prefilling it again,
+    /// with the same bits; states live in RAM (K3_STATE_CACHE_RAM_GB, default 1; inside a
+    /// memory budget) and under the model root in `k3-meta/state-cache/`
+    /// (K3_STATE_CACHE_DISK_GB, default 16), which survives restarts and is safe to delete.
+    #[arg(long, value_name = "on|off")]
+    pub state_cache: Option<String>,
 }
 
 impl ModelArgs {

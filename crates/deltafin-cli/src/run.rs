@@ -3,18 +3,20 @@
 
 use crate::RunArgs;
 use crate::events::EventWriter;
+use crate::prefill_bar::PrefillBar;
 use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use deltafin_k3::engine::{EngineConfig, LoadedEngine};
 use deltafin_k3::generate::{
-    Choose, GenerateEvent, GenerateOptions, Greedy, LogitSummary, StopReason, generate_with,
+    Choose, GenerateEvent, GenerateOptions, Greedy, LogitSummary, StopReason, generate_prefilled,
 };
+use deltafin_k3::prefix::{Chunked, PrefillProgress};
 use deltafin_k3::sampling::{Sampler, Sampling, fresh_seed};
 use deltafin_k3::text::chat::{self, ChatMessage, ReasoningEffort, Thinking};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
 use deltafin_spec::select::{Chosen, DraftModels, Surfaces};
-use deltafin_spec::{Committed, WallClock, generate_with_policy};
+use deltafin_spec::{Committed, WallClock, generate_with_prefill};
 use serde_json::{Value, json};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -151,6 +153,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     } else {
         None
     };
+    let states = crate::engine_config::state_cache_settings(&args.model)?;
+    let loaded = session::load(&root, &config)?;
+    let cache = session::state_cache(&loaded, &states);
     let LoadedEngine {
         model,
         tokenizer,
@@ -160,7 +165,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         spine,
         resident_copies,
         ..
-    } = session::load(&root, &config)?;
+    } = loaded;
     if args.stats {
         session::report_load(load_seconds, &resident_copies, probe.as_ref());
     }
@@ -247,8 +252,24 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         chosen.as_ref().map_or("none", |c| c.name),
         sampling_text(sampling.as_ref()),
     );
+    // The prefill: aligned passes resumed from a stored prefix state (docs/CLI.md
+    // `--state-cache`), stopped by Ctrl-C, shown by a progress bar on a terminal.
+    let mut bar = PrefillBar::new();
+    let mut show = |p: PrefillProgress| bar.update(p);
+    let mut prefiller = Chunked::new(cache.as_ref());
+    if args.chat {
+        prefiller.marks = prompt_ids
+            .iter()
+            .enumerate()
+            .filter(|&(_, &t)| t == END_OF_MSG)
+            .map(|(i, _)| i + 1)
+            .collect();
+    }
+    prefiller.interrupt = Some(&interrupt);
+    prefiller.progress = Some(&mut show);
     if let Some(chosen) = chosen {
         return run_speculative(
+            &mut prefiller,
             args,
             &model,
             &tokenizer,
@@ -292,83 +313,92 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
             Some(s) => s,
             None => &mut Greedy,
         };
-        generate_with(&model, &prompt_ids, &opts, rule, &interrupt, |ev| {
-            let r: Result<()> = (|| {
-                match ev {
-                    GenerateEvent::Prefilled { duration, summary } => {
-                        if let Some(w) = events.as_mut() {
-                            let mut start = json!({
-                                "prompt": args.prompt,
-                                "chat": args.chat,
-                                "max_new": args.max_new,
-                                "input_token_ids": prompt_ids,
-                                "prompt_token_ids": prompt_ids,
-                                "config": config,
-                            });
-                            add_summary(
-                                &mut start,
-                                summary,
-                                "last_prompt_top_logits",
-                                "last_prompt_logsumexp",
-                            );
-                            w.emit("run_start", start)?;
-                            w.emit(
+        generate_prefilled(
+            &model,
+            &prompt_ids,
+            &mut prefiller,
+            &opts,
+            rule,
+            &interrupt,
+            |ev| {
+                let r: Result<()> = (|| {
+                    match ev {
+                        GenerateEvent::Prefilled { duration, summary } => {
+                            if let Some(w) = events.as_mut() {
+                                let mut start = json!({
+                                    "prompt": args.prompt,
+                                    "chat": args.chat,
+                                    "max_new": args.max_new,
+                                    "input_token_ids": prompt_ids,
+                                    "prompt_token_ids": prompt_ids,
+                                    "config": config,
+                                });
+                                add_summary(
+                                    &mut start,
+                                    summary,
+                                    "last_prompt_top_logits",
+                                    "last_prompt_logsumexp",
+                                );
+                                w.emit("run_start", start)?;
+                                w.emit(
                             "prefill_done",
                             json!({"duration_ns": duration.as_nanos() as u64, "prompt_tokens": prompt_ids.len()}),
                         )?;
+                            }
+                        }
+                        GenerateEvent::Token {
+                            step,
+                            id,
+                            duration,
+                            summary,
+                            ..
+                        } => {
+                            emitted.push(id);
+                            let piece = decoder
+                                .push(&tokenizer, id)
+                                .map_err(|e| anyhow!("cannot decode token {id}: {e}"))?;
+                            text.push_str(&piece);
+                            if args.stats {
+                                let elapsed = gen_start.elapsed().as_secs_f64();
+                                let n = emitted.len();
+                                let line = format!(
+                                    "[stats] generated={n} elapsed={elapsed:.2}s speed={:.3} token/s ({:.3} s/token)",
+                                    n as f64 / elapsed.max(1e-9),
+                                    elapsed / n as f64
+                                );
+                                write_stats_line(&mut out, live_stats, &line)?;
+                            } else {
+                                write!(out, "{piece}")?;
+                            }
+                            out.flush()?;
+                            if let Some(w) = events.as_mut() {
+                                let mut step_ev = json!({
+                                    "step": step,
+                                    "duration_ns": duration.as_nanos() as u64,
+                                    "token_id": id,
+                                    "text": piece,
+                                    "emitted_token_ids": [id],
+                                    "proposal_candidate_count": 0,
+                                    "proposed_token_count": 0,
+                                    "accepted_token_count": 0,
+                                    "proposal_memory_rejected": false,
+                                });
+                                add_summary(&mut step_ev, summary, "top_logits", "logsumexp");
+                                w.emit("decode_step", step_ev)?;
+                            }
                         }
                     }
-                    GenerateEvent::Token {
-                        step,
-                        id,
-                        duration,
-                        summary,
-                        ..
-                    } => {
-                        emitted.push(id);
-                        let piece = decoder
-                            .push(&tokenizer, id)
-                            .map_err(|e| anyhow!("cannot decode token {id}: {e}"))?;
-                        text.push_str(&piece);
-                        if args.stats {
-                            let elapsed = gen_start.elapsed().as_secs_f64();
-                            let n = emitted.len();
-                            let line = format!(
-                                "[stats] generated={n} elapsed={elapsed:.2}s speed={:.3} token/s ({:.3} s/token)",
-                                n as f64 / elapsed.max(1e-9),
-                                elapsed / n as f64
-                            );
-                            write_stats_line(&mut out, live_stats, &line)?;
-                        } else {
-                            write!(out, "{piece}")?;
-                        }
-                        out.flush()?;
-                        if let Some(w) = events.as_mut() {
-                            let mut step_ev = json!({
-                                "step": step,
-                                "duration_ns": duration.as_nanos() as u64,
-                                "token_id": id,
-                                "text": piece,
-                                "emitted_token_ids": [id],
-                                "proposal_candidate_count": 0,
-                                "proposed_token_count": 0,
-                                "accepted_token_count": 0,
-                                "proposal_memory_rejected": false,
-                            });
-                            add_summary(&mut step_ev, summary, "top_logits", "logsumexp");
-                            w.emit("decode_step", step_ev)?;
-                        }
-                    }
-                }
-                Ok(())
-            })();
-            r.map_err(|e| {
-                let msg = format!("{e:#}");
-                sink_error = Some(e);
-                msg
-            })
-        })
+                    Ok(())
+                })();
+                r.map_err(|e| {
+                    let msg = format!("{e:#}");
+                    sink_error = Some(e);
+                    msg
+                })
+            },
+        )
     });
+    report_reuse(prefiller.reused, prompt_ids.len());
 
     let outcome = match result {
         Ok(o) => o,
@@ -431,6 +461,15 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
 
 /// Percent text of a speed-up (`+12.3%`), or `n/a`.
 /// The header line's sampling field.
+/// Say how much of the prompt a stored prefix state saved (nothing when none was used).
+fn report_reuse(reused: usize, prompt_tokens: usize) {
+    if reused > 0 {
+        eprintln!(
+            "[deltafin] prefill: {reused} of {prompt_tokens} prompt tokens restored from the state cache"
+        );
+    }
+}
+
 fn sampling_text(s: Option<&Sampling>) -> String {
     match s {
         None => "sampling=greedy".into(),
@@ -458,6 +497,7 @@ fn percent(x: Option<f64>) -> String {
 /// `decode_step` with the proposal counts and the policy state.
 #[allow(clippy::too_many_arguments)]
 fn run_speculative(
+    prefiller: &mut Chunked<'_>,
     args: &RunArgs,
     model: &deltafin_k3::model::K3Model,
     tokenizer: &deltafin_k3::text::tokenizer::Tokenizer,
@@ -523,9 +563,10 @@ fn run_speculative(
         None => &mut Greedy,
     };
     let result = deltafin_kernels::pool::run_warm(|| {
-        generate_with_policy(
+        generate_with_prefill(
             model,
             prompt_ids,
+            prefiller,
             max_new,
             &opts.stop_ids,
             drafter.as_mut(),
@@ -598,6 +639,7 @@ fn run_speculative(
             },
         )
     });
+    report_reuse(prefiller.reused, prompt_ids.len());
     let (ids, _stats) = match result {
         Ok(v) => v,
         Err(e) => {

@@ -46,6 +46,14 @@ pub struct ServeArgs {
     /// characters, each once.
     #[arg(long = "model-alias", value_name = "NAME")]
     pub model_aliases: Vec<String>,
+    /// Finished greedy answers kept for identical requests, 0…4096 (0: no memo).
+    #[arg(long, value_name = "N", default_value_t = deltafin_openai::memo::DEFAULT_ENTRIES as u64,
+          value_parser = clap::value_parser!(u64).range(0..=4096))]
+    pub response_memo_entries: u64,
+    /// Bytes the response memo may hold, 0…1073741824 (0: no memo).
+    #[arg(long, value_name = "N", default_value_t = deltafin_openai::memo::DEFAULT_BYTES as u64,
+          value_parser = clap::value_parser!(u64).range(0..=deltafin_openai::memo::MAX_BYTES as u64))]
+    pub response_memo_bytes: u64,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -146,6 +154,11 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (thinking, thinking_source) = resolve_thinking()?;
     let spec = crate::env::spec_config()?;
+    let states = crate::engine_config::state_cache_settings(&args.model)?;
+    let memo = (
+        args.response_memo_entries as usize,
+        args.response_memo_bytes as usize,
+    );
     let cfg = ServerConfig {
         host: args.host.clone(),
         port: args.port,
@@ -172,7 +185,16 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
             let surfaces = Surfaces { chat: true, raw: true };
             let drafts = DraftModels::load(&loader_root, &spec, surfaces, &s.model)?;
             deltafin_openai::log_line!("[deltafin serve] drafting: {}", drafts.describe());
-            Ok(deltafin_openai::Engine::from_loaded(s, Some(drafts)))
+            let cache = session::state_cache(&s, &states);
+            if let Some(c) = &cache {
+                deltafin_openai::log_line!("[deltafin serve] {}", session::describe_state_cache(c, &s, &states));
+            }
+            let engine = deltafin_openai::Engine::from_loaded(s, Some(drafts))
+                .with_memo(memo.0, memo.1);
+            Ok(match cache {
+                Some(c) => engine.with_state_cache(c),
+                None => engine,
+            })
         })
         .await?;
         let addr = server.local_addr()?;

@@ -8,6 +8,7 @@ use deltafin_k3::engine::{
     EngineBuilder, EngineConfig, EngineError, ExpertLayer, LoadProgress, LoadedEngine,
 };
 use deltafin_k3::model::K3Model;
+use deltafin_k3::prefix::{CacheConfig, PrefixCache};
 use deltafin_k3::weights::checkpoint::{Checkpoint, Layout};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -165,6 +166,72 @@ pub fn load(root: &Path, config: &EngineConfig) -> Result<LoadedEngine> {
     let loaded = builder(root, config).build().map_err(cli_error)?;
     *DEVICE_LINE.lock().unwrap_or_else(|p| p.into_inner()) = Some(loaded.device_line.clone());
     Ok(loaded)
+}
+
+/// The prefix-state cache of a loaded engine under `settings` (`None` when off): the RAM
+/// tier the memory plan reserved (or the setting's size without a plan), the disk tier in
+/// `k3-meta/state-cache/` under the model root. A disk directory that cannot be made is a
+/// warning, and the states stay in RAM.
+pub fn state_cache(
+    loaded: &LoadedEngine,
+    settings: &crate::engine_config::StateCacheSettings,
+) -> Option<PrefixCache> {
+    if !settings.enabled {
+        return None;
+    }
+    let ram_bytes = loaded
+        .plan
+        .as_ref()
+        .map_or(settings.ram_bytes, |p| p.state_cache);
+    let disk = (settings.disk_bytes > 0).then(|| {
+        (
+            loaded.checkpoint.root().join("k3-meta").join("state-cache"),
+            settings.disk_bytes,
+        )
+    });
+    let warn = || -> Box<dyn Fn(&str) + Send + Sync> {
+        Box::new(|m: &str| eprintln!("deltafin: warning: {m}"))
+    };
+    let tag = loaded.state_tag();
+    let config = CacheConfig { ram_bytes, disk };
+    match PrefixCache::new(&loaded.model, tag.clone(), &config, warn()) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            eprintln!("deltafin: warning: {e}; prefix states stay in RAM only");
+            let ram_only = CacheConfig {
+                ram_bytes,
+                disk: None,
+            };
+            PrefixCache::new(&loaded.model, tag, &ram_only, warn()).ok()
+        }
+    }
+}
+
+/// The startup line of a prefix-state cache.
+pub fn describe_state_cache(
+    cache: &PrefixCache,
+    loaded: &LoadedEngine,
+    settings: &crate::engine_config::StateCacheSettings,
+) -> String {
+    let ram = loaded
+        .plan
+        .as_ref()
+        .map_or(settings.ram_bytes, |p| p.state_cache);
+    let per_kda = loaded.model.dims.kda_state_bytes() as f64;
+    format!(
+        "state_cache=on ram={:.3} GB disk={:.3} GB in {} (one state: {:.3} GB + {} B per token; key {})",
+        ram as f64 / 1e9,
+        settings.disk_bytes as f64 / 1e9,
+        loaded
+            .checkpoint
+            .root()
+            .join("k3-meta")
+            .join("state-cache")
+            .display(),
+        per_kda / 1e9,
+        loaded.model.dims.mla_cache_bytes_per_token(),
+        &cache.tag()[..12],
+    )
 }
 
 /// An engine error in the CLI's words: a resident-layer cap beyond the model names the

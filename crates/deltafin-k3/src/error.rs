@@ -29,6 +29,11 @@ pub enum ModelError {
     /// An empty token list.
     #[error("no input tokens")]
     EmptyInput,
+    /// The pass was stopped between layers by its interrupt flag
+    /// ([`K3Model::forward_watched`](crate::model::K3Model::forward_watched)); the state it
+    /// was advancing is partially advanced and must be discarded.
+    #[error("interrupted")]
+    Interrupted,
     /// A `State` built for different dimensions.
     #[error("state does not fit this model: {0}")]
     StateMismatch(String),

@@ -4,13 +4,14 @@
 //! [`Greedy`], takes the first index of the maximum logit (torch `argmax`), so every emitted
 //! token is exactly defined by the model's logits; a constrained rule (structured output,
 //! `deltafin-openai`) takes the maximum over the tokens its grammar allows, still K3's choice.
-//! The prompt is prefilled in one batched pass; each later token is one decode step. Logit
+//! The prompt is prefilled by a [`Prefiller`] (one batched pass, or aligned passes resumed
+//! from a stored prefix state: [`crate::prefix`]); each later token is one decode step. Logit
 //! summaries (top-N and log-sum-exp) are the engine's own final logits after `lm_head`,
 //! unscaled.
 
 use crate::error::ModelError;
-use crate::model::state::State;
 use crate::model::{K3Model, LogitRows};
+use crate::prefix::{OnePass, Prefilled, Prefiller};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -192,6 +193,21 @@ pub fn generate_with(
     opts: &GenerateOptions,
     rule: &mut dyn Choose,
     interrupt: &AtomicBool,
+    on_event: impl FnMut(GenerateEvent<'_>) -> Result<(), String>,
+) -> Result<GenerateOutcome, GenerateError> {
+    generate_prefilled(model, prompt, &mut OnePass, opts, rule, interrupt, on_event)
+}
+
+/// [`generate_with`] with the prompt turned into a state by `prefiller` (a cached,
+/// cancellable prefill: [`crate::prefix::Chunked`]). A prefill stopped by its interrupt
+/// ends the generation with [`StopReason::Interrupted`] and no ids.
+pub fn generate_prefilled(
+    model: &K3Model,
+    prompt: &[u32],
+    prefiller: &mut dyn Prefiller,
+    opts: &GenerateOptions,
+    rule: &mut dyn Choose,
+    interrupt: &AtomicBool,
     mut on_event: impl FnMut(GenerateEvent<'_>) -> Result<(), String>,
 ) -> Result<GenerateOutcome, GenerateError> {
     if prompt.len() > opts.max_context {
@@ -201,9 +217,20 @@ pub fn generate_with(
         });
     }
     let start = Instant::now();
-    let mut state: State = model.new_state();
     let t0 = Instant::now();
-    let mut logits = model.prefill(&mut state, prompt)?;
+    let Some(Prefilled {
+        mut state,
+        mut logits,
+        ..
+    }) = prefiller.prefill(model, prompt, None)?
+    else {
+        return Ok(GenerateOutcome {
+            ids: Vec::new(),
+            stop: StopReason::Interrupted,
+            prefill_duration: t0.elapsed(),
+            total_duration: start.elapsed(),
+        });
+    };
     let prefill_duration = t0.elapsed();
     let summarize = |l: &[f32]| (opts.top_logits > 0).then(|| LogitSummary::of(l, opts.top_logits));
     let mut summary = summarize(&logits);

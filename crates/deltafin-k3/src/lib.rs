@@ -29,7 +29,9 @@
 //!   install.rs filelock.rs
 //!                   install directories; the lock around conversions
 //! text/           tokenizer.rs (tiktoken-style BPE), chat/ (the XTML template)
-//! generate.rs     greedy generation over a loaded model
+//! prefix/         conversation state: aligned, cancellable prefill; prefix states in RAM
+//!                 and on disk
+//! generate.rs     generation over a loaded model
 //! synth/          test-checkpoint synthesis: feature `synth`, off by default
 //! ```
 //!
@@ -60,6 +62,7 @@ pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod model;
+pub mod prefix;
 pub mod sampling;
 #[cfg(any(test, feature = "synth"))]
 pub mod synth;

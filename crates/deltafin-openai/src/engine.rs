@@ -3,22 +3,24 @@
 
 use crate::constrain::{self, GrammarRule, Grammars};
 use crate::error::ApiError;
+use crate::memo::{self, MemoEntry, ResponseMemo};
 use crate::output::{Assembler, Delta, EarlyEnd, TokenLogprob};
 use crate::request::{ChatControls, GenRequest, Prompt, ToolMode};
 use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine};
 use deltafin_k3::generate::{
-    Choose, GenerateEvent, GenerateOptions, Greedy, StopReason, generate_with,
+    Choose, GenerateEvent, GenerateOptions, Greedy, StopReason, generate_prefilled,
 };
 use deltafin_k3::model::K3Model;
+use deltafin_k3::prefix::{Chunked, PrefillProgress, PrefixCache};
 use deltafin_k3::sampling::Sampler;
 use deltafin_k3::text::chat::{ChatOptions, ToolChoice, encode_chat};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_k3::weights::install::{self, Missing};
 use deltafin_spec::select::{Chosen, DraftModels};
-use deltafin_spec::{Committed, WallClock, generate_with_policy};
+use deltafin_spec::{Committed, WallClock, generate_with_prefill};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Why the model could not be loaded.
@@ -71,6 +73,11 @@ pub struct Engine {
     /// Draft models (DSpark for chat completions, Qwen for completions), used by requests
     /// without `logprobs`; `None`: plain greedy decoding only.
     pub drafts: Option<DraftModels>,
+    /// Prefix states kept between requests (RAM and disk tiers, docs/SERVER.md
+    /// "Conversation state"); `None`: every prompt is prefilled from its first token.
+    pub prefix: Option<PrefixCache>,
+    /// Finished answers of greedy requests, replayed for an identical request.
+    pub memo: ResponseMemo,
     /// The grammar engine over the tokenizer, built on the first constrained request.
     grammars: OnceLock<Result<Grammars, String>>,
 }
@@ -115,8 +122,23 @@ impl Engine {
             model: loaded.model,
             tokenizer: Arc::new(loaded.tokenizer),
             drafts,
+            prefix: None,
+            memo: ResponseMemo::new(memo::DEFAULT_ENTRIES, memo::DEFAULT_BYTES),
             grammars: OnceLock::new(),
         }
+    }
+
+    /// This engine with prefix states kept in `cache`.
+    pub fn with_state_cache(mut self, cache: PrefixCache) -> Engine {
+        self.prefix = cache.enabled().then_some(cache);
+        self
+    }
+
+    /// This engine with a response memo of at most `entries` answers and `bytes` bytes
+    /// (either 0: none).
+    pub fn with_memo(mut self, entries: usize, bytes: usize) -> Engine {
+        self.memo = ResponseMemo::new(entries, bytes);
+        self
     }
 
     /// The token rule of `req`: K3's argmax over what its constraint allows
@@ -222,6 +244,14 @@ pub struct Usage {
 /// What a generation sends to its handler.
 #[derive(Debug)]
 pub enum GenEvent {
+    /// The prefill has processed `done` of the prompt's `total` positions (`reused` of
+    /// them restored from a stored prefix state). Sent when the prefill starts, at most
+    /// every [`PREFILL_REPORT_EVERY`] while it runs, and when it is done.
+    Prefill {
+        done: usize,
+        total: usize,
+        reused: usize,
+    },
     /// Newly releasable output.
     Delta(Delta),
     /// The generation ended normally.
@@ -255,9 +285,22 @@ pub enum Ending {
     Cancelled(Cancelled),
 }
 
+/// The SSE comment frame of a [`GenEvent::Prefill`] report (`: prefill 1234/5000`): clients
+/// skip comments, and a long prefill is not mistaken for a hung connection.
+pub fn prefill_comment(done: usize, total: usize) -> String {
+    format!(": prefill {done}/{total}\n\n")
+}
+
+/// Least time between two [`GenEvent::Prefill`] reports.
+pub const PREFILL_REPORT_EVERY: Duration = Duration::from_millis(500);
+
 /// Where the time of one generation went (for `/metrics`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Timing {
+    /// Answered from the response memo (no model time at all).
+    pub from_memo: bool,
+    /// Prompt positions restored from a stored prefix state.
+    pub reused: usize,
     /// The prefill pass over the prompt (it also yields the first generated token).
     pub prefill: Duration,
     /// Everything after the prefill.
@@ -288,6 +331,60 @@ pub fn run_generation_timed(
     interrupt: &AtomicBool,
     shutdown: &AtomicBool,
     send: impl FnMut(GenEvent) -> bool + Send,
+) -> (Ending, Timing) {
+    // An identical greedy request answered before: its stored answer.
+    let memo_key =
+        (engine.memo.enabled() && req.sampling.is_none()).then(|| ResponseMemo::key(req, prompt));
+    let send = Mutex::new(send);
+    let send = |ev: GenEvent| (send.lock().unwrap_or_else(PoisonError::into_inner))(ev);
+    if let Some(mut hit) = memo_key.as_ref().and_then(|k| engine.memo.get(k)) {
+        crate::output::renew_call_ids(&mut hit.delta.tool_calls);
+        let timing = Timing {
+            from_memo: true,
+            ..Timing::default()
+        };
+        if !hit.delta.is_empty() && !send(GenEvent::Delta(hit.delta)) {
+            return (Ending::Cancelled(Cancelled::Client), timing);
+        }
+        let done = GenEvent::Done {
+            finish: hit.finish,
+            usage: hit.usage,
+        };
+        return (Ending::Event(done), timing);
+    }
+    // Everything sent is also gathered for the memo.
+    let gathered = Mutex::new(Delta::default());
+    let send = |ev: GenEvent| {
+        if let (Some(_), GenEvent::Delta(d)) = (&memo_key, &ev) {
+            gathered
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .extend(d.clone());
+        }
+        send(ev)
+    };
+    let (ending, timing) = generate_answer(engine, req, prompt, interrupt, shutdown, &send);
+    if let (Some(key), Ending::Event(GenEvent::Done { finish, usage })) = (memo_key, &ending) {
+        let delta = gathered
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        let entry = MemoEntry {
+            delta,
+            finish: *finish,
+            usage: *usage,
+        };
+        engine.memo.put(key, entry);
+    }
+    (ending, timing)
+}
+
+fn generate_answer(
+    engine: &Engine,
+    req: &GenRequest,
+    prompt: &[u32],
+    interrupt: &AtomicBool,
+    shutdown: &AtomicBool,
+    send: &(dyn Fn(GenEvent) -> bool + Sync),
 ) -> (Ending, Timing) {
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     // The token rule: the grammar (argmax or sampled within it), the sampler, or argmax.
@@ -345,7 +442,7 @@ fn run_drafted(
     run: Run<'_>,
     chosen: Chosen,
     rule: &mut (dyn Choose + Send),
-    mut send: impl FnMut(GenEvent) -> bool + Send,
+    send: &(dyn Fn(GenEvent) -> bool + Sync),
 ) -> (Ending, Timing) {
     let Run {
         engine,
@@ -377,10 +474,13 @@ fn run_drafted(
     let started = Instant::now();
     let mut sink_error: Option<ApiError> = None;
     let clock = WallClock::new();
+    let mut progress = progress_reporter(send, interrupt);
+    let mut prefiller = prefiller(engine, prompt, chat, interrupt, &mut progress);
     let result = deltafin_kernels::pool::run_warm(|| {
-        generate_with_policy(
+        generate_with_prefill(
             &engine.model,
             prompt,
+            &mut prefiller,
             max_new,
             &stop_ids,
             drafter.as_mut(),
@@ -418,12 +518,15 @@ fn run_drafted(
     if let Some(drafts) = &engine.drafts {
         drafts.remember(name, &policy);
     }
+    let reused = prefiller.reused;
     let ids = match result {
         Ok((ids, _)) => ids,
         Err(e) => return (generation_failed(sink_error, e), Timing::default()),
     };
     let prefill = prefill.unwrap_or_default();
     let timing = Timing {
+        from_memo: false,
+        reused,
         prefill,
         decode: started.elapsed().saturating_sub(prefill),
         decode_tokens: ids.len().saturating_sub(1),
@@ -448,7 +551,7 @@ fn run_drafted(
 fn run_plain(
     run: Run<'_>,
     rule: &mut (dyn Choose + Send),
-    mut send: impl FnMut(GenEvent) -> bool + Send,
+    send: &(dyn Fn(GenEvent) -> bool + Sync),
 ) -> (Ending, Timing) {
     let Run {
         engine,
@@ -474,49 +577,62 @@ fn run_plain(
     let mut sink_error: Option<ApiError> = None;
     // On a rayon worker, as `deltafin run` does: the kernels' parallel loops then start by
     // work-stealing instead of waking the pool from outside for every product.
+    let mut progress = progress_reporter(send, interrupt);
+    let mut prefiller = prefiller(engine, prompt, chat, interrupt, &mut progress);
     let result = deltafin_kernels::pool::run_warm(|| {
-        generate_with(&engine.model, prompt, &opts, rule, interrupt, |ev| {
-            let GenerateEvent::Token {
-                id, logit, summary, ..
-            } = ev
-            else {
-                return Ok(());
-            };
-            // K3's unfiltered log-softmax of the emitted token (under a grammar it need not
-            // be the top one) and of the top alternatives.
-            let lp = match (req.logprobs, summary) {
-                (Some(k), Some(s)) => Some(TokenLogprob {
-                    id,
-                    logprob: f64::from(logit) - s.logsumexp,
-                    top: s
-                        .top
-                        .iter()
-                        .take(k)
-                        .map(|&(t, l)| (t, f64::from(l) - s.logsumexp))
-                        .collect(),
-                }),
-                _ => None,
-            };
-            let delta = asm.push(id, lp).map_err(|e| {
-                sink_error = Some(ApiError::server(format!("cannot decode token {id}: {e}")));
-                e.to_string()
-            })?;
-            if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
-                client_gone = true;
-                interrupt.store(true, Ordering::Relaxed);
-            }
-            if asm.early_end().is_some() {
-                // Ends generation before the next forward pass.
-                interrupt.store(true, Ordering::Relaxed);
-            }
-            Ok(())
-        })
+        generate_prefilled(
+            &engine.model,
+            prompt,
+            &mut prefiller,
+            &opts,
+            rule,
+            interrupt,
+            |ev| {
+                let GenerateEvent::Token {
+                    id, logit, summary, ..
+                } = ev
+                else {
+                    return Ok(());
+                };
+                // K3's unfiltered log-softmax of the emitted token (under a grammar it need not
+                // be the top one) and of the top alternatives.
+                let lp = match (req.logprobs, summary) {
+                    (Some(k), Some(s)) => Some(TokenLogprob {
+                        id,
+                        logprob: f64::from(logit) - s.logsumexp,
+                        top: s
+                            .top
+                            .iter()
+                            .take(k)
+                            .map(|&(t, l)| (t, f64::from(l) - s.logsumexp))
+                            .collect(),
+                    }),
+                    _ => None,
+                };
+                let delta = asm.push(id, lp).map_err(|e| {
+                    sink_error = Some(ApiError::server(format!("cannot decode token {id}: {e}")));
+                    e.to_string()
+                })?;
+                if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
+                    client_gone = true;
+                    interrupt.store(true, Ordering::Relaxed);
+                }
+                if asm.early_end().is_some() {
+                    // Ends generation before the next forward pass.
+                    interrupt.store(true, Ordering::Relaxed);
+                }
+                Ok(())
+            },
+        )
     });
+    let reused = prefiller.reused;
     let outcome = match result {
         Ok(o) => o,
         Err(e) => return (generation_failed(sink_error, e), Timing::default()),
     };
     let timing = Timing {
+        from_memo: false,
+        reused,
         prefill: outcome.prefill_duration,
         decode: outcome
             .total_duration
@@ -537,6 +653,56 @@ fn run_plain(
     };
     let ending = done(asm, finish, prompt.len(), completion_tokens, send);
     (ending, timing)
+}
+
+/// The prefill of one generation: aligned passes over the engine's prefix cache, stopped by
+/// `interrupt`, with snapshots at the chat's message ends (the position after each
+/// end-of-message token).
+fn prefiller<'a>(
+    engine: &'a Engine,
+    prompt: &[u32],
+    chat: bool,
+    interrupt: &'a AtomicBool,
+    progress: &'a mut (dyn FnMut(PrefillProgress) + Send),
+) -> Chunked<'a> {
+    let mut p = Chunked::new(engine.prefix.as_ref());
+    if chat {
+        p.marks = prompt
+            .iter()
+            .enumerate()
+            .filter(|&(_, &t)| t == END_OF_MSG)
+            .map(|(i, _)| i + 1)
+            .collect();
+    }
+    p.interrupt = Some(interrupt);
+    p.progress = Some(progress);
+    p
+}
+
+/// Prefill progress as [`GenEvent::Prefill`], at most every [`PREFILL_REPORT_EVERY`] and
+/// once at the end; a client that cannot be told is gone, and the prefill stops.
+fn progress_reporter<'a>(
+    send: &'a (dyn Fn(GenEvent) -> bool + Sync),
+    interrupt: &'a AtomicBool,
+) -> impl FnMut(PrefillProgress) + Send + 'a {
+    let mut last: Option<Instant> = None;
+    move |p: PrefillProgress| {
+        let now = Instant::now();
+        let done = p.done.round() as usize;
+        let due = last.is_none_or(|t| now.duration_since(t) >= PREFILL_REPORT_EVERY);
+        if !(due || done >= p.total) {
+            return;
+        }
+        last = Some(now);
+        let ev = GenEvent::Prefill {
+            done: done.min(p.total),
+            total: p.total,
+            reused: p.reused,
+        };
+        if !send(ev) {
+            interrupt.store(true, Ordering::Relaxed);
+        }
+    }
 }
 
 /// The finish reason of an answer the assembler ended, or that ended with the model's end

@@ -9,6 +9,7 @@ mod conn;
 pub mod constrain;
 pub mod engine;
 pub mod error;
+pub mod memo;
 pub mod messages;
 pub mod metrics;
 pub mod models;

@@ -6,6 +6,7 @@ use crate::engine::{Timing, Usage};
 use axum::http::StatusCode;
 use deltafin_experts::ExpertStats;
 use deltafin_k3::model::device_experts::DeviceCacheStats;
+use deltafin_k3::prefix::CacheStats;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
@@ -30,6 +31,10 @@ pub struct Metrics {
     decode_tokens: AtomicU64,
     last_prefill_tps: AtomicU64,
     last_decode_tps: AtomicU64,
+    prefill_done: AtomicU64,
+    prefill_total: AtomicU64,
+    reused_tokens: AtomicU64,
+    memo_answers: AtomicU64,
 }
 
 /// `/v1/models/{id}` (any id) is one endpoint; a path that is no endpoint (404) is `other`;
@@ -61,12 +66,31 @@ impl Metrics {
         *m.entry((endpoint, status)).or_insert(0) += 1;
     }
 
-    /// A generation that ended normally (stop, length): its tokens and speeds.
+    /// The running prefill has done `done` of `total` prompt positions (`0, 0`: none runs).
+    pub fn prefill_progress(&self, done: usize, total: usize) {
+        self.prefill_done.store(done as u64, Ordering::Relaxed);
+        self.prefill_total.store(total as u64, Ordering::Relaxed);
+    }
+
+    /// What a generation took from the prefix cache and the memo.
+    pub fn record_reuse(&self, timing: &Timing) {
+        self.reused_tokens
+            .fetch_add(timing.reused as u64, Ordering::Relaxed);
+        if timing.from_memo {
+            self.memo_answers.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A generation that ended normally (stop, length): its tokens and speeds (an answer
+    /// from the memo counts its tokens only: it took no model time).
     pub fn record_generation(&self, usage: &Usage, timing: &Timing) {
         self.prompt_tokens
             .fetch_add(usage.prompt_tokens as u64, Ordering::Relaxed);
         self.completion_tokens
             .fetch_add(usage.completion_tokens as u64, Ordering::Relaxed);
+        if timing.from_memo {
+            return;
+        }
         let nanos = |d: std::time::Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         self.prefill_nanos
             .fetch_add(nanos(timing.prefill), Ordering::Relaxed);
@@ -103,6 +127,10 @@ pub struct Snapshot {
     pub host_experts: Option<ExpertStats>,
     /// The device expert cache, when experts run on a device.
     pub device_experts: Option<DeviceCacheStats>,
+    /// The prefix-state cache, when there is one.
+    pub state_cache: Option<CacheStats>,
+    /// The response memo: hits, misses, entries, bytes.
+    pub memo: Option<(u64, u64, usize, usize)>,
 }
 
 /// Writes families and samples in the text format.
@@ -259,7 +287,86 @@ impl Metrics {
             s.queue_capacity as f64,
         );
         self.render_experts(&mut e, s);
+        self.render_state(&mut e, s);
         e.0
+    }
+
+    fn render_state(&self, e: &mut Exposition, s: &Snapshot) {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        e.one(
+            "deltafin_prefill_done_tokens",
+            "gauge",
+            "Prompt positions the running prefill has processed (restored ones included); 0 when none runs.",
+            load(&self.prefill_done),
+        );
+        e.one(
+            "deltafin_prefill_total_tokens",
+            "gauge",
+            "Prompt positions of the running prefill; 0 when none runs.",
+            load(&self.prefill_total),
+        );
+        e.one(
+            "deltafin_prefix_reused_tokens_total",
+            "counter",
+            "Prompt positions restored from stored prefix states instead of prefilled.",
+            load(&self.reused_tokens),
+        );
+        e.one(
+            "deltafin_memo_answers_total",
+            "counter",
+            "Requests answered from the response memo.",
+            load(&self.memo_answers),
+        );
+        if let Some(m) = s.memo {
+            e.one(
+                "deltafin_memo_entries",
+                "gauge",
+                "Answers held by the response memo.",
+                m.2 as f64,
+            );
+        }
+        let Some(c) = &s.state_cache else {
+            return;
+        };
+        e.family(
+            "deltafin_state_cache_hits_total",
+            "counter",
+            "Prefills resumed from a stored prefix state, by the tier it came from.",
+        );
+        e.sample(
+            "deltafin_state_cache_hits_total",
+            &[("tier", "ram")],
+            c.ram_hits as f64,
+        );
+        e.sample(
+            "deltafin_state_cache_hits_total",
+            &[("tier", "disk")],
+            c.disk_hits as f64,
+        );
+        e.one(
+            "deltafin_state_cache_misses_total",
+            "counter",
+            "Prefills that found no stored prefix state.",
+            c.misses as f64,
+        );
+        e.one(
+            "deltafin_state_cache_stored_total",
+            "counter",
+            "Prefix states stored.",
+            c.stored as f64,
+        );
+        e.one(
+            "deltafin_state_cache_corrupt_total",
+            "counter",
+            "Damaged disk entries found, ignored and removed.",
+            c.corrupt as f64,
+        );
+        e.one(
+            "deltafin_state_cache_ram_bytes",
+            "gauge",
+            "Bytes of prefix states held in RAM.",
+            c.ram_bytes as f64,
+        );
     }
 
     fn render_experts(&self, e: &mut Exposition, s: &Snapshot) {
@@ -467,6 +574,7 @@ mod tests {
             prefill: Duration::from_millis(500),
             decode: Duration::from_secs(2),
             decode_tokens: 4,
+            ..Timing::default()
         };
         m.record_generation(&usage, &timing);
         m.record_generation(&usage, &timing);

@@ -30,6 +30,7 @@ use crate::request::{ChatControls, GenRequest, Prompt, ToolMode};
 use channel::ChannelText;
 use deltafin_k3::text::tokenizer::{CLOSE, END_OF_MSG, EOS, OPEN, SEP, Tokenizer, TokenizerError};
 use serde_json::{Map, Value, json};
+pub(crate) use tools::renew_call_ids;
 use tools::{CallIds, Step, ToolBlock, is_blank};
 
 /// Longest tag (in ordinary tokens) a marker may carry before it is read as text.

@@ -3,7 +3,7 @@
 //! and the counters of `/metrics`.
 
 use crate::conn::{CancelOnDrop, ClientConn, ClientLeft, abandoned, unless_gone};
-use crate::engine::{Ending, Engine, GenEvent, run_generation_timed};
+use crate::engine::{Ending, Engine, GenEvent, prefill_comment, run_generation_timed};
 use crate::error::{ApiError, json_response};
 use crate::messages::{self, MessagesMeta, reply::MessagesReply};
 use crate::metrics::{CLIENT_CLOSED, Metrics, RequestLog, Snapshot};
@@ -169,6 +169,10 @@ impl AppState {
             device_experts: engine
                 .as_ref()
                 .and_then(|e| e.model.device_experts.as_ref().map(|c| c.stats())),
+            state_cache: engine
+                .as_ref()
+                .and_then(|e| e.prefix.as_ref().map(|c| c.stats())),
+            memo: engine.as_ref().map(|e| e.memo.stats()),
         }
     }
 
@@ -556,8 +560,14 @@ async fn generate(
             &prompt,
             &interrupt,
             &st.shutdown,
-            |ev| tx.send(ev).is_ok(),
+            |ev| {
+                if let GenEvent::Prefill { done, total, .. } = &ev {
+                    st.metrics.prefill_progress(*done, *total);
+                }
+                tx.send(ev).is_ok()
+            },
         );
+        st.metrics.prefill_progress(0, 0);
         if let Ok(mut cur) = st.current.lock() {
             *cur = None;
         }
@@ -575,6 +585,7 @@ async fn generate(
         if let Ending::Event(GenEvent::Done { usage, .. }) = &ending {
             st.metrics.record_generation(usage, &timing);
         }
+        st.metrics.record_reuse(&timing);
         counter.fetch_add(1, Ordering::SeqCst);
         if let Ending::Event(ev) = ending {
             let _ = tx.send(ev);
@@ -643,6 +654,7 @@ async fn collect_response(
     while let Some(ev) = rx.recv().await {
         match ev {
             GenEvent::Delta(d) => all.extend(d),
+            GenEvent::Prefill { .. } => {}
             GenEvent::Done { finish, usage } => {
                 guard.armed = false;
                 shape.ended(Some((finish, &usage)));
@@ -678,6 +690,10 @@ impl SseState {
     fn on_event(&mut self, ev: Option<GenEvent>) {
         let mut frames = VecDeque::new();
         match ev {
+            Some(GenEvent::Prefill { done, total, .. }) => {
+                self.pending.push_back(prefill_comment(done, total));
+                return;
+            }
             Some(GenEvent::Delta(d)) => self.shape.delta_frames(&d, &mut frames),
             Some(GenEvent::Done { finish, usage }) => {
                 self.shape.ended(Some((finish, &usage)));

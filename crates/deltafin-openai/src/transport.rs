@@ -2,7 +2,7 @@
 //! JSON body, or an event stream with the headers every stream of the server carries.
 
 use crate::conn::{CancelOnDrop, ClientConn, abandoned, unless_gone};
-use crate::engine::GenEvent;
+use crate::engine::{GenEvent, prefill_comment};
 use crate::error::{ApiError, json_response};
 use crate::output::Delta;
 use crate::reply::Reply;
@@ -39,6 +39,7 @@ async fn collect_reply(
     while let Some(ev) = rx.recv().await {
         match ev {
             GenEvent::Delta(d) => all.extend(d),
+            GenEvent::Prefill { .. } => {}
             GenEvent::Done { finish, usage } => {
                 guard.armed = false;
                 let body = reply.body(all, finish, &usage)?;
@@ -65,6 +66,7 @@ struct ReplySse {
 impl ReplySse {
     fn on_event(&mut self, ev: Option<GenEvent>) {
         let frames = match ev {
+            Some(GenEvent::Prefill { done, total, .. }) => vec![prefill_comment(done, total)],
             Some(GenEvent::Delta(d)) => match self.reply.delta(d) {
                 Ok(frames) => frames,
                 // The guard stays armed: dropping the stream stops the generation.

@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use deltafin_k3::prefix::{CacheConfig, PrefixCache};
 use deltafin_k3::synth::{
     QwenSize, SynthDims, SynthSpec, synthesize, synthesize_dspark, synthesize_qwen3,
 };
@@ -34,6 +35,11 @@ fn root() -> tempfile::TempDir {
 }
 
 fn start(root: &Path, spec: Option<SpecConfig>) -> TestServer {
+    start_cached(root, spec, None)
+}
+
+/// [`start`] with prefix states kept in `states` (RAM and disk).
+fn start_cached(root: &Path, spec: Option<SpecConfig>, states: Option<PathBuf>) -> TestServer {
     let root: PathBuf = root.to_path_buf();
     let s = TestServer::start_with(
         ServerConfig {
@@ -51,6 +57,14 @@ fn start(root: &Path, spec: Option<SpecConfig>) -> TestServer {
                 assert!(d.dspark.is_some());
                 assert_eq!(d.qwen.is_some(), spec.dspark != DraftMode::On);
                 e.drafts = Some(d);
+            }
+            if let Some(dir) = states {
+                let config = CacheConfig {
+                    ram_bytes: 1 << 30,
+                    disk: Some((dir, 1 << 30)),
+                };
+                let cache = PrefixCache::new(&e.model, "drafting", &config, Box::new(|_| {}))?;
+                e = e.with_state_cache(cache);
             }
             Ok(e)
         },
@@ -206,5 +220,58 @@ fn drafted_responses_equal_plain_responses() {
         for ((path, body), w) in bodies.iter().zip(&want) {
             assert_eq!(&answer(&s, path, body), w, "{spec:?} {path} {body}");
         }
+    }
+}
+
+/// A chat continued over two turns with every drafter configuration and prefix states kept
+/// (the second turn resumes from the first's; DSpark gets the restored prefix's taps):
+/// the answers are the plain server's.
+#[test]
+fn drafted_turns_from_stored_states_equal_plain_turns() {
+    let dir = root();
+    let system: String = (0..30)
+        .map(|i| format!("Rule {i}: be brief and exact."))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let turn1 = vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": "Name a colour."}),
+    ];
+    let body = |m: &Vec<Value>, stream: bool| json!({"messages": m, "max_tokens": 10, "reasoning_effort": "none", "stream": stream});
+    let plain = start(dir.path(), None);
+    let a1 = answer(&plain, "/v1/chat/completions", &body(&turn1, false));
+    let said = a1["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut turn2 = turn1.clone();
+    turn2.push(json!({"role": "assistant", "content": said}));
+    turn2.push(json!({"role": "user", "content": "Another one?"}));
+    let want: Vec<Value> = [(&turn1, false), (&turn2, false), (&turn2, true)]
+        .iter()
+        .map(|(m, stream)| answer(&plain, "/v1/chat/completions", &body(m, *stream)))
+        .collect();
+    drop(plain);
+    for spec in [
+        None,
+        Some(SpecConfig {
+            dspark: DraftMode::On,
+            ..SpecConfig::default()
+        }),
+    ] {
+        let states = tempfile::tempdir().unwrap();
+        let s = start_cached(dir.path(), spec.clone(), Some(states.path().to_path_buf()));
+        let got: Vec<Value> = [(&turn1, false), (&turn2, false), (&turn2, true)]
+            .iter()
+            .map(|(m, stream)| answer(&s, "/v1/chat/completions", &body(m, *stream)))
+            .collect();
+        assert_eq!(got, want, "spec {spec:?}");
+        let metrics = String::from_utf8(get(s.addr, "/metrics").body).unwrap();
+        let reused: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("deltafin_prefix_reused_tokens_total "))
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        assert!(reused >= 128.0, "reused {reused} with {spec:?}");
     }
 }

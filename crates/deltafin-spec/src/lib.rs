@@ -13,6 +13,7 @@ use deltafin_k3::generate::{Choose, Greedy};
 use deltafin_k3::model::state::State;
 use deltafin_k3::model::taps::Taps;
 use deltafin_k3::model::{K3Model, LogitRows, ModelError};
+use deltafin_k3::prefix::{OnePass, Prefilled, Prefiller};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -342,7 +343,36 @@ pub fn generate_with_policy(
         clock,
         interrupt,
     };
-    run(session, drafter, rule, policy, on_commit).map_err(Failure::into_spec)
+    run(session, &mut OnePass, drafter, rule, policy, on_commit).map_err(Failure::into_spec)
+}
+
+/// [`generate_with_policy`] with the prompt turned into a state by `prefiller` (a cached,
+/// cancellable prefill: [`deltafin_k3::prefix::Chunked`]); the drafter observes every
+/// prompt position's taps, a restored prefix's included. A prefill stopped by its
+/// interrupt returns no ids.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_with_prefill(
+    model: &K3Model,
+    prompt: &[u32],
+    prefiller: &mut dyn Prefiller,
+    max_new: usize,
+    stop_ids: &[u32],
+    drafter: &mut dyn Drafter,
+    rule: &mut dyn Choose,
+    policy: &mut SpecPolicy,
+    clock: &dyn Clock,
+    interrupt: &AtomicBool,
+    on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
+) -> Result<(Vec<u32>, SpecStats), SpecError> {
+    let session = Session {
+        model,
+        prompt,
+        max_new,
+        stop_ids,
+        clock,
+        interrupt,
+    };
+    run(session, prefiller, drafter, rule, policy, on_commit).map_err(Failure::into_spec)
 }
 
 /// The fixed inputs of one speculative run.
@@ -357,6 +387,7 @@ struct Session<'a> {
 
 fn run(
     session: Session<'_>,
+    prefiller: &mut dyn Prefiller,
     drafter: &mut dyn Drafter,
     rule: &mut dyn Choose,
     policy: &mut SpecPolicy,
@@ -376,21 +407,21 @@ fn run(
         return Ok((out, stats));
     }
     let started = clock.now();
-    let mut state = model.new_state();
     // Drafters that read K3's hidden states get the taps of every committed position.
     let mut taps = match drafter.tap_layers() {
         [] => None,
         ids => Some(model.taps(ids)?),
     };
-    let logits = match taps.as_mut() {
-        Some(t) => {
-            let l = model.forward_tapped(&mut state, prompt, LogitRows::Last, t)?;
-            drafter.observe(0, t);
-            t.clear();
-            l.values
-        }
-        None => model.prefill(&mut state, prompt)?,
+    let Some(Prefilled {
+        mut state, logits, ..
+    }) = prefiller.prefill(model, prompt, taps.as_mut())?
+    else {
+        return Ok((out, stats));
     };
+    if let Some(t) = taps.as_mut() {
+        drafter.observe(0, t);
+        t.clear();
+    }
     let mut pending = rule.choose(0, &logits).map_err(Failure::Choose)?;
     rule.accept(pending).map_err(Failure::Choose)?;
     out.push(pending);

@@ -50,6 +50,51 @@ pub struct LoadedEngine {
     pub resident_copies: Vec<ResidentCopy>,
 }
 
+impl LoadedEngine {
+    /// What a prefix state computed by this engine depends on, as a string the prefix
+    /// cache keys its entries under ([`crate::prefix::PrefixCache`]): the crate version,
+    /// `config.json`'s bytes, the name, length and modification time of every spine file
+    /// (the shards, or a stream install's spine; the int8 spine's tensor files when that is
+    /// the spine), the spine format and the device line. A rewritten or re-synthesized
+    /// checkpoint, another spine or another device gets other keys, so a state is never
+    /// offered to an engine that would not have computed the same bits.
+    pub fn state_tag(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let root = self.checkpoint.root();
+        let mut h = Sha256::new();
+        h.update(env!("CARGO_PKG_VERSION").as_bytes());
+        h.update(std::fs::read(root.join("config.json")).unwrap_or_default());
+        let mut files: Vec<PathBuf> = self
+            .checkpoint
+            .spine_files()
+            .iter()
+            .map(|p| p.to_path_buf())
+            .collect();
+        if self.spine == SpineFormat::Int8
+            && let Ok(rd) = std::fs::read_dir(tensor_dir(root))
+        {
+            let mut int8: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+            int8.sort();
+            files.extend(int8);
+        }
+        for f in files {
+            h.update(f.to_string_lossy().as_bytes());
+            if let Ok(m) = std::fs::metadata(&f) {
+                h.update(m.len().to_le_bytes());
+                let t = m
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_nanos());
+                h.update(t.to_le_bytes());
+            }
+        }
+        h.update(self.spine.as_str().as_bytes());
+        h.update(self.device_line.as_bytes());
+        hex::encode(h.finalize())
+    }
+}
+
 /// Builds a [`LoadedEngine`] from an install root and an [`EngineConfig`].
 pub struct EngineBuilder {
     root: PathBuf,
@@ -214,6 +259,7 @@ impl EngineBuilder {
                 context_tokens: self.config.context_tokens,
                 resident_layers_cap: self.config.spine_resident_layers,
                 spine_copied: huge_pages.copies(),
+                state_cache: self.config.state_cache_ram,
             },
         ))
     }

@@ -103,6 +103,9 @@ pub struct EngineConfig {
     /// memory when they take at most half of the memory available (else they stay mapped,
     /// and a note says why).
     pub copy_resident_experts: bool,
+    /// Bytes of RAM for prefix states ([`crate::prefix::PrefixCache`]'s RAM tier); under a
+    /// memory budget the plan reserves them before the expert cache.
+    pub state_cache_ram: u64,
 }
 
 impl Default for EngineConfig {
@@ -125,6 +128,7 @@ impl Default for EngineConfig {
             router_trace: None,
             huge_pages: HugePages::Auto,
             copy_resident_experts: false,
+            state_cache_ram: 0,
         }
     }
 }

@@ -36,6 +36,8 @@ pub struct PlanInputs {
     pub runtime: u64,
     /// Activation scratch and the one expert buffer that may be multiplied while evicted.
     pub scratch: u64,
+    /// The RAM tier of the prefix-state cache (`crate::prefix`; 0: none).
+    pub state_cache: u64,
     /// Payload bytes of one expert.
     pub expert_bytes: u64,
     /// Bytes of one expert cache buffer (payload plus alignment).
@@ -68,6 +70,8 @@ pub struct MemoryPlan {
     pub runtime: u64,
     /// Activation scratch and the one expert that may be multiplied while evicted.
     pub scratch: u64,
+    /// The RAM tier of the prefix-state cache.
+    pub state_cache: u64,
     /// What is left: the expert cache.
     pub cache: u64,
     /// Of the cache, the pinned tier.
@@ -144,7 +148,7 @@ pub fn plan_memory(i: &PlanInputs) -> Result<MemoryPlan, PlanError> {
             .unwrap_or(0);
         (i.spine.saturating_sub(streamed), streamed, buffers)
     };
-    let fixed = state + i.runtime + i.scratch + min_cache;
+    let fixed = state + i.runtime + i.scratch + i.state_cache + min_cache;
     let fits = |k: usize| {
         let (resident, _, buffers) = with_resident(k);
         resident + buffers + fixed <= i.budget
@@ -165,7 +169,7 @@ pub fn plan_memory(i: &PlanInputs) -> Result<MemoryPlan, PlanError> {
         });
     };
     let (spine, spine_streamed, spine_buffers) = with_resident(resident_layers);
-    let reserved = spine + spine_buffers + state + i.runtime + i.scratch;
+    let reserved = spine + spine_buffers + state + i.runtime + i.scratch + i.state_cache;
     let cache = i.budget.saturating_sub(reserved);
     if i.pin > 0 && i.pin + i.expert_buffer > cache {
         return Err(PlanError::PinTooLarge {
@@ -182,6 +186,7 @@ pub fn plan_memory(i: &PlanInputs) -> Result<MemoryPlan, PlanError> {
         context_tokens: i.context_tokens,
         runtime: i.runtime,
         scratch: i.scratch,
+        state_cache: i.state_cache,
         cache,
         pin: i.pin,
         expert_bytes: i.expert_bytes,
@@ -296,6 +301,8 @@ pub struct PlanRequest {
     pub resident_layers_cap: Option<usize>,
     /// Whether the resident spine is copied into huge-page memory.
     pub spine_copied: bool,
+    /// Bytes for the RAM tier of the prefix-state cache.
+    pub state_cache: u64,
 }
 
 impl PlanInputs {
@@ -323,6 +330,7 @@ impl PlanInputs {
             context_tokens,
             runtime: req.runtime,
             scratch: scratch_bytes(cfg, format, experts.buffer_bytes),
+            state_cache: req.state_cache,
             expert_bytes: experts.expert_bytes,
             expert_buffer: experts.buffer_bytes,
             experts: experts.count,
@@ -344,7 +352,7 @@ impl MemoryPlan {
     /// and `pilot`: the expert source's read path, its reader threads and the PILOT gate).
     pub fn describe(&self, io: &str, threads: usize, pilot: &str) -> String {
         format!(
-            "memory budget {:.3} GB = spine {:.3} GB ({}) + state {:.3} GB ({} tokens) + runtime {:.3} GB + scratch {:.3} GB + expert cache {:.3} GB ({} of {} experts, {:.1}%; pinned tier {:.3} GB of it); experts stream from the shards ({}; {}), io={io} read_threads={threads} pilot_gate={pilot}",
+            "memory budget {:.3} GB = spine {:.3} GB ({}) + state {:.3} GB ({} tokens) + runtime {:.3} GB + scratch {:.3} GB + prefix states {:.3} GB + expert cache {:.3} GB ({} of {} experts, {:.1}%; pinned tier {:.3} GB of it); experts stream from the shards ({}; {}), io={io} read_threads={threads} pilot_gate={pilot}",
             gb(self.budget),
             gb(self.spine),
             if self.spine_resident_layers >= self.spine_layers {
@@ -367,6 +375,7 @@ impl MemoryPlan {
             self.context_tokens,
             gb(self.runtime),
             gb(self.scratch),
+            gb(self.state_cache),
             gb(self.cache),
             self.cached_experts(),
             self.experts,

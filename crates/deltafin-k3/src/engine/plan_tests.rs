@@ -56,6 +56,7 @@ fn real_inputs(budget_gb: u64, format: SpineFormat) -> PlanInputs {
             context_tokens: None,
             resident_layers_cap: None,
             spine_copied: true,
+            state_cache: 0,
         },
     )
 }
@@ -64,7 +65,7 @@ fn real_inputs(budget_gb: u64, format: SpineFormat) -> PlanInputs {
 /// routed experts of a layer.
 fn check_split(p: &MemoryPlan, i: &PlanInputs) {
     assert_eq!(
-        p.spine + p.spine_buffers + p.state + p.runtime + p.scratch + p.cache,
+        p.spine + p.spine_buffers + p.state + p.runtime + p.scratch + p.state_cache + p.cache,
         p.budget,
         "{p:?}"
     );
@@ -109,6 +110,7 @@ fn real_k3_sizes_feed_the_planner() {
         context_tokens: Some(usize::MAX / 2),
         resident_layers_cap: None,
         spine_copied: false,
+        state_cache: 0,
     };
     long.context_tokens = PlanInputs::for_model(
         &cfg,
@@ -244,9 +246,17 @@ fn small_sizes_by_hand() {
         pin: 0,
         contiguous: false,
         spine_copied: false,
+        state_cache: 0,
     };
     let p = plan_memory(&i).unwrap();
     assert_eq!((p.spine_resident_layers, p.spine, p.cache), (2, 250, 740));
+    // The prefix-state RAM tier is reserved before the expert cache.
+    let with_states = plan_memory(&PlanInputs {
+        state_cache: 100,
+        ..i.clone()
+    })
+    .unwrap();
+    assert_eq!((with_states.state_cache, with_states.cache), (100, 640));
     assert!(
         p.describe("x", 1, "off")
             .contains("mmap'd, resident as touched")

@@ -23,6 +23,17 @@ use crate::model::router::RouterWeights;
 use crate::model::state::State;
 use crate::model::taps::Taps;
 use crate::weights::spine_stream::SpinePass;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// What a watched pass ([`K3Model::forward_watched`]) reports and obeys between layers.
+#[derive(Default)]
+pub struct Watch<'a> {
+    /// Checked before each layer: once raised, the pass stops with
+    /// [`ModelError::Interrupted`] (the state is then partially advanced: discard it).
+    pub interrupt: Option<&'a AtomicBool>,
+    /// Called after each layer with its index (progress within a long pass).
+    pub on_layer: Option<&'a mut dyn FnMut(usize)>,
+}
 
 impl K3Model {
     /// Run `tokens` (appended to the sequence in `state`) through the model and return the
@@ -77,6 +88,26 @@ impl K3Model {
         self.execute(state, tokens, want, KdaForm::Recurrent, Some(taps))
     }
 
+    /// [`Self::forward`] (with taps when given) that stops between layers once
+    /// `watch.interrupt` is raised and reports each finished layer to `watch.on_layer`: a
+    /// long prefill pass that can be cancelled and shown. The logits are [`Self::forward`]'s.
+    pub fn forward_watched(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        want: LogitRows,
+        taps: Option<&mut Taps>,
+        watch: Watch<'_>,
+    ) -> Result<Logits, ModelError> {
+        let mut hooks = Execution {
+            model: self,
+            taps,
+            spine: None,
+            watch,
+        };
+        self.run_layers(state, tokens, want, KdaForm::Chunked, &mut hooks)
+    }
+
     /// Process a prompt; returns the logits of its last position.
     pub fn prefill(&self, state: &mut State, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
         Ok(self.forward(state, tokens, LogitRows::Last)?.values)
@@ -117,20 +148,23 @@ impl K3Model {
             model: self,
             taps,
             spine: None,
+            watch: Watch::default(),
         };
         self.run_layers(state, tokens, want, kda_form, &mut hooks)
     }
 }
 
 /// The engine's hooks for one pass of `model`.
-struct Execution<'m, 't> {
+struct Execution<'m, 't, 'w> {
     model: &'m K3Model,
     taps: Option<&'t mut Taps>,
     /// The pass over the streamed layers (spine streaming only); dropped with the pass.
     spine: Option<SpinePass<'m>>,
+    /// Interrupt and per-layer progress ([`K3Model::forward_watched`]).
+    watch: Watch<'w>,
 }
 
-impl<'m> Execution<'m, '_> {
+impl<'m> Execution<'m, '_, '_> {
     /// PILOT's next target after layer `l`: layer `l + 1` when it is MoE, with its router
     /// (always resident, also for a streamed layer).
     fn next_router(&self, l: usize) -> Option<(usize, &'m RouterWeights)> {
@@ -174,7 +208,7 @@ impl<'m> Execution<'m, '_> {
     }
 }
 
-impl PassHooks for Execution<'_, '_> {
+impl PassHooks for Execution<'_, '_, '_> {
     fn begin(&mut self, tokens: &[u32]) -> Result<(), ModelError> {
         let model = self.model;
         if let Some(&first) = tokens.first() {
@@ -190,6 +224,13 @@ impl PassHooks for Execution<'_, '_> {
     }
 
     fn layer_weights(&mut self, l: usize, own: &Layer) -> Result<Option<Layer>, ModelError> {
+        if self
+            .watch
+            .interrupt
+            .is_some_and(|i| i.load(Ordering::Relaxed))
+        {
+            return Err(ModelError::Interrupted);
+        }
         match self.spine.as_mut() {
             Some(pass) => pass.layer(l, own),
             None => Ok(None),
@@ -217,6 +258,9 @@ impl PassHooks for Execution<'_, '_> {
     fn layer_output(&mut self, l: usize, p: &[f32]) {
         if let Some(tp) = self.taps.as_deref_mut() {
             tp.record(l, p);
+        }
+        if let Some(f) = self.watch.on_layer.as_mut() {
+            f(l);
         }
     }
 

@@ -40,6 +40,9 @@ pub enum LogitRows {
     Last,
     /// Every input position (perplexity, speculative verification).
     All,
+    /// No row: the pass only advances the state (a prefill chunk before the last one);
+    /// `lm_head` does not run.
+    None,
 }
 
 /// Logits, `rows × vocab`, row-major.
@@ -486,11 +489,19 @@ impl K3Model {
             hooks.layer_output(l, &p);
         }
         state.position += t;
+        if want == LogitRows::None {
+            return Ok(Logits {
+                rows: 0,
+                vocab: d.vocab_size,
+                values: Vec::new(),
+            });
+        }
 
         // logits ← lm_head · RMS(AR(P; S; output_res); norm), on the requested rows
         let first = match want {
             LogitRows::Last => t - 1,
             LogitRows::All => 0,
+            LogitRows::None => t,
         };
         let rows = t - first;
         let snap_rows: Vec<Vec<f32>> = snaps.iter().map(|s| s[first * dm..].to_vec()).collect();

@@ -125,6 +125,14 @@ impl MlaCache {
             MlaCache::F32(c) => (c.latent.len() + c.tail.len()) * 4,
         }
     }
+    /// Whether the cache stores `dtype`.
+    pub fn is_dtype(&self, dtype: CacheDtype) -> bool {
+        matches!(
+            (self, dtype),
+            (MlaCache::Bf16(_), CacheDtype::Bf16) | (MlaCache::F32(_), CacheDtype::F32)
+        )
+    }
+
     /// Drop every token at position `len` and later.
     pub fn truncate(&mut self, len: usize, dims: &ModelDims) {
         let (a, b) = (len * dims.kv_lora_rank, len * dims.qk_rope_head_dim);

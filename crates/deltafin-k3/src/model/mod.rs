@@ -35,5 +35,6 @@ pub mod state;
 pub mod taps;
 
 pub use crate::error::ModelError;
+pub use exec::Watch;
 pub use forward::{K3Model, LogitRows, Logits};
 pub use layer::{Attention, Ffn, Layer};

@@ -45,6 +45,33 @@ impl Taps {
         })
     }
 
+    /// A collector holding `values` (rows of `layer_ids.len() · hidden`, as [`Self::values`]
+    /// returns them) already collected: a stored prefix's taps
+    /// ([`crate::prefix`]). `values` must be whole rows.
+    pub fn with_rows(
+        layer_ids: &[usize],
+        num_layers: usize,
+        hidden: usize,
+        values: Vec<f32>,
+    ) -> Result<Taps, ModelError> {
+        let mut t = Taps::new(layer_ids, num_layers, hidden)?;
+        if values.len() % t.width().max(1) != 0 {
+            return Err(ModelError::Dims(format!(
+                "{} tap values are not whole rows of {}",
+                values.len(),
+                t.width()
+            )));
+        }
+        t.first_row = values.len() / t.width().max(1);
+        t.values = values;
+        Ok(t)
+    }
+
+    /// The hidden size of a row's layer slot.
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
     /// The tapped layers, in row order.
     pub fn layer_ids(&self) -> &[usize] {
         &self.layer_ids

@@ -1,0 +1,14 @@
+//! Conversation state: the prompt's prefill in aligned, cancellable passes
+//! ([`prefill`]), resumed from stored prefix states ([`cache`], RAM and [`disk`] tiers).
+//! docs/NUMERICS.md "Prefix-state reuse" states why a resumed prefill gives the cold
+//! prefill's bits; docs/SERVER.md "Conversation state" what is stored where.
+
+pub mod cache;
+pub(crate) mod disk;
+pub mod prefill;
+
+pub use cache::{CacheConfig, CacheStats, PrefixCache, Snapshot};
+pub use prefill::{Chunked, OnePass, PrefillProgress, Prefilled, Prefiller};
+
+#[cfg(test)]
+mod tests;
