@@ -55,7 +55,7 @@ impl Taps {
         values: Vec<f32>,
     ) -> Result<Taps, ModelError> {
         let mut t = Taps::new(layer_ids, num_layers, hidden)?;
-        if values.len() % t.width().max(1) != 0 {
+        if !values.len().is_multiple_of(t.width().max(1)) {
             return Err(ModelError::Dims(format!(
                 "{} tap values are not whole rows of {}",
                 values.len(),
