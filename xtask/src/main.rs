@@ -8,6 +8,9 @@
 //! - `cargo xtask spine-quality --model-root DIR [--convert] [--json]`: the int8-vs-bf16
 //!   quality report (docs/NUMERICS.md)
 
+// No unsafe code: this crate needs none (docs/ARCHITECTURE.md "Invariants").
+#![forbid(unsafe_code)]
+
 mod kernel_env;
 mod layout;
 mod resident_bench;

@@ -72,8 +72,6 @@ pub struct StateCacheSettings {
     pub disk_bytes: u64,
 }
 
-/// Default RAM tier (decimal GB).
-pub const STATE_CACHE_RAM_GB: u64 = 1;
 /// Default disk tier (decimal GB).
 pub const STATE_CACHE_DISK_GB: u64 = 16;
 
@@ -89,15 +87,19 @@ pub fn state_cache_settings(model: &ModelArgs) -> Result<StateCacheSettings> {
         Some(v) => on_off(v).map_err(|e| anyhow!("--state-cache: {e}"))?,
         None => env_choice("K3_STATE_CACHE", true, on_off)?,
     };
-    let size = |name: &str, default_gb: u64| {
-        env_choice(name, default_gb * 1_000_000_000, |v| match v.trim() {
+    let size_bytes = |name: &str, default: u64| {
+        env_choice(name, default, |v| match v.trim() {
             "0" => Ok(0),
             v => parse_gb(v).map_err(|e| format!("{e} (0 turns the tier off)")),
         })
     };
+    let size = |name: &str, default_gb: u64| size_bytes(name, default_gb * 1_000_000_000);
     Ok(StateCacheSettings {
         enabled,
-        ram_bytes: size("K3_STATE_CACHE_RAM_GB", STATE_CACHE_RAM_GB)?,
+        ram_bytes: size_bytes(
+            "K3_STATE_CACHE_RAM_GB",
+            deltafin_k3::engine::config::STATE_CACHE_RAM,
+        )?,
         disk_bytes: size("K3_STATE_CACHE_DISK_GB", STATE_CACHE_DISK_GB)?,
     })
 }

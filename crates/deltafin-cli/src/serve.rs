@@ -6,6 +6,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use deltafin_k3::engine::EngineConfig;
 use deltafin_k3::text::chat::{ReasoningEffort, Thinking};
+use deltafin_openai::access::{AccessConfig, ApiKey, check_origin};
 use deltafin_openai::{
     DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, MAX_QUEUE,
     MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig, check_model_aliases,
@@ -46,6 +47,16 @@ pub struct ServeArgs {
     /// characters, each once.
     #[arg(long = "model-alias", value_name = "NAME")]
     pub model_aliases: Vec<String>,
+    /// Require this API key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every
+    /// endpoint but /health: 16…256 printable ASCII characters [env: DELTAFIN_API_KEY, which
+    /// keeps the key out of the process list]. Without it anyone who can reach the port
+    /// can use the model.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Let web pages of this origin (`http://HOST[:PORT]` or `https://…`) call the server
+    /// from a browser (CORS); requests with any other `Origin` are refused.
+    #[arg(long, value_name = "ORIGIN")]
+    pub cors_origin: Option<String>,
     /// Finished greedy answers kept for identical requests, 0…4096 (0: no memo).
     #[arg(long, value_name = "N", default_value_t = deltafin_openai::memo::DEFAULT_ENTRIES as u64,
           value_parser = clap::value_parser!(u64).range(0..=4096))]
@@ -56,6 +67,27 @@ pub struct ServeArgs {
     pub response_memo_bytes: u64,
     #[command(flatten)]
     pub model: ModelArgs,
+}
+
+/// `--api-key`, else `DELTAFIN_API_KEY` (empty: none), and `--cors-origin`, checked.
+fn resolve_access(args: &ServeArgs) -> Result<AccessConfig> {
+    let (key, from) = match (&args.api_key, crate::env::env_var("DELTAFIN_API_KEY")?) {
+        (Some(k), _) => (Some(k.clone()), "--api-key"),
+        (None, Some(k)) if !k.is_empty() => (Some(k), "environment variable DELTAFIN_API_KEY"),
+        _ => (None, ""),
+    };
+    let api_key = key
+        .map(|k| ApiKey::new(&k).map_err(|e| anyhow!("{from}: {e}")))
+        .transpose()?;
+    let cors_origin = args
+        .cors_origin
+        .as_deref()
+        .map(|o| check_origin(o).map_err(|e| anyhow!("--cors-origin: {e}")))
+        .transpose()?;
+    Ok(AccessConfig {
+        api_key,
+        cors_origin,
+    })
 }
 
 /// `--queue`, else `K3_SERVER_QUEUE` (strict: an integer 0…64), else 0.
@@ -159,6 +191,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         args.response_memo_entries as usize,
         args.response_memo_bytes as usize,
     );
+    let access = resolve_access(args)?;
     let cfg = ServerConfig {
         host: args.host.clone(),
         port: args.port,
@@ -167,6 +200,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         max_request_bytes: args.max_request_bytes as usize,
         default_thinking: thinking,
         model_aliases: args.model_aliases.clone(),
+        access,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -199,7 +233,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         .await?;
         let addr = server.local_addr()?;
         deltafin_openai::log_line!(
-            "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={thinking} ({thinking_source}) model_aliases={}",
+            "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={thinking} ({thinking_source}) model_aliases={} api_key={} cors_origin={}",
             session::backend_description(),
             spine.as_str(),
             root.display(),
@@ -212,10 +246,12 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
             } else {
                 cfg.model_aliases.join(",")
             },
+            if cfg.access.api_key.is_some() { "required" } else { "none" },
+            cfg.access.cors_origin.as_deref().unwrap_or("none"),
         );
-        if !addr.ip().is_loopback() {
+        if !addr.ip().is_loopback() && cfg.access.api_key.is_none() {
             deltafin_openai::log_line!(
-                "deltafin: warning: listening on non-loopback address {addr}; the server has no authentication"
+                "deltafin: warning: listening on non-loopback address {addr} without --api-key (or DELTAFIN_API_KEY): anyone who can reach it can use the model"
             );
         }
         deltafin_openai::log_line!("[deltafin serve] listening on http://{addr} (model loading in the background)");

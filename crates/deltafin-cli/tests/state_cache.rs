@@ -21,7 +21,15 @@ const UNSET: &[&str] = &[
 fn run(root: &Path, prompt: &str, cache: &str) -> Output {
     deltafin_bf16(
         root,
-        &["run", "--prompt", prompt, "--max-new", "8", "--state-cache", cache],
+        &[
+            "run",
+            "--prompt",
+            prompt,
+            "--max-new",
+            "8",
+            "--state-cache",
+            cache,
+        ],
         UNSET,
         &[],
     )
@@ -35,14 +43,20 @@ fn ok(o: &Output) -> (String, String) {
 
 fn entries(root: &Path) -> usize {
     std::fs::read_dir(root.join("k3-meta").join("state-cache"))
-        .map(|d| d.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "k3state")).count())
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "k3state"))
+                .count()
+        })
         .unwrap_or(0)
 }
 
 #[test]
 fn repeated_prompts_resume_from_the_disk_tier_with_the_same_text() {
     let root = checkpoint(SynthDims::tiny(), 11);
-    let long: String = (0..60).map(|i| format!("line {i} of a long prompt; ")).collect();
+    let long: String = (0..60)
+        .map(|i| format!("line {i} of a long prompt; "))
+        .collect();
     let cold = ok(&run(root.path(), &long, "off")).0;
     assert_eq!(entries(root.path()), 0, "--state-cache off stores nothing");
     let (first, err) = ok(&run(root.path(), &long, "on"));
@@ -59,7 +73,10 @@ fn repeated_prompts_resume_from_the_disk_tier_with_the_same_text() {
     assert_eq!(warm_longer, cold_longer);
     assert!(err.contains("restored from the state cache"), "{err}");
     // A damaged entry is reported, never used, and the text is still the cold one.
-    for e in std::fs::read_dir(root.path().join("k3-meta/state-cache")).unwrap().flatten() {
+    for e in std::fs::read_dir(root.path().join("k3-meta/state-cache"))
+        .unwrap()
+        .flatten()
+    {
         let mut b = std::fs::read(e.path()).unwrap();
         let i = b.len() - 40;
         b[i] ^= 1;

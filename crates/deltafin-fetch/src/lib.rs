@@ -14,6 +14,9 @@
 //!   fault injection, for tests; `synth_source` (feature `mock`) builds a synthesized K3
 //!   source and its manifests for it.
 
+// No unsafe code: this crate needs none (docs/ARCHITECTURE.md "Invariants").
+#![forbid(unsafe_code)]
+
 pub mod check;
 pub mod disk;
 pub mod error;

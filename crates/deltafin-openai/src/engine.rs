@@ -118,7 +118,7 @@ impl Engine {
     /// greedy decoding only).
     pub fn from_loaded(loaded: LoadedEngine, drafts: Option<DraftModels>) -> Engine {
         Engine {
-            max_context: loaded.checkpoint.config().text.max_position_embeddings,
+            max_context: loaded.admitted_context(),
             model: loaded.model,
             tokenizer: Arc::new(loaded.tokenizer),
             drafts,

@@ -8,6 +8,31 @@ use serde_json::{Value, json};
 pub const BUSY_MESSAGE: &str =
     "Deltafin is already serving one authoritative generation; retry this request later";
 
+/// `text` with every word that is an absolute file path (`/…` with a second `/`, or
+/// `C:\…`), quotes and trailing punctuation aside, replaced by `<path>`.
+pub fn scrub_paths(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for (i, word) in text.split(' ').enumerate() {
+        if i > 0 {
+            out.push(' ');
+        }
+        let trim: &[char] = &['`', '"', '\'', '(', ')', '[', ']', ',', ';', ':'];
+        let core = word.trim_matches(trim);
+        let unix = core.starts_with('/') && core[1..].contains('/');
+        let windows =
+            core.len() > 3 && core.as_bytes()[0].is_ascii_alphabetic() && &core[1..3] == ":\\";
+        if (unix || windows) && !core.contains("://") {
+            let start = word.find(core).unwrap_or(0);
+            out.push_str(&word[..start]);
+            out.push_str("<path>");
+            out.push_str(&word[start + core.len()..]);
+        } else {
+            out.push_str(word);
+        }
+    }
+    out
+}
+
 /// One refusal or failure, rendered as an OpenAI error body.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{status} {kind}: {message}")]
@@ -54,7 +79,7 @@ impl ApiError {
             code: "context_length_exceeded",
             param: Some("messages".into()),
             ..Self::invalid(format!(
-                "the prompt is {prompt} tokens long but the model's context holds {max_context} positions"
+                "the prompt is {prompt} tokens long but this server admits {max_context} positions of context (prompt and answer: the model's context or, if smaller, what the memory plan holds)"
             ))
         }
     }
@@ -110,8 +135,17 @@ impl ApiError {
     }
 
     /// 500 `server_error`.
+    ///
+    /// The server's files are nobody's business but its operator's: the full message goes
+    /// to the server's log, and the body says the same with every absolute path replaced by
+    /// `<path>`.
     pub fn server(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+        let message = message.into();
+        let public = scrub_paths(&message);
+        if public != message {
+            crate::log_line!("[deltafin serve] server error: {message}");
+        }
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", public)
     }
 
     /// 503 `model_loading`.
@@ -198,5 +232,24 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         self.response_with_body(&self.body())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_errors_name_no_paths() {
+        let e = ApiError::server(
+            "the model failed to load: cannot build the model from /work/mini-k3: `/work/mini-k3/model-00001.safetensors`: permission denied (see C:\\models\\k3)",
+        );
+        assert_eq!(
+            e.message,
+            "the model failed to load: cannot build the model from <path>: `<path>`: permission denied (see <path>)"
+        );
+        // Not paths: URLs, fractions, a lone slash.
+        let e = ApiError::server("read 3/4 of https://hub.example/a/b at / speed");
+        assert_eq!(e.message, "read 3/4 of https://hub.example/a/b at / speed");
     }
 }

@@ -5,6 +5,10 @@
 //! runs one generation at a time, and refuses every unsupported field with a 400 instead of
 //! silently ignoring it. `docs/SERVER.md` lists every field and rule.
 
+// No unsafe code: this crate needs none (docs/ARCHITECTURE.md "Invariants").
+#![forbid(unsafe_code)]
+
+pub mod access;
 mod conn;
 pub mod constrain;
 pub mod engine;
@@ -71,6 +75,9 @@ pub struct ServerConfig {
     /// More names requests may use for the model (`--model-alias`), listed by `/v1/models`
     /// after [`MODEL_ID`]; checked by [`check_model_aliases`] when the server binds.
     pub model_aliases: Vec<String>,
+    /// Who may use the server: the API key and the one web origin allowed
+    /// ([`access`]).
+    pub access: access::AccessConfig,
 }
 
 impl Default for ServerConfig {
@@ -83,6 +90,7 @@ impl Default for ServerConfig {
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             default_thinking: Thinking::On(ReasoningEffort::Max),
             model_aliases: Vec::new(),
+            access: access::AccessConfig::default(),
         }
     }
 }

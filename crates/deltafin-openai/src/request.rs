@@ -128,6 +128,73 @@ pub struct Limits<'a> {
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 256;
 /// Most stop sequences per request (OpenAI's limit).
 pub const MAX_STOP_SEQUENCES: usize = 4;
+/// Longest stop sequence, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+/// Most messages in one conversation.
+pub const MAX_MESSAGES: usize = 65_536;
+/// Most tool calls in one assistant message, and in a whole conversation.
+pub const MAX_CALLS_PER_MESSAGE: usize = 1024;
+/// Most tool calls in a whole conversation.
+pub const MAX_CALLS: usize = 65_536;
+/// Most tools declared by one request (its `tools` and its system messages' together).
+pub const MAX_TOOLS: usize = 1024;
+
+/// The size limits every endpoint's request is held to once parsed (docs/SERVER.md
+/// "Limits"): they bound the work of rendering and matching, whatever fits in the body.
+pub fn check_limits(req: &GenRequest) -> Result<(), ApiError> {
+    for (i, s) in req.stop.iter().enumerate() {
+        if s.len() > MAX_STOP_BYTES {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!(
+                    "stop sequence {i} is {} bytes long; at most {MAX_STOP_BYTES} are allowed",
+                    s.len()
+                ),
+            ));
+        }
+    }
+    let Prompt::Chat { messages, controls } = &req.prompt else {
+        return Ok(());
+    };
+    if messages.len() > MAX_MESSAGES {
+        return Err(ApiError::invalid_param(
+            "messages",
+            format!(
+                "the conversation holds {} messages; at most {MAX_MESSAGES} are allowed",
+                messages.len()
+            ),
+        ));
+    }
+    let mut calls = 0usize;
+    let mut tools = controls.tools.len();
+    for (i, m) in messages.iter().enumerate() {
+        if m.tool_calls.len() > MAX_CALLS_PER_MESSAGE {
+            return Err(ApiError::invalid_param(
+                "messages",
+                format!(
+                    "message {i} holds {} tool calls; at most {MAX_CALLS_PER_MESSAGE} are allowed",
+                    m.tool_calls.len()
+                ),
+            ));
+        }
+        calls += m.tool_calls.len();
+        tools += m.tools.len();
+    }
+    if calls > MAX_CALLS {
+        return Err(ApiError::invalid_param(
+            "messages",
+            format!("the conversation holds {calls} tool calls; at most {MAX_CALLS} are allowed"),
+        ));
+    }
+    if tools > MAX_TOOLS {
+        return Err(ApiError::invalid_param(
+            "tools",
+            format!("the request declares {tools} tools; at most {MAX_TOOLS} are allowed"),
+        ));
+    }
+    Ok(())
+}
+
 /// Largest `top_logprobs` on chat.
 pub const MAX_CHAT_TOP_LOGPROBS: u64 = 20;
 /// Largest `logprobs` on completions.

@@ -2,6 +2,7 @@
 //! JSON and SSE responses, disconnect cancellation and graceful shutdown; the request log
 //! and the counters of `/metrics`.
 
+use crate::access::{self, Admit};
 use crate::conn::{CancelOnDrop, ClientConn, ClientLeft, abandoned, unless_gone};
 use crate::engine::{Ending, Engine, GenEvent, prefill_comment, run_generation_timed};
 use crate::error::{ApiError, json_response};
@@ -91,6 +92,8 @@ struct AppState {
     current: Mutex<Option<Arc<AtomicBool>>>,
     stats: Arc<ServerStats>,
     seq: AtomicU64,
+    /// Whether the listener is on a loopback address (the `Host` check applies).
+    loopback: bool,
 }
 
 /// A reservation of the slot or a queue place, held from before the body is read until the
@@ -228,6 +231,7 @@ impl Server {
         let listener = TcpListener::bind((cfg.host.as_str(), cfg.port))
             .await
             .map_err(|source| ServeError::Bind { addr, source })?;
+        let loopback = listener.local_addr().map_or(true, |a| a.ip().is_loopback());
         let (tx, rx) = watch::channel(EngineState::Loading);
         std::thread::spawn(move || {
             let t = std::time::Instant::now();
@@ -257,6 +261,7 @@ impl Server {
                 current: Mutex::new(None),
                 stats: Arc::new(ServerStats::default()),
                 seq: AtomicU64::new(0),
+                loopback,
             }),
         })
     }
@@ -375,7 +380,26 @@ async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
         &state.response_id(prefix),
         api.is_some(),
     );
-    let mut resp = dispatch(&state, req, &path, &method, api, &log).await;
+    let admitted = access::check(
+        &state.cfg.access,
+        &state.cfg.host,
+        state.loopback,
+        &method,
+        &path,
+        req.headers(),
+    );
+    let mut resp = match admitted {
+        Ok(Admit::Serve(cors)) => {
+            let mut resp = dispatch(&state, req, &path, &method, api, &log).await;
+            access::add_cors(resp.headers_mut(), cors);
+            resp
+        }
+        Ok(Admit::Answered(resp)) => resp,
+        Err(e) => match api {
+            Some(a) => a.error(e),
+            None => e.into_response(),
+        },
+    };
     log.set_status(if resp.extensions().get::<ClientLeft>().is_some() {
         CLIENT_CLOSED
     } else {
@@ -517,6 +541,7 @@ async fn generate(
         }
     };
     drop(json);
+    request::check_limits(&gen_req)?;
     let (gen_req, prompt) = {
         let engine = engine.clone();
         tokio::task::spawn_blocking(move || {

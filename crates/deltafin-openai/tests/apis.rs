@@ -84,7 +84,8 @@ fn typed_events(r: &Resp) -> Vec<(String, Value)> {
     );
     let text = String::from_utf8(r.body.clone()).unwrap();
     text.split("\n\n")
-        .filter(|b| !b.is_empty())
+        // Comment frames (`: prefill D/T`) carry progress, not events.
+        .filter(|b| !b.is_empty() && !b.starts_with(':'))
         .map(|block| {
             let (head, data) = block.split_once('\n').unwrap();
             let name = head.strip_prefix("event: ").unwrap().to_string();

@@ -23,7 +23,7 @@ use common::*;
 use deltafin_experts::DirectIo;
 use deltafin_experts::probe::{ProbeOptions, probe};
 use deltafin_k3::engine::EngineConfig;
-use deltafin_k3::prefix::{CacheConfig, Chunked, PrefixCache, Prefiller};
+use deltafin_k3::prefix::{CacheConfig, Chunked, Prefiller, PrefixCache};
 use deltafin_openai::Engine;
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Write};
@@ -105,7 +105,11 @@ fn ttft(s: &TestServer, messages: &[Value]) -> (f64, u64) {
             panic!("no usage frame");
         }
         let v: Value = serde_json::from_str(payload.trim()).unwrap();
-        if first.is_none() && v["choices"][0]["delta"]["content"].as_str().is_some_and(|c| !c.is_empty()) {
+        if first.is_none()
+            && v["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|c| !c.is_empty())
+        {
             first = Some(t.elapsed().as_secs_f64());
         }
         if let Some(n) = v["usage"]["prompt_tokens"].as_u64() {
@@ -200,7 +204,13 @@ fn snapshot_write_and_read_speed_on_mini() {
         ram_bytes: 0,
         disk: Some((states.path().to_path_buf(), 16_000_000_000)),
     };
-    let cache = PrefixCache::new(&engine.model, "mini", &config, Box::new(|m| eprintln!("{m}"))).unwrap();
+    let cache = PrefixCache::new(
+        &engine.model,
+        "mini",
+        &config,
+        Box::new(|m| eprintln!("{m}")),
+    )
+    .unwrap();
     // One prefill stores the state at the prompt's last 64-token boundary.
     let mut p = Chunked::new(None);
     let state = p.prefill(&engine.model, &ids, None).unwrap().unwrap();
@@ -210,7 +220,10 @@ fn snapshot_write_and_read_speed_on_mini() {
         .model
         .forward(&mut s, &ids[..at], deltafin_k3::model::LogitRows::None)
         .unwrap();
-    let snap = deltafin_k3::prefix::Snapshot { state: s, taps: None };
+    let snap = deltafin_k3::prefix::Snapshot {
+        state: s,
+        taps: None,
+    };
     let _ = state;
     let mut writes = Vec::new();
     let mut reads = Vec::new();

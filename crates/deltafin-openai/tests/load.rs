@@ -164,7 +164,7 @@ fn bodies_over_the_limit_get_413_and_close() {
     let s = start(0, 1000);
     // Declared too large: refused before any body byte is sent.
     let mut c = connect(s.addr);
-    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\n\r\n")
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n")
         .unwrap();
     let r = read_all(&mut c);
     let e = r.error(413);
@@ -172,7 +172,7 @@ fn bodies_over_the_limit_get_413_and_close() {
     assert_eq!(r.header("connection"), Some("close"));
     // Chunked without a length: enforced while reading.
     let mut c = connect(s.addr);
-    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
         .unwrap();
     let chunk = " ".repeat(600);
     for _ in 0..2 {

@@ -9,6 +9,9 @@
 //! restored, MLA caches truncated) to the accepted length. The emitted sequence therefore
 //! equals plain greedy decoding whatever the drafter proposes.
 
+// No unsafe code: this crate needs none (docs/ARCHITECTURE.md "Invariants").
+#![forbid(unsafe_code)]
+
 use deltafin_k3::generate::{Choose, Greedy};
 use deltafin_k3::model::state::State;
 use deltafin_k3::model::taps::Taps;

@@ -51,6 +51,27 @@ pub struct LoadedEngine {
 }
 
 impl LoadedEngine {
+    /// The most positions (prompt and answer) a sequence may hold on this engine: the
+    /// model's context, capped by what memory holds. Under a budget that is the plan's
+    /// reserved context; without one, as many positions as half of the memory available now
+    /// holds at twice the per-position state (the MLA cache, and a stored prefix state's
+    /// copy of it), the prompt ids included. A prefill's activations are bounded by its
+    /// pass length ([`crate::prefix::prefill::PREFILL_CHUNK`]), not by the prompt.
+    pub fn admitted_context(&self) -> usize {
+        let positions = self.checkpoint.config().text.max_position_embeddings;
+        if let Some(plan) = &self.plan {
+            return positions.min(plan.context_tokens);
+        }
+        let per_position = 2 * (self.model.dims.mla_cache_bytes_per_token() as u64 + 4);
+        match crate::engine::host::meminfo() {
+            Some(m) => {
+                let fits = (m.available / 2) / per_position.max(1);
+                positions.min(usize::try_from(fits).unwrap_or(usize::MAX))
+            }
+            None => positions,
+        }
+    }
+
     /// What a prefix state computed by this engine depends on, as a string the prefix
     /// cache keys its entries under ([`crate::prefix::PrefixCache`]): the crate version,
     /// `config.json`'s bytes, the name, length and modification time of every spine file

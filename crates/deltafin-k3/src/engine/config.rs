@@ -10,6 +10,9 @@ use std::path::PathBuf;
 
 pub use crate::engine::plan::CONTEXT_RESERVE_TOKENS;
 
+/// Default RAM for prefix states (1 GB): about one K3 state of a few thousand tokens.
+pub const STATE_CACHE_RAM: u64 = 1_000_000_000;
+
 /// Default device memory left free for the CUDA context and the per-product activation and
 /// result buffers, in decimal GB (a prefill of `n` tokens needs `n · width · 4` bytes per
 /// product; `lm_head` over every row, as scoring does, `n · vocab · 4`).
@@ -104,7 +107,8 @@ pub struct EngineConfig {
     /// and a note says why).
     pub copy_resident_experts: bool,
     /// Bytes of RAM for prefix states ([`crate::prefix::PrefixCache`]'s RAM tier); under a
-    /// memory budget the plan reserves them before the expert cache.
+    /// memory budget the plan gives the tier this much, at most an eighth of the budget and
+    /// never the expert cache's minimum ([`crate::engine::MemoryPlan::state_cache`]).
     pub state_cache_ram: u64,
 }
 
@@ -128,7 +132,7 @@ impl Default for EngineConfig {
             router_trace: None,
             huge_pages: HugePages::Auto,
             copy_resident_experts: false,
-            state_cache_ram: 0,
+            state_cache_ram: STATE_CACHE_RAM,
         }
     }
 }

@@ -36,7 +36,8 @@ pub struct PlanInputs {
     pub runtime: u64,
     /// Activation scratch and the one expert buffer that may be multiplied while evicted.
     pub scratch: u64,
-    /// The RAM tier of the prefix-state cache (`crate::prefix`; 0: none).
+    /// The RAM tier of the prefix-state cache asked for (`crate::prefix`; 0: none); the plan
+    /// gives it at most an eighth of the budget and what the expert cache can spare.
     pub state_cache: u64,
     /// Payload bytes of one expert.
     pub expert_bytes: u64,
@@ -123,6 +124,9 @@ fn gb(b: u64) -> f64 {
     b as f64 / 1e9
 }
 
+/// The prefix-state RAM tier takes at most `1 / STATE_CACHE_SHARE` of a budget.
+pub const STATE_CACHE_SHARE: u64 = 8;
+
 /// Bytes of a page-aligned slack added to each spine layer buffer.
 const LAYER_BUFFER_SLACK: u64 = 16 * 4096;
 
@@ -148,7 +152,7 @@ pub fn plan_memory(i: &PlanInputs) -> Result<MemoryPlan, PlanError> {
             .unwrap_or(0);
         (i.spine.saturating_sub(streamed), streamed, buffers)
     };
-    let fixed = state + i.runtime + i.scratch + i.state_cache + min_cache;
+    let fixed = state + i.runtime + i.scratch + min_cache;
     let fits = |k: usize| {
         let (resident, _, buffers) = with_resident(k);
         resident + buffers + fixed <= i.budget
@@ -169,8 +173,17 @@ pub fn plan_memory(i: &PlanInputs) -> Result<MemoryPlan, PlanError> {
         });
     };
     let (spine, spine_streamed, spine_buffers) = with_resident(resident_layers);
-    let reserved = spine + spine_buffers + state + i.runtime + i.scratch + i.state_cache;
-    let cache = i.budget.saturating_sub(reserved);
+    let reserved = spine + spine_buffers + state + i.runtime + i.scratch;
+    let room = i.budget.saturating_sub(reserved);
+    // The prefix-state RAM tier: what was asked, at most an eighth of the budget, and never
+    // the expert cache's minimum (nor the pinned tier and one unpinned buffer). It never
+    // makes a plan fail: a small budget just holds fewer prefix states in RAM.
+    let keep = min_cache.max(i.pin + i.expert_buffer);
+    let state_cache = i
+        .state_cache
+        .min(i.budget / STATE_CACHE_SHARE)
+        .min(room.saturating_sub(keep));
+    let cache = room - state_cache;
     if i.pin > 0 && i.pin + i.expert_buffer > cache {
         return Err(PlanError::PinTooLarge {
             pin: i.pin,
@@ -186,7 +199,7 @@ pub fn plan_memory(i: &PlanInputs) -> Result<MemoryPlan, PlanError> {
         context_tokens: i.context_tokens,
         runtime: i.runtime,
         scratch: i.scratch,
-        state_cache: i.state_cache,
+        state_cache,
         cache,
         pin: i.pin,
         expert_bytes: i.expert_bytes,

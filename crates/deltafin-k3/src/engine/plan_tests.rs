@@ -257,6 +257,18 @@ fn small_sizes_by_hand() {
     })
     .unwrap();
     assert_eq!((with_states.state_cache, with_states.cache), (100, 640));
+    // At most an eighth of the budget, and never the expert cache's minimum.
+    let greedy = |ask: u64, budget: u64| {
+        plan_memory(&PlanInputs {
+            state_cache: ask,
+            budget,
+            ..i.clone()
+        })
+        .unwrap()
+    };
+    assert_eq!(greedy(10_000, 1_000).state_cache, 125);
+    let tight = greedy(10_000, 278);
+    assert_eq!((tight.state_cache, tight.cache), (10, 8));
     assert!(
         p.describe("x", 1, "off")
             .contains("mmap'd, resident as touched")

@@ -328,11 +328,19 @@ pub fn read_all(s: &mut TcpStream) -> Resp {
     parse_response(&buf)
 }
 
+/// A request as a client on this machine sends it: `Host: 127.0.0.1`, a JSON body (unless
+/// `extra` names its own `Content-Type`).
 pub fn request_bytes(method: &str, path: &str, body: &[u8], extra: &[(&str, &str)]) -> Vec<u8> {
     let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {}\r\n",
         body.len()
     );
+    if !extra
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+    {
+        req.push_str("Content-Type: application/json\r\n");
+    }
     for (k, v) in extra {
         req.push_str(&format!("{k}: {v}\r\n"));
     }

@@ -2,6 +2,7 @@
 //! them into ids.
 
 use serde_json::Value;
+use std::collections::HashMap;
 
 use super::message::*;
 use super::options::*;
@@ -278,10 +279,19 @@ pub(super) fn order_messages(messages: &[ChatMessage]) -> Vec<(usize, Option<&st
     let mut order = Vec::with_capacity(messages.len());
     let mut i = 0;
     let mut calls: &[ToolCall] = &[];
+    // The current assistant turn's call ids → their first position: one lookup per tool
+    // message, so a conversation renders in time linear in its length.
+    let mut by_id: HashMap<&str, usize> = HashMap::new();
     while i < messages.len() {
         if messages[i].role != "tool" {
             if messages[i].role == "assistant" {
                 calls = &messages[i].tool_calls;
+                by_id.clear();
+                for (pos, c) in calls.iter().enumerate() {
+                    if let Some(id) = c.id.as_deref() {
+                        by_id.entry(id).or_insert(pos);
+                    }
+                }
             }
             order.push((i, None));
             i += 1;
@@ -295,7 +305,7 @@ pub(super) fn order_messages(messages: &[ChatMessage]) -> Vec<(usize, Option<&st
             .iter()
             .map(|m| {
                 let id = m.tool_call_id.as_deref()?;
-                calls.iter().position(|c| c.id.as_deref() == Some(id))
+                by_id.get(id).copied()
             })
             .collect();
         match matched {
