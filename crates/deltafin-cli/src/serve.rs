@@ -69,6 +69,34 @@ pub struct ServeArgs {
     pub model: ModelArgs,
 }
 
+/// Raise the soft limit on open files to the hard limit (each connection takes descriptors,
+/// and expert files are opened beside them); returns `(before, after)`.
+#[cfg(unix)]
+fn raise_open_files_limit() -> Option<(u64, u64)> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct passed; no other memory.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return None;
+    }
+    let before = lim.rlim_cur as u64;
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            return Some((before, before));
+        }
+    }
+    Some((before, lim.rlim_cur as u64))
+}
+
+#[cfg(not(unix))]
+fn raise_open_files_limit() -> Option<(u64, u64)> {
+    None
+}
+
 /// `--api-key`, else `DELTAFIN_API_KEY` (empty: none), and `--cors-origin`, checked.
 fn resolve_access(args: &ServeArgs) -> Result<AccessConfig> {
     let (key, from) = match (&args.api_key, crate::env::env_var("DELTAFIN_API_KEY")?) {
@@ -192,6 +220,13 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         args.response_memo_bytes as usize,
     );
     let access = resolve_access(args)?;
+    if let Some((before, after)) = raise_open_files_limit()
+        && after > before
+    {
+        deltafin_openai::log_line!(
+            "[deltafin serve] open files limit raised from {before} to {after}"
+        );
+    }
     let cfg = ServerConfig {
         host: args.host.clone(),
         port: args.port,

@@ -235,7 +235,18 @@ impl Server {
         let (tx, rx) = watch::channel(EngineState::Loading);
         std::thread::spawn(move || {
             let t = std::time::Instant::now();
-            let state = match loader() {
+            // A loader that panics fails the load like one that returns an error: the
+            // server reports it and stops, instead of answering 503 "loading" forever.
+            let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(loader))
+                .unwrap_or_else(|p| {
+                    let why = p
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "no message".into());
+                    Err(format!("the model loader panicked: {why}"))
+                });
+            let state = match loaded {
                 Ok(engine) => {
                     crate::log_line!(
                         "[deltafin serve] model ready in {:.2}s (context {} positions)",

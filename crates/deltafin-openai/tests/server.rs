@@ -527,3 +527,16 @@ fn a_failed_load_stops_the_server_with_the_reason() {
     let err = s.join().unwrap_err();
     assert!(err.contains("config.json is missing"), "{err}");
 }
+
+#[test]
+fn a_panicking_loader_fails_the_load_instead_of_loading_forever() {
+    let s = TestServer::start_with(any_port(), || -> Result<deltafin_openai::Engine, String> {
+        panic!("index out of bounds in the test loader")
+    });
+    let err = s.join().unwrap_err();
+    assert!(err.contains("the model loader panicked"), "{err}");
+    assert!(
+        err.contains("index out of bounds in the test loader"),
+        "{err}"
+    );
+}

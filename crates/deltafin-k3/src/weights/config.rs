@@ -437,6 +437,94 @@ impl K3Config {
                 return Err(invalid(field, "must be positive"));
             }
         }
+        // Upper bounds, far above K3's, that keep every size derived from the config (a
+        // tensor's bytes, all experts' bytes, a context's cache) well inside u64: a config
+        // cannot make an index wrap.
+        let bounded = [
+            ("text_config.num_hidden_layers", n, 1 << 10),
+            ("text_config.vocab_size", t.vocab_size, 1 << 22),
+            ("text_config.hidden_size", t.hidden_size, 1 << 17),
+            (
+                "text_config.intermediate_size",
+                t.intermediate_size,
+                1 << 18,
+            ),
+            (
+                "text_config.num_attention_heads",
+                t.num_attention_heads,
+                1 << 12,
+            ),
+            (
+                "text_config.num_key_value_heads",
+                t.num_key_value_heads,
+                1 << 12,
+            ),
+            ("text_config.q_lora_rank", t.q_lora_rank, 1 << 16),
+            ("text_config.kv_lora_rank", t.kv_lora_rank, 1 << 16),
+            ("text_config.qk_nope_head_dim", t.qk_nope_head_dim, 1 << 12),
+            ("text_config.qk_rope_head_dim", t.qk_rope_head_dim, 1 << 12),
+            ("text_config.v_head_dim", t.v_head_dim, 1 << 12),
+            (
+                "text_config.attn_res_block_size",
+                t.attn_res_block_size,
+                1 << 10,
+            ),
+            ("text_config.num_experts", t.num_experts, 1 << 14),
+            (
+                "text_config.num_shared_experts",
+                t.num_shared_experts,
+                1 << 8,
+            ),
+            (
+                "text_config.moe_intermediate_size",
+                t.moe_intermediate_size,
+                1 << 17,
+            ),
+            (
+                "text_config.routed_expert_hidden_size",
+                t.routed_expert_hidden_size,
+                1 << 17,
+            ),
+            (
+                "text_config.max_position_embeddings",
+                t.max_position_embeddings,
+                1 << 32,
+            ),
+            (
+                "text_config.linear_attn_config.num_heads",
+                la.num_heads,
+                1 << 12,
+            ),
+            (
+                "text_config.linear_attn_config.head_dim",
+                la.head_dim,
+                1 << 12,
+            ),
+            (
+                "text_config.linear_attn_config.short_conv_kernel_size",
+                la.short_conv_kernel_size,
+                1 << 6,
+            ),
+            (
+                "text_config.quantization_config.group_size",
+                self.text.quantization.group_size,
+                1 << 16,
+            ),
+        ];
+        for (field, v, max) in bounded {
+            if v > max {
+                return Err(invalid(
+                    field,
+                    format!("{v} exceeds the largest supported, {max}"),
+                ));
+            }
+        }
+        if self.text.quantization.group_size == 0 {
+            return Err(invalid(
+                "text_config.quantization_config.group_size",
+                "must be positive",
+            ));
+        }
         if t.num_key_value_heads != t.num_attention_heads {
             return Err(ConfigError::Unsupported {
                 field: "text_config.num_key_value_heads".into(),
