@@ -81,7 +81,7 @@ fn raise_open_files_limit() -> Option<(u64, u64)> {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
         return None;
     }
-    let before = lim.rlim_cur as u64;
+    let before: u64 = lim.rlim_cur;
     if lim.rlim_cur < lim.rlim_max {
         lim.rlim_cur = lim.rlim_max;
         // SAFETY: as above.
@@ -89,7 +89,7 @@ fn raise_open_files_limit() -> Option<(u64, u64)> {
             return Some((before, before));
         }
     }
-    Some((before, lim.rlim_cur as u64))
+    Some((before, lim.rlim_cur))
 }
 
 #[cfg(not(unix))]
