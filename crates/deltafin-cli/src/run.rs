@@ -10,7 +10,7 @@ use deltafin_k3::engine::{EngineConfig, LoadedEngine};
 use deltafin_k3::generate::{
     Choose, GenerateEvent, GenerateOptions, Greedy, LogitSummary, StopReason, generate_prefilled,
 };
-use deltafin_k3::prefix::{Chunked, PrefillProgress};
+use deltafin_k3::prefix::{Chunked, PrefillProgress, message_ends};
 use deltafin_k3::sampling::{Sampler, Sampling, fresh_seed};
 use deltafin_k3::text::chat::{self, ChatMessage, ReasoningEffort, Thinking};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
@@ -258,12 +258,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     let mut show = |p: PrefillProgress| bar.update(p);
     let mut prefiller = Chunked::new(cache.as_ref());
     if args.chat {
-        prefiller.marks = prompt_ids
-            .iter()
-            .enumerate()
-            .filter(|&(_, &t)| t == END_OF_MSG)
-            .map(|(i, _)| i + 1)
-            .collect();
+        prefiller.marks = message_ends(&prompt_ids, END_OF_MSG);
     }
     prefiller.interrupt = Some(&interrupt);
     prefiller.progress = Some(&mut show);

@@ -11,7 +11,7 @@ use deltafin_k3::generate::{
     Choose, GenerateEvent, GenerateOptions, Greedy, StopReason, generate_prefilled,
 };
 use deltafin_k3::model::K3Model;
-use deltafin_k3::prefix::{Chunked, PrefillProgress, PrefixCache};
+use deltafin_k3::prefix::{Chunked, PrefillProgress, PrefixCache, message_ends};
 use deltafin_k3::sampling::Sampler;
 use deltafin_k3::text::chat::{ChatOptions, ToolChoice, encode_chat};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
@@ -667,12 +667,7 @@ fn prefiller<'a>(
 ) -> Chunked<'a> {
     let mut p = Chunked::new(engine.prefix.as_ref());
     if chat {
-        p.marks = prompt
-            .iter()
-            .enumerate()
-            .filter(|&(_, &t)| t == END_OF_MSG)
-            .map(|(i, _)| i + 1)
-            .collect();
+        p.marks = message_ends(prompt, END_OF_MSG);
     }
     p.interrupt = Some(interrupt);
     p.progress = Some(progress);

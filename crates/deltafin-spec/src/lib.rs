@@ -338,15 +338,19 @@ pub fn generate_with_policy(
     interrupt: &AtomicBool,
     on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
 ) -> Result<(Vec<u32>, SpecStats), SpecError> {
-    let session = Session {
+    generate_with_prefill(
         model,
         prompt,
+        &mut OnePass,
         max_new,
         stop_ids,
+        drafter,
+        rule,
+        policy,
         clock,
         interrupt,
-    };
-    run(session, &mut OnePass, drafter, rule, policy, on_commit).map_err(Failure::into_spec)
+        on_commit,
+    )
 }
 
 /// [`generate_with_policy`] with the prompt turned into a state by `prefiller` (a cached,

@@ -360,37 +360,31 @@ fn encode_to(path: &Path, tag: &str, ids: &[u32], snap: &Snapshot) -> std::io::R
     file.sync_all()
 }
 
-fn write_u32s(w: &mut impl Write, v: &[u32]) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(v.len().min(1 << 18) * 4);
+/// `v` as little-endian bytes of `N` each, written in pieces of 256 Ki values.
+fn write_le<T: Copy, const N: usize>(
+    w: &mut impl Write,
+    v: &[T],
+    bytes: impl Fn(T) -> [u8; N],
+) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(v.len().min(1 << 18) * N);
     for c in v.chunks(1 << 18) {
         buf.clear();
-        c.iter()
-            .for_each(|x| buf.extend_from_slice(&x.to_le_bytes()));
+        c.iter().for_each(|&x| buf.extend_from_slice(&bytes(x)));
         w.write_all(&buf)?;
     }
     Ok(())
+}
+
+fn write_u32s(w: &mut impl Write, v: &[u32]) -> std::io::Result<()> {
+    write_le(w, v, u32::to_le_bytes)
 }
 
 fn write_f32s(w: &mut impl Write, v: &[f32]) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(v.len().min(1 << 18) * 4);
-    for c in v.chunks(1 << 18) {
-        buf.clear();
-        c.iter()
-            .for_each(|x| buf.extend_from_slice(&x.to_le_bytes()));
-        w.write_all(&buf)?;
-    }
-    Ok(())
+    write_le(w, v, f32::to_le_bytes)
 }
 
 fn write_bf16s(w: &mut impl Write, v: &[bf16]) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(v.len().min(1 << 18) * 2);
-    for c in v.chunks(1 << 18) {
-        buf.clear();
-        c.iter()
-            .for_each(|x| buf.extend_from_slice(&x.to_bits().to_le_bytes()));
-        w.write_all(&buf)?;
-    }
-    Ok(())
+    write_le(w, v, |x: bf16| x.to_bits().to_le_bytes())
 }
 
 /// Why a file was not used: damaged (bad magic, sizes, checksum, truncated, or contents
@@ -552,23 +546,25 @@ fn read_bytes(r: &mut impl Read, n: usize) -> Result<Vec<u8>, Refused> {
     Ok(v)
 }
 
-fn read_u32s(r: &mut impl Read, n: usize) -> Result<Vec<u32>, Refused> {
-    let b = read_bytes(r, n * 4)?;
-    Ok(b.chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+fn read_le<T, const N: usize>(
+    r: &mut impl Read,
+    n: usize,
+    value: impl Fn([u8; N]) -> T,
+) -> Result<Vec<T>, Refused> {
+    let b = read_bytes(r, n * N)?;
+    Ok(b.chunks_exact(N)
+        .map(|c| value(c.try_into().unwrap_or([0; N])))
         .collect())
+}
+
+fn read_u32s(r: &mut impl Read, n: usize) -> Result<Vec<u32>, Refused> {
+    read_le(r, n, u32::from_le_bytes)
 }
 
 fn read_f32s(r: &mut impl Read, n: usize) -> Result<Vec<f32>, Refused> {
-    let b = read_bytes(r, n * 4)?;
-    Ok(b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
+    read_le(r, n, f32::from_le_bytes)
 }
 
 fn read_bf16s(r: &mut impl Read, n: usize) -> Result<Vec<bf16>, Refused> {
-    let b = read_bytes(r, n * 2)?;
-    Ok(b.chunks_exact(2)
-        .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
-        .collect())
+    read_le(r, n, |b| bf16::from_bits(u16::from_le_bytes(b)))
 }

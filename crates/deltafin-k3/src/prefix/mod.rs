@@ -8,7 +8,7 @@ pub(crate) mod disk;
 pub mod prefill;
 
 pub use cache::{CacheConfig, CacheStats, PrefixCache, Snapshot};
-pub use prefill::{Chunked, OnePass, PrefillProgress, Prefilled, Prefiller};
+pub use prefill::{Chunked, OnePass, PrefillProgress, Prefilled, Prefiller, message_ends};
 
 #[cfg(test)]
 mod tests;

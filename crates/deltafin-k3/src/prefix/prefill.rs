@@ -119,6 +119,17 @@ impl Chunked<'_> {
     }
 }
 
+/// The positions right after each `end` token of `prompt` (a rendered chat's message
+/// ends: the [`Chunked::marks`] of a chat prompt).
+pub fn message_ends(prompt: &[u32], end: u32) -> Vec<usize> {
+    prompt
+        .iter()
+        .enumerate()
+        .filter(|&(_, &t)| t == end)
+        .map(|(i, _)| i + 1)
+        .collect()
+}
+
 /// The largest snapshot position usable for a prompt of `n` tokens under KDA chunk length
 /// `align`: a multiple of `align` with at least two tokens after it (0: none).
 pub fn last_snapshot_position(n: usize, align: usize) -> usize {
