@@ -57,6 +57,11 @@ pub struct ServeArgs {
     /// from a browser (CORS); requests with any other `Origin` are refused.
     #[arg(long, value_name = "ORIGIN")]
     pub cors_origin: Option<String>,
+    /// Seconds a whole request body may take to arrive, 1…3600 (besides 60 s at most
+    /// between two of its chunks): a client trickling bytes is answered 408.
+    #[arg(long, value_name = "S", default_value_t = deltafin_openai::server::BODY_DEADLINE.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub body_deadline_secs: u64,
     /// Finished greedy answers kept for identical requests, 0…4096 (0: no memo).
     #[arg(long, value_name = "N", default_value_t = deltafin_openai::memo::DEFAULT_ENTRIES as u64,
           value_parser = clap::value_parser!(u64).range(0..=4096))]
@@ -236,6 +241,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         default_thinking: thinking,
         model_aliases: args.model_aliases.clone(),
         access,
+        body_deadline: std::time::Duration::from_secs(args.body_deadline_secs),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

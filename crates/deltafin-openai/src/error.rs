@@ -129,6 +129,15 @@ impl ApiError {
         )
     }
 
+    /// 408 `request_timeout`: the whole body did not arrive within the deadline.
+    pub fn body_deadline(seconds: f64) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            format!("the request body did not arrive within {seconds} s; closing the connection"),
+        )
+    }
+
     /// 429 `server_busy`.
     pub fn busy() -> Self {
         Self::new(StatusCode::TOO_MANY_REQUESTS, "server_busy", BUSY_MESSAGE)

@@ -78,6 +78,8 @@ pub struct ServerConfig {
     /// Who may use the server: the API key and the one web origin allowed
     /// ([`access`]).
     pub access: access::AccessConfig,
+    /// Longest a whole request body may take to arrive (`--body-deadline-secs`).
+    pub body_deadline: std::time::Duration,
 }
 
 impl Default for ServerConfig {
@@ -91,6 +93,7 @@ impl Default for ServerConfig {
             default_thinking: Thinking::On(ReasoningEffort::Max),
             model_aliases: Vec::new(),
             access: access::AccessConfig::default(),
+            body_deadline: server::BODY_DEADLINE,
         }
     }
 }

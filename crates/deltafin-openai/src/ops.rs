@@ -60,9 +60,10 @@ pub async fn tokenizer(
     engine: Arc<Engine>,
     req: Request,
     limit: usize,
+    deadline: Duration,
     op: TokenizerOp,
 ) -> Result<Response, ApiError> {
-    let body = read_body(req, limit).await?;
+    let body = read_body(req, limit, deadline).await?;
     let json: Value = serde_json::from_slice(&body)
         .map_err(|_| ApiError::invalid("request body must be valid JSON"))?;
     drop(body);
@@ -75,8 +76,14 @@ pub async fn tokenizer(
     Ok(json_response(StatusCode::OK, &out))
 }
 
-/// Reads the body: `Content-Length` first, then at most `limit` bytes.
-pub async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
+/// Default time a whole request body may take to arrive (`ServerConfig::body_deadline`).
+pub const BODY_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Reads the body: `Content-Length` first, then at most `limit` bytes, each chunk within
+/// [`BODY_IDLE_TIMEOUT`] of the last and the whole within `deadline` (a client trickling
+/// bytes cannot hold its place for longer).
+pub async fn read_body(req: Request, limit: usize, deadline: Duration) -> Result<Bytes, ApiError> {
+    let until = tokio::time::Instant::now() + deadline;
     if let Some(len) = req.headers().get(header::CONTENT_LENGTH)
         && let Some(len) = len.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok())
         && len > limit as u64
@@ -86,7 +93,11 @@ pub async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
     let mut stream = req.into_body().into_data_stream();
     let mut buf = Vec::new();
     loop {
-        match tokio::time::timeout(BODY_IDLE_TIMEOUT, stream.next()).await {
+        let idle = tokio::time::Instant::now() + BODY_IDLE_TIMEOUT;
+        match tokio::time::timeout_at(idle.min(until), stream.next()).await {
+            Err(_) if tokio::time::Instant::now() >= until => {
+                return Err(ApiError::body_deadline(deadline.as_secs_f64()));
+            }
             Err(_) => return Err(ApiError::body_timeout(BODY_IDLE_TIMEOUT.as_secs())),
             Ok(None) => break,
             Ok(Some(Err(_))) => return Err(ApiError::invalid("could not read request body")),

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc, watch};
 
-pub use crate::ops::BODY_IDLE_TIMEOUT;
+pub use crate::ops::{BODY_DEADLINE, BODY_IDLE_TIMEOUT};
 /// After a shutdown signal, connections still open after this long are abandoned.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
@@ -467,7 +467,7 @@ async fn dispatch(
             };
             let limit = state.cfg.max_request_bytes;
             let result = match state.ready_engine() {
-                Ok(engine) => ops::tokenizer(engine, req, limit, op).await,
+                Ok(engine) => ops::tokenizer(engine, req, limit, state.cfg.body_deadline, op).await,
                 Err(e) => Err(e),
             };
             return result.unwrap_or_else(IntoResponse::into_response);
@@ -528,7 +528,7 @@ async fn generate(
         state.stats.busy_rejections.fetch_add(1, Ordering::Relaxed);
         return Err(ApiError::busy());
     };
-    let body = read_body(req, state.cfg.max_request_bytes).await?;
+    let body = read_body(req, state.cfg.max_request_bytes, state.cfg.body_deadline).await?;
     let json: Value = serde_json::from_slice(&body)
         .map_err(|_| ApiError::invalid("request body must be valid JSON"))?;
     drop(body);

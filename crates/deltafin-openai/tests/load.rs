@@ -298,3 +298,39 @@ fn shutdown_cancels_the_running_stream_and_returns() {
     assert!(rest.contains("server_shutting_down"), "{rest}");
     assert!(!rest.contains("[DONE]"));
 }
+
+/// A client that trickles its body (a byte every 300 ms, never idle long enough for the
+/// 60 s idle timeout) is answered 408 at the body deadline and its queue place is freed.
+#[test]
+fn a_trickled_body_meets_the_body_deadline() {
+    let s = TestServer::start(ServerConfig {
+        body_deadline: Duration::from_secs(1),
+        ..any_port()
+    });
+    s.wait_ready();
+    let mut c = connect(s.addr);
+    c.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n",
+    )
+    .unwrap();
+    let t = std::time::Instant::now();
+    let writer = {
+        let mut c = c.try_clone().unwrap();
+        std::thread::spawn(move || {
+            for _ in 0..20 {
+                if c.write_all(b" ").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    let r = read_all(&mut c);
+    let took = t.elapsed();
+    assert_eq!(r.status, 408, "{}", String::from_utf8_lossy(&r.body));
+    assert!(String::from_utf8_lossy(&r.body).contains("did not arrive within 1 s"));
+    assert!(took < Duration::from_secs(4), "answered after {took:?}");
+    let _ = writer.join();
+    s.wait_idle();
+    short_ok(&s);
+}
