@@ -18,6 +18,7 @@ pub mod messages;
 pub mod metrics;
 pub mod models;
 mod ops;
+pub mod outcome;
 pub mod output;
 pub mod reply;
 pub mod request;

@@ -8,7 +8,7 @@
 //! chat controls (tools, tool choice, response format: they decide the grammar). Whether
 //! the answer streams is not in the key: a stored answer replays as JSON or as SSE.
 
-use crate::engine::{FinishReason, Usage};
+use crate::outcome::{FinishReason, Usage};
 use crate::output::Delta;
 use crate::request::{GenRequest, Prompt};
 use sha2::{Digest, Sha256};

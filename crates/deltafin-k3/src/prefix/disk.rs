@@ -22,7 +22,7 @@ use crate::model::kda::KdaState;
 use crate::model::mla::{CacheRows, MlaCache};
 use crate::model::state::{LayerState, State};
 use crate::model::taps::Taps;
-use crate::prefix::cache::{Key, Snapshot, shaped_for};
+use crate::prefix::snapshot::{Key, Snapshot, shaped_for};
 use deltafin_tensor::bf16;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

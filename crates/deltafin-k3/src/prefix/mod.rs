@@ -6,9 +6,11 @@
 pub mod cache;
 pub(crate) mod disk;
 pub mod prefill;
+pub mod snapshot;
 
-pub use cache::{CacheConfig, CacheStats, PrefixCache, Snapshot};
+pub use cache::{CacheConfig, CacheStats, PrefixCache};
 pub use prefill::{Chunked, OnePass, PrefillProgress, Prefilled, Prefiller, message_ends};
+pub use snapshot::Snapshot;
 
 #[cfg(test)]
 mod tests;

@@ -15,7 +15,8 @@ use crate::error::ModelError;
 use crate::model::state::State;
 use crate::model::taps::Taps;
 use crate::model::{K3Model, LogitRows, Watch};
-use crate::prefix::cache::{PrefixCache, Snapshot};
+use crate::prefix::cache::PrefixCache;
+use crate::prefix::snapshot::Snapshot;
 use std::collections::BTreeSet;
 use std::sync::atomic::AtomicBool;
 

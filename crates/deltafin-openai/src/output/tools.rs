@@ -59,7 +59,7 @@ impl CallIds {
 
 /// Give every call that `calls` opens a new unique id (an answer replayed from the
 /// response memo is a new response: its call ids are its own).
-pub(crate) fn renew_call_ids(calls: &mut [super::ToolCallDelta]) {
+pub(crate) fn renew_call_ids(calls: &mut [ToolCallDelta]) {
     let ids = CallIds::new();
     for c in calls.iter_mut().filter(|c| c.id.is_some()) {
         c.id = Some(ids.id(c.index));
