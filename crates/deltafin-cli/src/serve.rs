@@ -62,6 +62,16 @@ pub struct ServeArgs {
     #[arg(long, value_name = "S", default_value_t = deltafin_openai::server::BODY_DEADLINE.as_secs(),
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub body_deadline_secs: u64,
+    /// Seconds a request's line and headers may take to arrive, 1…3600; also how long an
+    /// idle keep-alive connection stays open. Past it the connection is closed.
+    #[arg(long, value_name = "S", default_value_t = deltafin_openai::server::HEADER_DEADLINE.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub header_deadline_secs: u64,
+    /// Open connections at most, 1…65536; one more is answered 503 `too_many_connections`.
+    /// Lowered at start when the open-files limit could not hold that many.
+    #[arg(long, value_name = "N", default_value_t = deltafin_openai::DEFAULT_MAX_CONNECTIONS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub max_connections: u64,
     /// Finished greedy answers kept for identical requests, 0…4096 (0: no memo).
     #[arg(long, value_name = "N", default_value_t = deltafin_openai::memo::DEFAULT_ENTRIES as u64,
           value_parser = clap::value_parser!(u64).range(0..=4096))]
@@ -87,8 +97,11 @@ fn raise_open_files_limit() -> Option<(u64, u64)> {
         return None;
     }
     let before: u64 = lim.rlim_cur;
-    if lim.rlim_cur < lim.rlim_max {
-        lim.rlim_cur = lim.rlim_max;
+    // An unlimited hard limit is not a valid soft one for descriptors (Linux caps it at
+    // fs.nr_open, 1,048,576 by default).
+    let target = lim.rlim_max.min(1 << 20);
+    if lim.rlim_cur < target {
+        lim.rlim_cur = target;
         // SAFETY: as above.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
             return Some((before, before));
@@ -100,6 +113,19 @@ fn raise_open_files_limit() -> Option<(u64, u64)> {
 #[cfg(not(unix))]
 fn raise_open_files_limit() -> Option<(u64, u64)> {
     None
+}
+
+/// Descriptors kept for everything but connections: the model's files, the expert cache's
+/// open files, the state cache, logs.
+const RESERVED_FILES: u64 = 256;
+
+/// `asked`, lowered so that the connections fit in the open-files limit `files`: each one
+/// takes two descriptors (the socket and the duplicate that notices a client leave).
+fn connection_cap(asked: u64, files: Option<u64>) -> u64 {
+    match files {
+        Some(f) => asked.min((f.saturating_sub(RESERVED_FILES) / 2).max(1)),
+        None => asked,
+    }
 }
 
 /// `--api-key`, else `DELTAFIN_API_KEY` (empty: none), and `--cors-origin`, checked.
@@ -225,11 +251,20 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         args.response_memo_bytes as usize,
     );
     let access = resolve_access(args)?;
-    if let Some((before, after)) = raise_open_files_limit()
+    let limit = raise_open_files_limit();
+    if let Some((before, after)) = limit
         && after > before
     {
         deltafin_openai::log_line!(
             "[deltafin serve] open files limit raised from {before} to {after}"
+        );
+    }
+    let max_connections = connection_cap(args.max_connections, limit.map(|(_, now)| now));
+    if max_connections < args.max_connections {
+        deltafin_openai::log_line!(
+            "[deltafin serve] at most {max_connections} connections (asked {}): the open-files limit is {}",
+            args.max_connections,
+            limit.map_or(0, |(_, now)| now)
         );
     }
     let cfg = ServerConfig {
@@ -242,6 +277,8 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         model_aliases: args.model_aliases.clone(),
         access,
         body_deadline: std::time::Duration::from_secs(args.body_deadline_secs),
+        header_deadline: std::time::Duration::from_secs(args.header_deadline_secs),
+        max_connections: usize::try_from(max_connections).unwrap_or(usize::MAX),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -29,7 +29,15 @@ fn spawn(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> (Child, SocketAddr, Vec<String>, Receiver<String>) {
-    let mut cmd = deltafin();
+    spawn_from(deltafin(), extra, env)
+}
+
+/// [`spawn`] from `cmd` (the binary, or a shell that runs it).
+fn spawn_from(
+    mut cmd: Command,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Child, SocketAddr, Vec<String>, Receiver<String>) {
     cmd.args(["serve", "--port", "0", "--model-root"])
         .arg(model_root())
         .args(extra)
@@ -182,4 +190,88 @@ fn bad_aliases_are_startup_errors() {
             "{args:?}: {err}"
         );
     }
+}
+
+/// `deltafin` run by `sh` after `ulimit_args` (e.g. `-Sn 300`).
+fn under_ulimit(ulimit_args: &str) -> Command {
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(format!("ulimit {ulimit_args} && exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_deltafin"))
+        .env("K3_SPINE", "bf16")
+        .env_remove("K3_REASONING_EFFORT")
+        .env_remove("K3_SERVER_QUEUE");
+    cmd
+}
+
+/// The soft and hard "Max open files" of a running process.
+fn open_files_limits(pid: u32) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (v[0], v[1])
+}
+
+#[test]
+#[cfg(target_os = "linux")]
+fn serve_raises_its_open_files_limit_and_fits_its_connections_in_it() {
+    // A low soft limit under a higher hard one is raised to the hard one.
+    let (child, addr, lines, _rx) = spawn_from(under_ulimit("-Sn 300"), &[], &[]);
+    let (soft, hard) = open_files_limits(child.id());
+    assert!(hard > 300, "the hard limit here is {hard}");
+    assert_eq!(soft, hard.min(1 << 20), "{lines:?}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("open files limit raised from 300 to")),
+        "{lines:?}"
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || get(addr, "/health").status == 200,
+        "ready",
+    );
+    stop(child);
+
+    // A hard limit of 400 holds (400 - 256) / 2 = 72 connections: the cap is lowered and
+    // said, and the 73rd connection is refused while the others are open.
+    let (child, addr, lines, _rx) = spawn_from(under_ulimit("-n 400"), &[], &[]);
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("at most 72 connections (asked 256)")),
+        "{lines:?}"
+    );
+    let idle: Vec<std::net::TcpStream> = (0..71)
+        .map(|_| std::net::TcpStream::connect(addr).unwrap())
+        .collect();
+    wait_until(
+        Duration::from_secs(10),
+        || {
+            let m = get(addr, "/metrics");
+            String::from_utf8_lossy(&m.body)
+                .lines()
+                .any(|l| l == "deltafin_connections_open 72")
+        },
+        "71 idle connections and one asking",
+    );
+    let mut held = idle;
+    held.push(std::net::TcpStream::connect(addr).unwrap());
+    std::thread::sleep(Duration::from_millis(200));
+    let r = get(addr, "/health");
+    assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["error"]["code"], "too_many_connections");
+    drop(held);
+    wait_until(
+        Duration::from_secs(10),
+        || get(addr, "/health").status == 200,
+        "served again",
+    );
+    stop(child);
 }

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-use tokio::net::TcpListener;
+use tokio::net::TcpStream;
 
 /// Raises a generation's interrupt flag when dropped armed (the handler or the SSE body
 /// went away).
@@ -34,16 +34,15 @@ pub(crate) struct ClientConn {
     pub(crate) sock: Option<Arc<std::net::TcpStream>>,
 }
 
-impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TcpListener>>
-    for ClientConn
-{
-    fn connect_info(stream: axum::serve::IncomingStream<'_, TcpListener>) -> Self {
+impl ClientConn {
+    /// Duplicates the accepted socket's descriptor (no socket on other platforms, or when
+    /// the process is out of descriptors: the client then counts as present).
+    pub(crate) fn of(stream: &TcpStream) -> Self {
         #[cfg(unix)]
         {
             use std::os::fd::AsFd;
             // The duplicate shares the socket's non-blocking mode with tokio's descriptor.
             let sock = stream
-                .io()
                 .as_fd()
                 .try_clone_to_owned()
                 .ok()

@@ -143,6 +143,15 @@ impl ApiError {
         Self::new(StatusCode::TOO_MANY_REQUESTS, "server_busy", BUSY_MESSAGE)
     }
 
+    /// 429 `server_busy`: the request bodies being read together would pass `cap` bytes.
+    pub fn bodies_busy(cap: usize) -> Self {
+        Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "server_busy",
+            format!("request bodies being read exceed {cap} bytes in all; retry later"),
+        )
+    }
+
     /// 500 `server_error`.
     ///
     /// The server's files are nobody's business but its operator's: the full message goes

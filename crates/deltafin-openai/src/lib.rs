@@ -13,6 +13,7 @@ mod conn;
 pub mod constrain;
 pub mod engine;
 pub mod error;
+mod listen;
 pub mod memo;
 pub mod messages;
 pub mod metrics;
@@ -54,6 +55,9 @@ pub const DEFAULT_MAX_TOKENS: usize = 1_000_000;
 pub const MAX_QUEUE: usize = 64;
 /// Default `--max-request-bytes` (128 MiB).
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 134_217_728;
+
+/// Default cap on open connections (`ServerConfig::max_connections`).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 /// Largest `--max-request-bytes` (1 GiB).
 pub const MAX_REQUEST_BYTES_LIMIT: usize = 1_073_741_824;
 
@@ -81,6 +85,13 @@ pub struct ServerConfig {
     pub access: access::AccessConfig,
     /// Longest a whole request body may take to arrive (`--body-deadline-secs`).
     pub body_deadline: std::time::Duration,
+    /// Longest a request head (line and headers) may take to arrive, counted from when the
+    /// connection is ready for it: also how long an idle keep-alive connection stays open
+    /// (`--header-deadline-secs`).
+    pub header_deadline: std::time::Duration,
+    /// Open connections at most; one more is answered 503 `too_many_connections`
+    /// (`--max-connections`).
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -95,6 +106,8 @@ impl Default for ServerConfig {
             model_aliases: Vec::new(),
             access: access::AccessConfig::default(),
             body_deadline: server::BODY_DEADLINE,
+            header_deadline: server::HEADER_DEADLINE,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }

@@ -131,6 +131,11 @@ pub struct Snapshot {
     pub state_cache: Option<CacheStats>,
     /// The response memo: hits, misses, entries, bytes.
     pub memo: Option<(u64, u64, usize, usize)>,
+    /// Connections open now, and refused because `--max-connections` were open.
+    pub connections_open: u64,
+    pub connections_refused: u64,
+    /// Bytes of request bodies being read and validated.
+    pub body_bytes_held: usize,
 }
 
 /// Writes families and samples in the text format.
@@ -285,6 +290,24 @@ impl Metrics {
             "gauge",
             "Queue places (--queue).",
             s.queue_capacity as f64,
+        );
+        e.one(
+            "deltafin_connections_open",
+            "gauge",
+            "Open client connections.",
+            s.connections_open as f64,
+        );
+        e.one(
+            "deltafin_connections_refused_total",
+            "counter",
+            "Connections answered 503 too_many_connections (--max-connections were open).",
+            s.connections_refused as f64,
+        );
+        e.one(
+            "deltafin_request_body_bytes_held",
+            "gauge",
+            "Bytes of request bodies being read and validated (at most 4 x --max-request-bytes).",
+            s.body_bytes_held as f64,
         );
         self.render_experts(&mut e, s);
         self.render_state(&mut e, s);

@@ -61,12 +61,16 @@ pub async fn tokenizer(
     req: Request,
     limit: usize,
     deadline: Duration,
+    budget: &Arc<BodyBudget>,
     op: TokenizerOp,
 ) -> Result<Response, ApiError> {
-    let body = read_body(req, limit, deadline).await?;
+    let (body, hold) = read_body(req, limit, deadline, budget).await?;
     let json: Value = serde_json::from_slice(&body)
         .map_err(|_| ApiError::invalid("request body must be valid JSON"))?;
     drop(body);
+    // The tokenizer's own work is bounded by the body's size; the bytes are held until the
+    // answer is built.
+    let _hold = hold;
     let out = tokio::task::spawn_blocking(move || match op {
         TokenizerOp::Tokenize => crate::tokenize::tokenize(&engine.tokenizer, &json),
         TokenizerOp::Detokenize => crate::tokenize::detokenize(&engine.tokenizer, &json),
@@ -79,10 +83,82 @@ pub async fn tokenizer(
 /// Default time a whole request body may take to arrive (`ServerConfig::body_deadline`).
 pub const BODY_DEADLINE: Duration = Duration::from_secs(120);
 
+/// How many bytes of request bodies all requests together may hold while they are read
+/// and validated, as a multiple of the per-request limit.
+pub const BODY_BUDGET_REQUESTS: usize = 4;
+
+/// The bytes of request bodies held now, across all connections (docs/SERVER.md "Limits"):
+/// a request holds its body's bytes from the first chunk until it is validated and queued
+/// (or refused), so that many large bodies arriving together cannot exhaust memory, while
+/// slow small ones cost nothing.
+#[derive(Debug)]
+pub struct BodyBudget {
+    held: std::sync::atomic::AtomicUsize,
+    cap: usize,
+}
+
+impl BodyBudget {
+    /// A budget of `cap` bytes.
+    pub fn new(cap: usize) -> Self {
+        BodyBudget {
+            held: std::sync::atomic::AtomicUsize::new(0),
+            cap,
+        }
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> usize {
+        self.held.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A request's share of the [`BodyBudget`]; given back when dropped.
+#[derive(Debug)]
+pub struct BodyHold {
+    budget: Arc<BodyBudget>,
+    bytes: usize,
+}
+
+impl BodyHold {
+    fn new(budget: &Arc<BodyBudget>) -> Self {
+        BodyHold {
+            budget: budget.clone(),
+            bytes: 0,
+        }
+    }
+
+    /// Takes `n` more bytes, or refuses when the budget would be passed.
+    fn grow(&mut self, n: usize) -> Result<(), ApiError> {
+        use std::sync::atomic::Ordering;
+        let b = &self.budget;
+        b.held
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |h| {
+                h.checked_add(n).filter(|&t| t <= b.cap)
+            })
+            .map_err(|_| ApiError::bodies_busy(b.cap))?;
+        self.bytes += n;
+        Ok(())
+    }
+}
+
+impl Drop for BodyHold {
+    fn drop(&mut self) {
+        self.budget
+            .held
+            .fetch_sub(self.bytes, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// Reads the body: `Content-Length` first, then at most `limit` bytes, each chunk within
 /// [`BODY_IDLE_TIMEOUT`] of the last and the whole within `deadline` (a client trickling
-/// bytes cannot hold its place for longer).
-pub async fn read_body(req: Request, limit: usize, deadline: Duration) -> Result<Bytes, ApiError> {
+/// bytes cannot hold its place for longer). The bytes are held in `budget` until the
+/// returned [`BodyHold`] is dropped.
+pub async fn read_body(
+    req: Request,
+    limit: usize,
+    deadline: Duration,
+    budget: &Arc<BodyBudget>,
+) -> Result<(Bytes, BodyHold), ApiError> {
     let until = tokio::time::Instant::now() + deadline;
     if let Some(len) = req.headers().get(header::CONTENT_LENGTH)
         && let Some(len) = len.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok())
@@ -90,6 +166,7 @@ pub async fn read_body(req: Request, limit: usize, deadline: Duration) -> Result
     {
         return Err(ApiError::too_large(limit));
     }
+    let mut hold = BodyHold::new(budget);
     let mut stream = req.into_body().into_data_stream();
     let mut buf = Vec::new();
     loop {
@@ -105,11 +182,12 @@ pub async fn read_body(req: Request, limit: usize, deadline: Duration) -> Result
                 if buf.len() + chunk.len() > limit {
                     return Err(ApiError::too_large(limit));
                 }
+                hold.grow(chunk.len())?;
                 buf.extend_from_slice(&chunk);
             }
         }
     }
-    Ok(Bytes::from(buf))
+    Ok((Bytes::from(buf), hold))
 }
 
 #[cfg(test)]

@@ -6,9 +6,10 @@ use crate::access::{self, Admit};
 use crate::conn::{CancelOnDrop, ClientConn, ClientLeft, abandoned, unless_gone};
 use crate::engine::{Ending, Engine, GenEvent, prefill_comment, run_generation_timed};
 use crate::error::{ApiError, json_response};
+use crate::listen::{ConnCounters, ListenLimits};
 use crate::messages::{self, MessagesMeta, reply::MessagesReply};
 use crate::metrics::{CLIENT_CLOSED, Metrics, RequestLog, Snapshot};
-use crate::ops::{self, TokenizerOp, read_body};
+use crate::ops::{self, BodyBudget, TokenizerOp, read_body};
 use crate::output::Delta;
 use crate::reply::ReplyContext;
 use crate::request::{self, Limits, Surface};
@@ -33,6 +34,9 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc, watch};
 
 pub use crate::ops::{BODY_DEADLINE, BODY_IDLE_TIMEOUT};
+/// Default time a request head may take to arrive, and an idle keep-alive connection may
+/// stay open (`ServerConfig::header_deadline`).
+pub const HEADER_DEADLINE: Duration = Duration::from_secs(30);
 /// After a shutdown signal, connections still open after this long are abandoned.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
@@ -94,10 +98,14 @@ struct AppState {
     seq: AtomicU64,
     /// Whether the listener is on a loopback address (the `Host` check applies).
     loopback: bool,
+    /// Open and refused connections.
+    conns: Arc<ConnCounters>,
+    /// Bytes of request bodies being read and validated.
+    bodies: Arc<BodyBudget>,
 }
 
-/// A reservation of the slot or a queue place, held from before the body is read until the
-/// request's generation has stopped.
+/// A reservation of the slot or a queue place, held from when the request is validated
+/// until its generation has stopped.
 struct Ticket(Arc<ServerStats>);
 
 impl Drop for Ticket {
@@ -176,6 +184,9 @@ impl AppState {
                 .as_ref()
                 .and_then(|e| e.prefix.as_ref().map(|c| c.stats())),
             memo: engine.as_ref().map(|e| e.memo.stats()),
+            connections_open: self.conns.open.load(Ordering::SeqCst),
+            connections_refused: self.conns.refused.load(Ordering::Relaxed),
+            body_bytes_held: self.bodies.held(),
         }
     }
 
@@ -232,6 +243,9 @@ impl Server {
             .await
             .map_err(|source| ServeError::Bind { addr, source })?;
         let loopback = listener.local_addr().map_or(true, |a| a.ip().is_loopback());
+        let cfg_body_budget = cfg
+            .max_request_bytes
+            .saturating_mul(ops::BODY_BUDGET_REQUESTS);
         let (tx, rx) = watch::channel(EngineState::Loading);
         std::thread::spawn(move || {
             let t = std::time::Instant::now();
@@ -273,6 +287,8 @@ impl Server {
                 stats: Arc::new(ServerStats::default()),
                 seq: AtomicU64::new(0),
                 loopback,
+                conns: Arc::new(ConnCounters::default()),
+                bodies: Arc::new(BodyBudget::new(cfg_body_budget)),
             }),
         })
     }
@@ -296,7 +312,6 @@ impl Server {
     ) -> Result<(), ServeError> {
         let state = self.state.clone();
         let mut engine_rx = state.engine.clone();
-        let (started_tx, mut started_rx) = watch::channel(false);
         let signal_state = state.clone();
         let signal = async move {
             // The loader drops its sender once done: only a failure ends the wait.
@@ -314,21 +329,26 @@ impl Server {
                 _ = load_failed => {}
             }
             signal_state.begin_shutdown();
-            let _ = started_tx.send(true);
         };
         let app = Router::new().fallback(route).with_state(state.clone());
-        let serve = axum::serve(
-            self.listener,
-            app.into_make_service_with_connect_info::<ClientConn>(),
-        )
-        .with_graceful_shutdown(signal);
-        let grace = async move {
-            let _ = started_rx.wait_for(|s| *s).await;
-            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        let limits = ListenLimits {
+            max_connections: state.cfg.max_connections,
+            header_deadline: state.cfg.header_deadline,
         };
-        tokio::select! {
-            r = serve => r?,
-            _ = grace => crate::log_line!("[deltafin serve] connections still open after {}s; exiting", SHUTDOWN_GRACE.as_secs()),
+        let drained = crate::listen::serve(
+            self.listener,
+            app,
+            limits,
+            state.conns.clone(),
+            signal,
+            SHUTDOWN_GRACE,
+        )
+        .await;
+        if !drained {
+            crate::log_line!(
+                "[deltafin serve] connections still open after {}s; exiting",
+                SHUTDOWN_GRACE.as_secs()
+            );
         }
         if let EngineState::Failed(e) = &*state.engine.borrow() {
             return Err(ServeError::Load(e.clone()));
@@ -467,7 +487,17 @@ async fn dispatch(
             };
             let limit = state.cfg.max_request_bytes;
             let result = match state.ready_engine() {
-                Ok(engine) => ops::tokenizer(engine, req, limit, state.cfg.body_deadline, op).await,
+                Ok(engine) => {
+                    ops::tokenizer(
+                        engine,
+                        req,
+                        limit,
+                        state.cfg.body_deadline,
+                        &state.bodies,
+                        op,
+                    )
+                    .await
+                }
                 Err(e) => Err(e),
             };
             return result.unwrap_or_else(IntoResponse::into_response);
@@ -523,12 +553,16 @@ async fn generate(
     log: RequestLog,
 ) -> Result<Response, ApiError> {
     let engine = state.ready_engine()?;
-    // Reserve before reading the body: at most one generation plus `queue` waiters.
-    let Some(ticket) = state.try_reserve() else {
-        state.stats.busy_rejections.fetch_add(1, Ordering::Relaxed);
-        return Err(ApiError::busy());
-    };
-    let body = read_body(req, state.cfg.max_request_bytes, state.cfg.body_deadline).await?;
+    // The body is read and the request validated before it takes a place: a slow or
+    // malformed request never keeps a valid one out. Meanwhile its bytes count against the
+    // body budget.
+    let (body, hold) = read_body(
+        req,
+        state.cfg.max_request_bytes,
+        state.cfg.body_deadline,
+        &state.bodies,
+    )
+    .await?;
     let json: Value = serde_json::from_slice(&body)
         .map_err(|_| ApiError::invalid("request body must be valid JSON"))?;
     drop(body);
@@ -562,6 +596,12 @@ async fn generate(
         .await
         .map_err(|e| ApiError::server(format!("prompt encoding failed: {e}")))??
     };
+    // A place: at most one generation plus `queue` waiters.
+    let Some(ticket) = state.try_reserve() else {
+        state.stats.busy_rejections.fetch_add(1, Ordering::Relaxed);
+        return Err(ApiError::busy());
+    };
+    drop(hold);
     // Wait for the slot in arrival order; a client that leaves drops this future.
     let Some(permit) = unless_gone(&conn, state.slot.clone().acquire_owned()).await else {
         return Ok(abandoned());

@@ -8,7 +8,7 @@ use common::*;
 use deltafin_openai::ServerConfig;
 use deltafin_openai::error::BUSY_MESSAGE;
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Barrier};
@@ -192,7 +192,7 @@ fn bodies_over_the_limit_get_413_and_close() {
 }
 
 #[test]
-fn slow_client_is_served_and_holds_its_reservation_meanwhile() {
+fn a_slow_body_takes_no_place_until_it_is_complete() {
     let s = start(0, 1 << 20);
     let body = json!({"prompt": "slowly", "max_tokens": 2}).to_string();
     let bytes = request_bytes("POST", "/v1/completions", body.as_bytes(), &[]);
@@ -203,13 +203,19 @@ fn slow_client_is_served_and_holds_its_reservation_meanwhile() {
         std::thread::sleep(Duration::from_millis(25));
         c.write_all(piece).unwrap();
         if i == 0 {
-            // The reservation is taken before the body is read: others are refused.
-            wait_until(Duration::from_secs(5), || s.reserved() == 1, "reservation");
-            assert_busy(&post_json(
-                s.addr,
-                "/v1/completions",
-                &json!({"prompt": "x"}),
-            ));
+            // The body is still arriving: it holds no place, and with queue 0 another
+            // request is served meanwhile.
+            std::thread::sleep(Duration::from_millis(100));
+            assert_eq!(s.reserved(), 0);
+            short_ok(&s);
+            let m = get(s.addr, "/metrics");
+            let text = String::from_utf8_lossy(&m.body).to_string();
+            assert!(
+                text.lines()
+                    .any(|l| l.starts_with("deltafin_request_body_bytes_held ")
+                        && l != "deltafin_request_body_bytes_held 0"),
+                "{text}"
+            );
         }
     }
     let r = read_all(&mut c);
@@ -224,6 +230,185 @@ fn slow_client_is_served_and_holds_its_reservation_meanwhile() {
     let r = read_all(&mut c);
     assert_eq!(r.sse().last().map(String::as_str), Some("[DONE]"));
     recovered(&s);
+}
+
+#[test]
+fn malformed_requests_never_take_the_place_of_a_valid_one() {
+    // Queue 0: while a generation holds the slot every valid request is a 429, but each
+    // invalid one is refused for what it is.
+    let (s, _, holder) = held_server();
+    for (body, code) in [
+        (json!({"prompt": "x", "max_tokens": -1}), 400),
+        (json!({"prompt": 7}), 400),
+        (json!({"prompt": "x", "temperature": 9}), 400),
+    ] {
+        let r = post_json(s.addr, "/v1/completions", &body);
+        assert_eq!(
+            r.status,
+            code,
+            "{body}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_eq!(r.json()["error"]["code"], "invalid_request_error");
+    }
+    let r = raw(
+        s.addr,
+        &request_bytes("POST", "/v1/completions", b"{not json", &[]),
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(s.reserved(), 1, "only the holder has a place");
+    drop(holder);
+    recovered(&s);
+}
+
+#[test]
+fn request_bodies_in_flight_are_bounded_in_bytes() {
+    // A 1 KiB body limit: 4 KiB of bodies may be held while they arrive. Four bodies of
+    // which 1,020 bytes arrived leave no room for another request's, which is refused with
+    // 429; none of them takes a place.
+    let s = start(8, 1024);
+    let half = vec![b' '; 1020];
+    let mut open = Vec::new();
+    for _ in 0..4 {
+        let mut c = connect(s.addr);
+        let mut head = request_bytes("POST", "/v1/completions", &[b' '; 1024], &[]);
+        head.truncate(head.len() - 1024);
+        c.write_all(&head).unwrap();
+        c.write_all(&half).unwrap();
+        open.push(c);
+    }
+    wait_until(
+        Duration::from_secs(5),
+        || metric(&s, "deltafin_request_body_bytes_held") == 4080.0,
+        "four bodies held",
+    );
+    let r = post_json(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 1}),
+    );
+    let e = r.error(429);
+    assert_eq!(e["code"], "server_busy");
+    assert!(e["message"].as_str().unwrap().contains("4096 bytes"), "{e}");
+    assert_eq!(s.reserved(), 0);
+    drop(open);
+    wait_until(
+        Duration::from_secs(5),
+        || metric(&s, "deltafin_request_body_bytes_held") == 0.0,
+        "bodies released",
+    );
+    recovered(&s);
+}
+
+/// The value of an unlabelled sample in `/metrics`.
+fn metric(s: &TestServer, name: &str) -> f64 {
+    let m = get(s.addr, "/metrics");
+    String::from_utf8_lossy(&m.body)
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+#[test]
+fn connections_past_the_cap_get_503_and_the_rest_still_work() {
+    let s = TestServer::start(ServerConfig {
+        max_connections: 8,
+        ..any_port()
+    });
+    s.wait_ready();
+    // Seven idle connections and the one asking for the metrics fill the cap; then an
+    // eighth idle one does.
+    let mut idle: Vec<TcpStream> = (0..7).map(|_| connect(s.addr)).collect();
+    wait_until(
+        Duration::from_secs(5),
+        || metric_raw(s.addr, "deltafin_connections_open") == Some(8.0),
+        "7 idle + 1 asking",
+    );
+    idle.push(connect(s.addr));
+    std::thread::sleep(Duration::from_millis(100));
+    let mut extra = (0..3).map(|_| connect(s.addr)).collect::<Vec<_>>();
+    for mut c in extra.drain(..) {
+        // Refused at once, whatever was sent.
+        let _ = c.write_all(&request_bytes("GET", "/health", b"", &[]));
+        let r = read_all(&mut c);
+        assert_eq!(r.status, 503);
+        assert_eq!(r.json()["error"]["code"], "too_many_connections");
+        assert_eq!(r.header("retry-after"), Some("1"));
+    }
+    drop(idle);
+    wait_until(
+        Duration::from_secs(5),
+        || metric_raw(s.addr, "deltafin_connections_open") == Some(1.0),
+        "idle connections closed",
+    );
+    assert_eq!(
+        metric_raw(s.addr, "deltafin_connections_refused_total"),
+        Some(3.0)
+    );
+    short_ok(&s);
+}
+
+/// `metric` by address; `None` when the answer is not a 200 (e.g. refused).
+fn metric_raw(addr: SocketAddr, name: &str) -> Option<f64> {
+    let m = get(addr, "/metrics");
+    (m.status == 200).then_some(())?;
+    String::from_utf8_lossy(&m.body)
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[test]
+fn a_slow_head_and_an_idle_keep_alive_are_closed_at_the_header_deadline() {
+    let s = TestServer::start(ServerConfig {
+        header_deadline: Duration::from_millis(500),
+        ..any_port()
+    });
+    s.wait_ready();
+    // A head that never ends.
+    let mut c = connect(s.addr);
+    let t = std::time::Instant::now();
+    c.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = c.read_to_end(&mut buf);
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(400) && took < Duration::from_secs(5),
+        "closed after {took:?}"
+    );
+    // A keep-alive connection: served twice, then closed once idle past the deadline.
+    let mut c = connect(s.addr);
+    let keep = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    for _ in 0..2 {
+        c.write_all(keep).unwrap();
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        assert!(line.starts_with("HTTP/1.1 200"), "{line}");
+        let mut len = 0usize;
+        loop {
+            line.clear();
+            r.read_line(&mut line).unwrap();
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap();
+            }
+            if line == "\r\n" {
+                break;
+            }
+        }
+        let mut body = vec![0u8; len];
+        r.read_exact(&mut body).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let t = std::time::Instant::now();
+    let mut rest = Vec::new();
+    let _ = r.read_to_end(&mut rest);
+    assert!(rest.is_empty());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "idle connection kept open"
+    );
+    short_ok(&s);
 }
 
 #[test]
