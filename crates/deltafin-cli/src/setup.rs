@@ -38,6 +38,10 @@ pub struct SetupArgs {
     /// Parallel transfers, 1…16.
     #[arg(long, value_name = "N", default_value = "8", value_parser = parse_workers)]
     pub workers: usize,
+    /// Allow a plain http:// hub endpoint or redirect (a mirror you trust); downloads use
+    /// https:// only otherwise [env: DELTAFIN_INSECURE_HTTP=1].
+    #[arg(long)]
+    pub insecure_http: bool,
     #[command(flatten)]
     pub root: RootArg,
 }
@@ -52,6 +56,10 @@ pub struct SetupK3Args {
     /// Verify the metadata and inventory offline.
     #[arg(long)]
     pub check: bool,
+    /// Allow a plain http:// hub endpoint or redirect (a mirror you trust); downloads use
+    /// https:// only otherwise [env: DELTAFIN_INSECURE_HTTP=1].
+    #[arg(long)]
+    pub insecure_http: bool,
     #[command(flatten)]
     pub root: RootArg,
 }
@@ -68,6 +76,10 @@ pub struct SetupDsparkArgs {
     /// Destination [default: <model root>/k3-draft-dspark].
     #[arg(long, value_name = "PATH")]
     pub destination: Option<PathBuf>,
+    /// Allow a plain http:// hub endpoint or redirect (a mirror you trust); downloads use
+    /// https:// only otherwise [env: DELTAFIN_INSECURE_HTTP=1].
+    #[arg(long)]
+    pub insecure_http: bool,
     #[command(flatten)]
     pub root: RootArg,
 }
@@ -78,6 +90,10 @@ pub struct SetupQwenArgs {
     /// Verify offline.
     #[arg(long)]
     pub check: bool,
+    /// Allow a plain http:// hub endpoint or redirect (a mirror you trust); downloads use
+    /// https:// only otherwise [env: DELTAFIN_INSECURE_HTTP=1].
+    #[arg(long)]
+    pub insecure_http: bool,
     #[command(flatten)]
     pub root: RootArg,
 }
@@ -100,6 +116,10 @@ pub struct FetchWeightsArgs {
     /// Parallel transfers, 1…16.
     #[arg(long, value_name = "N", default_value = "8", value_parser = parse_workers)]
     pub workers: usize,
+    /// Allow a plain http:// hub endpoint or redirect (a mirror you trust); downloads use
+    /// https:// only otherwise [env: DELTAFIN_INSECURE_HTTP=1].
+    #[arg(long)]
+    pub insecure_http: bool,
     #[command(flatten)]
     pub root: RootArg,
 }
@@ -108,8 +128,8 @@ fn manifests() -> Result<Manifests> {
     Manifests::from_env().context("loading the source manifests")
 }
 
-fn client() -> Result<HubClient> {
-    HubClient::from_env().context("hub endpoint")
+fn client(insecure_http: bool) -> Result<HubClient> {
+    HubClient::from_env(insecure_http).context("hub endpoint")
 }
 
 /// The setup steps at `root` through `client` with `workers` parallel transfers.
@@ -185,7 +205,7 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
         bail!("setup: {}", disk.refusal(&root));
     }
     println!("mode: {} ({})", choice.mode.as_str(), choice.reason);
-    let c = client()?;
+    let c = client(a.insecure_http)?;
     let s = setup_with(root.clone(), &ms, &c, a.workers);
     s.run(choice.mode, a.include_qwen, &mut log)?;
     // The last step of a one-shot setup (docs/SETUP.md): the int8 spine that `run`
@@ -212,7 +232,7 @@ pub fn setup_k3(a: &SetupK3Args) -> Result<ExitCode> {
         let (r, _) = check_k3_meta(&root, &ms.k3);
         return Ok(report("setup-k3 --check", &r));
     }
-    let c = client()?;
+    let c = client(a.insecure_http)?;
     let s = setup_with(root, &ms, &c, 8);
     s.k3_meta(&mut log)?;
     Ok(ExitCode::SUCCESS)
@@ -232,7 +252,7 @@ pub fn setup_dspark(a: &SetupDsparkArgs) -> Result<ExitCode> {
             &check_repo(&dest, &ms.dspark),
         ));
     }
-    let c = client()?;
+    let c = client(a.insecure_http)?;
     if a.audit_only {
         fsetup::audit_repo(&c, &ms.dspark, &mut log)?;
         println!("setup-dspark --audit-only: ok");
@@ -253,7 +273,7 @@ pub fn setup_qwen(a: &SetupQwenArgs) -> Result<ExitCode> {
         deltafin_fetch::check::merge(&mut r, r2);
         return Ok(report("setup-qwen --check", &r));
     }
-    let c = client()?;
+    let c = client(a.insecure_http)?;
     let s = setup_with(root, &ms, &c, 8);
     s.qwen(&mut log)?;
     Ok(ExitCode::SUCCESS)
@@ -328,7 +348,7 @@ pub fn fetch_weights(a: &FetchWeightsArgs) -> Result<ExitCode> {
                 .display()
         );
     };
-    let c = client()?;
+    let c = client(a.insecure_http)?;
     let s = setup_with(root.clone(), &ms, &c, a.workers);
     s.weights(&inv, &sel, &mut log)?;
     if sel == Selection::Shards {

@@ -13,10 +13,11 @@ use std::path::Path;
 
 /// The on-demand fetcher of the install at `root`: the K3 manifest (`DELTAFIN_MANIFESTS` or
 /// the built-in one), the hub (`HF_ENDPOINT`, `HF_TOKEN`) and the pinned inventory that
-/// `deltafin setup --stream` wrote. No network is touched here.
+/// `deltafin setup --stream` wrote. No network is touched here. Plain HTTP only with
+/// `DELTAFIN_INSECURE_HTTP=1`.
 pub fn remote_experts(root: &Path) -> Result<RemoteExperts> {
     let ms = Manifests::from_env().context("stream install: loading the source manifests")?;
-    let client = HubClient::from_env().context("stream install: hub endpoint")?;
+    let client = HubClient::from_env(false).context("stream install: hub endpoint")?;
     RemoteExperts::open(root, &ms.k3, client).with_context(|| {
         format!(
             "stream install at {}: cannot open the expert inventory (rerun `deltafin setup --stream`)",

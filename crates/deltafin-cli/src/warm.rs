@@ -38,6 +38,10 @@ pub struct WarmArgs {
     /// Make the N best-ranked experts missing from k3-experts/ local (without it: plan only).
     #[arg(long, value_name = "N", conflicts_with = "cache")]
     pub fetch: Option<usize>,
+    /// With --fetch: allow a plain http:// hub endpoint or redirect (a mirror you trust)
+    /// [env: DELTAFIN_INSECURE_HTTP=1].
+    #[arg(long, requires = "fetch")]
+    pub insecure_http: bool,
     /// Rows of the ranking to print.
     #[arg(long, value_name = "N", default_value_t = 20)]
     pub show: usize,
@@ -420,7 +424,8 @@ fn fetch(
     } else {
         let ms = deltafin_fetch::manifest::Manifests::from_env()
             .context("loading the source manifests")?;
-        let client = deltafin_fetch::hub::HubClient::from_env().context("hub endpoint")?;
+        let client =
+            deltafin_fetch::hub::HubClient::from_env(a.insecure_http).context("hub endpoint")?;
         let remote = RemoteExperts::open(root, &ms.k3, client).with_context(|| {
             format!(
                 "stream install at {}: cannot fetch experts (run `deltafin setup --stream` first)",

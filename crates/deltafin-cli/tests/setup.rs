@@ -51,6 +51,8 @@ impl Env {
         let mut c = bin();
         c.args(args)
             .env("HF_ENDPOINT", self.hub.url())
+            // The mock hub speaks plain HTTP on loopback.
+            .env("DELTAFIN_INSECURE_HTTP", "1")
             .env("DELTAFIN_MANIFESTS", self.tmp.path().join("manifests"))
             .env("DELTAFIN_ROOT", self.root());
         c
@@ -100,6 +102,7 @@ fn real_manifest_dry_run_adds_up_to_the_index_total() {
         .args(["setup", "--dry-run", "--full", "--model-root"])
         .arg(&root)
         .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .env("DELTAFIN_INSECURE_HTTP", "1")
         .env("DELTAFIN_TEST_FREE_DISK_BYTES", "2000000000000")
         .output()
         .unwrap();
@@ -424,7 +427,7 @@ fn run_ids_with(
     ]);
     c.args(extra);
     if let Some(url) = endpoint {
-        c.env("HF_ENDPOINT", url);
+        c.env("HF_ENDPOINT", url).env("DELTAFIN_INSECURE_HTTP", "1");
     }
     let o = c.env_remove("K3_SPINE").output().unwrap();
     if !o.status.success() {
@@ -569,4 +572,40 @@ fn stream_install_spine_errors_name_the_tensor() {
     let (o, ids) = run_ids(&e, &e.root(), None);
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(ids.len(), 6);
+}
+
+#[test]
+fn plain_http_hubs_need_insecure_http() {
+    let env = env();
+    // Without the flag or the variable: refused before any transfer, naming the way out.
+    let o = env
+        .cmd(&["setup-k3", "--meta-only"])
+        .env_remove("DELTAFIN_INSECURE_HTTP")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(
+        t.contains("plain http://") && t.contains("--insecure-http"),
+        "{t}"
+    );
+    assert!(!env.root().join("config.json").exists());
+    // A bad value of the variable is named.
+    let o = env
+        .cmd(&["setup-k3", "--meta-only"])
+        .env("DELTAFIN_INSECURE_HTTP", "yes")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(
+        !o.status.success() && t.contains("DELTAFIN_INSECURE_HTTP"),
+        "{t}"
+    );
+    // The flag allows it.
+    let o = env
+        .cmd(&["setup-k3", "--meta-only", "--insecure-http"])
+        .env_remove("DELTAFIN_INSECURE_HTTP")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
 }

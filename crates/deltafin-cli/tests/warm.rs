@@ -86,6 +86,7 @@ fn stream_install_ranks_and_fetches_the_best_missing_experts_from_the_hub() {
         bin()
             .args(args)
             .env("HF_ENDPOINT", hub.url())
+            .env("DELTAFIN_INSECURE_HTTP", "1")
             .env("DELTAFIN_MANIFESTS", tmp.path().join("manifests"))
             .env("DELTAFIN_ROOT", &root)
             .output()

@@ -17,6 +17,49 @@ pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// At most this many redirects per request.
 pub const MAX_REDIRECTS: usize = 5;
 
+/// Whether plain `http://` may be used: never by default (a network attacker could change
+/// unpinned bytes), only when the operator says so for a mirror they trust
+/// (`--insecure-http`, `DELTAFIN_INSECURE_HTTP=1`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Scheme {
+    /// `https://` endpoints and redirects only.
+    #[default]
+    HttpsOnly,
+    /// `http://` accepted too.
+    AllowHttp,
+}
+
+/// The environment variable that allows plain HTTP (`1`; `0` or empty: HTTPS only).
+pub const INSECURE_HTTP_ENV: &str = "DELTAFIN_INSECURE_HTTP";
+
+impl Scheme {
+    /// `AllowHttp` when `flag` is set or [`INSECURE_HTTP_ENV`] is `1`; an other value of the
+    /// variable is an error naming it.
+    pub fn resolve(flag: bool) -> Result<Scheme, FetchError> {
+        let env = std::env::var_os(INSECURE_HTTP_ENV);
+        let from_env = match env.as_ref().map(|v| v.to_str()) {
+            None => false,
+            Some(Some("" | "0")) => false,
+            Some(Some("1")) => true,
+            Some(v) => {
+                return Err(FetchError::Invalid(format!(
+                    "{INSECURE_HTTP_ENV}={:?}: expected 1 (allow plain http://) or 0",
+                    v.unwrap_or("<not UTF-8>")
+                )));
+            }
+        };
+        Ok(if flag || from_env {
+            Scheme::AllowHttp
+        } else {
+            Scheme::HttpsOnly
+        })
+    }
+
+    fn admits(self, url: &str) -> bool {
+        self == Scheme::AllowHttp || url.starts_with("https://")
+    }
+}
+
 /// A hub client: endpoint, optional token and a connection pool.
 #[derive(Clone)]
 pub struct HubClient {
@@ -24,6 +67,7 @@ pub struct HubClient {
     origin: String,
     token: Option<String>,
     agent: ureq::Agent,
+    scheme: Scheme,
 }
 
 impl std::fmt::Debug for HubClient {
@@ -77,6 +121,25 @@ fn header(resp: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String>
         .map(|s| s.trim().to_string())
 }
 
+/// Where a redirect from `url` to `Location: loc` goes: absolute, or a path on the same
+/// origin; a plain `http://` target only under [`Scheme::AllowHttp`].
+fn redirect_target(scheme: Scheme, url: &str, loc: &str) -> Result<String, String> {
+    let target = if loc.starts_with("http://") || loc.starts_with("https://") {
+        loc.to_string()
+    } else if loc.starts_with('/') {
+        let (o, _) = split_origin(url).ok_or_else(|| format!("unparseable URL {url}"))?;
+        format!("{o}{loc}")
+    } else {
+        return Err(format!("unsupported redirect target {loc:?}"));
+    };
+    if !scheme.admits(&target) {
+        return Err(format!(
+            "redirected to plain http:// ({target}); downloads use https:// only (--insecure-http or {INSECURE_HTTP_ENV}=1 allows it)"
+        ));
+    }
+    Ok(target)
+}
+
 /// Parse `bytes a-b/total` (total may be `*`).
 pub fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
     let rest = v.strip_prefix("bytes ")?;
@@ -91,15 +154,24 @@ pub fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
 }
 
 impl HubClient {
-    /// A client for `endpoint` (`http(s)://host[:port][/prefix]`, no query) and an optional
-    /// bearer token.
-    pub fn new(endpoint: &str, token: Option<String>) -> Result<HubClient, FetchError> {
+    /// A client for `endpoint` (`https://host[:port][/prefix]`, no query; `http://` too
+    /// under [`Scheme::AllowHttp`]) and an optional bearer token.
+    pub fn new(
+        endpoint: &str,
+        token: Option<String>,
+        scheme: Scheme,
+    ) -> Result<HubClient, FetchError> {
         let endpoint = endpoint.trim_end_matches('/').to_string();
         let (origin, path) = split_origin(&endpoint).ok_or_else(|| {
             FetchError::Invalid(format!(
                 "HF_ENDPOINT {endpoint:?}: expected http(s)://host[:port][/path] without user info"
             ))
         })?;
+        if !scheme.admits(&endpoint) {
+            return Err(FetchError::Invalid(format!(
+                "HF_ENDPOINT {endpoint:?} is plain http://: downloads use https:// only; pass --insecure-http (or {INSECURE_HTTP_ENV}=1) for a mirror you trust"
+            )));
+        }
         if path.contains('?') || path.contains('#') {
             return Err(FetchError::Invalid(format!(
                 "HF_ENDPOINT {endpoint:?}: no query or fragment allowed"
@@ -119,16 +191,22 @@ impl HubClient {
             origin,
             token: token.filter(|t| !t.is_empty()),
             agent,
+            scheme,
         })
     }
 
-    /// `HF_ENDPOINT` (default [`DEFAULT_ENDPOINT`]) and `HF_TOKEN`.
-    pub fn from_env() -> Result<HubClient, FetchError> {
+    /// `HF_ENDPOINT` (default [`DEFAULT_ENDPOINT`]) and `HF_TOKEN`; plain HTTP when
+    /// `insecure_http` or `DELTAFIN_INSECURE_HTTP=1` ([`Scheme::resolve`]).
+    pub fn from_env(insecure_http: bool) -> Result<HubClient, FetchError> {
         let ep = std::env::var("HF_ENDPOINT")
             .ok()
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| DEFAULT_ENDPOINT.to_string());
-        Self::new(&ep, std::env::var("HF_TOKEN").ok())
+        Self::new(
+            &ep,
+            std::env::var("HF_TOKEN").ok(),
+            Scheme::resolve(insecure_http)?,
+        )
     }
 
     /// The endpoint in use.
@@ -187,20 +265,12 @@ impl HubClient {
                     url: url.clone(),
                     msg: format!("HTTP {status} without a Location header"),
                 })?;
-                url = if loc.starts_with("http://") || loc.starts_with("https://") {
-                    loc
-                } else if loc.starts_with('/') {
-                    let (o, _) = split_origin(&url).ok_or_else(|| FetchError::Protocol {
-                        url: url.clone(),
-                        msg: "unparseable URL".into(),
-                    })?;
-                    format!("{o}{loc}")
-                } else {
-                    return Err(FetchError::Protocol {
-                        url,
-                        msg: format!("unsupported redirect target {loc:?}"),
-                    });
-                };
+                url = redirect_target(self.scheme, &url, &loc).map_err(|msg| {
+                    FetchError::Protocol {
+                        url: first.clone(),
+                        msg,
+                    }
+                })?;
                 continue;
             }
             let got = commit
@@ -294,5 +364,39 @@ pub fn check_range(r: &HubResponse, a: u64, b: u64) -> Result<(), FetchError> {
             url: r.url.clone(),
             msg: format!("asked for bytes {a}-{b}, got HTTP {s} instead of 206"),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_http_is_refused_unless_allowed() {
+        let e = HubClient::new("http://mirror.example", None, Scheme::HttpsOnly)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("--insecure-http"), "{e}");
+        assert!(HubClient::new("http://mirror.example", None, Scheme::AllowHttp).is_ok());
+        assert!(HubClient::new("https://huggingface.co", None, Scheme::HttpsOnly).is_ok());
+        // Redirects: an https CDN is followed, a downgrade is refused, a path stays on the
+        // origin's scheme.
+        let from = "https://huggingface.co/o/n/resolve/r/f";
+        assert_eq!(
+            redirect_target(Scheme::HttpsOnly, from, "https://cdn.example/x").as_deref(),
+            Ok("https://cdn.example/x")
+        );
+        let e = redirect_target(Scheme::HttpsOnly, from, "http://cdn.example/x").unwrap_err();
+        assert!(e.contains("plain http://"), "{e}");
+        assert_eq!(
+            redirect_target(Scheme::AllowHttp, from, "http://cdn.example/x").as_deref(),
+            Ok("http://cdn.example/x")
+        );
+        assert_eq!(
+            redirect_target(Scheme::HttpsOnly, from, "/cdn/x").as_deref(),
+            Ok("https://huggingface.co/cdn/x")
+        );
+        assert!(redirect_target(Scheme::HttpsOnly, from, "ftp://x").is_err());
     }
 }

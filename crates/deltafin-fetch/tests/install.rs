@@ -3,7 +3,7 @@
 use deltafin_fetch::FetchError;
 use deltafin_fetch::check::check_k3;
 use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
-use deltafin_fetch::hub::HubClient;
+use deltafin_fetch::hub::{HubClient, Scheme};
 use deltafin_fetch::inventory::Inventory;
 use deltafin_fetch::manifest::Manifests;
 use deltafin_fetch::mock_hub::{Fault, MockHub};
@@ -39,7 +39,8 @@ fn env() -> Env {
     let src = SynthSource::create(&tmp.path().join("src"), small_dims(), 7).unwrap();
     let hub = MockHub::start().unwrap();
     src.serve(&hub).unwrap();
-    let client = HubClient::new(&hub.url(), Some("secret-token".into())).unwrap();
+    let client =
+        HubClient::new(&hub.url(), Some("secret-token".into()), Scheme::AllowHttp).unwrap();
     let root = tmp.path().join("root");
     Env {
         _tmp: tmp,
