@@ -119,6 +119,7 @@ impl ExpertFetch for RemoteExperts {
             workers: 1,
             retry: self.retry,
             progress: false,
+            ..TransferOptions::default()
         };
         run_jobs(&self.client, &[job], &opts)?;
         Ok(dest)

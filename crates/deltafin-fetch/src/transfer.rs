@@ -5,8 +5,15 @@
 //! 1. `dest` already a regular file of the right size → skipped (files under their final
 //!    name are complete and verified by construction).
 //! 2. Bytes go to `dest.part`; an existing `.part` is resumed with a `Range` request from its
-//!    length. The answer must be a 206 for exactly the requested range (or a 200 for a whole
-//!    file from zero).
+//!    last durable resume point. The answer must be a 206 for exactly the requested range (or
+//!    a 200 for a whole file from zero).
+//!
+//!    Resume points (docs/SETUP.md "Resuming"): every [`TransferOptions::checkpoint_bytes`]
+//!    and when a transfer stops, the `.part` is `fsync`ed, then `dest.part.resume` records
+//!    its length and the SHA-256 of its last MiB (written to a temporary name, synced,
+//!    renamed). A resume trusts only that length: bytes past it (which a power loss can
+//!    leave as zeros or garbage) are cut off, and a tail that does not hash as recorded, a
+//!    damaged record or a `.part` shorter than its record restarts the file from zero.
 //! 3. 5xx, 429, connection failures and bodies cut short are retried with exponential
 //!    backoff; a retry that made progress resets the attempt count, so a flaky connection
 //!    cannot stall the install but a dead one ends after [`RetryPolicy::attempts`].
@@ -86,6 +93,8 @@ pub struct TransferOptions {
     pub retry: RetryPolicy,
     /// Draw a progress bar (only when stderr is a terminal).
     pub progress: bool,
+    /// Bytes between two durable resume points of one transfer.
+    pub checkpoint_bytes: u64,
 }
 
 impl Default for TransferOptions {
@@ -94,8 +103,108 @@ impl Default for TransferOptions {
             workers: DEFAULT_WORKERS,
             retry: RetryPolicy::default(),
             progress: true,
+            checkpoint_bytes: CHECKPOINT_BYTES,
         }
     }
+}
+
+/// Default bytes between two resume points (one `fsync` each).
+pub const CHECKPOINT_BYTES: u64 = 64 << 20;
+/// Bytes at the end of a resume point that its record hashes.
+const TAIL_BYTES: u64 = 1 << 20;
+const RESUME_MAGIC: &[u8; 8] = b"DFRESUM1";
+
+/// The resume-point record of `dest` (`dest.part.resume`).
+pub fn resume_path(dest: &Path) -> PathBuf {
+    let mut s = dest.as_os_str().to_os_string();
+    s.push(".part.resume");
+    PathBuf::from(s)
+}
+
+/// SHA-256 of `part`'s bytes `len - min(len, TAIL_BYTES) .. len`.
+fn tail_hash(part: &Path, len: u64) -> std::io::Result<[u8; 32]> {
+    use std::io::{Seek, SeekFrom};
+    let mut f = File::open(part)?;
+    let from = len - len.min(TAIL_BYTES);
+    f.seek(SeekFrom::Start(from))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; (len - from) as usize];
+    f.read_exact(&mut buf)?;
+    h.update(&buf);
+    Ok(h.finalize().into())
+}
+
+/// Makes `len` bytes of `part` (open as `out`) a durable resume point.
+fn checkpoint(out: &File, part: &Path, dest: &Path, len: u64) -> std::io::Result<()> {
+    out.sync_data()?;
+    let mut rec = Vec::with_capacity(80);
+    rec.extend_from_slice(RESUME_MAGIC);
+    rec.extend_from_slice(&len.to_le_bytes());
+    rec.extend_from_slice(&tail_hash(part, len)?);
+    let check: [u8; 32] = Sha256::digest(&rec).into();
+    rec.extend_from_slice(&check);
+    let path = resume_path(dest);
+    let mut tmp = path.clone().into_os_string();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(&rec)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, &path)?;
+    if let Some(dir) = path.parent() {
+        File::open(dir).and_then(|d| d.sync_all())?;
+    }
+    Ok(())
+}
+
+/// The length of `part` a resume may keep: its last resume point when the record is intact,
+/// the `.part` holds that many bytes and their tail hashes as recorded; else 0.
+fn durable_len(part: &Path, dest: &Path) -> u64 {
+    let Ok(rec) = std::fs::read(resume_path(dest)) else {
+        return 0;
+    };
+    if rec.len() != 80 || &rec[..8] != RESUME_MAGIC {
+        return 0;
+    }
+    let check: [u8; 32] = Sha256::digest(&rec[..48]).into();
+    if rec[48..] != check {
+        return 0;
+    }
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&rec[8..16]);
+    let len = u64::from_le_bytes(len);
+    let have = std::fs::symlink_metadata(part).map_or(0, |m| m.len());
+    if len > have {
+        return 0;
+    }
+    match tail_hash(part, len) {
+        Ok(h) if h[..] == rec[16..48] => len,
+        _ => 0,
+    }
+}
+
+/// Cuts `part` to its durable length (removing it and its record when that is 0) and
+/// returns that length.
+fn resume_from(part: &Path, dest: &Path) -> Result<u64, FetchError> {
+    let keep = durable_len(part, dest);
+    if keep == 0 {
+        for p in [part.to_path_buf(), resume_path(dest)] {
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(FetchError::io(&p)(e)),
+            }
+        }
+        return Ok(0);
+    }
+    OpenOptions::new()
+        .write(true)
+        .open(part)
+        .and_then(|f| f.set_len(keep))
+        .map_err(FetchError::io(part))?;
+    Ok(keep)
 }
 
 /// What a run did.
@@ -160,7 +269,14 @@ pub fn run_jobs(
                     }
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(job) = jobs.get(i) else { return };
-                    match run_job(client, job, opts.retry, &stop, &bar) {
+                    match run_job(
+                        client,
+                        job,
+                        opts.retry,
+                        opts.checkpoint_bytes.max(1),
+                        &stop,
+                        &bar,
+                    ) {
                         Ok(outcome) => {
                             let mut r = report.lock().unwrap_or_else(|p| p.into_inner());
                             match outcome {
@@ -228,6 +344,7 @@ fn run_job(
     client: &HubClient,
     job: &Job,
     policy: RetryPolicy,
+    checkpoint_bytes: u64,
     stop: &AtomicBool,
     bar: &ProgressBar,
 ) -> Result<Outcome, FetchError> {
@@ -244,20 +361,24 @@ fn run_job(
     let mut counted = 0u64;
     loop {
         let have = match std::fs::symlink_metadata(&part) {
-            Ok(m) if m.is_file() && m.len() <= job.size => m.len(),
+            Ok(m) if m.is_file() && m.len() <= job.size => resume_from(&part, &job.dest)?,
             Ok(_) => {
                 std::fs::remove_file(&part).map_err(FetchError::io(&part))?;
                 0
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => resume_from(&part, &job.dest)?,
             Err(e) => return Err(FetchError::io(&part)(e)),
         };
+        if have < counted {
+            bar.set_position(bar.position().saturating_sub(counted - have));
+            counted = have;
+        }
         if have > counted {
             bar.inc(have - counted);
             counted = have;
         }
         if have < job.size {
-            match fetch_into(client, job, &part, have, stop, bar) {
+            match fetch_into(client, job, &part, have, stop, bar, checkpoint_bytes) {
                 Ok(n) => {
                     received += n;
                     counted += n;
@@ -292,6 +413,7 @@ fn run_job(
             if &got != want {
                 sha_failures += 1;
                 std::fs::remove_file(&part).map_err(FetchError::io(&part))?;
+                let _ = std::fs::remove_file(resume_path(&job.dest));
                 bar.set_position(bar.position().saturating_sub(counted));
                 counted = 0;
                 if sha_failures >= SHA_ATTEMPTS {
@@ -310,6 +432,14 @@ fn run_job(
             .map_err(FetchError::io(&part))?;
         std::fs::rename(&part, &job.dest).map_err(FetchError::io(&job.dest))?;
         sync_dir(dir)?;
+        let rp = resume_path(&job.dest);
+        std::fs::remove_file(&rp).or_else(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                Ok(())
+            } else {
+                Err(FetchError::io(&rp)(e))
+            }
+        })?;
         return Ok(Outcome::Fetched(received));
     }
 }
@@ -323,16 +453,58 @@ fn fetch_into(
     have: u64,
     stop: &AtomicBool,
     bar: &ProgressBar,
+    checkpoint_bytes: u64,
 ) -> Result<u64, (u64, FetchError)> {
+    let dest = job.dest.as_path();
+    let mut out = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(part)
+        .map_err(|e| (0, FetchError::io(part)(e)))?;
+    let mut got = 0u64;
+    let r = fetch_body(
+        client,
+        job,
+        &mut out,
+        part,
+        have,
+        &mut got,
+        stop,
+        bar,
+        checkpoint_bytes,
+    );
+    // However it ended, what arrived becomes a resume point.
+    if got > 0
+        && let Err(e) = out
+            .flush()
+            .and_then(|()| checkpoint(&out, part, dest, have + got))
+    {
+        return Err((got, FetchError::io(part)(e)));
+    }
+    r.map(|()| got).map_err(|e| (got, e))
+}
+
+/// The body of [`fetch_into`]: appends to `out`, counting in `got`, with a resume point
+/// every `checkpoint_bytes`.
+#[allow(clippy::too_many_arguments)]
+fn fetch_body(
+    client: &HubClient,
+    job: &Job,
+    out: &mut File,
+    part: &Path,
+    have: u64,
+    got: &mut u64,
+    stop: &AtomicBool,
+    bar: &ProgressBar,
+    checkpoint_bytes: u64,
+) -> Result<(), FetchError> {
     let (off, whole) = match job.range {
         Some((o, _)) => (o, false),
         None => (0, true),
     };
     let a = off + have;
     let b = off + job.size - 1;
-    let mut resp = client
-        .get(&job.repo, &job.revision, &job.file, Some((a, b)))
-        .map_err(|e| (0, e))?;
+    let mut resp = client.get(&job.repo, &job.revision, &job.file, Some((a, b)))?;
     let url = resp.url.clone();
     let proto = |msg: String| FetchError::Protocol {
         url: url.clone(),
@@ -342,70 +514,56 @@ fn fetch_into(
         if let Some(cl) = resp.content_length
             && cl != job.size
         {
-            return Err((
-                0,
-                proto(format!("Content-Length {cl}, expected {}", job.size)),
-            ));
+            return Err(proto(format!("Content-Length {cl}, expected {}", job.size)));
         }
     } else {
-        check_range(&resp, a, b).map_err(|e| (0, e))?;
+        check_range(&resp, a, b)?;
     }
     if whole
         && let Some(fs) = resp.file_size
         && fs != job.size
     {
-        return Err((
-            0,
-            proto(format!(
-                "the hub reports {fs} bytes for {}, the pin is {}",
-                job.file, job.size
-            )),
-        ));
+        return Err(proto(format!(
+            "the hub reports {fs} bytes for {}, the pin is {}",
+            job.file, job.size
+        )));
     }
-    let mut out = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(part)
-        .map_err(|e| (0, FetchError::io(part)(e)))?;
     let want = job.size - have;
-    let mut got = 0u64;
+    let mut since = 0u64;
     let mut buf = vec![0u8; CHUNK];
-    while got < want {
+    while *got < want {
         if stop.load(Ordering::Relaxed) {
-            return Err((got, FetchError::Stopped));
+            return Err(FetchError::Stopped);
         }
-        let max = ((want - got) as usize).min(CHUNK);
+        let max = ((want - *got) as usize).min(CHUNK);
         let n = match resp.body.read(&mut buf[..max]) {
             Ok(0) => {
-                return Err((
-                    got,
-                    FetchError::Transport {
-                        url,
-                        msg: format!(
-                            "connection closed after {} of {} bytes",
-                            have + got,
-                            job.size
-                        ),
-                    },
-                ));
+                return Err(FetchError::Transport {
+                    url,
+                    msg: format!(
+                        "connection closed after {} of {} bytes",
+                        have + *got,
+                        job.size
+                    ),
+                });
             }
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => {
-                return Err((
-                    got,
-                    FetchError::Transport {
-                        url,
-                        msg: format!("body read failed after {} bytes: {e}", have + got),
-                    },
-                ));
+                return Err(FetchError::Transport {
+                    url,
+                    msg: format!("body read failed after {} bytes: {e}", have + *got),
+                });
             }
         };
-        out.write_all(&buf[..n])
-            .map_err(|e| (got, FetchError::io(part)(e)))?;
-        got += n as u64;
+        out.write_all(&buf[..n]).map_err(FetchError::io(part))?;
+        *got += n as u64;
+        since += n as u64;
         bar.inc(n as u64);
+        if since >= checkpoint_bytes && *got < want {
+            checkpoint(out, part, &job.dest, have + *got).map_err(FetchError::io(part))?;
+            since = 0;
+        }
     }
-    out.flush().map_err(|e| (got, FetchError::io(part)(e)))?;
-    Ok(got)
+    Ok(())
 }

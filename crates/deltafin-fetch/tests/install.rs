@@ -23,6 +23,7 @@ fn fast() -> TransferOptions {
             max_delay: Duration::from_millis(20),
         },
         progress: false,
+        ..TransferOptions::default()
     }
 }
 
@@ -329,4 +330,99 @@ fn dry_run_plan_of_the_real_manifest_adds_up() {
     );
     assert!(full.convert_exact() && !full.download_exact());
     assert!(walk(tmp.path()).is_empty(), "a plan wrote files");
+}
+
+/// Power loss during a download, simulated on the `.part` a cut transfer left: bytes past
+/// the last resume point were never synced, so they may read back as zeros or garbage (or
+/// the disk may lie about synced ones). Whatever is left, the resumed file that is
+/// published equals the source: unpinned files (as experts and spine tensors are) included.
+#[test]
+fn power_loss_before_a_resume_never_publishes_a_corrupt_file() {
+    use deltafin_fetch::transfer::{Job, part_path, resume_path, run_jobs};
+    let e = env();
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("blob.bin");
+    let data: Vec<u8> = (0..3_000_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    std::fs::write(&src, &data).unwrap();
+    e.hub
+        .add_file("org/blob", "c0ffee", "blob.bin", &src)
+        .unwrap();
+    let dest = tmp.path().join("out").join("blob.bin");
+    let job = Job {
+        repo: "org/blob".into(),
+        revision: "c0ffee".into(),
+        file: "blob.bin".into(),
+        range: None,
+        dest: dest.clone(),
+        size: data.len() as u64,
+        sha256: None,
+    };
+    let opts = |attempts| TransferOptions {
+        workers: 1,
+        retry: RetryPolicy {
+            attempts,
+            base_delay: Duration::from_millis(1),
+            max_delay: Duration::from_millis(2),
+        },
+        progress: false,
+        checkpoint_bytes: 256 * 1024,
+    };
+    type Damage = fn(&Path, u64);
+    let damages: [(&str, Damage); 5] = [
+        ("zeros past the resume point", |p, _| {
+            let mut b = std::fs::read(p).unwrap();
+            b.extend(std::iter::repeat_n(0u8, 700_000));
+            std::fs::write(p, b).unwrap();
+        }),
+        ("garbage over the unsynced tail", |p, _| {
+            let mut b = std::fs::read(p).unwrap();
+            b.extend(std::iter::repeat_n(0xA5u8, 123_457));
+            std::fs::write(p, b).unwrap();
+        }),
+        ("a synced tail that reads back as zeros", |p, len| {
+            let mut b = std::fs::read(p).unwrap();
+            let at = (len - 10_000) as usize;
+            b[at..at + 4096].fill(0);
+            std::fs::write(p, b).unwrap();
+        }),
+        ("a .part shorter than its record", |p, len| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .unwrap()
+                .set_len(len - 1)
+                .unwrap();
+        }),
+        ("a damaged record", |p, _| {
+            let r = {
+                let mut s = p.as_os_str().to_os_string();
+                s.push(".resume");
+                std::path::PathBuf::from(s)
+            };
+            let mut b = std::fs::read(&r).unwrap();
+            b[10] ^= 1;
+            std::fs::write(&r, b).unwrap();
+        }),
+    ];
+    for (what, damage) in damages {
+        let _ = std::fs::remove_file(&dest);
+        // Cut after ~1.1 MB: the transfer ends with a resume point there.
+        e.hub.add_fault("blob.bin", Fault::DropAfter(1_100_000), 1);
+        let err = run_jobs(&e.client, std::slice::from_ref(&job), &opts(1));
+        assert!(err.is_err(), "{what}: the cut transfer must fail");
+        let part = part_path(&dest);
+        assert!(resume_path(&dest).exists(), "{what}: no resume point");
+        let len = std::fs::metadata(&part).unwrap().len();
+        assert!(len > 0, "{what}");
+        damage(&part, len);
+        run_jobs(&e.client, std::slice::from_ref(&job), &opts(4))
+            .unwrap_or_else(|err| panic!("{what}: {err}"));
+        assert!(
+            std::fs::read(&dest).unwrap() == data,
+            "{what}: the published file differs from the source"
+        );
+        assert!(!part.exists() && !resume_path(&dest).exists(), "{what}");
+    }
 }
