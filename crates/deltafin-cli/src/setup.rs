@@ -14,7 +14,7 @@ use deltafin_fetch::setup::{
     self as fsetup, DiskCheck, Setup, check_setup, choose_mode, recorded_mode,
 };
 use deltafin_fetch::transfer::{TransferOptions, parse_workers};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// `deltafin setup`.
@@ -150,6 +150,16 @@ fn setup_with<'a>(
     }
 }
 
+/// The whole install lock of `root` for the installer `what` (docs/SETUP.md, "The install
+/// lock"): held until the returned value drops.
+fn install_lock(root: &Path, what: &str) -> Result<deltafin_fetch::lock::InstallLock> {
+    Ok(deltafin_fetch::lock::lock_install(
+        root,
+        what,
+        deltafin_fetch::lock::INSTALLER_WAIT,
+    )?)
+}
+
 fn log(s: &str) {
     println!("{s}");
 }
@@ -204,6 +214,7 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
     if !disk.fits() {
         bail!("setup: {}", disk.refusal(&root));
     }
+    let _lock = install_lock(&root, "deltafin setup")?;
     println!("mode: {} ({})", choice.mode.as_str(), choice.reason);
     let c = client(a.insecure_http)?;
     let s = setup_with(root.clone(), &ms, &c, a.workers);
@@ -233,6 +244,7 @@ pub fn setup_k3(a: &SetupK3Args) -> Result<ExitCode> {
         return Ok(report("setup-k3 --check", &r));
     }
     let c = client(a.insecure_http)?;
+    let _lock = install_lock(&root, "deltafin setup-k3")?;
     let s = setup_with(root, &ms, &c, 8);
     s.k3_meta(&mut log)?;
     Ok(ExitCode::SUCCESS)
@@ -258,6 +270,7 @@ pub fn setup_dspark(a: &SetupDsparkArgs) -> Result<ExitCode> {
         println!("setup-dspark --audit-only: ok");
         return Ok(ExitCode::SUCCESS);
     }
+    let _lock = install_lock(&root, "deltafin setup-dspark")?;
     let s = setup_with(root, &ms, &c, 8);
     s.repo(&ms.dspark, &dest, &mut log)?;
     Ok(ExitCode::SUCCESS)
@@ -274,6 +287,7 @@ pub fn setup_qwen(a: &SetupQwenArgs) -> Result<ExitCode> {
         return Ok(report("setup-qwen --check", &r));
     }
     let c = client(a.insecure_http)?;
+    let _lock = install_lock(&root, "deltafin setup-qwen")?;
     let s = setup_with(root, &ms, &c, 8);
     s.qwen(&mut log)?;
     Ok(ExitCode::SUCCESS)
@@ -349,6 +363,7 @@ pub fn fetch_weights(a: &FetchWeightsArgs) -> Result<ExitCode> {
         );
     };
     let c = client(a.insecure_http)?;
+    let _lock = install_lock(&root, "deltafin fetch-weights")?;
     let s = setup_with(root.clone(), &ms, &c, a.workers);
     s.weights(&inv, &sel, &mut log)?;
     if sel == Selection::Shards {

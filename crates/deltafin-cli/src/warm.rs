@@ -121,8 +121,14 @@ fn is_cached(dir: &Path, layer: usize, expert: usize, bytes: u64) -> bool {
     std::fs::metadata(dir.join(expert_file_name(layer, expert))).is_ok_and(|m| m.len() == bytes)
 }
 
-/// Write `dir/L{l}-E{e}.bin` from the checkpoint's shards (`.tmp`, then rename).
-fn write_from_shards(ckpt: &Checkpoint, dir: &Path, layer: usize, expert: usize) -> Result<u64> {
+/// Write `dir/L{l}-E{e}.bin` from the checkpoint's shards (`.tmp`, fsync, the receipt,
+/// then rename).
+fn write_from_shards(
+    ckpt: &Checkpoint,
+    (root, dir): (&Path, &Path),
+    layer: usize,
+    expert: usize,
+) -> Result<u64> {
     use std::os::unix::fs::FileExt;
     let span = ckpt.expert_span(layer, expert)?;
     let f = std::fs::File::open(&span.shard_path)
@@ -140,7 +146,20 @@ fn write_from_shards(ckpt: &Checkpoint, dir: &Path, layer: usize, expert: usize)
     }
     let path = dir.join(expert_file_name(layer, expert));
     let tmp = dir.join(format!("{}.tmp", expert_file_name(layer, expert)));
-    std::fs::write(&tmp, &bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    // Durable before it is published: a power loss never leaves a file of the right size
+    // with zeros in it.
+    std::fs::File::create(&tmp)
+        .and_then(|mut f| {
+            std::io::Write::write_all(&mut f, &bytes)?;
+            f.sync_all()
+        })
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    // Its fetch receipt, for `setup --check` (docs/SETUP.md), when it is the root's file.
+    if path.starts_with(root) {
+        use sha2::Digest;
+        let sha = hex::encode(sha2::Sha256::digest(&bytes));
+        deltafin_fetch::receipts::record(root, &path, bytes.len() as u64, &sha)?;
+    }
     std::fs::rename(&tmp, &path).with_context(|| format!("cannot rename {}", tmp.display()))?;
     Ok(bytes.len() as u64)
 }
@@ -227,7 +246,14 @@ pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
     let total = dims.slots();
     let fetch = match a.fetch {
         None => None,
-        Some(n) => Some(fetch(a, &root, &cache_dir, &ranked, n, expert_bytes)?),
+        Some(n) => Some(fetch(
+            a,
+            &root,
+            &cache_dir,
+            &ranked,
+            n,
+            (expert_bytes, dims.experts),
+        )?),
     };
     let cached_total = count_cached(&cache_dir, dims, expert_bytes);
 
@@ -394,7 +420,7 @@ fn fetch(
     dir: &Path,
     ranked: &[Ranked],
     n: usize,
-    expert_bytes: u64,
+    (expert_bytes, per_layer): (u64, usize),
 ) -> Result<Fetched> {
     let full = shards_local(root)?;
     if full && !dir.is_dir() {
@@ -418,7 +444,14 @@ fn fetch(
     let (source, done) = if full {
         let ckpt = install::open_checkpoint(root)?;
         let done = parallel(&todo, a.workers, |&(l, e)| {
-            write_from_shards(&ckpt, dir, l, e).map(|b| (l, e, b))
+            // The expert's byte of the install lock, as the hub fetcher takes it.
+            let index = deltafin_fetch::lock::expert_index(l, e, per_layer)?;
+            let _lock =
+                deltafin_fetch::lock::lock_expert(root, index, deltafin_fetch::lock::EXPERT_WAIT)?;
+            if is_cached(dir, l, e, expert_bytes) {
+                return Ok((l, e, expert_bytes));
+            }
+            write_from_shards(&ckpt, (root, dir), l, e).map(|b| (l, e, b))
         })?;
         ("shards", done)
     } else {

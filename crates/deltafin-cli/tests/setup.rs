@@ -389,9 +389,20 @@ fn stream_setup_check_and_layer_fetch() {
     let mut b = std::fs::read(&cfg).unwrap();
     b[10] ^= 0x20;
     std::fs::write(&cfg, b).unwrap();
+    // A fetched expert changed in place (same size) fails its fetch receipt's sha256.
+    let expert = e.root().join("k3-experts/L3-E15.bin");
+    let mut b = std::fs::read(&expert).unwrap();
+    b[7] ^= 0x01;
+    std::fs::write(&expert, b).unwrap();
     let o = e.run(&["setup", "--check"]);
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
+    assert!(
+        t.lines().any(|l| l.starts_with("corrupted")
+            && l.contains("L3-E15.bin")
+            && l.contains("sha256")),
+        "{t}"
+    );
     assert!(
         t.contains("missing") && t.contains(&*victim.file_name().unwrap().to_string_lossy()),
         "{t}"
@@ -608,4 +619,58 @@ fn plain_http_hubs_need_insecure_http() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
+}
+
+#[test]
+fn installers_and_expert_fetches_take_the_install_lock() {
+    use deltafin_fetch::lock::{lock_expert, lock_install};
+    let e = runnable_env();
+    let o = e.run(&["setup", "--stream"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let lock_file = e.root().join("k3-meta/install.lock");
+    assert!(lock_file.is_file());
+
+    // Another installer holds the root: every installer is refused before it writes,
+    // naming the holder and the lock file, and so is the on-demand expert fetch of `run`.
+    let held = lock_install(&e.root(), "deltafin test-holder", Duration::ZERO).unwrap();
+    e.hub.clear_log();
+    for args in [
+        &["setup", "--stream"][..],
+        &["setup-k3", "--meta-only"],
+        &["setup-qwen"],
+        &["fetch-weights", "--layers", "2"],
+    ] {
+        let o = e.run(args);
+        let t = text(&o);
+        assert!(!o.status.success(), "{args:?}: {t}");
+        assert!(
+            t.contains("`deltafin test-holder` (pid ") && t.contains("install.lock"),
+            "{args:?}: {t}"
+        );
+    }
+    assert!(e.hub.requests().is_empty(), "{:?}", e.hub.requests());
+    assert!(expert_files(&e.root()).is_empty());
+    let (o, _) = run_ids(&e, &e.root(), None);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("is installing into it"), "{t}");
+    assert!(expert_files(&e.root()).is_empty());
+    drop(held);
+
+    // A fetch of one expert in flight (its byte held) delays an installer until it ends.
+    let one = lock_expert(&e.root(), 2 * 16 + 3, Duration::ZERO).unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        drop(one);
+    });
+    let t0 = Instant::now();
+    let o = e.run(&["fetch-weights", "--layers", "2"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(t0.elapsed() >= Duration::from_secs(1), "did not wait");
+    release.join().unwrap();
+    assert!(e.root().join("k3-experts/L2-E15.bin").is_file());
+    // With the root free again, `run` fetches what it needs.
+    let (o, ids) = run_ids(&e, &e.root(), None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(ids.len(), 6);
 }

@@ -2,13 +2,16 @@
 //! `setup-qwen --check`): no network, no writes.
 //!
 //! Every file must be a regular file of the exact size. Files with a pinned sha256 are
-//! re-hashed (metadata, DSpark, Qwen, and K3 shards where the manifest pins them); the real
-//! K3 weights have no pinned digests, so they are checked by size only (1.5 TB is not
-//! re-hashed; the inventory digest pins their offsets).
+//! re-hashed (metadata, DSpark, Qwen, and K3 shards where the manifest pins them). The real
+//! K3 weights have no pinned digests: each weight file (a shard, a spine tensor, a routed
+//! expert) is re-hashed against the receipt recorded when it was fetched
+//! ([`crate::receipts`]), and one without a receipt is reported as unverifiable. This reads
+//! every local weight byte once (the inventory digest pins the offsets).
 
 use crate::inventory::{INVENTORY_PATH, Inventory};
 use crate::manifest::{K3Manifest, PinnedFile, RepoManifest};
 use crate::plan::{Mode, SPINE_DIR, expert_path};
+use crate::receipts::Receipts;
 use crate::transfer::sha256_file;
 use std::path::Path;
 
@@ -90,27 +93,70 @@ pub fn check_k3_meta(root: &Path, m: &K3Manifest) -> (CheckReport, Option<Invent
     }
 }
 
+/// A weight file: exact size, then the pinned sha256, else the fetch receipt's; a file of
+/// the right size with neither is unverifiable.
+fn check_weight(
+    root: &Path,
+    path: &Path,
+    size: u64,
+    pinned: Option<&str>,
+    receipts: &Receipts,
+    r: &mut CheckReport,
+) {
+    let sha = pinned.or_else(|| receipts.sha256_at(root, path, size));
+    let sized = std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file() && m.len() == size);
+    if sha.is_none() && sized {
+        r.problems.push(format!(
+            "unverifiable {}: no sha256 was recorded when it was fetched (delete it and rerun the setup step to fetch it again)",
+            path.display()
+        ));
+        return;
+    }
+    check_file(path, size, sha, r);
+}
+
 /// K3 weights of `mode` (needs the inventory for exact sizes).
 pub fn check_k3_weights(root: &Path, m: &K3Manifest, inv: &Inventory, mode: Mode) -> CheckReport {
     let mut r = CheckReport::default();
+    let receipts = match Receipts::load(root) {
+        Ok(x) => x,
+        Err(e) => {
+            r.problems.push(format!("unreadable fetch receipts: {e}"));
+            Receipts::default()
+        }
+    };
+    if receipts.malformed > 0 {
+        r.problems.push(format!(
+            "{}: {} damaged line(s) skipped",
+            root.join(crate::receipts::RECEIPTS_PATH).display(),
+            receipts.malformed
+        ));
+    }
     match mode {
         Mode::Full => {
             for s in &m.shards {
                 let size = inv.hlen(&s.file).map(|h| 8 + h + s.data_bytes);
                 match size {
-                    Some(size) => {
-                        check_file(&root.join(&s.file), size, s.sha256.as_deref(), &mut r)
-                    }
+                    Some(size) => check_weight(
+                        root,
+                        &root.join(&s.file),
+                        size,
+                        s.sha256.as_deref(),
+                        &receipts,
+                        &mut r,
+                    ),
                     None => r.problems.push(format!("{}: not in the inventory", s.file)),
                 }
             }
         }
         Mode::Stream => {
             for rec in inv.records().iter().filter(|x| !x.is_expert()) {
-                check_file(
+                check_weight(
+                    root,
                     &root.join(SPINE_DIR).join(&rec.name),
                     rec.end - rec.start,
                     None,
+                    &receipts,
                     &mut r,
                 );
             }
@@ -119,11 +165,8 @@ pub fn check_k3_weights(root: &Path, m: &K3Manifest, inv: &Inventory, mode: Mode
                 for e in 0..m.experts_per_layer {
                     let p = expert_path(root, l, e);
                     match std::fs::symlink_metadata(&p) {
-                        Ok(md) if md.is_file() && md.len() == m.expert_bytes => r.ok += 1,
-                        Ok(_) => r
-                            .problems
-                            .push(format!("corrupted {}: wrong size", p.display())),
                         Err(_) => missing += 1,
+                        Ok(_) => check_weight(root, &p, m.expert_bytes, None, &receipts, &mut r),
                     }
                 }
             }

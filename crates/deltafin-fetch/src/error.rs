@@ -52,6 +52,9 @@ pub enum FetchError {
     /// The install does not fit the free disk (the message has the numbers).
     #[error("{0}")]
     Disk(String),
+    /// Another deltafin holds the install lock (the message names it and the lock file).
+    #[error("{0}")]
+    Busy(String),
     /// Another transfer failed and this one was stopped (its `.part` file is kept).
     #[error("stopped after another transfer failed")]
     Stopped,

@@ -6,6 +6,7 @@
 //! length is fetched and compared with the inventory's (a changed header would shift every
 //! offset). The bytes go through the transfer engine (`.part`, resume, retry, exact size,
 //! atomic rename) into `k3-experts/L{layer}-E{expert}.bin`, where the expert store reads them.
+//! Each fetch holds its expert's byte of the install lock ([`crate::lock`]) while it writes.
 //!
 //! The expert store (`deltafin-experts`) can hold a `Box<dyn ExpertFetch>` and call
 //! [`ExpertFetch::fetch_expert`] for an expert that is missing locally.
@@ -13,6 +14,7 @@
 use crate::error::FetchError;
 use crate::hub::HubClient;
 use crate::inventory::Inventory;
+use crate::lock::{EXPERT_WAIT, expert_index, lock_expert};
 use crate::manifest::K3Manifest;
 use crate::plan::{expert_path, expert_span};
 use crate::transfer::{Job, RetryPolicy, TransferOptions, is_complete, run_jobs};
@@ -104,6 +106,13 @@ impl ExpertFetch for RemoteExperts {
         if is_complete(&dest, len) {
             return Ok(dest);
         }
+        // One writer per expert file across threads and processes (crate::lock); a fetch
+        // that waited for another one of the same expert finds the file complete.
+        let index = expert_index(layer, expert, self.manifest.experts_per_layer)?;
+        let _lock = lock_expert(&self.root, index, EXPERT_WAIT)?;
+        if is_complete(&dest, len) {
+            return Ok(dest);
+        }
         self.check_shard_header(&shard)?;
         let m = &self.manifest;
         let job = Job {
@@ -119,6 +128,7 @@ impl ExpertFetch for RemoteExperts {
             workers: 1,
             retry: self.retry,
             progress: false,
+            receipts: Some(self.root.clone()),
             ..TransferOptions::default()
         };
         run_jobs(&self.client, &[job], &opts)?;

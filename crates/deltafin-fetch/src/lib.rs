@@ -8,7 +8,11 @@
 //!   retries with backoff, sha256 and size checks, atomic rename).
 //! - [`inventory`]: the K3 tensor inventory rebuilt from the 96 shard headers.
 //! - [`plan`], [`check`], [`setup`]: plans (dry run), offline audits and the install steps.
+//! - [`lock`]: the install lock of a model root (installers hold it whole, expert fetches
+//!   one byte each).
 //! - [`expert`]: on-demand fetch of one routed expert's exact byte range (stream installs).
+//! - [`receipts`]: the SHA-256 recorded for each weight file fetched without a pinned
+//!   digest, re-checked by `setup --check`.
 //! - [`progress`]: progress bars on stderr (transfers, and the CLI's conversions).
 //! - `mock_hub` (feature `mock`): an in-process HTTP server speaking the hub protocol, with
 //!   fault injection, for tests; `synth_source` (feature `mock`) builds a synthesized K3
@@ -24,11 +28,13 @@ pub mod expert;
 pub mod hub;
 pub mod inventory;
 pub mod layers;
+pub mod lock;
 pub mod manifest;
 #[cfg(feature = "mock")]
 pub mod mock_hub;
 pub mod plan;
 pub mod progress;
+pub mod receipts;
 pub mod setup;
 #[cfg(feature = "mock")]
 pub mod synth_source;

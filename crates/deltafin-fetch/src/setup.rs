@@ -252,7 +252,12 @@ impl Setup<'_> {
             jobs.len(),
             size_text(total)
         ));
-        let r = run_jobs(self.client, &jobs, &self.transfer)?;
+        // Weight files have no pinned digest (the release pins none): each gets a receipt.
+        let opts = TransferOptions {
+            receipts: Some(self.root.clone()),
+            ..self.transfer.clone()
+        };
+        let r = run_jobs(self.client, &jobs, &opts)?;
         log(&format!(
             "weights: {} fetched ({} received), {} already complete",
             r.fetched,

@@ -18,8 +18,8 @@
 //!    backoff; a retry that made progress resets the attempt count, so a flaky connection
 //!    cannot stall the install but a dead one ends after [`RetryPolicy::attempts`].
 //! 4. When complete: exact size, then the sha256 where pinned (a mismatch deletes the `.part`
-//!    and refetches once; a second mismatch is an error), `fsync`, rename to `dest`, `fsync`
-//!    of the directory.
+//!    and refetches once; a second mismatch is an error), `fsync`, the receipt of an unpinned
+//!    file ([`TransferOptions::receipts`]), rename to `dest`, `fsync` of the directory.
 //!
 //! Workers pull jobs from a shared queue; the first non-retryable error (404, commit
 //! mismatch, disk full, permission denied, persistent hash mismatch) stops the others
@@ -95,6 +95,9 @@ pub struct TransferOptions {
     pub progress: bool,
     /// Bytes between two durable resume points of one transfer.
     pub checkpoint_bytes: u64,
+    /// The model root whose fetch receipts (`crate::receipts`) record the SHA-256 of every
+    /// file fetched without a pinned digest; `None` records nothing.
+    pub receipts: Option<PathBuf>,
 }
 
 impl Default for TransferOptions {
@@ -104,6 +107,7 @@ impl Default for TransferOptions {
             retry: RetryPolicy::default(),
             progress: true,
             checkpoint_bytes: CHECKPOINT_BYTES,
+            receipts: None,
         }
     }
 }
@@ -269,14 +273,7 @@ pub fn run_jobs(
                     }
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(job) = jobs.get(i) else { return };
-                    match run_job(
-                        client,
-                        job,
-                        opts.retry,
-                        opts.checkpoint_bytes.max(1),
-                        &stop,
-                        &bar,
-                    ) {
+                    match run_job(client, job, opts, &stop, &bar) {
                         Ok(outcome) => {
                             let mut r = report.lock().unwrap_or_else(|p| p.into_inner());
                             match outcome {
@@ -343,11 +340,11 @@ pub fn sync_dir(dir: &Path) -> Result<(), FetchError> {
 fn run_job(
     client: &HubClient,
     job: &Job,
-    policy: RetryPolicy,
-    checkpoint_bytes: u64,
+    opts: &TransferOptions,
     stop: &AtomicBool,
     bar: &ProgressBar,
 ) -> Result<Outcome, FetchError> {
+    let (policy, checkpoint_bytes) = (opts.retry, opts.checkpoint_bytes.max(1));
     if is_complete(&job.dest, job.size) {
         bar.inc(job.size);
         return Ok(Outcome::Skipped);
@@ -430,6 +427,13 @@ fn run_job(
         File::open(&part)
             .and_then(|f| f.sync_all())
             .map_err(FetchError::io(&part))?;
+        // The receipt of an unpinned file, before it is published (crate::receipts).
+        if job.sha256.is_none()
+            && let Some(root) = &opts.receipts
+        {
+            let got = sha256_file(&part)?;
+            crate::receipts::record(root, &job.dest, job.size, &got)?;
+        }
         std::fs::rename(&part, &job.dest).map_err(FetchError::io(&job.dest))?;
         sync_dir(dir)?;
         let rp = resume_path(&job.dest);

@@ -179,6 +179,35 @@ fn stream_install_spine_and_on_demand_experts_are_byte_identical() {
         let got = std::fs::read(e.root.join(format!("k3-experts/L2-E{x}.bin"))).unwrap();
         assert!(got == src[off as usize..(off + len) as usize]);
     }
+
+    // Every fetched weight file has a receipt, and the check re-hashes against it: a flipped
+    // byte in an expert or a spine tensor (same size) is found, and so is a file of the
+    // right size that no fetch wrote.
+    let r = check_k3(&e.root, &ms.k3, Mode::Stream);
+    assert!(r.is_ok(), "{:?}", r.problems);
+    let flip = |p: &Path| {
+        let mut b = std::fs::read(p).unwrap();
+        let mid = b.len() / 2;
+        b[mid] ^= 1;
+        std::fs::write(p, b).unwrap();
+    };
+    let expert = e.root.join("k3-experts/L2-E5.bin");
+    flip(&expert);
+    let spine = inv.records().iter().find(|r| !r.is_expert()).unwrap();
+    let spine = e.root.join(SPINE_DIR).join(&spine.name);
+    flip(&spine);
+    let foreign = e.root.join("k3-experts/L4-E1.bin");
+    std::fs::write(&foreign, vec![0u8; ms.k3.expert_bytes as usize]).unwrap();
+    let r = check_k3(&e.root, &ms.k3, Mode::Stream);
+    let has = |what: &str, p: &Path| {
+        r.problems
+            .iter()
+            .any(|x| x.starts_with(what) && x.contains(&*p.display().to_string()))
+    };
+    assert!(has("corrupted", &expert), "{:?}", r.problems);
+    assert!(has("corrupted", &spine), "{:?}", r.problems);
+    assert!(has("unverifiable", &foreign), "{:?}", r.problems);
+    assert_eq!(r.problems.len(), 3, "{:?}", r.problems);
 }
 
 #[test]
@@ -368,6 +397,7 @@ fn power_loss_before_a_resume_never_publishes_a_corrupt_file() {
         },
         progress: false,
         checkpoint_bytes: 256 * 1024,
+        receipts: None,
     };
     type Damage = fn(&Path, u64);
     let damages: [(&str, Damage); 5] = [
