@@ -2,7 +2,7 @@
 //! the pinned tier, and the read-ahead window; the authoritative `expert` request.
 
 use super::gate::{Prediction, RankCounter};
-use super::options::StreamOptions;
+use super::options::{OPEN_FILE_CACHE, StreamOptions};
 use super::pieces::{Filling, Job, Pending, split_regions};
 use crate::buffer::ExpertBuffer;
 use crate::error::ExpertError;
@@ -12,6 +12,7 @@ use crate::policy::Heat;
 use crate::source::ExpertWeights;
 use crate::stats::LayerStats;
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -160,8 +161,13 @@ impl State {
 pub(super) struct Shared {
     pub(super) table: ExpertTable,
     /// Files opened once (tables of at most [`MAX_OPEN_FILES`] files); empty otherwise, and
-    /// each read opens its file (one `open` per multi-megabyte read).
+    /// reads go through `recent`.
     pub(super) files: Vec<SourceFile>,
+    /// The per-expert files read most recently, at most [`OPEN_FILE_CACHE`], most recent
+    /// last (tables of more than [`MAX_OPEN_FILES`] files).
+    pub(super) recent: Mutex<VecDeque<(usize, Arc<SourceFile>)>>,
+    /// Files opened through `recent` so far.
+    pub(super) opened: AtomicU64,
     /// How the last per-read-opened file was served (when `files` is empty).
     pub(super) last_path: Mutex<Option<(IoPath, Option<String>)>>,
     pub(super) opts: StreamOptions,
@@ -174,6 +180,34 @@ pub(super) struct Shared {
 }
 
 impl Shared {
+    /// File `file` of the table, open: from `recent` when it is there, else opened and put
+    /// there (evicting the least recently used; a reader still holding an evicted file keeps
+    /// it open until its read ends). The open happens under the lock, so the pieces of one
+    /// expert read side by side share one open.
+    pub(super) fn open_file(&self, file: usize) -> std::io::Result<Arc<SourceFile>> {
+        let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = r.iter().position(|(f, _)| *f == file)
+            && let Some(hit) = r.remove(i)
+        {
+            let f = Arc::clone(&hit.1);
+            r.push_back(hit);
+            return Ok(f);
+        }
+        let path = self.table.files.get(file).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("internal: file {file} is not in the table"),
+            )
+        })?;
+        let opened = Arc::new(SourceFile::open(path, self.opts.direct_io)?);
+        self.opened.fetch_add(1, Ordering::Relaxed);
+        while r.len() >= OPEN_FILE_CACHE {
+            r.pop_front();
+        }
+        r.push_back((file, Arc::clone(&opened)));
+        Ok(opened)
+    }
+
     pub(super) fn lock(&self) -> MutexGuard<'_, State> {
         // A worker panicking mid-update leaves counters at worst stale; keep serving.
         self.st.lock().unwrap_or_else(|p| p.into_inner())

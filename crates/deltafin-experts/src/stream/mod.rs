@@ -42,7 +42,7 @@ mod read;
 
 pub use crate::io::DirectIo;
 pub use gate::{PILOT_BREAK_EVEN_PRECISION, PILOT_RANK_HALF_LIFE, PilotGate};
-pub use options::{MAX_OPEN_FILES, READ_PIECE_BYTES, StreamOptions};
+pub use options::{MAX_OPEN_FILES, OPEN_FILE_CACHE, READ_PIECE_BYTES, StreamOptions};
 
 use crate::error::ExpertError;
 use crate::io::{IoPath, SourceFile};
@@ -129,6 +129,8 @@ impl StreamingExperts {
         let shared = Arc::new(Shared {
             table,
             files,
+            recent: Mutex::new(std::collections::VecDeque::new()),
+            opened: std::sync::atomic::AtomicU64::new(0),
             last_path: Mutex::new(None),
             buf_cap,
             window,
@@ -260,6 +262,14 @@ impl StreamingExperts {
             (Some(w), 0) => format!("buffered ({w})"),
             (Some(w), d) => format!("mixed ({d} files direct; others: {w})"),
         }
+    }
+
+    /// Per-expert files opened since setup (tables of more than [`MAX_OPEN_FILES`] files,
+    /// which keep the last [`OPEN_FILE_CACHE`] open).
+    pub fn files_opened(&self) -> u64 {
+        self.shared
+            .opened
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     #[cfg(test)]

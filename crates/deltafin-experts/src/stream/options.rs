@@ -3,9 +3,15 @@
 use super::gate::PilotGate;
 use crate::io::DirectIo;
 
-/// Tables with more files than this (one file per expert) open each file per read instead of
-/// holding two descriptors per file.
+/// Tables with more files than this (one file per expert) keep only the most recently read
+/// [`OPEN_FILE_CACHE`] files open instead of holding two descriptors per file.
 pub const MAX_OPEN_FILES: usize = 256;
+
+/// How many per-expert files stay open at once (two descriptors each) when a table has more
+/// than [`MAX_OPEN_FILES`]: every piece of one expert and the experts read again soon reuse
+/// one `open`, and the descriptors stay within the 256 that `serve` keeps out of its
+/// connection cap (docs/SERVER.md "Limits").
+pub const OPEN_FILE_CACHE: usize = 64;
 
 /// Default upper bound of one sub-read of an expert (a multiple of [`ALIGN`]).
 pub const READ_PIECE_BYTES: u64 = 512 << 10;

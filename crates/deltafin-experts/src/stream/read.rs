@@ -4,7 +4,7 @@ use super::cache::{Shared, Slot};
 use super::pieces::{Filling, Pending};
 use crate::buffer::ExpertBuffer;
 use crate::error::ExpertError;
-use crate::io::{IoPath, SourceFile};
+use crate::io::IoPath;
 use crate::layout::{ExpertShape, ReadPlan, Region};
 use crate::source::ExpertWeights;
 use deltafin_tensor::storage::ByteOwner;
@@ -27,26 +27,15 @@ impl Shared {
         let source = match self.files.get(file) {
             Some(f) => f,
             None => {
-                let path = self
-                    .table
-                    .files
-                    .get(file)
-                    .ok_or_else(|| ExpertError::Unavailable {
-                        layer,
-                        expert,
-                        message: format!("internal: file {file} is not in the table"),
-                    })?;
-                opened = SourceFile::open(path, self.opts.direct_io).map_err(|source| {
-                    ExpertError::Io {
-                        layer,
-                        expert,
-                        path: path.clone(),
-                        offset: 0,
-                        len: 0,
-                        source,
-                    }
+                opened = self.open_file(file).map_err(|source| ExpertError::Io {
+                    layer,
+                    expert,
+                    path: self.table.files.get(file).cloned().unwrap_or_default(),
+                    offset: 0,
+                    len: 0,
+                    source,
                 })?;
-                &opened
+                &*opened
             }
         };
         // SAFETY: the pieces of one expert cover disjoint buffer ranges and each piece is

@@ -679,3 +679,53 @@ fn bad_storage_is_an_error_naming_what_is_wrong() {
             .contains("not a MoE layer")
     );
 }
+
+/// Open descriptors of this process (Linux).
+fn open_fds() -> Option<usize> {
+    std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count())
+}
+
+#[test]
+fn per_expert_files_stay_open_in_a_bounded_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = MAX_OPEN_FILES + 44;
+    let (mut table, want) = fixture(dir.path(), 2, n);
+    // One file per expert (links to the same bytes), as a stream install has.
+    table.files = (0..n)
+        .map(|e| {
+            let p = dir.path().join(format!("L1-E{e}.bin"));
+            std::fs::hard_link(&table.files[0], &p).unwrap();
+            p
+        })
+        .collect();
+    if let Some(Some(locs)) = table.layers.get_mut(1) {
+        for (e, l) in locs.iter_mut().enumerate() {
+            l.file = e;
+        }
+    }
+    let src = StreamingExperts::new(table.clone(), opts(2, &table, PilotGate::Off)).unwrap();
+    // Small pieces: an expert is many reads, all through one open of its file.
+    src.set_read_piece_bytes(4096).unwrap();
+    let before = open_fds();
+    let mut peak = 0;
+    for e in 0..n {
+        check(&src.expert(1, e).unwrap(), &want[&(1, e)]);
+        peak = peak.max(open_fds().unwrap_or(0));
+    }
+    assert_eq!(src.files_opened(), n as u64, "one open per expert file");
+    // Read again, the most recent first: they are still open (a cache of two experts'
+    // buffers re-reads them, but opens nothing).
+    for e in (n - OPEN_FILE_CACHE..n).rev() {
+        check(&src.expert(1, e).unwrap(), &want[&(1, e)]);
+    }
+    assert_eq!(src.files_opened(), n as u64);
+    // The oldest was closed and is opened again.
+    check(&src.expert(1, 0).unwrap(), &want[&(1, 0)]);
+    assert_eq!(src.files_opened(), n as u64 + 1);
+    if let Some(before) = before {
+        // Two descriptors per cached file at most, plus the readers' transient ones and
+        // slack for the tests running beside this one.
+        let bound = before + 2 * OPEN_FILE_CACHE + 2 * 2 + 64;
+        assert!(peak <= bound, "{peak} descriptors open, bound {bound}");
+    }
+}
