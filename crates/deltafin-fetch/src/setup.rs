@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 /// Where the chosen install mode is recorded (`full` or `stream`).
 pub const MODE_FILE: &str = "k3-meta/install-mode";
 
-/// Inputs shared by the steps.
+/// Inputs shared by the steps. A caller that writes with these steps holds the root's install
+/// lock for as long ([`crate::lock::lock_install`]), as the CLI's `setup*` and
+/// `fetch-weights` do; the steps do not take it themselves, so that one holder can run several.
 pub struct Setup<'a> {
     pub root: PathBuf,
     pub manifests: &'a Manifests,
