@@ -495,7 +495,9 @@ impl RequestLog {
             path: path.to_string(),
             id: id.to_string(),
             start: Instant::now(),
-            status: AtomicU16::new(0),
+            // Until the answer is known: a request whose handler is dropped before it
+            // answers (hyper drops it when its client leaves) is one the client left.
+            status: AtomicU16::new(CLIENT_CLOSED),
             generation,
             summary: Mutex::new(None),
         }))
@@ -569,6 +571,33 @@ mod tests {
             endpoint_label("/v1/chat/completions", 400),
             "/v1/chat/completions"
         );
+    }
+
+    #[test]
+    fn a_request_dropped_before_its_answer_counts_as_499() {
+        let m = Arc::new(Metrics::default());
+        drop(RequestLog::new(
+            m.clone(),
+            "POST",
+            "/v1/completions",
+            "cmpl-x",
+            true,
+        ));
+        let answered = RequestLog::new(m.clone(), "GET", "/health", "req-x", false);
+        answered.set_status(200);
+        drop(answered);
+        let text = m.render(&Snapshot::default());
+        assert!(
+            text.contains(
+                "deltafin_requests_total{endpoint=\"/v1/completions\",status=\"499\"} 1\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("deltafin_requests_total{endpoint=\"/health\",status=\"200\"} 1\n"),
+            "{text}"
+        );
+        assert!(!text.contains("status=\"0\""), "{text}");
     }
 
     #[test]
