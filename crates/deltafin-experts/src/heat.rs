@@ -128,7 +128,8 @@ impl HeatTable {
     pub fn record_pass<'a>(&mut self, sets: impl IntoIterator<Item = (usize, &'a [usize])>) {
         self.age(1);
         self.mass += 1.0;
-        self.passes += 1;
+        // A count read from a file may be anywhere up to u64::MAX: it stops there.
+        self.passes = self.passes.saturating_add(1);
         let mut seen = vec![false; self.heat.len()];
         for (layer, experts) in sets {
             for &e in experts {
@@ -369,7 +370,7 @@ pub fn merge_into_file(path: &Path, pending: &HeatTable) -> std::io::Result<()> 
     };
     table.age(pending.passes);
     table.mass += pending.mass;
-    table.passes += pending.passes;
+    table.passes = table.passes.saturating_add(pending.passes);
     for (h, p) in table.heat.iter_mut().zip(&pending.heat) {
         *h += p;
     }

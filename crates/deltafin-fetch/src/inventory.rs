@@ -113,7 +113,12 @@ impl Inventory {
                     .and_then(|a| a.iter().map(Value::as_u64).collect())
                     .filter(|o: &Vec<u64>| o.len() == 2)
                     .ok_or_else(|| e(format!("{name}: bad data_offsets")))?;
-                let n: u64 = shape.iter().product::<u64>() * dt.size() as u64;
+                let n: u64 = shape
+                    .iter()
+                    .try_fold(dt.size() as u64, |a, &d| a.checked_mul(d))
+                    .ok_or_else(|| {
+                        e(format!("{name}: {dtype} {shape:?} overflows a byte length"))
+                    })?;
                 if offs[1] < offs[0] || offs[1] - offs[0] != n {
                     return Err(e(format!(
                         "{name}: offsets {offs:?} do not span {n} bytes of {dtype} {shape:?}"

@@ -91,9 +91,11 @@ impl ShardEntry {
 
     /// File size `8 + header + data` and whether it is exact (header pinned).
     pub fn file_size(&self) -> (u64, bool) {
+        // Validation refuses sizes that overflow; saturate rather than wrap regardless.
+        let size = |h: u64| 8u64.saturating_add(h).saturating_add(self.data_bytes);
         match self.header_len {
-            Some(h) => (8 + h + self.data_bytes, true),
-            None => (8 + self.header_estimate + self.data_bytes, false),
+            Some(h) => (size(h), true),
+            None => (size(self.header_estimate), false),
         }
     }
 }
@@ -151,8 +153,26 @@ impl K3Manifest {
             if let Some(h) = &s.sha256 {
                 check_sha(h).map_err(|m| bad(format!("shard {}: {m}", s.file)))?;
             }
+            // Sizes come from a file (DELTAFIN_MANIFESTS may name any): nothing derived
+            // from them may overflow.
+            let sizes = [s.header_len.unwrap_or(0), s.header_estimate];
+            if sizes.iter().any(|h| {
+                8u64.checked_add(*h)
+                    .and_then(|x| x.checked_add(s.data_bytes))
+                    .is_none()
+            }) {
+                return Err(bad(format!("shard {}: the file size overflows", s.file)));
+            }
             if let Some(l) = s.moe_layer {
-                let per = self.expert_bytes * self.experts_per_layer as u64;
+                let per = self
+                    .expert_bytes
+                    .checked_mul(self.experts_per_layer as u64)
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "{} experts x {} B overflows",
+                            self.experts_per_layer, self.expert_bytes
+                        ))
+                    })?;
                 if s.expert_bytes != per {
                     return Err(bad(format!(
                         "shard {}: layer {l} expert bytes {} != {} experts x {} B",
@@ -162,7 +182,9 @@ impl K3Manifest {
             } else if s.expert_bytes != 0 {
                 return Err(bad(format!("shard {}: experts without a layer", s.file)));
             }
-            total += s.data_bytes;
+            total = total
+                .checked_add(s.data_bytes)
+                .ok_or_else(|| bad("the shards' data bytes overflow when added up".into()))?;
         }
         if total != self.total_tensor_bytes {
             return Err(bad(format!(

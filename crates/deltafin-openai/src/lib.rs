@@ -26,7 +26,9 @@ pub mod request;
 pub mod response;
 pub mod responses;
 pub mod server;
-mod tokenize;
+// Public only for the fuzz harness (fuzz/harness); not part of the library's interface.
+#[doc(hidden)]
+pub mod tokenize;
 mod transport;
 
 pub use engine::{Engine, LoadError};

@@ -496,13 +496,21 @@ pub(super) fn parse_record(r: &[u8], payload_len: u64) -> Result<TensorEntry, St
     };
     let data = comp(136, 192);
     let scales = comp(152, 224);
+    let overflows = || bad(format!("{source_dtype} {shape:?} overflows a byte length"));
     let (want_data, want_scales, want_stored) = match codec {
-        Codec::Raw => (elems * source_dtype.size() as u64, 0, source_dtype),
+        Codec::Raw => (
+            elems
+                .checked_mul(source_dtype.size() as u64)
+                .ok_or_else(overflows)?,
+            0,
+            source_dtype,
+        ),
         Codec::RowI8F16Scale => {
             if rank != 2 {
                 return Err(bad(format!("RowI8F16Scale needs rank 2, found {rank}")));
             }
-            (elems, 2 * shape[0] as u64, DType::I8)
+            let scales = (shape[0] as u64).checked_mul(2).ok_or_else(overflows)?;
+            (elems, scales, DType::I8)
         }
     };
     if stored_dtype != want_stored || data.len != want_data || scales.len != want_scales {

@@ -1,0 +1,99 @@
+//! Request bodies → validated requests, as the server takes them: the body bytes parsed as
+//! JSON, validated for the endpoint, held to the size limits, then the prompt encoded
+//! (the XTML chat template rendered with the request's controls) as `Engine::encode` does.
+
+use crate::{MAX_INPUT, capped, kimi_tokenizer};
+use deltafin_k3::text::chat::{ReasoningEffort, Thinking, encode_chat};
+use deltafin_openai::engine::chat_options;
+use deltafin_openai::request::{self, GenRequest, Limits, Prompt, Surface};
+use deltafin_openai::{messages, responses, tokenize};
+use serde_json::Value;
+use std::sync::OnceLock;
+
+/// The endpoints that generate.
+#[derive(Clone, Copy)]
+enum Endpoint {
+    Chat,
+    Completions,
+    Responses,
+    Messages,
+}
+
+/// `--model-alias` names the requests may use (one, so that the alias path is reachable).
+fn aliases() -> &'static [String] {
+    static ALIASES: OnceLock<Vec<String>> = OnceLock::new();
+    ALIASES.get_or_init(|| vec!["kimi-k3".to_string()])
+}
+
+/// The body as the server reads it (`serde_json::from_slice` of the bytes).
+fn body(data: &[u8]) -> Option<Value> {
+    serde_json::from_slice(capped(data, MAX_INPUT)).ok()
+}
+
+fn generation(data: &[u8], endpoint: Endpoint) {
+    let Some(json) = body(data) else {
+        return;
+    };
+    let limits = Limits {
+        max_tokens: 4096,
+        default_thinking: Thinking::On(ReasoningEffort::Max),
+        model_aliases: aliases(),
+    };
+    let parsed = match endpoint {
+        Endpoint::Chat => request::parse(&json, Surface::Chat, &limits),
+        Endpoint::Completions => request::parse(&json, Surface::Completions, &limits),
+        Endpoint::Responses => responses::parse(&json, &limits).map(|(r, _)| r),
+        Endpoint::Messages => messages::parse(&json, &limits).map(|(r, _)| r),
+    };
+    let Ok(req) = parsed else {
+        return;
+    };
+    if request::check_limits(&req).is_err() {
+        return;
+    }
+    encode_prompt(&req);
+}
+
+/// The prompt ids of a validated request (`deltafin_openai::Engine::encode` without the
+/// engine: raw text with specials off, or the chat template with the request's controls).
+fn encode_prompt(req: &GenRequest) {
+    let tok = kimi_tokenizer();
+    match &req.prompt {
+        Prompt::Raw(text) => {
+            let _ = tok.encode_ordinary(text);
+        }
+        Prompt::Chat { messages, controls } => {
+            let _ = encode_chat(tok, messages, &chat_options(controls));
+        }
+    }
+}
+
+/// `POST /v1/chat/completions`.
+pub fn request_chat(data: &[u8]) {
+    generation(data, Endpoint::Chat);
+}
+
+/// `POST /v1/completions`.
+pub fn request_completions(data: &[u8]) {
+    generation(data, Endpoint::Completions);
+}
+
+/// `POST /v1/responses`.
+pub fn request_responses(data: &[u8]) {
+    generation(data, Endpoint::Responses);
+}
+
+/// `POST /v1/messages`.
+pub fn request_messages(data: &[u8]) {
+    generation(data, Endpoint::Messages);
+}
+
+/// `POST /tokenize` and `POST /detokenize` (each body goes to both).
+pub fn request_tokenize(data: &[u8]) {
+    let Some(json) = body(data) else {
+        return;
+    };
+    let tok = kimi_tokenizer();
+    let _ = tokenize::tokenize(tok, &json);
+    let _ = tokenize::detokenize(tok, &json);
+}
