@@ -687,6 +687,28 @@ fn send(addr: SocketAddr, bytes: &[u8]) -> Result<TcpStream, String> {
     Ok(s)
 }
 
+/// A valid generation request: `body` (its `stream` field says how the answer comes) to
+/// `path`, answered 200 (an `object` of at most `max_tokens`, or a whole stream) or 429.
+fn valid(
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    object: &str,
+    max_tokens: u64,
+) -> Result<Outcome, String> {
+    let stream = body["stream"] == true;
+    let bytes = request_bytes(path, "application/json", body.to_string().as_bytes());
+    let mut s = send(addr, &bytes)?;
+    let a = read_answer(&mut s, ANSWER_LIMIT)?;
+    served_or_busy(&a, |a| {
+        if stream {
+            stream_answer(a)
+        } else {
+            json_answer(a, object, max_tokens)
+        }
+    })
+}
+
 /// One request of `kind` by client `client` (its `n`th).
 fn one(
     addr: SocketAddr,
@@ -708,39 +730,25 @@ fn one(
             if rng.below(2) == 0 {
                 body["reasoning_effort"] = json!("none");
             }
-            let bytes = request_bytes(
+            valid(
+                addr,
                 "/v1/chat/completions",
-                "application/json",
-                body.to_string().as_bytes(),
-            );
-            let mut s = send(addr, &bytes)?;
-            let a = read_answer(&mut s, ANSWER_LIMIT)?;
-            served_or_busy(&a, |a| {
-                if stream {
-                    stream_answer(a)
-                } else {
-                    json_answer(a, "chat.completion", max_tokens)
-                }
-            })
+                &body,
+                "chat.completion",
+                max_tokens,
+            )
         }
         Kind::Completion => {
             let stream = rng.below(3) == 0;
             let max_tokens = 1 + rng.below(4);
             let body = json!({"prompt": format!("The answer to {tag} is"), "max_tokens": max_tokens, "stream": stream});
-            let bytes = request_bytes(
+            valid(
+                addr,
                 "/v1/completions",
-                "application/json",
-                body.to_string().as_bytes(),
-            );
-            let mut s = send(addr, &bytes)?;
-            let a = read_answer(&mut s, ANSWER_LIMIT)?;
-            served_or_busy(&a, |a| {
-                if stream {
-                    stream_answer(a)
-                } else {
-                    json_answer(a, "text_completion", max_tokens)
-                }
-            })
+                &body,
+                "text_completion",
+                max_tokens,
+            )
         }
         Kind::Malformed => {
             let (path, body): (&str, String) = match rng.below(4) {
