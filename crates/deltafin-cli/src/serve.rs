@@ -8,7 +8,7 @@ use deltafin_k3::engine::EngineConfig;
 use deltafin_k3::text::chat::{ReasoningEffort, Thinking};
 use deltafin_openai::access::{AccessConfig, ApiKey, check_origin};
 use deltafin_openai::{
-    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, MAX_QUEUE,
+    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE, MAX_QUEUE,
     MAX_REQUEST_BYTES_LIMIT, Server, ServerConfig, check_model_aliases,
 };
 use deltafin_spec::select::{DraftModels, Surfaces};
@@ -29,7 +29,8 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub max_tokens: u64,
     /// Requests allowed to wait for the single generation slot, 0…64 (0: a concurrent
-    /// request gets 429 at once) [env: K3_SERVER_QUEUE; default: 0].
+    /// request gets 429 at once) [env: K3_SERVER_QUEUE; default: 8, so that an agent's side
+    /// requests (a title beside the turn) wait instead of failing].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(0..=MAX_QUEUE as u64))]
     pub queue: Option<u64>,
     /// JSON body limit in bytes, 1…1073741824.
@@ -80,8 +81,30 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = deltafin_openai::memo::DEFAULT_BYTES as u64,
           value_parser = clap::value_parser!(u64).range(0..=deltafin_openai::memo::MAX_BYTES as u64))]
     pub response_memo_bytes: u64,
+    /// Gigabytes of stored Responses (`store`, `previous_response_id`), kept in
+    /// `k3-meta/responses/` of the model root; 0: none are kept and `store: true` is refused
+    /// [env: K3_RESPONSE_STORE_GB; default: 1].
+    #[arg(long, value_name = "GB")]
+    pub response_store_gb: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
+}
+
+/// `--response-store-gb`, else `K3_RESPONSE_STORE_GB`, else 1 GB: bytes.
+fn resolve_response_store(flag: Option<&str>) -> Result<u64> {
+    let parse = |v: &str| match v.trim() {
+        "0" => Ok(0),
+        v => crate::env::parse_gb(v).map_err(|e| anyhow!("{e} (0 keeps no responses)")),
+    };
+    match flag {
+        Some(v) => parse(v).map_err(|e| anyhow!("--response-store-gb: {e}")),
+        None => match crate::env::env_var("K3_RESPONSE_STORE_GB")? {
+            Some(v) => {
+                parse(&v).map_err(|e| anyhow!("environment variable K3_RESPONSE_STORE_GB: {e}"))
+            }
+            None => Ok(deltafin_openai::responses::store::DEFAULT_BYTES),
+        },
+    }
 }
 
 /// Raise the soft limit on open files to the hard limit (each connection takes descriptors,
@@ -149,7 +172,7 @@ fn resolve_access(args: &ServeArgs) -> Result<AccessConfig> {
     })
 }
 
-/// `--queue`, else `K3_SERVER_QUEUE` (strict: an integer 0…64), else 0.
+/// `--queue`, else `K3_SERVER_QUEUE` (strict: an integer 0…64), else [`DEFAULT_QUEUE`].
 fn resolve_queue(flag: Option<u64>) -> Result<(usize, &'static str)> {
     let env = crate::env::env_var("K3_SERVER_QUEUE")?;
     let from_env = env
@@ -164,7 +187,7 @@ fn resolve_queue(flag: Option<u64>) -> Result<(usize, &'static str)> {
     Ok(match (flag, from_env) {
         (Some(n), _) => (n as usize, "flag"),
         (None, Some(n)) => (n, "env"),
-        (None, None) => (0, "default"),
+        (None, None) => (DEFAULT_QUEUE, "default"),
     })
 }
 
@@ -251,6 +274,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         args.response_memo_bytes as usize,
     );
     let access = resolve_access(args)?;
+    let response_store_bytes = resolve_response_store(args.response_store_gb.as_deref())?;
     let limit = raise_open_files_limit();
     if let Some((before, after)) = limit
         && after > before
@@ -276,6 +300,8 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         default_thinking: thinking,
         model_aliases: args.model_aliases.clone(),
         access,
+        state_dir: Some(root.join("k3-meta")),
+        response_store_bytes,
         body_deadline: std::time::Duration::from_secs(args.body_deadline_secs),
         header_deadline: std::time::Duration::from_secs(args.header_deadline_secs),
         max_connections: usize::try_from(max_connections).unwrap_or(usize::MAX),
@@ -311,7 +337,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         .await?;
         let addr = server.local_addr()?;
         deltafin_openai::log_line!(
-            "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={thinking} ({thinking_source}) model_aliases={} api_key={} cors_origin={}",
+            "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={thinking} ({thinking_source}) model_aliases={} api_key={} cors_origin={} response_store_bytes={}",
             session::backend_description(),
             spine.as_str(),
             root.display(),
@@ -326,6 +352,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
             },
             if cfg.access.api_key.is_some() { "required" } else { "none" },
             cfg.access.cors_origin.as_deref().unwrap_or("none"),
+            cfg.response_store_bytes,
         );
         if !addr.ip().is_loopback() && cfg.access.api_key.is_none() {
             deltafin_openai::log_line!(

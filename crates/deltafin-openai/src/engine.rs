@@ -162,24 +162,37 @@ impl Engine {
 
     /// The prompt ids: raw text with specials off and no BOS, or the XTML chat template
     /// rendered with the request's [`chat_options`] (the same ids `deltafin run` uses for the
-    /// same options).
-    pub fn encode(&self, req: &GenRequest) -> Result<Vec<u32>, ApiError> {
-        let ids = match &req.prompt {
-            Prompt::Raw(text) => self.tokenizer.encode_ordinary(text),
-            Prompt::Chat { messages, controls } => {
-                encode_chat(&self.tokenizer, messages, &chat_options(controls))
-                    .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?
-            }
-        };
+    /// same options). `param` is the field that holds the prompt (`messages`, `prompt`,
+    /// `input`), named by a refusal of the whole prompt.
+    pub fn encode(&self, req: &GenRequest, param: &str) -> Result<Vec<u32>, ApiError> {
+        let ids = self.prompt_ids(req, param)?;
         if ids.is_empty() {
-            return Err(ApiError::invalid("the prompt encodes to no tokens"));
+            return Err(ApiError::invalid_param(
+                param,
+                "the prompt encodes to no tokens",
+            ));
         }
         if ids.len() > self.max_context {
-            return Err(ApiError::context_length(ids.len(), self.max_context));
+            return Err(ApiError::context_length(param, ids.len(), self.max_context));
         }
         // A constraint that cannot be built is refused now, not when generation starts.
         self.rule(req)?;
         Ok(ids)
+    }
+
+    /// How many tokens the prompt of `req` is (whatever the context holds).
+    pub fn count(&self, req: &GenRequest, param: &str) -> Result<usize, ApiError> {
+        Ok(self.prompt_ids(req, param)?.len())
+    }
+
+    fn prompt_ids(&self, req: &GenRequest, param: &str) -> Result<Vec<u32>, ApiError> {
+        Ok(match &req.prompt {
+            Prompt::Raw(text) => self.tokenizer.encode_ordinary(text),
+            Prompt::Chat { messages, controls } => {
+                encode_chat(&self.tokenizer, messages, &chat_options(controls))
+                    .map_err(|e| ApiError::invalid_param(param, e.to_string()))?
+            }
+        })
     }
 }
 

@@ -73,11 +73,12 @@ impl ApiError {
         }
     }
 
-    /// 400 with code `context_length_exceeded`.
-    pub fn context_length(prompt: usize, max_context: usize) -> Self {
+    /// 400 with code `context_length_exceeded`, naming the field that holds the prompt
+    /// (`messages`, `prompt`, `input`).
+    pub fn context_length(param: &str, prompt: usize, max_context: usize) -> Self {
         ApiError {
             code: "context_length_exceeded",
-            param: Some("messages".into()),
+            param: Some(param.into()),
             ..Self::invalid(format!(
                 "the prompt is {prompt} tokens long but this server admits {max_context} positions of context (prompt and answer: the model's context or, if smaller, what the memory plan holds)"
             ))

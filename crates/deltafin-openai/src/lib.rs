@@ -1,23 +1,28 @@
 //! `deltafin-openai`: the strict OpenAI-compatible HTTP server behind `deltafin serve`.
 //!
 //! It implements a documented subset of `/v1/chat/completions`, `/v1/completions`, the
-//! Responses API (`/v1/responses`) and the Anthropic Messages API (`/v1/messages`) exactly,
-//! runs one generation at a time, and refuses every unsupported field with a 400 instead of
-//! silently ignoring it. `docs/SERVER.md` lists every field and rule.
+//! Responses API (`/v1/responses`), the Anthropic Messages API (`/v1/messages`) and the
+//! Ollama API (`/api/chat`, `/api/generate`) exactly, all through one request path
+//! ([`front`]), runs one generation at a time with a queue behind it, and refuses every
+//! unsupported field with a 400 instead of silently ignoring it. `docs/SERVER.md` lists every
+//! field and rule.
 
 // No unsafe code: this crate needs none (docs/ARCHITECTURE.md "Invariants").
 #![forbid(unsafe_code)]
 
 pub mod access;
+mod admission;
 mod conn;
 pub mod constrain;
 pub mod engine;
 pub mod error;
+pub mod front;
 mod listen;
 pub mod memo;
 pub mod messages;
 pub mod metrics;
 pub mod models;
+pub mod ollama;
 mod ops;
 pub mod outcome;
 pub mod output;
@@ -25,7 +30,10 @@ pub mod reply;
 pub mod request;
 pub mod response;
 pub mod responses;
+mod routes;
+pub mod seal;
 pub mod server;
+pub mod strict;
 // Public only for the fuzz harness (fuzz/harness); not part of the library's interface.
 #[doc(hidden)]
 pub mod tokenize;
@@ -55,6 +63,9 @@ pub const DEFAULT_PORT: u16 = 8000;
 pub const DEFAULT_MAX_TOKENS: usize = 1_000_000;
 /// Largest `--queue`.
 pub const MAX_QUEUE: usize = 64;
+/// Default `--queue`: an agent's side requests (a title beside the turn, a sub-agent) wait
+/// for the slot instead of being refused.
+pub const DEFAULT_QUEUE: usize = 8;
 /// Default `--max-request-bytes` (128 MiB).
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 134_217_728;
 
@@ -85,6 +96,13 @@ pub struct ServerConfig {
     /// Who may use the server: the API key and the one web origin allowed
     /// ([`access`]).
     pub access: access::AccessConfig,
+    /// Where the server keeps what survives a restart (a model root's `k3-meta/`): the key of
+    /// opaque reasoning tokens ([`seal`]) and stored responses. `None`, or a directory that
+    /// cannot be written: both in memory.
+    pub state_dir: Option<std::path::PathBuf>,
+    /// Byte budget of stored responses (`--response-store-gb`; 0: none are stored, and
+    /// `store: true` is refused).
+    pub response_store_bytes: u64,
     /// Longest a whole request body may take to arrive (`--body-deadline-secs`).
     pub body_deadline: std::time::Duration,
     /// Longest a request head (line and headers) may take to arrive, counted from when the
@@ -102,11 +120,13 @@ impl Default for ServerConfig {
             host: "127.0.0.1".into(),
             port: DEFAULT_PORT,
             max_tokens: DEFAULT_MAX_TOKENS,
-            queue: 0,
+            queue: DEFAULT_QUEUE,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             default_thinking: Thinking::On(ReasoningEffort::Max),
             model_aliases: Vec::new(),
             access: access::AccessConfig::default(),
+            state_dir: None,
+            response_store_bytes: responses::store::DEFAULT_BYTES,
             body_deadline: server::BODY_DEADLINE,
             header_deadline: server::HEADER_DEADLINE,
             max_connections: DEFAULT_MAX_CONNECTIONS,

@@ -40,7 +40,7 @@ pub struct Metrics {
 /// `/v1/models/{id}` (any id) is one endpoint; a path that is no endpoint (404) is `other`;
 /// every other path is its own label.
 pub fn endpoint_label(path: &str, status: u16) -> String {
-    for prefix in ["/v1/models/", "/models/"] {
+    for prefix in ["/v1/models/", "/models/", "/v1/responses/", "/responses/"] {
         if path.starts_with(prefix) {
             return format!("{prefix}{{id}}");
         }

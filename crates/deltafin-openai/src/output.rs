@@ -99,6 +99,10 @@ pub struct Assembler<'t> {
     block: Option<ToolBlock>,
     call_ids: CallIds,
     calls: Vec<ToolCallDelta>,
+    /// The reasoning's ids while it is written (`None` once released, or without thinking).
+    reasoning_ids: Option<Vec<u32>>,
+    /// How many ids the last completed marker had.
+    last_marker_len: usize,
 }
 
 impl<'t> Assembler<'t> {
@@ -123,6 +127,8 @@ impl<'t> Assembler<'t> {
             block: None,
             call_ids: CallIds::new(),
             calls: Vec::new(),
+            reasoning_ids: chat.then(Vec::new),
+            last_marker_len: 0,
         }
     }
 
@@ -132,6 +138,7 @@ impl<'t> Assembler<'t> {
         let mut a = Assembler::new(tok, true, stops);
         if !controls.thinking {
             a.phase = Phase::Content;
+            a.reasoning_ids = None;
         }
         a.tools = if controls.tools.is_empty() || controls.tool_mode == ToolMode::None {
             ToolOutput::Refused
@@ -274,6 +281,7 @@ impl<'t> Assembler<'t> {
 
     fn complete_marker(&mut self) -> Result<(), TokenizerError> {
         let marker = std::mem::take(&mut self.marker);
+        self.last_marker_len = marker.len();
         let ids: Vec<u32> = marker[1..marker.len() - 1]
             .iter()
             .map(|(id, _)| *id)
@@ -368,8 +376,12 @@ impl<'t> Assembler<'t> {
             }
             return Ok(self.release());
         }
-        if self.phase == Phase::Reasoning {
+        let was_reasoning = self.phase == Phase::Reasoning;
+        if was_reasoning {
             self.reasoning_tokens += 1;
+            if let Some(ids) = self.reasoning_ids.as_mut() {
+                ids.push(id);
+            }
         }
         let limit = if self.phase == Phase::Tools {
             MAX_TOOL_MARKER_TOKENS
@@ -395,6 +407,13 @@ impl<'t> Assembler<'t> {
             self.marker.push((id, lp));
         } else if !self.tok.is_special(id) {
             self.text_token(id, lp)?;
+        }
+        if was_reasoning
+            && self.phase != Phase::Reasoning
+            && let Some(ids) = self.reasoning_ids.as_mut()
+        {
+            // The marker that ended the reasoning is not part of it.
+            ids.truncate(ids.len().saturating_sub(self.last_marker_len));
         }
         Ok(self.release())
     }
@@ -429,12 +448,22 @@ impl<'t> Assembler<'t> {
         }
         let (reasoning, reasoning_logprobs) = self.reasoning.release(&[]);
         let (content, content_logprobs) = self.content.release(&self.stops);
+        // The reasoning's ids go out once, when it can grow no more.
+        let reasoning_over = self.phase != Phase::Reasoning || self.reasoning.closed;
+        let reasoning_ids = match self.reasoning_ids.take() {
+            Some(ids) if reasoning_over => ids,
+            pending => {
+                self.reasoning_ids = pending;
+                Vec::new()
+            }
+        };
         Delta {
             reasoning,
             content,
             reasoning_logprobs,
             content_logprobs,
             tool_calls: std::mem::take(&mut self.calls),
+            reasoning_ids,
         }
     }
 }

@@ -1,12 +1,14 @@
-//! How the endpoints beyond OpenAI's completions answer one generation: the Anthropic
-//! Messages API (`/v1/messages`) and the OpenAI Responses API (`/v1/responses`).
+//! How every endpoint answers one generation: OpenAI's chat completions and completions
+//! ([`crate::response::Shape`]), the Anthropic Messages API (`/v1/messages`), the OpenAI
+//! Responses API (`/v1/responses`) and the Ollama API (`/api/chat`, `/api/generate`).
 //!
-//! Both translate their request into the one [`crate::request::GenRequest`] the engine runs
-//! and consume the same [`crate::engine::GenEvent`] stream; a [`Reply`] turns that stream into
-//! the endpoint's JSON body or its typed server-sent events. The server owns admission,
-//! disconnects and the SSE transport; a reply only says what to write.
+//! Each translates its request into the one [`crate::request::GenRequest`] the engine runs
+//! and consumes the same [`crate::engine::GenEvent`] stream; a [`Reply`] turns that stream into
+//! the endpoint's JSON body or its stream (server-sent events, or Ollama's JSON lines). The
+//! server owns admission, disconnects, the request log and the transport
+//! (`crate::transport`); a reply only says what to write.
 
-use crate::engine::{FinishReason, Usage};
+use crate::engine::{FinishReason, Usage, prefill_comment};
 use crate::error::ApiError;
 use crate::output::{Delta, ToolCallDelta};
 use serde_json::Value;
@@ -38,6 +40,15 @@ pub trait Reply: Send {
     fn done(&mut self, finish: FinishReason, usage: &Usage) -> Vec<String>;
     /// The event that reports a failure after the stream opened (the stream then ends).
     fn failed(&mut self, e: &ApiError) -> Vec<String>;
+    /// What a stream writes while the prompt is prefilled (`done` of `total` positions):
+    /// an SSE comment, which clients skip and which keeps idle connections alive.
+    fn prefill(&mut self, done: usize, total: usize) -> Vec<String> {
+        vec![prefill_comment(done, total)]
+    }
+    /// The `Content-Type` of the stream.
+    fn stream_type(&self) -> &'static str {
+        "text/event-stream; charset=utf-8"
+    }
 }
 
 /// One server-sent event with a type line: `event: NAME`, `data: JSON`, blank line.

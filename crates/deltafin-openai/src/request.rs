@@ -195,19 +195,42 @@ pub fn check_limits(req: &GenRequest) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// A client's token budget `asked` for its answer (`param`: `max_tokens`,
+/// `max_output_tokens`, …), which must not pass the server's `--max-tokens`: an answer cut at
+/// the server's limit would look to the client like its own limit was reached.
+pub fn within_server_limit(param: &str, asked: u64, limits: &Limits) -> Result<usize, ApiError> {
+    let max = limits.max_tokens;
+    match usize::try_from(asked) {
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(ApiError::invalid_param(
+            param,
+            format!(
+                "`{param}` {asked} is above this server's limit of {max} tokens per answer (`deltafin serve --max-tokens {max}`); ask for at most {max} (Claude Code: CLAUDE_CODE_MAX_OUTPUT_TOKENS={max})"
+            ),
+        )),
+    }
+}
+
+/// `service_tier`: `auto` and `default` (one tier of capacity: both are what happens);
+/// a tier that asks for other processing (`flex`, `priority`, `scale`) is refused.
+pub fn service_tier(v: Option<&Value>) -> Result<(), ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(()),
+        Some(t) if t == "auto" || t == "default" => Ok(()),
+        Some(_) => Err(ApiError::invalid_param(
+            "service_tier",
+            "`service_tier` must be \"auto\" or \"default\": Deltafin has one tier of processing",
+        )),
+    }
+}
+
 /// Largest `top_logprobs` on chat.
 pub const MAX_CHAT_TOP_LOGPROBS: u64 = 20;
 /// Largest `logprobs` on completions.
 pub const MAX_COMPLETIONS_LOGPROBS: u64 = 5;
 
 fn unknown(field: &str, surface: Surface) -> ApiError {
-    ApiError::invalid_param(
-        field,
-        format!(
-            "`{field}` is not supported by Deltafin's native /v1/{} endpoint; refusing to silently ignore an unknown or generation-semantic field",
-            surface.endpoint()
-        ),
-    )
+    crate::strict::unknown_field(field, &format!("/v1/{}", surface.endpoint()))
 }
 
 fn non_default(field: &str) -> ApiError {
@@ -281,6 +304,10 @@ const CHAT_FIELDS: &[&str] = &[
     "service_tier",
     "store",
     "reasoning_effort",
+    "chat_template_kwargs",
+    "prompt_cache_key",
+    "safety_identifier",
+    "verbosity",
 ];
 
 /// Validates a request body for `surface`.
@@ -329,9 +356,12 @@ pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenReque
     let max_new = if asked == 0 {
         default
     } else {
-        usize::try_from(asked)
-            .unwrap_or(usize::MAX)
-            .min(limits.max_tokens)
+        let param = if max_tokens.is_some() {
+            "max_tokens"
+        } else {
+            "max_completion_tokens"
+        };
+        within_server_limit(param, asked, limits)?
     };
 
     // stream / stream_options
@@ -387,9 +417,10 @@ pub fn parse(body: &Value, surface: Surface, limits: &Limits) -> Result<GenReque
     // temperature / top_p / top_k / min_p / seed: greedy without a temperature.
     let sampling = parse_sampling(get, 2.0)?;
 
-    // user / metadata: carry no generation semantics.
-    let user = "`user` must be a JSON string";
-    require(get("user"), "user", Value::is_string, user)?;
+    // user / metadata / cache and safety identifiers: carry no generation semantics.
+    for key in ["user", "prompt_cache_key", "safety_identifier"] {
+        crate::strict::opt_string(obj, key)?;
+    }
     let metadata = "`metadata` must be a JSON object";
     require(get("metadata"), "metadata", Value::is_object, metadata)?;
 
@@ -557,15 +588,25 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
         |v| v.as_array().is_some_and(|a| a.len() == 1 && a[0] == "text"),
         "native Deltafin production inference is text-only; `modalities` must be [\"text\"]",
     )?;
-    for field in ["audio", "prediction", "service_tier"] {
+    for field in ["audio", "prediction"] {
         if get(field).is_some() {
             return Err(non_default(field));
         }
     }
-    if let Some(v) = get("store")
-        && v != &Value::Bool(false)
-    {
-        return Err(non_default("store"));
+    service_tier(get("service_tier"))?;
+    // `store` asks OpenAI to keep the completion for its dashboard; it changes no answer,
+    // and Deltafin keeps no chat completions (docs/SERVER.md).
+    if get("store").is_some_and(|v| !v.is_boolean()) {
+        return Err(ApiError::invalid_param(
+            "store",
+            "`store` must be a boolean",
+        ));
+    }
+    if get("verbosity").is_some_and(|v| v != "medium") {
+        return Err(ApiError::invalid_param(
+            "verbosity",
+            "`verbosity` other than \"medium\" (the default) is not implemented: K3 has no verbosity control",
+        ));
     }
     let thinking = match get("reasoning_effort") {
         None => limits.default_thinking,
@@ -585,6 +626,7 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
             ));
         }
     };
+    let thinking = template_kwargs(get("chat_template_kwargs"), thinking, limits)?;
     let messages = match get("messages") {
         Some(Value::Array(items)) if !items.is_empty() => items,
         _ => {
@@ -609,6 +651,60 @@ fn parse_chat_prompt(obj: &Map<String, Value>, limits: &Limits) -> Result<Prompt
             response_format,
         },
     })
+}
+
+/// `chat_template_kwargs` (vLLM's and SGLang's switches of the chat template): `thinking`
+/// (K3's own switch) or `enable_thinking` (Qwen's spelling), a boolean. `true` keeps the
+/// effort the request (or the server) chose; `false` turns thinking off. Other keys are
+/// refused by name: K3's template has no other switch.
+fn template_kwargs(
+    v: Option<&Value>,
+    thinking: Thinking,
+    limits: &Limits,
+) -> Result<Thinking, ApiError> {
+    const P: &str = "chat_template_kwargs";
+    let Some(v) = v else { return Ok(thinking) };
+    let obj = v.as_object().ok_or_else(|| {
+        ApiError::invalid_param(P, "`chat_template_kwargs` must be a JSON object")
+    })?;
+    if let (Some(a), Some(b)) = (obj.get("thinking"), obj.get("enable_thinking"))
+        && a != b
+    {
+        return Err(ApiError::invalid_param(
+            P,
+            "`chat_template_kwargs.thinking` and `enable_thinking` disagree",
+        ));
+    }
+    let mut out = thinking;
+    for (k, val) in obj {
+        match (k.as_str(), val) {
+            ("thinking" | "enable_thinking", Value::Bool(false)) => out = Thinking::Off,
+            ("thinking" | "enable_thinking", Value::Bool(true)) => {
+                if !out.is_on() {
+                    // On at the server's effort when the request named none that is on.
+                    out = match limits.default_thinking {
+                        Thinking::On(e) => Thinking::On(e),
+                        Thinking::Off => Thinking::On(ReasoningEffort::Max),
+                    };
+                }
+            }
+            ("thinking" | "enable_thinking", _) => {
+                return Err(ApiError::invalid_param(
+                    P,
+                    format!("`chat_template_kwargs.{k}` must be a boolean"),
+                ));
+            }
+            _ => {
+                return Err(ApiError::invalid_param(
+                    P,
+                    format!(
+                        "`chat_template_kwargs.{k}` is not a switch of K3's chat template (it has `thinking`, also spelled `enable_thinking`); refusing to silently ignore it"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// `response_format`: `{"type":"text"}` (the default), `{"type":"json_object"}`, or
@@ -811,12 +907,11 @@ mod tests {
     fn max_tokens_rules() {
         assert_eq!(completions(json!({"max_tokens": 5})).unwrap().max_new, 5);
         assert_eq!(completions(json!({"max_tokens": 0})).unwrap().max_new, 256);
-        assert_eq!(
-            chat(json!({"max_completion_tokens": 5000}))
-                .unwrap()
-                .max_new,
-            1000
-        );
+        // Above the server's --max-tokens: refused, naming the field and the limit.
+        let e = chat(json!({"max_completion_tokens": 5000})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
+        assert!(e.message.contains("limit of 1000"), "{e}");
+        assert_eq!(chat(json!({"max_tokens": 1000})).unwrap().max_new, 1000);
         let e = chat(json!({"max_tokens": 1, "max_completion_tokens": 1})).unwrap_err();
         assert!(e.message.contains("only one of"), "{e}");
         let e = chat(json!({"max_tokens": -1})).unwrap_err();
@@ -964,8 +1059,61 @@ mod tests {
                 .message
                 .contains("JSON string")
         );
-        assert!(chat(json!({"store": true})).is_err());
+        // Fields that ask nothing of generation.
+        for extra in [
+            json!({"store": true}),
+            json!({"prompt_cache_key": "k", "safety_identifier": "u1", "service_tier": "auto"}),
+            json!({"verbosity": "medium", "metadata": {"a": "b"}}),
+        ] {
+            assert!(chat(extra.clone()).is_ok(), "{extra}");
+        }
+        assert!(chat(json!({"store": "yes"})).is_err());
+        assert!(chat(json!({"service_tier": "flex"})).is_err());
+        assert!(chat(json!({"verbosity": "low"})).is_err());
+        assert!(chat(json!({"prompt_cache_key": 3})).is_err());
         assert!(chat(json!({"modalities": ["text", "audio"]})).is_err());
+        // xhigh is max, as on the other endpoints.
+        let r = chat(json!({"reasoning_effort": "xhigh"})).unwrap();
+        assert!(matches!(
+            r.prompt,
+            Prompt::Chat {
+                controls: ChatControls {
+                    thinking: true,
+                    effort: ReasoningEffort::Max,
+                    ..
+                },
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn template_kwargs_switch_thinking() {
+        let thinking = |extra: Value| match chat(extra).unwrap().prompt {
+            Prompt::Chat { controls, .. } => (controls.thinking, controls.effort),
+            Prompt::Raw(_) => panic!(),
+        };
+        assert!(!thinking(json!({"chat_template_kwargs": {"thinking": false}})).0);
+        assert!(!thinking(json!({"chat_template_kwargs": {"enable_thinking": false}})).0);
+        assert_eq!(
+            thinking(
+                json!({"reasoning_effort": "low", "chat_template_kwargs": {"thinking": true}})
+            ),
+            (true, ReasoningEffort::Low)
+        );
+        assert_eq!(
+            thinking(
+                json!({"reasoning_effort": "none", "chat_template_kwargs": {"thinking": true}})
+            ),
+            (true, ReasoningEffort::Max)
+        );
+        let e = chat(json!({"chat_template_kwargs": {"thinking": true, "enable_thinking": false}}))
+            .unwrap_err();
+        assert!(e.message.contains("disagree"), "{e}");
+        let e =
+            chat(json!({"chat_template_kwargs": {"add_generation_prompt": false}})).unwrap_err();
+        assert!(e.message.contains("add_generation_prompt"), "{e}");
+        assert!(chat(json!({"chat_template_kwargs": {"thinking": "yes"}})).is_err());
     }
 
     #[test]

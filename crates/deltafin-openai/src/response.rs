@@ -3,8 +3,9 @@
 
 use crate::MODEL_ID;
 use crate::engine::{Engine, FinishReason, Usage};
-use crate::metrics::{GenSummary, RequestLog};
+use crate::error::ApiError;
 use crate::output::{Delta, ToolCallDelta, chat_logprob_entries, completions_logprobs};
+use crate::reply::Reply;
 use crate::request::Surface;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
@@ -69,25 +70,9 @@ pub struct Shape {
     pub logprobs: bool,
     /// Streams: whether a usage frame ends the stream.
     pub include_usage: bool,
-    /// The request's log line, which the end of the answer fills in.
-    pub log: RequestLog,
 }
 
 impl Shape {
-    /// Records how the generation ended on the request's log line.
-    pub fn ended(&self, finish: Option<(FinishReason, &Usage)>) {
-        self.log.set_summary(match finish {
-            Some((f, u)) => GenSummary {
-                tokens: Some((u.prompt_tokens, u.completion_tokens)),
-                finish: f.as_str(),
-            },
-            None => GenSummary {
-                tokens: None,
-                finish: "error",
-            },
-        });
-    }
-
     /// The usage object.
     pub fn usage(&self, u: &Usage) -> Value {
         let mut v = json!({
@@ -199,6 +184,54 @@ impl Shape {
                 "index": 0, "delta": {}, "logprobs": null, "finish_reason": finish.as_str(),
             })),
         }
+    }
+}
+
+/// One `data: …` frame of an OpenAI stream.
+fn frame(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+/// The chat completions and completions answer: one body, or OpenAI's `data:` chunks ending
+/// with `data: [DONE]`.
+impl Reply for Shape {
+    fn body(&mut self, all: Delta, finish: FinishReason, usage: &Usage) -> Result<Value, ApiError> {
+        Ok(self.full(&all, finish, usage))
+    }
+
+    fn opening(&mut self) -> Vec<String> {
+        if self.surface != Surface::Chat {
+            return Vec::new();
+        }
+        let opening = self.chunk(json!({
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null,
+        }));
+        vec![frame(&opening)]
+    }
+
+    fn delta(&mut self, d: Delta) -> Result<Vec<String>, ApiError> {
+        let mut frames = VecDeque::new();
+        self.delta_frames(&d, &mut frames);
+        Ok(frames.iter().map(frame).collect())
+    }
+
+    fn done(&mut self, finish: FinishReason, usage: &Usage) -> Vec<String> {
+        let mut out = vec![frame(&self.finish_frame(finish))];
+        if self.include_usage {
+            let mut u = self.chunk(Value::Null);
+            u["choices"] = json!([]);
+            u["usage"] = self.usage(usage);
+            out.push(frame(&u));
+        }
+        out.push("data: [DONE]\n\n".into());
+        out
+    }
+
+    fn failed(&mut self, e: &ApiError) -> Vec<String> {
+        let mut body = e.body();
+        body["error"]["type"] = Value::from("server_error");
+        body["error"]["code"] = Value::from(e.code);
+        vec![frame(&body)]
     }
 }
 

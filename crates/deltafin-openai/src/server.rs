@@ -1,37 +1,22 @@
-//! The HTTP side: routing, admission (one generation plus a bounded FIFO queue), body limits,
-//! JSON and SSE responses, disconnect cancellation and graceful shutdown; the request log
-//! and the counters of `/metrics`.
+//! The server: binding, the model loading in the background, the state every request
+//! shares (admission counters, metrics, the reasoning sealer, stored responses) and graceful
+//! shutdown. Requests are routed by [`crate::routes`]; a generation request runs through
+//! [`crate::admission`].
 
-use crate::access::{self, Admit};
-use crate::conn::{CancelOnDrop, ClientConn, ClientLeft, abandoned, unless_gone};
-use crate::engine::{Ending, Engine, GenEvent, prefill_comment, run_generation_timed};
-use crate::error::{ApiError, json_response};
+use crate::engine::Engine;
+use crate::error::ApiError;
 use crate::listen::{ConnCounters, ListenLimits};
-use crate::messages::{self, MessagesMeta, reply::MessagesReply};
-use crate::metrics::{CLIENT_CLOSED, Metrics, RequestLog, Snapshot};
-use crate::ops::{self, BodyBudget, TokenizerOp, read_body};
-use crate::output::Delta;
-use crate::reply::ReplyContext;
-use crate::request::{self, Limits, Surface};
-use crate::response::Shape;
-use crate::responses::{self, ResponsesMeta, reply::ResponsesReply};
-use crate::transport::{answer_with, sse_headers};
-use crate::{MODEL_ID, ServerConfig, models};
+use crate::metrics::{Metrics, Snapshot};
+use crate::ops::{self, BodyBudget};
+use crate::{ServerConfig, models};
 use axum::Router;
-use axum::body::{Body, Bytes};
-use axum::extract::{Request, State};
-use axum::http::{HeaderValue, Method, StatusCode};
-use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
-use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{Semaphore, watch};
 
 pub use crate::ops::{BODY_DEADLINE, BODY_IDLE_TIMEOUT};
 /// Default time a request head may take to arrive, and an idle keep-alive connection may
@@ -64,7 +49,7 @@ pub enum ServeError {
 
 /// Where the model is.
 #[derive(Clone)]
-enum EngineState {
+pub(crate) enum EngineState {
     Loading,
     Ready(Arc<Engine>),
     Failed(String),
@@ -85,28 +70,32 @@ pub struct ServerStats {
     pub reserved: AtomicUsize,
 }
 
-struct AppState {
-    cfg: ServerConfig,
-    created: u64,
-    started: Instant,
-    metrics: Arc<Metrics>,
-    engine: watch::Receiver<EngineState>,
-    slot: Arc<Semaphore>,
-    shutdown: AtomicBool,
-    current: Mutex<Option<Arc<AtomicBool>>>,
-    stats: Arc<ServerStats>,
-    seq: AtomicU64,
+pub(crate) struct AppState {
+    pub(crate) cfg: ServerConfig,
+    pub(crate) created: u64,
+    pub(crate) started: Instant,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) engine: watch::Receiver<EngineState>,
+    pub(crate) slot: Arc<Semaphore>,
+    pub(crate) shutdown: AtomicBool,
+    pub(crate) current: Mutex<Option<Arc<AtomicBool>>>,
+    pub(crate) stats: Arc<ServerStats>,
+    pub(crate) seq: AtomicU64,
     /// Whether the listener is on a loopback address (the `Host` check applies).
-    loopback: bool,
+    pub(crate) loopback: bool,
     /// Open and refused connections.
-    conns: Arc<ConnCounters>,
+    pub(crate) conns: Arc<ConnCounters>,
     /// Bytes of request bodies being read and validated.
-    bodies: Arc<BodyBudget>,
+    pub(crate) bodies: Arc<BodyBudget>,
+    /// Seals answers' reasoning for clients to send back.
+    pub(crate) sealer: crate::seal::Sealer,
+    /// Stored Responses (`None`: `--response-store-gb 0`).
+    pub(crate) store: Option<Arc<crate::responses::store::Store>>,
 }
 
 /// A reservation of the slot or a queue place, held from when the request is validated
 /// until its generation has stopped.
-struct Ticket(Arc<ServerStats>);
+pub(crate) struct Ticket(Arc<ServerStats>);
 
 impl Drop for Ticket {
     fn drop(&mut self) {
@@ -114,7 +103,7 @@ impl Drop for Ticket {
     }
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -122,7 +111,7 @@ fn unix_now() -> u64 {
 }
 
 impl AppState {
-    fn try_reserve(&self) -> Option<Ticket> {
+    pub(crate) fn try_reserve(&self) -> Option<Ticket> {
         let cap = 1 + self.cfg.queue;
         self.stats
             .reserved
@@ -133,18 +122,14 @@ impl AppState {
             .map(|_| Ticket(self.stats.clone()))
     }
 
-    fn response_id(&self, prefix: &str) -> String {
-        format!("{prefix}-{}", self.id_suffix())
-    }
-
     /// 20 hex digits unique to one response: 8 of time, 12 of sequence.
-    fn id_suffix(&self) -> String {
+    pub(crate) fn id_suffix(&self) -> String {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         format!("{:08x}{:012x}", unix_now() as u32, seq & 0xffff_ffff_ffff)
     }
 
     /// The engine, or why requests cannot use it yet.
-    fn ready_engine(&self) -> Result<Arc<Engine>, ApiError> {
+    pub(crate) fn ready_engine(&self) -> Result<Arc<Engine>, ApiError> {
         if self.shutdown.load(Ordering::SeqCst) {
             return Err(ApiError::shutting_down());
         }
@@ -158,7 +143,7 @@ impl AppState {
     }
 
     /// What `/metrics` reads besides the request counters.
-    fn snapshot(&self) -> Snapshot {
+    pub(crate) fn snapshot(&self) -> Snapshot {
         let started = self.stats.generations_started.load(Ordering::SeqCst);
         let finished = self.stats.generations_finished.load(Ordering::SeqCst);
         let cancelled = self.stats.generations_cancelled.load(Ordering::SeqCst);
@@ -198,6 +183,38 @@ impl AppState {
             flag.store(true, Ordering::SeqCst);
         }
     }
+}
+
+/// The reasoning sealer and the response store of `cfg`: in its state directory when one
+/// is given and writable, else in memory (the log says which and why).
+fn durable_state(
+    cfg: &ServerConfig,
+) -> (
+    crate::seal::Sealer,
+    Option<Arc<crate::responses::store::Store>>,
+) {
+    use crate::responses::store::Store;
+    use crate::seal::Sealer;
+    let sealer = match &cfg.state_dir {
+        Some(dir) => Sealer::in_dir(dir).unwrap_or_else(|why| {
+            crate::log_line!(
+                "[deltafin serve] reasoning tokens are sealed with a key in memory ({why}): reasoning handed out before a restart cannot be sent back after it"
+            );
+            Sealer::ephemeral()
+        }),
+        None => Sealer::ephemeral(),
+    };
+    let budget = cfg.response_store_bytes;
+    let store = (budget > 0).then(|| match &cfg.state_dir {
+        Some(dir) => Store::in_dir(dir, budget).unwrap_or_else(|why| {
+            crate::log_line!(
+                "[deltafin serve] stored responses are kept in memory ({why}): they do not survive a restart"
+            );
+            Store::in_memory(budget)
+        }),
+        None => Store::in_memory(budget),
+    });
+    (sealer, store.map(Arc::new))
 }
 
 /// A bound server whose model loads in the background.
@@ -246,6 +263,7 @@ impl Server {
         let cfg_body_budget = cfg
             .max_request_bytes
             .saturating_mul(ops::BODY_BUDGET_REQUESTS);
+        let (sealer, store) = durable_state(&cfg);
         let (tx, rx) = watch::channel(EngineState::Loading);
         std::thread::spawn(move || {
             let t = std::time::Instant::now();
@@ -289,6 +307,8 @@ impl Server {
                 loopback,
                 conns: Arc::new(ConnCounters::default()),
                 bodies: Arc::new(BodyBudget::new(cfg_body_budget)),
+                sealer,
+                store,
             }),
         })
     }
@@ -330,7 +350,9 @@ impl Server {
             }
             signal_state.begin_shutdown();
         };
-        let app = Router::new().fallback(route).with_state(state.clone());
+        let app = Router::new()
+            .fallback(crate::routes::route)
+            .with_state(state.clone());
         let limits = ListenLimits {
             max_connections: state.cfg.max_connections,
             header_deadline: state.cfg.header_deadline,
@@ -355,504 +377,4 @@ impl Server {
         }
         Ok(())
     }
-}
-
-/// Which API a generation request came to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Api {
-    /// OpenAI's completions or chat completions.
-    OpenAi(Surface),
-    /// Anthropic's Messages API (`/v1/messages`).
-    Messages,
-    /// OpenAI's Responses API (`/v1/responses`).
-    Responses,
-}
-
-impl Api {
-    /// The error in this API's shape.
-    fn error(self, e: ApiError) -> Response {
-        match self {
-            Api::Messages => e.response_with_body(&messages::wire::error_body(&e)),
-            Api::OpenAi(_) | Api::Responses => e.into_response(),
-        }
-    }
-}
-
-/// The endpoint-specific part of a validated request.
-enum Front {
-    OpenAi(Surface),
-    Messages(MessagesMeta),
-    Responses(ResponsesMeta),
-}
-
-/// Every request: its id, its answer, then (when the answer's body is done) its log line
-/// and its count.
-async fn route(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    let path = req.uri().path().to_string();
-    let method = req.method().clone();
-    let api = match path.as_str() {
-        "/v1/completions" | "/completions" => Some(Api::OpenAi(Surface::Completions)),
-        "/v1/chat/completions" | "/chat/completions" => Some(Api::OpenAi(Surface::Chat)),
-        "/v1/messages" => Some(Api::Messages),
-        "/v1/responses" | "/responses" => Some(Api::Responses),
-        _ => None,
-    };
-    let prefix = match api {
-        Some(Api::OpenAi(Surface::Completions)) => "cmpl",
-        Some(Api::OpenAi(Surface::Chat)) => "chatcmpl",
-        Some(Api::Messages) => "msg",
-        Some(Api::Responses) => "resp",
-        None => "req",
-    };
-    let log = RequestLog::new(
-        state.metrics.clone(),
-        method.as_str(),
-        &path,
-        &state.response_id(prefix),
-        api.is_some(),
-    );
-    let admitted = access::check(
-        &state.cfg.access,
-        &state.cfg.host,
-        state.loopback,
-        &method,
-        &path,
-        req.headers(),
-    );
-    let mut resp = match admitted {
-        Ok(Admit::Serve(cors)) => {
-            let mut resp = dispatch(&state, req, &path, &method, api, &log).await;
-            access::add_cors(resp.headers_mut(), cors);
-            resp
-        }
-        Ok(Admit::Answered(resp)) => resp,
-        Err(e) => match api {
-            Some(a) => a.error(e),
-            None => e.into_response(),
-        },
-    };
-    log.set_status(if resp.extensions().get::<ClientLeft>().is_some() {
-        CLIENT_CLOSED
-    } else {
-        resp.status().as_u16()
-    });
-    if let Ok(v) = HeaderValue::from_str(log.id()) {
-        resp.headers_mut().insert("x-request-id", v);
-    }
-    resp
-}
-
-async fn dispatch(
-    state: &Arc<AppState>,
-    req: Request,
-    path: &str,
-    method: &Method,
-    api: Option<Api>,
-    log: &RequestLog,
-) -> Response {
-    let get = method == Method::GET || method == Method::HEAD;
-    let answer = |ok: bool, f: &dyn Fn() -> Response| {
-        if ok {
-            f()
-        } else {
-            ApiError::method_not_allowed().into_response()
-        }
-    };
-    let aliases = &state.cfg.model_aliases;
-    let api = match (path, api) {
-        (_, Some(a)) => a,
-        ("/v1/models" | "/models", _) => {
-            return answer(method == Method::GET, &|| {
-                let data: Vec<Value> = std::iter::once(MODEL_ID)
-                    .chain(aliases.iter().map(String::as_str))
-                    .map(|id| model_object(state, id))
-                    .collect();
-                json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
-            });
-        }
-        ("/health" | "/v1/health", _) => {
-            return answer(get, &|| ops::health(state.ready_engine().map(drop)));
-        }
-        ("/metrics", _) => {
-            return answer(get, &|| ops::metrics(&state.metrics, &state.snapshot()));
-        }
-        ("/tokenize" | "/detokenize", _) => {
-            if method != Method::POST {
-                return ApiError::method_not_allowed().into_response();
-            }
-            let op = if path == "/tokenize" {
-                TokenizerOp::Tokenize
-            } else {
-                TokenizerOp::Detokenize
-            };
-            let limit = state.cfg.max_request_bytes;
-            let result = match state.ready_engine() {
-                Ok(engine) => {
-                    ops::tokenizer(
-                        engine,
-                        req,
-                        limit,
-                        state.cfg.body_deadline,
-                        &state.bodies,
-                        op,
-                    )
-                    .await
-                }
-                Err(e) => Err(e),
-            };
-            return result.unwrap_or_else(IntoResponse::into_response);
-        }
-        (p, _) => {
-            let id = p
-                .strip_prefix("/v1/models/")
-                .or_else(|| p.strip_prefix("/models/"));
-            return match id {
-                Some(id) if method == Method::GET => {
-                    if models::is_served(id, aliases) {
-                        json_response(StatusCode::OK, &model_object(state, id))
-                    } else {
-                        ApiError::model_not_found(id, aliases).into_response()
-                    }
-                }
-                Some(_) => ApiError::method_not_allowed().into_response(),
-                None => ApiError::not_found().into_response(),
-            };
-        }
-    };
-    if method != Method::POST {
-        return api.error(ApiError::method_not_allowed());
-    }
-    if api == Api::Messages
-        && let Err(e) = messages::check_headers(req.headers())
-    {
-        return api.error(e);
-    }
-    let conn = req
-        .extensions()
-        .get::<axum::extract::ConnectInfo<ClientConn>>()
-        .map(|c| c.0.clone())
-        .unwrap_or(ClientConn {
-            #[cfg(unix)]
-            sock: None,
-        });
-    match generate(state.clone(), api, req, conn, log.clone()).await {
-        Ok(resp) => resp,
-        Err(e) => api.error(e),
-    }
-}
-
-fn model_object(state: &AppState, id: &str) -> Value {
-    json!({"id": id, "object": "model", "created": state.created, "owned_by": "deltafin"})
-}
-
-async fn generate(
-    state: Arc<AppState>,
-    api: Api,
-    req: Request,
-    conn: ClientConn,
-    log: RequestLog,
-) -> Result<Response, ApiError> {
-    let engine = state.ready_engine()?;
-    // The body is read and the request validated before it takes a place: a slow or
-    // malformed request never keeps a valid one out. Meanwhile its bytes count against the
-    // body budget.
-    let (body, hold) = read_body(
-        req,
-        state.cfg.max_request_bytes,
-        state.cfg.body_deadline,
-        &state.bodies,
-    )
-    .await?;
-    let json: Value = serde_json::from_slice(&body)
-        .map_err(|_| ApiError::invalid("request body must be valid JSON"))?;
-    drop(body);
-    let limits = Limits {
-        max_tokens: state.cfg.max_tokens,
-        default_thinking: state.cfg.default_thinking,
-        model_aliases: &state.cfg.model_aliases,
-    };
-    let (gen_req, front) = match api {
-        Api::OpenAi(surface) => (
-            request::parse(&json, surface, &limits)?,
-            Front::OpenAi(surface),
-        ),
-        Api::Messages => {
-            let (r, meta) = messages::parse(&json, &limits)?;
-            (r, Front::Messages(meta))
-        }
-        Api::Responses => {
-            let (r, meta) = responses::parse(&json, &limits)?;
-            (r, Front::Responses(meta))
-        }
-    };
-    drop(json);
-    request::check_limits(&gen_req)?;
-    let (gen_req, prompt) = {
-        let engine = engine.clone();
-        tokio::task::spawn_blocking(move || {
-            let ids = engine.encode(&gen_req);
-            ids.map(|ids| (gen_req, ids))
-        })
-        .await
-        .map_err(|e| ApiError::server(format!("prompt encoding failed: {e}")))??
-    };
-    // A place: at most one generation plus `queue` waiters.
-    let Some(ticket) = state.try_reserve() else {
-        state.stats.busy_rejections.fetch_add(1, Ordering::Relaxed);
-        return Err(ApiError::busy());
-    };
-    drop(hold);
-    // Wait for the slot in arrival order; a client that leaves drops this future.
-    let Some(permit) = unless_gone(&conn, state.slot.clone().acquire_owned()).await else {
-        return Ok(abandoned());
-    };
-    let permit = permit.map_err(|_| ApiError::shutting_down())?;
-    if state.shutdown.load(Ordering::SeqCst) {
-        return Err(ApiError::shutting_down());
-    }
-    let prompt_tokens = prompt.len();
-    let interrupt = Arc::new(AtomicBool::new(false));
-    let guard = CancelOnDrop {
-        flag: interrupt.clone(),
-        armed: true,
-    };
-    let (tx, rx) = mpsc::unbounded_channel();
-    let worker_state = state.clone();
-    let gen_for_worker = gen_req.clone();
-    tokio::task::spawn_blocking(move || {
-        let slot_permit = permit;
-        let reservation = ticket;
-        let st = worker_state;
-        st.stats.generations_started.fetch_add(1, Ordering::SeqCst);
-        if let Ok(mut cur) = st.current.lock() {
-            *cur = Some(interrupt.clone());
-        }
-        if st.shutdown.load(Ordering::SeqCst) {
-            interrupt.store(true, Ordering::SeqCst);
-        }
-        let (ending, timing) = run_generation_timed(
-            &engine,
-            &gen_for_worker,
-            &prompt,
-            &interrupt,
-            &st.shutdown,
-            |ev| {
-                if let GenEvent::Prefill { done, total, .. } = &ev {
-                    st.metrics.prefill_progress(*done, *total);
-                }
-                tx.send(ev).is_ok()
-            },
-        );
-        st.metrics.prefill_progress(0, 0);
-        if let Ok(mut cur) = st.current.lock() {
-            *cur = None;
-        }
-        // Free the slot before the answer is complete on the client's side.
-        drop(slot_permit);
-        drop(reservation);
-        let counter = match &ending {
-            Ending::Cancelled(_)
-            | Ending::Event(GenEvent::Failed(ApiError {
-                kind: "server_shutting_down",
-                ..
-            })) => &st.stats.generations_cancelled,
-            Ending::Event(_) => &st.stats.generations_finished,
-        };
-        if let Ending::Event(GenEvent::Done { usage, .. }) = &ending {
-            st.metrics.record_generation(usage, &timing);
-        }
-        st.metrics.record_reuse(&timing);
-        counter.fetch_add(1, Ordering::SeqCst);
-        if let Ending::Event(ev) = ending {
-            let _ = tx.send(ev);
-        }
-    });
-    // A sampled answer names its seed, so that the run can be repeated.
-    let seed = gen_req.sampling.map(|s| s.seed);
-    let surface = match front {
-        Front::OpenAi(surface) => surface,
-        Front::Messages(meta) => {
-            let ctx = reply_context(&state, "msg_", prompt_tokens, gen_req.max_new);
-            let reply = Box::new(MessagesReply::new(ctx, meta));
-            return with_seed(
-                answer_with(reply, gen_req.stream, rx, guard, conn).await,
-                seed,
-            );
-        }
-        Front::Responses(meta) => {
-            let ctx = reply_context(&state, "resp_", prompt_tokens, gen_req.max_new);
-            let reply = Box::new(ResponsesReply::new(ctx, meta));
-            return with_seed(
-                answer_with(reply, gen_req.stream, rx, guard, conn).await,
-                seed,
-            );
-        }
-    };
-    let tok_engine = state.engine.borrow().clone();
-    let EngineState::Ready(tok_engine) = tok_engine else {
-        return Err(ApiError::server("the model is not loaded"));
-    };
-    let shape = Shape {
-        surface,
-        id: log.id().to_string(),
-        log,
-        created: unix_now(),
-        engine: tok_engine,
-        logprobs: gen_req.logprobs.is_some(),
-        include_usage: gen_req.include_usage,
-    };
-    let answer = if gen_req.stream {
-        Ok(sse_response(shape, rx, guard, conn))
-    } else {
-        match unless_gone(&conn, collect_response(shape, rx, guard)).await {
-            Some(r) => r,
-            None => Ok(abandoned()),
-        }
-    };
-    with_seed(answer, seed)
-}
-
-/// The `X-Deltafin-Seed` header of a sampled answer (docs/SERVER.md "Sampling").
-fn with_seed(answer: Result<Response, ApiError>, seed: Option<u64>) -> Result<Response, ApiError> {
-    let Some(seed) = seed else { return answer };
-    let mut resp = answer?;
-    resp.headers_mut()
-        .insert("x-deltafin-seed", axum::http::HeaderValue::from(seed));
-    Ok(resp)
-}
-
-async fn collect_response(
-    shape: Shape,
-    mut rx: mpsc::UnboundedReceiver<GenEvent>,
-    mut guard: CancelOnDrop,
-) -> Result<Response, ApiError> {
-    let mut all = Delta::default();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            GenEvent::Delta(d) => all.extend(d),
-            GenEvent::Prefill { .. } => {}
-            GenEvent::Done { finish, usage } => {
-                guard.armed = false;
-                shape.ended(Some((finish, &usage)));
-                return Ok(json_response(
-                    StatusCode::OK,
-                    &shape.full(&all, finish, &usage),
-                ));
-            }
-            GenEvent::Failed(e) => {
-                guard.armed = false;
-                shape.ended(None);
-                return Err(e);
-            }
-        }
-    }
-    Err(ApiError::server("the generation ended without a result"))
-}
-
-struct SseState {
-    conn: ClientConn,
-    shape: Shape,
-    rx: mpsc::UnboundedReceiver<GenEvent>,
-    guard: CancelOnDrop,
-    pending: VecDeque<String>,
-    ended: bool,
-}
-
-impl SseState {
-    fn frame(v: &Value) -> String {
-        format!("data: {v}\n\n")
-    }
-
-    fn on_event(&mut self, ev: Option<GenEvent>) {
-        let mut frames = VecDeque::new();
-        match ev {
-            Some(GenEvent::Prefill { done, total, .. }) => {
-                self.pending.push_back(prefill_comment(done, total));
-                return;
-            }
-            Some(GenEvent::Delta(d)) => self.shape.delta_frames(&d, &mut frames),
-            Some(GenEvent::Done { finish, usage }) => {
-                self.shape.ended(Some((finish, &usage)));
-                frames.push_back(self.shape.finish_frame(finish));
-                if self.shape.include_usage {
-                    let mut u = self.shape.chunk(Value::Null);
-                    u["choices"] = json!([]);
-                    u["usage"] = self.shape.usage(&usage);
-                    frames.push_back(u);
-                }
-                self.pending.extend(frames.iter().map(Self::frame));
-                self.pending.push_back("data: [DONE]\n\n".into());
-                self.ended = true;
-                self.guard.armed = false;
-                return;
-            }
-            Some(GenEvent::Failed(e)) => {
-                self.shape.ended(None);
-                let mut body = e.body();
-                body["error"]["type"] = Value::from("server_error");
-                body["error"]["code"] = Value::from(e.code);
-                frames.push_back(body);
-                self.ended = true;
-                self.guard.armed = false;
-            }
-            None => {
-                frames.push_back(ApiError::server("the generation ended without a result").body());
-                self.ended = true;
-            }
-        }
-        self.pending.extend(frames.iter().map(Self::frame));
-    }
-}
-
-fn reply_context(
-    state: &AppState,
-    prefix: &str,
-    prompt_tokens: usize,
-    max_new: usize,
-) -> ReplyContext {
-    let suffix = state.id_suffix();
-    ReplyContext {
-        id: format!("{prefix}{suffix}"),
-        suffix,
-        created: unix_now(),
-        prompt_tokens,
-        max_new,
-    }
-}
-
-fn sse_response(
-    shape: Shape,
-    rx: mpsc::UnboundedReceiver<GenEvent>,
-    guard: CancelOnDrop,
-    conn: ClientConn,
-) -> Response {
-    let mut pending = VecDeque::new();
-    if shape.surface == Surface::Chat {
-        let opening = shape.chunk(json!({
-            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null,
-        }));
-        pending.push_back(SseState::frame(&opening));
-    }
-    let st = SseState {
-        conn,
-        shape,
-        rx,
-        guard,
-        pending,
-        ended: false,
-    };
-    let stream = futures_util::stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(f) = st.pending.pop_front() {
-                return Some((Ok::<Bytes, Infallible>(Bytes::from(f)), st));
-            }
-            if st.ended {
-                return None;
-            }
-            // A client that leaves while nothing is written (prefill) is noticed too.
-            let ev = unless_gone(&st.conn, st.rx.recv()).await?;
-            st.on_event(ev);
-        }
-    });
-    sse_headers(Response::new(Body::from_stream(stream)))
 }

@@ -378,3 +378,73 @@ pub(super) fn single_file(
         config: K3Config::from_json_str(REAL_CONFIG_JSON)?,
     })
 }
+
+/// Scales rows of the bf16 matrix `tensor` of the checkpoint in `dir` in place: row `r` is
+/// multiplied by `factor` for each `(r, factor)`. With `lm_head.weight` and the rows of
+/// chosen tokens this gives a test checkpoint whose greedy answers favour those tokens
+/// wherever they are allowed (e.g. `<|end_of_msg|>` and `<|close|>`: answers that end within
+/// a few tokens, for tests of clients that need a finished answer). Errors name the file.
+pub fn scale_rows(dir: &Path, tensor: &str, rows: &[(usize, f32)]) -> Result<(), SynthError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let index_path = dir.join(INDEX_FILE);
+    let index: Value = serde_json::from_slice(
+        &std::fs::read(&index_path).map_err(io_err(&index_path))?,
+    )
+    .map_err(|e| SynthError::Io {
+        path: index_path.clone(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+    })?;
+    let bad = |path: &Path, why: String| SynthError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, why),
+    };
+    let shard = index["weight_map"][tensor]
+        .as_str()
+        .ok_or_else(|| bad(&index_path, format!("{tensor} is not in the weight map")))?;
+    let path = dir.join(shard);
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(io_err(&path))?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(io_err(&path))?;
+    let len = usize::try_from(u64::from_le_bytes(len))
+        .map_err(|_| bad(&path, "header too long".into()))?;
+    let mut header = vec![0u8; len];
+    f.read_exact(&mut header).map_err(io_err(&path))?;
+    let header: Value = serde_json::from_slice(&header).map_err(|e| bad(&path, e.to_string()))?;
+    let t = &header[tensor];
+    if t["dtype"] != "BF16" {
+        return Err(bad(&path, format!("{tensor} is not bf16")));
+    }
+    let cols = t["shape"][1]
+        .as_u64()
+        .ok_or_else(|| bad(&path, "no shape".into()))? as usize;
+    let n_rows = t["shape"][0]
+        .as_u64()
+        .ok_or_else(|| bad(&path, "no shape".into()))? as usize;
+    let start = t["data_offsets"][0]
+        .as_u64()
+        .ok_or_else(|| bad(&path, "no offsets".into()))?;
+    let base = 8 + len as u64 + start;
+    for &(r, factor) in rows {
+        if r >= n_rows {
+            return Err(bad(
+                &path,
+                format!("{tensor} has {n_rows} rows, not {}", r + 1),
+            ));
+        }
+        let at = base + (r * cols * 2) as u64;
+        let mut row = vec![0u8; cols * 2];
+        f.seek(SeekFrom::Start(at)).map_err(io_err(&path))?;
+        f.read_exact(&mut row).map_err(io_err(&path))?;
+        for v in row.chunks_exact_mut(2) {
+            let x = bf16::from_bits(u16::from_le_bytes([v[0], v[1]])).to_f32() * factor;
+            v.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
+        }
+        f.seek(SeekFrom::Start(at)).map_err(io_err(&path))?;
+        f.write_all(&row).map_err(io_err(&path))?;
+    }
+    f.sync_all().map_err(io_err(&path))
+}

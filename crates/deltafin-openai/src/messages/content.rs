@@ -10,15 +10,40 @@
 use super::wire::{bad, check_cache_control, object, only_keys, signature, string};
 use crate::error::ApiError;
 use crate::request::MULTIMODAL;
+use crate::seal::Sealer;
 use deltafin_k3::text::chat::{ChatMessage, Content, ToolCall};
 use serde_json::{Map, Value};
 use std::collections::HashMap;
 
+/// The first text of the `system` block Claude Code adds to every request: client
+/// identification that changes with every session (its version and entry point), not an
+/// instruction. It is kept out of the prompt, so that one agent's sessions share their
+/// prefix state (llama.cpp and vLLM strip it too).
+pub const BILLING_HEADER: &str = "x-anthropic-billing-header:";
+
+/// What converting a conversation needs besides the messages.
+pub struct Convert<'a> {
+    /// Opens the signatures of thinking blocks sent back.
+    pub sealer: &'a Sealer,
+    /// Tools declared with `defer_loading: true` (name → the declaration), loaded into the
+    /// conversation where a `tool_reference` block names them.
+    pub deferred: &'a HashMap<String, Value>,
+}
+
 /// The chat messages of `system` (absent, a string or text blocks) and `messages`.
-pub fn convert(system: Option<&Value>, messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
-    let mut b = Builder::default();
+pub fn convert(
+    system: Option<&Value>,
+    messages: &[Value],
+    cx: &Convert<'_>,
+) -> Result<Vec<ChatMessage>, ApiError> {
+    let mut b = Builder {
+        sealer: Some(cx.sealer),
+        deferred: Some(cx.deferred),
+        ..Builder::default()
+    };
     if let Some(system) = system {
-        let parts = text_content(system, "system", "`system`")?;
+        let mut parts = text_content(system, "system", "`system`")?;
+        parts.retain(|t| !t.starts_with(BILLING_HEADER));
         if !parts.is_empty() {
             b.out.push(message("system", parts));
         }
@@ -114,7 +139,11 @@ fn text_block(obj: &Map<String, Value>, p: &str) -> Result<String, ApiError> {
 }
 
 #[derive(Default)]
-struct Builder {
+struct Builder<'a> {
+    sealer: Option<&'a Sealer>,
+    deferred: Option<&'a HashMap<String, Value>>,
+    /// Deferred tools already loaded (each is declared once).
+    loaded: Vec<String>,
     out: Vec<ChatMessage>,
     /// `tool_use` id → tool name, for the results that answer them.
     tool_names: HashMap<String, String>,
@@ -123,7 +152,7 @@ struct Builder {
     user_text_open: bool,
 }
 
-impl Builder {
+impl Builder<'_> {
     fn turn(&mut self, i: usize, m: &Value) -> Result<(), ApiError> {
         let param = format!("messages[{i}]");
         let obj = object(m, &param, "every message")?;
@@ -153,8 +182,7 @@ impl Builder {
             "user" => self.user(&param, &blocks),
             "assistant" => self.assistant(&param, &blocks),
             "system" => {
-                let parts = text_content(content, &format!("{param}.content"), "a system message")?;
-                self.out.push(message("system", parts));
+                self.system(&param, content)?;
                 self.user_text_open = false;
                 Ok(())
             }
@@ -166,6 +194,88 @@ impl Builder {
                 ),
             )),
         }
+    }
+
+    /// A mid-conversation system message: its text blocks, and `tool_addition` blocks that
+    /// load deferred tools at this place (the template's dynamic tool declaration).
+    fn system(&mut self, param: &str, content: &Value) -> Result<(), ApiError> {
+        let blocks = match content {
+            Value::String(s) => {
+                self.out.push(message("system", vec![s.clone()]));
+                return Ok(());
+            }
+            Value::Array(blocks) => blocks,
+            _ => {
+                return Err(bad(
+                    param,
+                    "a system message's `content` must be a string or an array of blocks",
+                ));
+            }
+        };
+        let mut texts = Vec::new();
+        let mut added = Vec::new();
+        for (j, block) in blocks.iter().enumerate() {
+            let p = format!("{param}.content[{j}]");
+            let obj = object(block, &p, "a content block")?;
+            match obj.get("type").and_then(Value::as_str) {
+                Some("text") => texts.push(text_block(obj, &p)?),
+                Some("tool_addition") => {
+                    only_keys(
+                        obj,
+                        &["type", "tool_name", "cache_control"],
+                        &p,
+                        "a tool_addition block",
+                    )?;
+                    check_cache_control(obj.get("cache_control"), &p)?;
+                    added.push(string(obj, "tool_name", &p, "a tool_addition block")?.to_string());
+                }
+                Some("tool_removal") => {
+                    return Err(bad(
+                        &p,
+                        "`tool_removal` is not implemented: K3's template can add tools mid-conversation but has no way to withdraw one",
+                    ));
+                }
+                Some(t) if is_media(t) => return Err(bad(&p, MULTIMODAL)),
+                Some(t) => {
+                    return Err(bad(
+                        &p,
+                        format!("a system message takes text and tool_addition blocks, not `{t}`"),
+                    ));
+                }
+                None => return Err(bad(&p, "every content block needs a `type` string")),
+            }
+        }
+        if !texts.is_empty() {
+            self.out.push(message("system", texts));
+        }
+        self.load_tools(&added, param)
+    }
+
+    /// Declares the deferred tools `names` (those not loaded yet) at this place.
+    fn load_tools(&mut self, names: &[String], p: &str) -> Result<(), ApiError> {
+        let mut tools = Vec::new();
+        for name in names {
+            let tool = self.deferred.and_then(|d| d.get(name)).ok_or_else(|| {
+                bad(
+                    p,
+                    format!(
+                        "tool {name:?} is not one of the request's tools with `defer_loading: true`"
+                    ),
+                )
+            })?;
+            if !self.loaded.contains(name) {
+                self.loaded.push(name.clone());
+                tools.push(tool.clone());
+            }
+        }
+        if !tools.is_empty() {
+            self.out.push(ChatMessage {
+                role: "system".into(),
+                tools,
+                ..Default::default()
+            });
+        }
+        Ok(())
     }
 
     fn push_user_text(&mut self, texts: &mut Vec<String>) {
@@ -182,6 +292,8 @@ impl Builder {
 
     fn user(&mut self, param: &str, blocks: &[Value]) -> Result<(), ApiError> {
         let mut texts = Vec::new();
+        // Deferred tools named by the tool results of this turn, loaded after them.
+        let mut referenced: Vec<String> = Vec::new();
         for (j, block) in blocks.iter().enumerate() {
             let p = format!("{param}.content[{j}]");
             if let Value::String(s) = block {
@@ -193,7 +305,7 @@ impl Builder {
                 Some("text") => texts.push(text_block(obj, &p)?),
                 Some("tool_result") => {
                     self.push_user_text(&mut texts);
-                    let msg = self.tool_result(obj, &p)?;
+                    let msg = self.tool_result(obj, &p, &mut referenced)?;
                     self.out.push(msg);
                     self.user_text_open = false;
                 }
@@ -208,11 +320,20 @@ impl Builder {
                 None => return Err(bad(&p, "every content block needs a `type` string")),
             }
         }
+        if !referenced.is_empty() {
+            self.load_tools(&referenced, param)?;
+            self.user_text_open = false;
+        }
         self.push_user_text(&mut texts);
         Ok(())
     }
 
-    fn tool_result(&self, obj: &Map<String, Value>, p: &str) -> Result<ChatMessage, ApiError> {
+    fn tool_result(
+        &self,
+        obj: &Map<String, Value>,
+        p: &str,
+        referenced: &mut Vec<String>,
+    ) -> Result<ChatMessage, ApiError> {
         only_keys(
             obj,
             &[
@@ -237,7 +358,7 @@ impl Builder {
         };
         let mut parts = match obj.get("content") {
             None | Some(Value::Null) => Vec::new(),
-            Some(c) => text_content(c, &format!("{p}.content"), "tool_result `content`")?,
+            Some(c) => result_content(c, &format!("{p}.content"), referenced)?,
         };
         // The template has no error flag: a failed call's result says so in its text.
         if is_error {
@@ -274,7 +395,7 @@ impl Builder {
                     let t = text_block(obj, &p)?;
                     self.assistant_text(&mut msg, t, &p)?;
                 }
-                Some("thinking") => thinking_block(&mut msg, obj, &p)?,
+                Some("thinking") => thinking_block(&mut msg, obj, &p, self.sealer)?,
                 Some("redacted_thinking") => {
                     return Err(bad(
                         &p,
@@ -333,27 +454,61 @@ impl Builder {
     }
 }
 
-/// A `thinking` block: the first of its assistant turn, unchanged since Deltafin sent it.
+/// A tool result's content: a string, or text blocks and `tool_reference` blocks (a client's
+/// tool search naming deferred tools, loaded after the result).
+fn result_content(
+    v: &Value,
+    p: &str,
+    referenced: &mut Vec<String>,
+) -> Result<Vec<String>, ApiError> {
+    let Value::Array(blocks) = v else {
+        return text_content(v, p, "tool_result `content`");
+    };
+    let mut texts = Vec::new();
+    for (j, block) in blocks.iter().enumerate() {
+        let pj = format!("{p}[{j}]");
+        let obj = object(block, &pj, "a content block")?;
+        match obj.get("type").and_then(Value::as_str) {
+            Some("tool_reference") => {
+                only_keys(
+                    obj,
+                    &["type", "tool_name", "cache_control"],
+                    &pj,
+                    "a tool_reference block",
+                )?;
+                check_cache_control(obj.get("cache_control"), &pj)?;
+                referenced
+                    .push(string(obj, "tool_name", &pj, "a tool_reference block")?.to_string());
+            }
+            _ => texts.extend(text_content(
+                &Value::Array(vec![block.clone()]),
+                p,
+                "tool_result `content`",
+            )?),
+        }
+    }
+    Ok(texts)
+}
+
+/// A `thinking` block: the first of its assistant turn, sent back as Deltafin returned it.
+/// Its `signature` carries the reasoning's exact ids ([`crate::seal`]), so the reasoning
+/// renders token for token (also when `display: "omitted"` left its text empty).
 fn thinking_block(
     msg: &mut ChatMessage,
     obj: &Map<String, Value>,
     p: &str,
+    sealer: Option<&Sealer>,
 ) -> Result<(), ApiError> {
     only_keys(
         obj,
-        &["type", "thinking", "signature"],
+        &["type", "thinking", "signature", "cache_control"],
         p,
         "a thinking block",
     )?;
+    check_cache_control(obj.get("cache_control"), p)?;
     let thinking = string(obj, "thinking", p, "a thinking block")?;
     let sig = string(obj, "signature", p, "a thinking block")?;
-    if sig != signature(thinking) {
-        return Err(bad(
-            p,
-            "thinking block `signature` does not match its text: send thinking blocks back exactly as Deltafin returned them",
-        ));
-    }
-    if msg.reasoning_content.is_some() {
+    if msg.reasoning_content.is_some() || msg.reasoning_ids.is_some() {
         return Err(bad(
             p,
             "an assistant turn can carry one thinking block; K3's template has one thinking channel per message",
@@ -363,6 +518,25 @@ fn thinking_block(
         return Err(bad(
             p,
             "a thinking block must come first in its assistant turn, before text and tool_use blocks",
+        ));
+    }
+    if sig.starts_with(crate::seal::PREFIX) {
+        let ids = sealer
+            .ok_or_else(|| bad(p, "no sealer"))?
+            .open(sig)
+            .map_err(|e| {
+                bad(
+                    p,
+                    format!(
+                        "thinking block `signature` cannot be restored: {e}; send thinking blocks back exactly as this server returned them, or drop them"
+                    ),
+                )
+            })?;
+        msg.reasoning_ids = Some(ids);
+    } else if sig != signature(thinking) {
+        return Err(bad(
+            p,
+            "thinking block `signature` does not match its text: send thinking blocks back exactly as Deltafin returned them",
         ));
     }
     msg.reasoning_content = Some(thinking.to_string());
@@ -385,7 +559,13 @@ mod tests {
     use serde_json::json;
 
     fn conv(system: Option<Value>, msgs: Value) -> Result<Vec<ChatMessage>, ApiError> {
-        convert(system.as_ref(), msgs.as_array().unwrap())
+        let sealer = Sealer::ephemeral();
+        let deferred = HashMap::new();
+        let cx = Convert {
+            sealer: &sealer,
+            deferred: &deferred,
+        };
+        convert(system.as_ref(), msgs.as_array().unwrap(), &cx)
     }
 
     fn parts(m: &ChatMessage) -> Vec<String> {

@@ -7,15 +7,18 @@
 //! or Anthropic's event stream. docs/SERVER.md, "/v1/messages", lists every rule.
 
 mod content;
+mod context;
 pub mod reply;
 pub mod wire;
 
 use crate::error::ApiError;
 use crate::request::{ChatControls, GenRequest, Limits, Prompt, Surface, ToolMode};
+use crate::seal::Sealer;
 use axum::http::HeaderMap;
 use deltafin_k3::sampling::Sampling;
 use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat, Thinking};
 use serde_json::{Map, Value, json};
+use std::collections::HashMap;
 use wire::{ENDPOINT, bad, check_cache_control, object, only_keys, string};
 
 /// The Messages API versions (the `anthropic-version` header) whose request and response
@@ -31,11 +34,37 @@ pub const MIN_THINKING_BUDGET: u64 = 1024;
 pub struct MessagesMeta {
     /// The stop sequences, to report the one that matched.
     pub stops: Vec<String>,
+    /// `thinking.display: "omitted"`: thinking blocks carry only their signature.
+    pub omit_thinking: bool,
+    /// The `context_management` edits applied, as the response reports them.
+    pub applied_edits: Option<Value>,
 }
 
+/// Beta names (`anthropic-beta`) whose features this endpoint implements as Anthropic
+/// documents them, or that ask nothing of a local server. Any other name is accepted as
+/// well: a beta only unlocks request fields and blocks, and every one of those is checked
+/// on its own (an unknown one is refused by name), so a beta name alone never changes an
+/// answer (docs/SERVER.md "/v1/messages").
+pub const KNOWN_BETAS: &[&str] = &[
+    "claude-code-20250219",
+    "interleaved-thinking-2025-05-14",
+    "context-management-2025-06-27",
+    "mid-conversation-tool-changes-2026-07-01",
+    "thinking-token-count-2026-05-13",
+    "advanced-tool-use-2025-11-20",
+    "effort-2025-11-24",
+    "fine-grained-tool-streaming-2025-05-14",
+    "token-efficient-tools-2025-02-19",
+    "prompt-caching-2024-07-31",
+    "extended-cache-ttl-2025-04-11",
+    "output-128k-2025-02-19",
+    "context-1m-2025-08-07",
+    "structured-outputs-2025-11-13",
+];
+
 /// Checks the headers Anthropic clients send: `anthropic-version` must be one of
-/// [`API_VERSIONS`]; `anthropic-beta` asks for features that are not implemented. `x-api-key` and
-/// `authorization` are accepted (there is no authentication).
+/// [`API_VERSIONS`]; `anthropic-beta` names are accepted (see [`KNOWN_BETAS`]). `x-api-key`
+/// and `authorization` are checked by the server's access rules, not here.
 pub fn check_headers(headers: &HeaderMap) -> Result<(), ApiError> {
     if let Some(v) = headers.get("anthropic-version") {
         let v = v.to_str().unwrap_or_default().trim();
@@ -46,11 +75,12 @@ pub fn check_headers(headers: &HeaderMap) -> Result<(), ApiError> {
             )));
         }
     }
-    if let Some(v) = headers.get("anthropic-beta") {
-        let v = String::from_utf8_lossy(v.as_bytes());
-        return Err(ApiError::invalid(format!(
-            "`anthropic-beta: {v}` asks for beta features, which Deltafin does not implement; refusing to silently ignore the header"
-        )));
+    for v in headers.get_all("anthropic-beta") {
+        if v.to_str().is_err() {
+            return Err(ApiError::invalid(
+                "`anthropic-beta` must be a comma-separated list of beta names",
+            ));
+        }
     }
     Ok(())
 }
@@ -74,21 +104,53 @@ const FIELDS: &[&str] = &[
     "output_config",
     "service_tier",
     "cache_control",
+    "context_management",
 ];
 
-/// Validates a `/v1/messages` body and translates it.
-pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, MessagesMeta), ApiError> {
+/// Validates a `/v1/messages` body and translates it; `sealer` opens the signatures of
+/// thinking blocks sent back.
+pub fn parse(
+    body: &Value,
+    limits: &Limits,
+    sealer: &Sealer,
+) -> Result<(GenRequest, MessagesMeta), ApiError> {
+    parse_body(body, limits, sealer, false)
+}
+
+/// Validates a `/v1/messages/count_tokens` body (a Messages request without `max_tokens`,
+/// `stream`, stop sequences or sampling) and translates it.
+pub fn parse_count(body: &Value, limits: &Limits, sealer: &Sealer) -> Result<GenRequest, ApiError> {
+    parse_body(body, limits, sealer, true).map(|(r, _)| r)
+}
+
+/// Fields `count_tokens` takes (what shapes the prompt).
+const COUNT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "system",
+    "thinking",
+    "tools",
+    "tool_choice",
+    "output_config",
+    "context_management",
+    "cache_control",
+];
+
+fn parse_body(
+    body: &Value,
+    limits: &Limits,
+    sealer: &Sealer,
+    counting: bool,
+) -> Result<(GenRequest, MessagesMeta), ApiError> {
     let obj = body
         .as_object()
         .ok_or_else(|| ApiError::invalid("request body must be a JSON object"))?;
-    if let Some(k) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-        return Err(bad(
-            k,
-            format!(
-                "`{k}` is not supported by Deltafin's native {ENDPOINT} endpoint; refusing to silently ignore an unknown or generation-semantic field"
-            ),
-        ));
-    }
+    let (fields, endpoint) = if counting {
+        (COUNT_FIELDS, "/v1/messages/count_tokens")
+    } else {
+        (FIELDS, ENDPOINT)
+    };
+    crate::strict::known_fields(obj, fields, endpoint)?;
     let get = |k: &str| field(obj, k);
 
     match get("model") {
@@ -101,6 +163,7 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, MessagesMeta)
     }
 
     let asked = match get("max_tokens") {
+        None if counting => limits.max_tokens as u64,
         None => return Err(bad("max_tokens", "`max_tokens` is required")),
         Some(v) => match v.as_u64() {
             Some(0) => {
@@ -113,9 +176,11 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, MessagesMeta)
             None => return Err(bad("max_tokens", "`max_tokens` must be a positive integer")),
         },
     };
-    let max_new = usize::try_from(asked)
-        .unwrap_or(usize::MAX)
-        .min(limits.max_tokens);
+    let max_new = if counting {
+        limits.max_tokens
+    } else {
+        crate::request::within_server_limit("max_tokens", asked, limits)?
+    };
 
     let stream = match get("stream") {
         None => false,
@@ -145,22 +210,28 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, MessagesMeta)
     check_cache_control(get("cache_control"), "cache_control")?;
     let stops = stop_sequences(get("stop_sequences"))?;
 
-    let (thinking, effort, response_format) = thinking(obj, asked, limits.default_thinking)?;
-    let tools = tools(get("tools"))?;
+    let think = thinking(obj, asked)?;
+    let (tools, deferred) = tools(get("tools"))?;
     let (tool_mode, parallel_tool_calls) = tool_choice(get("tool_choice"), &tools)?;
+    let edits = context::Edits::parse(get("context_management"))?;
 
     let messages = match get("messages") {
         Some(Value::Array(items)) if !items.is_empty() => items,
         _ => return Err(bad("messages", "`messages` must be a non-empty JSON array")),
     };
-    let messages = content::convert(get("system"), messages)?;
+    let cx = content::Convert {
+        sealer,
+        deferred: &deferred,
+    };
+    let mut messages = content::convert(get("system"), messages, &cx)?;
+    let applied_edits = edits.apply(&mut messages);
     let controls = ChatControls {
-        thinking,
-        effort,
+        thinking: think.on,
+        effort: think.effort,
         tools,
         tool_mode,
         parallel_tool_calls,
-        response_format,
+        response_format: think.format,
     };
     let req = GenRequest {
         sampling,
@@ -172,7 +243,12 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, MessagesMeta)
         stop: stops.clone(),
         logprobs: None,
     };
-    Ok((req, MessagesMeta { stops }))
+    let meta = MessagesMeta {
+        stops,
+        omit_thinking: think.omit,
+        applied_edits,
+    };
+    Ok((req, meta))
 }
 
 /// A top-level field; `null` means absent.
@@ -225,14 +301,42 @@ pub fn budget_effort(budget: u64) -> ReasoningEffort {
     }
 }
 
-/// `thinking` and `output_config`: thinking on or off, its effort, the output format.
-fn thinking(
-    obj: &Map<String, Value>,
-    max_tokens: u64,
-    default: Thinking,
-) -> Result<(bool, ReasoningEffort, Option<ResponseFormat>), ApiError> {
+/// What `thinking` and `output_config` ask for.
+struct ThinkingSetup {
+    /// Thinking on.
+    on: bool,
+    /// Its effort (used only when on).
+    effort: ReasoningEffort,
+    /// `display: "omitted"`.
+    omit: bool,
+    /// `output_config.format`.
+    format: Option<ResponseFormat>,
+}
+
+/// The effort of `output_config.effort` (Anthropic's default is `high`).
+fn anthropic_effort(e: &Value) -> Result<ReasoningEffort, ApiError> {
+    match e.as_str() {
+        Some("low") => Ok(ReasoningEffort::Low),
+        Some("medium") => Ok(ReasoningEffort::Medium),
+        Some("high") => Ok(ReasoningEffort::High),
+        Some("xhigh" | "max") => Ok(ReasoningEffort::Max),
+        _ => Err(bad(
+            "output_config",
+            "`output_config.effort` must be low, medium, high, xhigh or max",
+        )),
+    }
+}
+
+/// `thinking` and `output_config` with Anthropic's meaning: no `thinking` is no thinking;
+/// `enabled` thinks at the effort its budget selects, `adaptive` at `output_config.effort`
+/// (default `high`, Anthropic's default effort). K3's effort steers only its thinking, so
+/// without thinking the effort can only be the default.
+fn thinking(obj: &Map<String, Value>, max_tokens: u64) -> Result<ThinkingSetup, ApiError> {
     let get = |k: &str| field(obj, k);
-    let (mut on, mut effort) = thinking_default(default);
+    let mut on = false;
+    let mut effort = ReasoningEffort::High;
+    let mut omit = false;
+    let mut from_budget = None;
     if let Some(t) = get("thinking") {
         let t = object(t, "thinking", "`thinking`")?;
         let kind = string(t, "type", "thinking", "`thinking`")?;
@@ -258,13 +362,14 @@ fn thinking(
                         ),
                     ));
                 }
-                effort = budget_effort(budget);
+                on = true;
+                from_budget = Some(budget_effort(budget));
             }
-            "adaptive" => only_keys(t, &["type", "display"], "thinking", "`thinking`")?,
-            "disabled" => {
-                only_keys(t, &["type"], "thinking", "`thinking`")?;
-                on = false;
+            "adaptive" => {
+                only_keys(t, &["type", "display"], "thinking", "`thinking`")?;
+                on = true;
             }
+            "disabled" => only_keys(t, &["type"], "thinking", "`thinking`")?,
             other => {
                 return Err(bad(
                     "thinking",
@@ -277,12 +382,7 @@ fn thinking(
         match t.get("display") {
             None | Some(Value::Null) => {}
             Some(d) if d == "summarized" => {}
-            Some(d) if d == "omitted" => {
-                return Err(bad(
-                    "thinking",
-                    "`thinking.display: \"omitted\"` is not implemented: Deltafin returns the thinking text",
-                ));
-            }
+            Some(d) if d == "omitted" => omit = true,
             Some(_) => {
                 return Err(bad(
                     "thinking",
@@ -290,6 +390,9 @@ fn thinking(
                 ));
             }
         }
+    }
+    if let Some(e) = from_budget {
+        effort = e;
     }
     let mut format = None;
     if let Some(oc) = get("output_config") {
@@ -301,24 +404,14 @@ fn thinking(
             "`output_config`",
         )?;
         if let Some(e) = oc.get("effort").filter(|e| !e.is_null()) {
-            if !on {
+            let asked = anthropic_effort(e)?;
+            if !on && asked != ReasoningEffort::High {
                 return Err(bad(
                     "output_config",
-                    "`output_config.effort` needs thinking: K3's effort only steers its thinking channel, which `thinking: disabled` turns off",
+                    "`output_config.effort` other than \"high\" (the default) needs thinking: K3's effort steers only its thinking channel, and this request has none (no `thinking`, or `thinking: {\"type\": \"disabled\"}`); send `thinking: {\"type\": \"adaptive\"}` or leave the effort out",
                 ));
             }
-            effort = match e.as_str() {
-                Some("low") => ReasoningEffort::Low,
-                Some("medium") => ReasoningEffort::Medium,
-                Some("high") => ReasoningEffort::High,
-                Some("xhigh" | "max") => ReasoningEffort::Max,
-                _ => {
-                    return Err(bad(
-                        "output_config",
-                        "`output_config.effort` must be low, medium, high, xhigh or max",
-                    ));
-                }
-            };
+            effort = asked;
         }
         if let Some(f) = oc.get("format").filter(|f| !f.is_null()) {
             let f = object(f, "output_config", "`output_config.format`")?;
@@ -345,7 +438,12 @@ fn thinking(
             }
         }
     }
-    Ok((on, effort, format))
+    Ok(ThinkingSetup {
+        on,
+        effort,
+        omit,
+        format,
+    })
 }
 
 /// Tool names: what Anthropic allows.
@@ -356,14 +454,20 @@ fn valid_tool_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
-/// Client tools `{name, description?, input_schema, type?: "custom", cache_control?}` in the
-/// function shape the template declares.
-fn tools(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
-    let Some(v) = v else { return Ok(Vec::new()) };
+/// Client tools `{name, description?, input_schema, type?: "custom", cache_control?,
+/// defer_loading?, strict?}` in the function shape the template declares. A tool with
+/// `defer_loading: true` is not declared up front: it is loaded where a `tool_reference` or
+/// `tool_addition` block names it (the template's dynamic tool declaration). Returns the
+/// tools declared up front and the deferred ones by name.
+fn tools(v: Option<&Value>) -> Result<(Vec<Value>, HashMap<String, Value>), ApiError> {
+    let Some(v) = v else {
+        return Ok((Vec::new(), HashMap::new()));
+    };
     let items = v
         .as_array()
         .ok_or_else(|| bad("tools", "`tools` must be an array"))?;
     let mut out: Vec<Value> = Vec::with_capacity(items.len());
+    let mut deferred = HashMap::new();
     let mut names: Vec<&str> = Vec::new();
     for (i, t) in items.iter().enumerate() {
         let p = format!("tools[{i}]");
@@ -375,7 +479,7 @@ fn tools(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
                 return Err(bad(
                     &p,
                     format!(
-                        "tool type {k} (an Anthropic server tool) is not implemented; declare client tools with `name` and `input_schema`"
+                        "tool type {k} (an Anthropic server tool) is not implemented: Deltafin runs no server tools; declare client tools with `name` and `input_schema` (Claude Code sends only client tools unless a server tool is configured)"
                     ),
                 ));
             }
@@ -388,6 +492,8 @@ fn tools(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
                 "description",
                 "input_schema",
                 "cache_control",
+                "defer_loading",
+                "strict",
             ],
             &p,
             "a tool",
@@ -423,9 +529,29 @@ fn tools(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
             Some(_) => return Err(bad(&p, "tool `description` must be a string")),
         }
         function.insert("parameters".into(), Value::Object(schema));
-        out.push(json!({"type": "function", "function": function}));
+        match t.get("strict") {
+            None | Some(Value::Null) => {}
+            Some(Value::Bool(b)) => {
+                function.insert("strict".into(), Value::Bool(*b));
+            }
+            Some(_) => return Err(bad(&p, "tool `strict` must be a boolean")),
+        }
+        let tool = json!({"type": "function", "function": function});
+        match t.get("defer_loading") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => out.push(tool),
+            Some(Value::Bool(true)) => {
+                deferred.insert(name.to_string(), tool);
+            }
+            Some(_) => return Err(bad(&p, "tool `defer_loading` must be a boolean")),
+        }
     }
-    Ok(out)
+    if out.is_empty() && !deferred.is_empty() {
+        return Err(bad(
+            "tools",
+            "every tool has `defer_loading: true`: at least one tool (such as the client's tool search) must be declared up front",
+        ));
+    }
+    Ok((out, deferred))
 }
 
 /// `tool_choice` onto the tool mode and whether several calls may come.

@@ -8,7 +8,7 @@
 //! channel has no block; the streamed blocks equal the non-streamed ones.
 
 use super::MessagesMeta;
-use super::wire::{error_body, signature, stop_reason, usage_object};
+use super::wire::{error_body, stop_reason, usage_object};
 use crate::MODEL_ID;
 use crate::engine::{FinishReason, Usage};
 use crate::error::ApiError;
@@ -16,6 +16,7 @@ use crate::output::{Delta, ToolCallDelta};
 use crate::reply::{
     Reply, ReplyContext, ToolCall, arguments_object, assemble_tool_calls, sse_event,
 };
+use crate::seal::Sealer;
 use serde_json::{Value, json};
 
 /// The content block being streamed.
@@ -31,24 +32,27 @@ enum Open {
 pub struct MessagesReply {
     ctx: ReplyContext,
     meta: MessagesMeta,
+    sealer: Sealer,
+    /// The reasoning's ids (they arrive with its last text); sealed, they are the thinking
+    /// block's signature.
+    reasoning_ids: Vec<u32>,
     open: Option<Open>,
     /// Index of the next content block.
     next_index: usize,
-    /// The thinking text streamed so far (its signature closes the block).
-    thinking: String,
     /// Tool calls whose block has been opened.
     started_calls: Vec<usize>,
 }
 
 impl MessagesReply {
     /// A reply for the request `meta` describes.
-    pub fn new(ctx: ReplyContext, meta: MessagesMeta) -> Self {
+    pub fn new(ctx: ReplyContext, meta: MessagesMeta, sealer: Sealer) -> Self {
         MessagesReply {
             ctx,
             meta,
+            sealer,
+            reasoning_ids: Vec::new(),
             open: None,
             next_index: 0,
-            thinking: String::new(),
             started_calls: Vec::new(),
         }
     }
@@ -68,11 +72,15 @@ impl MessagesReply {
         stop: (Option<&str>, Option<String>),
         usage: Option<&Usage>,
     ) -> Value {
-        json!({
+        let mut m = json!({
             "id": self.ctx.id, "type": "message", "role": "assistant", "model": MODEL_ID,
             "content": content, "stop_reason": stop.0, "stop_sequence": stop.1,
             "usage": usage_object(self.ctx.prompt_tokens, usage),
-        })
+        });
+        if let Some(cm) = &self.meta.applied_edits {
+            m["context_management"] = cm.clone();
+        }
+        m
     }
 
     /// Index of the open block (the last one started).
@@ -84,7 +92,8 @@ impl MessagesReply {
         let Some(open) = self.open.take() else { return };
         let index = self.index();
         if open == Open::Thinking {
-            let delta = json!({"type": "signature_delta", "signature": signature(&self.thinking)});
+            let sig = self.sealer.seal(&self.reasoning_ids);
+            let delta = json!({"type": "signature_delta", "signature": sig});
             out.push(block_delta(index, delta));
         }
         out.push(sse_event(
@@ -145,8 +154,13 @@ impl Reply for MessagesReply {
     fn body(&mut self, all: Delta, finish: FinishReason, usage: &Usage) -> Result<Value, ApiError> {
         let mut content = Vec::new();
         if !all.reasoning.is_empty() {
-            let sig = signature(&all.reasoning);
-            content.push(json!({"type": "thinking", "thinking": all.reasoning, "signature": sig}));
+            let sig = self.sealer.seal(&all.reasoning_ids);
+            let text = if self.meta.omit_thinking {
+                ""
+            } else {
+                all.reasoning.as_str()
+            };
+            content.push(json!({"type": "thinking", "thinking": text, "signature": sig}));
         }
         if !all.content.is_empty() {
             content.push(json!({"type": "text", "text": all.content}));
@@ -178,6 +192,7 @@ impl Reply for MessagesReply {
 
     fn delta(&mut self, d: Delta) -> Result<Vec<String>, ApiError> {
         let mut out = Vec::new();
+        self.reasoning_ids.extend_from_slice(&d.reasoning_ids);
         if !d.reasoning.is_empty() {
             if self.open != Some(Open::Thinking) {
                 self.start(
@@ -186,11 +201,13 @@ impl Reply for MessagesReply {
                     &mut out,
                 );
             }
-            self.thinking.push_str(&d.reasoning);
-            out.push(block_delta(
-                self.index(),
-                json!({"type": "thinking_delta", "thinking": d.reasoning}),
-            ));
+            // `display: "omitted"`: the block carries only its signature.
+            if !self.meta.omit_thinking {
+                out.push(block_delta(
+                    self.index(),
+                    json!({"type": "thinking_delta", "thinking": d.reasoning}),
+                ));
+            }
         }
         if !d.content.is_empty() {
             if self.open != Some(Open::Text) {
@@ -211,17 +228,27 @@ impl Reply for MessagesReply {
         let mut out = Vec::new();
         self.close(&mut out);
         let (reason, seq) = self.stop(finish, usage);
-        out.push(sse_event(
-            "message_delta",
-            &json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                    "usage": usage_object(self.ctx.prompt_tokens, Some(usage))}),
-        ));
+        let mut md = json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                "usage": usage_object(self.ctx.prompt_tokens, Some(usage))});
+        if let Some(cm) = &self.meta.applied_edits {
+            md["context_management"] = cm.clone();
+        }
+        out.push(sse_event("message_delta", &md));
         out.push(sse_event("message_stop", &json!({"type": "message_stop"})));
         out
     }
 
     fn failed(&mut self, e: &ApiError) -> Vec<String> {
         vec![sse_event("error", &error_body(e))]
+    }
+
+    /// The prefill comment, and a `ping` event (Anthropic's own keep-alive) with it, so that
+    /// clients that time out silent streams see life while a long prompt is prefilled.
+    fn prefill(&mut self, done: usize, total: usize) -> Vec<String> {
+        vec![
+            crate::engine::prefill_comment(done, total),
+            sse_event("ping", &json!({"type": "ping"})),
+        ]
     }
 }
 
@@ -244,8 +271,17 @@ mod tests {
             ctx(),
             MessagesMeta {
                 stops: stops.iter().map(|s| s.to_string()).collect(),
+                omit_thinking: false,
+                applied_edits: None,
             },
+            sealer(),
         )
+    }
+
+    /// One sealer for every reply of a test (signatures compare equal).
+    fn sealer() -> Sealer {
+        static S: std::sync::OnceLock<Sealer> = std::sync::OnceLock::new();
+        S.get_or_init(Sealer::ephemeral).clone()
     }
 
     fn usage(c: usize, r: usize) -> Usage {
@@ -412,7 +448,7 @@ mod tests {
         assert_eq!(
             body["content"],
             json!([
-                {"type": "thinking", "thinking": "let me think", "signature": signature("let me think")},
+                {"type": "thinking", "thinking": "let me think", "signature": sealer().seal(&[])},
                 {"type": "text", "text": "Sure, calling."},
                 {"type": "tool_use", "id": "toolu_get", "name": "get", "input": {"city": "Paris"}},
                 {"type": "tool_use", "id": "toolu_put", "name": "put", "input": {}},

@@ -13,7 +13,7 @@ fn parse_with(extra: Value) -> Result<(GenRequest, MessagesMeta), ApiError> {
     for (k, v) in extra.as_object().unwrap() {
         body[k] = v.clone();
     }
-    parse(&body, &LIMITS)
+    parse(&body, &LIMITS, &crate::seal::Sealer::ephemeral())
 }
 
 fn controls(r: &GenRequest) -> &ChatControls {
@@ -34,13 +34,19 @@ fn defaults_and_budget() {
     assert_eq!(r.max_new, 100);
     assert!(!r.stream && r.stop.is_empty() && r.logprobs.is_none() && meta.stops.is_empty());
     let c = controls(&r);
-    // Thinking on at the server's default effort, as on /v1/chat/completions.
-    assert!(c.thinking);
-    assert_eq!(c.effort, ReasoningEffort::High);
+    // No `thinking` is no thinking, as on Anthropic's API.
+    assert!(!c.thinking);
     assert!(c.tools.is_empty() && c.response_format.is_none());
     assert_eq!(c.tool_mode, ToolMode::Auto);
+    // A budget above the server's limit is refused, naming the limit and the client setting.
+    let e = err(json!({"max_tokens": 5000}));
+    assert!(
+        e.message.contains("--max-tokens 1000")
+            && e.message.contains("CLAUDE_CODE_MAX_OUTPUT_TOKENS"),
+        "{e}"
+    );
     assert_eq!(
-        parse_with(json!({"max_tokens": 5000})).unwrap().0.max_new,
+        parse_with(json!({"max_tokens": 1000})).unwrap().0.max_new,
         1000
     );
     assert!(
@@ -55,7 +61,7 @@ fn defaults_and_budget() {
     );
     let mut body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]});
     assert!(
-        parse(&body, &LIMITS)
+        parse(&body, &LIMITS, &crate::seal::Sealer::ephemeral())
             .unwrap_err()
             .message
             .contains("`max_tokens` is required")
@@ -63,7 +69,7 @@ fn defaults_and_budget() {
     body["max_tokens"] = json!(5);
     body.as_object_mut().unwrap().remove("model");
     assert!(
-        parse(&body, &LIMITS)
+        parse(&body, &LIMITS, &crate::seal::Sealer::ephemeral())
             .unwrap_err()
             .message
             .contains("`model` is required")
@@ -77,8 +83,14 @@ fn defaults_and_budget() {
 
 #[test]
 fn thinking_rules() {
+    let wide = Limits {
+        max_tokens: 100_000,
+        ..LIMITS
+    };
     let on = |t: Value| {
-        let (r, _) = parse_with(json!({"max_tokens": 100000, "thinking": t})).unwrap();
+        let body = json!({"model": MODEL_ID, "max_tokens": 100_000, "thinking": t,
+                          "messages": [{"role": "user", "content": "hi"}]});
+        let (r, _) = parse(&body, &wide, &crate::seal::Sealer::ephemeral()).unwrap();
         let c = controls(&r);
         (c.thinking, c.effort)
     };
@@ -106,7 +118,7 @@ fn thinking_rules() {
     let e = err(json!({"thinking": {"type": "enabled", "budget_tokens": 100}}));
     assert!(e.message.contains(">= 1024"), "{e}");
     let e =
-        err(json!({"max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 2000}}));
+        err(json!({"max_tokens": 1000, "thinking": {"type": "enabled", "budget_tokens": 1024}}));
     assert!(e.message.contains("less than `max_tokens`"), "{e}");
     assert!(
         err(json!({"thinking": {"type": "enabled"}}))
@@ -118,8 +130,11 @@ fn thinking_rules() {
             .message
             .contains("not implemented")
     );
+    let (_, meta) =
+        parse_with(json!({"thinking": {"type": "adaptive", "display": "omitted"}})).unwrap();
+    assert!(meta.omit_thinking);
     assert!(
-        err(json!({"thinking": {"type": "adaptive", "display": "omitted"}}))
+        err(json!({"thinking": {"type": "adaptive", "display": "hidden"}}))
             .message
             .contains("omitted")
     );
@@ -128,12 +143,24 @@ fn thinking_rules() {
             .message
             .contains("`budget_tokens`")
     );
-    let (r, _) = parse_with(json!({"output_config": {"effort": "medium"}})).unwrap();
+    let adaptive = json!({"type": "adaptive"});
+    let (r, _) =
+        parse_with(json!({"thinking": adaptive, "output_config": {"effort": "medium"}})).unwrap();
     assert_eq!(controls(&r).effort, ReasoningEffort::Medium);
-    let (r, _) = parse_with(json!({"output_config": {"effort": "xhigh"}})).unwrap();
+    let (r, _) =
+        parse_with(json!({"thinking": adaptive, "output_config": {"effort": "xhigh"}})).unwrap();
     assert_eq!(controls(&r).effort, ReasoningEffort::Max);
     let e = err(json!({"thinking": {"type": "disabled"}, "output_config": {"effort": "low"}}));
     assert!(e.message.contains("needs thinking"), "{e}");
+    // Without `thinking` the message names what the client sent, and `high` (the default)
+    // is accepted.
+    let e = err(json!({"output_config": {"effort": "low"}}));
+    assert!(
+        e.message.contains("no `thinking`") && !e.message.contains("budget"),
+        "{e}"
+    );
+    let (r, _) = parse_with(json!({"output_config": {"effort": "high"}})).unwrap();
+    assert!(!controls(&r).thinking);
     let (r, _) = parse_with(
         json!({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}),
     )
@@ -203,7 +230,7 @@ fn stops_metadata_and_unknown_fields() {
     assert!(err(json!({"stream": "yes"})).message.contains("boolean"));
     assert!(err(json!({"messages": []})).message.contains("non-empty"));
     assert!(
-        parse(&json!([1]), &LIMITS)
+        parse(&json!([1]), &LIMITS, &crate::seal::Sealer::ephemeral())
             .unwrap_err()
             .message
             .contains("JSON object")
@@ -272,7 +299,10 @@ fn tools_and_tool_choice() {
             .message
             .contains("twice")
     );
-    assert!(err(json!({"tools": [{"name": "f", "input_schema": {"type": "object"}, "defer_loading": true}]})).message.contains("`defer_loading`"));
+    // A deferred tool is not declared up front.
+    let (r, _) = parse_with(json!({"tools": [weather.clone(), {"name": "f", "input_schema": {"type": "object"}, "defer_loading": true}]})).unwrap();
+    assert_eq!(controls(&r).tools.len(), 1);
+    assert!(err(json!({"tools": [{"name": "f", "input_schema": {"type": "object"}, "defer_loading": true}]})).message.contains("up front"));
 }
 
 #[test]
@@ -292,16 +322,14 @@ fn headers() {
             .contains("2023-06-01")
     );
     h.insert("anthropic-version", HeaderValue::from_static("2023-06-01"));
+    // Beta names are accepted: every field or block a beta unlocks is checked on its own.
     h.insert(
         "anthropic-beta",
-        HeaderValue::from_static("interleaved-thinking-2025-05-14"),
+        HeaderValue::from_static(
+            "claude-code-20250219,interleaved-thinking-2025-05-14,some-future-beta-2027-01-01",
+        ),
     );
-    assert!(
-        check_headers(&h)
-            .unwrap_err()
-            .message
-            .contains("interleaved-thinking")
-    );
+    assert!(check_headers(&h).is_ok());
 }
 
 #[test]
@@ -325,7 +353,19 @@ fn model_aliases_are_served() {
         ..LIMITS
     };
     let body = |m: &str| json!({"model": m, "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]});
-    assert!(parse(&body("claude-sonnet-4-5"), &limits).is_ok());
-    let e = parse(&body("claude-opus"), &limits).unwrap_err();
+    assert!(
+        parse(
+            &body("claude-sonnet-4-5"),
+            &limits,
+            &crate::seal::Sealer::ephemeral()
+        )
+        .is_ok()
+    );
+    let e = parse(
+        &body("claude-opus"),
+        &limits,
+        &crate::seal::Sealer::ephemeral(),
+    )
+    .unwrap_err();
     assert_eq!(e.code, "model_not_found");
 }

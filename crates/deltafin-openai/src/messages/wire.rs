@@ -66,20 +66,7 @@ pub fn usage_object(prompt_tokens: usize, usage: Option<&Usage>) -> Value {
     })
 }
 
-/// A 400 naming `param`.
-pub fn bad(param: &str, message: impl Into<String>) -> ApiError {
-    ApiError::invalid_param(param, message)
-}
-
-/// `v` as an object, else a 400 saying what `what` must be.
-pub fn object<'v>(
-    v: &'v Value,
-    param: &str,
-    what: &str,
-) -> Result<&'v Map<String, Value>, ApiError> {
-    v.as_object()
-        .ok_or_else(|| bad(param, format!("{what} must be a JSON object")))
-}
+pub use crate::strict::{bad, object, string};
 
 /// Refuses a key of `obj` that is not in `allowed`, naming it and where it is.
 pub fn only_keys(
@@ -88,32 +75,7 @@ pub fn only_keys(
     param: &str,
     what: &str,
 ) -> Result<(), ApiError> {
-    match obj.keys().find(|k| !allowed.contains(&k.as_str())) {
-        Some(k) => Err(bad(
-            param,
-            format!(
-                "`{k}` in {what} is not supported by Deltafin's native {ENDPOINT} endpoint; refusing to silently ignore it"
-            ),
-        )),
-        None => Ok(()),
-    }
-}
-
-/// A required string field.
-pub fn string<'v>(
-    obj: &'v Map<String, Value>,
-    key: &str,
-    param: &str,
-    what: &str,
-) -> Result<&'v str, ApiError> {
-    match obj.get(key) {
-        Some(Value::String(s)) => Ok(s),
-        None | Some(Value::Null) => Err(bad(param, format!("{what} needs a `{key}` string"))),
-        Some(_) => Err(bad(
-            param,
-            format!("`{key}` of {what} must be a JSON string"),
-        )),
-    }
+    crate::strict::only_keys(obj, allowed, param, what, ENDPOINT)
 }
 
 /// A `cache_control` value: `{"type":"ephemeral"}` with an optional `ttl` of `5m` or `1h`.

@@ -71,6 +71,11 @@ pub struct Delta {
     /// pieces that continue the same call are merged, so a [`Delta`] accumulated over a whole
     /// answer with [`Delta::extend`] holds exactly one piece per call.
     pub tool_calls: Vec<ToolCallDelta>,
+    /// The ids of the whole reasoning, without the marker that closed it (chat with thinking
+    /// only): released once, with the reasoning's last text. They let a client send the
+    /// reasoning back exactly (an opaque reasoning token, docs/SERVER.md "Reasoning
+    /// round trips").
+    pub reasoning_ids: Vec<u32>,
 }
 
 impl Delta {
@@ -81,6 +86,7 @@ impl Delta {
             && self.reasoning_logprobs.is_empty()
             && self.content_logprobs.is_empty()
             && self.tool_calls.is_empty()
+            && self.reasoning_ids.is_empty()
     }
 
     /// Appends `other` (tool-call pieces merged per call, see [`Delta::tool_calls`]).
@@ -89,6 +95,7 @@ impl Delta {
         self.content.push_str(&other.content);
         self.reasoning_logprobs.extend(other.reasoning_logprobs);
         self.content_logprobs.extend(other.content_logprobs);
+        self.reasoning_ids.extend(other.reasoning_ids);
         for piece in other.tool_calls {
             push_tool_piece(&mut self.tool_calls, piece);
         }

@@ -8,6 +8,7 @@
 
 use crate::error::ApiError;
 use crate::request::MULTIMODAL;
+use crate::seal::Sealer;
 use deltafin_k3::text::chat::{ChatMessage, Content, ToolCall};
 use serde_json::{Map, Value};
 use std::collections::HashMap;
@@ -15,10 +16,7 @@ use std::collections::HashMap;
 /// The endpoint name used in messages.
 pub const ENDPOINT: &str = "/v1/responses";
 
-/// A 400 naming `param`.
-pub fn bad(param: &str, message: impl Into<String>) -> ApiError {
-    ApiError::invalid_param(param, message)
-}
+pub use crate::strict::{bad, string};
 
 /// Refuses a key of `obj` that is not in `allowed`, naming it and where it is.
 pub fn only_keys(
@@ -27,36 +25,45 @@ pub fn only_keys(
     param: &str,
     what: &str,
 ) -> Result<(), ApiError> {
-    match obj.keys().find(|k| !allowed.contains(&k.as_str())) {
-        Some(k) => Err(bad(
-            param,
-            format!(
-                "`{k}` in {what} is not supported by Deltafin's native {ENDPOINT} endpoint; refusing to silently ignore it"
-            ),
-        )),
-        None => Ok(()),
-    }
+    crate::strict::only_keys(obj, allowed, param, what, ENDPOINT)
 }
 
-fn string<'v>(
-    obj: &'v Map<String, Value>,
-    key: &str,
-    param: &str,
-    what: &str,
-) -> Result<&'v str, ApiError> {
-    match obj.get(key) {
-        Some(Value::String(s)) => Ok(s),
-        None | Some(Value::Null) => Err(bad(param, format!("{what} needs a `{key}` string"))),
-        Some(_) => Err(bad(
-            param,
-            format!("`{key}` of {what} must be a JSON string"),
-        )),
-    }
+/// `input` as a list of items, each with an `id` (`<prefix>_<n>` where the client sent none):
+/// what a stored response lists as its `input_items` and continues from.
+pub fn with_ids(input: &Value, prefix: &str) -> Vec<Value> {
+    let items = match input {
+        Value::String(s) => vec![serde_json::json!({
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": s}],
+        })],
+        Value::Array(items) => items.clone(),
+        _ => return Vec::new(),
+    };
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut item)| {
+            if let Some(obj) = item.as_object_mut()
+                && !obj.get("id").is_some_and(Value::is_string)
+            {
+                obj.insert("id".into(), Value::from(format!("{prefix}_{i}")));
+            }
+            item
+        })
+        .collect()
 }
 
-/// The chat messages of `instructions` and `input` (a string or a list of items).
-pub fn convert(instructions: Option<&str>, input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
-    let mut b = Builder::default();
+/// The chat messages of `instructions` and `input` (a string or a list of items); `sealer`
+/// opens reasoning items' `encrypted_content`.
+pub fn convert(
+    instructions: Option<&str>,
+    input: &Value,
+    sealer: &Sealer,
+) -> Result<Vec<ChatMessage>, ApiError> {
+    let mut b = Builder {
+        sealer: Some(sealer),
+        ..Builder::default()
+    };
     if let Some(text) = instructions {
         b.out.push(ChatMessage::new("system", text));
     }
@@ -85,7 +92,9 @@ pub fn convert(instructions: Option<&str>, input: &Value) -> Result<Vec<ChatMess
 }
 
 #[derive(Default)]
-struct Builder {
+struct Builder<'s> {
+    /// Opens sealed reasoning.
+    sealer: Option<&'s Sealer>,
     out: Vec<ChatMessage>,
     /// The assistant turn being gathered.
     pending: Option<ChatMessage>,
@@ -93,7 +102,7 @@ struct Builder {
     call_names: HashMap<String, String>,
 }
 
-impl Builder {
+impl Builder<'_> {
     fn flush(&mut self) {
         if let Some(m) = self.pending.take() {
             self.out.push(m);
@@ -126,15 +135,32 @@ impl Builder {
             "function_call" => {
                 only_keys(
                     obj,
-                    &["type", "call_id", "name", "arguments", "id", "status"],
+                    &[
+                        "type",
+                        "call_id",
+                        "name",
+                        "arguments",
+                        "id",
+                        "status",
+                        "namespace",
+                    ],
                     p,
                     "a function_call item",
                 )?;
                 let call_id = string(obj, "call_id", p, "a function_call item")?;
                 let name = string(obj, "name", p, "a function_call item")?;
                 let arguments = string(obj, "arguments", p, "a function_call item")?;
-                if !arguments.trim().is_empty()
-                    && !matches!(serde_json::from_str(arguments), Ok(Value::Object(_)))
+                if obj
+                    .get("namespace")
+                    .is_some_and(|n| !n.is_string() && !n.is_null())
+                {
+                    return Err(bad(p, "function_call `namespace` must be a string"));
+                }
+                // Arguments that are JSON must be an object. Text that is not JSON (a call a
+                // length limit cut off, as this server answered it) is rendered verbatim as
+                // the template's raw `json` block (docs/K3.md §8.4).
+                if let Ok(v) = serde_json::from_str::<Value>(arguments)
+                    && !v.is_object()
                 {
                     return Err(bad(
                         p,
@@ -266,12 +292,22 @@ impl Builder {
             p,
             "a reasoning item",
         )?;
-        if obj.get("encrypted_content").is_some_and(|v| !v.is_null()) {
-            return Err(bad(
-                p,
-                "reasoning `encrypted_content` is not implemented: Deltafin returns reasoning as text; send it back in `content` or `summary`",
-            ));
-        }
+        // The sealed ids of this server's own answer restore the reasoning token for token.
+        let ids = match obj.get("encrypted_content") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(token)) => {
+                let sealer = self.sealer.ok_or_else(|| bad(p, "no sealer"))?;
+                Some(sealer.open(token).map_err(|e| {
+                    bad(
+                        p,
+                        format!(
+                            "reasoning `encrypted_content` cannot be restored: {e}; send the reasoning as `content` or `summary` text without `encrypted_content`, or start the conversation again"
+                        ),
+                    )
+                })?)
+            }
+            Some(_) => return Err(bad(p, "reasoning `encrypted_content` must be a string")),
+        };
         let texts = |key: &str, kind: &str| -> Result<Vec<String>, ApiError> {
             match obj.get(key) {
                 None | Some(Value::Null) => Ok(Vec::new()),
@@ -294,6 +330,7 @@ impl Builder {
             m.reasoning_content.is_some() || m.content.is_some() || !m.tool_calls.is_empty()
         });
         m.reasoning_content = Some(text);
+        m.reasoning_ids = ids;
         Ok(())
     }
 }
@@ -350,6 +387,14 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn sealer() -> Sealer {
+        Sealer::ephemeral()
+    }
+
+    fn convert_list(v: Value) -> Vec<ChatMessage> {
+        convert(None, &v, &sealer()).unwrap()
+    }
+
     fn parts(m: &ChatMessage) -> Vec<String> {
         match &m.content {
             Some(Content::Parts(p)) => p.clone(),
@@ -360,7 +405,7 @@ mod tests {
 
     #[test]
     fn strings_and_instructions() {
-        let m = convert(Some("be brief"), &json!("hi")).unwrap();
+        let m = convert(Some("be brief"), &json!("hi"), &sealer()).unwrap();
         assert_eq!(m.len(), 2);
         assert_eq!(
             (m[0].role.as_str(), parts(&m[0])),
@@ -370,26 +415,22 @@ mod tests {
             (m[1].role.as_str(), parts(&m[1])),
             ("user", vec!["hi".to_string()])
         );
-        assert!(convert(None, &json!([])).is_err());
-        assert!(convert(None, &json!(3)).is_err());
+        assert!(convert(None, &json!([]), &sealer()).is_err());
+        assert!(convert(None, &json!(3), &sealer()).is_err());
     }
 
     #[test]
     fn a_tool_round_trip_in_the_input() {
-        let m = convert(
-            None,
-            &json!([
-                {"role": "developer", "content": "use tools"},
-                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
-                {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look it up"}]},
-                {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
-                 "content": [{"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}]},
-                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}", "id": "fc_1", "status": "completed"},
-                {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
-                {"role": "user", "content": "thanks"}
-            ]),
-        )
-        .unwrap();
+        let m = convert_list(json!([
+            {"role": "developer", "content": "use tools"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look it up"}]},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}", "id": "fc_1", "status": "completed"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"role": "user", "content": "thanks"}
+        ]));
         assert_eq!(m.len(), 5);
         assert_eq!(m[0].role, "system");
         let a = &m[2];
@@ -413,18 +454,14 @@ mod tests {
 
     #[test]
     fn turns_split_where_they_must() {
-        let m = convert(
-            None,
-            &json!([
-                {"role": "user", "content": "go"},
-                {"type": "function_call", "call_id": "a", "name": "f", "arguments": ""},
-                {"type": "function_call_output", "call_id": "a", "output": [{"type": "input_text", "text": "1"}]},
-                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s1"}, {"type": "summary_text", "text": "s2"}]},
-                {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"},
-                {"type": "function_call_output", "call_id": "b", "output": "2"}
-            ]),
-        )
-        .unwrap();
+        let m = convert_list(json!([
+            {"role": "user", "content": "go"},
+            {"type": "function_call", "call_id": "a", "name": "f", "arguments": ""},
+            {"type": "function_call_output", "call_id": "a", "output": [{"type": "input_text", "text": "1"}]},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s1"}, {"type": "summary_text", "text": "s2"}]},
+            {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "b", "output": "2"}
+        ]));
         let roles: Vec<&str> = m.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(roles, ["user", "assistant", "tool", "assistant", "tool"]);
         assert_eq!(m[3].reasoning_content.as_deref(), Some("s1\n\ns2"));
@@ -432,8 +469,38 @@ mod tests {
     }
 
     #[test]
+    fn sealed_reasoning_restores_its_ids() {
+        let s = sealer();
+        let token = s.seal(&[11, 163_587, 12]);
+        let m = convert(
+            None,
+            &json!([{"role": "user", "content": "x"},
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "shown"}], "encrypted_content": token},
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "y"}]),
+            &s,
+        )
+        .unwrap();
+        assert_eq!(m[1].reasoning_ids.as_deref(), Some(&[11, 163_587, 12][..]));
+        // Another server's token is refused, naming the way out.
+        let e = convert(
+            None,
+            &json!([{"type": "reasoning", "summary": [], "encrypted_content": token}, {"role": "user", "content": "y"}]),
+            &sealer(),
+        )
+        .unwrap_err();
+        assert!(e.message.contains("not made by this server"), "{e}");
+        let items = with_ids(
+            &json!([{"role": "user", "content": "x"}, {"id": "keep", "role": "user", "content": "y"}]),
+            "in_ab",
+        );
+        assert_eq!(items[0]["id"], "in_ab_0");
+        assert_eq!(items[1]["id"], "keep");
+        assert_eq!(with_ids(&json!("hi"), "p")[0]["content"][0]["text"], "hi");
+    }
+
+    #[test]
     fn refusals_name_the_problem() {
-        let one = |input: Value| convert(None, &input).unwrap_err();
+        let one = |input: Value| convert(None, &input, &sealer()).unwrap_err();
         let e =
             one(json!([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]));
         assert!(e.message.contains("text-only"), "{e}");
@@ -453,7 +520,10 @@ mod tests {
         let e = one(
             json!([{"type": "reasoning", "summary": [], "encrypted_content": "abc"}, {"role": "user", "content": "x"}]),
         );
-        assert!(e.message.contains("encrypted_content"), "{e}");
+        assert!(
+            e.message.contains("encrypted_content` cannot be restored"),
+            "{e}"
+        );
         let e = one(json!([{"role": "critic", "content": "x"}]));
         assert!(e.message.contains("role `critic`"), "{e}");
         let e = one(json!([{"role": "user", "content": "x", "name": "bob"}]));
@@ -464,6 +534,11 @@ mod tests {
             json!([{"type": "function_call", "call_id": "a", "name": "f", "arguments": "[1]"}, {"role": "user", "content": "x"}]),
         );
         assert!(e.message.contains("JSON text of an object"), "{e}");
+        // A call cut off by a length limit comes back as its text.
+        let m = convert_list(json!([{"role": "user", "content": "x"},
+            {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{\"q\": \"ab"},
+            {"type": "function_call_output", "call_id": "a", "output": "r"}]));
+        assert_eq!(m[1].tool_calls[0].arguments, "{\"q\": \"ab");
         let e = one(
             json!([{"role": "assistant", "content": [{"type": "output_text", "text": "x", "annotations": [{"type": "url_citation"}]}]}, {"role": "user", "content": "x"}]),
         );

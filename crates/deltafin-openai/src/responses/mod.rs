@@ -3,31 +3,46 @@
 //!
 //! A request is validated strictly (every field works exactly or is refused with a 400 that
 //! names it) and translated into the chat [`GenRequest`] the other endpoints run.
-//! Nothing is stored: `store` must be false (or absent) and `previous_response_id` is
-//! refused, so every request carries its whole conversation in `input`.
-//! [`reply::ResponsesReply`] renders the generation as a `response` object or its typed event
-//! stream. docs/SERVER.md, "/v1/responses", lists every rule.
+//! Responses are stored unless `store: false` ([`store`]), so a request may continue one
+//! with `previous_response_id`; reasoning comes back exactly through `encrypted_content`
+//! ([`crate::seal`]). [`reply::ResponsesReply`] renders the generation as a `response`
+//! object or its typed event stream. docs/SERVER.md, "/v1/responses", lists every rule.
 
 pub mod input;
 pub mod reply;
+pub mod store;
 
 use crate::error::ApiError;
 use crate::request::{ChatControls, GenRequest, Limits, Prompt, Surface, ToolMode};
+use crate::seal::Sealer;
 use deltafin_k3::sampling::Sampling;
 use deltafin_k3::text::chat::{ReasoningEffort, ResponseFormat, THINKING_SPELLINGS, Thinking};
 use input::{ENDPOINT, bad, only_keys};
 use serde_json::{Map, Value, json};
+use std::collections::HashMap;
 
-/// What the reply needs from the request: the settings a response object echoes.
+/// What the reply needs from the request: the settings a response object echoes, and what
+/// storing it takes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ResponsesMeta {
     /// `instructions`, `max_output_tokens`, `metadata`, `parallel_tool_calls`, `reasoning`,
-    /// `temperature`, `text`, `tool_choice`, `tools`, `top_p`, `user` as the response
-    /// reports them.
+    /// `temperature`, `text`, `tool_choice`, `tools`, `top_p`, `user`, `store`,
+    /// `previous_response_id` as the response reports them.
     pub echo: Map<String, Value>,
     /// `reasoning.summary` asked for: the reasoning text arrives as the item's summary
     /// (verbatim) instead of its `reasoning_text` content.
     pub summary: bool,
+    /// `include: ["reasoning.encrypted_content"]`: reasoning items carry the sealed ids.
+    pub encrypted_reasoning: bool,
+    /// Keep the response (`store`, default true).
+    pub store: bool,
+    /// This request's input items (ids filled in), as `input_items` lists them.
+    pub input_items: Vec<Value>,
+    /// The conversation this response continues: the previous response's, then this
+    /// request's input items.
+    pub conversation: Vec<Value>,
+    /// Function name → the `namespace` tool that declared it.
+    pub namespaces: HashMap<String, String>,
 }
 
 const FIELDS: &[&str] = &[
@@ -59,25 +74,38 @@ const FIELDS: &[&str] = &[
     "background",
     "max_tool_calls",
     "top_logprobs",
+    "client_metadata",
+];
+
+/// `include` values that are honoured: the sealed reasoning, and what only built-in tools
+/// produce (deltafin runs none, so those outputs never appear and asking for them changes
+/// nothing).
+const INCLUDE_OK: &[&str] = &[
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+    "file_search_call.results",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "message.input_image.image_url",
 ];
 
 fn field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
-/// Validates a `/v1/responses` body and translates it.
-pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta), ApiError> {
+/// Validates a `/v1/responses` body and translates it. `sealer` opens the reasoning of earlier
+/// answers sent back; `store` holds the responses `previous_response_id` may name.
+pub fn parse(
+    body: &Value,
+    limits: &Limits,
+    sealer: &Sealer,
+    store: Option<&store::Store>,
+) -> Result<(GenRequest, ResponsesMeta), ApiError> {
     let obj = body
         .as_object()
         .ok_or_else(|| ApiError::invalid("request body must be a JSON object"))?;
-    if let Some(k) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-        return Err(bad(
-            k,
-            format!(
-                "`{k}` is not supported by Deltafin's native {ENDPOINT} endpoint; refusing to silently ignore an unknown or generation-semantic field"
-            ),
-        ));
-    }
+    crate::strict::known_fields(obj, FIELDS, ENDPOINT)?;
     let get = |k: &str| field(obj, k);
     let mut echo = Map::new();
 
@@ -89,7 +117,19 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
         }
         Some(_) => return Err(bad("model", "`model` must be a JSON string")),
     }
-    refusals(obj)?;
+    let encrypted_reasoning = refusals(obj)?;
+    let keep = match get("store") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("store", "`store` must be a boolean")),
+    };
+    if keep && store.is_none() {
+        return Err(bad(
+            "store",
+            "this server keeps no responses (`deltafin serve --response-store-gb 0`); send `store: false`",
+        ));
+    }
+    echo.insert("store".into(), Value::from(keep));
 
     let max_new = match get("max_output_tokens") {
         None => {
@@ -99,9 +139,7 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
         Some(v) => match v.as_u64() {
             Some(n) if n >= 1 => {
                 echo.insert("max_output_tokens".into(), Value::from(n));
-                usize::try_from(n)
-                    .unwrap_or(usize::MAX)
-                    .min(limits.max_tokens)
+                crate::request::within_server_limit("max_output_tokens", n, limits)?
             }
             _ => {
                 return Err(bad(
@@ -144,15 +182,13 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
     }
     let sampling = sampling(obj, &mut echo)?;
     for key in ["user", "safety_identifier", "prompt_cache_key"] {
-        match get(key) {
-            None => {}
-            Some(Value::String(s)) if key == "user" => {
-                echo.insert("user".into(), Value::from(s.as_str()));
-            }
-            Some(Value::String(_)) => {}
-            Some(_) => return Err(bad(key, format!("`{key}` must be a JSON string"))),
+        if let Some(s) = crate::strict::opt_string(obj, key)?
+            && key == "user"
+        {
+            echo.insert("user".into(), Value::from(s));
         }
     }
+    crate::strict::string_map(get("client_metadata"), "client_metadata")?;
     let metadata = match get("metadata") {
         None => json!({}),
         Some(m @ Value::Object(map)) if map.values().all(Value::is_string) => m.clone(),
@@ -183,7 +219,7 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
     let (thinking, effort, summary) =
         reasoning(get("reasoning"), limits.default_thinking, &mut echo)?;
     let response_format = text_config(get("text"), &mut echo)?;
-    let tools = tools(get("tools"), &mut echo)?;
+    let (tools, namespaces) = tools(get("tools"), &mut echo)?;
     let tool_mode = tool_choice(get("tool_choice"), &tools, &mut echo)?;
     let parallel_tool_calls = match get("parallel_tool_calls") {
         None => true,
@@ -200,8 +236,40 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
         Value::from(parallel_tool_calls),
     );
 
+    // The conversation: the stored one `previous_response_id` names, then `input`.
+    let mut conversation = match get("previous_response_id") {
+        None => {
+            echo.insert("previous_response_id".into(), Value::Null);
+            Vec::new()
+        }
+        Some(Value::String(id)) => {
+            let record = store.and_then(|s| s.get(id)).ok_or_else(|| {
+                ApiError {
+                    status: axum::http::StatusCode::NOT_FOUND,
+                    code: "previous_response_not_found",
+                    ..bad(
+                        "previous_response_id",
+                        format!(
+                            "previous response {id:?} is not stored here: it was answered with `store: false`, deleted, removed to keep the response store within its budget, or made by another server; send the whole conversation in `input` instead"
+                        ),
+                    )
+                }
+            })?;
+            echo.insert("previous_response_id".into(), Value::from(id.as_str()));
+            record.conversation
+        }
+        Some(_) => {
+            return Err(bad(
+                "previous_response_id",
+                "`previous_response_id` must be a string",
+            ));
+        }
+    };
     let input = get("input").ok_or_else(|| bad("input", "`input` is required"))?;
-    let messages = input::convert(instructions, input)?;
+    let prefix = ResponsesMeta::item_prefix(input);
+    let input_items = input::with_ids(input, &prefix);
+    conversation.extend(input_items.iter().cloned());
+    let messages = input::convert(instructions, &Value::Array(conversation.clone()), sealer)?;
     let controls = ChatControls {
         thinking,
         effort,
@@ -220,29 +288,59 @@ pub fn parse(body: &Value, limits: &Limits) -> Result<(GenRequest, ResponsesMeta
         stop: Vec::new(),
         logprobs: None,
     };
-    Ok((req, ResponsesMeta { echo, summary }))
+    let meta = ResponsesMeta {
+        echo,
+        summary,
+        encrypted_reasoning,
+        store: keep,
+        input_items,
+        conversation,
+        namespaces,
+    };
+    Ok((req, meta))
 }
 
-/// Fields that are accepted only at the value that asks for nothing Deltafin lacks.
-fn refusals(obj: &Map<String, Value>) -> Result<(), ApiError> {
+impl ResponsesMeta {
+    /// A prefix for the ids of input items sent without one: unique enough per request (the
+    /// digest of the input), so that `input_items` lists stable ids.
+    fn item_prefix(input: &Value) -> String {
+        use sha2::Digest as _;
+        let d = sha2::Sha256::digest(input.to_string().as_bytes());
+        format!("in_{}", hex::encode(&d[..8]))
+    }
+}
+
+/// Fields that are accepted only at the value that asks for nothing Deltafin lacks; returns
+/// whether `include` asks for the sealed reasoning.
+fn refusals(obj: &Map<String, Value>) -> Result<bool, ApiError> {
     let get = |k: &str| field(obj, k);
-    if get("store").is_some_and(|v| v != &Value::Bool(false)) {
-        return Err(bad(
-            "store",
-            "`store: true` is not implemented: Deltafin keeps no responses (there is no GET /v1/responses/{id}); send `store: false`",
-        ));
-    }
-    if get("previous_response_id").is_some() {
-        return Err(bad(
-            "previous_response_id",
-            "`previous_response_id` is not implemented: Deltafin stores no responses; send the whole conversation in `input`",
-        ));
-    }
-    if get("include").is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
-        return Err(bad(
-            "include",
-            "`include` is not implemented (reasoning.encrypted_content, logprobs and tool outputs are not available); send [] or leave it out",
-        ));
+    let mut encrypted = false;
+    if let Some(v) = get("include") {
+        let items = v
+            .as_array()
+            .ok_or_else(|| bad("include", "`include` must be an array of strings"))?;
+        for item in items {
+            match item.as_str() {
+                Some("reasoning.encrypted_content") => encrypted = true,
+                Some(i) if INCLUDE_OK.contains(&i) => {}
+                Some("message.output_text.logprobs") => {
+                    return Err(bad(
+                        "include",
+                        "`include: [\"message.output_text.logprobs\"]` is not implemented on /v1/responses (use /v1/chat/completions with `logprobs`); leave it out",
+                    ));
+                }
+                Some(i) => {
+                    return Err(bad(
+                        "include",
+                        format!(
+                            "`include` value {i:?} is not one Deltafin implements; it knows {}",
+                            INCLUDE_OK.join(", ")
+                        ),
+                    ));
+                }
+                None => return Err(bad("include", "`include` must be an array of strings")),
+            }
+        }
     }
     if get("truncation").is_some_and(|v| v != "disabled") {
         return Err(bad(
@@ -259,17 +357,14 @@ fn refusals(obj: &Map<String, Value>) -> Result<(), ApiError> {
             "`top_logprobs` is not implemented on /v1/responses (use /v1/chat/completions); send 0 or leave it out",
         ));
     }
-    for key in ["service_tier", "max_tool_calls"] {
-        if get(key).is_some() {
-            return Err(bad(
-                key,
-                format!(
-                    "non-default `{key}` semantics are not implemented by native Deltafin; refusing to ignore the request"
-                ),
-            ));
-        }
+    crate::request::service_tier(get("service_tier"))?;
+    if get("max_tool_calls").is_some() {
+        return Err(bad(
+            "max_tool_calls",
+            "non-default `max_tool_calls` semantics are not implemented by native Deltafin; refusing to ignore the request",
+        ));
     }
-    Ok(())
+    Ok(encrypted)
 }
 
 /// `temperature` 0…2, `top_p`, `top_k`, `min_p`, `seed` (docs/SERVER.md "Sampling");
@@ -305,32 +400,26 @@ fn reasoning(
                 let bad_effort = || {
                     bad(
                         "reasoning",
-                        format!(
-                            "`reasoning.effort` must be one of {THINKING_SPELLINGS} or xhigh (= max)"
-                        ),
+                        format!("`reasoning.effort` must be one of {THINKING_SPELLINGS}"),
                     )
                 };
                 let e = e.as_str().ok_or_else(bad_effort)?;
-                // The shared spellings (none/off/minimal = thinking off), and the Responses
-                // API's `xhigh`, K3's highest template level.
-                (on, effort) = if e.trim().eq_ignore_ascii_case("xhigh") {
-                    (true, ReasoningEffort::Max)
-                } else {
-                    let t = Thinking::parse(e).map_err(|_| bad_effort())?;
-                    (t.is_on(), t.effort().unwrap_or(default_effort))
-                };
+                let t = Thinking::parse(e).map_err(|_| bad_effort())?;
+                (on, effort) = (t.is_on(), t.effort().unwrap_or(default_effort));
             }
         }
         match obj.get("summary").filter(|s| !s.is_null()) {
             None => {}
+            // Without thinking there is no reasoning to summarize: no reasoning item comes,
+            // which is what a summary of nothing is.
             Some(s) if s == "auto" || s == "detailed" => {
-                summary = true;
+                summary = on;
                 r.insert("summary".into(), s.clone());
             }
             Some(s) if s == "concise" => {
                 return Err(bad(
                     "reasoning",
-                    "`reasoning.summary: \"concise\"` is not implemented: K3 does not summarize; `auto` and `detailed` return the reasoning verbatim as the summary",
+                    "`reasoning.summary: \"concise\"` is not implemented: K3 does not summarize its reasoning; `auto` and `detailed` return it verbatim as the summary (Codex: model_reasoning_summary = \"auto\")",
                 ));
             }
             Some(_) => {
@@ -339,12 +428,6 @@ fn reasoning(
                     "`reasoning.summary` must be auto, concise or detailed",
                 ));
             }
-        }
-        if summary && !on {
-            return Err(bad(
-                "reasoning",
-                "`reasoning.summary` needs reasoning; `effort: none` turns it off",
-            ));
         }
     }
     let shown = if on { effort.as_str() } else { "none" };
@@ -423,10 +506,41 @@ fn text_config(
     Ok(format)
 }
 
+/// Hosted tools Deltafin cannot run, with the client setting that stops sending each.
+const HOSTED: &[(&str, &str)] = &[
+    ("file_search", "remove the file_search tool"),
+    ("computer_use_preview", "remove the computer-use tool"),
+    ("computer_use", "remove the computer-use tool"),
+    ("code_interpreter", "remove the code_interpreter tool"),
+    (
+        "image_generation",
+        "remove the image_generation tool (Codex: features.image_generation = false)",
+    ),
+    (
+        "mcp",
+        "connect MCP servers in the client instead (Codex: [mcp_servers] in config.toml), which sends them as function tools",
+    ),
+    (
+        "local_shell",
+        "use a function tool for the shell (Codex: the default shell tool of a custom provider)",
+    ),
+    (
+        "custom",
+        "declare the tool as a function tool (Codex: apply_patch_tool_type = \"function\")",
+    ),
+];
+
 /// Function tools `{type:"function", name, description?, parameters, strict}` (the flat
-/// Responses shape), echoed as given.
-fn tools(v: Option<&Value>, echo: &mut Map<String, Value>) -> Result<Vec<Value>, ApiError> {
-    let mut out = Vec::new();
+/// Responses shape), function tools nested in a `namespace` (declared by their own names;
+/// a call of one names its namespace), and `web_search` tools, which deltafin cannot run and
+/// therefore does not offer to the model (docs/SERVER.md "/v1/responses"). Echoed as given.
+/// Returns the function tools and, for each nested one, its namespace.
+fn tools(
+    v: Option<&Value>,
+    echo: &mut Map<String, Value>,
+) -> Result<(Vec<Value>, HashMap<String, String>), ApiError> {
+    let mut out: Vec<Value> = Vec::new();
+    let mut namespaces = HashMap::new();
     if let Some(v) = v {
         let items = v
             .as_array()
@@ -437,63 +551,141 @@ fn tools(v: Option<&Value>, echo: &mut Map<String, Value>) -> Result<Vec<Value>,
                 .as_object()
                 .ok_or_else(|| bad(&p, "every tool must be a JSON object"))?;
             match obj.get("type").and_then(Value::as_str) {
-                Some("function") => {}
+                Some("function") => out.push(function_tool(&p, obj, &out)?),
+                Some("namespace") => {
+                    only_keys(
+                        obj,
+                        &["type", "name", "description", "tools"],
+                        &p,
+                        "a namespace tool",
+                    )?;
+                    let ns = obj.get("name").and_then(Value::as_str).unwrap_or_default();
+                    if !valid_name(ns) {
+                        return Err(bad(
+                            &p,
+                            format!(
+                                "namespace name {ns:?} must be 1 to 64 letters, digits, `_` or `-`"
+                            ),
+                        ));
+                    }
+                    if obj
+                        .get("description")
+                        .is_some_and(|d| !d.is_string() && !d.is_null())
+                    {
+                        return Err(bad(&p, "namespace `description` must be a string"));
+                    }
+                    let nested = obj.get("tools").and_then(Value::as_array).ok_or_else(|| {
+                        bad(
+                            &p,
+                            "a namespace tool needs `tools`, an array of function tools",
+                        )
+                    })?;
+                    for (j, f) in nested.iter().enumerate() {
+                        let pj = format!("{p}.tools[{j}]");
+                        let fo = f
+                            .as_object()
+                            .ok_or_else(|| bad(&pj, "every tool must be a JSON object"))?;
+                        if fo.get("type").and_then(Value::as_str) != Some("function") {
+                            return Err(bad(&pj, "a namespace holds only function tools"));
+                        }
+                        let tool = function_tool(&pj, fo, &out)?;
+                        namespaces.insert(
+                            tool["name"].as_str().unwrap_or_default().to_string(),
+                            ns.to_string(),
+                        );
+                        out.push(tool);
+                    }
+                }
+                // deltafin has no search backend: the model is not offered the tool, so the
+                // answer is the model's without searching, as when it chooses not to search.
+                Some(
+                    "web_search"
+                    | "web_search_preview"
+                    | "web_search_2025_08_26"
+                    | "web_search_preview_2025_03_11",
+                ) => {}
                 Some(other) => {
+                    let how = HOSTED
+                        .iter()
+                        .find(|(k, _)| *k == other)
+                        .map_or("declare it as a function tool", |(_, how)| how);
                     return Err(bad(
                         &p,
                         format!(
-                            "tool type `{other}` is not implemented; only `function` tools are"
+                            "tool type `{other}` is not implemented: Deltafin runs no hosted tools; {how}"
                         ),
                     ));
                 }
                 None => return Err(bad(&p, "every tool needs a `type` string")),
             }
-            only_keys(
-                obj,
-                &["type", "name", "description", "parameters", "strict"],
-                &p,
-                "a function tool",
-            )?;
-            let name = obj.get("name").and_then(Value::as_str).unwrap_or_default();
-            let valid = (1..=64).contains(&name.len())
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-            if !valid {
-                return Err(bad(
-                    &p,
-                    format!("function name {name:?} must be 1 to 64 letters, digits, `_` or `-`"),
-                ));
-            }
-            if out.iter().any(|t: &Value| t["name"] == name) {
-                return Err(bad(&p, format!("function name {name:?} is declared twice")));
-            }
-            if obj
-                .get("description")
-                .is_some_and(|d| !d.is_string() && !d.is_null())
-            {
-                return Err(bad(&p, "function `description` must be a string"));
-            }
-            if obj
-                .get("parameters")
-                .is_some_and(|s| !s.is_object() && !s.is_null())
-            {
-                return Err(bad(
-                    &p,
-                    "function `parameters` must be a JSON Schema object",
-                ));
-            }
-            if obj
-                .get("strict")
-                .is_some_and(|s| !s.is_boolean() && !s.is_null())
-            {
-                return Err(bad(&p, "function `strict` must be a boolean"));
-            }
-            out.push(t.clone());
         }
+        echo.insert("tools".into(), v.clone());
+    } else {
+        echo.insert("tools".into(), Value::Array(Vec::new()));
     }
-    echo.insert("tools".into(), Value::Array(out.clone()));
-    Ok(out)
+    Ok((out, namespaces))
+}
+
+fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// One function tool, checked (its name unique among `declared`).
+fn function_tool(p: &str, obj: &Map<String, Value>, declared: &[Value]) -> Result<Value, ApiError> {
+    only_keys(
+        obj,
+        &[
+            "type",
+            "name",
+            "description",
+            "parameters",
+            "strict",
+            "defer_loading",
+        ],
+        p,
+        "a function tool",
+    )?;
+    let name = obj.get("name").and_then(Value::as_str).unwrap_or_default();
+    if !valid_name(name) {
+        return Err(bad(
+            p,
+            format!("function name {name:?} must be 1 to 64 letters, digits, `_` or `-`"),
+        ));
+    }
+    if declared.iter().any(|t: &Value| t["name"] == name) {
+        return Err(bad(p, format!("function name {name:?} is declared twice")));
+    }
+    if obj
+        .get("description")
+        .is_some_and(|d| !d.is_string() && !d.is_null())
+    {
+        return Err(bad(p, "function `description` must be a string"));
+    }
+    if obj
+        .get("parameters")
+        .is_some_and(|s| !s.is_object() && !s.is_null())
+    {
+        return Err(bad(p, "function `parameters` must be a JSON Schema object"));
+    }
+    if obj
+        .get("strict")
+        .is_some_and(|s| !s.is_boolean() && !s.is_null())
+    {
+        return Err(bad(p, "function `strict` must be a boolean"));
+    }
+    if obj
+        .get("defer_loading")
+        .is_some_and(|d| d != &Value::Bool(false) && !d.is_null())
+    {
+        return Err(bad(
+            p,
+            "function `defer_loading: true` is not implemented on /v1/responses (it needs the hosted tool search); declare the tool without it",
+        ));
+    }
+    Ok(Value::Object(obj.clone()))
 }
 
 /// A flat Responses function tool in the chat shape the template declares.

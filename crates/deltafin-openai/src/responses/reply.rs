@@ -12,12 +12,18 @@
 //! the non-streamed ones.
 
 use super::ResponsesMeta;
+use super::store::{Record, Store};
 use crate::MODEL_ID;
 use crate::engine::{FinishReason, Usage};
 use crate::error::ApiError;
 use crate::output::{Delta, ToolCallDelta};
 use crate::reply::{Reply, ReplyContext, assemble_tool_calls, sse_event};
+use crate::seal::Sealer;
 use serde_json::{Value, json};
+use std::sync::Arc;
+
+/// Longest a stream goes without a data event while the prompt is prefilled.
+pub const KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// The output item being streamed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,6 +42,12 @@ enum Open {
 pub struct ResponsesReply {
     ctx: ReplyContext,
     meta: ResponsesMeta,
+    sealer: Sealer,
+    store: Option<Arc<Store>>,
+    /// The reasoning's ids (they arrive with its last text).
+    reasoning_ids: Vec<u32>,
+    /// When the last data event was written (a long prefill repeats `response.in_progress`).
+    last_event: std::time::Instant,
     seq: u64,
     /// Finished output items.
     items: Vec<Value>,
@@ -66,10 +78,19 @@ fn status(finish: FinishReason) -> &'static str {
 
 impl ResponsesReply {
     /// A reply for the request `meta` describes.
-    pub fn new(ctx: ReplyContext, meta: ResponsesMeta) -> Self {
+    pub fn new(
+        ctx: ReplyContext,
+        meta: ResponsesMeta,
+        sealer: Sealer,
+        store: Option<Arc<Store>>,
+    ) -> Self {
         ResponsesReply {
             ctx,
             meta,
+            sealer,
+            store,
+            reasoning_ids: Vec::new(),
+            last_event: std::time::Instant::now(),
             seq: 0,
             items: Vec::new(),
             open: None,
@@ -95,11 +116,16 @@ impl ResponsesReply {
             Some(t) => json!([{"type": kind, "text": t}]),
             None => json!([]),
         };
-        if self.meta.summary {
+        let mut item = if self.meta.summary {
             json!({"id": id, "type": "reasoning", "summary": parts("summary_text"), "status": status})
         } else {
             json!({"id": id, "type": "reasoning", "summary": [], "content": parts("reasoning_text"), "status": status})
+        };
+        // Once the reasoning is complete, its sealed ids (when asked for).
+        if self.meta.encrypted_reasoning && text.is_some() {
+            item["encrypted_content"] = Value::from(self.sealer.seal(&self.reasoning_ids));
         }
+        item
     }
 
     fn message_item(&self, at: usize, text: Option<&str>, status: &str) -> Value {
@@ -111,8 +137,38 @@ impl ResponsesReply {
     }
 
     fn call_item(&self, at: usize, call_id: &str, name: &str, args: &str, status: &str) -> Value {
-        json!({"id": self.item_id("fc", at), "type": "function_call", "status": status,
-               "call_id": call_id, "name": name, "arguments": args})
+        let mut item = json!({"id": self.item_id("fc", at), "type": "function_call", "status": status,
+               "call_id": call_id, "name": name, "arguments": args});
+        // A function of a `namespace` tool names its namespace.
+        if let Some(ns) = self.meta.namespaces.get(name) {
+            item["namespace"] = Value::from(ns.as_str());
+        }
+        item
+    }
+
+    /// Keeps the finished response when `store` asked for it: the response, this request's
+    /// input items, and the conversation a later request continues (with the reasoning
+    /// always sealed, so that it comes back exactly).
+    fn keep(&self, response: &Value) {
+        let (Some(store), true) = (&self.store, self.meta.store) else {
+            return;
+        };
+        let mut conversation = self.meta.conversation.clone();
+        if let Some(items) = response["output"].as_array() {
+            for item in items {
+                let mut item = item.clone();
+                if item["type"] == "reasoning" {
+                    item["encrypted_content"] = Value::from(self.sealer.seal(&self.reasoning_ids));
+                }
+                conversation.push(item);
+            }
+        }
+        let record = Record {
+            response: response.clone(),
+            input_items: self.meta.input_items.clone(),
+            conversation,
+        };
+        store.put(&self.ctx.id, &record);
     }
 
     fn response(
@@ -126,7 +182,7 @@ impl ResponsesReply {
             "id": self.ctx.id, "object": "response", "created_at": self.ctx.created, "status": status,
             "background": false, "error": error,
             "incomplete_details": if status == "incomplete" { json!({"reason": "max_output_tokens"}) } else { Value::Null },
-            "model": MODEL_ID, "output": output, "previous_response_id": null, "store": false,
+            "model": MODEL_ID, "output": output,
             "truncation": "disabled", "max_tool_calls": null, "usage": usage.map(usage_object),
         });
         for (k, v) in &self.meta.echo {
@@ -137,6 +193,7 @@ impl ResponsesReply {
 
     /// One event: `data` with its `type` and the next sequence number.
     fn event(&mut self, name: &str, mut data: Value) -> String {
+        self.last_event = std::time::Instant::now();
         data["type"] = Value::from(name);
         data["sequence_number"] = Value::from(self.seq);
         self.seq += 1;
@@ -303,6 +360,7 @@ fn output_text(text: &str) -> Value {
 
 impl Reply for ResponsesReply {
     fn body(&mut self, all: Delta, finish: FinishReason, usage: &Usage) -> Result<Value, ApiError> {
+        self.reasoning_ids = all.reasoning_ids.clone();
         let calls = assemble_tool_calls(&all.tool_calls);
         let count = usize::from(!all.reasoning.is_empty())
             + usize::from(!all.content.is_empty())
@@ -331,7 +389,9 @@ impl Reply for ResponsesReply {
                 st(output.len()),
             ));
         }
-        Ok(self.response(status(finish), output, Some(usage), Value::Null))
+        let response = self.response(status(finish), output, Some(usage), Value::Null);
+        self.keep(&response);
+        Ok(response)
     }
 
     fn opening(&mut self) -> Vec<String> {
@@ -344,6 +404,7 @@ impl Reply for ResponsesReply {
 
     fn delta(&mut self, d: Delta) -> Result<Vec<String>, ApiError> {
         let mut out = Vec::new();
+        self.reasoning_ids.extend_from_slice(&d.reasoning_ids);
         if !d.reasoning.is_empty() {
             if self.open != Some(Open::Reasoning) {
                 self.start(Open::Reasoning, &mut out);
@@ -382,12 +443,25 @@ impl Reply for ResponsesReply {
         self.close(status(finish), &mut out);
         let st = status(finish);
         let response = self.response(st, self.items.clone(), Some(usage), Value::Null);
+        self.keep(&response);
         let name = if st == "incomplete" {
             "response.incomplete"
         } else {
             "response.completed"
         };
         out.push(self.event(name, json!({"response": response})));
+        out
+    }
+
+    /// The prefill comment, and every [`KEEP_ALIVE`] a `response.in_progress` event: clients
+    /// such as Codex time a stream out on its data events (comments do not count), and a long
+    /// prompt can take minutes to prefill.
+    fn prefill(&mut self, done: usize, total: usize) -> Vec<String> {
+        let mut out = vec![crate::engine::prefill_comment(done, total)];
+        if self.last_event.elapsed() >= KEEP_ALIVE {
+            let snapshot = self.response("in_progress", Vec::new(), None, Value::Null);
+            out.push(self.event("response.in_progress", json!({"response": snapshot})));
+        }
         out
     }
 

@@ -1,4 +1,8 @@
 use super::*;
+
+fn store() -> store::Store {
+    store::Store::in_memory(1_000_000)
+}
 use crate::MODEL_ID;
 
 const LIMITS: Limits = Limits {
@@ -12,7 +16,12 @@ fn parse_with(extra: Value) -> Result<(GenRequest, ResponsesMeta), ApiError> {
     for (k, v) in extra.as_object().unwrap() {
         body[k] = v.clone();
     }
-    parse(&body, &LIMITS)
+    parse(
+        &body,
+        &LIMITS,
+        &crate::seal::Sealer::ephemeral(),
+        Some(&store()),
+    )
 }
 
 fn controls(r: &GenRequest) -> &ChatControls {
@@ -51,23 +60,27 @@ fn defaults() {
             .max_new,
         5
     );
-    assert_eq!(
-        parse_with(json!({"max_output_tokens": 5000}))
-            .unwrap()
-            .0
-            .max_new,
-        1000
-    );
+    let e = err(json!({"max_output_tokens": 5000}));
+    assert!(e.message.contains("limit of 1000"), "{e}");
+    // Stored by default, as OpenAI's API.
+    let (_, meta) = parse_with(json!({})).unwrap();
+    assert!(meta.store);
+    assert_eq!(meta.echo["store"], true);
     assert!(
         err(json!({"max_output_tokens": 0}))
             .message
             .contains("positive")
     );
     assert!(
-        parse(&json!({}), &LIMITS)
-            .unwrap_err()
-            .message
-            .contains("`input` is required")
+        parse(
+            &json!({}),
+            &LIMITS,
+            &crate::seal::Sealer::ephemeral(),
+            Some(&store())
+        )
+        .unwrap_err()
+        .message
+        .contains("`input` is required")
     );
     assert!(
         err(json!({"model": "gpt-5"}))
@@ -108,11 +121,8 @@ fn reasoning_rules() {
             .message
             .contains("concise")
     );
-    assert!(
-        err(json!({"reasoning": {"effort": "none", "summary": "auto"}}))
-            .message
-            .contains("needs reasoning")
-    );
+    // A summary without reasoning: nothing to summarize, no item (Codex sends this).
+    assert_eq!(th(json!({"effort": "none", "summary": "auto"})).2, false);
     assert!(
         err(json!({"reasoning": {"effort": "ultra"}}))
             .message
@@ -205,11 +215,26 @@ fn tools_and_choice() {
             .message
             .contains("needs `tools`")
     );
+    // Hosted web search is not offered to the model; other hosted tools are refused with
+    // the client setting that stops sending them.
+    let (r, meta) = parse_with(
+        json!({"tools": [tool.clone(), {"type": "web_search", "external_web_access": false}]}),
+    )
+    .unwrap();
+    assert_eq!(controls(&r).tools.len(), 1);
+    assert_eq!(meta.echo["tools"][1]["type"], "web_search");
     assert!(
-        err(json!({"tools": [{"type": "web_search"}]}))
+        err(json!({"tools": [{"type": "image_generation"}]}))
             .message
-            .contains("`web_search` is not implemented")
+            .contains("Codex")
     );
+    // Functions nested in a namespace are declared by their names and remember it.
+    let (r, meta) = parse_with(json!({"tools": [{"type": "namespace", "name": "agents", "description": "d",
+        "tools": [{"type": "function", "name": "close_agent", "parameters": {"type": "object"}}]}]}))
+    .unwrap();
+    assert_eq!(controls(&r).tools[0]["function"]["name"], "close_agent");
+    assert_eq!(meta.namespaces["close_agent"], "agents");
+    assert!(err(json!({"tools": [tool.clone(), {"type": "namespace", "name": "n", "tools": [tool.clone()]}]})).message.contains("twice"));
     assert!(
         err(json!({"tools": [{"type": "function", "name": "a b"}]}))
             .message
@@ -223,7 +248,7 @@ fn tools_and_choice() {
     assert!(
         err(json!({"tools": [{"type": "function", "name": "f", "defer_loading": true}]}))
             .message
-            .contains("`defer_loading`")
+            .contains("defer_loading")
     );
     assert!(
         err(json!({"tool_choice": {"type": "allowed_tools", "tools": []}}))
@@ -236,17 +261,28 @@ fn tools_and_choice() {
 fn state_and_other_refusals() {
     assert!(parse_with(json!({"store": false, "include": [], "truncation": "disabled", "background": false,
                               "user": "u", "prompt_cache_key": "k", "safety_identifier": "s",
-                              "metadata": {"a": "b"}, "temperature": 0, "top_p": 1, "top_logprobs": 0})).is_ok());
-    assert!(err(json!({"store": true})).message.contains("store"));
+                              "metadata": {"a": "b"}, "temperature": 0, "top_p": 1, "top_logprobs": 0,
+                              "client_metadata": {"x-codex-installation-id": "i"}, "service_tier": "auto"})).is_ok());
+    assert!(parse_with(json!({"store": true})).is_ok());
+    let e = err(json!({"previous_response_id": "resp_1"}));
+    assert!(e.message.contains("not stored here"), "{e}");
+    assert_eq!(e.status, 404);
+    let (_, meta) = parse_with(json!({"include": ["reasoning.encrypted_content"]})).unwrap();
+    assert!(meta.encrypted_reasoning);
     assert!(
-        err(json!({"previous_response_id": "resp_1"}))
+        err(json!({"include": ["message.output_text.logprobs"]}))
             .message
-            .contains("whole conversation")
+            .contains("chat/completions")
     );
     assert!(
-        err(json!({"include": ["reasoning.encrypted_content"]}))
+        err(json!({"include": ["mystery"]}))
             .message
-            .contains("include")
+            .contains("mystery")
+    );
+    assert!(
+        err(json!({"client_metadata": {"a": 1}}))
+            .message
+            .contains("client_metadata")
     );
     assert!(
         err(json!({"truncation": "auto"}))
@@ -332,20 +368,48 @@ fn effort_spellings_are_the_shared_ones_and_aliases_are_served() {
         ("xhigh", true),
     ] {
         let b = json!({"model": MODEL_ID, "input": "hi", "reasoning": {"effort": effort}});
-        let (r, _) = parse(&b, &LIMITS).unwrap();
+        let (r, _) = parse(
+            &b,
+            &LIMITS,
+            &crate::seal::Sealer::ephemeral(),
+            Some(&store()),
+        )
+        .unwrap();
         let Prompt::Chat { controls, .. } = r.prompt else {
             panic!("not a chat")
         };
         assert_eq!(controls.thinking, on, "{effort}");
     }
     let b = json!({"model": MODEL_ID, "input": "hi", "reasoning": {"effort": "huge"}});
-    assert!(parse(&b, &LIMITS).is_err());
+    assert!(
+        parse(
+            &b,
+            &LIMITS,
+            &crate::seal::Sealer::ephemeral(),
+            Some(&store())
+        )
+        .is_err()
+    );
     let aliases = vec!["gpt-4o".to_string()];
     let limits = Limits {
         model_aliases: &aliases,
         ..LIMITS
     };
-    assert!(parse(&json!({"model": "gpt-4o", "input": "hi"}), &limits).is_ok());
-    let e = parse(&json!({"model": "gpt-5", "input": "hi"}), &limits).unwrap_err();
+    assert!(
+        parse(
+            &json!({"model": "gpt-4o", "input": "hi"}),
+            &limits,
+            &crate::seal::Sealer::ephemeral(),
+            Some(&store())
+        )
+        .is_ok()
+    );
+    let e = parse(
+        &json!({"model": "gpt-5", "input": "hi"}),
+        &limits,
+        &crate::seal::Sealer::ephemeral(),
+        Some(&store()),
+    )
+    .unwrap_err();
     assert_eq!(e.code, "model_not_found");
 }

@@ -12,6 +12,9 @@ pub enum Segment {
     Special(u32),
     /// Ordinary text, encoded on its own with specials disallowed. Never empty.
     Text(String),
+    /// Ids emitted as they are: an earlier answer's own tokens restored exactly (see
+    /// [`ChatMessage::reasoning_ids`]). Never empty.
+    Ids(Vec<u32>),
 }
 
 /// Message content: a string, or an array of text parts rendered in order.
@@ -48,6 +51,11 @@ pub struct ChatMessage {
     pub tool: Option<String>,
     /// Assistant reasoning, rendered in the think channel when thinking is on.
     pub reasoning_content: Option<String>,
+    /// Assistant reasoning as the exact ids the model generated for it (restored from an
+    /// answer's opaque reasoning token by a server front end): rendered in the think channel
+    /// instead of encoding [`ChatMessage::reasoning_content`], so that the prompt holds the
+    /// very tokens the model wrote, whatever their text would encode to.
+    pub reasoning_ids: Option<Vec<u32>>,
     /// Assistant tool calls.
     pub tool_calls: Vec<ToolCall>,
     /// Tool messages: the id of the assistant call this result answers.

@@ -74,7 +74,7 @@ pub enum Thinking {
 
 /// Every spelling [`Thinking::parse`] accepts, for messages and help texts.
 pub const THINKING_SPELLINGS: &str =
-    "`none`, `off`, `minimal` (thinking off), `low`, `medium`, `high`, `max`";
+    "`none`, `off`, `minimal` (thinking off), `low`, `medium`, `high`, `max`, `xhigh` (= `max`)";
 
 /// A thinking setting that is none of [`THINKING_SPELLINGS`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -88,10 +88,12 @@ impl Thinking {
     /// Reads a thinking setting, trimmed and case-insensitive. `none` and `off` turn thinking
     /// off; so does `minimal` (OpenAI's lowest level), because the template has no level below
     /// `low` and the least thinking it can do is none. `low`, `medium`, `high`, `max` are the
-    /// template's four efforts.
+    /// template's four efforts; `xhigh` (OpenAI's and Anthropic's level above `high`) is
+    /// `max`, the template's highest.
     pub fn parse(raw: &str) -> Result<Thinking, ParseThinkingError> {
         match raw.trim().to_ascii_lowercase().as_str() {
             "none" | "off" | "minimal" => Ok(Thinking::Off),
+            "xhigh" => Ok(Thinking::On(ReasoningEffort::Max)),
             level => level
                 .parse::<ReasoningEffort>()
                 .map(Thinking::On)

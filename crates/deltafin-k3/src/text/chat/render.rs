@@ -21,6 +21,12 @@ impl Builder {
         }
     }
 
+    fn ids(&mut self, ids: &[u32]) {
+        if !ids.is_empty() {
+            self.out.push(Segment::Ids(ids.to_vec()));
+        }
+    }
+
     fn special(&mut self, id: u32) {
         self.out.push(Segment::Special(id));
     }
@@ -163,7 +169,10 @@ pub fn render_segments(
                 b.open("message", &with_name("assistant"));
                 if opts.thinking {
                     b.open("think", &[]);
-                    if let Some(r) = &msg.reasoning_content
+                    if let Some(ids) = &msg.reasoning_ids {
+                        // The model's own tokens, as it wrote them.
+                        b.ids(ids);
+                    } else if let Some(r) = &msg.reasoning_content
                         && !r.trim_matches(is_py_space).is_empty()
                     {
                         b.text(r);
@@ -362,6 +371,7 @@ pub fn token_bound(segments: &[Segment]) -> usize {
         .map(|s| match s {
             Segment::Special(_) => 1,
             Segment::Text(text) => text.len(),
+            Segment::Ids(ids) => ids.len(),
         })
         .sum()
 }
@@ -373,6 +383,7 @@ pub fn encode_segments(tok: &Tokenizer, segments: &[Segment]) -> Vec<u32> {
         match segment {
             Segment::Special(id) => ids.push(*id),
             Segment::Text(text) => ids.extend(tok.encode_ordinary(text)),
+            Segment::Ids(restored) => ids.extend_from_slice(restored),
         }
     }
     ids

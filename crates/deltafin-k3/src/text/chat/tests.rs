@@ -14,6 +14,7 @@ fn texts(segs: &[Segment]) -> String {
             Segment::Special(tokenizer::END_OF_MSG) => "<|end_of_msg|>".to_string(),
             Segment::Special(id) => format!("<{id}>"),
             Segment::Text(t) => t.clone(),
+            Segment::Ids(ids) => format!("{ids:?}"),
         })
         .collect()
 }

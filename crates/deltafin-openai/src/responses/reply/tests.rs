@@ -16,7 +16,16 @@ fn reply(summary: bool) -> ResponsesReply {
     echo.insert("tools".into(), json!([]));
     echo.insert("tool_choice".into(), json!("auto"));
     echo.insert("parallel_tool_calls".into(), json!(true));
-    ResponsesReply::new(ctx(), ResponsesMeta { echo, summary })
+    let meta = ResponsesMeta {
+        echo,
+        summary,
+        encrypted_reasoning: false,
+        store: false,
+        input_items: Vec::new(),
+        conversation: Vec::new(),
+        namespaces: Default::default(),
+    };
+    ResponsesReply::new(ctx(), meta, crate::seal::Sealer::ephemeral(), None)
 }
 
 fn usage(c: usize, r: usize) -> Usage {
