@@ -6,10 +6,10 @@
 //! proxy (`agents/proxy.rs`) whose only change is a forced `tool_choice` on the first
 //! request. The server's request log must show no 4xx or 5xx.
 //!
-//! The checkpoint is `tiny` with the `lm_head` rows of `<|end_of_msg|>` and `<|close|>`
-//! scaled up ([`deltafin_k3::synth::scale_rows`]): a random model never ends its message,
-//! and an agent needs finished answers; with these rows its answers and its tool arguments
-//! end within a few tokens.
+//! The checkpoint is `tiny` made to end its answers at once
+//! ([`deltafin_k3::synth::answers_end_at_once`]): a random model never ends its message, and
+//! an agent needs finished answers. Where a forced call forbids ending, every marker closes
+//! as soon as it may, so the call is complete within a few tokens.
 //!
 //! Without the agents installed (or Node.js) each test prints a SKIP line;
 //! `DELTAFIN_REQUIRE_AGENTS=1` (set by CI) makes that a failure.
@@ -18,8 +18,7 @@ mod common;
 #[path = "agents/proxy.rs"]
 mod proxy;
 
-use deltafin_k3::synth::{SynthDims, SynthSpec, scale_rows, synthesize};
-use deltafin_k3::text::tokenizer::{CLOSE, END_OF_MSG};
+use deltafin_k3::synth::{SynthDims, SynthSpec, answers_end_at_once, synthesize};
 use proxy::{Force, Proxy};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -28,8 +27,6 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// How much the two rows are scaled (tested: answers end within a few dozen tokens).
-const ROW_SCALE: f32 = 4.0;
 /// The longest one agent run may take.
 const RUN_LIMIT: Duration = Duration::from_secs(600);
 
@@ -68,11 +65,7 @@ fn checkpoint() -> &'static Path {
     CELL.get_or_init(|| {
         let d = tempfile::tempdir().unwrap();
         synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), 7)).unwrap();
-        let rows = [
-            (END_OF_MSG as usize, ROW_SCALE),
-            (CLOSE as usize, ROW_SCALE),
-        ];
-        scale_rows(d.path(), "lm_head.weight", &rows).unwrap();
+        answers_end_at_once(d.path()).unwrap();
         d
     })
     .path()

@@ -11,8 +11,6 @@ use std::time::Duration;
 /// How to force a tool call.
 #[derive(Clone, Copy, Debug)]
 pub enum Force {
-    /// Pass everything through.
-    Nothing,
     /// OpenAI Responses: `{"type":"function","name":N}`.
     Responses,
     /// Anthropic Messages: `{"type":"tool","name":N}`.
@@ -24,6 +22,8 @@ pub enum Force {
 /// One request that went through.
 #[derive(Clone, Debug)]
 pub struct Seen {
+    /// Its path (shown when a test fails).
+    #[allow(dead_code)]
     pub path: String,
     pub body: Option<Value>,
     /// The tool call forced on it, if any.
@@ -72,7 +72,6 @@ fn pick(
 fn force(body: &mut Value, how: Force, preferred: &[&str]) -> Option<String> {
     let tools = body.get("tools")?.as_array()?.clone();
     match how {
-        Force::Nothing => None,
         Force::Responses => {
             let name = pick(
                 &tools,

@@ -379,25 +379,23 @@ pub(super) fn single_file(
     })
 }
 
-/// Scales rows of the bf16 matrix `tensor` of the checkpoint in `dir` in place: row `r` is
-/// multiplied by `factor` for each `(r, factor)`. With `lm_head.weight` and the rows of
-/// chosen tokens this gives a test checkpoint whose greedy answers favour those tokens
-/// wherever they are allowed (e.g. `<|end_of_msg|>` and `<|close|>`: answers that end within
-/// a few tokens, for tests of clients that need a finished answer). Errors name the file.
-pub fn scale_rows(dir: &Path, tensor: &str, rows: &[(usize, f32)]) -> Result<(), SynthError> {
+/// Rewrites the bf16 matrix `tensor` (its full stored name) of the checkpoint in `dir` in
+/// place, one row at a time: `edit(r, row)` gets row `r` as f32 and may change it. For test
+/// checkpoints with a chosen behaviour (see [`answers_end_at_once`]). Errors name the file.
+pub fn edit_rows(
+    dir: &Path,
+    tensor: &str,
+    edit: &mut dyn FnMut(usize, &mut [f32]),
+) -> Result<(), SynthError> {
     use std::io::{Read, Seek, SeekFrom};
     let index_path = dir.join(INDEX_FILE);
-    let index: Value = serde_json::from_slice(
-        &std::fs::read(&index_path).map_err(io_err(&index_path))?,
-    )
-    .map_err(|e| SynthError::Io {
-        path: index_path.clone(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
-    })?;
     let bad = |path: &Path, why: String| SynthError::Io {
         path: path.to_path_buf(),
         source: std::io::Error::new(std::io::ErrorKind::InvalidData, why),
     };
+    let index: Value =
+        serde_json::from_slice(&std::fs::read(&index_path).map_err(io_err(&index_path))?)
+            .map_err(|e| bad(&index_path, e.to_string()))?;
     let shard = index["weight_map"][tensor]
         .as_str()
         .ok_or_else(|| bad(&index_path, format!("{tensor} is not in the weight map")))?;
@@ -415,36 +413,61 @@ pub fn scale_rows(dir: &Path, tensor: &str, rows: &[(usize, f32)]) -> Result<(),
     f.read_exact(&mut header).map_err(io_err(&path))?;
     let header: Value = serde_json::from_slice(&header).map_err(|e| bad(&path, e.to_string()))?;
     let t = &header[tensor];
-    if t["dtype"] != "BF16" {
-        return Err(bad(&path, format!("{tensor} is not bf16")));
+    if t["dtype"] != "BF16" || t["shape"].as_array().map(Vec::len) != Some(2) {
+        return Err(bad(&path, format!("{tensor} is not a bf16 matrix")));
     }
-    let cols = t["shape"][1]
-        .as_u64()
-        .ok_or_else(|| bad(&path, "no shape".into()))? as usize;
-    let n_rows = t["shape"][0]
-        .as_u64()
-        .ok_or_else(|| bad(&path, "no shape".into()))? as usize;
+    let dim = |i: usize| {
+        t["shape"][i]
+            .as_u64()
+            .map(|n| n as usize)
+            .ok_or_else(|| bad(&path, "no shape".into()))
+    };
+    let (rows, cols) = (dim(0)?, dim(1)?);
     let start = t["data_offsets"][0]
         .as_u64()
         .ok_or_else(|| bad(&path, "no offsets".into()))?;
     let base = 8 + len as u64 + start;
-    for &(r, factor) in rows {
-        if r >= n_rows {
-            return Err(bad(
-                &path,
-                format!("{tensor} has {n_rows} rows, not {}", r + 1),
-            ));
-        }
+    let mut raw = vec![0u8; cols * 2];
+    let mut row = vec![0f32; cols];
+    for r in 0..rows {
         let at = base + (r * cols * 2) as u64;
-        let mut row = vec![0u8; cols * 2];
         f.seek(SeekFrom::Start(at)).map_err(io_err(&path))?;
-        f.read_exact(&mut row).map_err(io_err(&path))?;
-        for v in row.chunks_exact_mut(2) {
-            let x = bf16::from_bits(u16::from_le_bytes([v[0], v[1]])).to_f32() * factor;
-            v.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
+        f.read_exact(&mut raw).map_err(io_err(&path))?;
+        for (x, v) in row.iter_mut().zip(raw.chunks_exact(2)) {
+            *x = bf16::from_bits(u16::from_le_bytes([v[0], v[1]])).to_f32();
+        }
+        edit(r, &mut row);
+        for (x, v) in row.iter().zip(raw.chunks_exact_mut(2)) {
+            v.copy_from_slice(&bf16::from_f32(*x).to_bits().to_le_bytes());
         }
         f.seek(SeekFrom::Start(at)).map_err(io_err(&path))?;
-        f.write_all(&row).map_err(io_err(&path))?;
+        f.write_all(&raw).map_err(io_err(&path))?;
     }
     f.sync_all().map_err(io_err(&path))
+}
+
+/// Makes a synthesized checkpoint's greedy answers end at once, for tests of clients that
+/// need finished answers (a random model never ends its message): every token's embedding
+/// gets a large constant in hidden dimension 0, which therefore dominates the final
+/// normalised state; `lm_head` reads dimension 0 only in the rows of `<|end_of_msg|>` (12)
+/// and `<|close|>` (10), and 0 elsewhere. The answer is then `<|end_of_msg|>` wherever it is
+/// allowed, and where a constraint forbids it (a forced tool call) every marker closes as
+/// soon as it may: string arguments are empty and calls end at once.
+pub fn answers_end_at_once(dir: &Path) -> Result<(), SynthError> {
+    use crate::text::tokenizer::{CLOSE, END_OF_MSG};
+    let p = crate::weights::inventory::PREFIX;
+    edit_rows(
+        dir,
+        &format!("{p}model.embed_tokens.weight"),
+        &mut |_, row| {
+            row[0] = 100.0;
+        },
+    )?;
+    edit_rows(dir, &format!("{p}lm_head.weight"), &mut |r, row| {
+        row[0] = match u32::try_from(r) {
+            Ok(END_OF_MSG) => 12.0,
+            Ok(CLOSE) => 10.0,
+            _ => 0.0,
+        };
+    })
 }

@@ -138,6 +138,14 @@ fn text_block(obj: &Map<String, Value>, p: &str) -> Result<String, ApiError> {
     Ok(string(obj, "text", p, "a text block")?.to_string())
 }
 
+/// A tool a `tool_addition` block adds.
+enum Added {
+    /// One of the request's tools, by name.
+    Named(String),
+    /// A definition given in the block (the template's function shape).
+    Defined(Value),
+}
+
 #[derive(Default)]
 struct Builder<'a> {
     sealer: Option<&'a Sealer>,
@@ -213,7 +221,7 @@ impl Builder<'_> {
             }
         };
         let mut texts = Vec::new();
-        let mut added = Vec::new();
+        let mut added: Vec<Added> = Vec::new();
         for (j, block) in blocks.iter().enumerate() {
             let p = format!("{param}.content[{j}]");
             let obj = object(block, &p, "a content block")?;
@@ -222,12 +230,52 @@ impl Builder<'_> {
                 Some("tool_addition") => {
                     only_keys(
                         obj,
-                        &["type", "tool_name", "cache_control"],
+                        &["type", "tool", "cache_control"],
                         &p,
                         "a tool_addition block",
                     )?;
                     check_cache_control(obj.get("cache_control"), &p)?;
-                    added.push(string(obj, "tool_name", &p, "a tool_addition block")?.to_string());
+                    let tool = object(
+                        obj.get("tool").unwrap_or(&Value::Null),
+                        &p,
+                        "`tool_addition.tool`",
+                    )?;
+                    match tool.get("type").and_then(Value::as_str) {
+                        // A tool of the request's `tools` (usually deferred), by name.
+                        Some("tool_reference") => {
+                            only_keys(tool, &["type", "name"], &p, "a tool_reference")?;
+                            added.push(Added::Named(
+                                string(tool, "name", &p, "a tool_reference")?.to_string(),
+                            ));
+                        }
+                        // A whole definition (the `inline-tools` beta).
+                        Some("tool_definition") => {
+                            only_keys(tool, &["type", "definition"], &p, "a tool_definition")?;
+                            let def = tool.get("definition").cloned().unwrap_or(Value::Null);
+                            let (declared, deferred) = super::tools(Some(&Value::Array(vec![def])))
+                                .map_err(|e| {
+                                    bad(
+                                        &p,
+                                        format!("`tool_addition.tool.definition`: {}", e.message),
+                                    )
+                                })?;
+                            added.extend(
+                                declared
+                                    .into_iter()
+                                    .chain(deferred.into_values())
+                                    .map(Added::Defined),
+                            );
+                        }
+                        Some(t) => {
+                            return Err(bad(
+                                &p,
+                                format!(
+                                    "`tool_addition.tool.type` {t:?} is not implemented: Deltafin adds `tool_reference` and `tool_definition` tools (MCP references need an MCP connector)"
+                                ),
+                            ));
+                        }
+                        None => return Err(bad(&p, "`tool_addition.tool` needs a `type` string")),
+                    }
                 }
                 Some("tool_removal") => {
                     return Err(bad(
@@ -248,7 +296,23 @@ impl Builder<'_> {
         if !texts.is_empty() {
             self.out.push(message("system", texts));
         }
-        self.load_tools(&added, param)
+        let mut names = Vec::new();
+        let mut defined = Vec::new();
+        for a in added {
+            match a {
+                Added::Named(n) => names.push(n),
+                Added::Defined(t) => defined.push(t),
+            }
+        }
+        self.load_tools(&names, param)?;
+        if !defined.is_empty() {
+            self.out.push(ChatMessage {
+                role: "system".into(),
+                tools: defined,
+                ..Default::default()
+            });
+        }
+        Ok(())
     }
 
     /// Declares the deferred tools `names` (those not loaded yet) at this place.

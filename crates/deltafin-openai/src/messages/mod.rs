@@ -459,7 +459,7 @@ fn valid_tool_name(name: &str) -> bool {
 /// `defer_loading: true` is not declared up front: it is loaded where a `tool_reference` or
 /// `tool_addition` block names it (the template's dynamic tool declaration). Returns the
 /// tools declared up front and the deferred ones by name.
-fn tools(v: Option<&Value>) -> Result<(Vec<Value>, HashMap<String, Value>), ApiError> {
+pub(super) fn tools(v: Option<&Value>) -> Result<(Vec<Value>, HashMap<String, Value>), ApiError> {
     let Some(v) = v else {
         return Ok((Vec::new(), HashMap::new()));
     };

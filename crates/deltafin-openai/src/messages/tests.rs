@@ -369,3 +369,54 @@ fn model_aliases_are_served() {
     .unwrap_err();
     assert_eq!(e.code, "model_not_found");
 }
+
+#[test]
+fn mid_conversation_tool_changes() {
+    let tool = |name: &str, deferred: bool| json!({"name": name, "input_schema": {"type": "object"}, "defer_loading": deferred});
+    let with_system = |blocks: Value| {
+        parse_with(json!({
+            "tools": [tool("Read", false), tool("Grep", true)],
+            "messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": blocks}]
+        }))
+    };
+    // A reference to a deferred tool loads it at that place (the dynamic declaration).
+    let (r, _) = with_system(json!([
+        {"type": "text", "text": "Grep is available now."},
+        {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Grep"}}
+    ]))
+    .unwrap();
+    let Prompt::Chat { messages, controls } = &r.prompt else {
+        panic!()
+    };
+    assert_eq!(controls.tools.len(), 1);
+    let loaded = messages.last().unwrap();
+    assert_eq!(loaded.role, "system");
+    assert_eq!(loaded.tools[0]["function"]["name"], "Grep");
+    assert_eq!(messages[messages.len() - 2].role, "system");
+    // An inline definition is declared as it is.
+    let (r, _) = with_system(
+        json!([{"type": "tool_addition", "tool": {"type": "tool_definition",
+        "definition": {"name": "Fetch", "description": "d", "input_schema": {"type": "object"}}}}]),
+    )
+    .unwrap();
+    let Prompt::Chat { messages, .. } = &r.prompt else {
+        panic!()
+    };
+    assert_eq!(
+        messages.last().unwrap().tools[0]["function"]["name"],
+        "Fetch"
+    );
+    // What the template cannot express is refused by name.
+    let e = with_system(
+        json!([{"type": "tool_removal", "tool": {"type": "tool_reference", "name": "Read"}}]),
+    )
+    .unwrap_err();
+    assert!(e.message.contains("tool_removal"), "{e}");
+    let e = with_system(
+        json!([{"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Nope"}}]),
+    )
+    .unwrap_err();
+    assert!(e.message.contains("defer_loading"), "{e}");
+    let e = with_system(json!([{"type": "tool_addition", "tool": {"type": "mcp_tool_reference", "server_name": "s", "name": "t"}}])).unwrap_err();
+    assert!(e.message.contains("mcp_tool_reference"), "{e}");
+}

@@ -54,6 +54,11 @@ pub(crate) async fn answer(
         }
     };
     match path {
+        // Claude Code's reachability probe (it sends `HEAD /api/hello` at every start).
+        "/api/hello" => {
+            need(get)?;
+            Ok(ok(json!({})))
+        }
         "/api/version" => {
             need(get)?;
             Ok(ok(json!({"version": API_VERSION})))

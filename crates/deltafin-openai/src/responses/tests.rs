@@ -122,7 +122,7 @@ fn reasoning_rules() {
             .contains("concise")
     );
     // A summary without reasoning: nothing to summarize, no item (Codex sends this).
-    assert_eq!(th(json!({"effort": "none", "summary": "auto"})).2, false);
+    assert!(!th(json!({"effort": "none", "summary": "auto"})).2);
     assert!(
         err(json!({"reasoning": {"effort": "ultra"}}))
             .message
