@@ -224,7 +224,7 @@ fn npy(c_order: &[u8], (rows, cols): (usize, usize), fortran: bool, v2: bool) ->
     );
     let prefix = if v2 { 12 } else { 10 };
     let mut h = header;
-    while (prefix + h.len() + 1) % 64 != 0 {
+    while !(prefix + h.len() + 1).is_multiple_of(64) {
         h.push(' ');
     }
     h.push('\n');
@@ -279,7 +279,7 @@ fn legacy_npz(root: &Path, raw: &[u8], variant: usize, order: [usize; 6]) -> Vec
     assert_eq!(at, raw.len(), "small_dims' expert size");
     let mut zip = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
     for &k in &order {
-        let method = if (k + variant) % 3 == 0 {
+        let method = if (k + variant).is_multiple_of(3) {
             zip::CompressionMethod::Deflated
         } else {
             zip::CompressionMethod::Stored
@@ -313,7 +313,7 @@ fn convert_npz_migrates_a_legacy_cache_to_identical_raw_files() {
         let raw = std::fs::read(dir.join(format!("L{l}-E{e}.bin"))).unwrap();
         assert_eq!(raw, expert_bytes_of(&root, l, e));
         std::fs::remove_file(dir.join(format!("L{l}-E{e}.bin"))).unwrap();
-        let order = if i % 2 == 0 {
+        let order = if i.is_multiple_of(2) {
             [0, 1, 2, 3, 4, 5]
         } else {
             [5, 3, 1, 0, 2, 4]
