@@ -8,26 +8,25 @@ use anyhow::{Result, anyhow};
 pub use deltafin_k3::engine::placement::{parse_device, parse_expert_backend};
 use deltafin_k3::engine::{DeviceRequest, ExpertBackendRequest};
 
-/// `--device`, else `K3_DEV`, else `auto`; a bad value (flag or variable) is an error.
+/// `--device`, else `K3_DEV`, else `auto`; a bad value is an error, the variable's too when
+/// the flag wins over it.
 pub fn resolve_device(flag: Option<&str>) -> Result<DeviceRequest> {
+    let env = env_var("K3_DEV")?
+        .map(|v| parse_device(&v).map_err(|e| anyhow!("environment variable K3_DEV: {e}")))
+        .transpose()?;
     match flag {
         Some(v) => parse_device(v).map_err(|e| anyhow!("--device {e}")),
-        None => match env_var("K3_DEV")? {
-            Some(v) => parse_device(&v).map_err(|e| anyhow!("environment variable K3_DEV: {e}")),
-            None => Ok(DeviceRequest::Auto),
-        },
+        None => Ok(env.unwrap_or(DeviceRequest::Auto)),
     }
 }
 
-/// `--expert-backend`, else `K3_MOE`, else `auto`.
+/// `--expert-backend`, else `K3_MOE`, else `auto`; as [`resolve_device`].
 pub fn resolve_expert_backend(flag: Option<&str>) -> Result<ExpertBackendRequest> {
+    let env = env_var("K3_MOE")?
+        .map(|v| parse_expert_backend(&v).map_err(|e| anyhow!("environment variable K3_MOE: {e}")))
+        .transpose()?;
     match flag {
         Some(v) => parse_expert_backend(v).map_err(|e| anyhow!("--expert-backend {e}")),
-        None => match env_var("K3_MOE")? {
-            Some(v) => {
-                parse_expert_backend(&v).map_err(|e| anyhow!("environment variable K3_MOE: {e}"))
-            }
-            None => Ok(ExpertBackendRequest::Auto),
-        },
+        None => Ok(env.unwrap_or(ExpertBackendRequest::Auto)),
     }
 }

@@ -25,6 +25,12 @@ pub fn engine_config(
     router_trace: Option<RouterTraceRequest>,
     context_tokens: Option<usize>,
 ) -> Result<EngineConfig> {
+    // The original's legacy quality guards, against the model's own routed experts per token
+    // (without a readable config the engine reports the missing install first).
+    let top_k = K3Config::from_file(model.root().join(CONFIG_FILE))
+        .ok()
+        .map(|c| c.text.num_experts_per_token);
+    crate::environment::check_legacy_guards(top_k)?;
     let memory_budget = resolve_memory_budget(model.memory_budget_gb.as_deref())?;
     let device = resolve_device(model.device.as_deref())?;
     let expert_backend = resolve_expert_backend(model.expert_backend.as_deref())?;
@@ -32,7 +38,8 @@ pub fn engine_config(
     let spine = resolve_spine(model.spine.as_deref())?;
     let device_reserve = device_reserve()?;
     let heat = heat_settings_from_env()?;
-    let (spine_resident_layers, spine_stream) = spine_stream_from_env(&model.root())?;
+    let (spine_resident_layers, spine_stream) =
+        spine_stream_settings(&model.root(), model.spine_read_threads)?;
     let huge_pages = huge_pages_from_env()?;
     // The streaming variables are parsed always (a bad or non-UTF-8 value is an error even
     // without a budget) and used only when experts stream.
@@ -256,9 +263,13 @@ pub fn heat_settings_from_env() -> Result<HeatSettings> {
 
 /// Spine streaming settings from `K3_PROVIDER_RESIDENT_LAYERS` (0…layers of the config
 /// under `root`: at most this many resident layers; unset: as the memory budget allows),
-/// `K3_SPINE_READ_THREADS` (1…16, default 4) and `K3_SPINE_STREAM_NOCACHE` (`auto`/`1`:
-/// O_DIRECT where allowed, `0`: page cache), all parsed strictly.
-pub fn spine_stream_from_env(root: &Path) -> Result<(Option<usize>, SpineStreamOptions)> {
+/// `--spine-read-threads` (`read_threads_flag`, else `K3_SPINE_READ_THREADS`: 1…16, default
+/// 4) and `K3_SPINE_STREAM_NOCACHE` (`auto`/`1`: O_DIRECT where allowed, `0`: page cache), all
+/// parsed strictly (the variable too when the flag wins).
+pub fn spine_stream_settings(
+    root: &Path,
+    read_threads_flag: Option<u64>,
+) -> Result<(Option<usize>, SpineStreamOptions)> {
     let cap = match env_var("K3_PROVIDER_RESIDENT_LAYERS")? {
         None => None,
         Some(v) => {
@@ -284,7 +295,9 @@ pub fn spine_stream_from_env(root: &Path) -> Result<(Option<usize>, SpineStreamO
         }
     };
     let base = SpineStreamOptions::default();
-    let read_threads = read_threads_env("K3_SPINE_READ_THREADS", base.read_threads)?;
+    let from_env = read_threads_env("K3_SPINE_READ_THREADS", base.read_threads)?;
+    // clap bounds the flag to 1…16.
+    let read_threads = read_threads_flag.map_or(from_env, |n| n as usize);
     let direct_io = direct_io_env("K3_SPINE_STREAM_NOCACHE")?;
     Ok((
         cap,

@@ -1,7 +1,9 @@
 //! `deltafin`: run Kimi K3 on one machine.
 //!
-//! `deltafin [run] [OPTIONS]` prefills a prompt and decodes greedily; `deltafin perplexity`
-//! scores a text teacher-forced. See `docs/CLI.md` for every flag and environment variable.
+//! `deltafin [run] [OPTIONS]` prefills a prompt and decodes it (greedily, or by K3's seeded
+//! sampling with `--temperature`); `deltafin perplexity` scores a text teacher-forced. See
+//! `docs/CLI.md` for every flag and environment variable (`environment` holds the table
+//! `--help` prints).
 
 mod benchmark;
 mod buildinfo;
@@ -11,8 +13,10 @@ mod doctor;
 mod elfdeps;
 mod engine_config;
 mod env;
+mod environment;
 mod events;
 mod kernel_env;
+mod npz;
 mod pack;
 mod perplexity;
 mod prefill_bar;
@@ -38,7 +42,9 @@ use std::process::ExitCode;
     name = "deltafin",
     version,
     about = "Deltafin native runtime",
-    long_about = "Deltafin native runtime\n\nRuns Moonshot AI's Kimi K3 on one machine, greedily: every emitted token is K3's own argmax.\nWith no subcommand, `deltafin` is `deltafin run`.",
+    long_about = "Deltafin native runtime\n\nRuns Moonshot AI's Kimi K3 on one machine. Every emitted token is K3's own choice: its argmax\n(greedy decoding, the default) or, with --temperature, its seeded draw from its own\ndistribution, reproducible bit for bit. With no subcommand, `deltafin` is `deltafin run`.",
+    after_help = "`deltafin --help` also lists the environment variables.",
+    after_long_help = environment::help(),
     args_conflicts_with_subcommands = true
 )]
 struct Cli {
@@ -50,7 +56,12 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Prefill one prompt, then decode greedily and stream the completion (the default).
+    /// Prefill one prompt, then decode it (greedily, or sampling with --temperature) and
+    /// stream the completion (the default).
+    #[command(
+        after_help = "`deltafin run --help` also lists the environment variables.",
+        after_long_help = environment::help()
+    )]
     Run(RunArgs),
     /// Score a text teacher-forced through the prefill path: mean NLL and perplexity.
     Perplexity(PerplexityArgs),
@@ -61,6 +72,10 @@ enum Command {
     /// Fast-forward this git checkout and rebuild with the recorded build profile.
     Upgrade,
     /// OpenAI-compatible HTTP server (docs/SERVER.md).
+    #[command(
+        after_help = "`deltafin serve --help` also lists the environment variables.",
+        after_long_help = environment::help()
+    )]
     Serve(serve::ServeArgs),
     /// One-shot install: K3 metadata, DSpark, optional Qwen, weights (docs/SETUP.md).
     Setup(setup::SetupArgs),
@@ -132,6 +147,10 @@ pub struct ModelArgs {
     /// bf16 (the original weights, weight-exact) [env: K3_SPINE; default: auto = int8].
     #[arg(long, value_name = "FORMAT")]
     pub spine: Option<String>,
+    /// Reader threads per streamed spine layer (when the spine does not fit the memory budget
+    /// and layers are read per pass), 1…16 [env: K3_SPINE_READ_THREADS; default 4].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=16))]
+    pub spine_read_threads: Option<u64>,
     /// Prefix states kept between prompts: on or off [env: K3_STATE_CACHE; default on]. On:
     /// a prompt that begins like an earlier one (the same chat history, a repeated prompt)
     /// resumes from the stored state after that beginning instead of prefilling it again,
@@ -192,6 +211,11 @@ pub struct RunArgs {
     /// Print a live cumulative speed line per token instead of the text.
     #[arg(long)]
     pub stats: bool,
+    /// Print one line per layer of every forward pass (prefill chunk, decode step, verify
+    /// pass) on stderr: `[phase layer N/L] pass= rows= kinds total_ms= weights_ms= mix_ms=
+    /// attention_ms= ffn_ms=` (timing only; the tokens are unchanged).
+    #[arg(long)]
+    pub layer_profile: bool,
     /// Write one JSON object per line (schema deltafin.run_event.v1) to PATH.
     #[arg(long, value_name = "PATH")]
     pub events_jsonl: Option<PathBuf>,
@@ -231,6 +255,14 @@ pub struct PerplexityArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The original's variables deltafin has no counterpart for stop every command but
+    // `doctor` (which reports them) and `upgrade` (which ignores the runtime environment).
+    if !matches!(cli.command, Some(Command::Doctor(_) | Command::Upgrade))
+        && let Err(e) = environment::check_refused()
+    {
+        eprintln!("deltafin: error: {e:#}");
+        return ExitCode::from(1);
+    }
     // The kernel settings, before anything runs a kernel; the commands that compute report a
     // bad value as their error (`session::check_kernels`), the others keep the defaults.
     let _ = kernel_env::install();

@@ -1,5 +1,6 @@
-//! `deltafin run`: prefill one prompt, decode greedily, stream the text (or live stats), and
-//! optionally write the run events file.
+//! `deltafin run`: prefill one prompt, decode it (greedily, or by K3's seeded sampling with
+//! `--temperature`), stream the text (or live stats), and optionally write the run events
+//! file and the per-layer profile.
 
 use crate::RunArgs;
 use crate::events::EventWriter;
@@ -86,6 +87,35 @@ fn add_summary(event: &mut Value, summary: Option<&LogitSummary>, top_key: &str,
     }
 }
 
+/// `--layer-profile`: one stderr line per layer of every forward pass,
+/// `[phase layer N/L] pass=P rows=R kda+moe total_ms=… weights_ms=… mix_ms=… attention_ms=…
+/// ffn_ms=…` (`L` the last layer's index, so `N/L` runs 0/92 … 92/92 on K3; `P` counts the
+/// passes from 1).
+fn layer_profile_lines() -> deltafin_k3::model::profile::LayerProfile {
+    let pass = std::sync::atomic::AtomicU64::new(0);
+    Box::new(move |p: &deltafin_k3::model::profile::LayerPhases| {
+        use std::sync::atomic::Ordering;
+        if p.layer == 0 {
+            pass.fetch_add(1, Ordering::Relaxed);
+        }
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        eprintln!(
+            "[phase layer {}/{}] pass={} rows={} {}+{} total_ms={:.3} weights_ms={:.3} mix_ms={:.3} attention_ms={:.3} ffn_ms={:.3}",
+            p.layer,
+            p.layers.saturating_sub(1),
+            pass.load(Ordering::Relaxed),
+            p.rows,
+            p.attention,
+            p.ffn,
+            ms(p.total()),
+            ms(p.weights),
+            ms(p.mix),
+            ms(p.attention_time),
+            ms(p.ffn_time),
+        );
+    })
+}
+
 /// Context tokens reserved beyond the prompt and `--max-new`: a speculative verification
 /// window holds drafted tokens in the state before they are accepted or rolled back.
 const VERIFY_SLACK_TOKENS: usize = 32;
@@ -157,7 +187,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     let loaded = session::load(&root, &config)?;
     let cache = session::state_cache(&loaded, &states);
     let LoadedEngine {
-        model,
+        mut model,
         tokenizer,
         load_seconds,
         checkpoint,
@@ -168,6 +198,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     } = loaded;
     if args.stats {
         session::report_load(load_seconds, &resident_copies, probe.as_ref());
+    }
+    if args.layer_profile {
+        model.layer_profile = Some(layer_profile_lines());
     }
     let tokenizer = Arc::new(tokenizer);
     // Drafters: none when --top-logits asks for every distribution (auto modes yield).

@@ -247,7 +247,7 @@ mod tests {
 
     fn logits(ckpt: &Arc<Checkpoint>, mode: Scale4Mode) -> Result<Vec<Vec<f32>>> {
         let inner = Box::new(CheckpointExperts::new(ckpt.clone()));
-        let experts = wrap_scale4(ckpt, inner, mode, &deltafin_k3::engine::Silent)?;
+        let (experts, _) = wrap_scale4(ckpt, inner, mode, &deltafin_k3::engine::Silent)?;
         let model = load_model_with_experts(ckpt.clone(), &EngineOptions::default(), experts)?;
         let mut st = model.new_state();
         [17u32, 2025, 9, 4242, 311, 77]

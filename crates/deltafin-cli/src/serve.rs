@@ -319,6 +319,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         let server = Server::bind_with_loader(cfg.clone(), move || {
             let s = session::load(&loader_root, &config).map_err(|e| format!("{e:#}"))?;
             session::report_memory_plan(&s.model, s.plan.as_ref());
+            deltafin_openai::log_line!("[deltafin serve] model loaded: {}", session::backend_description());
             // The same drafting as `run`: DSpark for chat completions, Qwen for completions.
             let surfaces = Surfaces { chat: true, raw: true };
             let drafts = DraftModels::load(&loader_root, &spec, surfaces, &s.model)?;

@@ -158,13 +158,14 @@ pub fn check_root(root: &Path) -> Result<()> {
     }
 }
 
-/// Load the install at `root` with `config`; the device line goes into
-/// [`backend_description`].
+/// Load the install at `root` with `config`; the device line and the routed experts' words
+/// (`expert_backend=… scale4=…`) go into [`backend_description`].
 pub fn load(root: &Path, config: &EngineConfig) -> Result<LoadedEngine> {
     check_root(root)?;
     check_kernels()?;
     let loaded = builder(root, config).build().map_err(cli_error)?;
-    *DEVICE_LINE.lock().unwrap_or_else(|p| p.into_inner()) = Some(loaded.device_line.clone());
+    *DEVICE_LINE.lock().unwrap_or_else(|p| p.into_inner()) =
+        Some(format!("{} {}", loaded.device_line, loaded.experts_words()));
     Ok(loaded)
 }
 
@@ -245,7 +246,7 @@ pub fn cli_error(e: EngineError) -> anyhow::Error {
     }
 }
 
-/// The device part of [`backend_description`], set once the model is placed.
+/// The device and expert part of [`backend_description`], set once the model is placed.
 static DEVICE_LINE: Mutex<Option<String>> = Mutex::new(None);
 
 /// With a memory plan, say at startup how the budget is split and how experts are read.

@@ -2,6 +2,11 @@
 //! it with the recorded build profile (product contract §7). Model data is never touched: the
 //! command only runs `git fetch`, `git merge --ff-only` and `cargo build`.
 //!
+//! The rebuild ignores the build environment of the shell (`RUSTFLAGS`, `CARGO_PROFILE_*`,
+//! `CARGO_TARGET_DIR`, `LIBTORCH`, `CC`, …: [`is_build_variable`]): it is removed from the
+//! build's environment, so the new binary is built with the recorded profile and features
+//! and nothing else, into the checkout's own `target/`.
+//!
 //! Test-only overrides (documented in docs/OPERATIONS.md): `DELTAFIN_UPGRADE_REPO` names the
 //! checkout instead of searching for it, and `DELTAFIN_UPGRADE_BUILD_CMD` replaces the cargo
 //! build with a `sh -c` command run in the checkout.
@@ -110,6 +115,64 @@ pub fn rebuild_args() -> Vec<String> {
     args
 }
 
+/// Whether `name` is a variable that changes what cargo, rustc or a build script builds (or
+/// where): compiler flags and wrappers, the toolchain, cargo's profile, build and target
+/// settings, C toolchains, and the original deltafin's build variables (LibTorch, CUDA and
+/// ROCm build switches, `DELTAFIN_BUILD_*`). `upgrade` builds without them.
+pub fn is_build_variable(name: &str) -> bool {
+    const EXACT: &[&str] = &[
+        "RUSTFLAGS",
+        "RUSTDOCFLAGS",
+        "RUSTC",
+        "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "RUSTC_BOOTSTRAP",
+        "RUSTUP_TOOLCHAIN",
+        "CARGO_INCREMENTAL",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO_ENCODED_RUSTDOCFLAGS",
+        "CC",
+        "CXX",
+        "AR",
+        "CFLAGS",
+        "CXXFLAGS",
+        "CPPFLAGS",
+        "LDFLAGS",
+        "LIBTORCH",
+        "DELTAFIN_TORCH_ROOT",
+        "DELTAFIN_CUDA_MOE",
+        "DELTAFIN_CUDA_ARCHITECTURES",
+        "DELTAFIN_HIPCC",
+        "DELTAFIN_HIP_ARCHITECTURES",
+        "HIP_PATH",
+        "ROCM_PATH",
+    ];
+    const PREFIXES: &[&str] = &[
+        "CARGO_PROFILE_",
+        "CARGO_BUILD_",
+        "CARGO_TARGET_",
+        "CARGO_FEATURE_",
+        "LIBTORCH_",
+        "DELTAFIN_BUILD_",
+        "CC_",
+        "CXX_",
+        "AR_",
+        "CFLAGS_",
+        "CXXFLAGS_",
+    ];
+    EXACT.contains(&name) || PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+/// The build variables set in this process's environment ([`is_build_variable`]), sorted.
+fn build_variables_set() -> Vec<String> {
+    let mut names: Vec<String> = std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .filter(|k| is_build_variable(k))
+        .collect();
+    names.sort();
+    names
+}
+
 /// Refuse an in-progress merge, rebase, cherry-pick or revert.
 fn check_no_operation_in_progress(repo: &Path) -> Result<()> {
     for marker in [
@@ -213,11 +276,24 @@ pub fn upgrade() -> Result<ExitCode> {
     let after = git(&repo, &["rev-parse", "--short", "HEAD"])?;
     println!("fast-forwarded {before}..{after} ({behind} commits)");
 
+    let ignored = build_variables_set();
+    if !ignored.is_empty() {
+        println!(
+            "ignoring the build environment (the rebuild uses the recorded profile): {}",
+            ignored.join(", ")
+        );
+    }
+    let clean = |mut c: Command| {
+        for k in &ignored {
+            c.env_remove(k);
+        }
+        c
+    };
     let status = match crate::env::env_var("DELTAFIN_UPGRADE_BUILD_CMD")? {
         Some(cmd) => {
             println!("rebuilding (test override): {cmd}");
-            Command::new("sh")
-                .arg("-c")
+            let mut c = clean(Command::new("sh"));
+            c.arg("-c")
                 .arg(&cmd)
                 .current_dir(&repo)
                 .status()
@@ -226,8 +302,8 @@ pub fn upgrade() -> Result<ExitCode> {
         None => {
             let args = rebuild_args();
             println!("rebuilding: cargo {}", args.join(" "));
-            Command::new("cargo")
-                .args(&args)
+            let mut c = clean(Command::new("cargo"));
+            c.args(&args)
                 .current_dir(&repo)
                 .status()
                 .context("cannot run cargo (is the Rust toolchain on PATH?)")?
@@ -240,11 +316,9 @@ pub fn upgrade() -> Result<ExitCode> {
             repo.display()
         );
     }
-    let target_dir = crate::env::env_var("CARGO_TARGET_DIR")?
-        .map(PathBuf::from)
-        .map(|t| if t.is_absolute() { t } else { repo.join(t) })
-        .unwrap_or_else(|| repo.join("target"));
-    let artifact = target_dir
+    // CARGO_TARGET_DIR is a build variable: the build always writes the checkout's target/.
+    let artifact = repo
+        .join("target")
         .join(if buildinfo::PROFILE == "release" {
             "release"
         } else {

@@ -6,8 +6,12 @@
 //! from the hub (`deltafin-fetch`'s expert fetch); a full install whose `k3-experts/` exists
 //! writes the missing files from the local shards; a full install without `k3-experts/`
 //! already reads every expert from its shards, so nothing is missing.
+//!
+//! `--convert-npz` migrates the original's legacy NPZ expert archives to raw files instead
+//! (`crate::npz`).
 
 use crate::RootArg;
+use crate::npz;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use deltafin_experts::heat::{self, HeatDims};
@@ -54,49 +58,139 @@ pub struct WarmArgs {
     /// Parallel expert fetches, 1…16.
     #[arg(long, value_name = "N", default_value = "4", value_parser = parse_workers)]
     pub workers: usize,
-    /// Not supported: the original's legacy NPZ caches do not exist in deltafin.
-    #[arg(long)]
+    /// Migrate legacy NPZ expert archives (`L{layer}-E{expert}.npz`: six uint8 arrays
+    /// w1_p, w1_s, w2_p, w2_s, w3_p, w3_s) losslessly to raw `.bin` experts: from every
+    /// `k3-cache*/` directory under the model root and from k3-experts/ into k3-experts/ (with
+    /// --cache: from and into that directory). Each is CRC- and shape-checked, written,
+    /// fsynced, read back and compared by SHA-256, published without replacing a file, and
+    /// then its NPZ is deleted (unless --keep-npz).
+    #[arg(long, conflicts_with_all = ["fetch", "json", "traces"])]
     pub convert_npz: bool,
-    /// Not supported (a --convert-npz option).
-    #[arg(long, value_name = "N")]
-    pub convert_workers: Option<String>,
-    /// Not supported (a --convert-npz option).
-    #[arg(long, value_name = "N")]
-    pub convert_limit: Option<String>,
-    /// Not supported (a --convert-npz option).
-    #[arg(long, value_name = "MS")]
-    pub convert_throttle_ms: Option<String>,
-    /// Not supported (a --convert-npz option).
-    #[arg(long)]
+    /// With --convert-npz: archives converted at once, 1…16.
+    #[arg(long, value_name = "N", default_value = "4", value_parser = parse_workers, requires = "convert_npz")]
+    pub convert_workers: usize,
+    /// With --convert-npz: convert only the first N archives (by layer, then expert).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..), requires = "convert_npz")]
+    pub convert_limit: Option<u64>,
+    /// With --convert-npz: pause this many milliseconds (0…60000) after each archive, per
+    /// worker, to leave the disk to other work.
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=60_000), requires = "convert_npz")]
+    pub convert_throttle_ms: Option<u64>,
+    /// With --convert-npz: keep each NPZ after its raw file is published.
+    #[arg(long, requires = "convert_npz")]
     pub keep_npz: bool,
     #[command(flatten)]
     pub root: RootArg,
 }
 
-fn reject_npz(a: &WarmArgs) -> Result<()> {
-    let mut given = Vec::new();
-    if a.convert_npz {
-        given.push("--convert-npz");
-    }
-    for (flag, v) in [
-        ("--convert-workers", &a.convert_workers),
-        ("--convert-limit", &a.convert_limit),
-        ("--convert-throttle-ms", &a.convert_throttle_ms),
-    ] {
-        if v.is_some() {
-            given.push(flag);
+/// `--convert-npz`: the legacy archives of every `k3-cache*/` directory under `root` and of
+/// `dir` converted into raw-v1 files in `dir` (with `--cache`, `dir` alone).
+fn convert_npz(
+    a: &WarmArgs,
+    root: &Path,
+    cfg: &K3Config,
+    shape: ExpertShape,
+    dir: &Path,
+) -> Result<ExitCode> {
+    let mut sources = Vec::new();
+    if a.cache.is_none() {
+        let entries =
+            std::fs::read_dir(root).with_context(|| format!("cannot list {}", root.display()))?;
+        for e in entries {
+            let e = e.with_context(|| format!("cannot list {}", root.display()))?;
+            let legacy = e
+                .file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with("k3-cache"));
+            if legacy && e.file_type().is_ok_and(|t| t.is_dir()) {
+                sources.push(e.path());
+            }
         }
+        sources.sort();
     }
-    if a.keep_npz {
-        given.push("--keep-npz");
+    sources.push(dir.to_path_buf());
+    let found = npz::scan(
+        &sources,
+        |l| l < cfg.n_layers() && !cfg.is_dense(l),
+        cfg.text.num_experts,
+    )?;
+    let limit = a.convert_limit.map_or(found.len(), |n| {
+        usize::try_from(n).unwrap_or(usize::MAX).min(found.len())
+    });
+    let jobs = &found[..limit];
+    let searched: Vec<String> = sources.iter().map(|p| p.display().to_string()).collect();
+    if jobs.is_empty() {
+        println!(
+            "no legacy NPZ expert archives (L{{layer}}-E{{expert}}.npz) in {}",
+            searched.join(", ")
+        );
+        return Ok(ExitCode::SUCCESS);
     }
-    if !given.is_empty() {
+    if !dir.is_dir() {
+        // A full install reads its experts from the shards until k3-experts/ exists, and
+        // then only from it: a partial directory would stop it loading.
+        if shards_local(root)? {
+            bail!(
+                "{} does not exist: this full install reads every expert from its shards, so the {} legacy archives are not needed (delete them), and a k3-experts/ holding only them would stop it loading; convert them elsewhere with --cache PATH",
+                dir.display(),
+                found.len()
+            );
+        }
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    println!(
+        "converting {} of {} legacy NPZ expert archives from {} into {} ({} workers{})",
+        jobs.len(),
+        found.len(),
+        searched.join(", "),
+        dir.display(),
+        a.convert_workers,
+        if a.keep_npz {
+            ", keeping the archives"
+        } else {
+            ""
+        }
+    );
+    let bar = deltafin_fetch::progress::stderr_bar(
+        jobs.len() as u64,
+        "{bar:40} {pos}/{len} archives eta {eta}",
+        true,
+    );
+    let opts = npz::Options {
+        workers: a.convert_workers,
+        throttle: std::time::Duration::from_millis(a.convert_throttle_ms.unwrap_or(0)),
+        keep_npz: a.keep_npz,
+    };
+    // A file of the root's own k3-experts/ gets its receipt, as a fetched one does, so that
+    // `setup --check` re-hashes it.
+    let receipt = |_: &npz::Job, path: &Path, len: u64, sha: &str| -> Result<()> {
+        if path.starts_with(root) {
+            deltafin_fetch::receipts::record(root, path, len, sha)?;
+        }
+        Ok(())
+    };
+    let started = std::time::Instant::now();
+    let report = npz::convert(jobs, dir, shape, &opts, &receipt, &|| bar.inc(1));
+    bar.finish_and_clear();
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "converted {} archives ({:.1} MB, {:.1} MB/s), {} identical raw files already present, {} archives deleted, {} failed",
+        report.converted,
+        report.bytes as f64 / 1e6,
+        report.bytes as f64 / 1e6 / secs.max(1e-9),
+        report.reused,
+        report.deleted,
+        report.failed.len()
+    );
+    if let Some((path, why)) = report.failed.first() {
         bail!(
-            "{}: legacy NPZ expert caches (k3-cache*/) do not exist in deltafin, so there is nothing to convert; experts are raw-v1 files (k3-experts/L{{layer}}-E{{expert}}.bin) written by `fetch-weights --experts-only` or `warm-expert-cache --fetch N`",
-            given.join(", ")
+            "{} of {} legacy archives were not converted (their raw files are not published and the archives are kept; rerun to retry); first: {}: {why}",
+            report.failed.len(),
+            jobs.len(),
+            path.display()
         );
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Whether `root` holds every shard named by its weight index.
@@ -195,7 +289,6 @@ fn parallel<T: Sync, R: Send>(
 
 /// `deltafin warm-expert-cache`.
 pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
-    reject_npz(a)?;
     let root = a.root.resolve();
     // A metadata-only install is enough here, so only the path itself is checked first.
     if let Some(p) = crate::session::path_problem(&root) {
@@ -218,6 +311,9 @@ pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
     let cache_dir = a.cache.clone().unwrap_or_else(|| root.join(EXPERT_DIR));
     if a.cache.is_some() && !cache_dir.is_dir() {
         bail!("--cache {}: not a directory", cache_dir.display());
+    }
+    if a.convert_npz {
+        return convert_npz(a, &root, &cfg, shape, &cache_dir);
     }
 
     // Traces: the given ones, else every router trace in k3-meta/.

@@ -443,3 +443,175 @@ fn ctrl_c_stops_at_a_token_boundary_and_closes_the_events_file() {
         "every emitted token has its step"
     );
 }
+
+/// `--layer-profile`: one `[phase layer N/L]` line per layer of every forward pass (the
+/// prefill, then each decode step), in layer order, the pass's rows and each layer's kinds,
+/// and the same text as without it.
+#[test]
+fn layer_profile_prints_every_layer_of_every_pass() {
+    // No stored prefix state: the second run must prefill like the first.
+    let args = [
+        "run",
+        "--max-new",
+        "3",
+        "--prompt",
+        "Profile me",
+        "--state-cache",
+        "off",
+    ];
+    let plain = on_model(&args, &[]);
+    let plain_text = exits(&plain, 0);
+    let out = on_model(&[&args[..], &["--layer-profile"]].concat(), &[]);
+    exits(&out, 0);
+    assert_eq!(out.stdout, plain.stdout, "the profile changes no token");
+    assert!(!plain_text.contains("[phase layer"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("[phase layer "))
+        .collect();
+    let model = open_model(model_root(), &EngineOptions::default()).unwrap();
+    let n = model.layers.len();
+    // The prefill (one pass: the prompt is shorter than a chunk) and two decode steps (the
+    // third token's logits come from the second).
+    assert_eq!(lines.len(), 3 * n, "{err}");
+    let prompt_rows = Tokenizer::from_dir(model_root())
+        .unwrap()
+        .encode_ordinary("Profile me")
+        .len();
+    for (i, line) in lines.iter().enumerate() {
+        let (pass, l) = (i / n + 1, i % n);
+        let rows = if pass == 1 { prompt_rows } else { 1 };
+        assert!(
+            line.starts_with(&format!(
+                "[phase layer {l}/{}] pass={pass} rows={rows} ",
+                n - 1
+            )),
+            "{line}"
+        );
+        for field in [
+            "total_ms=",
+            "weights_ms=",
+            "mix_ms=",
+            "attention_ms=",
+            "ffn_ms=",
+        ] {
+            assert!(line.contains(field), "{line}");
+        }
+        let attn = if model.dims.attn_kind(l) == deltafin_k3::model::dims::AttnKind::Kda {
+            "kda"
+        } else {
+            "mla"
+        };
+        assert!(line.contains(&format!(" {attn}+")), "{line}");
+    }
+}
+
+/// The startup line names the routed experts' backend and the scale4 mode with whether the
+/// sidecars are used.
+#[test]
+fn startup_line_names_the_expert_backend_and_scale4() {
+    let out = on_model(&["run", "--max-new", "1"], &[("K3_EXPERT_SCALE4", "off")]);
+    let t = exits(&out, 0);
+    assert!(
+        t.contains("expert_backend=cpu scale4=off(raw scales)"),
+        "{t}"
+    );
+    let out = on_model(&["run", "--max-new", "1"], &[]);
+    let t = exits(&out, 0);
+    assert!(
+        t.contains("expert_backend=cpu scale4=auto(raw scales)"),
+        "{t}"
+    );
+}
+
+/// Variables of the original deltafin are never ignored silently: the ones without a
+/// counterpart (the K3_METAL_SRC tripwire among them) stop every command but doctor, which
+/// reports them; the legacy guards accept only exact K3; K3_DEV and K3_MOE are checked when a
+/// flag wins over them.
+#[test]
+fn the_originals_variables_are_refused_or_guarded() {
+    for (var, value) in [
+        ("K3_METAL_SRC", ""),
+        ("K3_METAL_SRC", "/tmp/moe.metal"),
+        ("K3_SPINE_FDCACHE", "auto"),
+        ("K3_SPINE_RESIDENT_GB", "2"),
+        ("K3_MEMORY_PATIENCE_SECONDS", "105"),
+        ("K3_HF_HOST", "mirror.example"),
+    ] {
+        for cmd in [&["run", "--max-new", "1"][..], &["serve"], &["benchmark"]] {
+            let out = on_model(cmd, &[(var, value)]);
+            let err = fails_with(&out, var);
+            assert!(err.contains("not supported"), "{cmd:?} {var}: {err}");
+        }
+    }
+    let out = deltafin(&["doctor", "--runtime-only"], &[("K3_METAL_SRC", "x")]);
+    let t = exits(&out, 1);
+    assert!(
+        t.contains("[FAIL] environment") && t.contains("K3_METAL_SRC"),
+        "{t}"
+    );
+    let out = deltafin(&["benchmark", "--arm", "a=K3_METAL_SRC=x"], &[]);
+    fails_with(&out, "K3_METAL_SRC");
+
+    // tiny: 4 routed experts per token.
+    for (var, value, needle) in [
+        ("K3_APPROX", "1", "approximate"),
+        ("K3_APPROX", "fp16", "approximate"),
+        ("K3_DTYPE", "fp16", "f32"),
+        ("K3_MOE_TOP_K", "2", "routed experts"),
+        ("K3_MOE_TOP_K", "16", "routed experts"),
+        ("K3_MOE_TOP_K", "x", "routed experts"),
+        ("K3_DEV", "bogus", "K3_DEV"),
+        ("K3_MOE", "bogus", "K3_MOE"),
+    ] {
+        let args = [
+            "run",
+            "--max-new",
+            "1",
+            "--device",
+            "cpu",
+            "--expert-backend",
+            "cpu",
+        ];
+        let err = fails_with(&on_model(&args, &[(var, value)]), var);
+        assert!(
+            err.contains(needle) && err.contains(value),
+            "{var}={value}: {err}"
+        );
+    }
+    let exact = [
+        ("K3_APPROX", "off"),
+        ("K3_DTYPE", "float32"),
+        ("K3_MOE_TOP_K", "4"),
+    ];
+    exits(&on_model(&["run", "--max-new", "1"], &exact), 0);
+}
+
+/// `--help` ends with the environment section: every variable, the refused ones and the
+/// legacy guards; `-h` points at it.
+#[test]
+fn help_lists_the_environment_variables() {
+    for args in [&["--help"][..], &["run", "--help"], &["serve", "--help"]] {
+        let out = deltafin(args, &[]);
+        let t = exits(&out, 0);
+        for needle in [
+            "Environment (",
+            "K3_SPINE_READ_THREADS",
+            "K3_MXFP4_DISABLE_AVX2",
+            "DELTAFIN_HUGE_PAGES",
+            "Refused",
+            "K3_METAL_SRC",
+            "Legacy guards",
+            "K3_MOE_TOP_K",
+        ] {
+            assert!(t.contains(needle), "{args:?}: {needle}");
+        }
+        assert!(!t.contains("greedily: every emitted token"), "{t}");
+    }
+    let t = exits(&deltafin(&["-h"], &[]), 0);
+    assert!(
+        t.contains("`deltafin --help` also lists the environment variables"),
+        "{t}"
+    );
+}

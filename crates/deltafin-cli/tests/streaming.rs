@@ -127,6 +127,50 @@ fn streamed_spine_layers_match_the_resident_run() {
         &deltafin(&["run", "--max-new", "1"], &env),
         "K3_SPINE_READ_THREADS",
     );
+    // --spine-read-threads (run, serve, perplexity, doctor): 1…16, winning over the variable,
+    // which is checked all the same; the streamed spine reports what it runs.
+    let streamed = [("K3_PROVIDER_RESIDENT_LAYERS", "3")];
+    let env = [streamed[0], ("K3_SPINE_READ_THREADS", "7")];
+    let o = deltafin(
+        &["run", "--max-new", "1", "--spine-read-threads", "2"],
+        &env,
+    );
+    let (_, err) = stdout_stderr(&o);
+    assert!(
+        o.status.success() && err.contains("read_threads=2)"),
+        "{err}"
+    );
+    let o = deltafin(&["run", "--max-new", "1"], &env);
+    let (_, err) = stdout_stderr(&o);
+    assert!(
+        o.status.success() && err.contains("read_threads=7)"),
+        "{err}"
+    );
+    for bad in ["0", "17", "x"] {
+        fails_with(
+            &deltafin(
+                &["run", "--max-new", "1", "--spine-read-threads", bad],
+                &streamed,
+            ),
+            "--spine-read-threads",
+        );
+    }
+    let env = [streamed[0], ("K3_SPINE_READ_THREADS", "99")];
+    fails_with(
+        &deltafin(
+            &["run", "--max-new", "1", "--spine-read-threads", "2"],
+            &env,
+        ),
+        "K3_SPINE_READ_THREADS",
+    );
+    for cmd in ["serve", "perplexity", "doctor"] {
+        let o = deltafin(&[cmd, "--spine-read-threads", "0"], &[]);
+        let (_, err) = stdout_stderr(&o);
+        assert!(
+            !o.status.success() && err.contains("--spine-read-threads"),
+            "{cmd}: {err}"
+        );
+    }
 }
 
 #[test]

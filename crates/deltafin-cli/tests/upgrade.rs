@@ -224,3 +224,58 @@ fn a_failed_build_is_reported_and_a_non_checkout_refused() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "upgrade accepts no arguments");
 }
+
+/// The rebuild ignores the shell's build environment: compiler flags, cargo profile and target
+/// settings, the original's LibTorch variables never reach the build, which writes the
+/// checkout's own target/ (the recorded profile decides everything).
+#[test]
+fn the_rebuild_ignores_build_environment_variables() {
+    let r = setup();
+    push_upstream(&r, "src.rs", "fn main() {}\n");
+    let build = format!("env > build-env.txt && {FAKE_BUILD}");
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .arg("upgrade")
+        .env("DELTAFIN_UPGRADE_REPO", &r.clone)
+        .env("DELTAFIN_UPGRADE_BUILD_CMD", &build)
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("RUSTFLAGS", "-C target-cpu=native")
+        .env("CARGO_PROFILE_RELEASE_LTO", "fat")
+        .env("CARGO_TARGET_DIR", "/elsewhere")
+        .env("LIBTORCH", "/opt/libtorch")
+        .env("CC", "clang")
+        .env("K3_KEEP_ME", "1")
+        .output()
+        .unwrap();
+    let t = exits(&out, 0);
+    assert_says(
+        &t,
+        &[
+            "ignoring the build environment",
+            "CARGO_PROFILE_RELEASE_LTO",
+            "CARGO_TARGET_DIR",
+            "LIBTORCH",
+            "RUSTFLAGS",
+            "Upgrade complete: ",
+        ],
+    );
+    let env = std::fs::read_to_string(r.clone.join("build-env.txt")).unwrap();
+    for name in [
+        "RUSTFLAGS=",
+        "CARGO_PROFILE_RELEASE_LTO=",
+        "CARGO_TARGET_DIR=",
+        "LIBTORCH=",
+        "CC=",
+    ] {
+        assert!(
+            !env.lines().any(|l| l.starts_with(name)),
+            "{name} reached the build: {env}"
+        );
+    }
+    assert!(env.lines().any(|l| l == "K3_KEEP_ME=1"), "{env}");
+    // The artifact is looked for in the checkout's target/, not CARGO_TARGET_DIR.
+    assert!(
+        t.contains(&r.clone.join("target").display().to_string()),
+        "{t}"
+    );
+}

@@ -215,19 +215,237 @@ fn full_install_writes_missing_expert_files_from_the_shards() {
     assert_eq!(ranked(&o).0["experts_cached"], 5 * 16);
 }
 
+/// A `.npy` file of a `uint8` `(rows, cols)` array: `c_order` bytes written in C order, or in
+/// Fortran (column-major) order; header version 1.0 or 2.0.
+fn npy(c_order: &[u8], (rows, cols): (usize, usize), fortran: bool, v2: bool) -> Vec<u8> {
+    let header = format!(
+        "{{'descr': '|u1', 'fortran_order': {}, 'shape': ({rows}, {cols}), }}",
+        if fortran { "True" } else { "False" }
+    );
+    let prefix = if v2 { 12 } else { 10 };
+    let mut h = header;
+    while !(prefix + h.len() + 1).is_multiple_of(64) {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut b = b"\x93NUMPY".to_vec();
+    if v2 {
+        b.extend([2, 0]);
+        b.extend((h.len() as u32).to_le_bytes());
+    } else {
+        b.extend([1, 0]);
+        b.extend((h.len() as u16).to_le_bytes());
+    }
+    b.extend(h.as_bytes());
+    if fortran {
+        for c in 0..cols {
+            for r in 0..rows {
+                b.push(c_order[r * cols + c]);
+            }
+        }
+    } else {
+        b.extend_from_slice(c_order);
+    }
+    b
+}
+
+/// The original's legacy archive of one raw expert (`raw`) of the install at `root`: its six
+/// arrays, each member stored or deflated, in C or Fortran order, written in `order`.
+fn legacy_npz(root: &Path, raw: &[u8], variant: usize, order: [usize; 6]) -> Vec<u8> {
+    use std::io::Write;
+    let cfg = deltafin_k3::weights::config::K3Config::from_file(root.join("config.json")).unwrap();
+    let (f, lr) = (
+        cfg.text.moe_intermediate_size,
+        cfg.text.routed_expert_hidden_size,
+    );
+    let members = [
+        ("w1_p.npy", (f, lr / 2)),
+        ("w1_s.npy", (f, lr / 32)),
+        ("w2_p.npy", (lr, f / 2)),
+        ("w2_s.npy", (lr, f / 32)),
+        ("w3_p.npy", (f, lr / 2)),
+        ("w3_s.npy", (f, lr / 32)),
+    ];
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for (k, &(name, (r, c))) in members.iter().enumerate() {
+        let fortran = (k + variant) % 2 == 1;
+        parts.push((
+            name,
+            npy(&raw[at..at + r * c], (r, c), fortran, variant == 2),
+        ));
+        at += r * c;
+    }
+    assert_eq!(at, raw.len(), "small_dims' expert size");
+    let mut zip = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    for &k in &order {
+        let method = if (k + variant).is_multiple_of(3) {
+            zip::CompressionMethod::Deflated
+        } else {
+            zip::CompressionMethod::Stored
+        };
+        let opts = zip::write::SimpleFileOptions::default().compression_method(method);
+        zip.start_file(parts[k].0, opts).unwrap();
+        zip.write_all(&parts[k].1).unwrap();
+    }
+    zip.finish().unwrap().into_inner()
+}
+
+/// `warm-expert-cache --convert-npz` on a legacy cache built here: archives in `k3-cache/`
+/// and in `k3-experts/` become raw files byte-identical to the checkpoint's experts (C and
+/// Fortran order, stored and deflated members, .npy 1.0 and 2.0, members in any order); a
+/// damaged archive is refused with its raw file unpublished and the archive kept; a rerun
+/// reuses identical files; `--keep-npz`, `--convert-limit` and bad combinations.
 #[test]
-fn legacy_npz_flags_and_bad_combinations_are_rejected() {
+fn convert_npz_migrates_a_legacy_cache_to_identical_raw_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("k3");
+    deltafin_k3::synth::synthesize(&root, &deltafin_k3::synth::SynthSpec::new(small_dims(), 4))
+        .unwrap();
+    let ck = Checkpoint::open(&root).unwrap();
+    deltafin_k3::weights::loader::convert_to_expert_files(&ck).unwrap();
+    let dir = root.join("k3-experts");
+    let legacy = root.join("k3-cache");
+    std::fs::create_dir_all(&legacy).unwrap();
+    let experts = [(1, 0), (2, 7), (3, 15), (5, 4)];
+    let mut want = Vec::new();
+    for (i, &(l, e)) in experts.iter().enumerate() {
+        let raw = std::fs::read(dir.join(format!("L{l}-E{e}.bin"))).unwrap();
+        assert_eq!(raw, expert_bytes_of(&root, l, e));
+        std::fs::remove_file(dir.join(format!("L{l}-E{e}.bin"))).unwrap();
+        let order = if i.is_multiple_of(2) {
+            [0, 1, 2, 3, 4, 5]
+        } else {
+            [5, 3, 1, 0, 2, 4]
+        };
+        // One archive sits in k3-experts/ itself, the others in the legacy k3-cache/.
+        let at = if i == 3 { &dir } else { &legacy };
+        std::fs::write(
+            at.join(format!("L{l}-E{e}.npz")),
+            legacy_npz(&root, &raw, i, order),
+        )
+        .unwrap();
+        want.push(raw);
+    }
+    // A damaged archive: one payload byte of a stored member flipped (its CRC-32 fails).
+    let raw = std::fs::read(dir.join("L4-E9.bin")).unwrap();
+    std::fs::remove_file(dir.join("L4-E9.bin")).unwrap();
+    let mut bad = legacy_npz(&root, &raw, 1, [0, 1, 2, 3, 4, 5]);
+    let npy_at = bad.windows(6).position(|w| w == b"\x93NUMPY").unwrap();
+    bad[npy_at + 200] ^= 1;
+    std::fs::write(legacy.join("L4-E9.npz"), &bad).unwrap();
+
+    let run = |args: &[&str]| {
+        bin()
+            .arg("warm-expert-cache")
+            .args(args)
+            .arg("--model-root")
+            .arg(&root)
+            .output()
+            .unwrap()
+    };
+    // --convert-limit 2: the first two by (layer, expert), archives kept.
+    let o = run(&["--convert-npz", "--convert-limit", "2", "--keep-npz"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("converted 2 archives"), "{}", text(&o));
+    assert_eq!(std::fs::read(dir.join("L1-E0.bin")).unwrap(), want[0]);
+    assert_eq!(std::fs::read(dir.join("L2-E7.bin")).unwrap(), want[1]);
+    assert!(!dir.join("L3-E15.bin").exists());
+    assert!(legacy.join("L1-E0.npz").is_file());
+
+    // Everything: the damaged archive fails alone, named; the rest are converted or reused.
+    let o = run(&["--convert-npz", "--convert-workers", "3"]);
+    assert!(!o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    assert!(
+        t.contains("1 of 5 legacy archives were not converted") && t.contains("L4-E9.npz"),
+        "{t}"
+    );
+    assert!(
+        t.contains("converted 2 archives") && t.contains("2 identical raw files"),
+        "{t}"
+    );
+    for (&(l, e), raw) in experts.iter().zip(&want) {
+        assert_eq!(
+            &std::fs::read(dir.join(format!("L{l}-E{e}.bin"))).unwrap(),
+            raw
+        );
+    }
+    assert!(!dir.join("L4-E9.bin").exists());
+    assert!(legacy.join("L4-E9.npz").is_file());
+    assert!(!legacy.join("L1-E0.npz").exists() && !dir.join("L5-E4.npz").exists());
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    // The damaged archive replaced by a good one: converted, and the install is whole again.
+    std::fs::write(
+        legacy.join("L4-E9.npz"),
+        legacy_npz(&root, &raw, 0, [0, 1, 2, 3, 4, 5]),
+    )
+    .unwrap();
+    let o = run(&["--convert-npz"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(std::fs::read(dir.join("L4-E9.bin")).unwrap(), raw);
+    Checkpoint::open(&root).unwrap();
+    deltafin_k3::weights::loader::expert_table(&Checkpoint::open(&root).unwrap()).unwrap();
+    let o = run(&["--convert-npz"]);
+    assert!(
+        o.status.success() && text(&o).contains("no legacy NPZ"),
+        "{}",
+        text(&o)
+    );
+
+    // An archive whose raw file exists with other bytes is refused.
+    std::fs::write(
+        legacy.join("L1-E0.npz"),
+        legacy_npz(&root, &want[1], 0, [0, 1, 2, 3, 4, 5]),
+    )
+    .unwrap();
+    let o = run(&["--convert-npz"]);
+    assert!(
+        !o.status.success() && text(&o).contains("other bytes"),
+        "{}",
+        text(&o)
+    );
+    std::fs::remove_file(legacy.join("L1-E0.npz")).unwrap();
+    // A name outside the model's experts is an error naming it.
+    std::fs::write(legacy.join("L0-E1.npz"), b"x").unwrap();
+    let o = run(&["--convert-npz"]);
+    assert!(
+        !o.status.success() && text(&o).contains("L0-E1.npz"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn convert_npz_flags_and_bad_combinations_are_rejected() {
     let tmp = tempfile::tempdir().unwrap();
     for (args, needle) in [
-        (&["--convert-npz"][..], "legacy NPZ expert caches"),
-        (&["--convert-workers", "4"], "--convert-workers"),
+        (&["--convert-workers", "4"][..], "--convert-npz"),
+        (&["--keep-npz"], "--convert-npz"),
         (
-            &["--keep-npz", "--convert-limit", "3"],
-            "--convert-limit, --keep-npz",
+            &["--convert-npz", "--convert-workers", "17"],
+            "--convert-workers",
         ),
+        (
+            &["--convert-npz", "--convert-limit", "0"],
+            "--convert-limit",
+        ),
+        (
+            &["--convert-npz", "--convert-throttle-ms", "x"],
+            "--convert-throttle-ms",
+        ),
+        (&["--convert-npz", "--fetch", "2"], "cannot be used with"),
         (&["--fetch", "2", "--cache", "/tmp"], "cannot be used with"),
         (&["--workers", "17"], "--workers"),
         (&["--show", "x"], "--show"),
+        (&["--convert-npz"], "config.json is missing"),
     ] {
         let o = bin()
             .arg("warm-expert-cache")
@@ -242,10 +460,4 @@ fn legacy_npz_flags_and_bad_combinations_are_rejected() {
             text(&o)
         );
     }
-    let o = bin()
-        .args(["warm-expert-cache", "--model-root"])
-        .arg(tmp.path())
-        .output()
-        .unwrap();
-    assert!(!o.status.success() && text(&o).contains("config.json is missing"));
 }

@@ -74,6 +74,12 @@ impl Backend {
         }
     }
 
+    /// Whether the backend's kernels use AVX2 instructions (AVX-512's build on them), which
+    /// `K3_MXFP4_DISABLE_AVX2` turns off (`crate::settings::DISABLE_AVX2_VAR`).
+    pub fn uses_avx2(self) -> bool {
+        matches!(self, Backend::Avx2 | Backend::Avx512)
+    }
+
     /// Supported backends, best first (always ends with `Scalar`).
     pub fn available() -> Vec<Backend> {
         Backend::ALL

@@ -45,7 +45,10 @@ mod table;
 mod test_shared;
 #[cfg(test)]
 #[path = "../tests/common/skip.rs"]
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the CPU-feature tests
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)] // the CPU-feature tests
 mod test_skip;
 #[cfg(test)]
 mod tests;

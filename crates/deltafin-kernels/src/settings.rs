@@ -29,6 +29,11 @@ pub const POOL_SPIN_VAR: &str = "DELTAFIN_POOL_SPIN";
 /// The name by which binaries read the idle workers' prefetch switch (`lookahead`).
 pub const POOL_PREFETCH_VAR: &str = "DELTAFIN_POOL_PREFETCH";
 
+/// The name by which binaries read the original's AVX2 off switch: any value but `0` keeps
+/// the products off AVX2 and AVX-512 (which builds on it), i.e. on the portable scalar kernels
+/// on x86-64 (the way out when a SIMD kernel misbehaves on a CPU); no effect on aarch64.
+pub const DISABLE_AVX2_VAR: &str = "K3_MXFP4_DISABLE_AVX2";
+
 /// The name by which binaries read the NVRTC library (a file, or a directory holding
 /// `libnvrtc.so*`) for the CUDA backend ([`CudaPaths::nvrtc`]).
 pub const NVRTC_VAR: &str = "DELTAFIN_NVRTC";
@@ -139,6 +144,11 @@ pub enum KernelError {
     #[error(transparent)]
     PoolPrefetch(#[from] PrefetchEnvError),
     #[error(
+        "{}={backend} uses AVX2, which {DISABLE_AVX2_VAR}={value:?} turns off: unset one of them",
+        crate::dispatch::ENV_VAR
+    )]
+    Avx2Disabled { backend: String, value: String },
+    #[error(
         "kernel settings are already fixed ({installed}); they are installed once, before the first product"
     )]
     AlreadyConfigured { installed: String },
@@ -217,7 +227,8 @@ impl Default for KernelSettings {
 
 impl KernelSettings {
     /// The settings named by variables (the names of [`crate::dispatch::ENV_VAR`],
-    /// [`MXFP4_ACT_VAR`], [`POOL_SPIN_VAR`], [`POOL_PREFETCH_VAR`], and the CUDA paths of
+    /// [`DISABLE_AVX2_VAR`], [`MXFP4_ACT_VAR`], [`POOL_SPIN_VAR`], [`POOL_PREFETCH_VAR`], and
+    /// the CUDA paths of
     /// [`CudaPaths::from_lookup`]) as `lookup` gives them, the default for each one it does not
     /// have, each parsed strictly. A binary passes the process environment
     /// (`std::env::var_os`): a choice that is not UTF-8 is refused showing it lossily, a path
@@ -245,8 +256,20 @@ impl KernelSettings {
         if let Some(v) = text(POOL_PREFETCH_VAR) {
             s.pool_prefetch = parse_prefetch(&v)?;
         }
+        let no_avx2 = text(DISABLE_AVX2_VAR).filter(|v| v != "0");
+        if no_avx2.is_some() {
+            s.backend = Backend::available()
+                .into_iter()
+                .find(|b| !b.uses_avx2())
+                .unwrap_or(Backend::Scalar);
+        }
         if let Some(v) = text(crate::dispatch::ENV_VAR) {
             s.backend = v.parse()?;
+            if let Some(value) = no_avx2
+                && s.backend.uses_avx2()
+            {
+                return Err(KernelError::Avx2Disabled { backend: v, value });
+            }
         }
         Ok(s)
     }
@@ -373,6 +396,44 @@ pub fn pool_settings() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `K3_MXFP4_DISABLE_AVX2`: any value but `0` keeps the default off AVX2 and AVX-512;
+    /// naming one of them as well is an error; `0` changes nothing.
+    #[test]
+    fn disabling_avx2_keeps_the_default_off_avx2_and_avx512() {
+        let set = |vars: &[(&str, &str)]| {
+            KernelSettings::from_lookup(|k| {
+                vars.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            })
+        };
+        for v in ["1", "yes", ""] {
+            let s = set(&[(DISABLE_AVX2_VAR, v)]).unwrap();
+            assert!(!s.backend.uses_avx2(), "{v:?}: {:?}", s.backend);
+            assert_eq!(
+                s.backend,
+                Backend::available()
+                    .into_iter()
+                    .find(|b| !matches!(b, Backend::Avx2 | Backend::Avx512))
+                    .unwrap()
+            );
+        }
+        assert_eq!(
+            set(&[(DISABLE_AVX2_VAR, "0")]).unwrap(),
+            KernelSettings::default()
+        );
+        let s = set(&[(DISABLE_AVX2_VAR, "1"), ("DELTAFIN_KERNEL", "scalar")]).unwrap();
+        assert_eq!(s.backend, Backend::Scalar);
+        for b in [Backend::Avx2, Backend::Avx512]
+            .into_iter()
+            .filter(|b| b.is_supported())
+        {
+            let e = set(&[(DISABLE_AVX2_VAR, "1"), ("DELTAFIN_KERNEL", b.name())]).unwrap_err();
+            assert!(matches!(e, KernelError::Avx2Disabled { .. }), "{e}");
+            assert!(e.to_string().contains(DISABLE_AVX2_VAR), "{e}");
+        }
+    }
 
     #[test]
     fn each_value_parses_strictly() {

@@ -50,6 +50,64 @@ fn cpu_has(feature: Cpu, test: &str) -> bool {
     present
 }
 
+/// On aarch64 the tests below compare the NEON entries with the scalar ones only when NEON
+/// is detected: a failed detection would leave the scalar backend alone, every comparison
+/// passing vacuously. A SKIP line, or a failure under `DELTAFIN_REQUIRE_NEON=1`
+/// (`tools/ci/aarch64.sh` sets it).
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_backend_is_detected_and_compared() {
+    if !Backend::Neon.is_supported() {
+        crate::test_skip::skip(
+            "neon_backend_is_detected_and_compared",
+            "DELTAFIN_REQUIRE_NEON",
+            "this CPU reports no NEON",
+        );
+        return;
+    }
+    assert_eq!(Backend::available(), [Backend::Neon, Backend::Scalar]);
+    assert_eq!(Backend::detect(), Backend::Neon);
+    let rng = &mut Rng(0xae64);
+    let m = Mats::new(rng, 3, 64);
+    for w in m.all() {
+        let names: Vec<&str> = entries_for(&w).iter().map(|k| k.name).collect();
+        assert!(
+            names.iter().any(|n| n.ends_with("/neon")) && names.len() == 2,
+            "{}: entries {names:?}",
+            w.dtype()
+        );
+    }
+}
+
+/// The optional Armv8 features of this CPU are the ones `DELTAFIN_AARCH64_EXPECT_FEATURES`
+/// names (a comma list of `dotprod`, `i8mm`, `bf16`, or `none`), so each qemu CPU model of
+/// `tools/ci/aarch64.sh` is known to have run with (`max`) or without (`cortex-a72`) them.
+/// Unset, the features are only printed.
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn aarch64_cpu_features_are_the_expected_ones() {
+    let found: Vec<&str> = [
+        (
+            "dotprod",
+            std::arch::is_aarch64_feature_detected!("dotprod"),
+        ),
+        ("i8mm", std::arch::is_aarch64_feature_detected!("i8mm")),
+        ("bf16", std::arch::is_aarch64_feature_detected!("bf16")),
+    ]
+    .into_iter()
+    .filter_map(|(name, present)| present.then_some(name))
+    .collect();
+    let found = if found.is_empty() {
+        "none".to_string()
+    } else {
+        found.join(",")
+    };
+    eprintln!("aarch64 optional features: {found}");
+    if let Ok(want) = std::env::var("DELTAFIN_AARCH64_EXPECT_FEATURES") {
+        assert_eq!(found, want, "the CPU's optional features");
+    }
+}
+
 /// `got` equals `want` bit for bit (NaNs included); the failure names `what` and the first
 /// value that differs.
 #[track_caller]

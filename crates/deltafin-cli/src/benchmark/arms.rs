@@ -17,7 +17,8 @@ fn valid_env_key(k: &str) -> bool {
 }
 
 /// Parse `KEY=VALUE KEY=VALUE`: whitespace-separated pairs, valid unique keys, no
-/// dynamic-loader variables (`LD_*`, `DYLD_*`).
+/// dynamic-loader variables (`LD_*`, `DYLD_*`) and none that `deltafin` refuses
+/// (`crate::environment::REFUSED`, `K3_METAL_SRC` among them).
 pub fn parse_env_delta(spec: &str) -> Result<Vec<(String, String)>> {
     let mut out: Vec<(String, String)> = Vec::new();
     for tok in spec.split_whitespace() {
@@ -31,6 +32,9 @@ pub fn parse_env_delta(spec: &str) -> Result<Vec<(String, String)>> {
             bail!(
                 "`{k}`: dynamic-loader variables are forbidden in arms (they would change which code runs, not how)"
             );
+        }
+        if let Some(why) = crate::environment::refusal(k) {
+            bail!("`{k}` in an arm: {why}");
         }
         if out.iter().any(|(o, _)| o == k) {
             bail!("`{k}` is set twice");
@@ -162,6 +166,13 @@ mod tests {
                 .contains("dynamic-loader")
         );
         assert!(parse_env_delta("DYLD_INSERT_LIBRARIES=x").is_err());
+        let e = parse_env_delta("K3_METAL_SRC=/tmp/x.metal")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("K3_METAL_SRC") && e.contains("not supported"),
+            "{e}"
+        );
         assert!(
             parse_env_delta("A=1 A=2")
                 .unwrap_err()

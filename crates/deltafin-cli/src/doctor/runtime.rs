@@ -35,6 +35,25 @@ pub(super) fn runtime_checks(r: &mut Report) {
             format!("{host}; not a qualified platform (Linux x86-64/aarch64, macOS arm64)"),
         );
     }
+    // Variables of the original that every other command refuses.
+    let refused: Vec<String> = crate::environment::REFUSED
+        .iter()
+        .filter(|v| std::env::var_os(v.name).is_some())
+        .filter_map(|v| crate::environment::refusal(v.name))
+        .collect();
+    if refused.is_empty() {
+        r.add(
+            "environment",
+            Status::Ok,
+            "no variable of the original that deltafin refuses is set",
+        );
+    } else {
+        r.fail(
+            "environment",
+            refused.join("; "),
+            "unset the variables named: run, serve and the other commands refuse to start with them",
+        );
+    }
     if buildinfo::PROFILE != "release" {
         r.add(
             "build",

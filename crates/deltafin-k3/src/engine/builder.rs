@@ -10,7 +10,7 @@
 //! # Ok::<(), deltafin_k3::engine::EngineError>(())
 //! ```
 
-use crate::engine::config::EngineConfig;
+use crate::engine::config::{EngineConfig, Scale4Mode};
 use crate::engine::error::EngineError;
 use crate::engine::experts::{Base, ExpertLayerFactory, assemble_expert_stack, learned_heat};
 use crate::engine::placement::{place_on_device, select};
@@ -48,9 +48,30 @@ pub struct LoadedEngine {
     /// The copies into huge-page memory made while loading (the routed experts, then the
     /// resident spine), with how their bytes were read.
     pub resident_copies: Vec<ResidentCopy>,
+    /// Where the routed experts' products run: `cpu`, or the device (`cuda:0`).
+    pub expert_backend: String,
+    /// The scale4 setting (`K3_EXPERT_SCALE4`) and whether the routed experts take their
+    /// scales from the sidecars.
+    pub scale4: (Scale4Mode, bool),
 }
 
 impl LoadedEngine {
+    /// The startup words of the routed experts: `expert_backend=… scale4=MODE(sidecars|raw
+    /// scales)`.
+    pub fn experts_words(&self) -> String {
+        let (mode, used) = self.scale4;
+        let mode = match mode {
+            Scale4Mode::Auto => "auto",
+            Scale4Mode::Off => "off",
+            Scale4Mode::Require => "require",
+        };
+        format!(
+            "expert_backend={} scale4={mode}({})",
+            self.expert_backend,
+            if used { "sidecars" } else { "raw scales" }
+        )
+    }
+
     /// The most positions (prompt and answer) a sequence may hold on this engine: the
     /// model's context, capped by what memory holds. Under a budget that is the plan's
     /// reserved context; without one, as many positions as half of the memory available now
@@ -322,6 +343,7 @@ impl EngineBuilder {
             ..EngineOptions::default()
         };
         let mut copies = Vec::new();
+        let scale4;
         let (mut model, plan) = match config.memory_budget {
             None => {
                 let copy = config.copy_resident_experts && huge_pages.copies();
@@ -335,13 +357,14 @@ impl EngineBuilder {
                     progress,
                 )?;
                 copies.extend(stack.copy);
+                scale4 = stack.scale4;
                 let mut model = assemble_model(checkpoint.clone(), &engine, stack.experts)
                     .map_err(build_context(root))?;
                 model.route_observers = stack.observers;
                 (model, None)
             }
             Some(budget) => {
-                let load = || -> Result<(K3Model, MemoryPlan), EngineError> {
+                let load = || -> Result<(K3Model, MemoryPlan, bool), EngineError> {
                     let plan = self.plan_for(&checkpoint, budget, huge_pages)?;
                     let stream = deltafin_experts::StreamOptions {
                         cache_bytes: plan.cache,
@@ -362,9 +385,10 @@ impl EngineBuilder {
                     };
                     let mut model = assemble_model(checkpoint.clone(), &engine, stack.experts)?;
                     model.route_observers = stack.observers;
-                    Ok((model, plan))
+                    Ok((model, plan, stack.scale4))
                 };
-                let (model, plan) = load().map_err(build_context(root))?;
+                let (model, plan, used) = load().map_err(build_context(root))?;
+                scale4 = used;
                 (model, Some(plan))
             }
         };
@@ -399,6 +423,15 @@ impl EngineBuilder {
         touch_embedding_in_background(&model);
         install::check_vocab(&tokenizer, &model)?;
         let device_line = place_on_device(&mut model, &placement, config.device_reserve, progress)?;
+        let expert_backend = match (&placement.device, placement.experts) {
+            (Some(dev), true) => dev
+                .describe()
+                .split_whitespace()
+                .next()
+                .unwrap_or("device")
+                .to_string(),
+            _ => "cpu".to_string(),
+        };
         Ok(LoadedEngine {
             model,
             tokenizer,
@@ -408,6 +441,8 @@ impl EngineBuilder {
             spine: config.spine,
             device_line,
             resident_copies: copies,
+            expert_backend,
+            scale4: (config.scale4, scale4),
         })
     }
 }

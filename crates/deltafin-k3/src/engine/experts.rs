@@ -74,14 +74,15 @@ pub fn config_sha256(root: &Path) -> Result<String, EngineError> {
 /// Wrap `experts` per `mode`: with valid sidecars under `root/k3-experts-scale4` the scale
 /// bytes come from them (the codes from `experts`), else `experts` unchanged (`auto`, `off`;
 /// `auto` says why through `progress` when the directory exists) or an error (`require`).
+/// The flag says whether the sidecars are used.
 pub fn wrap_scale4(
     checkpoint: &Checkpoint,
     experts: Box<dyn ExpertSource>,
     mode: Scale4Mode,
     progress: &dyn LoadProgress,
-) -> Result<Box<dyn ExpertSource>, EngineError> {
+) -> Result<(Box<dyn ExpertSource>, bool), EngineError> {
     if mode == Scale4Mode::Off {
-        return Ok(experts);
+        return Ok((experts, false));
     }
     let root = checkpoint.root();
     let dir = root.join(SCALE4_DIR);
@@ -91,7 +92,7 @@ pub fn wrap_scale4(
             .map_err(|e| EngineError::External(Box::new(e)))
     });
     match (opened, mode) {
-        (Ok(sidecars), _) => Ok(Box::new(Scale4Experts::new(experts, sidecars))),
+        (Ok(sidecars), _) => Ok((Box::new(Scale4Experts::new(experts, sidecars)), true)),
         (Err(e), Scale4Mode::Require) => Err(EngineError::Context {
             context: format!(
                 "K3_EXPERT_SCALE4=require but the scale4 sidecars in {} are not complete and valid (run `deltafin convert-experts-scale4 --model-root {}`)",
@@ -108,7 +109,7 @@ pub fn wrap_scale4(
                     chain(&e)
                 ));
             }
-            Ok(experts)
+            Ok((experts, false))
         }
     }
 }
@@ -161,6 +162,8 @@ pub(crate) struct ExpertStack {
     pub observers: RouteObservers,
     /// The copy of the resident experts into huge-page memory, when one was made.
     pub copy: Option<ResidentCopy>,
+    /// Whether the experts take their scales from the scale4 sidecars ([`wrap_scale4`]).
+    pub scale4: bool,
 }
 
 /// Assemble the routed-expert source stack, bottom to top:
@@ -183,7 +186,7 @@ pub(crate) fn assemble_expert_stack(
 ) -> Result<ExpertStack, EngineError> {
     let pin = config.heat.pin_bytes;
     let mut copy_report = None;
-    let (source, layer): (Box<dyn ExpertSource>, _) = match base {
+    let ((source, scale4), layer): ((Box<dyn ExpertSource>, bool), _) = match base {
         Base::Resident { copy } => {
             if pin > 0 {
                 progress.note(
@@ -255,6 +258,7 @@ pub(crate) fn assemble_expert_stack(
         experts,
         observers,
         copy: copy_report,
+        scale4,
     })
 }
 

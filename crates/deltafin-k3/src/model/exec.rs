@@ -9,16 +9,19 @@
 //! - **The experts' schedule** (`crate::model::moe_schedule`): the source, the device, the next
 //!   MoE layer's router.
 //! - **Taps** (`crate::model::taps`): `P` after chosen layers, for drafters.
+//! - **The layer profile** (`crate::model::profile`): each layer's phase times, when the model
+//!   has a sink for them.
 //!
 //! None of it changes a value: the logits are the loop's whatever the hooks do.
 
 use crate::error::ModelError;
 use crate::model::forward::{K3Model, LogitRows, Logits, PassHooks};
 use crate::model::kda::KdaForm;
-use crate::model::layer::{Ffn, Layer};
+use crate::model::layer::{Attention, Ffn, Layer};
 use crate::model::moe_schedule::{ExpertSchedule, predict_across_dense};
 use crate::model::next_token::ProvisionalHead;
 use crate::model::norm::rms_norm_rows_new;
+use crate::model::profile::PassClock;
 use crate::model::router::RouterWeights;
 use crate::model::state::State;
 use crate::model::taps::Taps;
@@ -104,6 +107,7 @@ impl K3Model {
             taps,
             spine: None,
             watch,
+            clock: None,
         };
         self.run_layers(state, tokens, want, KdaForm::Chunked, &mut hooks)
     }
@@ -149,6 +153,7 @@ impl K3Model {
             taps,
             spine: None,
             watch: Watch::default(),
+            clock: None,
         };
         self.run_layers(state, tokens, want, kda_form, &mut hooks)
     }
@@ -162,6 +167,8 @@ struct Execution<'m, 't, 'w> {
     spine: Option<SpinePass<'m>>,
     /// Interrupt and per-layer progress ([`K3Model::forward_watched`]).
     watch: Watch<'w>,
+    /// The pass's clock when the model has a layer profile.
+    clock: Option<PassClock>,
 }
 
 impl<'m> Execution<'m, '_, '_> {
@@ -220,6 +227,9 @@ impl PassHooks for Execution<'_, '_, '_> {
         if let Some(s) = &model.spine_stream {
             self.spine = Some(s.begin_pass()?);
         }
+        if model.layer_profile.is_some() {
+            self.clock = Some(PassClock::new(tokens.len()));
+        }
         Ok(())
     }
 
@@ -231,10 +241,17 @@ impl PassHooks for Execution<'_, '_, '_> {
         {
             return Err(ModelError::Interrupted);
         }
-        match self.spine.as_mut() {
+        if let Some(c) = self.clock.as_mut() {
+            c.layer_started();
+        }
+        let weights = match self.spine.as_mut() {
             Some(pass) => pass.layer(l, own),
             None => Ok(None),
+        };
+        if let Some(c) = self.clock.as_mut() {
+            c.weights_ready();
         }
+        weights
     }
 
     fn layer_input(&mut self, l: usize, layer: &Layer, x: &[f32], t: usize) {
@@ -243,6 +260,15 @@ impl PassHooks for Execution<'_, '_, '_> {
         if let (Ffn::Dense(_), Some((next, router))) = (&layer.ffn, self.next_router(l)) {
             let m = self.model;
             predict_across_dense(&m.dims, m.experts.as_ref(), next, router, x, t);
+        }
+        if let Some(c) = self.clock.as_mut() {
+            c.attention_started();
+        }
+    }
+
+    fn attention_done(&mut self, _l: usize) {
+        if let Some(c) = self.clock.as_mut() {
+            c.attention_done();
         }
     }
 
@@ -256,6 +282,24 @@ impl PassHooks for Execution<'_, '_, '_> {
     }
 
     fn layer_output(&mut self, l: usize, p: &[f32]) {
+        let model = self.model;
+        if let (Some(c), Some(sink), Some(layer)) = (
+            self.clock.as_ref(),
+            model.layer_profile.as_ref(),
+            model.layers.get(l),
+        ) {
+            let kinds = (
+                match layer.attn {
+                    Attention::Kda(_) => "kda",
+                    Attention::Mla(_) => "mla",
+                },
+                match layer.ffn {
+                    Ffn::Dense(_) => "dense",
+                    Ffn::Moe(_) => "moe",
+                },
+            );
+            sink(&c.layer_done(l, model.layers.len(), kinds));
+        }
         if let Some(tp) = self.taps.as_deref_mut() {
             tp.record(l, p);
         }

@@ -99,6 +99,9 @@ pub struct K3Model {
     /// pass that can use them (an expert source that wants PILOT guesses), and how often
     /// their token was the next pass's first.
     pub(crate) provisional: crate::model::next_token::Provisional,
+    /// When set, every pass reports each layer's phase times to it (`crate::model::profile`,
+    /// `deltafin run --layer-profile`); timing only.
+    pub layer_profile: Option<crate::model::profile::LayerProfile>,
 }
 
 /// What a forward pass does besides the math, called by `K3Model::run_layers` at fixed
@@ -111,6 +114,8 @@ pub(crate) trait PassHooks {
     fn layer_weights(&mut self, l: usize, own: &Layer) -> Result<Option<Layer>, ModelError>;
     /// `x`: layer `l`'s normalised input (`t` rows), before its attention runs.
     fn layer_input(&mut self, l: usize, layer: &Layer, x: &[f32], t: usize);
+    /// Layer `l`'s attention is done; its MLP or MoE comes next.
+    fn attention_done(&mut self, l: usize);
     /// How MoE layer `l`'s routed experts are obtained and run.
     fn experts(&self, l: usize) -> ExpertSchedule<'_>;
     /// `p`: `P` after layer `l`.
@@ -313,6 +318,7 @@ impl K3Model {
             device_experts: None,
             provisional: Default::default(),
             resident_copy: None,
+            layer_profile: None,
         };
         model.validate()?;
         Ok(model)
@@ -473,6 +479,7 @@ impl K3Model {
                     )));
                 }
             };
+            hooks.attention_done(l);
             if restart {
                 p = o;
             } else {

@@ -9,7 +9,8 @@
 //!   traits), [`situ`] (SiTU-GLU MLPs), [`norm`] (RMSNorm), [`linear`] (a projection in any
 //!   weight format, on the CPU or a device).
 //! - Support: [`dims`] (every size, from `config.json`), [`state`] (per-sequence KDA state
-//!   and MLA cache), [`taps`] (activation taps), [`next_token`] (the provisional head).
+//!   and MLA cache), [`taps`] (activation taps), [`next_token`] (the provisional head),
+//!   [`profile`] (per-layer phase times of every pass, `run --layer-profile`).
 //! - On a device: [`offload`] (the spine placed on a [`deltafin_kernels::ProductDevice`]) and
 //!   [`device_experts`] (the device cache of routed experts).
 //!
@@ -29,6 +30,7 @@ pub mod moe_schedule;
 pub mod next_token;
 pub mod norm;
 pub mod offload;
+pub mod profile;
 pub mod router;
 pub mod situ;
 pub mod state;

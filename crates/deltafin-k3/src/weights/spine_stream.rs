@@ -123,19 +123,22 @@ pub struct SpineSplit {
     pub max_layer_buffer: u64,
     /// How the reads are served (`direct` or `buffered: why`).
     pub io: String,
+    /// Reader threads per streamed layer (`SpineStreamOptions::read_threads`).
+    pub read_threads: usize,
 }
 
 impl SpineSplit {
     /// `"spine: 12 of 24 layers resident, 12 streamed (0.123 GB read per pass, …)"`.
     pub fn describe(&self) -> String {
         format!(
-            "spine: {} of {} layers resident, {} streamed ({:.3} GB read per forward pass, 2 × {:.3} GB reusable buffers, io={})",
+            "spine: {} of {} layers resident, {} streamed ({:.3} GB read per forward pass, 2 × {:.3} GB reusable buffers, io={}, read_threads={})",
             self.resident,
             self.layers,
             self.layers - self.resident,
             self.bytes_per_pass as f64 / 1e9,
             self.max_layer_buffer as f64 / 1e9,
-            self.io
+            self.io,
+            self.read_threads
         )
     }
 }
@@ -561,6 +564,7 @@ impl SpineStreamer {
             bytes_per_pass,
             max_layer_buffer: buf_len,
             io,
+            read_threads: opts.read_threads.clamp(1, 16),
         };
         let shared = Arc::new(Shared {
             files,
