@@ -16,7 +16,7 @@ use crate::request::{self, Limits, Surface};
 use crate::response::Shape;
 use crate::responses::{self, ResponsesMeta, reply::ResponsesReply};
 use crate::transport::{answer_with, sse_headers};
-use crate::{MODEL_ID, ServerConfig, models};
+use crate::{MODEL_ID, ServerConfig, bench, models, page, status};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -476,6 +476,24 @@ async fn dispatch(
         ("/metrics", _) => {
             return answer(get, &|| ops::metrics(&state.metrics, &state.snapshot()));
         }
+        ("/v1/status", _) => {
+            return answer(get, &|| {
+                let c = state.metrics.counters();
+                status::status(&state.cfg, &c, &state.snapshot(), state.ready_engine())
+            });
+        }
+        (bench::RESULT_PATH | bench::PLOT_PATH, _) if get => {
+            return bench::serve(path, state.cfg.benchmark_dir.clone()).await;
+        }
+        (bench::RESULT_PATH | bench::PLOT_PATH, _) => {
+            return ApiError::method_not_allowed().into_response();
+        }
+        (p, _) if page::is_page(p) => {
+            return match page::serve(p, req.headers()) {
+                Some(resp) if get => resp,
+                _ => ApiError::method_not_allowed().into_response(),
+            };
+        }
         ("/tokenize" | "/detokenize", _) => {
             if method != Method::POST {
                 return ApiError::method_not_allowed().into_response();
@@ -637,13 +655,18 @@ async fn generate(
             &interrupt,
             &st.shutdown,
             |ev| {
-                if let GenEvent::Prefill { done, total, .. } = &ev {
-                    st.metrics.prefill_progress(*done, *total);
+                if let GenEvent::Prefill {
+                    done,
+                    total,
+                    reused,
+                } = &ev
+                {
+                    st.metrics.prefill_progress(*done, *total, *reused);
                 }
                 tx.send(ev).is_ok()
             },
         );
-        st.metrics.prefill_progress(0, 0);
+        st.metrics.prefill_progress(0, 0, 0);
         if let Ok(mut cur) = st.current.lock() {
             *cur = None;
         }
