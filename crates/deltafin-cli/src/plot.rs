@@ -72,6 +72,13 @@ fn range(values: impl Iterator<Item = f64>, from_zero: bool) -> std::ops::Range<
     (if from_zero && lo >= 0.0 { lo } else { lo - pad })..hi + pad
 }
 
+/// An axis label: at most three decimals, without trailing zeros (`5`, not `5.0`).
+fn tick(v: &f64) -> String {
+    let s = format!("{v:.3}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s == "-0" { "0".into() } else { s.to_string() }
+}
+
 /// The chart as an SVG document.
 pub fn svg(chart: &Chart<'_>) -> Result<String> {
     let mut out = String::new();
@@ -101,6 +108,8 @@ pub fn svg(chart: &Chart<'_>) -> Result<String> {
             .x_desc(chart.x_desc)
             .y_desc(chart.y_desc)
             .label_style(("sans-serif", 15))
+            .x_label_formatter(&tick)
+            .y_label_formatter(&tick)
             .axis_desc_style(("sans-serif", 16))
             .draw()
             .map_err(err)?;
@@ -199,6 +208,14 @@ mod tests {
         })
         .unwrap();
         assert!(empty.contains("nothing") && !empty.contains("stroke-width=\"2\""));
+    }
+
+    #[test]
+    fn ticks_drop_trailing_zeros() {
+        assert_eq!(tick(&5.0), "5");
+        assert_eq!(tick(&7.25), "7.25");
+        assert_eq!(tick(&-0.0001), "0");
+        assert_eq!(tick(&1000.0), "1000");
     }
 
     #[test]

@@ -656,7 +656,22 @@ fn chat_page_in_headless_chromium() {
         "{}",
         d.text("#decode-rate")
     );
+    // The memory plan unfolded: its parts as a bar and a list.
+    d.js(
+        "document.getElementById('memory').open = true; const m = document.getElementById('messages'); m.scrollTop = m.scrollHeight;",
+        json!([]),
+    );
+    let parts = d.js(
+        "return [document.querySelectorAll('#memory-bar span').length, document.getElementById('memory-parts').textContent];",
+        json!([]),
+    );
+    assert_eq!(parts[0], json!(6), "{parts}");
+    assert!(
+        parts[1].as_str().unwrap().contains("expert cache"),
+        "{parts}"
+    );
     d.screenshot("04-decoding");
+    d.js("document.getElementById('memory').open = false;", json!([]));
 
     // Stop: the server cancels at once and frees its slot.
     let cancelled = metric(addr, "deltafin_generations_total", "cancelled");

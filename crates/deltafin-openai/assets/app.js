@@ -384,12 +384,14 @@
     }));
     list.replaceChildren(...[
       ...parts.map(([name, bytes]) => `${name}: ${fmtBytes(bytes)}`),
-      `pinned experts: ${fmtBytes(plan.pinned_bytes)}`,
+      `pinned experts (of the cache): ${fmtBytes(plan.pinned_bytes)}`,
       `context reserved: ${plan.context_tokens.toLocaleString()} tokens`,
       `${plan.experts.toLocaleString()} experts of ${fmtBytes(plan.expert_bytes)}`,
-    ].map((t) => {
+    ].map((t, i) => {
       const li = document.createElement('li');
-      li.textContent = t;
+      const sw = document.createElement('span');
+      sw.className = i < parts.length ? `swatch p${i}` : 'swatch none';
+      li.append(sw, t);
       return li;
     }));
   }
