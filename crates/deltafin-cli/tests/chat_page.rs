@@ -18,18 +18,21 @@
 //! by `.ci/run`) makes that a failure. `DELTAFIN_CHROMIUM` and `DELTAFIN_CHROMEDRIVER` name
 //! the binaries when they are not `chromium` / `chromedriver` on the PATH.
 
+#[path = "common/mod.rs"]
+mod cli_common;
 #[path = "../../deltafin-openai/tests/common/mod.rs"]
 mod common;
 
 use base64::Engine as _;
+use cli_common::{ServeProcess, serve_process};
 use common::{Resp, model_root, request_bytes, skip};
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const KEY: &str = "chat-page-test-key-0123456789";
@@ -295,65 +298,21 @@ impl Drop for Driver {
 // ---------------------------------------------------------------------------------------
 // The server process.
 
-struct Served {
-    child: Child,
-    addr: SocketAddr,
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn_server(bench: &Path) -> Served {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    cmd.env("K3_SPINE", "bf16")
-        .env("K3_STATE_CACHE_DISK_GB", "0.25")
-        .env("K3_STATE_CACHE_RAM_GB", "0.05");
-    for k in [
-        "DELTAFIN_API_KEY",
-        "K3_MEMORY_BUDGET_GB",
-        "K3_SERVER_QUEUE",
-        "K3_REASONING_EFFORT",
-        "K3_STATE_CACHE",
-        "K3_DSPARK",
-        "K3_UAG_DRAFT",
-    ] {
-        cmd.env_remove(k);
-    }
-    cmd.args(["serve", "--port", "0", "--queue", "1", "--api-key", KEY])
-        .args(["--memory-budget-gb", "0.25", "--response-memo-entries", "0"])
-        .arg("--benchmark-dir")
-        .arg(bench)
-        .arg("--model-root")
-        .arg(model_root())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut startup = Vec::new();
-    let addr: SocketAddr = loop {
-        let mut line = String::new();
-        assert!(
-            err.read_line(&mut line).unwrap() > 0,
-            "serve exited: {startup:?}"
-        );
-        startup.push(line.clone());
-        if let Some(rest) = line.split("listening on http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
-    let log = Arc::new(Mutex::new(startup));
-    let sink = log.clone();
-    std::thread::spawn(move || {
-        for line in err.lines().map_while(Result::ok) {
-            sink.lock().unwrap().push(line);
-        }
-    });
-    Served { child, addr, log }
+fn spawn_server(bench: &Path) -> ServeProcess {
+    serve_process([
+        "--queue",
+        "1",
+        "--api-key",
+        KEY,
+        "--memory-budget-gb",
+        "0.25",
+        "--response-memo-entries",
+        "0",
+        "--benchmark-dir",
+        bench.to_str().unwrap(),
+        "--model-root",
+        model_root().to_str().unwrap(),
+    ])
 }
 
 /// One request with the key, read to its end (a generation on a busy machine may take a

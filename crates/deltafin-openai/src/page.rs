@@ -17,64 +17,59 @@ use std::sync::OnceLock;
 /// The Content-Security-Policy of the page and of its files.
 pub const CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' blob:; connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'; require-trusted-types-for 'script'; trusted-types deltafin dompurify";
 
-/// One built-in file.
-struct Asset {
-    path: &'static str,
-    content_type: &'static str,
-    body: &'static str,
-}
+const HTML: &str = "text/html; charset=utf-8";
+const JS: &str = "text/javascript; charset=utf-8";
+const TEXT: &str = "text/plain; charset=utf-8";
 
-const ASSETS: &[Asset] = &[
-    Asset {
-        path: "/",
-        content_type: "text/html; charset=utf-8",
-        body: include_str!("../assets/index.html"),
-    },
-    Asset {
-        path: "/assets/app.js",
-        content_type: "text/javascript; charset=utf-8",
-        body: include_str!("../assets/app.js"),
-    },
-    Asset {
-        path: "/assets/app.css",
-        content_type: "text/css; charset=utf-8",
-        body: include_str!("../assets/app.css"),
-    },
-    Asset {
-        path: "/assets/favicon.svg",
-        content_type: "image/svg+xml",
-        body: include_str!("../assets/favicon.svg"),
-    },
-    Asset {
-        path: "/assets/marked.umd.js",
-        content_type: "text/javascript; charset=utf-8",
-        body: include_str!("../assets/vendor/marked.umd.js"),
-    },
-    Asset {
-        path: "/assets/purify.min.js",
-        content_type: "text/javascript; charset=utf-8",
-        body: include_str!("../assets/vendor/purify.min.js"),
-    },
-    Asset {
-        path: "/assets/LICENSE-marked.md",
-        content_type: "text/plain; charset=utf-8",
-        body: include_str!("../assets/vendor/LICENSE-marked.md"),
-    },
-    Asset {
-        path: "/assets/LICENSE-dompurify",
-        content_type: "text/plain; charset=utf-8",
-        body: include_str!("../assets/vendor/LICENSE-dompurify"),
-    },
-    Asset {
-        path: "/assets/vendor.md",
-        content_type: "text/plain; charset=utf-8",
-        body: include_str!("../assets/vendor/README.md"),
-    },
+/// The built-in files: path, content type, bytes.
+const ASSETS: &[(&str, &str, &str)] = &[
+    ("/", HTML, include_str!("../assets/index.html")),
+    ("/assets/app.js", JS, include_str!("../assets/app.js")),
+    (
+        "/assets/app.css",
+        "text/css; charset=utf-8",
+        include_str!("../assets/app.css"),
+    ),
+    (
+        "/assets/favicon.svg",
+        "image/svg+xml",
+        include_str!("../assets/favicon.svg"),
+    ),
+    (
+        "/assets/marked.umd.js",
+        JS,
+        include_str!("../assets/vendor/marked.umd.js"),
+    ),
+    (
+        "/assets/purify.min.js",
+        JS,
+        include_str!("../assets/vendor/purify.min.js"),
+    ),
+    (
+        "/assets/LICENSE-marked.md",
+        TEXT,
+        include_str!("../assets/vendor/LICENSE-marked.md"),
+    ),
+    (
+        "/assets/LICENSE-dompurify",
+        TEXT,
+        include_str!("../assets/vendor/LICENSE-dompurify"),
+    ),
+    (
+        "/assets/vendor.md",
+        TEXT,
+        include_str!("../assets/vendor/README.md"),
+    ),
 ];
 
-fn find(path: &str) -> Option<(usize, &'static Asset)> {
+/// Asset `path` (`/index.html` is `/`): its index in [`ASSETS`], content type and bytes.
+fn find(path: &str) -> Option<(usize, &'static str, &'static str)> {
     let path = if path == "/index.html" { "/" } else { path };
-    ASSETS.iter().enumerate().find(|(_, a)| a.path == path)
+    ASSETS
+        .iter()
+        .enumerate()
+        .find(|(_, a)| a.0 == path)
+        .map(|(i, &(_, content_type, body))| (i, content_type, body))
 }
 
 /// Whether `path` is the page or one of its files (served without the API key: they hold
@@ -89,12 +84,7 @@ fn etag(i: usize) -> &'static str {
     let tags = TAGS.get_or_init(|| {
         ASSETS
             .iter()
-            .map(|a| {
-                format!(
-                    "\"{}\"",
-                    &hex::encode(Sha256::digest(a.body.as_bytes()))[..32]
-                )
-            })
+            .map(|a| format!("\"{}\"", &hex::encode(Sha256::digest(a.2.as_bytes()))[..32]))
             .collect()
     });
     tags.get(i).map_or("\"\"", String::as_str)
@@ -129,7 +119,7 @@ pub fn protect(h: &mut HeaderMap, csp: &'static str) {
 /// `GET`/`HEAD` of the page or one of its files (`None`: `path` is none of them). A request
 /// whose `If-None-Match` names the current version gets 304.
 pub fn serve(path: &str, request: &HeaderMap) -> Option<Response> {
-    let (i, asset) = find(path)?;
+    let (i, content_type, body) = find(path)?;
     let tag = etag(i);
     let fresh = request
         .get(header::IF_NONE_MATCH)
@@ -138,14 +128,11 @@ pub fn serve(path: &str, request: &HeaderMap) -> Option<Response> {
     let mut resp = if fresh {
         StatusCode::NOT_MODIFIED.into_response()
     } else {
-        Response::new(Body::from(asset.body))
+        Response::new(Body::from(body))
     };
     let h = resp.headers_mut();
     if !fresh {
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static(asset.content_type),
-        );
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     }
     if let Ok(v) = HeaderValue::from_str(tag) {
         h.insert(header::ETAG, v);
@@ -187,7 +174,7 @@ mod tests {
 
     #[test]
     fn the_page_names_only_its_own_files() {
-        let html = find("/").unwrap().1.body;
+        let html = find("/").unwrap().2;
         // Every script and stylesheet the page loads is one of its files; none is inline.
         for attr in ["src=\"", "href=\""] {
             for part in html.split(attr).skip(1) {
@@ -205,7 +192,7 @@ mod tests {
         );
         // The page's own code names no other host (the vendored libraries load nothing).
         for path in ["/", "/assets/app.js", "/assets/app.css"] {
-            let body = find(path).unwrap().1.body;
+            let body = find(path).unwrap().2;
             assert!(!body.contains("://"), "{path} names another host");
         }
     }
