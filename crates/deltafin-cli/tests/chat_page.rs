@@ -52,10 +52,9 @@ fn on_path(names: &[&str]) -> Option<PathBuf> {
 }
 
 fn browser() -> Option<(PathBuf, PathBuf)> {
-    let pick = |var: &str, names: &[&str]| {
-        std::env::var_os(var)
-            .map(PathBuf::from)
-            .or_else(|| on_path(names))
+    let pick = |var: &str, names: &[&str]| match std::env::var_os(var) {
+        Some(p) => Some(PathBuf::from(p)).filter(|p| p.is_file()),
+        None => on_path(names),
     };
     let chromium = pick("DELTAFIN_CHROMIUM", &["chromium", "chromium-browser"])?;
     let driver = pick("DELTAFIN_CHROMEDRIVER", &["chromedriver"])?;
