@@ -19,6 +19,7 @@ mod kernel_env;
 mod npz;
 mod pack;
 mod perplexity;
+mod plot;
 mod prefill_bar;
 mod run;
 mod scale4;
@@ -249,6 +250,11 @@ pub struct PerplexityArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Also write an SVG plot of the loss along the text to PATH: each scored position's
+    /// negative log-likelihood (the mean of each bucket past 2,000 positions) and the running
+    /// mean.
+    #[arg(long, value_name = "PATH")]
+    pub plot: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,
 }

@@ -86,6 +86,11 @@ pub struct ServeArgs {
     /// [env: K3_RESPONSE_STORE_GB; default: 1].
     #[arg(long, value_name = "GB")]
     pub response_store_gb: Option<String>,
+    /// Where the chat page finds the last `deltafin benchmark` (`GET /v1/benchmark`): an
+    /// evidence directory, or a directory of them (the newest `result.json` is shown). It
+    /// need not exist yet; relative to the working directory.
+    #[arg(long, value_name = "DIR", default_value = "bench-results")]
+    pub benchmark_dir: std::path::PathBuf,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -305,6 +310,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         body_deadline: std::time::Duration::from_secs(args.body_deadline_secs),
         header_deadline: std::time::Duration::from_secs(args.header_deadline_secs),
         max_connections: usize::try_from(max_connections).unwrap_or(usize::MAX),
+        benchmark_dir: Some(args.benchmark_dir.clone()),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -338,7 +344,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         .await?;
         let addr = server.local_addr()?;
         deltafin_openai::log_line!(
-            "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={thinking} ({thinking_source}) model_aliases={} api_key={} cors_origin={} response_store_bytes={}",
+            "[deltafin serve] surface=server {} spine={} model_root={} host={} port={} queue={queue} ({queue_source}) max_tokens={} max_request_bytes={} reasoning_effort={thinking} ({thinking_source}) model_aliases={} api_key={} cors_origin={} response_store_bytes={} benchmark_dir={}",
             session::backend_description(),
             spine.as_str(),
             root.display(),
@@ -354,13 +360,14 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
             if cfg.access.api_key.is_some() { "required" } else { "none" },
             cfg.access.cors_origin.as_deref().unwrap_or("none"),
             cfg.response_store_bytes,
+            args.benchmark_dir.display(),
         );
         if !addr.ip().is_loopback() && cfg.access.api_key.is_none() {
             deltafin_openai::log_line!(
                 "deltafin: warning: listening on non-loopback address {addr} without --api-key (or DELTAFIN_API_KEY): anyone who can reach it can use the model"
             );
         }
-        deltafin_openai::log_line!("[deltafin serve] listening on http://{addr} (model loading in the background)");
+        deltafin_openai::log_line!("[deltafin serve] listening on http://{addr} (model loading in the background; chat page at http://{addr}/)");
         server.run(shutdown).await?;
         deltafin_openai::log_line!("[deltafin serve] stopped");
         Ok::<_, anyhow::Error>(())

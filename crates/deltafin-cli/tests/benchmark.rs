@@ -135,8 +135,9 @@ fn two_arms_run_abba_and_match_k3_greedy() {
     );
     let svg = std::fs::read_to_string(ev.join("latency.svg")).unwrap();
     assert!(svg.starts_with("<svg"));
-    assert_eq!(svg.matches("<polyline").count(), 4);
-    assert!(svg.contains(">one</text>") && svg.contains(">two</text>"));
+    // One line per run (plotters draws series with width 2) and one legend entry per arm.
+    assert_eq!(svg.matches("stroke-width=\"2\" points").count(), 4, "{svg}");
+    assert!(svg.contains("\none\n</text>") && svg.contains("\ntwo\n</text>"));
 }
 
 #[test]

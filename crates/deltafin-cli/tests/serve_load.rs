@@ -14,17 +14,19 @@
 //! connections are free, no 5xx was counted, nothing panicked, and SIGTERM exits 0. It
 //! prints one `[load]` summary line (the figures of docs/OPERATIONS.md "Load and faults").
 
+#[path = "common/mod.rs"]
+mod cli_common;
 #[path = "../../deltafin-openai/tests/common/mod.rs"]
 mod common;
 
+use cli_common::{ServeProcess, serve_process};
 use common::model_root;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Concurrent clients.
@@ -67,89 +69,26 @@ fn load_duration() -> Duration {
 // ---------------------------------------------------------------------------------------
 // The server process.
 
-struct Served {
-    child: Child,
-    addr: SocketAddr,
-    /// Every stderr line after `listening on` (the plan line, the request log, any panic).
-    stderr: Arc<Mutex<Vec<String>>>,
-    startup: Vec<String>,
-}
-
-fn spawn_server() -> Served {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
-    // The synthesized checkpoint has no int8 spine; the test sets every server setting it
-    // relies on itself.
-    cmd.env("K3_SPINE", "bf16")
-        .env("K3_STATE_CACHE_DISK_GB", "0.25")
-        .env("K3_STATE_CACHE_RAM_GB", "0.05");
-    for k in [
-        "DELTAFIN_API_KEY",
-        "K3_MEMORY_BUDGET_GB",
-        "K3_SERVER_QUEUE",
-        "K3_REASONING_EFFORT",
-        "K3_STATE_CACHE",
-        "K3_EXPERT_PIN_GB",
-        "K3_PROVIDER_RESIDENT_LAYERS",
-        "K3_DSPARK",
-        "K3_UAG_DRAFT",
-    ] {
-        cmd.env_remove(k);
-    }
+fn spawn_server() -> ServeProcess {
     let n = |v: usize| v.to_string();
-    cmd.args(["serve", "--port", "0", "--model-root"])
-        .arg(model_root())
-        .args(["--memory-budget-gb", BUDGET_GB])
-        .args(["--queue", &n(QUEUE)])
-        .args(["--max-request-bytes", &n(MAX_REQUEST_BYTES)])
-        .args(["--max-connections", &n(MAX_CONNECTIONS)])
-        .args([
-            "--header-deadline-secs",
-            &HEADER_DEADLINE.as_secs().to_string(),
-        ])
-        .args(["--body-deadline-secs", &BODY_DEADLINE.as_secs().to_string()])
-        .args(["--response-memo-bytes", &n(MEMO_BYTES)])
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null());
-    let mut child = cmd.spawn().unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut startup = Vec::new();
-    let addr = loop {
-        let mut line = String::new();
-        assert!(
-            err.read_line(&mut line).unwrap() > 0,
-            "serve exited: {startup:?}"
-        );
-        startup.push(line.clone());
-        if let Some(rest) = line.split("listening on http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
-    // Drained at once (a server blocked on a full stderr pipe would look hung).
-    let stderr = Arc::new(Mutex::new(Vec::new()));
-    let sink = stderr.clone();
-    std::thread::spawn(move || {
-        for line in err.lines().map_while(Result::ok) {
-            sink.lock().unwrap().push(line);
-        }
-    });
-    Served {
-        child,
-        addr,
-        stderr,
-        startup,
-    }
-}
-
-impl Served {
-    fn lines_with(&self, needle: &str) -> Vec<String> {
-        let lines = self.stderr.lock().unwrap();
-        self.startup
-            .iter()
-            .chain(lines.iter())
-            .filter(|l| l.contains(needle))
-            .cloned()
-            .collect()
-    }
+    serve_process([
+        "--model-root",
+        model_root().to_str().unwrap(),
+        "--memory-budget-gb",
+        BUDGET_GB,
+        "--queue",
+        &n(QUEUE),
+        "--max-request-bytes",
+        &n(MAX_REQUEST_BYTES),
+        "--max-connections",
+        &n(MAX_CONNECTIONS),
+        "--header-deadline-secs",
+        &HEADER_DEADLINE.as_secs().to_string(),
+        "--body-deadline-secs",
+        &BODY_DEADLINE.as_secs().to_string(),
+        "--response-memo-bytes",
+        &n(MEMO_BYTES),
+    ])
 }
 
 /// `VmRSS` and `VmHWM` of `pid` in bytes (`None` once the process is gone).
@@ -179,7 +118,7 @@ fn gb_after(line: &str, key: &str) -> u64 {
     (v * 1e9).round() as u64
 }
 
-fn plan_of(s: &Served) -> Plan {
+fn plan_of(s: &ServeProcess) -> Plan {
     let lines = s.lines_with("[deltafin] memory budget ");
     let line = lines
         .first()

@@ -7,13 +7,17 @@
 //!
 //! - **Host.** On a loopback address, the `Host` header must name this server: `localhost`,
 //!   a loopback address, or the `--host` value (with any port). A rebound name is refused.
-//! - **Origin.** A request with an `Origin` header (a browser's) is refused unless it is the
-//!   `--cors-origin`; then the answer carries the CORS headers, and an `OPTIONS` preflight
-//!   from that origin is answered.
+//! - **Origin.** A request with an `Origin` header (a browser's) is refused unless it comes
+//!   from the server's own chat page or is the `--cors-origin`; then the answer carries the
+//!   CORS headers, and an `OPTIONS` preflight from that origin is answered. The page's own
+//!   origin is the one whose `host[:port]` is the request's `Host`, when that `Host` names
+//!   this server beyond doubt: `localhost`, an IP address or the `--host` value (on a
+//!   loopback listener the Host check below already holds every request to that), so a page
+//!   whose DNS name was rebound to this machine is still another origin.
 //! - **Content-Type.** A POST must say `application/json`; forms and `text/plain` are
 //!   refused (a browser cannot send `application/json` cross-origin without a preflight).
 //! - **API key.** With `--api-key` (or `DELTAFIN_API_KEY`), every endpoint but `/health`
-//!   wants `Authorization: Bearer KEY` (the OpenAI clients) or `x-api-key: KEY` (the
+//!   and the chat page's own files (`GET /`, `/assets/…`: code only, no data) wants `Authorization: Bearer KEY` (the OpenAI clients) or `x-api-key: KEY` (the
 //!   Anthropic clients), compared in constant time.
 
 use crate::error::ApiError;
@@ -113,6 +117,27 @@ fn forbidden(code: &'static str, message: String) -> ApiError {
     }
 }
 
+/// Whether `origin` is the server's own page: `http://` or `https://` followed by exactly the
+/// request's `host` (ASCII case ignored), where that host's name is a loopback name, an IP
+/// address or `bound_host`: names no DNS rebinding can take over.
+fn same_origin(origin: &str, host: Option<&str>, bound_host: &str) -> bool {
+    let Some(host) = host.map(str::trim) else {
+        return false;
+    };
+    let origin = origin.trim_end_matches('/');
+    let Some(authority) = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"))
+    else {
+        return false;
+    };
+    let name = host_name(host);
+    let trusted = is_loopback_name(name)
+        || name.parse::<std::net::IpAddr>().is_ok()
+        || name.eq_ignore_ascii_case(host_name(bound_host));
+    trusted && !host.is_empty() && authority.eq_ignore_ascii_case(host)
+}
+
 /// What to do with a request after [`check`].
 pub enum Admit {
     /// Serve it; add these CORS headers to the answer.
@@ -148,7 +173,9 @@ pub fn check(
         }
     }
     let mut cors = None;
-    if let Some(origin) = text(header::ORIGIN) {
+    if let Some(origin) = text(header::ORIGIN)
+        && !same_origin(&origin, text(header::HOST).as_deref(), bound_host)
+    {
         let allowed = cfg
             .cors_origin
             .as_deref()
@@ -166,7 +193,7 @@ pub fn check(
             return Ok(Admit::Answered(preflight(cors, headers)));
         }
     }
-    let public = matches!(path, "/health" | "/v1/health");
+    let public = matches!(path, "/health" | "/v1/health") || crate::page::is_page(path);
     if let Some(key) = &cfg.api_key
         && !public
     {
@@ -263,6 +290,38 @@ mod tests {
             assert!(check_origin(bad).is_err(), "{bad}");
         }
         assert!(ApiKey::new("short").is_err());
+        // The page's own origin: the Host it was loaded from, when that names this server.
+        assert!(same_origin(
+            "http://127.0.0.1:8000",
+            Some("127.0.0.1:8000"),
+            "127.0.0.1"
+        ));
+        assert!(same_origin(
+            "http://LocalHost:9",
+            Some("localhost:9"),
+            "127.0.0.1"
+        ));
+        assert!(same_origin("http://[::1]:8000", Some("[::1]:8000"), "::1"));
+        assert!(same_origin(
+            "http://192.168.1.5:80",
+            Some("192.168.1.5:80"),
+            "0.0.0.0"
+        ));
+        assert!(same_origin(
+            "http://box.lan:80",
+            Some("box.lan:80"),
+            "box.lan"
+        ));
+        for (origin, host) in [
+            ("http://127.0.0.1:8001", Some("127.0.0.1:8000")),
+            ("http://127.0.0.1:8000", None),
+            ("http://evil.example:8000", Some("evil.example:8000")),
+            ("null", Some("127.0.0.1:8000")),
+            ("file://", Some("127.0.0.1:8000")),
+            ("http://127.0.0.1:8000/x", Some("127.0.0.1:8000")),
+        ] {
+            assert!(!same_origin(origin, host, "0.0.0.0"), "{origin} {host:?}");
+        }
         let k = ApiKey::new("0123456789abcdef").unwrap();
         assert!(k.matches(b"0123456789abcdef") && !k.matches(b"0123456789abcdeg"));
         assert_eq!(format!("{k:?}"), "ApiKey(..)");

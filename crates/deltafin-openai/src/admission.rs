@@ -163,13 +163,18 @@ pub(crate) async fn generate(
             &interrupt,
             &st.shutdown,
             |ev| {
-                if let GenEvent::Prefill { done, total, .. } = &ev {
-                    st.metrics.prefill_progress(*done, *total);
+                if let GenEvent::Prefill {
+                    done,
+                    total,
+                    reused,
+                } = &ev
+                {
+                    st.metrics.prefill_progress(*done, *total, *reused);
                 }
                 tx.send(ev).is_ok()
             },
         );
-        st.metrics.prefill_progress(0, 0);
+        st.metrics.prefill_progress(0, 0, 0);
         if let Ok(mut cur) = st.current.lock() {
             *cur = None;
         }

@@ -7,7 +7,7 @@ use crate::memo::{self, MemoEntry, ResponseMemo};
 pub use crate::outcome::{FinishReason, Usage};
 use crate::output::{Assembler, Delta, EarlyEnd, TokenLogprob};
 use crate::request::{ChatControls, GenRequest, Prompt, ToolMode};
-use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine};
+use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine, MemoryPlan};
 use deltafin_k3::generate::{
     Choose, GenerateEvent, GenerateOptions, Greedy, StopReason, generate_prefilled,
 };
@@ -17,6 +17,7 @@ use deltafin_k3::sampling::Sampler;
 use deltafin_k3::text::chat::{ChatOptions, ToolChoice, encode_chat};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_k3::weights::install::{self, Missing};
+use deltafin_k3::weights::spine_int8::SpineFormat;
 use deltafin_spec::select::{Chosen, DraftModels};
 use deltafin_spec::{Committed, WallClock, generate_with_prefill};
 use std::path::{Path, PathBuf};
@@ -79,6 +80,13 @@ pub struct Engine {
     pub prefix: Option<PrefixCache>,
     /// Finished answers of greedy requests, replayed for an identical request.
     pub memo: ResponseMemo,
+    /// The memory split when experts stream under a budget (`None`: every expert
+    /// resident); `GET /v1/status` reports it with the two fields below.
+    pub plan: Option<MemoryPlan>,
+    /// The spine the model multiplies with.
+    pub spine: SpineFormat,
+    /// Where the products run (`device=cpu`, `device=cuda:0 …`).
+    pub device_line: String,
     /// The grammar engine over the tokenizer, built on the first constrained request.
     grammars: OnceLock<Result<Grammars, String>>,
 }
@@ -120,6 +128,9 @@ impl Engine {
     pub fn from_loaded(loaded: LoadedEngine, drafts: Option<DraftModels>) -> Engine {
         Engine {
             max_context: loaded.admitted_context(),
+            plan: loaded.plan,
+            spine: loaded.spine,
+            device_line: loaded.device_line,
             model: loaded.model,
             tokenizer: Arc::new(loaded.tokenizer),
             drafts,

@@ -11,7 +11,7 @@ use crate::request::{self, GenRequest, Limits, Surface};
 use crate::response::Shape;
 use crate::responses::{self, ResponsesMeta, reply::ResponsesReply};
 use crate::seal::Sealer;
-use axum::http::HeaderMap;
+pub use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use std::sync::Arc;

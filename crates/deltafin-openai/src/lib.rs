@@ -12,6 +12,7 @@
 
 pub mod access;
 mod admission;
+pub mod bench;
 mod conn;
 pub mod constrain;
 pub mod engine;
@@ -26,6 +27,7 @@ pub mod ollama;
 mod ops;
 pub mod outcome;
 pub mod output;
+pub mod page;
 pub mod reply;
 pub mod request;
 pub mod response;
@@ -34,6 +36,7 @@ mod routes;
 pub mod seal;
 pub mod server;
 pub mod strict;
+pub mod status;
 // Public only for the fuzz harness (fuzz/harness); not part of the library's interface.
 #[doc(hidden)]
 pub mod tokenize;
@@ -112,6 +115,9 @@ pub struct ServerConfig {
     /// Open connections at most; one more is answered 503 `too_many_connections`
     /// (`--max-connections`).
     pub max_connections: usize,
+    /// Where `GET /v1/benchmark` looks for the last `deltafin benchmark` evidence directory
+    /// (`--benchmark-dir`; `None`: it answers 404).
+    pub benchmark_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -130,6 +136,7 @@ impl Default for ServerConfig {
             body_deadline: server::BODY_DEADLINE,
             header_deadline: server::HEADER_DEADLINE,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            benchmark_dir: None,
         }
     }
 }

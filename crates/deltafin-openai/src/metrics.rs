@@ -33,6 +33,7 @@ pub struct Metrics {
     last_decode_tps: AtomicU64,
     prefill_done: AtomicU64,
     prefill_total: AtomicU64,
+    prefill_reused: AtomicU64,
     reused_tokens: AtomicU64,
     memo_answers: AtomicU64,
 }
@@ -66,10 +67,34 @@ impl Metrics {
         *m.entry((endpoint, status)).or_insert(0) += 1;
     }
 
-    /// The running prefill has done `done` of `total` prompt positions (`0, 0`: none runs).
-    pub fn prefill_progress(&self, done: usize, total: usize) {
+    /// The running prefill has done `done` of `total` prompt positions, `reused` of them
+    /// restored from a stored prefix state (`0, 0, 0`: none runs).
+    pub fn prefill_progress(&self, done: usize, total: usize, reused: usize) {
         self.prefill_done.store(done as u64, Ordering::Relaxed);
         self.prefill_total.store(total as u64, Ordering::Relaxed);
+        self.prefill_reused.store(reused as u64, Ordering::Relaxed);
+    }
+
+    /// The counters as numbers (what `GET /v1/status` reports beside the [`Snapshot`]).
+    pub fn counters(&self) -> Counters {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let total = load(&self.prefill_total);
+        Counters {
+            prompt_tokens: load(&self.prompt_tokens),
+            completion_tokens: load(&self.completion_tokens),
+            decode_tokens: load(&self.decode_tokens),
+            prefill_seconds: load(&self.prefill_nanos) as f64 * 1e-9,
+            decode_seconds: load(&self.decode_nanos) as f64 * 1e-9,
+            last_prefill_tokens_per_second: f64::from_bits(load(&self.last_prefill_tps)),
+            last_decode_tokens_per_second: f64::from_bits(load(&self.last_decode_tps)),
+            prefill: (total > 0).then(|| PrefillNow {
+                done: load(&self.prefill_done),
+                total,
+                reused: load(&self.prefill_reused),
+            }),
+            prefix_reused_tokens: load(&self.reused_tokens),
+            memo_answers: load(&self.memo_answers),
+        }
     }
 
     /// What a generation took from the prefix cache and the memo.
@@ -105,6 +130,40 @@ impl Metrics {
         self.last_decode_tps
             .store(decode.to_bits(), Ordering::Relaxed);
     }
+}
+
+/// The running prefill's progress (prompt positions).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefillNow {
+    /// Positions processed, restored ones included.
+    pub done: u64,
+    /// Positions of the prompt.
+    pub total: u64,
+    /// Positions restored from a stored prefix state.
+    pub reused: u64,
+}
+
+/// [`Metrics`] read at one moment: totals of finished generations, the last one's speeds,
+/// the running prefill.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Counters {
+    /// Prompt and completion tokens of finished generations.
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// Tokens generated after each prefill's first one.
+    pub decode_tokens: u64,
+    /// Wall time of prefills and of decoding.
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    /// Speeds of the last finished generation (0 before one).
+    pub last_prefill_tokens_per_second: f64,
+    pub last_decode_tokens_per_second: f64,
+    /// The running prefill, if one runs.
+    pub prefill: Option<PrefillNow>,
+    /// Prompt positions restored from stored prefix states.
+    pub prefix_reused_tokens: u64,
+    /// Requests answered from the response memo.
+    pub memo_answers: u64,
 }
 
 /// What `/metrics` reports besides [`Metrics`]: the server's state at the scrape.

@@ -11,7 +11,7 @@ use crate::metrics::{CLIENT_CLOSED, RequestLog};
 use crate::ops::{self, TokenizerOp};
 use crate::request::Surface;
 use crate::server::AppState;
-use crate::{MODEL_ID, models, ollama};
+use crate::{MODEL_ID, bench, models, ollama, page, status};
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -186,6 +186,18 @@ async fn dispatch(
         }),
         "/health" | "/v1/health" => answer(get, &|| ops::health(state.ready_engine().map(drop))),
         "/metrics" => answer(get, &|| ops::metrics(&state.metrics, &state.snapshot())),
+        "/v1/status" => answer(get, &|| {
+            let c = state.metrics.counters();
+            status::status(&state.cfg, &c, &state.snapshot(), state.ready_engine())
+        }),
+        bench::RESULT_PATH | bench::PLOT_PATH if get => {
+            bench::serve(path, state.cfg.benchmark_dir.clone()).await
+        }
+        bench::RESULT_PATH | bench::PLOT_PATH => ApiError::method_not_allowed().into_response(),
+        p if page::is_page(p) => match page::serve(p, req.headers()) {
+            Some(resp) if get => resp,
+            _ => ApiError::method_not_allowed().into_response(),
+        },
         "/tokenize" | "/detokenize" => {
             if method != Method::POST {
                 return ApiError::method_not_allowed().into_response();

@@ -17,24 +17,27 @@ fn open() -> &'static TestServer {
     shared_server(&S, any_port())
 }
 
+/// A ready server that wants [`KEY`] and allows `cors_origin`.
+fn keyed(cors_origin: Option<&str>) -> TestServer {
+    let s = TestServer::start(ServerConfig {
+        access: AccessConfig {
+            api_key: Some(ApiKey::new(KEY).unwrap()),
+            cors_origin: cors_origin.map(str::to_string),
+        },
+        ..any_port()
+    });
+    // Readiness through /health, which needs no key.
+    wait_until(
+        std::time::Duration::from_secs(30),
+        || send(&s, "GET", "/health", &[HOST]).status == 200,
+        "model ready",
+    );
+    s
+}
+
 fn guarded() -> &'static TestServer {
     static S: OnceLock<TestServer> = OnceLock::new();
-    S.get_or_init(|| {
-        let s = TestServer::start(ServerConfig {
-            access: AccessConfig {
-                api_key: Some(ApiKey::new(KEY).unwrap()),
-                cors_origin: Some("http://localhost:3000".into()),
-            },
-            ..any_port()
-        });
-        // Readiness through /health, which needs no key.
-        wait_until(
-            std::time::Duration::from_secs(30),
-            || send(&s, "GET", "/health", &[HOST]).status == 200,
-            "model ready",
-        );
-        s
-    })
+    S.get_or_init(|| keyed(Some("http://localhost:3000")))
 }
 
 fn body() -> Vec<u8> {
@@ -230,4 +233,70 @@ fn the_api_key_and_the_allowed_origin() {
         ],
     );
     assert_eq!(r.error(403)["code"], "forbidden_origin");
+}
+
+#[test]
+fn the_chat_page_is_served_without_the_key_and_is_its_own_origin() {
+    // A server of its own: the other tests' completions would find its one slot taken.
+    let s = &keyed(None);
+    let host = format!("127.0.0.1:{}", s.addr.port());
+    let origin = format!("http://{host}");
+    let auth = format!("Bearer {KEY}");
+    let h = ("Host", host.as_str());
+    // The page and its files need no key and carry the policy.
+    let r = send(s, "GET", "/", &[h]);
+    assert_eq!(r.status, 200);
+    let csp = r.header("content-security-policy").unwrap();
+    assert!(csp.contains("default-src 'self'") && csp.contains("frame-ancestors 'none'"));
+    assert_eq!(r.header("x-frame-options"), Some("DENY"));
+    assert_eq!(
+        r.header("cross-origin-resource-policy"),
+        Some("same-origin")
+    );
+    assert_eq!(send(s, "GET", "/assets/app.js", &[h]).status, 200);
+    assert_eq!(
+        send(s, "POST", "/", &[h, JSON]).error(405)["code"],
+        "method_not_allowed"
+    );
+    // What the page asks of the server still wants the key...
+    send(s, "GET", "/v1/status", &[h, ("Origin", &origin)]).error(401);
+    // ...and with it the page's own origin is served, without CORS headers.
+    let r = send(
+        s,
+        "POST",
+        "/v1/completions",
+        &[h, JSON, ("Origin", &origin), ("Authorization", &auth)],
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.header("access-control-allow-origin").is_none());
+    // Another port is another origin, and a rebound name stays refused even when its page's
+    // origin matches its Host.
+    let other = format!("http://127.0.0.1:{}", s.addr.port().wrapping_add(1));
+    for (host, origin) in [
+        (host.as_str(), other.as_str()),
+        ("evil.example:8000", "http://evil.example:8000"),
+    ] {
+        let r = send(
+            s,
+            "POST",
+            "/v1/completions",
+            &[
+                ("Host", host),
+                JSON,
+                ("Origin", origin),
+                ("Authorization", &auth),
+            ],
+        );
+        assert_eq!(r.error(403)["type"], "permission_error");
+    }
+    // The status object of a ready server without a memory budget.
+    let v = send(s, "GET", "/v1/status", &[h, ("Authorization", &auth)]).json();
+    assert_eq!(v["object"], "deltafin.status");
+    assert_eq!(v["state"], "ready");
+    assert!(v["model_info"]["context_tokens"].as_u64().unwrap() > 0);
+    assert!(v["model_info"]["memory_plan"].is_null());
+    assert!(v["totals"]["completion_tokens"].as_u64().unwrap() >= 1);
+    // No benchmark directory: the page is told so.
+    let e = send(s, "GET", "/v1/benchmark", &[h, ("Authorization", &auth)]).error(404);
+    assert_eq!(e["code"], "benchmark_not_found");
 }

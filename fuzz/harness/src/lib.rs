@@ -32,7 +32,8 @@ pub use experts::{expert_heat, expert_trace, scale4_sidecar, scale4_valid_files}
 pub use fetch::{content_range, fetch_manifest};
 pub use files::{config_json, dfsp_header, safetensors_header};
 pub use requests::{
-    request_chat, request_completions, request_messages, request_responses, request_tokenize,
+    request_chat, request_completions, request_messages, request_ollama_chat,
+    request_ollama_generate, request_responses, request_tokenize,
 };
 pub use text::{chat_render, tokenizer};
 
@@ -51,6 +52,8 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("request_completions", request_completions),
     ("request_responses", request_responses),
     ("request_messages", request_messages),
+    ("request_ollama_chat", request_ollama_chat),
+    ("request_ollama_generate", request_ollama_generate),
     ("request_tokenize", request_tokenize),
     ("chat_render", chat_render),
     ("tokenizer", tokenizer),

@@ -1,12 +1,16 @@
 //! Request bodies → validated requests, as the server takes them: the body bytes parsed as
-//! JSON, validated for the endpoint, held to the size limits, then the prompt encoded
-//! (the XTML chat template rendered with the request's controls) as `Engine::encode` does.
+//! JSON, through the server's one request path (`deltafin_openai::front::parse`: the
+//! endpoint's parser, then the shared limits), then the prompt encoded (the XTML chat
+//! template rendered with the request's controls) as `Engine::encode` does.
 
 use crate::{MAX_INPUT, capped, kimi_tokenizer};
 use deltafin_k3::text::chat::{ReasoningEffort, Thinking, encode_chat};
 use deltafin_openai::engine::chat_options;
-use deltafin_openai::request::{self, GenRequest, Limits, Prompt, Surface};
-use deltafin_openai::{messages, responses, tokenize};
+use deltafin_openai::front::{self, Api, HeaderMap, ParseContext};
+use deltafin_openai::request::{GenRequest, Limits, Prompt, Surface};
+use deltafin_openai::responses::store::Store;
+use deltafin_openai::seal::Sealer;
+use deltafin_openai::tokenize;
 use serde_json::Value;
 use std::sync::OnceLock;
 
@@ -17,6 +21,8 @@ enum Endpoint {
     Completions,
     Responses,
     Messages,
+    OllamaChat,
+    OllamaGenerate,
 }
 
 /// `--model-alias` names the requests may use (one, so that the alias path is reachable).
@@ -39,18 +45,28 @@ fn generation(data: &[u8], endpoint: Endpoint) {
         default_thinking: Thinking::On(ReasoningEffort::Max),
         model_aliases: aliases(),
     };
-    let parsed = match endpoint {
-        Endpoint::Chat => request::parse(&json, Surface::Chat, &limits),
-        Endpoint::Completions => request::parse(&json, Surface::Completions, &limits),
-        Endpoint::Responses => responses::parse(&json, &limits).map(|(r, _)| r),
-        Endpoint::Messages => messages::parse(&json, &limits).map(|(r, _)| r),
+    let api = match endpoint {
+        Endpoint::Chat => Api::OpenAi(Surface::Chat),
+        Endpoint::Completions => Api::OpenAi(Surface::Completions),
+        Endpoint::Responses => Api::Responses,
+        Endpoint::Messages => Api::Messages,
+        Endpoint::OllamaChat => Api::OllamaChat,
+        Endpoint::OllamaGenerate => Api::OllamaGenerate,
     };
-    let Ok(req) = parsed else {
+    // One sealer and store for the whole run, as one server has: a stored response named by
+    // `previous_response_id` is looked up, never found (the fuzzer stores nothing).
+    static SEALER: OnceLock<Sealer> = OnceLock::new();
+    static STORE: OnceLock<Store> = OnceLock::new();
+    let headers = HeaderMap::new();
+    let cx = ParseContext {
+        limits,
+        headers: &headers,
+        sealer: SEALER.get_or_init(Sealer::ephemeral),
+        store: Some(STORE.get_or_init(|| Store::in_memory(1 << 20))),
+    };
+    let Ok((req, _)) = front::parse(api, &json, &cx) else {
         return;
     };
-    if request::check_limits(&req).is_err() {
-        return;
-    }
     encode_prompt(&req);
 }
 
@@ -86,6 +102,16 @@ pub fn request_responses(data: &[u8]) {
 /// `POST /v1/messages`.
 pub fn request_messages(data: &[u8]) {
     generation(data, Endpoint::Messages);
+}
+
+/// `POST /api/chat` (Ollama).
+pub fn request_ollama_chat(data: &[u8]) {
+    generation(data, Endpoint::OllamaChat);
+}
+
+/// `POST /api/generate` (Ollama).
+pub fn request_ollama_generate(data: &[u8]) {
+    generation(data, Endpoint::OllamaGenerate);
 }
 
 /// `POST /tokenize` and `POST /detokenize` (each body goes to both).

@@ -141,7 +141,7 @@ pub(super) fn report(
         })
         .collect();
     let svg_path = dir.join("latency.svg");
-    std::fs::write(&svg_path, latency_svg(arms, &series))
+    std::fs::write(&svg_path, latency_svg(arms, &series)?)
         .with_context(|| format!("cannot write {}", svg_path.display()))?;
 
     // Table.

@@ -1,6 +1,6 @@
 //! Helpers shared by the tests of the `deltafin` process: synthesized checkpoints, running the
 //! binary, its output as text, the library's own greedy ids to compare a run with, JSON-lines
-//! files (events files, `runs.jsonl`) and token-id arrays.
+//! files (events files, `runs.jsonl`) and token-id arrays, and a `deltafin serve` process.
 // Each test binary uses a part of this module.
 #![allow(dead_code)]
 
@@ -10,9 +10,12 @@ use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use deltafin_k3::weights::spine_int8::SpineFormat;
 use serde_json::Value;
+use std::ffi::OsStr;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// A fresh synthesized checkpoint of `dims` from `seed`.
 pub fn checkpoint(dims: SynthDims, seed: u64) -> tempfile::TempDir {
@@ -133,4 +136,97 @@ pub fn ids(v: &Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
+}
+
+/// A `deltafin serve` process (killed when dropped, if it still runs).
+pub struct ServeProcess {
+    pub child: Child,
+    /// The address it printed (`listening on http://…`).
+    pub addr: SocketAddr,
+    /// Its stderr lines up to that one (the settings, the memory plan).
+    pub startup: Vec<String>,
+    /// Every stderr line after it (the request log, any panic), drained as it comes: a server
+    /// blocked on a full pipe would look hung.
+    pub log: Arc<Mutex<Vec<String>>>,
+}
+
+impl ServeProcess {
+    /// The stderr lines so far that contain `needle`.
+    pub fn lines_with(&self, needle: &str) -> Vec<String> {
+        let log = self.log.lock().unwrap();
+        self.startup
+            .iter()
+            .chain(log.iter())
+            .filter(|l| l.contains(needle))
+            .cloned()
+            .collect()
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Starts `deltafin serve --port 0 ARGS` and returns once it prints its address. The
+/// synthesized checkpoints have no int8 spine, so it runs the bf16 one, with small
+/// prefix-state tiers; every other server variable is taken out of its environment (a test
+/// passes the settings it relies on as flags).
+pub fn serve_process<I, A>(args: I) -> ServeProcess
+where
+    I: IntoIterator<Item = A>,
+    A: AsRef<OsStr>,
+{
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+    cmd.env("K3_SPINE", "bf16")
+        .env("K3_STATE_CACHE_DISK_GB", "0.25")
+        .env("K3_STATE_CACHE_RAM_GB", "0.05");
+    for k in [
+        "DELTAFIN_API_KEY",
+        "K3_MEMORY_BUDGET_GB",
+        "K3_SERVER_QUEUE",
+        "K3_REASONING_EFFORT",
+        "K3_STATE_CACHE",
+        "K3_EXPERT_PIN_GB",
+        "K3_PROVIDER_RESIDENT_LAYERS",
+        "K3_DSPARK",
+        "K3_UAG_DRAFT",
+    ] {
+        cmd.env_remove(k);
+    }
+    cmd.args(["serve", "--port", "0"])
+        .args(args)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut startup = Vec::new();
+    let addr = loop {
+        let mut line = String::new();
+        assert!(
+            err.read_line(&mut line).unwrap() > 0,
+            "serve exited: {startup:?}"
+        );
+        startup.push(line.clone());
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in err.lines().map_while(Result::ok) {
+            sink.lock().unwrap().push(line);
+        }
+    });
+    ServeProcess {
+        child,
+        addr,
+        startup,
+        log,
+    }
 }
