@@ -112,7 +112,11 @@ pub const VARIABLES: &[Variable] = &[
         "K3_DSPARK_MAX_CONTEXT",
         "DSpark stops drafting past this many positions (8192; 0: never)",
     ),
-    v("K3_SERVER_QUEUE", "as serve --queue: 0…64"),
+    v("K3_SERVER_QUEUE", "as serve --queue: 0…64 (8)"),
+    v(
+        "K3_RESPONSE_STORE_GB",
+        "as serve --response-store-gb: stored Responses (1; 0: none)",
+    ),
     v("DELTAFIN_API_KEY", "as serve --api-key"),
     v("RAYON_NUM_THREADS", "compute threads (one per CPU)"),
     v(

@@ -63,6 +63,19 @@ async fn prepare(
     })
     .await
     .map_err(|e| ApiError::server(format!("prompt encoding failed: {e}")))??;
+    // A request that asks for less context than the server admits gets it: its prompt must
+    // fit, and the answer stops where the context is full.
+    let mut req = req;
+    if let Some(limit) = front.context_limit() {
+        if prompt.len() > limit {
+            return Err(ApiError::context_length(
+                api.prompt_param(),
+                prompt.len(),
+                limit,
+            ));
+        }
+        req.max_new = req.max_new.min(limit + 1 - prompt.len());
+    }
     Ok((Prepared { req, front, prompt }, hold))
 }
 

@@ -119,6 +119,15 @@ pub struct ReplyParts {
 }
 
 impl Front {
+    /// The context the request may fill, when it asks for less than the server admits
+    /// (Ollama's `options.num_ctx`).
+    pub fn context_limit(&self) -> Option<usize> {
+        match self {
+            Front::Ollama(meta) => meta.num_ctx,
+            _ => None,
+        }
+    }
+
     /// The reply that renders the answer to `req`.
     pub fn reply(self, req: &GenRequest, parts: ReplyParts) -> Box<dyn Reply> {
         let ReplyParts {

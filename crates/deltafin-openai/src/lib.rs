@@ -35,8 +35,8 @@ pub mod responses;
 mod routes;
 pub mod seal;
 pub mod server;
-pub mod strict;
 pub mod status;
+pub mod strict;
 // Public only for the fuzz harness (fuzz/harness); not part of the library's interface.
 #[doc(hidden)]
 pub mod tokenize;

@@ -553,3 +553,28 @@ fn chat_completions_take_the_fields_agents_send() {
     );
     assert_eq!(r.status, 200);
 }
+
+#[test]
+fn ollama_num_ctx_bounds_the_request() {
+    let body = |num_ctx: u64| {
+        json!({"model": MODEL_ID, "stream": false, "options": {"num_ctx": num_ctx, "num_predict": 50},
+                                    "messages": [{"role": "user", "content": "Hello there"}]})
+    };
+    let r = post("/api/chat", &body(4));
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    assert!(
+        r.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("admits 4 positions")
+    );
+    let one = post("/api/chat", &body(100_000)).json();
+    let prompt = one["prompt_eval_count"].as_u64().unwrap();
+    // Three positions past the prompt: the answer stops when they are full.
+    let cut = post("/api/chat", &body(prompt + 3)).json();
+    assert_eq!(cut["done_reason"], "length");
+    assert_eq!(
+        cut["eval_count"].as_u64().unwrap(),
+        4.min(one["eval_count"].as_u64().unwrap())
+    );
+}
