@@ -18,6 +18,7 @@
 pub mod attn_res;
 pub mod device_experts;
 pub mod dims;
+pub(crate) mod finite;
 mod exec;
 pub mod forward;
 pub mod kda;
