@@ -272,6 +272,7 @@ pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
             "experts_cached": cached_total,
             "traces": summaries.iter().map(|s| json!({
                 "path": s.path.display().to_string(), "lines": s.lines, "passes": s.passes,
+                "torn_lines_skipped": s.torn,
             })).collect::<Vec<_>>(),
             "heat": {
                 "path": heat_path.display().to_string(),
@@ -293,10 +294,19 @@ pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
     );
     for s in &summaries {
         println!(
-            "trace {}: {} lines, {} passes",
+            "trace {}: {} lines, {} passes{}",
             s.path.display(),
             s.lines,
-            s.passes
+            s.passes,
+            if s.torn > 0 {
+                format!(
+                    "; {} torn line{} skipped (cut short by a crash or a full disk)",
+                    s.torn,
+                    if s.torn == 1 { "" } else { "s" }
+                )
+            } else {
+                String::new()
+            }
         );
     }
     match heat_table {
