@@ -11,6 +11,7 @@ mod doctor;
 mod elfdeps;
 mod engine_config;
 mod env;
+mod errtext;
 mod events;
 mod kernel_env;
 mod pack;
@@ -255,7 +256,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("deltafin: error: {e:#}");
+            eprintln!("deltafin: error: {}", errtext::describe(&e));
             ExitCode::from(1)
         }
     }

@@ -386,7 +386,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
                     Ok(())
                 })();
                 r.map_err(|e| {
-                    let msg = format!("{e:#}");
+                    let msg = crate::errtext::describe(&e);
                     sink_error = Some(e);
                     msg
                 })
@@ -400,7 +400,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         Err(e) => {
             let err = sink_error.take().unwrap_or_else(|| anyhow!(e));
             if let Some(w) = events.as_mut() {
-                emit_run_error(w, emitted.is_empty(), &format!("{err:#}"), started);
+                emit_run_error(w, emitted.is_empty(), &crate::errtext::describe(&err), started);
             }
             return Err(err);
         }
@@ -630,7 +630,7 @@ fn run_speculative(
                     step += 1;
                     Ok(())
                 })();
-                r.map_err(|e| format!("{e:#}"))
+                r.map_err(|e| crate::errtext::describe(&e))
             },
         )
     });
