@@ -148,12 +148,15 @@ fn write_from_shards(
     let tmp = dir.join(format!("{}.tmp", expert_file_name(layer, expert)));
     // Durable before it is published: a power loss never leaves a file of the right size
     // with zeros in it.
-    std::fs::File::create(&tmp)
-        .and_then(|mut f| {
-            std::io::Write::write_all(&mut f, &bytes)?;
-            f.sync_all()
-        })
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
+        std::io::Write::write_all(&mut f, &bytes)?;
+        f.sync_all()
+    });
+    if let Err(e) = written {
+        // A full disk: the partial temporary would only hold on to the space.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(anyhow::Error::new(e).context(format!("cannot write {}", tmp.display())));
+    }
     // Its fetch receipt, for `setup --check` (docs/SETUP.md), when it is the root's file.
     if path.starts_with(root) {
         use sha2::Digest;

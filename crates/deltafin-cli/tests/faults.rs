@@ -510,8 +510,17 @@ fn experts_missing_from_a_partial_k3_experts_come_from_the_shards() {
         ),
         0,
     );
-    // `warm-expert-cache --fetch` made two experts local from the shards.
-    std::fs::create_dir_all(d.path().join("k3-experts")).unwrap();
+    // `warm-expert-cache --fetch` made two experts local from the shards; a first try on
+    // a full disk failed naming the file and left no temporary.
+    let experts = d.path().join("k3-experts");
+    std::fs::create_dir_all(&experts).unwrap();
+    let o = deltafin_with_file_limit(
+        1,
+        &["warm-expert-cache", "--model-root", root, "--fetch", "2"],
+        &[],
+    );
+    fails_with(&o, "cannot write");
+    assert!(files_under(&experts).is_empty(), "{:?}", files_under(&experts));
     exits(
         &deltafin(
             &["warm-expert-cache", "--model-root", root, "--fetch", "2"],

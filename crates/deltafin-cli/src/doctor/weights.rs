@@ -173,12 +173,17 @@ fn expert_scales(r: &mut Report, ckpt: &Checkpoint) {
     );
 }
 
-/// The engine loaded as `run` loads it with `config` (no heat, no trace, no expert fetch),
-/// then a short prompt and one decode step: every value of every layer must be finite.
+/// The engine loaded as `run` loads it with `config` (no heat, no trace, no expert fetch, the
+/// weights read in place rather than copied into huge pages: the same values), then a short
+/// prompt and one decode step: every value of every layer must be finite.
 fn forward_canary(r: &mut Report, root: &Path, config: &EngineConfig) {
     let mut config = config.clone();
     config.heat.enabled = false;
     config.router_trace = None;
+    // The same weights, read in place: a copy into huge pages changes no value and would
+    // cost the doctor a second copy of the resident spine in memory.
+    config.huge_pages = deltafin_k3::weights::resident::HugePages::Off;
+    config.copy_resident_experts = false;
     let rd = root.display();
     let t0 = Instant::now();
     let loaded = match EngineBuilder::new(root).config(config).build() {
