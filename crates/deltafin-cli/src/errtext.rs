@@ -53,7 +53,10 @@ mod tests {
         .context("cannot write the trace");
         assert_eq!(format!("{e:#}").matches(&os).count(), 2);
         let text = describe(&e);
-        assert_eq!(text, format!("cannot write the trace: /m/k3-meta/t.jsonl: {os}"));
+        assert_eq!(
+            text,
+            format!("cannot write the trace: /m/k3-meta/t.jsonl: {os}")
+        );
         // Causes that add something are kept.
         let e = anyhow::anyhow!("disk full").context("events file x.jsonl");
         assert_eq!(describe(&e), "events file x.jsonl: disk full");

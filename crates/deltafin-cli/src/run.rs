@@ -400,7 +400,12 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         Err(e) => {
             let err = sink_error.take().unwrap_or_else(|| anyhow!(e));
             if let Some(w) = events.as_mut() {
-                emit_run_error(w, emitted.is_empty(), &crate::errtext::describe(&err), started);
+                emit_run_error(
+                    w,
+                    emitted.is_empty(),
+                    &crate::errtext::describe(&err),
+                    started,
+                );
             }
             return Err(err);
         }

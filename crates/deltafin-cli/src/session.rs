@@ -226,7 +226,10 @@ pub fn describe_state_cache(
             dir.display()
         )
     } else if settings.disk_bytes > 0 {
-        format!("disk=off ({} is not writable: states stay in RAM)", dir.display())
+        format!(
+            "disk=off ({} is not writable: states stay in RAM)",
+            dir.display()
+        )
     } else {
         "disk=off".to_string()
     };

@@ -56,7 +56,9 @@ fn deltafin(args: &[&str], env: &[(&str, &str)]) -> Output {
 fn deltafin_with_file_limit(blocks: u32, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut sh = Command::new("sh");
     sh.arg("-c")
-        .arg(format!(r#"trap "" XFSZ; ulimit -f {blocks}; exec "$0" "$@""#))
+        .arg(format!(
+            r#"trap "" XFSZ; ulimit -f {blocks}; exec "$0" "$@""#
+        ))
         .arg(env!("CARGO_BIN_EXE_deltafin"))
         .args(args);
     for k in SETTINGS {
@@ -196,7 +198,10 @@ fn appends_start_on_a_fresh_line_and_a_full_disk_leaves_only_whole_records() {
     assert_eq!(text_now.lines().count(), 2 * first + 1);
     let o = deltafin(&["warm-expert-cache", "--model-root", root], &[]);
     let t = exits(&o, 0);
-    assert_says(&t, &["1 torn line skipped", &format!("{} lines", 2 * first)]);
+    assert_says(
+        &t,
+        &["1 torn line skipped", &format!("{} lines", 2 * first)],
+    );
 
     // A full disk mid-trace (sync mode writes every line): one warning, the run goes on,
     // and the file holds only whole lines.
@@ -205,12 +210,7 @@ fn appends_start_on_a_fresh_line_and_a_full_disk_leaves_only_whole_records() {
         4,
         &run_args(
             root,
-            &[
-                "--router-trace",
-                s(&full),
-                "--router-trace-mode",
-                "sync",
-            ],
+            &["--router-trace", s(&full), "--router-trace-mode", "sync"],
         ),
         &quiet,
     );
@@ -229,10 +229,7 @@ fn appends_start_on_a_fresh_line_and_a_full_disk_leaves_only_whole_records() {
     let events = d.path().join("events.jsonl");
     let o = deltafin_with_file_limit(
         4,
-        &run_args(
-            root,
-            &["--events-jsonl", s(&events), "--top-logits", "20"],
-        ),
+        &run_args(root, &["--events-jsonl", s(&events), "--top-logits", "20"]),
         &quiet,
     );
     let err = fails_with(&o, "cannot write the events file");
@@ -273,7 +270,15 @@ fn a_full_disk_under_the_heat_and_state_files_leaves_no_temporary() {
     // state are larger.
     let o = deltafin_with_file_limit(
         1,
-        &["run", "--model-root", root, "--prompt", &prompt, "--max-new", "2"],
+        &[
+            "run",
+            "--model-root",
+            root,
+            "--prompt",
+            &prompt,
+            "--max-new",
+            "2",
+        ],
         &[],
     );
     let (_, err) = stdout_stderr(&o);
@@ -520,7 +525,11 @@ fn experts_missing_from_a_partial_k3_experts_come_from_the_shards() {
         &[],
     );
     fails_with(&o, "cannot write");
-    assert!(files_under(&experts).is_empty(), "{:?}", files_under(&experts));
+    assert!(
+        files_under(&experts).is_empty(),
+        "{:?}",
+        files_under(&experts)
+    );
     exits(
         &deltafin(
             &["warm-expert-cache", "--model-root", root, "--fetch", "2"],
@@ -528,7 +537,9 @@ fn experts_missing_from_a_partial_k3_experts_come_from_the_shards() {
         ),
         0,
     );
-    let files = std::fs::read_dir(d.path().join("k3-experts")).unwrap().count();
+    let files = std::fs::read_dir(d.path().join("k3-experts"))
+        .unwrap()
+        .count();
     assert!((1..=2).contains(&files), "{files} expert files");
     let got = d.path().join("got.jsonl");
     exits(

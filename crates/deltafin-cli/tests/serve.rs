@@ -279,7 +279,8 @@ fn a_numerical_failure_is_a_500_counted_in_metrics() {
     );
     process::rename_open_marker(d.path());
     let mut cmd = deltafin();
-    cmd.args(["serve", "--port", "0", "--model-root"]).arg(d.path());
+    cmd.args(["serve", "--port", "0", "--model-root"])
+        .arg(d.path());
     let (mut child, addr, _) = spawn(cmd);
     wait_until(
         Duration::from_secs(30),
@@ -362,7 +363,10 @@ fn install_faults_are_500s_naming_no_server_path() {
     let e = r.error(500);
     let m = e["message"].as_str().unwrap();
     assert!(m.contains("scale4") && m.contains("<path>"), "{m}");
-    assert!(!m.contains("k3-experts-scale4") && !m.contains("k3/"), "{m}");
+    assert!(
+        !m.contains("k3-experts-scale4") && !m.contains("k3/"),
+        "{m}"
+    );
     assert!(sigterm(&mut child).success());
 }
 

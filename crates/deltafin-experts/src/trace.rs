@@ -283,7 +283,11 @@ mod tests {
     fn a_torn_line_from_an_earlier_run_stays_its_own_line() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t.jsonl");
-        std::fs::write(&p, "{\"step\": 0, \"layer\": 1, \"ids\": [3], \"w\": [0.5]}\n{\"step\": 1, \"la").unwrap();
+        std::fs::write(
+            &p,
+            "{\"step\": 0, \"layer\": 1, \"ids\": [3], \"w\": [0.5]}\n{\"step\": 1, \"la",
+        )
+        .unwrap();
         let t = RouterTrace::create_with_mode(&p, TraceMode::Sync).unwrap();
         t.record_routes(1, 1, &[4], &[0.25]);
         drop(t);
@@ -291,7 +295,10 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3, "{text}");
         assert_eq!(lines[1], "{\"step\": 1, \"la");
-        assert_eq!(lines[2], "{\"step\": 0, \"layer\": 1, \"ids\": [4], \"w\": [0.25]}");
+        assert_eq!(
+            lines[2],
+            "{\"step\": 0, \"layer\": 1, \"ids\": [4], \"w\": [0.25]}"
+        );
         let mut counts = crate::rank::RouteCounts::default();
         let dims = crate::heat::HeatDims {
             layers: 2,

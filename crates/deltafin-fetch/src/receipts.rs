@@ -142,7 +142,12 @@ mod tests {
         let e4 = root.join("k3-experts/L1-E4.bin");
         record(root, &e4, 12, A).unwrap();
         let r = Receipts::load(root).unwrap();
-        assert_eq!(r.sha256_at(root, &e4, 12), Some(A), "{:?}", std::fs::read_to_string(&p));
+        assert_eq!(
+            r.sha256_at(root, &e4, 12),
+            Some(A),
+            "{:?}",
+            std::fs::read_to_string(&p)
+        );
         assert_eq!(r.sha256_of("k3-experts/L1-E2.bin", 10), Some(A));
         // The torn line is a line of its own: here it still parses, naming no file.
         assert_eq!(r.len(), 3);

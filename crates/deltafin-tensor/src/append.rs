@@ -274,7 +274,15 @@ mod tests {
         for torn in ["{", "{\"a\": [1, 2", "{\"a\": \"tex", "[1,", "{\"a\": 1"] {
             assert!(is_torn_json(torn), "{torn}");
         }
-        for whole_or_bad in ["{}", "{\"a\": 1}", "not json", "{\"a\": 1}}", "", "  ", "{,}"] {
+        for whole_or_bad in [
+            "{}",
+            "{\"a\": 1}",
+            "not json",
+            "{\"a\": 1}}",
+            "",
+            "  ",
+            "{,}",
+        ] {
             assert!(!is_torn_json(whole_or_bad), "{whole_or_bad}");
         }
     }

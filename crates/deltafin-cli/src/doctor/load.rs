@@ -29,7 +29,10 @@ pub(super) fn load_checks(
         Err(e) => {
             r.fail(
                 "settings",
-                format!("run and serve would refuse to start: {}", crate::errtext::describe(&e)),
+                format!(
+                    "run and serve would refuse to start: {}",
+                    crate::errtext::describe(&e)
+                ),
                 "correct the flag or environment variable named",
             );
             return;

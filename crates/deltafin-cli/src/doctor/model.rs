@@ -299,7 +299,11 @@ pub(super) fn draft_checks(r: &mut Report, root: &Path) {
 /// heat stay in memory and are lost with the process.
 fn writable_check(r: &mut Report, root: &Path) {
     let meta = root.join("k3-meta");
-    let dir = if meta.is_dir() { meta } else { root.to_path_buf() };
+    let dir = if meta.is_dir() {
+        meta
+    } else {
+        root.to_path_buf()
+    };
     if let Err(e) = deltafin_k3::weights::install::writable(&dir) {
         r.warn(
             "model root writable",

@@ -59,7 +59,13 @@ mod tests {
         let mut v = vec![1.5f32; 3000];
         assert!(all_finite(&v));
         assert!(all_finite(&[]));
-        assert!(all_finite(&[f32::MAX, f32::MIN, f32::MIN_POSITIVE, 0.0, -0.0]));
+        assert!(all_finite(&[
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            0.0,
+            -0.0
+        ]));
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN] {
             for at in [0, 1023, 1024, 2999] {
                 v[at] = bad;
@@ -69,8 +75,9 @@ mod tests {
         }
         let e = check(&[f32::NAN], || "layer 3's attention output".into()).unwrap_err();
         assert!(
-            e.to_string()
-                .contains("non-finite value (NaN or infinity) first appeared in layer 3's attention output"),
+            e.to_string().contains(
+                "non-finite value (NaN or infinity) first appeared in layer 3's attention output"
+            ),
             "{e}"
         );
         assert!(check(&[1.0], || unreachable!()).is_ok());

@@ -449,7 +449,10 @@ impl K3Model {
         // Every stage's output must be finite (`crate::model::finite`): a NaN or an
         // infinity stops the pass, naming where it first appeared.
         finite::check(&p, || {
-            let bad = p.chunks(dm).position(|r| !finite::all_finite(r)).unwrap_or(0);
+            let bad = p
+                .chunks(dm)
+                .position(|r| !finite::all_finite(r))
+                .unwrap_or(0);
             format!(
                 "the embedding row of token {} (model.embed_tokens.weight)",
                 tokens[bad]
@@ -1163,7 +1166,10 @@ pub(crate) mod tests {
                 }
                 let e = r.map(|_| ()).unwrap_err();
                 let text = e.to_string();
-                assert!(matches!(e, ModelError::NonFinite { .. }), "{site} {pass}: {text}");
+                assert!(
+                    matches!(e, ModelError::NonFinite { .. }),
+                    "{site} {pass}: {text}"
+                );
                 assert!(
                     text.contains(site) && text.starts_with("numerical failure"),
                     "{site} {pass}: {text}"
@@ -1181,7 +1187,9 @@ pub(crate) mod tests {
             assert!(
                 matches!(
                     g,
-                    Err(crate::generate::GenerateError::Model(ModelError::NonFinite { .. }))
+                    Err(crate::generate::GenerateError::Model(
+                        ModelError::NonFinite { .. }
+                    ))
                 ),
                 "{site}: {g:?}"
             );

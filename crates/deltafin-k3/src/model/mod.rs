@@ -18,8 +18,8 @@
 pub mod attn_res;
 pub mod device_experts;
 pub mod dims;
-pub(crate) mod finite;
 mod exec;
+pub(crate) mod finite;
 pub mod forward;
 pub mod kda;
 pub mod layer;

@@ -192,7 +192,10 @@ impl DiskTier {
                     in_progress += m.len();
                     return None;
                 }
-                e.path().extension().is_some_and(|x| x == EXT).then_some(())?;
+                e.path()
+                    .extension()
+                    .is_some_and(|x| x == EXT)
+                    .then_some(())?;
                 Some((m.modified().ok()?, m.len(), e.path()))
             })
             .collect();
@@ -226,10 +229,7 @@ fn sweep_temporaries(dir: &Path) {
         let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(TMP_PREFIX)) else {
             continue;
         };
-        let writer = rest
-            .split('-')
-            .nth(1)
-            .and_then(|p| p.parse::<u32>().ok());
+        let writer = rest.split('-').nth(1).and_then(|p| p.parse::<u32>().ok());
         let old = e
             .metadata()
             .and_then(|m| m.modified())

@@ -246,7 +246,9 @@ fn a_killed_writers_temporaries_are_swept_and_live_ones_count_in_the_budget() {
     let dir = tempfile::tempdir().unwrap();
     // A writer killed between writing a state and renaming it left its temporary; a live
     // writer (a sleeping child standing for another process) has one in progress.
-    let orphan = dir.path().join(format!(".tmp-00112233aabbccdd-{}-0", dead_pid()));
+    let orphan = dir
+        .path()
+        .join(format!(".tmp-00112233aabbccdd-{}-0", dead_pid()));
     std::fs::write(&orphan, vec![7u8; 4096]).unwrap();
     let mut live_writer = std::process::Command::new("sleep")
         .arg("30")
@@ -258,7 +260,10 @@ fn a_killed_writers_temporaries_are_swept_and_live_ones_count_in_the_budget() {
     std::fs::write(&live, vec![7u8; 4096]).unwrap();
     let p = prompt(9, 200);
     let (cache, _) = disk_cache(&model, dir.path(), "tag-a");
-    assert!(!orphan.exists(), "the dead writer's temporary is swept at start");
+    assert!(
+        !orphan.exists(),
+        "the dead writer's temporary is swept at start"
+    );
     assert!(live.exists(), "a live writer's temporary is left alone");
     let got = Chunked::new(Some(&cache))
         .prefill(&model, &p, None)
