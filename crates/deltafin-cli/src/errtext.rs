@@ -7,8 +7,8 @@
 /// `e` with its causes, each said once.
 pub fn describe(e: &anyhow::Error) -> String {
     let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
+    for link in e.chain() {
+        let text = link.to_string();
         if out.is_empty() {
             out = text;
         } else if !out.contains(&text) {
