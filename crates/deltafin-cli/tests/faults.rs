@@ -9,8 +9,8 @@
 mod common;
 
 use common::{
-    BF16_INF, assert_says, checkpoint, exits, fails_with, jsonl, poke_tensor, rename_open_marker,
-    stdout_stderr, text,
+    BF16_INF, assert_says, checkpoint, checkpoint_in, damage_scale4, exits, fails_with, jsonl,
+    poke_tensor, rename_open_marker, stdout_stderr, text,
 };
 use deltafin_k3::synth::SynthDims;
 use serde_json::Value;
@@ -305,20 +305,6 @@ fn with_scale4(seed: u64) -> tempfile::TempDir {
     d
 }
 
-/// Flip one byte in every expert record of `L{layer}.sc4`.
-fn damage_scale4(root: &Path, layer: usize) -> PathBuf {
-    let p = root.join(format!("k3-experts-scale4/L{layer}.sc4"));
-    let mut b = std::fs::read(&p).unwrap();
-    let experts = SynthDims::tiny().experts;
-    let header = 8192;
-    let record = (b.len() - header) / experts;
-    for e in 0..experts {
-        b[header + e * record + record / 2] ^= 0x5a;
-    }
-    std::fs::write(&p, b).unwrap();
-    p
-}
-
 #[test]
 fn doctor_finds_what_run_and_serve_would_trip_on() {
     // A damaged scale4 record: run (auto) uses the raw scales, with the same tokens and a
@@ -331,7 +317,7 @@ fn doctor_finds_what_run_and_serve_would_trip_on() {
         &[("K3_EXPERT_SCALE4", "off")],
     );
     exits(&o, 0);
-    let sc4 = damage_scale4(d.path(), 1);
+    let sc4 = damage_scale4(d.path(), 1, SynthDims::tiny().experts);
     let o = deltafin(
         &run_args(root, &["--events-jsonl", s(&ev("auto.jsonl"))]),
         &[],
@@ -433,11 +419,7 @@ fn a_killed_writers_state_temporary_is_swept_by_the_next_run() {
 fn the_state_cache_is_keyed_by_the_model_not_by_how_its_root_is_spelled() {
     let d = tempfile::tempdir().unwrap();
     let root = d.path().join("k3");
-    deltafin_k3::synth::synthesize(
-        &root,
-        &deltafin_k3::synth::SynthSpec::new(SynthDims::tiny(), 37),
-    )
-    .unwrap();
+    checkpoint_in(&root, SynthDims::tiny(), 37);
     let prompt = "a prompt long enough to fill one chunk of the prefill ".repeat(12);
     let run_in = |cwd: &Path, spelled: &str| {
         let o = command(

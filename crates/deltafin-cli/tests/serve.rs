@@ -325,11 +325,8 @@ fn a_numerical_failure_is_a_500_counted_in_metrics() {
 fn install_faults_are_500s_naming_no_server_path() {
     let d = tempfile::tempdir().unwrap();
     let root = d.path().join("k3");
-    deltafin_k3::synth::synthesize(
-        &root,
-        &deltafin_k3::synth::SynthSpec::new(deltafin_k3::synth::SynthDims::tiny(), 42),
-    )
-    .unwrap();
+    let tiny = deltafin_k3::synth::SynthDims::tiny();
+    process::checkpoint_in(&root, tiny.clone(), 42);
     let o = deltafin()
         .args(["convert-experts-scale4", "--model-root"])
         .arg(&root)
@@ -337,14 +334,7 @@ fn install_faults_are_500s_naming_no_server_path() {
         .unwrap();
     exits(&o, 0);
     // Every record of layer 1 damaged, and the sidecars required: a completion fails on it.
-    let sc4 = root.join("k3-experts-scale4/L1.sc4");
-    let mut b = std::fs::read(&sc4).unwrap();
-    let experts = deltafin_k3::synth::SynthDims::tiny().experts;
-    let record = (b.len() - 8192) / experts;
-    for e in 0..experts {
-        b[8192 + e * record + record / 2] ^= 0x5a;
-    }
-    std::fs::write(&sc4, b).unwrap();
+    process::damage_scale4(&root, 1, tiny.experts);
     let mut cmd = deltafin();
     cmd.current_dir(d.path())
         .env("K3_EXPERT_SCALE4", "require")

@@ -50,18 +50,10 @@ fn expert_scales(r: &mut Report, ckpt: &Checkpoint) {
         "`deltafin fetch-weights --model-root {}`",
         ckpt.root().display()
     );
-    let table = match expert_table(ckpt) {
-        Ok(t) => t,
-        Err(e) => {
-            r.fail(
-                "expert scales",
-                format!("run and serve would refuse to start: {e}"),
-                format!("delete the file named and fetch it again with {fetch}"),
-            );
-            return;
-        }
-    };
-    let raw = match RawSource::new(table) {
+    let opened = expert_table(ckpt)
+        .map_err(|e| e.to_string())
+        .and_then(|table| RawSource::new(table).map_err(|e| e.to_string()));
+    let raw = match opened {
         Ok(raw) => raw,
         Err(e) => {
             r.fail(

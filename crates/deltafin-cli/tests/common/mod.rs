@@ -21,6 +21,27 @@ pub fn checkpoint(dims: SynthDims, seed: u64) -> tempfile::TempDir {
     d
 }
 
+/// A checkpoint of `dims` from `seed` synthesized into `root` (a directory of its own name,
+/// for tests that spell, move or relate to its path).
+pub fn checkpoint_in(root: &Path, dims: SynthDims, seed: u64) {
+    synthesize(root, &SynthSpec::new(dims, seed)).unwrap();
+}
+
+/// Flip one byte in every expert record of `root`'s `k3-experts-scale4/L{layer}.sc4` (a
+/// checkpoint of `experts` experts per layer after `convert-experts-scale4`); its path.
+pub fn damage_scale4(root: &Path, layer: usize, experts: usize) -> std::path::PathBuf {
+    // The file header; then one record per expert.
+    const HEADER: usize = 8192;
+    let p = root.join(format!("k3-experts-scale4/L{layer}.sc4"));
+    let mut b = std::fs::read(&p).unwrap();
+    let record = (b.len() - HEADER) / experts;
+    for e in 0..experts {
+        b[HEADER + e * record + record / 2] ^= 0x5a;
+    }
+    std::fs::write(&p, b).unwrap();
+    p
+}
+
 /// The checkpoint kept in `cell`, synthesized on first use: one checkpoint shared by the
 /// tests of a binary.
 pub fn shared_checkpoint(
