@@ -305,6 +305,34 @@ fn with_scale4(seed: u64) -> tempfile::TempDir {
     d
 }
 
+/// The converters that write whole files through a `.part` on a disk that fills up: the
+/// error names the file, no partial file stays to hold the space, and a rerun with room
+/// finishes.
+#[test]
+fn converters_on_a_full_disk_leave_no_partial_file() {
+    let d = checkpoint(SynthDims::tiny(), 44);
+    let root = s(d.path());
+    let parts = || -> Vec<PathBuf> {
+        files_under(d.path())
+            .into_iter()
+            .filter(|p| p.to_string_lossy().ends_with(".part"))
+            .collect()
+    };
+    for args in [
+        &["pack-spine", "--model-root", root, "--spine", "bf16"][..],
+        &["convert-experts-scale4", "--model-root", root],
+    ] {
+        let o = deltafin_with_file_limit(8, args, &[]);
+        let err = fails_with(&o, ".part");
+        assert!(
+            err.contains("File too large") || err.contains("No space left"),
+            "{err}"
+        );
+        assert!(parts().is_empty(), "{args:?}: {:?}", parts());
+        exits(&deltafin(args, &[]), 0);
+    }
+}
+
 #[test]
 fn doctor_finds_what_run_and_serve_would_trip_on() {
     // A damaged scale4 record: run (auto) uses the raw scales, with the same tokens and a
