@@ -1,10 +1,12 @@
 //! The run events file (`--events-jsonl`, schema `deltafin.run_event.v1`): one JSON object
 //! per line, each with `schema`, `event`, `wall_time_ns` and `monotonic_ns`.
+//!
+//! Each event is written whole through [`AppendFile`]: a full disk cuts the file back to
+//! its last whole event and the run stops with an error naming the file.
 
 use anyhow::{Context, Result};
+use deltafin_tensor::append::{AppendFile, AppendOptions};
 use serde_json::{Map, Value, json};
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -12,7 +14,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 pub const MAX_EVENTS_BYTES: u64 = 128 * 1024 * 1024;
 
 pub struct EventWriter {
-    out: BufWriter<File>,
+    out: AppendFile,
     origin: Instant,
     written: u64,
     full: bool,
@@ -20,10 +22,14 @@ pub struct EventWriter {
 
 impl EventWriter {
     pub fn create(path: &Path) -> Result<EventWriter> {
-        let file = File::create(path)
+        let opts = AppendOptions {
+            truncate: true,
+            ..AppendOptions::default()
+        };
+        let out = AppendFile::open(path, opts)
             .with_context(|| format!("cannot create the events file {}", path.display()))?;
         Ok(EventWriter {
-            out: BufWriter::new(file),
+            out,
             origin: Instant::now(),
             written: 0,
             full: false,
@@ -60,11 +66,13 @@ impl EventWriter {
             );
             return Ok(());
         }
-        self.out
-            .write_all(line.as_bytes())
-            .context("cannot write the events file")?;
-        self.out.flush().context("cannot write the events file")?;
-        self.written += line.len() as u64;
+        let n = self.out.append(line.as_bytes()).with_context(|| {
+            format!(
+                "cannot write the events file {} (it keeps the events before this one)",
+                self.out.path().display()
+            )
+        })?;
+        self.written += n;
         Ok(())
     }
 }

@@ -14,6 +14,7 @@ mod elfdeps;
 mod engine_config;
 mod env;
 mod environment;
+mod errtext;
 mod events;
 mod kernel_env;
 mod npz;
@@ -293,7 +294,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("deltafin: error: {e:#}");
+            eprintln!("deltafin: error: {}", errtext::describe(&e));
             ExitCode::from(1)
         }
     }

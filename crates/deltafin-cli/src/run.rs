@@ -419,7 +419,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
                     Ok(())
                 })();
                 r.map_err(|e| {
-                    let msg = format!("{e:#}");
+                    let msg = crate::errtext::describe(&e);
                     sink_error = Some(e);
                     msg
                 })
@@ -433,7 +433,12 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         Err(e) => {
             let err = sink_error.take().unwrap_or_else(|| anyhow!(e));
             if let Some(w) = events.as_mut() {
-                emit_run_error(w, emitted.is_empty(), &format!("{err:#}"), started);
+                emit_run_error(
+                    w,
+                    emitted.is_empty(),
+                    &crate::errtext::describe(&err),
+                    started,
+                );
             }
             return Err(err);
         }
@@ -663,7 +668,7 @@ fn run_speculative(
                     step += 1;
                     Ok(())
                 })();
-                r.map_err(|e| format!("{e:#}"))
+                r.map_err(|e| crate::errtext::describe(&e))
             },
         )
     });

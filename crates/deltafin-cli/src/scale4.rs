@@ -9,7 +9,7 @@
 //! and written last, so sidecars are never active while incomplete.
 
 use crate::RootArg;
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use deltafin_experts::DirectIo;
 use deltafin_experts::probe::{ProbeOptions, probe};
@@ -59,6 +59,10 @@ pub struct ConvertReport {
 }
 
 use deltafin_k3::engine::experts::scale4_layout as layout_of;
+use deltafin_k3::weights::filelock::Refused;
+
+/// The converter's lock file in the output directory.
+const LOCK_FILE: &str = ".convert.lock";
 
 fn config_sha256(root: &Path) -> Result<String> {
     Ok(deltafin_k3::engine::experts::config_sha256(root)?)
@@ -134,6 +138,15 @@ pub fn convert_with(args: &Scale4Args, stop_after: Option<usize>) -> Result<Conv
         .clone()
         .unwrap_or_else(|| root.join(SCALE4_DIR));
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    // One converter per output directory, as the other converters: a second one would
+    // remove the first one's `.part` files under it.
+    let _lock = deltafin_k3::weights::filelock::lock_in(&out, LOCK_FILE).map_err(|r| match r {
+        Refused::Held(path) => anyhow!(
+            "{} is held by another convert-experts-scale4 (one converter per output directory); wait for it to finish",
+            path.display()
+        ),
+        Refused::Io(path, e) => anyhow!("cannot lock {}: {e}", path.display()),
+    })?;
     let manifest = out.join(MANIFEST_FILE);
     if manifest.exists() {
         std::fs::remove_file(&manifest)

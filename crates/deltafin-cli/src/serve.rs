@@ -205,25 +205,28 @@ fn resolve_thinking() -> Result<(Thinking, &'static str)> {
     })
 }
 
-/// Register the SIGINT/SIGTERM handlers now (before the server says it is listening, so a
-/// signal sent right after that line is never missed) and return the future that resolves
-/// on the first of them.
+/// Register the SIGINT/SIGTERM/SIGHUP handlers now (before the server says it is listening,
+/// so a signal sent right after that line is never missed) and return the future that
+/// resolves on the first of them. SIGHUP (the terminal that started the server closed)
+/// shuts down gracefully like SIGTERM: streams end with their error frame, heat is merged.
 fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
         let int = signal(SignalKind::interrupt());
         let term = signal(SignalKind::terminate());
+        let hup = signal(SignalKind::hangup());
         async move {
-            match (int, term) {
-                (Ok(mut int), Ok(mut term)) => {
+            match (int, term, hup) {
+                (Ok(mut int), Ok(mut term), Ok(mut hup)) => {
                     tokio::select! {
                         _ = int.recv() => {}
                         _ = term.recv() => {}
+                        _ = hup.recv() => {}
                     }
                 }
-                (int, term) => {
-                    for e in [int.err(), term.err()].into_iter().flatten() {
+                (int, term, hup) => {
+                    for e in [int.err(), term.err(), hup.err()].into_iter().flatten() {
                         deltafin_openai::log_line!(
                             "deltafin: warning: signal handler not installed: {e}"
                         );
@@ -253,7 +256,7 @@ pub fn engine_config(args: &ServeArgs) -> Result<EngineConfig> {
     crate::engine_config::engine_config(&args.model, router_trace, None)
 }
 
-/// Runs the server until SIGINT/SIGTERM.
+/// Runs the server until SIGINT, SIGTERM or SIGHUP.
 pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     if args.host.is_empty() || args.host.contains(['/', '\\', '\0']) {
         bail!(
@@ -269,6 +272,9 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     // int8 spine is missing (in that order: a wrong path is not a missing conversion).
     let root = args.model.root();
     session::check_root(&root)?;
+    // Absolute from here on: every path in an error is then one the answers' path
+    // scrubbing recognises (a relative `--model-root` would put server paths into bodies).
+    let root = std::fs::canonicalize(&root).unwrap_or(root);
     deltafin_k3::engine::check_spine(&root, spine)?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
     let (thinking, thinking_source) = resolve_thinking()?;
@@ -323,7 +329,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
         // server's background loader thread.
         let loader_root = root.clone();
         let server = Server::bind_with_loader(cfg.clone(), move || {
-            let s = session::load(&loader_root, &config).map_err(|e| format!("{e:#}"))?;
+            let s = session::load(&loader_root, &config).map_err(|e| crate::errtext::describe(&e))?;
             session::report_memory_plan(&s.model, s.plan.as_ref());
             deltafin_openai::log_line!("[deltafin serve] model loaded: {}", session::backend_description());
             // The same drafting as `run`: DSpark for chat completions, Qwen for completions.

@@ -219,16 +219,24 @@ pub fn describe_state_cache(
         .as_ref()
         .map_or(settings.ram_bytes, |p| p.state_cache);
     let per_kda = loaded.model.dims.kda_state_bytes() as f64;
+    let dir = loaded.checkpoint.root().join("k3-meta").join("state-cache");
+    let disk = if cache.has_disk() {
+        format!(
+            "disk={:.3} GB in {}",
+            settings.disk_bytes as f64 / 1e9,
+            dir.display()
+        )
+    } else if settings.disk_bytes > 0 {
+        format!(
+            "disk=off ({} is not writable: states stay in RAM)",
+            dir.display()
+        )
+    } else {
+        "disk=off".to_string()
+    };
     format!(
-        "state_cache=on ram={:.3} GB disk={:.3} GB in {} (one state: {:.3} GB + {} B per token; key {})",
+        "state_cache=on ram={:.3} GB {disk} (one state: {:.3} GB + {} B per token; key {})",
         ram as f64 / 1e9,
-        settings.disk_bytes as f64 / 1e9,
-        loaded
-            .checkpoint
-            .root()
-            .join("k3-meta")
-            .join("state-cache")
-            .display(),
         per_kda / 1e9,
         loaded.model.dims.mla_cache_bytes_per_token(),
         &cache.tag()[..12],

@@ -242,12 +242,15 @@ fn write_from_shards(
     let tmp = dir.join(format!("{}.tmp", expert_file_name(layer, expert)));
     // Durable before it is published: a power loss never leaves a file of the right size
     // with zeros in it.
-    std::fs::File::create(&tmp)
-        .and_then(|mut f| {
-            std::io::Write::write_all(&mut f, &bytes)?;
-            f.sync_all()
-        })
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
+        std::io::Write::write_all(&mut f, &bytes)?;
+        f.sync_all()
+    });
+    if let Err(e) = written {
+        // A full disk: the partial temporary would only hold on to the space.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(anyhow::Error::new(e).context(format!("cannot write {}", tmp.display())));
+    }
     // Its fetch receipt, for `setup --check` (docs/SETUP.md), when it is the root's file.
     if path.starts_with(root) {
         use sha2::Digest;
@@ -368,6 +371,7 @@ pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
             "experts_cached": cached_total,
             "traces": summaries.iter().map(|s| json!({
                 "path": s.path.display().to_string(), "lines": s.lines, "passes": s.passes,
+                "torn_lines_skipped": s.torn,
             })).collect::<Vec<_>>(),
             "heat": {
                 "path": heat_path.display().to_string(),
@@ -389,10 +393,19 @@ pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
     );
     for s in &summaries {
         println!(
-            "trace {}: {} lines, {} passes",
+            "trace {}: {} lines, {} passes{}",
             s.path.display(),
             s.lines,
-            s.passes
+            s.passes,
+            if s.torn > 0 {
+                format!(
+                    "; {} torn line{} skipped (cut short by a crash or a full disk)",
+                    s.torn,
+                    if s.torn == 1 { "" } else { "s" }
+                )
+            } else {
+                String::new()
+            }
         );
     }
     match heat_table {

@@ -37,19 +37,31 @@ fn agents_dir() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/agents"))
 }
 
+/// Where `npm ci --prefix tools/agents --ignore-scripts` puts each agent's executable: the
+/// Linux x86-64 native packages of Claude Code and opencode (their wrapper packages need an
+/// install script to put the binary in place), and Codex's Node.js launcher.
+fn agent_path(name: &str) -> PathBuf {
+    let modules = agents_dir().join("node_modules");
+    match name {
+        "claude" => modules.join("@anthropic-ai/claude-code-linux-x64/claude"),
+        "opencode" => modules.join("opencode-linux-x64/bin/opencode"),
+        _ => modules.join(".bin").join(name),
+    }
+}
+
 /// The agent's executable, or why it cannot run (a SKIP line, or a failure under
 /// `DELTAFIN_REQUIRE_AGENTS=1`).
 fn agent(name: &str) -> Option<PathBuf> {
-    let bin = agents_dir().join("node_modules/.bin").join(name);
-    let node = Command::new("node")
+    let bin = agent_path(name);
+    let runs = Command::new(&bin)
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
-    if bin.exists() && node {
+    if runs {
         return Some(bin);
     }
     let why = format!(
-        "{name} is not installed at {} (or Node.js is missing): run `npm ci --prefix tools/agents`",
+        "{name} does not run from {} (is Node.js installed?): run `npm ci --prefix tools/agents --ignore-scripts`",
         bin.display()
     );
     if std::env::var("DELTAFIN_REQUIRE_AGENTS").as_deref() == Ok("1") {

@@ -1,5 +1,5 @@
 //! `deltafin serve` as a process: startup echo, same tokens as `deltafin run`, strict flags,
-//! a clear error without a model, graceful exit 0 on SIGTERM.
+//! a clear error without a model, graceful exit 0 on SIGTERM and on SIGHUP.
 
 #[path = "../../deltafin-openai/tests/common/mod.rs"]
 mod common;
@@ -26,10 +26,17 @@ fn deltafin() -> Command {
 
 /// Starts `deltafin serve --port 0`, returns the child, the bound address and the startup lines.
 fn spawn_serve(extra: &[&str]) -> (Child, SocketAddr, Vec<String>) {
-    let mut child = deltafin()
-        .args(["serve", "--port", "0", "--model-root"])
+    let mut cmd = deltafin();
+    cmd.args(["serve", "--port", "0", "--model-root"])
         .arg(model_root())
-        .args(extra)
+        .args(extra);
+    spawn(cmd)
+}
+
+/// Starts `cmd` (a `deltafin serve --port 0 …`), returns the child, the bound address and the
+/// startup lines.
+fn spawn(mut cmd: Command) -> (Child, SocketAddr, Vec<String>) {
+    let mut child = cmd
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
@@ -52,10 +59,15 @@ fn spawn_serve(extra: &[&str]) -> (Child, SocketAddr, Vec<String>) {
 }
 
 fn sigterm(child: &mut Child) -> std::process::ExitStatus {
+    signal(child, "-TERM")
+}
+
+/// Sends `sig` (`-TERM`, `-HUP`) to the server and waits for it to exit.
+fn signal(child: &mut Child, sig: &str) -> std::process::ExitStatus {
     let pid = child.id().to_string();
     assert!(
         Command::new("kill")
-            .args(["-TERM", &pid])
+            .args([sig, &pid])
             .status()
             .unwrap()
             .success()
@@ -67,7 +79,7 @@ fn sigterm(child: &mut Child) -> std::process::ExitStatus {
         }
         assert!(
             t.elapsed() < Duration::from_secs(20),
-            "serve did not exit after SIGTERM"
+            "serve did not exit after {sig}"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -207,6 +219,145 @@ fn serve_gives_the_same_tokens_as_run_and_exits_0_on_sigterm() {
 
     let status = sigterm(&mut child);
     assert!(status.success(), "exit status {status}");
+}
+
+/// A hangup (the terminal that started the server closed) is a graceful shutdown: the
+/// running stream ends with its error frame, and the exit status is 0, not 129.
+#[test]
+fn sighup_shuts_down_gracefully_like_sigterm() {
+    use std::io::Write;
+    let (mut child, addr, _) = spawn_serve(&[]);
+    ready(addr);
+    let mut c = common::connect(addr);
+    let body = json!({"prompt": "hang up", "max_tokens": 1_000_000, "stream": true});
+    c.write_all(&common::request_bytes(
+        "POST",
+        "/v1/completions",
+        body.to_string().as_bytes(),
+        &[],
+    ))
+    .unwrap();
+    let mut r = BufReader::new(c);
+    let mut line = String::new();
+    while !line.starts_with("data: {") {
+        line.clear();
+        assert!(r.read_line(&mut line).unwrap() > 0, "stream closed early");
+    }
+    let reader = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut r, &mut rest);
+        rest
+    });
+    let status = signal(&mut child, "-HUP");
+    assert_eq!(status.code(), Some(0), "exit status {status}");
+    let rest = reader.join().unwrap();
+    assert!(rest.contains("server_shutting_down"), "{rest}");
+    assert!(!rest.contains("[DONE]"), "{rest}");
+}
+
+/// The `/metrics` sample `name` (without labels).
+fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let text = String::from_utf8(get(addr, "/metrics").body).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+        .parse()
+        .unwrap()
+}
+
+/// An install with an infinite weight and a renamed chat marker: a completion is a 500
+/// `numerical_failure` naming the layer, counted in `/metrics`; a chat request is a 500
+/// naming `tokenizer_config.json`, not a 400 on the client's `messages`.
+#[test]
+fn a_numerical_failure_is_a_500_counted_in_metrics() {
+    let d = process::checkpoint(deltafin_k3::synth::SynthDims::tiny(), 41);
+    process::poke_tensor(
+        d.path(),
+        "language_model.model.layers.0.input_layernorm.weight",
+        0,
+        &process::BF16_INF,
+    );
+    process::rename_open_marker(d.path());
+    let mut cmd = deltafin();
+    cmd.args(["serve", "--port", "0", "--model-root"])
+        .arg(d.path());
+    let (mut child, addr, _) = spawn(cmd);
+    wait_until(
+        Duration::from_secs(30),
+        || get(addr, "/health").status == 200,
+        "model ready",
+    );
+    assert_eq!(metric(addr, "deltafin_numerical_failures_total"), 0.0);
+    let r = post_json(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2}),
+    );
+    let e = r.error(500);
+    assert_eq!(e["code"], "numerical_failure");
+    let m = e["message"].as_str().unwrap();
+    assert!(
+        m.contains("numerical failure") && m.contains("layer 0's attention output"),
+        "{m}"
+    );
+    assert_eq!(metric(addr, "deltafin_numerical_failures_total"), 1.0);
+    let r = post_json(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    );
+    let e = r.error(500);
+    assert_eq!(e["type"], "server_error");
+    let m = e["message"].as_str().unwrap();
+    assert!(
+        m.contains("tokenizer_config.json has no special token <|open|>") && !m.contains("None"),
+        "{m}"
+    );
+    assert_eq!(e["param"], Value::Null);
+    assert_eq!(metric(addr, "deltafin_numerical_failures_total"), 1.0);
+    assert_eq!(get(addr, "/health").status, 200);
+    assert!(sigterm(&mut child).success());
+}
+
+/// A server started with a relative `--model-root` names none of its files in a 500: the
+/// root is made absolute at startup, so the path scrubbing sees every path.
+#[test]
+fn install_faults_are_500s_naming_no_server_path() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path().join("k3");
+    let tiny = deltafin_k3::synth::SynthDims::tiny();
+    process::checkpoint_in(&root, tiny.clone(), 42);
+    let o = deltafin()
+        .args(["convert-experts-scale4", "--model-root"])
+        .arg(&root)
+        .output()
+        .unwrap();
+    exits(&o, 0);
+    // Every record of layer 1 damaged, and the sidecars required: a completion fails on it.
+    process::damage_scale4(&root, 1, tiny.experts);
+    let mut cmd = deltafin();
+    cmd.current_dir(d.path())
+        .env("K3_EXPERT_SCALE4", "require")
+        .args(["serve", "--port", "0", "--model-root", "k3"]);
+    let (mut child, addr, _) = spawn(cmd);
+    wait_until(
+        Duration::from_secs(30),
+        || get(addr, "/health").status == 200,
+        "model ready",
+    );
+    let r = post_json(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2}),
+    );
+    let e = r.error(500);
+    let m = e["message"].as_str().unwrap();
+    assert!(m.contains("scale4") && m.contains("<path>"), "{m}");
+    assert!(
+        !m.contains("k3-experts-scale4") && !m.contains("k3/"),
+        "{m}"
+    );
+    assert!(sigterm(&mut child).success());
 }
 
 #[test]

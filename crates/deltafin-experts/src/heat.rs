@@ -375,7 +375,7 @@ pub fn merge_into_file(path: &Path, pending: &HeatTable) -> std::io::Result<()> 
         *h += p;
     }
     let tmp = with_suffix(path, ".tmp");
-    {
+    let written = (|| {
         use std::os::unix::fs::OpenOptionsExt;
         let mut f = OpenOptions::new()
             .create(true)
@@ -386,7 +386,12 @@ pub fn merge_into_file(path: &Path, pending: &HeatTable) -> std::io::Result<()> 
             .open(&tmp)?;
         // No fsync on the inference thread: a file torn by a crash fails its digest and
         // reads as nothing learned.
-        f.write_all(&table.encode())?;
+        f.write_all(&table.encode())
+    })();
+    if let Err(e) = written {
+        // A full disk: the half-written temporary would only hold on to the space.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
     std::fs::rename(&tmp, path)
 }

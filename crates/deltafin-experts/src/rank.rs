@@ -134,6 +134,9 @@ pub struct TraceSummary {
     pub lines: u64,
     /// Distinct `step` values.
     pub passes: u64,
+    /// Torn lines skipped: records a crash or a full disk cut short
+    /// ([`deltafin_tensor::append::is_torn_json`]).
+    pub torn: u64,
 }
 
 /// Whether the first non-empty line of `path` looks like a router trace (has `"layer"` and
@@ -156,8 +159,9 @@ pub fn looks_like_trace(path: &Path) -> bool {
     }
 }
 
-/// Add the routes of the trace at `path` to `counts`. Blank lines are skipped; any other bad
-/// line is an error naming `path:line`.
+/// Add the routes of the trace at `path` to `counts`. Blank lines are skipped, and so are
+/// torn lines (a record cut short by a crash or a full disk; counted in
+/// [`TraceSummary::torn`]); any other bad line is an error naming `path:line`.
 pub fn read_trace(
     path: &Path,
     dims: HeatDims,
@@ -169,10 +173,14 @@ pub fn read_trace(
     };
     let f = std::fs::File::open(path).map_err(io)?;
     let mut steps = std::collections::HashSet::new();
-    let mut n = 0;
+    let (mut n, mut torn) = (0, 0);
     for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
         let line = line.map_err(io)?;
         if line.trim().is_empty() {
+            continue;
+        }
+        if deltafin_tensor::append::is_torn_json(&line) {
+            torn += 1;
             continue;
         }
         let t = parse_line(&line, dims).map_err(|message| TraceReadError::Line {
@@ -193,6 +201,7 @@ pub fn read_trace(
         path: path.to_path_buf(),
         lines: n,
         passes: steps.len() as u64,
+        torn,
     })
 }
 

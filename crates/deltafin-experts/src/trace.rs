@@ -1,15 +1,18 @@
 //! Router trace JSONL (docs/K3.md §12.9): one line per (pass, MoE layer, up to 56 rows),
 //! `{"step": <pass>, "layer": <l>, "ids": [k × rows], "w": [weights, 5 decimals]}`.
 //!
-//! [`RouterTrace`] is a [`RouteObserver`] of the model. The file is
-//! opened append-only with mode 0600, never through a symlink, and writing stops (with one
-//! warning on stderr) at 8 GiB. [`TraceMode::Buffered`] collects a whole pass in memory and
-//! appends it when the next pass begins (or the trace is dropped); a pass over 4 MiB is
-//! discarded with a warning. [`TraceMode::Sync`] writes and flushes every line.
+//! [`RouterTrace`] is a [`RouteObserver`] of the model. The file is opened append-only with
+//! mode 0600, never through a symlink, and written through
+//! [`deltafin_tensor::append::AppendFile`]: every write starts on a fresh line (a torn line
+//! an earlier run left stays a line of its own, which readers skip) and a write the disk
+//! takes only part of is cut back. Writing stops with one warning on stderr on the first
+//! error (a full disk) and at 8 GiB, so the file only ever holds whole lines.
+//! [`TraceMode::Buffered`] collects a whole pass in memory and appends it when the next pass
+//! begins (or the trace is dropped); a pass over 4 MiB is discarded with a warning.
+//! [`TraceMode::Sync`] writes every line as it is produced.
 
 use crate::observe::{PassRoutes, RouteObserver};
-use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Write};
+use deltafin_tensor::append::{AppendFile, AppendOptions};
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -25,7 +28,7 @@ pub const MAX_PASS_BYTES: usize = 4 << 20;
 pub enum TraceMode {
     /// A whole pass is appended at once when it is complete.
     Buffered,
-    /// Every line is written and flushed as it is produced.
+    /// Every line is written as it is produced.
     Sync,
 }
 
@@ -40,7 +43,7 @@ impl TraceMode {
 }
 
 struct Writer {
-    out: BufWriter<File>,
+    out: AppendFile,
     mode: TraceMode,
     /// The pass being assembled (buffered mode); `None` once it overflowed.
     pass: Option<String>,
@@ -63,17 +66,16 @@ impl RouterTrace {
 
     /// [`RouterTrace::create`] with an explicit [`TraceMode`].
     pub fn create_with_mode(path: &Path, mode: TraceMode) -> std::io::Result<RouterTrace> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = OpenOptions::new()
-            .append(true)
-            .create(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(path)?;
-        let written = file.metadata()?.len();
+        let opts = AppendOptions {
+            mode: Some(0o600),
+            no_follow: true,
+            truncate: false,
+        };
+        let out = AppendFile::open(path, opts)?;
+        let written = out.len()?;
         Ok(RouterTrace {
             w: Mutex::new(Writer {
-                out: BufWriter::new(file),
+                out,
                 mode,
                 pass: Some(String::new()),
                 written,
@@ -84,20 +86,21 @@ impl RouterTrace {
         })
     }
 
-    /// Append the pass being assembled and flush.
-    pub fn flush(&self) -> std::io::Result<()> {
-        match self.w.lock() {
-            Ok(mut w) => {
-                w.end_pass();
-                w.out.flush()
-            }
-            Err(_) => Ok(()),
+    /// Append the pass being assembled.
+    pub fn flush(&self) {
+        if let Ok(mut w) = self.w.lock() {
+            w.end_pass();
         }
+    }
+
+    /// Whether writing stopped (an error, or the size cap).
+    pub fn stopped(&self) -> bool {
+        self.w.lock().map(|w| w.stopped).unwrap_or(true)
     }
 }
 
 impl Writer {
-    /// Append `text` unless the cap is reached or writing failed before.
+    /// Append `text` (whole lines) unless the cap is reached or writing failed before.
     fn append(&mut self, text: &str) {
         if self.stopped {
             return;
@@ -107,19 +110,16 @@ impl Writer {
             eprintln!("deltafin: warning: router trace reached 8 GiB; no more lines are written");
             return;
         }
-        let r = self
-            .out
-            .write_all(text.as_bytes())
-            .and_then(|()| match self.mode {
-                TraceMode::Sync => self.out.flush(),
-                TraceMode::Buffered => Ok(()),
-            });
-        if let Err(e) = r {
-            self.stopped = true;
-            eprintln!("deltafin: warning: router trace: {e}; no more lines are written");
-            return;
+        match self.out.append(text.as_bytes()) {
+            Ok(n) => self.written += n,
+            Err(e) => {
+                self.stopped = true;
+                eprintln!(
+                    "deltafin: warning: router trace {}: {e}; no more lines are written (the file keeps only whole lines)",
+                    self.out.path().display()
+                );
+            }
         }
-        self.written += text.len() as u64;
     }
 
     /// Buffered mode: append the assembled pass (if it did not overflow) and start the next.
@@ -128,18 +128,13 @@ impl Writer {
             && !text.is_empty()
         {
             self.append(&text);
-            if let Err(e) = self.out.flush() {
-                eprintln!("deltafin: warning: router trace: {e}");
-            }
         }
     }
 }
 
 impl Drop for RouterTrace {
     fn drop(&mut self) {
-        if let Err(e) = self.flush() {
-            eprintln!("deltafin: warning: router trace: {e}");
-        }
+        self.flush();
     }
 }
 
@@ -264,6 +259,54 @@ mod tests {
             std::os::unix::fs::symlink(&p, &link).unwrap();
             assert!(RouterTrace::create(&link).is_err());
         }
+    }
+
+    #[test]
+    fn a_full_disk_stops_the_trace_with_one_warning() {
+        // /dev/full: every write fails with ENOSPC, as on a full disk.
+        let full = Path::new("/dev/full");
+        if !full.exists() {
+            panic!("/dev/full is missing: this test needs Linux");
+        }
+        for mode in [TraceMode::Sync, TraceMode::Buffered] {
+            let t = RouterTrace::create_with_mode(full, mode).unwrap();
+            t.record_routes(1, 1, &[3], &[0.5]);
+            t.record_routes(1, 1, &[4], &[0.5]);
+            assert!(t.stopped(), "{mode:?}");
+            // Later passes are not tried again.
+            t.record_routes(1, 1, &[5], &[0.5]);
+            assert!(t.stopped());
+        }
+    }
+
+    #[test]
+    fn a_torn_line_from_an_earlier_run_stays_its_own_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.jsonl");
+        std::fs::write(
+            &p,
+            "{\"step\": 0, \"layer\": 1, \"ids\": [3], \"w\": [0.5]}\n{\"step\": 1, \"la",
+        )
+        .unwrap();
+        let t = RouterTrace::create_with_mode(&p, TraceMode::Sync).unwrap();
+        t.record_routes(1, 1, &[4], &[0.25]);
+        drop(t);
+        let text = std::fs::read_to_string(&p).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert_eq!(lines[1], "{\"step\": 1, \"la");
+        assert_eq!(
+            lines[2],
+            "{\"step\": 0, \"layer\": 1, \"ids\": [4], \"w\": [0.25]}"
+        );
+        let mut counts = crate::rank::RouteCounts::default();
+        let dims = crate::heat::HeatDims {
+            layers: 2,
+            experts: 8,
+            top_k: 1,
+        };
+        let summary = crate::rank::read_trace(&p, dims, &mut counts).unwrap();
+        assert_eq!((summary.lines, summary.torn), (2, 1));
     }
 
     #[test]

@@ -7,13 +7,15 @@
 //! `<sha256 hex> <size> <path relative to the root>`. The line is appended (one `write`,
 //! `O_APPEND`, then `fsync`) before the file is published under its final name, so a
 //! published file always has its receipt; a later line for the same path replaces an
-//! earlier one (a refetch). A line that does not parse (a power loss cut it) is counted and
-//! skipped; the file it named then has no receipt, which the check reports.
+//! earlier one (a refetch). Appends go through [`deltafin_tensor::append::AppendFile`]: a
+//! receipt always starts on a fresh line, so a line a power loss cut short never glues onto
+//! the next receipt, and a write the disk takes only part of is cut back. A line that does
+//! not parse (a torn one) is counted and skipped; the file it named then has no receipt,
+//! which the check reports.
 
 use crate::error::FetchError;
+use deltafin_tensor::append::{AppendFile, AppendOptions};
 use std::collections::HashMap;
-use std::fs::OpenOptions;
-use std::io::Write;
 use std::path::Path;
 
 /// The receipts file, under the model root.
@@ -46,13 +48,9 @@ pub fn record(root: &Path, dest: &Path, size: u64, sha256: &str) -> Result<(), F
         std::fs::create_dir_all(dir).map_err(FetchError::io(dir))?;
     }
     let line = format!("{sha256} {size} {name}\n");
-    let mut f = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .map_err(FetchError::io(&path))?;
-    f.write_all(line.as_bytes())
-        .and_then(|()| f.sync_data())
+    AppendFile::open(&path, AppendOptions::default())
+        .and_then(|mut f| f.append_durable(line.as_bytes()))
+        .map(|_| ())
         .map_err(FetchError::io(&path))
 }
 
@@ -132,6 +130,31 @@ mod tests {
     const B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
 
     #[test]
+    fn a_receipt_after_a_torn_line_is_whole() {
+        // A power loss cut the receipt of L1-E3 short; the next fetch records L1-E4.
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path();
+        record(root, &root.join("k3-experts/L1-E2.bin"), 10, A).unwrap();
+        let p = root.join(RECEIPTS_PATH);
+        let mut f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
+        std::io::Write::write_all(&mut f, format!("{B} 12 k3-experts/L1-E").as_bytes()).unwrap();
+        drop(f);
+        let e4 = root.join("k3-experts/L1-E4.bin");
+        record(root, &e4, 12, A).unwrap();
+        let r = Receipts::load(root).unwrap();
+        assert_eq!(
+            r.sha256_at(root, &e4, 12),
+            Some(A),
+            "{:?}",
+            std::fs::read_to_string(&p)
+        );
+        assert_eq!(r.sha256_of("k3-experts/L1-E2.bin", 10), Some(A));
+        // The torn line is a line of its own: here it still parses, naming no file.
+        assert_eq!(r.len(), 3);
+        assert_eq!(r.sha256_of("k3-experts/L1-E", 12), Some(B));
+    }
+
+    #[test]
     fn the_last_receipt_of_a_path_wins_and_cut_lines_are_skipped() {
         let d = tempfile::tempdir().unwrap();
         let root = d.path();
@@ -141,8 +164,8 @@ mod tests {
         record(root, &root.join("k3-resident/tensors/a.b"), 3, A).unwrap();
         // A power loss cut the last append.
         let p = root.join(RECEIPTS_PATH);
-        let mut f = OpenOptions::new().append(true).open(&p).unwrap();
-        f.write_all(b"cccc 5 k3-experts/L1-E3").unwrap();
+        let mut f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
+        std::io::Write::write_all(&mut f, b"cccc 5 k3-experts/L1-E3").unwrap();
         let r = Receipts::load(root).unwrap();
         assert_eq!(r.len(), 2);
         assert_eq!(r.malformed, 1);

@@ -45,6 +45,13 @@ pub enum ModelError {
     /// ([`K3Model::copy_spine_to_huge_pages`](crate::model::K3Model::copy_spine_to_huge_pages)).
     #[error("{name}: {message}")]
     Weights { name: String, message: String },
+    /// A NaN or infinite value appeared in the forward pass (`site`: where it first
+    /// appeared, e.g. `layer 3's attention output`, `expert 5 of layer 2`): damaged weights
+    /// or a numerical fault. The state the pass was advancing must be discarded.
+    #[error(
+        "numerical failure: a non-finite value (NaN or infinity) first appeared in {site}; the weights it reads are damaged (`deltafin doctor` checks the install)"
+    )]
+    NonFinite { site: String },
     /// A routed expert could not be obtained.
     #[error("expert {expert} of layer {layer}: {message}")]
     Expert {

@@ -11,7 +11,7 @@ use crate::metrics::RequestLog;
 use crate::ops::read_body;
 use crate::reply::ReplyContext;
 use crate::request::{GenRequest, Limits};
-use crate::server::{AppState, unix_now};
+use crate::state::{AppState, unix_now};
 use crate::transport::{Answer, answer_with};
 use axum::extract::Request;
 use axum::http::{HeaderMap, StatusCode};

@@ -8,13 +8,14 @@ pub use crate::outcome::{FinishReason, Usage};
 use crate::output::{Assembler, Delta, EarlyEnd, TokenLogprob};
 use crate::request::{ChatControls, GenRequest, Prompt, ToolMode};
 use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine, MemoryPlan};
+use deltafin_k3::error::ModelError;
 use deltafin_k3::generate::{
-    Choose, GenerateEvent, GenerateOptions, Greedy, StopReason, generate_prefilled,
+    Choose, GenerateError, GenerateEvent, GenerateOptions, Greedy, StopReason, generate_prefilled,
 };
 use deltafin_k3::model::K3Model;
 use deltafin_k3::prefix::{Chunked, PrefillProgress, PrefixCache, message_ends};
 use deltafin_k3::sampling::Sampler;
-use deltafin_k3::text::chat::{ChatOptions, ToolChoice, encode_chat};
+use deltafin_k3::text::chat::{ChatError, ChatOptions, ToolChoice, encode_chat};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_k3::weights::install::{self, Missing};
 use deltafin_k3::weights::spine_int8::SpineFormat;
@@ -200,8 +201,15 @@ impl Engine {
         Ok(match &req.prompt {
             Prompt::Raw(text) => self.tokenizer.encode_ordinary(text),
             Prompt::Chat { messages, controls } => {
-                encode_chat(&self.tokenizer, messages, &chat_options(controls))
-                    .map_err(|e| ApiError::invalid_param(param, e.to_string()))?
+                encode_chat(&self.tokenizer, messages, &chat_options(controls)).map_err(|e| {
+                    match e {
+                        // A damaged install, not a bad request.
+                        ChatError::MarkerMismatch { .. } => ApiError::server(format!(
+                            "{e}; restore it with `deltafin setup-k3 --meta-only`"
+                        )),
+                        _ => ApiError::invalid_param(param, e.to_string()),
+                    }
+                })?
             }
         })
     }
@@ -295,6 +303,9 @@ pub struct Timing {
     pub decode: Duration,
     /// Tokens generated after the prefill's (generated tokens − 1).
     pub decode_tokens: usize,
+    /// It failed on a NaN or infinite value in the forward pass (damaged weights;
+    /// `deltafin_numerical_failures_total`).
+    pub numerical_failure: bool,
 }
 
 /// Runs one greedy generation, sending deltas to `send`; stops within one token once
@@ -509,7 +520,13 @@ fn run_drafted(
     let reused = prefiller.reused;
     let ids = match result {
         Ok((ids, _)) => ids,
-        Err(e) => return (generation_failed(sink_error, e), Timing::default()),
+        Err(e) => {
+            let model = match &e {
+                deltafin_spec::SpecError::Model(m) => Some(m),
+                _ => None,
+            };
+            return generation_failed(sink_error, &e, model);
+        }
     };
     let prefill = prefill.unwrap_or_default();
     let timing = Timing {
@@ -518,6 +535,7 @@ fn run_drafted(
         prefill,
         decode: started.elapsed().saturating_sub(prefill),
         decode_tokens: ids.len().saturating_sub(1),
+        numerical_failure: false,
     };
     let eos = ids
         .get(counted.wrapping_sub(1))
@@ -616,7 +634,13 @@ fn run_plain(
     let reused = prefiller.reused;
     let outcome = match result {
         Ok(o) => o,
-        Err(e) => return (generation_failed(sink_error, e), Timing::default()),
+        Err(e) => {
+            let model = match &e {
+                GenerateError::Model(m) => Some(m),
+                _ => None,
+            };
+            return generation_failed(sink_error, &e, model);
+        }
     };
     let timing = Timing {
         from_memo: false,
@@ -626,6 +650,7 @@ fn run_plain(
             .total_duration
             .saturating_sub(outcome.prefill_duration),
         decode_tokens: outcome.ids.len().saturating_sub(1),
+        numerical_failure: false,
     };
     let finish = match (
         finish_reason(&asm, outcome.stop == StopReason::Eos),
@@ -705,10 +730,31 @@ fn finish_reason(asm: &Assembler<'_>, eos: bool) -> Option<FinishReason> {
     }
 }
 
-/// The generation failed: the sink's own error if it raised one, else the model's.
-fn generation_failed(sink_error: Option<ApiError>, e: impl std::fmt::Display) -> Ending {
-    let err = sink_error.unwrap_or_else(|| ApiError::server(format!("generation failed: {e}")));
-    Ending::Event(GenEvent::Failed(err))
+/// The generation failed: the sink's own error if it raised one, else the model's (`model`:
+/// when the model raised it). A numerical failure (a NaN or an infinity in the forward
+/// pass: damaged weights) is a 500 with code `numerical_failure`, counted in `/metrics`.
+fn generation_failed(
+    sink_error: Option<ApiError>,
+    e: &dyn std::fmt::Display,
+    model: Option<&ModelError>,
+) -> (Ending, Timing) {
+    let numerical = matches!(model, Some(ModelError::NonFinite { .. }));
+    let err = sink_error.unwrap_or_else(|| {
+        let err = ApiError::server(format!("generation failed: {e}"));
+        if numerical {
+            ApiError {
+                code: "numerical_failure",
+                ..err
+            }
+        } else {
+            err
+        }
+    });
+    let timing = Timing {
+        numerical_failure: numerical,
+        ..Timing::default()
+    };
+    (Ending::Event(GenEvent::Failed(err)), timing)
 }
 
 /// Stopped by the interrupt flag: the client left (or its handler was dropped) unless the

@@ -35,6 +35,7 @@ pub mod responses;
 mod routes;
 pub mod seal;
 pub mod server;
+mod state;
 pub mod status;
 pub mod strict;
 // Public only for the fuzz harness (fuzz/harness); not part of the library's interface.

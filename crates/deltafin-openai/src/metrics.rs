@@ -36,6 +36,7 @@ pub struct Metrics {
     prefill_reused: AtomicU64,
     reused_tokens: AtomicU64,
     memo_answers: AtomicU64,
+    numerical_failures: AtomicU64,
 }
 
 /// `/v1/models/{id}` (any id) is one endpoint; a path that is no endpoint (404) is `other`;
@@ -97,8 +98,12 @@ impl Metrics {
         }
     }
 
-    /// What a generation took from the prefix cache and the memo.
+    /// What a generation took from the prefix cache and the memo, and whether it stopped
+    /// on a numerical failure (called for every generation that ran).
     pub fn record_reuse(&self, timing: &Timing) {
+        if timing.numerical_failure {
+            self.numerical_failures.fetch_add(1, Ordering::Relaxed);
+        }
         self.reused_tokens
             .fetch_add(timing.reused as u64, Ordering::Relaxed);
         if timing.from_memo {
@@ -331,6 +336,12 @@ impl Metrics {
             "deltafin_generations_total",
             &[("outcome", "cancelled")],
             s.generations_cancelled as f64,
+        );
+        e.one(
+            "deltafin_numerical_failures_total",
+            "counter",
+            "Generations stopped because a NaN or infinite value appeared in the forward pass (damaged weights; answered 500 numerical_failure).",
+            load(&self.numerical_failures) as f64,
         );
         e.one(
             "deltafin_generation_busy",

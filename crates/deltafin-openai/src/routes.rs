@@ -10,7 +10,7 @@ use crate::front::Api;
 use crate::metrics::{CLIENT_CLOSED, RequestLog};
 use crate::ops::{self, TokenizerOp};
 use crate::request::Surface;
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::{MODEL_ID, bench, models, ollama, page, status};
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, Method, StatusCode};
@@ -229,7 +229,7 @@ async fn dispatch(
                 .strip_prefix("/v1/responses/")
                 .or_else(|| p.strip_prefix("/responses/"))
             {
-                return crate::responses::store::answer(state, method, rest)
+                return crate::responses::store::answer(state.store.as_deref(), method, rest)
                     .unwrap_or_else(IntoResponse::into_response);
             }
             let id = p

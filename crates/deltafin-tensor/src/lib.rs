@@ -9,6 +9,7 @@
 //! Everything that reads file data returns a [`TensorError`] naming the file and tensor
 //! at fault; nothing here panics on malformed input.
 
+pub mod append;
 pub mod dtype;
 pub mod error;
 pub mod int8;

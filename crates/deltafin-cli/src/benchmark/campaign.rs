@@ -128,7 +128,7 @@ fn write_runs(path: &Path, records: &[RunRecord], arms: &[Arm]) -> Result<()> {
         text.push_str(&serde_json::to_string(&record_json(r, arms))?);
         text.push('\n');
     }
-    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+    super::evidence::write_whole(path, &text)
 }
 
 /// The variables that make `deltafin run` sample: arms that set them differently emit other

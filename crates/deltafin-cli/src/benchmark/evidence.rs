@@ -112,7 +112,15 @@ pub(super) fn sha256_file(path: &Path) -> Result<String> {
 pub(super) fn write_json(path: &Path, v: &Value) -> Result<()> {
     let mut text = serde_json::to_string_pretty(v)?;
     text.push('\n');
-    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+    write_whole(path, &text)
+}
+
+/// Replace `path` with `text` through a synced temporary and a rename: a campaign killed or
+/// out of disk space while rewriting `runs.jsonl` or `campaign.json` keeps the previous
+/// whole file (a plain rewrite truncated it first, losing every earlier run's record).
+pub(super) fn write_whole(path: &Path, text: &str) -> Result<()> {
+    deltafin_fetch::inventory::write_atomic(path, text.as_bytes())
+        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// Create the evidence directory: a given path must be new or empty.
@@ -169,6 +177,27 @@ pub(super) fn create_evidence_dir(given: Option<&Path>) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rewrite_that_cannot_finish_keeps_the_previous_file() {
+        let d = tempfile::tempdir().unwrap();
+        let runs = d.path().join("runs.jsonl");
+        write_whole(&runs, "{\"run\": 1}\n").unwrap();
+        write_whole(&runs, "{\"run\": 1}\n{\"run\": 2}\n").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&runs).unwrap(),
+            "{\"run\": 1}\n{\"run\": 2}\n"
+        );
+        // The next rewrite cannot be written (its temporary cannot be created, as on a
+        // full disk): the error names the file, and the two runs are still there.
+        std::fs::create_dir(d.path().join("runs.jsonl.part")).unwrap();
+        let e = write_whole(&runs, "{\"run\": 1}\n{\"run\": 2}\n{\"run\": 3}\n").unwrap_err();
+        assert!(format!("{e:#}").contains("runs.jsonl"), "{e:#}");
+        assert_eq!(
+            std::fs::read_to_string(&runs).unwrap(),
+            "{\"run\": 1}\n{\"run\": 2}\n"
+        );
+    }
 
     #[test]
     fn utc_stamps_of_the_epoch_and_a_leap_day() {

@@ -29,7 +29,10 @@ pub(super) fn load_checks(
         Err(e) => {
             r.fail(
                 "settings",
-                format!("run and serve would refuse to start: {e:#}"),
+                format!(
+                    "run and serve would refuse to start: {}",
+                    crate::errtext::describe(&e)
+                ),
                 "correct the flag or environment variable named",
             );
             return;
@@ -39,6 +42,10 @@ pub(super) fn load_checks(
     spine_check(r, ckpt, config.spine, &origin);
     scale4_check(r, ckpt, config.scale4);
     super::plan::plan_checks(r, ckpt, &config, available, None);
+    // The weights themselves, once everything around them would load.
+    if r.problems() == 0 {
+        super::weights::weight_checks(r, ckpt, &config);
+    }
 }
 
 /// Where the products would run (`--device`, `--expert-backend`): the loader's own choice,
@@ -199,11 +206,21 @@ fn scale4_check(r: &mut Report, ckpt: &Checkpoint, mode: Scale4Mode) {
     } else {
         "K3_EXPERT_SCALE4=auto, the default"
     };
-    match (opened, mode) {
-        (Ok(_), _) => r.add(
+    match (opened.map(|_| damaged_record(&dir, layout, &moe)), mode) {
+        (Ok(None), _) => r.add(
             "scale4",
             Status::Ok,
-            format!("{SCALE4_DIR}/ complete and valid: the routed experts take their scales from it ({var})"),
+            format!("{SCALE4_DIR}/ complete and valid, every record verified: the routed experts take their scales from it ({var})"),
+        ),
+        (Ok(Some(e)), Scale4Mode::Require) => r.fail(
+            "scale4",
+            format!("run and serve would fail on the experts of a damaged record ({var}): {e}"),
+            format!("{convert} rewrites the damaged layer"),
+        ),
+        (Ok(Some(e)), _) => r.warn(
+            "scale4",
+            format!("{e}: run and serve use the raw scales of that layer's damaged records ({var})"),
+            format!("{convert} rewrites the damaged layer"),
         ),
         (Err(e), Scale4Mode::Require) => r.fail(
             "scale4",
@@ -216,4 +233,20 @@ fn scale4_check(r: &mut Report, ckpt: &Checkpoint, mode: Scale4Mode) {
             format!("{SCALE4_DIR}/ present but not used ({e}); the routed experts use their raw scales ({convert} completes it)"),
         ),
     }
+}
+
+/// The first sidecar layer file (of the MoE layers `moe`) whose header or records fail
+/// their checks, as the converter verifies them (record checksums; not against the raw
+/// experts).
+fn damaged_record(
+    dir: &std::path::Path,
+    layout: deltafin_experts::scale4::Scale4Layout,
+    moe: &[bool],
+) -> Option<String> {
+    (0..moe.len()).filter(|&l| moe[l]).find_map(|l| {
+        let path = dir.join(deltafin_experts::scale4::layer_file_name(l));
+        deltafin_experts::scale4::verify_layer(&path, &layout, l, None, 4)
+            .err()
+            .map(|e| e.to_string())
+    })
 }

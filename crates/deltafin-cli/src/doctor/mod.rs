@@ -20,6 +20,7 @@ mod model;
 mod plan;
 mod report;
 mod runtime;
+mod weights;
 
 use disk::disk_probe;
 use memory::{huge_pages_check, memory_check};

@@ -87,7 +87,16 @@ pub(super) fn model_checks(
     let tokenizer_fix = format!(
         "restore the pinned tokenizer files with `deltafin setup-k3 --meta-only --model-root {rd}`"
     );
+    let markers = |t: &Tokenizer| deltafin_k3::text::chat::check_chat_markers(t).err();
     match Tokenizer::from_dir(root) {
+        Ok(t) if t.vocab_size() == cfg.text.vocab_size && markers(&t).is_some() => r.fail(
+            "tokenizer",
+            format!(
+                "{}: chat requests would fail (completions still work)",
+                markers(&t).map(|e| e.to_string()).unwrap_or_default()
+            ),
+            tokenizer_fix,
+        ),
         Ok(t) if t.vocab_size() == cfg.text.vocab_size => r.add(
             "tokenizer",
             Status::Ok,
@@ -115,6 +124,7 @@ pub(super) fn model_checks(
         );
     }
     draft_checks(r, root);
+    writable_check(r, root);
     if consistent && let Some(ckpt) = &checkpoint {
         super::load::load_checks(r, ckpt, model, available);
     }
@@ -281,5 +291,27 @@ pub(super) fn draft_checks(r: &mut Report, root: &Path) {
                 ),
             );
         }
+    }
+}
+
+/// Whether run and serve can keep what they learn under `k3-meta/` (the directory, else the
+/// root that would hold it): on a read-only root they run, but prefix states and the expert
+/// heat stay in memory and are lost with the process.
+fn writable_check(r: &mut Report, root: &Path) {
+    let meta = root.join("k3-meta");
+    let dir = if meta.is_dir() {
+        meta
+    } else {
+        root.to_path_buf()
+    };
+    if let Err(e) = deltafin_k3::weights::install::writable(&dir) {
+        r.warn(
+            "model root writable",
+            format!(
+                "{} is not writable ({e}): run and serve keep prefix states and the expert heat in memory only (lost when they exit; no disk state cache, nothing learned across runs), and a router trace, the conversions and the installers cannot write there",
+                dir.display()
+            ),
+            "mount the model root read-write (or give this user write access to k3-meta/) to keep states and heat across runs",
+        );
     }
 }

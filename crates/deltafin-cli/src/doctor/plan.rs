@@ -45,8 +45,8 @@ pub(super) fn plan_checks(
             r.fail(
                 "memory plan",
                 format!(
-                    "run and serve would refuse to start: {:#}",
-                    crate::session::cli_error(e)
+                    "run and serve would refuse to start: {}",
+                    crate::errtext::describe(&crate::session::cli_error(e))
                 ),
                 "correct the setting named, or repair the install as the checkpoint line says",
             );

@@ -24,6 +24,27 @@ pub fn checkpoint(dims: SynthDims, seed: u64) -> tempfile::TempDir {
     d
 }
 
+/// A checkpoint of `dims` from `seed` synthesized into `root` (a directory of its own name,
+/// for tests that spell, move or relate to its path).
+pub fn checkpoint_in(root: &Path, dims: SynthDims, seed: u64) {
+    synthesize(root, &SynthSpec::new(dims, seed)).unwrap();
+}
+
+/// Flip one byte in every expert record of `root`'s `k3-experts-scale4/L{layer}.sc4` (a
+/// checkpoint of `experts` experts per layer after `convert-experts-scale4`); its path.
+pub fn damage_scale4(root: &Path, layer: usize, experts: usize) -> std::path::PathBuf {
+    // The file header; then one record per expert.
+    const HEADER: usize = 8192;
+    let p = root.join(format!("k3-experts-scale4/L{layer}.sc4"));
+    let mut b = std::fs::read(&p).unwrap();
+    let record = (b.len() - HEADER) / experts;
+    for e in 0..experts {
+        b[HEADER + e * record + record / 2] ^= 0x5a;
+    }
+    std::fs::write(&p, b).unwrap();
+    p
+}
+
 /// The checkpoint kept in `cell`, synthesized on first use: one checkpoint shared by the
 /// tests of a binary.
 pub fn shared_checkpoint(
@@ -229,4 +250,36 @@ where
         startup,
         log,
     }
+}
+
+/// Overwrite the bytes at `at` of tensor `name` in whichever shard of `root` holds it (a
+/// damaged copy of an install).
+pub fn poke_tensor(root: &Path, name: &str, at: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    for e in std::fs::read_dir(root).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_none_or(|x| x != "safetensors") {
+            continue;
+        }
+        let f = deltafin_tensor::SafetensorsFile::open(&p).unwrap();
+        if let Ok((start, len)) = f.absolute_range(name) {
+            assert!(at + bytes.len() as u64 <= len);
+            drop(f);
+            let file = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+            file.write_all_at(bytes, start + at).unwrap();
+            return;
+        }
+    }
+    panic!("no shard of {} holds {name}", root.display());
+}
+
+/// bf16 +infinity, little-endian.
+pub const BF16_INF: [u8; 2] = [0x80, 0x7f];
+
+/// Rename the chat marker `<|open|>` in `root`'s `tokenizer_config.json` (a damaged install).
+pub fn rename_open_marker(root: &Path) {
+    let cfg = root.join("tokenizer_config.json");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    assert!(text.contains("\"<|open|>\""));
+    std::fs::write(&cfg, text.replace("\"<|open|>\"", "\"<|opened|>\"")).unwrap();
 }

@@ -78,7 +78,8 @@ impl RawSource {
 /// Write `L{layer}.sc4` into `dir` from the raw source: `.part` file, `workers` threads
 /// encoding experts into their record slots, fsync, then verification of every record
 /// against the raw scales, then an atomic rename. `progress(n)` is called as experts are
-/// done. Returns the sha256 of the file.
+/// done. Returns the sha256 of the file. A conversion that fails (a full disk, a bad raw
+/// scale) removes its `.part`.
 pub fn convert_layer(
     dir: &Path,
     layout: &Scale4Layout,
@@ -87,12 +88,28 @@ pub fn convert_layer(
     workers: usize,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<String, Scale4Error> {
-    let path = dir.join(layer_file_name(layer));
     let part = dir.join(format!("{}.part", layer_file_name(layer)));
-    let f = std::fs::File::create(&part).map_err(io_err(&part))?;
-    f.set_len(layout.file_bytes()).map_err(io_err(&part))?;
+    let converted = convert_layer_via(&part, dir, layout, layer, raw, workers, progress);
+    if converted.is_err() {
+        let _ = std::fs::remove_file(&part);
+    }
+    converted
+}
+
+fn convert_layer_via(
+    part: &Path,
+    dir: &Path,
+    layout: &Scale4Layout,
+    layer: usize,
+    raw: &RawSource,
+    workers: usize,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<String, Scale4Error> {
+    let path = dir.join(layer_file_name(layer));
+    let f = std::fs::File::create(part).map_err(io_err(part))?;
+    f.set_len(layout.file_bytes()).map_err(io_err(part))?;
     f.write_all_at(&file_header(layout, layer), 0)
-        .map_err(io_err(&part))?;
+        .map_err(io_err(part))?;
     for_each_expert(layout.num_experts, workers, |e| {
         let scales = raw.scales(layer, e)?;
         let enc = encode_expert([&scales[0], &scales[1], &scales[2]], layer, e)?;
@@ -100,14 +117,14 @@ pub fn convert_layer(
             &write_record(layout, layer, e, &enc),
             layout.record_offset(e),
         )
-        .map_err(io_err(&part))?;
+        .map_err(io_err(part))?;
         progress(1);
         Ok(())
     })?;
-    f.sync_all().map_err(io_err(&part))?;
+    f.sync_all().map_err(io_err(part))?;
     drop(f);
-    let sha = verify_layer(&part, layout, layer, Some(raw), workers)?;
-    std::fs::rename(&part, &path).map_err(io_err(&path))?;
+    let sha = verify_layer(part, layout, layer, Some(raw), workers)?;
+    std::fs::rename(part, &path).map_err(io_err(&path))?;
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all(); // directory fsync is best effort (not every filesystem allows it)
     }

@@ -316,6 +316,10 @@ fn a_raw_span_over_sixteen_fails_conversion_and_leaves_no_file() {
         .to_string();
     assert!(msg.contains("layer 1 expert 2 w1"), "{msg}");
     assert!(!out.join("L1.sc4").exists());
+    assert!(
+        !out.join("L1.sc4.part").exists(),
+        "the failed layer's .part stays"
+    );
 }
 
 #[test]

@@ -95,7 +95,8 @@ impl LoadedEngine {
 
     /// What a prefix state computed by this engine depends on, as a string the prefix
     /// cache keys its entries under ([`crate::prefix::PrefixCache`]): the crate version,
-    /// `config.json`'s bytes, the name, length and modification time of every spine file
+    /// `config.json`'s bytes, the name (relative to the root, so not how the root is spelled
+    /// or where it lies), length and modification time of every spine file
     /// (the shards, or a stream install's spine; the int8 spine's tensor files when that is
     /// the spine), the spine format and the device line. A rewritten or re-synthesized
     /// checkpoint, another spine or another device gets other keys, so a state is never
@@ -120,7 +121,14 @@ impl LoadedEngine {
             files.extend(int8);
         }
         for f in files {
-            h.update(f.to_string_lossy().as_bytes());
+            // Named relative to the root: the same install spelled `x`, `./x` or by its
+            // absolute path, or moved elsewhere, keeps its keys.
+            h.update(
+                f.strip_prefix(root)
+                    .unwrap_or(f.as_path())
+                    .to_string_lossy()
+                    .as_bytes(),
+            );
             if let Ok(m) = std::fs::metadata(&f) {
                 h.update(m.len().to_le_bytes());
                 let t = m

@@ -74,6 +74,8 @@ pub fn config_sha256(root: &Path) -> Result<String, EngineError> {
 /// Wrap `experts` per `mode`: with valid sidecars under `root/k3-experts-scale4` the scale
 /// bytes come from them (the codes from `experts`), else `experts` unchanged (`auto`, `off`;
 /// `auto` says why through `progress` when the directory exists) or an error (`require`).
+/// Under `auto` an expert whose record turns out damaged keeps its raw scales (a warning
+/// names the record); under `require` it is an error.
 /// The flag says whether the sidecars are used.
 pub fn wrap_scale4(
     checkpoint: &Checkpoint,
@@ -92,7 +94,15 @@ pub fn wrap_scale4(
             .map_err(|e| EngineError::External(Box::new(e)))
     });
     match (opened, mode) {
-        (Ok(sidecars), _) => Ok((Box::new(Scale4Experts::new(experts, sidecars)), true)),
+        (Ok(sidecars), Scale4Mode::Require) => {
+            Ok((Box::new(Scale4Experts::new(experts, sidecars)), true))
+        }
+        // `auto`: the sidecars are optional and lossless, so a damaged record falls back to
+        // the raw scales the expert was read with.
+        (Ok(sidecars), _) => Ok((
+            Box::new(Scale4Experts::with_fallback(experts, sidecars)),
+            true,
+        )),
         (Err(e), Scale4Mode::Require) => Err(EngineError::Context {
             context: format!(
                 "K3_EXPERT_SCALE4=require but the scale4 sidecars in {} are not complete and valid (run `deltafin convert-experts-scale4 --model-root {}`)",
@@ -247,6 +257,15 @@ pub(crate) fn assemble_expert_stack(
     }
     if let Some(t) = &config.router_trace {
         let path = &t.path;
+        // `k3-meta/` is deltafin's own directory under the root: a trace in it (the
+        // documented place) creates it, as the heat histogram and the state cache do.
+        let meta = checkpoint.root().join("k3-meta");
+        if path.parent() == Some(meta.as_path()) {
+            std::fs::create_dir_all(&meta).map_err(EngineError::context(format!(
+                "router trace: cannot create {}",
+                meta.display()
+            )))?;
+        }
         observers.push(Box::new(
             RouterTrace::create_with_mode(path, t.mode).map_err(EngineError::context(format!(
                 "router trace: cannot open {}",

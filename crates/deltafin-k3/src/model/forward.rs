@@ -23,6 +23,7 @@
 use crate::error::ModelError;
 use crate::model::attn_res::AttnResWeights;
 use crate::model::dims::{AttnKind, CacheDtype, FfnKind, ModelDims};
+use crate::model::finite;
 use crate::model::kda::KdaForm;
 use crate::model::layer::{Attention, Ffn, Layer};
 use crate::model::linear::Linear;
@@ -451,6 +452,18 @@ impl K3Model {
         for &token in tokens {
             p.extend(self.embed.row(token as usize).iter().map(|v| v.to_f32()));
         }
+        // Every stage's output must be finite (`crate::model::finite`): a NaN or an
+        // infinity stops the pass, naming where it first appeared.
+        finite::check(&p, || {
+            let bad = p
+                .chunks(dm)
+                .position(|r| !finite::all_finite(r))
+                .unwrap_or(0);
+            format!(
+                "the embedding row of token {} (model.embed_tokens.weight)",
+                tokens[bad]
+            )
+        })?;
         let mut snaps: Vec<Vec<f32>> = Vec::new();
         for (l, (own, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             let streamed = hooks.layer_weights(l, own)?;
@@ -480,10 +493,18 @@ impl K3Model {
                 }
             };
             hooks.attention_done(l);
+            let attention_site = || {
+                format!(
+                    "layer {l}'s attention output (model.layers.{l}.self_attn, input_layernorm or self_attention_res)"
+                )
+            };
             if restart {
+                finite::check(&o, attention_site)?;
                 p = o;
-            } else {
-                add_into(&mut p, &o);
+            } else if !finite::add_checked(&mut p, &o) {
+                return Err(ModelError::NonFinite {
+                    site: attention_site(),
+                });
             }
             // P ← P + FFN_l(RMS(AR(P; S; mlp_res_l); post_attention_layernorm_l))
             let m = layer.mlp_res.mix_rows(&snaps, &p, t, d.attn_res_eps);
@@ -492,7 +513,13 @@ impl K3Model {
                 Ffn::Dense(mlp) => mlp.forward(d, &x, t)?,
                 Ffn::Moe(moe) => moe.forward_scheduled(d, l, &x, t, &hooks.experts(l))?,
             };
-            add_into(&mut p, &f);
+            if !finite::add_checked(&mut p, &f) {
+                return Err(ModelError::NonFinite {
+                    site: format!(
+                        "layer {l}'s FFN output (model.layers.{l}.mlp, post_attention_layernorm or mlp_res)"
+                    ),
+                });
+            }
             hooks.layer_output(l, &p);
         }
         state.position += t;
@@ -519,6 +546,9 @@ impl K3Model {
         hooks.head_input(&x, rows);
         let mut values = vec![0f32; rows * d.vocab_size];
         self.lm_head.matmul(&x, rows, &mut values)?;
+        finite::check(&values, || {
+            "the logits (model.norm.weight, model.output_attn_res or lm_head.weight)".into()
+        })?;
         Ok(Logits {
             rows,
             vocab: d.vocab_size,
@@ -529,12 +559,6 @@ impl K3Model {
     /// A fresh state for this model.
     pub fn new_state(&self) -> State {
         State::new(&self.dims)
-    }
-}
-
-fn add_into(p: &mut [f32], o: &[f32]) {
-    for (a, &b) in p.iter_mut().zip(o) {
-        *a += b;
     }
 }
 
@@ -1104,6 +1128,84 @@ pub(crate) mod tests {
         assert_eq!(t.rows(), 1);
         t.clear();
         assert_eq!(t.rows(), 0);
+    }
+
+    #[test]
+    fn a_non_finite_value_stops_the_pass_naming_where_it_first_appeared() {
+        let toks = prompt(5, 3);
+        type Edit = fn(&mut K3Model, &mut InMemoryExperts);
+        let cases: [(&str, Edit); 5] = [
+            ("layer 2's attention output", |m, _| {
+                m.layers[2].input_layernorm[0] = f32::INFINITY
+            }),
+            ("layer 0's FFN output", |m, _| {
+                m.layers[0].post_attention_layernorm[1] = f32::NAN
+            }),
+            ("layer 6's MoE input", |m, _| {
+                m.layers[6].post_attention_layernorm[1] = f32::NAN
+            }),
+            ("the logits", |m, _| m.norm[0] = f32::INFINITY),
+            // Every expert of layer 5 with the largest E8M0 scale (2^127) in its three
+            // matrices: its products overflow.
+            ("of layer 5 (its MXFP4 weights or E8M0 scales)", |m, x| {
+                let huge = |w: &deltafin_tensor::Mxfp4Matrix| {
+                    let s = vec![254u8; w.scales().len()];
+                    w.with_scales("w", deltafin_tensor::Bytes::from_vec(s))
+                        .unwrap()
+                };
+                for w in &mut x.layers[5] {
+                    (w.w1, w.w2, w.w3) = (huge(&w.w1), huge(&w.w2), huge(&w.w3));
+                }
+                m.experts = Box::new(x.clone());
+            }),
+        ];
+        for (site, edit) in cases {
+            let (mut model, mut experts) = random_model(9);
+            edit(&mut model, &mut experts);
+            let last = model.forward(&mut model.new_state(), &toks, LogitRows::Last);
+            let exact = model.forward_exact(&mut model.new_state(), &toks, LogitRows::All);
+            let advance = model.forward(&mut model.new_state(), &toks, LogitRows::None);
+            for (pass, r) in [("last", last), ("exact", exact), ("no rows", advance)] {
+                if site == "the logits" && pass == "no rows" {
+                    // A pass that computes no logits never reaches the damage.
+                    assert!(r.is_ok());
+                    continue;
+                }
+                let e = r.map(|_| ()).unwrap_err();
+                let text = e.to_string();
+                assert!(
+                    matches!(e, ModelError::NonFinite { .. }),
+                    "{site} {pass}: {text}"
+                );
+                assert!(
+                    text.contains(site) && text.starts_with("numerical failure"),
+                    "{site} {pass}: {text}"
+                );
+            }
+            // Generation stops with the error instead of choosing token 0 from NaNs.
+            let opts = crate::generate::GenerateOptions {
+                max_new: Some(4),
+                stop_ids: vec![],
+                max_context: 64,
+                top_logits: 0,
+            };
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            let g = crate::generate::generate(&model, &toks, &opts, &stop, |_| Ok(()));
+            assert!(
+                matches!(
+                    g,
+                    Err(crate::generate::GenerateError::Model(
+                        ModelError::NonFinite { .. }
+                    ))
+                ),
+                "{site}: {g:?}"
+            );
+        }
+        // The undamaged model runs.
+        let (model, _) = random_model(9);
+        model
+            .forward(&mut model.new_state(), &toks, LogitRows::All)
+            .unwrap();
     }
 
     #[test]

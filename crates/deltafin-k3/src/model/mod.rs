@@ -20,6 +20,7 @@ pub mod attn_res;
 pub mod device_experts;
 pub mod dims;
 mod exec;
+pub(crate) mod finite;
 pub mod forward;
 pub mod kda;
 pub mod layer;

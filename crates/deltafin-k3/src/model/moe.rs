@@ -14,6 +14,7 @@
 
 use crate::model::ModelError;
 use crate::model::dims::ModelDims;
+use crate::model::finite;
 use crate::model::linear::{Linear, apply_group};
 pub use crate::model::moe_schedule::{ExpertSchedule, validate_expert};
 use crate::model::router::RouterWeights;
@@ -138,11 +139,53 @@ impl MoeWeights {
         let Ok([mut out, sh]) = <[Vec<f32>; 2]>::try_from(outs) else {
             unreachable!("apply_group returns one result per product")
         };
-        for (o, s) in out.iter_mut().zip(&sh) {
-            *o += s;
+        if !finite::add_checked(&mut out, &sh) {
+            let site = fault_site(layer, y, &xl, &routes, &h, &shared);
+            return Err(ModelError::NonFinite { site });
         }
         Ok(out)
     }
+}
+
+/// Where a non-finite MoE output of layer `layer` first appeared, in the order the values
+/// were computed: its input, the latent down-projection, the router weights, the first
+/// routed expert (token, then route order) whose output is not finite, the shared experts;
+/// else the latent norm and up-projection. Only called on failure.
+fn fault_site(
+    layer: usize,
+    y: &[f32],
+    xl: &[f32],
+    routes: &[crate::model::router::Route],
+    h: &crate::model::moe_schedule::ExpertRows,
+    shared: &[f32],
+) -> String {
+    let w = format!("model.layers.{layer}.block_sparse_moe");
+    if !finite::all_finite(y) {
+        return format!(
+            "layer {layer}'s MoE input (model.layers.{layer}.post_attention_layernorm.weight or mlp_res)"
+        );
+    }
+    if !finite::all_finite(xl) {
+        return format!("layer {layer}'s latent down-projection ({w}.routed_expert_down_proj)");
+    }
+    for (ti, route) in routes.iter().enumerate() {
+        if !finite::all_finite(&route.weights) {
+            return format!("layer {layer}'s router weights ({w}.gate)");
+        }
+        for (slot, &e) in route.ids.iter().enumerate() {
+            if !finite::all_finite(h.row(ti, slot)) {
+                return format!(
+                    "the output of routed expert {e} of layer {layer} (its MXFP4 weights or E8M0 scales)"
+                );
+            }
+        }
+    }
+    if !finite::all_finite(shared) {
+        return format!("layer {layer}'s shared experts ({w}.shared_experts)");
+    }
+    format!(
+        "layer {layer}'s routed-expert norm or up-projection ({w}.routed_expert_norm, routed_expert_up_proj)"
+    )
 }
 
 /// One expert over `n` gathered latent rows `x`: `W2 · SiTU(W1 x, W3 x)` per row,

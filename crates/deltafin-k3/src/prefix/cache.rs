@@ -94,6 +94,11 @@ impl PrefixCache {
         })
     }
 
+    /// Whether states also go to disk (the directory is writable).
+    pub fn has_disk(&self) -> bool {
+        self.disk.is_some()
+    }
+
     /// Whether either tier can hold anything.
     pub fn enabled(&self) -> bool {
         self.ram_budget > 0 || self.disk.is_some()

@@ -80,22 +80,9 @@ impl DiskTier {
     ) -> Result<DiskTier, String> {
         fs::create_dir_all(&dir)
             .map_err(|e| format!("cannot create the state cache {}: {e}", dir.display()))?;
-        // Leftovers of writes that never finished (older than an hour: not another
-        // process's write in progress).
-        if let Ok(rd) = fs::read_dir(&dir) {
-            for e in rd.flatten() {
-                let name = e.file_name();
-                let old = e
-                    .metadata()
-                    .and_then(|m| m.modified())
-                    .ok()
-                    .and_then(|t| t.elapsed().ok())
-                    .is_some_and(|a| a > Duration::from_secs(3600));
-                if name.to_string_lossy().starts_with(".tmp-") && old {
-                    let _ = fs::remove_file(e.path());
-                }
-            }
-        }
+        crate::weights::install::writable(&dir)
+            .map_err(|e| format!("cannot write the state cache {}: {e}", dir.display()))?;
+        sweep_temporaries(&dir);
         Ok(DiskTier {
             dir,
             budget,
@@ -166,7 +153,7 @@ impl DiskTier {
         }
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
         let tmp = self.dir.join(format!(
-            ".tmp-{}-{}-{n}",
+            "{TMP_PREFIX}{}-{}-{n}",
             hex::encode(&key[..8]),
             std::process::id()
         ));
@@ -190,20 +177,29 @@ impl DiskTier {
     }
 
     /// Remove the oldest entries (by modification time) until the directory holds at most
-    /// the budget; `keep` goes last.
+    /// the budget; `keep` goes last. Writes in progress (temporaries) count against the
+    /// budget but are not removed.
     fn evict(&self, keep: &Path) {
         let Ok(rd) = fs::read_dir(&self.dir) else {
             return;
         };
+        let mut in_progress = 0u64;
         let mut entries: Vec<(SystemTime, u64, PathBuf)> = rd
             .flatten()
-            .filter(|e| e.path().extension().is_some_and(|x| x == EXT))
             .filter_map(|e| {
                 let m = e.metadata().ok()?;
+                if e.file_name().to_string_lossy().starts_with(TMP_PREFIX) {
+                    in_progress += m.len();
+                    return None;
+                }
+                e.path()
+                    .extension()
+                    .is_some_and(|x| x == EXT)
+                    .then_some(())?;
                 Some((m.modified().ok()?, m.len(), e.path()))
             })
             .collect();
-        let mut total: u64 = entries.iter().map(|e| e.1).sum();
+        let mut total: u64 = entries.iter().map(|e| e.1).sum::<u64>() + in_progress;
         entries.sort_by_key(|e| (e.2 == keep, e.0));
         for (_, len, p) in entries {
             if total <= self.budget {
@@ -214,6 +210,53 @@ impl DiskTier {
             }
         }
     }
+}
+
+/// Prefix of a state being written (`.tmp-<key>-<pid>-<n>`), renamed to its final name
+/// once whole.
+const TMP_PREFIX: &str = ".tmp-";
+
+/// Remove the leftovers of writes that never finished: temporaries of a process that is no
+/// longer running (killed between writing a state and renaming it), and any older than an
+/// hour (a writer in another pid namespace). Another live process's write in progress is
+/// left alone.
+fn sweep_temporaries(dir: &Path) {
+    let Ok(rd) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(TMP_PREFIX)) else {
+            continue;
+        };
+        let writer = rest.split('-').nth(1).and_then(|p| p.parse::<u32>().ok());
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|a| a > Duration::from_secs(3600));
+        let orphan = match writer {
+            Some(pid) => pid == std::process::id() || !process_alive(pid),
+            None => true,
+        };
+        if orphan || old {
+            let _ = fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Whether a process with this id runs (on this machine's pid namespace).
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: kill(2) with signal 0 sends nothing; it only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 fn has_taps(path: &Path) -> bool {

@@ -29,11 +29,20 @@ fn ram_cache(model: &K3Model, bytes: u64) -> PrefixCache {
 type Warnings = Arc<Mutex<Vec<String>>>;
 
 fn disk_cache(model: &K3Model, dir: &std::path::Path, tag: &str) -> (PrefixCache, Warnings) {
+    disk_cache_of(model, dir, tag, 1 << 30)
+}
+
+fn disk_cache_of(
+    model: &K3Model,
+    dir: &std::path::Path,
+    tag: &str,
+    budget: u64,
+) -> (PrefixCache, Warnings) {
     let warnings: Warnings = Default::default();
     let w = warnings.clone();
     let config = CacheConfig {
         ram_bytes: 0,
-        disk: Some((dir.to_path_buf(), 1 << 30)),
+        disk: Some((dir.to_path_buf(), budget)),
     };
     let sink = Box::new(move |m: &str| w.lock().unwrap().push(m.to_string()));
     (
@@ -217,6 +226,78 @@ fn the_disk_tier_survives_a_restart_and_ignores_damage() {
     });
     damaged(&|b| b.truncate(b.len() - 100));
     damaged(&|b| b[3] = b'X');
+}
+
+/// The id of a process that ran and is gone (killed, then reaped).
+fn dead_pid() -> u32 {
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    pid
+}
+
+#[test]
+fn a_killed_writers_temporaries_are_swept_and_live_ones_count_in_the_budget() {
+    let (model, _) = random_model(16);
+    let dir = tempfile::tempdir().unwrap();
+    // A writer killed between writing a state and renaming it left its temporary; a live
+    // writer (a sleeping child standing for another process) has one in progress.
+    let orphan = dir
+        .path()
+        .join(format!(".tmp-00112233aabbccdd-{}-0", dead_pid()));
+    std::fs::write(&orphan, vec![7u8; 4096]).unwrap();
+    let mut live_writer = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let live = dir
+        .path()
+        .join(format!(".tmp-00112233aabbccdd-{}-0", live_writer.id()));
+    std::fs::write(&live, vec![7u8; 4096]).unwrap();
+    let p = prompt(9, 200);
+    let (cache, _) = disk_cache(&model, dir.path(), "tag-a");
+    assert!(
+        !orphan.exists(),
+        "the dead writer's temporary is swept at start"
+    );
+    assert!(live.exists(), "a live writer's temporary is left alone");
+    let got = Chunked::new(Some(&cache))
+        .prefill(&model, &p, None)
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.stored, 1);
+    let state_bytes: u64 = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "k3state"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(state_bytes > 0);
+    drop(cache);
+    // A budget that holds the state but not the state and the live temporary: the
+    // temporary counts, so nothing stays past the budget.
+    let dir2 = tempfile::tempdir().unwrap();
+    let live2 = dir2
+        .path()
+        .join(format!(".tmp-00112233aabbccdd-{}-1", live_writer.id()));
+    std::fs::write(&live2, vec![7u8; 4096]).unwrap();
+    let (cache, _) = disk_cache_of(&model, dir2.path(), "tag-a", state_bytes + 100);
+    Chunked::new(Some(&cache))
+        .prefill(&model, &p, None)
+        .unwrap()
+        .unwrap();
+    let held: u64 = std::fs::read_dir(dir2.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(held <= state_bytes + 100, "{held} bytes held");
+    live_writer.kill().unwrap();
+    live_writer.wait().unwrap();
 }
 
 #[test]

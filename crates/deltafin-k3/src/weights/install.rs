@@ -100,6 +100,21 @@ pub fn check_vocab(tokenizer: &Tokenizer, model: &K3Model) -> Result<(), Install
     Ok(())
 }
 
+/// `Ok` when this process may create files in the directory `dir` (`access(2)` with
+/// `W_OK`): a read-only file system (`EROFS`) or missing permission is the error. What
+/// deltafin keeps under `k3-meta/` (prefix states, expert heat, traces) needs it.
+pub fn writable(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: access(2) reads the NUL-terminated path and nothing else.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

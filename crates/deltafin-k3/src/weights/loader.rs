@@ -379,9 +379,9 @@ pub fn load_model(ckpt: Arc<Checkpoint>, opts: &EngineOptions) -> Result<K3Model
 pub use crate::weights::checkpoint::{EXPERT_DIR, expert_file_name};
 
 /// Every MoE layer's expert byte ranges. With a `k3-experts/` directory under the model root
-/// every expert is its own file (each must exist with exactly the expert's size); otherwise
-/// the ranges come from the shards via [`Checkpoint::expert_span`] (one table entry per
-/// distinct shard; an expert spanning shards is an error). In a stream install
+/// an expert is its own file there (a present one must have exactly the expert's size); the
+/// ranges of the others come from the shards via [`Checkpoint::expert_span`] (one table
+/// entry per distinct shard; an expert spanning shards is an error). In a stream install
 /// ([`Layout::StreamInstall`]) every expert is its own file too, but a file may be absent
 /// (fetched on demand, see [`stream_install_missing_experts`]); a present one must have the
 /// expert's exact size.
@@ -409,6 +409,12 @@ pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
                     Ok(m) => Some(m.len()),
                     Err(err) if err.kind() == std::io::ErrorKind::NotFound && stream_install => {
                         None
+                    }
+                    // A full install reads an expert `k3-experts/` lacks (it holds only the
+                    // experts `warm-expert-cache --fetch` made local) from its shard.
+                    Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                        locs.push(shard_location(ckpt, l, e, &mut files)?);
+                        continue;
                     }
                     Err(err) => {
                         return Err(CheckpointError::File {
@@ -443,18 +449,7 @@ pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
                 });
                 continue;
             }
-            let span = ckpt.expert_span(l, e)?;
-            let file = match files.iter().position(|p| *p == span.shard_path) {
-                Some(i) => i,
-                None => {
-                    files.push(span.shard_path.clone());
-                    files.len() - 1
-                }
-            };
-            locs.push(ExpertLocation {
-                file,
-                ranges: span.ranges,
-            });
+            locs.push(shard_location(ckpt, l, e, &mut files)?);
         }
         layers.push(Some(locs));
     }
@@ -465,6 +460,27 @@ pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
     };
     table.validate().map_err(ModelError::from)?;
     Ok(table)
+}
+
+/// Where expert `e` of layer `l` lies in its shard, adding the shard to `files` (once).
+fn shard_location(
+    ckpt: &Checkpoint,
+    l: usize,
+    e: usize,
+    files: &mut Vec<std::path::PathBuf>,
+) -> Result<ExpertLocation, LoadError> {
+    let span = ckpt.expert_span(l, e)?;
+    let file = match files.iter().position(|p| *p == span.shard_path) {
+        Some(i) => i,
+        None => {
+            files.push(span.shard_path.clone());
+            files.len() - 1
+        }
+    };
+    Ok(ExpertLocation {
+        file,
+        ranges: span.ranges,
+    })
 }
 
 /// The `(layer, expert)` pairs of a stream install whose `k3-experts/` file does not exist

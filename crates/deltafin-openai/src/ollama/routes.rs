@@ -6,7 +6,7 @@ use super::{API_VERSION, served, timestamp};
 use crate::MODEL_ID;
 use crate::error::{ApiError, json_response};
 use crate::ops::read_body;
-use crate::server::AppState;
+use crate::state::AppState;
 use axum::extract::Request;
 use axum::http::{Method, StatusCode};
 use axum::response::Response;

@@ -9,7 +9,6 @@
 //! warning, never served. On a read-only model root the store is in memory.
 
 use crate::error::ApiError;
-use crate::server::AppState;
 use axum::http::{Method, StatusCode};
 use axum::response::Response;
 use serde_json::{Value, json};
@@ -283,12 +282,16 @@ fn not_found(id: &str) -> ApiError {
 
 /// `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}`,
 /// `GET /v1/responses/{id}/input_items`; `rest` is the path after `/v1/responses/`.
-pub(crate) fn answer(state: &AppState, method: &Method, rest: &str) -> Result<Response, ApiError> {
+pub(crate) fn answer(
+    store: Option<&Store>,
+    method: &Method,
+    rest: &str,
+) -> Result<Response, ApiError> {
     let (id, tail) = match rest.split_once('/') {
         Some((id, tail)) => (id, Some(tail)),
         None => (rest, None),
     };
-    let Some(store) = state.store.as_deref() else {
+    let Some(store) = store else {
         return Err(ApiError {
             status: StatusCode::NOT_FOUND,
             ..ApiError::invalid(

@@ -199,6 +199,14 @@ impl Default for ChatOptions {
     }
 }
 
+/// How a [`ChatError::MarkerMismatch`] describes what the tokenizer has for `spelling`.
+fn marker_found(spelling: &str, found: Option<u32>) -> String {
+    match found {
+        Some(id) => format!("maps {spelling} to id {id}"),
+        None => format!("has no special token {spelling}"),
+    }
+}
+
 /// Errors from rendering or encoding a conversation.
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
@@ -238,8 +246,12 @@ pub enum ChatError {
         /// What is wrong.
         reason: String,
     },
-    /// The tokenizer's XTML marker ids differ from the K3 ids.
-    #[error("tokenizer has {spelling} at {found:?}, expected id {expected}")]
+    /// The tokenizer's XTML marker ids differ from the K3 ids: the install's
+    /// `tokenizer_config.json` is damaged (a fault of the install, not of the messages).
+    #[error(
+        "the install's tokenizer_config.json {}: chat needs it at id {expected}",
+        marker_found(spelling, *found)
+    )]
     MarkerMismatch {
         /// The marker spelling.
         spelling: &'static str,

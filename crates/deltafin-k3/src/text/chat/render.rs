@@ -343,6 +343,15 @@ pub fn encode_chat(
     messages: &[ChatMessage],
     opts: &ChatOptions,
 ) -> Result<Vec<u32>, ChatError> {
+    check_chat_markers(tok)?;
+    let segments = render_segments(messages, opts)?;
+    Ok(encode_segments(tok, &segments))
+}
+
+/// Whether the tokenizer has K3's XTML markers at K3's ids (the install's
+/// `tokenizer_config.json` names them): chat rendering needs them, and an install whose file
+/// was edited or damaged fails here ([`ChatError::MarkerMismatch`]), whatever the messages.
+pub fn check_chat_markers(tok: &Tokenizer) -> Result<(), ChatError> {
     for (spelling, expected) in [
         ("<|open|>", tokenizer::OPEN),
         ("<|close|>", tokenizer::CLOSE),
@@ -358,8 +367,7 @@ pub fn encode_chat(
             });
         }
     }
-    let segments = render_segments(messages, opts)?;
-    Ok(encode_segments(tok, &segments))
+    Ok(())
 }
 
 /// An upper bound on the length of [`encode_segments`]`(segments)` that needs no tokenizer:

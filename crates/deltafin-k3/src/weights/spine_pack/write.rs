@@ -206,10 +206,38 @@ pub struct WrittenPack {
     pub file_bytes: u64,
 }
 
+/// `path.part`: where a pack is written before it is renamed into place.
+fn part_of(path: &Path) -> PathBuf {
+    let mut part = path.as_os_str().to_owned();
+    part.push(".part");
+    PathBuf::from(part)
+}
+
 /// Write the pack of `sources` to `path` (through `path.part`, synced, renamed into place).
-/// `progress` receives the source bytes written since its last call.
+/// `progress` receives the source bytes written since its last call. A write that fails (a
+/// full disk) removes its `.part`, which would only hold on to the space.
 #[allow(clippy::too_many_arguments)]
 pub fn write_pack(
+    path: &Path,
+    format: SpineFormat,
+    id: PackId,
+    layers: usize,
+    model: [u8; 32],
+    sources: &[PackSource],
+    chunk_size: u64,
+    progress: &mut dyn FnMut(u64),
+) -> Result<WrittenPack, PackError> {
+    let written = write_pack_part(
+        path, format, id, layers, model, sources, chunk_size, progress,
+    );
+    if written.is_err() {
+        let _ = std::fs::remove_file(part_of(path));
+    }
+    written
+}
+
+#[allow(clippy::too_many_arguments)]
+fn write_pack_part(
     path: &Path,
     format: SpineFormat,
     id: PackId,
@@ -231,9 +259,7 @@ pub fn write_pack(
         inventory: inventory_digest(sources),
         layout: sha(layout_schema(format).as_bytes()),
     };
-    let mut part = path.as_os_str().to_owned();
-    part.push(".part");
-    let part = PathBuf::from(part);
+    let part = part_of(path);
     let file = OpenOptions::new()
         .create(true)
         .write(true)
