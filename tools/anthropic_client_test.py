@@ -152,6 +152,104 @@ def main():
     check(all(b.type == "text" for b in answer.content), f"answer {answer.content}")
     check(answer.usage.input_tokens > call.usage.input_tokens, "the call and its result are rendered")
 
+    # Without `thinking` there is no thinking (Anthropic's default), whatever the server's effort.
+    check("thinking" not in [b.type for b in m.content], f"no thinking asked, got {blocks(m)}")
+
+    # What Claude Code sends on every turn (docs/AGENTS.md): its betas, the billing block,
+    # adaptive thinking with the display omitted, context management that keeps every thinking
+    # block, an effort, a system message after the first user turn, a deferred tool, metadata.
+    betas = [
+        "claude-code-20250219",
+        "interleaved-thinking-2025-05-14",
+        "context-management-2025-06-27",
+        "advanced-tool-use-2025-11-20",
+        "effort-2025-11-24",
+    ]
+    billing = "x-anthropic-billing-header: cc_version=2.1.0.{}; cc_entrypoint=sdk-cli;"
+    agent = dict(
+        model=MODEL,
+        max_tokens=8,
+        betas=betas,
+        system=[
+            {"type": "text", "text": billing.format("a1")},
+            {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
+        ],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Say hello", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": "Environment: a test."},
+        ],
+        tools=tools
+        + [
+            {
+                "name": "Later",
+                "description": "A deferred tool.",
+                "input_schema": {"type": "object", "properties": {}},
+                "defer_loading": True,
+            }
+        ],
+        thinking={"type": "adaptive", "display": "omitted"},
+        metadata={"user_id": "device-1"},
+        extra_body={
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"},
+        },
+    )
+    a1 = client.beta.messages.create(**agent)
+    check(a1.stop_reason in ("end_turn", "max_tokens", "tool_use"), f"agent turn {a1.stop_reason}")
+    for b in a1.content:
+        if b.type == "thinking":
+            check(b.thinking == "" and b.signature, f"display omitted: {b}")
+    # The billing block changes every session: it is kept out of the prompt.
+    other = dict(agent, system=[{"type": "text", "text": billing.format("b2")}, agent["system"][1]])
+    a2 = client.beta.messages.create(**other)
+    check(a2.usage.input_tokens == a1.usage.input_tokens, "the billing block is not in the prompt")
+    check(blocks(a2) == blocks(a1), "the billing block changes no answer")
+    # count_tokens counts the prompt the same request would prefill.
+    n = client.beta.messages.count_tokens(
+        model=MODEL,
+        betas=betas,
+        system=agent["system"],
+        messages=agent["messages"],
+        tools=agent["tools"],
+        thinking=agent["thinking"],
+        extra_body=agent["extra_body"],
+    )
+    check(n.input_tokens == a1.usage.input_tokens, f"count_tokens {n.input_tokens} != {a1.usage.input_tokens}")
+    plain = client.messages.count_tokens(model=MODEL, messages=msgs)
+    check(plain.input_tokens == m.usage.input_tokens, f"count_tokens {plain.input_tokens} != {m.usage.input_tokens}")
+    # A deferred tool is not in the prompt until a tool_reference in a tool result loads it:
+    # then its definition is rendered there.
+    def loading(result):
+        return dict(
+            agent,
+            messages=[
+                {"role": "user", "content": "Load the tool"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "toolu_ts", "name": "get_weather", "input": {"unit": "celsius"}}],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_ts", "content": result}]},
+            ],
+            thinking={"type": "disabled"},
+            extra_body={},
+        )
+
+    loaded = client.beta.messages.create(**loading([{"type": "tool_reference", "tool_name": "Later"}]))
+    unloaded = client.beta.messages.create(**loading("none"))
+    check(loaded.usage.input_tokens > unloaded.usage.input_tokens + 10, "a tool_reference renders the definition")
+    counted = client.beta.messages.count_tokens(
+        **{k: v for k, v in loading([{"type": "tool_reference", "tool_name": "Later"}]).items() if k != "max_tokens" and k != "metadata"}
+    )
+    check(counted.input_tokens == loaded.usage.input_tokens, "count_tokens with a tool_reference")
+    # An effort with thinking off is refused naming what was sent.
+    expect_bad_request(
+        lambda: client.messages.create(
+            model=MODEL, max_tokens=4, messages=msgs, thinking={"type": "disabled"}, extra_body={"output_config": {"effort": "max"}}
+        ),
+        "output_config.effort",
+        "effort without thinking",
+    )
+
     # Refusals.
     expect_bad_request(
         # Anthropic's temperature range is 0..1 (sent raw: current clients no longer take it).

@@ -205,6 +205,29 @@ def main():
         lambda: client.completions.create(model="gpt-4", prompt="x"), "unavailable", "model"
     )
 
+    # Fields agents and proxies send on chat completions (docs/AGENTS.md): vLLM's thinking
+    # switch, the effort names of the other endpoints, cache and user identification.
+    plain = client.chat.completions.create(model=MODEL, messages=chat_msgs, max_tokens=6, reasoning_effort="none")
+    switched = client.chat.completions.create(
+        model=MODEL,
+        messages=chat_msgs,
+        max_tokens=6,
+        extra_body={"chat_template_kwargs": {"thinking": False}, "prompt_cache_key": "thread-1", "safety_identifier": "u1"},
+    )
+    check(
+        switched.choices[0].message.content == plain.choices[0].message.content,
+        "chat_template_kwargs thinking=false is reasoning_effort none",
+    )
+    xhigh = client.chat.completions.create(model=MODEL, messages=chat_msgs, max_tokens=6, reasoning_effort="xhigh")
+    check(xhigh.choices[0].finish_reason in ("stop", "length"), "reasoning_effort xhigh")
+    expect_bad_request(
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=chat_msgs, max_tokens=6, extra_body={"chat_template_kwargs": {"add_vision_id": True}}
+        ),
+        "add_vision_id",
+        "unknown template switch",
+    )
+
     # 429 under contention (queue 0): hold the slot with a long stream.
     held = client.chat.completions.create(model=MODEL, messages=chat_msgs, max_tokens=1000000, stream=True)
     it = iter(held)

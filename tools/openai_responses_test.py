@@ -178,20 +178,133 @@ def main():
     check(js.status == "completed", f"json_schema status {js.status}")
     check(isinstance(json.loads(js.output_text)["ok"], bool), f"json_schema {js.output_text!r}")
 
+    # What Codex CLI sends on every turn (docs/AGENTS.md): the base prompt as a developer item,
+    # item ids it made up, function tools, a namespace of tools, the hosted web search it sends
+    # by default, reasoning with a summary, store off, the encrypted reasoning, a cache key and
+    # client metadata.
+    exec_tool = {
+        "type": "function",
+        "name": "exec_command",
+        "description": "Run a command.",
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {"cmd": {"type": "string"}},
+            "required": ["cmd"],
+            "additionalProperties": False,
+        },
+    }
+    namespace = {
+        "type": "namespace",
+        "name": "agents",
+        "description": "Sub-agents.",
+        "tools": [
+            {
+                "type": "function",
+                "name": "close_agent",
+                "description": "Close an agent.",
+                "strict": False,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"target": {"type": "string", "enum": ["a1", "a2"]}},
+                    "required": ["target"],
+                    "additionalProperties": False,
+                },
+            }
+        ],
+    }
+    turn1 = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+        {"type": "message", "id": "msg_c1", "role": "user", "content": [{"type": "input_text", "text": "say hi"}]},
+    ]
+    codex = dict(
+        model=MODEL,
+        tools=[exec_tool, namespace, {"type": "web_search", "external_web_access": False}],
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        reasoning={"effort": "low", "summary": "auto"},
+        store=False,
+        include=["reasoning.encrypted_content"],
+        prompt_cache_key="thread-1",
+        max_output_tokens=24,
+        extra_body={"client_metadata": {"x-codex-installation-id": "test"}},
+    )
+    c1 = client.responses.create(input=turn1, **codex)
+    check(c1.status in ("completed", "incomplete"), f"codex turn {c1.status}")
+    for item in c1.output:
+        if item.type == "reasoning":
+            check(bool(item.encrypted_content), f"encrypted reasoning {item}")
+    # Turn 2 sends turn 1's output back as Codex does (reasoning with its encrypted content):
+    # the prompt is turn 1's prompt, its answer and the new message, so a changed byte of the
+    # encrypted content is refused rather than misread.
+    back = [i.model_dump(exclude_none=True) for i in c1.output]
+    turn2 = turn1 + back + [
+        {"type": "message", "id": "msg_c2", "role": "user", "content": [{"type": "input_text", "text": "again"}]}
+    ]
+    c2 = client.responses.create(input=turn2, **codex)
+    check(c2.usage.input_tokens > c1.usage.input_tokens, "turn 2 renders turn 1")
+    for item in back:
+        if item.get("type") == "reasoning" and item.get("encrypted_content"):
+            item["encrypted_content"] = item["encrypted_content"][:-4] + "AAAA"
+            expect_bad_request(lambda: client.responses.create(input=turn2, **codex), "encrypted_content", "tampered")
+    # A call of a namespaced tool comes back with its namespace (how Codex dispatches it).
+    call = client.responses.create(
+        input=turn1, **dict(codex, tool_choice={"type": "function", "name": "close_agent"}, reasoning={"effort": "none"})
+    )
+    calls = [i for i in call.output if i.type == "function_call"]
+    check(len(calls) == 1 and calls[0].name == "close_agent", f"namespaced call {call.output}")
+    check(calls[0].model_dump().get("namespace") == "agents", f"namespace {calls[0].model_dump()}")
+    # The web search tool is not offered to the model (there is no search backend) and
+    # forcing it is refused.
+    expect_bad_request(
+        lambda: client.responses.create(input=turn1, **dict(codex, tool_choice={"type": "web_search"})),
+        "web_search",
+        "forced web search",
+    )
+
+    # Stored responses: continue with previous_response_id, read back, list the input, delete.
+    first = client.responses.create(
+        model=MODEL, input="Say hello", max_output_tokens=8, store=True, reasoning={"effort": "none"}
+    )
+    got = client.responses.retrieve(first.id)
+    check(got.id == first.id and items(got) == items(first), "retrieve")
+    listed = client.responses.input_items.list(first.id)
+    check(len(listed.data) == 1, f"input items {listed.data}")
+    nxt = client.responses.create(
+        model=MODEL, input="More", previous_response_id=first.id, max_output_tokens=8, reasoning={"effort": "none"}
+    )
+    same = client.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": "Say hello"}]
+        + [i.model_dump(exclude_none=True) for i in first.output]
+        + [{"role": "user", "content": "More"}],
+        max_output_tokens=8,
+        reasoning={"effort": "none"},
+        store=False,
+    )
+    check(nxt.usage.input_tokens == same.usage.input_tokens, "previous_response_id is the history")
+    check(items(nxt) == items(same), "previous_response_id answers as the history does")
+    deleted = client.responses.delete(first.id)
+    check(deleted is None or True, "delete")
+    try:
+        client.responses.retrieve(first.id)
+        raise AssertionError("a deleted response was found")
+    except openai.NotFoundError:
+        check(True, "deleted")
+
     # Refusals.
     expect_bad_request(
-        lambda: client.responses.create(model=MODEL, input="x", previous_response_id="resp_1"),
-        "previous_response_id",
-        "previous_response_id",
+        lambda: client.responses.create(model=MODEL, input="x", background=True),
+        "background",
+        "background",
     )
-    expect_bad_request(lambda: client.responses.create(model=MODEL, input="x", store=True), "store", "store")
     expect_bad_request(
         lambda: client.responses.create(model=MODEL, input="x", temperature=2.5), "0..=2", "temperature"
     )
     expect_bad_request(
-        lambda: client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}]),
-        "`web_search` is not implemented",
-        "server tools",
+        lambda: client.responses.create(model=MODEL, input="x", tools=[{"type": "file_search", "vector_store_ids": ["v"]}]),
+        "file_search",
+        "hosted tools",
     )
     expect_bad_request(
         lambda: client.responses.create(

@@ -56,6 +56,7 @@ async fn prepare(
     };
     let (gen_req, front) = front::parse(api, &json, &cx)?;
     drop(json);
+    let engine_context = engine.max_context;
     let engine = engine.clone();
     let (req, prompt) = tokio::task::spawn_blocking(move || {
         let ids = engine.encode(&gen_req, api.prompt_param());
@@ -68,11 +69,14 @@ async fn prepare(
     let mut req = req;
     if let Some(limit) = front.context_limit() {
         if prompt.len() > limit {
-            return Err(ApiError::context_length(
-                api.prompt_param(),
-                prompt.len(),
-                limit,
-            ));
+            return Err(ApiError {
+                message: format!(
+                    "the prompt is {} tokens long but this request allows {limit} positions of context (`options.num_ctx`); raise `num_ctx` or leave it out (the server admits {} positions)",
+                    prompt.len(),
+                    engine_context
+                ),
+                ..ApiError::context_length(api.prompt_param(), prompt.len(), limit)
+            });
         }
         req.max_new = req.max_new.min(limit + 1 - prompt.len());
     }

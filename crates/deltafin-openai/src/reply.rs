@@ -98,15 +98,108 @@ pub fn assemble_tool_calls(pieces: &[ToolCallDelta]) -> Vec<ToolCall> {
 
 /// The arguments of a finished call as the JSON object they must be (blank means `{}`).
 pub fn arguments_object(call: &ToolCall) -> Result<Value, ApiError> {
+    arguments_object_of(call, false)
+}
+
+/// [`arguments_object`], where `cut` says the answer ended by its token budget: a call the
+/// budget cut off is its arguments as far as they were complete (the members and elements
+/// that ended before the cut), as Anthropic's and Ollama's clients rebuild a streamed call
+/// that was cut; `{}` when none ended.
+pub fn arguments_object_of(call: &ToolCall, cut: bool) -> Result<Value, ApiError> {
     if call.arguments.trim().is_empty() {
         return Ok(Value::Object(Default::default()));
     }
     match serde_json::from_str::<Value>(&call.arguments) {
         Ok(v @ Value::Object(_)) => Ok(v),
+        Err(_) if cut => {
+            Ok(complete_prefix(&call.arguments)
+                .unwrap_or_else(|| Value::Object(Default::default())))
+        }
         _ => Err(ApiError::server(format!(
             "the model's call of `{}` has arguments that are not a JSON object: {}",
             call.name, call.arguments
         ))),
+    }
+}
+
+/// The longest prefix of the cut JSON object `text` that ends after a complete member or
+/// element, closed: `{"a":1,"b":"x` → `{"a":1}`. `None` when `text` does not open an object.
+fn complete_prefix(text: &str) -> Option<Value> {
+    let text = text.trim_start();
+    if !text.starts_with('{') {
+        return None;
+    }
+    // Open containers; the last point after which the text is complete, with the closers it
+    // needs there.
+    let mut open: Vec<u8> = Vec::new();
+    let mut best: Option<(usize, String)> = None;
+    let closers = |open: &[u8]| -> String {
+        open.iter()
+            .rev()
+            .map(|&c| if c == b'{' { '}' } else { ']' })
+            .collect()
+    };
+    // Whether the string being read is a member's key (then its end completes nothing).
+    let mut key_next = false;
+    let mut is_key = false;
+    let mut in_string = false;
+    let mut escaped = false;
+    let mut scalar = false;
+    let bytes = text.as_bytes();
+    for (i, &b) in bytes.iter().enumerate() {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+                if !is_key {
+                    best = Some((i + 1, closers(&open)));
+                }
+            }
+            continue;
+        }
+        if scalar && !(b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'+')) {
+            scalar = false;
+            best = Some((i, closers(&open)));
+        }
+        match b {
+            b'"' => {
+                in_string = true;
+                is_key = key_next;
+                key_next = false;
+            }
+            b'{' => {
+                open.push(b);
+                key_next = true;
+                best = Some((i + 1, closers(&open)));
+            }
+            b'[' => {
+                open.push(b);
+                best = Some((i + 1, closers(&open)));
+            }
+            b'}' | b']' => {
+                open.pop();
+                best = Some((i + 1, closers(&open)));
+                if open.is_empty() {
+                    break;
+                }
+            }
+            b',' => key_next = open.last() == Some(&b'{'),
+            b':' | b' ' | b'\n' | b'\r' | b'\t' => {}
+            _ => scalar = true,
+        }
+    }
+    let (end, close) = best?;
+    let mut fixed = text[..end].trim_end().to_string();
+    if fixed.ends_with(',') {
+        fixed.pop();
+    }
+    fixed.push_str(&close);
+    match serde_json::from_str::<Value>(&fixed) {
+        Ok(v @ Value::Object(_)) => Some(v),
+        _ => None,
     }
 }
 
@@ -154,6 +247,39 @@ mod tests {
         assert!(e.message.contains("not a JSON object"), "{e}");
         c.arguments = "{\"a\"".into();
         assert!(arguments_object(&c).is_err());
+    }
+
+    #[test]
+    fn a_cut_call_keeps_what_was_complete() {
+        let cut = |args: &str| {
+            let c = ToolCall {
+                name: "f".into(),
+                arguments: args.into(),
+                ..Default::default()
+            };
+            arguments_object_of(&c, true).unwrap()
+        };
+        assert_eq!(cut("{\"a\":1,\"b\":\"x"), json!({"a": 1}));
+        assert_eq!(
+            cut("{\"unit\":\"celsius\",\"-\":false,\"\\rif"),
+            json!({"unit": "celsius", "-": false})
+        );
+        assert_eq!(cut("{\"a\":[1,2,{\"b\":tr"), json!({"a": [1, 2, {}]}));
+        assert_eq!(
+            cut("{\"a\":{\"b\":\"}\\\"\",\"c\":"),
+            json!({"a": {"b": "}\""}})
+        );
+        assert_eq!(cut("{\"a\":12"), json!({}));
+        assert_eq!(cut("{\"a"), json!({}));
+        assert_eq!(cut("[1,2"), json!({}));
+        assert_eq!(cut("{\"a\":1} trailing"), json!({"a": 1}));
+        // Not cut: still an error.
+        let c = ToolCall {
+            name: "f".into(),
+            arguments: "{\"a\":1,".into(),
+            ..Default::default()
+        };
+        assert!(arguments_object_of(&c, false).is_err());
     }
 
     #[test]

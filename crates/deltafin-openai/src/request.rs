@@ -205,9 +205,21 @@ pub fn within_server_limit(param: &str, asked: u64, limits: &Limits) -> Result<u
         _ => Err(ApiError::invalid_param(
             param,
             format!(
-                "`{param}` {asked} is above this server's limit of {max} tokens per answer (`deltafin serve --max-tokens {max}`); ask for at most {max} (Claude Code: CLAUDE_CODE_MAX_OUTPUT_TOKENS={max})"
+                "`{param}` {asked} is above this server's limit of {max} tokens per answer (`deltafin serve --max-tokens {max}`); ask for at most {max}{}",
+                client_setting(param, max)
             ),
         )),
+    }
+}
+
+/// The setting of the agent that sends `param` that lowers it to `max` (docs/AGENTS.md).
+fn client_setting(param: &str, max: usize) -> String {
+    match param {
+        "max_tokens" => format!(
+            " (Claude Code: CLAUDE_CODE_MAX_OUTPUT_TOKENS={max}; opencode: the model's `limit.output`)"
+        ),
+        "options.num_predict" => format!(" (`num_predict` {max} or -1)"),
+        _ => String::new(),
     }
 }
 

@@ -566,7 +566,7 @@ fn ollama_num_ctx_bounds_the_request() {
         r.json()["error"]
             .as_str()
             .unwrap()
-            .contains("admits 4 positions")
+            .contains("allows 4 positions of context (`options.num_ctx`)")
     );
     let one = post("/api/chat", &body(100_000)).json();
     let prompt = one["prompt_eval_count"].as_u64().unwrap();

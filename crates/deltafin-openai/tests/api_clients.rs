@@ -1,9 +1,10 @@
 //! The official Python clients against a running server: `anthropic` on `/v1/messages`
-//! (tools/anthropic_client_test.py) and `openai` on `/v1/responses`
-//! (tools/openai_responses_test.py). Python comes from `DELTAFIN_TEST_PYTHON`, else
+//! (tools/anthropic_client_test.py), `openai` on `/v1/responses`
+//! (tools/openai_responses_test.py) and `ollama` on the Ollama API
+//! (tools/ollama_client_test.py). Python comes from `DELTAFIN_TEST_PYTHON`, else
 //! `python3`; a package that cannot be imported prints a SKIP line, unless its switch
-//! (`DELTAFIN_REQUIRE_ANTHROPIC=1`, `DELTAFIN_REQUIRE_OPENAI=1`, both set by `.ci/run`, which
-//! installs the pinned packages) makes that a failure.
+//! (`DELTAFIN_REQUIRE_ANTHROPIC=1`, `DELTAFIN_REQUIRE_OPENAI=1`, `DELTAFIN_REQUIRE_OLLAMA=1`,
+//! all set by `.ci/run`, which installs the pinned packages) makes that a failure.
 
 mod common;
 
@@ -29,11 +30,11 @@ fn run_client(test: &str, package: &str, pin: &str, switch: &str, script: &str, 
         );
         return;
     }
-    // A low ceiling keeps requests that must ask for many tokens (a thinking budget of
-    // 1024 needs `max_tokens` above it) fast on the tiny model.
+    // A thinking budget of 1024 needs `max_tokens` above it, and a budget above the server's
+    // ceiling is refused: the ceiling admits it.
     let s = TestServer::start(ServerConfig {
         queue: 4,
-        max_tokens: 64,
+        max_tokens: 2048,
         ..any_port()
     });
     s.wait_ready();
@@ -83,5 +84,17 @@ fn official_openai_client_on_responses() {
         "DELTAFIN_REQUIRE_OPENAI",
         "openai_responses_test.py",
         "/v1",
+    );
+}
+
+#[test]
+fn official_ollama_client_on_the_ollama_api() {
+    run_client(
+        "official_ollama_client_on_the_ollama_api",
+        "ollama",
+        "0.6.1",
+        "DELTAFIN_REQUIRE_OLLAMA",
+        "ollama_client_test.py",
+        "",
     );
 }

@@ -14,7 +14,7 @@ use crate::engine::{FinishReason, Usage};
 use crate::error::ApiError;
 use crate::output::{Delta, ToolCallDelta};
 use crate::reply::{
-    Reply, ReplyContext, ToolCall, arguments_object, assemble_tool_calls, sse_event,
+    Reply, ReplyContext, ToolCall, arguments_object_of, assemble_tool_calls, sse_event,
 };
 use crate::seal::Sealer;
 use serde_json::{Value, json};
@@ -172,7 +172,7 @@ impl Reply for MessagesReply {
                 ref name,
                 ..
             } = call;
-            let input = arguments_object(&call)?;
+            let input = arguments_object_of(&call, finish == FinishReason::Length)?;
             content.push(json!({"type": "tool_use", "id": self.tool_id(index, id.as_deref()), "name": name, "input": input}));
         }
         let (reason, seq) = self.stop(finish, usage);

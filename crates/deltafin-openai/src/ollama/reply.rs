@@ -8,7 +8,7 @@ use super::{OllamaMeta, timestamp};
 use crate::engine::{FinishReason, Usage};
 use crate::error::ApiError;
 use crate::output::Delta;
-use crate::reply::{Reply, ReplyContext, arguments_object, assemble_tool_calls};
+use crate::reply::{Reply, ReplyContext, arguments_object_of, assemble_tool_calls};
 use serde_json::{Value, json};
 use std::time::{Instant, SystemTime};
 
@@ -65,14 +65,15 @@ impl OllamaReply {
         v
     }
 
-    fn tool_calls(&self, all: &Delta) -> Result<Option<Vec<Value>>, ApiError> {
+    /// The answer's calls; `cut`: the answer ended by its token budget.
+    fn tool_calls(&self, all: &Delta, cut: bool) -> Result<Option<Vec<Value>>, ApiError> {
         let calls = assemble_tool_calls(&all.tool_calls);
         if calls.is_empty() {
             return Ok(None);
         }
         let mut out = Vec::with_capacity(calls.len());
         for c in &calls {
-            let mut call = json!({"function": {"index": c.index, "name": c.name, "arguments": arguments_object(c)?}});
+            let mut call = json!({"function": {"index": c.index, "name": c.name, "arguments": arguments_object_of(c, cut)?}});
             if let Some(id) = &c.id {
                 call["id"] = Value::from(id.as_str());
             }
@@ -101,7 +102,7 @@ impl OllamaReply {
 
 impl Reply for OllamaReply {
     fn body(&mut self, all: Delta, finish: FinishReason, usage: &Usage) -> Result<Value, ApiError> {
-        let calls = self.tool_calls(&all)?;
+        let calls = self.tool_calls(&all, finish == FinishReason::Length)?;
         let mut v = self.object(&all.reasoning, &all.content, calls);
         self.finish(&mut v, finish, usage);
         Ok(v)
@@ -137,7 +138,7 @@ impl Reply for OllamaReply {
 
     fn done(&mut self, finish: FinishReason, usage: &Usage) -> Vec<String> {
         let mut out = Vec::new();
-        match self.tool_calls(&self.calls) {
+        match self.tool_calls(&self.calls, finish == FinishReason::Length) {
             Ok(Some(calls)) => out.push(Self::line(&self.object("", "", Some(calls)))),
             Ok(None) => {}
             Err(e) => return self.failed(&e),

@@ -349,7 +349,10 @@ fn refusals(obj: &Map<String, Value>) -> Result<bool, ApiError> {
         ));
     }
     if get("background").is_some_and(|v| v != &Value::Bool(false)) {
-        return Err(bad("background", "`background: true` is not implemented"));
+        return Err(bad(
+            "background",
+            "`background: true` is not implemented: deltafin answers in the request that asks (stream it to see progress); leave `background` out",
+        ));
     }
     if get("top_logprobs").is_some_and(|v| v.as_u64() != Some(0)) {
         return Err(bad(
@@ -718,11 +721,22 @@ fn tool_choice(
             }
         },
         Some(Value::Object(c)) => {
-            if c.get("type").and_then(Value::as_str) != Some("function") {
-                return Err(bad(
-                    "tool_choice",
-                    "`tool_choice` objects other than {\"type\":\"function\",\"name\":…} are not implemented",
-                ));
+            match c.get("type").and_then(Value::as_str) {
+                Some("function") => {}
+                Some(hosted @ ("web_search" | "web_search_preview")) => {
+                    return Err(bad(
+                        "tool_choice",
+                        format!(
+                            "`tool_choice` {{\"type\":\"{hosted}\"}} cannot be honoured: deltafin has no search backend, so the `{hosted}` tool is never offered to the model; use \"auto\" (Codex CLI: `web_search = \"disabled\"` stops sending the tool)"
+                        ),
+                    ));
+                }
+                _ => {
+                    return Err(bad(
+                        "tool_choice",
+                        "`tool_choice` objects other than {\"type\":\"function\",\"name\":…} are not implemented",
+                    ));
+                }
             }
             only_keys(c, &["type", "name"], "tool_choice", "`tool_choice`")?;
             let name = c.get("name").and_then(Value::as_str).unwrap_or_default();
