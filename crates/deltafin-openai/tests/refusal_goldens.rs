@@ -45,9 +45,7 @@ fn each_refusal_says_what_to_change() {
         if bless {
             case["status"] = Value::from(r.status);
             case["message"] = Value::from(got);
-        } else if case["status"] != Value::from(r.status)
-            || case["message"] != Value::from(got.as_str())
-        {
+        } else if case["status"] != r.status || case["message"] != got.as_str() {
             wrong.push(format!(
                 "{what}:\n  expected {} {}\n  got      {} {got:?}",
                 case["status"], case["message"], r.status

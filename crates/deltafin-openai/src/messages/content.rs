@@ -28,6 +28,8 @@ pub struct Convert<'a> {
     /// Tools declared with `defer_loading: true` (name → the declaration), loaded into the
     /// conversation where a `tool_reference` block names them.
     pub deferred: &'a HashMap<String, Value>,
+    /// The names of the tools declared up front (a reference to one adds nothing).
+    pub declared: &'a [String],
 }
 
 /// The chat messages of `system` (absent, a string or text blocks) and `messages`.
@@ -39,6 +41,7 @@ pub fn convert(
     let mut b = Builder {
         sealer: Some(cx.sealer),
         deferred: Some(cx.deferred),
+        declared: cx.declared,
         ..Builder::default()
     };
     if let Some(system) = system {
@@ -150,6 +153,8 @@ enum Added {
 struct Builder<'a> {
     sealer: Option<&'a Sealer>,
     deferred: Option<&'a HashMap<String, Value>>,
+    /// The tools declared up front.
+    declared: &'a [String],
     /// Deferred tools already loaded (each is declared once).
     loaded: Vec<String>,
     out: Vec<ChatMessage>,
@@ -319,12 +324,15 @@ impl Builder<'_> {
     fn load_tools(&mut self, names: &[String], p: &str) -> Result<(), ApiError> {
         let mut tools = Vec::new();
         for name in names {
+            if self.declared.contains(name) {
+                // Declared up front: it is in the prompt already, so adding it again asks
+                // for nothing.
+                continue;
+            }
             let tool = self.deferred.and_then(|d| d.get(name)).ok_or_else(|| {
                 bad(
                     p,
-                    format!(
-                        "tool {name:?} is not one of the request's tools with `defer_loading: true`"
-                    ),
+                    format!("tool {name:?} is not one of the request's `tools`"),
                 )
             })?;
             if !self.loaded.contains(name) {
@@ -628,6 +636,7 @@ mod tests {
         let cx = Convert {
             sealer: &sealer,
             deferred: &deferred,
+            declared: &[],
         };
         convert(system.as_ref(), msgs.as_array().unwrap(), &cx)
     }

@@ -219,9 +219,14 @@ fn parse_body(
         Some(Value::Array(items)) if !items.is_empty() => items,
         _ => return Err(bad("messages", "`messages` must be a non-empty JSON array")),
     };
+    let declared: Vec<String> = tools
+        .iter()
+        .filter_map(|t| t["function"]["name"].as_str().map(str::to_string))
+        .collect();
     let cx = content::Convert {
         sealer,
         deferred: &deferred,
+        declared: &declared,
     };
     let mut messages = content::convert(get("system"), messages, &cx)?;
     let applied_edits = edits.apply(&mut messages);

@@ -416,7 +416,21 @@ fn mid_conversation_tool_changes() {
         json!([{"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Nope"}}]),
     )
     .unwrap_err();
-    assert!(e.message.contains("defer_loading"), "{e}");
+    assert!(
+        e.message.contains("is not one of the request's `tools`"),
+        "{e}"
+    );
+    // Adding a tool that was declared up front adds nothing: the prompt is the one without
+    // the block.
+    let (with, _) = with_system(
+        json!([{"type": "text", "text": "Read is here."}, {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Read"}}]),
+    )
+    .unwrap();
+    let (without, _) = with_system(json!([{"type": "text", "text": "Read is here."}])).unwrap();
+    assert_eq!(
+        format!("{:?}", with.prompt),
+        format!("{:?}", without.prompt)
+    );
     let e = with_system(json!([{"type": "tool_addition", "tool": {"type": "mcp_tool_reference", "server_name": "s", "name": "t"}}])).unwrap_err();
     assert!(e.message.contains("mcp_tool_reference"), "{e}");
 }

@@ -527,7 +527,7 @@ impl Options {
                 // -1: no limit, -2: until the context is full (the server's limit still holds).
                 Some(-1 | -2) => limits.max_tokens,
                 Some(n) if n > 0 => {
-                    crate::request::within_server_limit("options", n as u64, limits)?
+                    crate::request::within_server_limit("options.num_predict", n as u64, limits)?
                 }
                 _ => {
                     return Err(bad(
