@@ -10,6 +10,7 @@
 //! unscaled.
 
 use crate::error::ModelError;
+pub use crate::model::greedy;
 use crate::model::{K3Model, LogitRows};
 use crate::prefix::{OnePass, Prefilled, Prefiller};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -95,12 +96,6 @@ pub fn logsumexp(logits: &[f32]) -> f64 {
     }
     let s: f64 = logits.iter().map(|&x| (x as f64 - m).exp()).sum();
     m + s.ln()
-}
-
-/// Greedy choice: the first index of the maximum (a NaN row yields id 0's position rule of
-/// [`deltafin_kernels::argmax`]).
-pub fn greedy(logits: &[f32]) -> u32 {
-    deltafin_kernels::argmax(logits).unwrap_or(0) as u32
 }
 
 /// The rule that turns K3's logits into the emitted token, one generated position at a time.

@@ -186,14 +186,14 @@ impl KdaStep<'_> {
         index(K, "d", d)
     }
 
-    /// The step by the CPU reference (`cuda::reference::kda_step`, head by head) from `state`,
+    /// The step by the CPU reference (`reference::kda_step`, head by head) from `state`,
     /// which it updates; the outputs.
     pub fn reference(&self, state: &mut [f32]) -> Vec<f32> {
         let d = self.d;
         let mut out = Vec::with_capacity(self.heads * d);
         for (h, s) in state.chunks_exact_mut(d * d).enumerate() {
             let sl = h * d..(h + 1) * d;
-            out.extend(crate::cuda::reference::kda_step(
+            out.extend(crate::reference::kda_step(
                 s,
                 &self.q[sl.clone()],
                 &self.k[sl.clone()],
@@ -285,10 +285,10 @@ impl MlaDecode<'_> {
         Ok(())
     }
 
-    /// The decode by the CPU reference (`cuda::reference::mla_decode`).
+    /// The decode by the CPU reference (`reference::mla_decode`).
     pub fn reference(&self) -> Vec<f32> {
         let s = self.shape;
-        crate::cuda::reference::mla_decode(
+        crate::reference::mla_decode(
             (s.heads, s.nope, s.rope, s.v, s.kvl),
             self.tokens,
             self.q,
