@@ -13,6 +13,7 @@ use crate::error::ModelError;
 pub use crate::model::greedy;
 use crate::model::{K3Model, LogitRows};
 use crate::prefix::{OnePass, Prefilled, Prefiller};
+use crate::text::tokenizer::{END_OF_MSG, EOS};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,17 @@ impl StopReason {
             StopReason::ContextFull => "context_full",
             StopReason::Interrupted => "interrupted",
         }
+    }
+}
+
+/// The ids that end a generation, decided here for every front end (`deltafin run`, the
+/// server's APIs): a chat turn ends with `<|end_of_msg|>`; a raw completion also stops at
+/// `[EOS]`, the end of a pretraining document (product contract §2).
+pub fn stop_ids(chat: bool) -> Vec<u32> {
+    if chat {
+        vec![END_OF_MSG]
+    } else {
+        vec![END_OF_MSG, EOS]
     }
 }
 
