@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""File-level import cycles in the workspace's Rust crates.
+"""File- and folder-level import cycles in the workspace's Rust crates.
 
 For every crate (each `Cargo.toml` with a `src/lib.rs` or `src/main.rs` under `crates/`,
 `xtask/`, `tests/`, `benches/`), builds the module tree from `mod name;` declarations and
@@ -16,9 +16,16 @@ Rules:
   `#[cfg(test)] mod x;` files, `#[cfg(test)] use`). `--include-tests` keeps it.
 - Comments and string literals are ignored.
 
-Prints each crate's cycles (strongly connected components with more than one file, with the
-edges inside them and one reference per edge), or `no cycles`. Exit status 1 when a crate
-named with `--require-acyclic CRATE` (repeatable, or `all`) has a cycle.
+Folders: the same edges lifted to the folders (modules that are directories) of a crate. For an
+edge between two files, the two sides are the entries (a folder, or a file) just below the
+deepest directory that holds both; `foo.rs` with a `foo/` directory counts as part of folder
+`foo/`. A strongly connected component of those entries that holds at least one folder is a
+folder-level cycle (one of files only is a file-level cycle, reported above it). So
+`model/ -> weights/ -> model/` is a cycle even when no two files import each other.
+
+Prints each crate's cycles (strongly connected components with more than one file or folder,
+with the edges inside them and one reference per edge), or `no cycles`. Exit status 1 when a
+crate named with `--require-acyclic CRATE` (repeatable, or `all`) has a cycle of either kind.
 
 Python 3 standard library only. Usage:
     tools/check_import_cycles.py [--include-tests] [--require-acyclic deltafin-k3] [ROOT]
@@ -342,6 +349,48 @@ def sccs(nodes, edges):
     return [c for c in out if len(c) > 1]
 
 
+def unit_path(src, path):
+    """`path` relative to `src` as components, `foo.rs` beside a `foo/` directory as
+    `foo/mod.rs`, so that a module and its folder are one entry."""
+    parts = os.path.relpath(path, src).split(os.sep)
+    if parts[-1] not in ("mod.rs", "lib.rs", "main.rs") and os.path.isdir(path[:-3]):
+        parts = parts[:-1] + [parts[-1][:-3], "mod.rs"]
+    return parts
+
+
+def folder_cycles(src, files, edges):
+    """Cycles between sibling entries (folders or files) below a common directory, keeping
+    those with at least one folder. Returns [(level, [entry], [(a, b, file, line, what)])]."""
+    levels = {}  # directory tuple -> {entry: {entry: (file, line, what)}}
+    nodes = {}
+    for f in files:
+        u = unit_path(src, f)
+        for k in range(len(u)):
+            nodes.setdefault(tuple(u[:k]), set()).add(u[k] + ("/" if k < len(u) - 1 else ""))
+    for f, targets in edges.items():
+        a = unit_path(src, f)
+        for t, (line, what) in targets.items():
+            b = unit_path(src, t)
+            k = 0
+            while k < min(len(a), len(b)) - 1 and a[k] == b[k]:
+                k += 1
+            na = a[k] + ("/" if k < len(a) - 1 else "")
+            nb = b[k] + ("/" if k < len(b) - 1 else "")
+            if na == nb:
+                continue
+            lv = levels.setdefault(tuple(a[:k]), {})
+            lv.setdefault(na, {}).setdefault(nb, (f, line, what))
+    out = []
+    for level in sorted(levels):
+        lv = levels[level]
+        for comp in sccs(nodes.get(level, set()), lv):
+            if not any(n.endswith("/") for n in comp):
+                continue
+            inner = [(a, b) + lv[a][b] for a in comp for b in sorted(lv.get(a, {})) if b in comp]
+            out.append((level, comp, inner))
+    return out
+
+
 def crates(root):
     for top in ("crates", "xtask", "tests", "benches"):
         d = os.path.join(root, top)
@@ -372,17 +421,24 @@ def main():
         c = Crate(name, lib, a.include_tests)
         edges = c.graph()
         cyc = sccs(c.files.keys(), edges)
-        rel = lambda p: os.path.relpath(p, os.path.dirname(lib))
-        if not cyc:
+        src = os.path.dirname(lib)
+        fcyc = folder_cycles(src, c.files.keys(), edges)
+        rel = lambda p: os.path.relpath(p, src)
+        if not cyc and not fcyc:
             print(f"{name}: no cycles ({len(c.files)} files)")
             continue
-        print(f"{name}: {len(cyc)} cycle(s)")
+        print(f"{name}: {len(cyc)} file cycle(s), {len(fcyc)} folder cycle(s)")
         for comp in cyc:
             print("  cycle: " + ", ".join(rel(f) for f in comp))
             for f in comp:
                 for t, (line, what) in sorted(edges.get(f, {}).items()):
                     if t in comp:
                         print(f"    {rel(f)}:{line} -> {rel(t)}  ({what})")
+        for level, comp, inner in fcyc:
+            at = "/".join(level) + "/" if level else ""
+            print("  folder cycle: " + ", ".join(at + n for n in comp))
+            for x, y, f, line, what in inner:
+                print(f"    {at}{x} -> {at}{y}  ({rel(f)}:{line} {what})")
         if "all" in a.require_acyclic or name in a.require_acyclic:
             failed = True
     return 1 if failed else 0

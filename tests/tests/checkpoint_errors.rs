@@ -5,9 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use deltafin_k3::model::inventory::shard_file_name;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use deltafin_k3::weights::checkpoint::{Checkpoint, CheckpointError};
-use deltafin_k3::weights::inventory::shard_file_name;
 use serde_json::Value;
 
 /// A few-MB checkpoint (small vocabulary) shared by all tests.

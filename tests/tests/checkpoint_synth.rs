@@ -3,9 +3,9 @@
 
 use std::io::{Read, Seek, SeekFrom};
 
+use deltafin_k3::model::inventory::{self, TensorKind};
 use deltafin_k3::synth::{self, QwenSize, SynthDims, SynthSpec, synthesize};
 use deltafin_k3::weights::checkpoint::Checkpoint;
-use deltafin_k3::weights::inventory::{self, TensorKind};
 use deltafin_tensor::{DType, SafetensorsFile};
 
 #[test]
@@ -69,7 +69,7 @@ fn tiny_validates_matches_inventory_and_is_deterministic() {
         serde_json::from_str(&std::fs::read_to_string(a.path().join("config.json")).unwrap())
             .unwrap();
     let real: serde_json::Value =
-        serde_json::from_str(deltafin_k3::weights::config::REAL_CONFIG_JSON).unwrap();
+        serde_json::from_str(deltafin_k3::config::REAL_CONFIG_JSON).unwrap();
     // All real fields present, same nesting.
     fn keys(v: &serde_json::Value, p: &str, out: &mut Vec<String>) {
         if let Some(m) = v.as_object() {

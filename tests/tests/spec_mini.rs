@@ -15,7 +15,7 @@
 //! `DELTAFIN_MINI_SPINE` (`bf16`, `int8` or `both`, default `both`) chooses the spine(s);
 //! `DELTAFIN_MINI_MAX_NEW` (default 64) the tokens per prompt of the drafter measurement.
 
-use deltafin_k3::weights::config::K3Config;
+use deltafin_k3::config::K3Config;
 
 use deltafin_k3::generate::Greedy;
 use deltafin_k3::model::{K3Model, LogitRows};

@@ -97,7 +97,9 @@ fn spine_streaming_peak_rss_stays_within_the_budget() {
     let before = deltafin_tests::proc_mem().unwrap();
     let got = generate(&model);
     let after = deltafin_tests::proc_mem().unwrap();
-    let st = model.spine_stream.as_ref().unwrap().stats();
+    let st = deltafin_k3::weights::spine_stream::streamer(&model)
+        .unwrap()
+        .stats();
     eprintln!(
         "spine streaming: before {before:?} after {after:?}; file {file_total} B, streamed {streamed} B/pass, budget {budget} B; {st:?}"
     );

@@ -22,9 +22,9 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
+use deltafin_k3::config::K3Config;
+use deltafin_k3::model::inventory::{self, TensorSpec};
 use deltafin_k3::weights::checkpoint::{CONFIG_FILE, INDEX_FILE};
-use deltafin_k3::weights::config::K3Config;
-use deltafin_k3::weights::inventory::{self, TensorSpec};
 use deltafin_tensor::{SafetensorsWriter, TensorEntry};
 use serde_json::Value;
 

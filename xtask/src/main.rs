@@ -20,8 +20,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
+use deltafin_k3::config::K3Config;
 use deltafin_k3::synth::{self, QwenSize, REAL_VOCAB, SynthDims, SynthReport, SynthSpec};
-use deltafin_k3::weights::config::K3Config;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "deltafin developer tasks")]

@@ -8,11 +8,11 @@ use crate::env::{env_choice, env_var, parse_gb};
 use anyhow::{Result, anyhow, bail};
 use deltafin_experts::stream::PILOT_BREAK_EVEN_PRECISION;
 use deltafin_experts::{DirectIo, PilotGate, StreamOptions, TraceMode};
+use deltafin_k3::config::K3Config;
 use deltafin_k3::engine::{
     DEVICE_RESERVE_GB, EngineConfig, HeatSettings, RouterTraceRequest, Scale4Mode,
 };
 use deltafin_k3::weights::checkpoint::CONFIG_FILE;
-use deltafin_k3::weights::config::K3Config;
 use deltafin_k3::weights::resident::HugePages;
 use deltafin_k3::weights::spine_int8::{SpineChoice, SpineFormat};
 use deltafin_k3::weights::spine_stream::SpineStreamOptions;

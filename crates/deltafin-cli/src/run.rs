@@ -10,11 +10,12 @@ use anyhow::{Context, Result, anyhow, bail};
 use deltafin_k3::engine::{EngineConfig, LoadedEngine};
 use deltafin_k3::generate::{
     Choose, GenerateEvent, GenerateOptions, Greedy, LogitSummary, StopReason, generate_prefilled,
+    stop_ids,
 };
 use deltafin_k3::prefix::{Chunked, PrefillProgress, message_ends};
 use deltafin_k3::sampling::{Sampler, Sampling, fresh_seed};
 use deltafin_k3::text::chat::{self, ChatMessage, ReasoningEffort, Thinking};
-use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, StreamDecoder};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, StreamDecoder};
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
 use deltafin_spec::select::{Chosen, DraftModels, Surfaces};
 use deltafin_spec::{Committed, WallClock, generate_with_prefill};
@@ -186,11 +187,13 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     let states = crate::engine_config::state_cache_settings(&args.model)?;
     let loaded = session::load(&root, &config)?;
     let cache = session::state_cache(&loaded, &states);
+    // The admitted context, as the server admits it: the model's, capped by what the memory
+    // budget reserved state for (or, without a budget, by the memory available now).
+    let max_context = loaded.admitted_context();
     let LoadedEngine {
         mut model,
         tokenizer,
         load_seconds,
-        checkpoint,
         plan: memory,
         spine,
         resident_copies,
@@ -234,31 +237,20 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens; give a non-empty --prompt");
     }
-    // Chat turns end with <|end_of_msg|>; raw completions also stop at [EOS], the end of a
-    // pretraining document (product contract §2).
-    let stop_ids = if args.chat {
-        vec![END_OF_MSG]
-    } else {
-        vec![END_OF_MSG, EOS]
-    };
-    // The admitted context: the model's, or what the memory budget reserved state for.
-    let mut max_context = checkpoint.config().text.max_position_embeddings;
-    if let Some(plan) = &memory {
-        if let Some(max_new) = args.max_new
-            && prompt_ids.len() + max_new + VERIFY_SLACK_TOKENS > plan.context_tokens
-        {
-            bail!(
-                "internal: the memory budget reserved state for {} tokens, but the prompt ({} tokens) plus --max-new {max_new} needs more",
-                plan.context_tokens,
-                prompt_ids.len()
-            );
-        }
-        max_context = max_context.min(plan.context_tokens);
+    if let Some(plan) = &memory
+        && let Some(max_new) = args.max_new
+        && prompt_ids.len() + max_new + VERIFY_SLACK_TOKENS > plan.context_tokens
+    {
+        bail!(
+            "internal: the memory budget reserved state for {} tokens, but the prompt ({} tokens) plus --max-new {max_new} needs more",
+            plan.context_tokens,
+            prompt_ids.len()
+        );
     }
     let top_n = args.top_logits.map(usize::from).unwrap_or(0);
     let opts = GenerateOptions {
         max_new: args.max_new,
-        stop_ids,
+        stop_ids: stop_ids(args.chat),
         max_context,
         top_logits: top_n,
     };

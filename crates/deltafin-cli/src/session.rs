@@ -259,7 +259,7 @@ static DEVICE_LINE: Mutex<Option<String>> = Mutex::new(None);
 
 /// With a memory plan, say at startup how the budget is split and how experts are read.
 pub fn report_memory_plan(model: &K3Model, plan: Option<&deltafin_k3::engine::MemoryPlan>) {
-    if let Some(s) = &model.spine_stream {
+    if let Some(s) = deltafin_k3::weights::spine_stream::streamer(model) {
         eprintln!("[deltafin] {}", s.split().describe());
     }
     let Some(plan) = plan else { return };
@@ -289,7 +289,7 @@ pub fn report_expert_stats(model: &K3Model) {
     if let Some(c) = &model.device_experts {
         eprintln!("[stats] {}", c.stats().describe(c.budget()));
     }
-    if let Some(s) = &model.spine_stream {
+    if let Some(s) = deltafin_k3::weights::spine_stream::streamer(model) {
         let st = s.stats();
         eprintln!(
             "[stats] spine streamed_layers={} passes={} layer_reads={} bytes_read={} read_s={:.3} read_gbps={:.3} wait_s={:.3}",

@@ -21,8 +21,8 @@ use deltafin_experts::rank::{
 };
 use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
 use deltafin_fetch::transfer::parse_workers;
+use deltafin_k3::config::K3Config;
 use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE};
-use deltafin_k3::weights::config::K3Config;
 use deltafin_k3::weights::install;
 use deltafin_k3::weights::loader::{EXPERT_DIR, expert_file_name};
 use serde_json::{Value, json};

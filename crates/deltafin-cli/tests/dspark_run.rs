@@ -5,9 +5,9 @@ mod common;
 
 use common::{checkpoint, deltafin_bf16, jsonl};
 
+use deltafin_k3::config::K3Config;
 use deltafin_k3::synth::{QwenSize, SynthDims, synthesize_dspark, synthesize_qwen3};
 use deltafin_k3::text::tokenizer::Tokenizer;
-use deltafin_k3::weights::config::K3Config;
 use deltafin_spec::uag::synthesize_tokenizer_json;
 use serde_json::Value;
 use std::path::Path;

@@ -253,7 +253,7 @@ fn npy(c_order: &[u8], (rows, cols): (usize, usize), fortran: bool, v2: bool) ->
 /// arrays, each member stored or deflated, in C or Fortran order, written in `order`.
 fn legacy_npz(root: &Path, raw: &[u8], variant: usize, order: [usize; 6]) -> Vec<u8> {
     use std::io::Write;
-    let cfg = deltafin_k3::weights::config::K3Config::from_file(root.join("config.json")).unwrap();
+    let cfg = deltafin_k3::config::K3Config::from_file(root.join("config.json")).unwrap();
     let (f, lr) = (
         cfg.text.moe_intermediate_size,
         cfg.text.routed_expert_hidden_size,

@@ -386,14 +386,14 @@ impl Manifests {
 /// release layout puts it in, and nothing else may be mapped. Shard sha256 and exact header
 /// lengths are left unpinned.
 pub fn k3_manifest_from_index(
-    cfg: &deltafin_k3::weights::config::K3Config,
+    cfg: &deltafin_k3::config::K3Config,
     index: &serde_json::Value,
     repo: &str,
     revision: &str,
     metadata: Vec<PinnedFile>,
     inventory: InventoryPin,
 ) -> Result<K3Manifest, FetchError> {
-    use deltafin_k3::weights::inventory::{self as inv, TensorKind};
+    use deltafin_k3::model::inventory::{self as inv, TensorKind};
     let bad = FetchError::manifest("model.safetensors.index.json");
     let map = index
         .get("weight_map")

@@ -10,7 +10,7 @@ use crate::error::FetchError;
 use crate::inventory::{INVENTORY_PATH, Inventory};
 use crate::manifest::{K3Manifest, Manifests, RepoManifest};
 use crate::transfer::{Job, is_complete};
-use deltafin_k3::weights::config::{K3Config, REAL_CONFIG_JSON};
+use deltafin_k3::config::{K3Config, REAL_CONFIG_JSON};
 use deltafin_k3::weights::spine_int8::{INT8_DIR, Int8Spine, SpineFormat, quantized_tensors};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};

@@ -28,8 +28,7 @@ fn k3_manifest_matches_real_index() {
         .read_to_string(&mut text)
         .unwrap();
     let index: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let cfg =
-        deltafin_k3::weights::config::K3Config::from_file(dir.join("k3-config.json")).unwrap();
+    let cfg = deltafin_k3::config::K3Config::from_file(dir.join("k3-config.json")).unwrap();
     // Pins: docs/K3.md §12.2 and assets/kimi/SOURCES.md.
     let metadata = vec![
         pinned(

@@ -10,8 +10,10 @@
 //! unscaled.
 
 use crate::error::ModelError;
+pub use crate::model::greedy;
 use crate::model::{K3Model, LogitRows};
 use crate::prefix::{OnePass, Prefilled, Prefiller};
+use crate::text::tokenizer::{END_OF_MSG, EOS};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -36,6 +38,17 @@ impl StopReason {
             StopReason::ContextFull => "context_full",
             StopReason::Interrupted => "interrupted",
         }
+    }
+}
+
+/// The ids that end a generation, decided here for every front end (`deltafin run`, the
+/// server's APIs): a chat turn ends with `<|end_of_msg|>`; a raw completion also stops at
+/// `[EOS]`, the end of a pretraining document (product contract §2).
+pub fn stop_ids(chat: bool) -> Vec<u32> {
+    if chat {
+        vec![END_OF_MSG]
+    } else {
+        vec![END_OF_MSG, EOS]
     }
 }
 
@@ -95,12 +108,6 @@ pub fn logsumexp(logits: &[f32]) -> f64 {
     }
     let s: f64 = logits.iter().map(|&x| (x as f64 - m).exp()).sum();
     m + s.ln()
-}
-
-/// Greedy choice: the first index of the maximum (a NaN row yields id 0's position rule of
-/// [`deltafin_kernels::argmax`]).
-pub fn greedy(logits: &[f32]) -> u32 {
-    deltafin_kernels::argmax(logits).unwrap_or(0) as u32
 }
 
 /// The rule that turns K3's logits into the emitted token, one generated position at a time.

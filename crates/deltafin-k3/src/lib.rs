@@ -5,6 +5,7 @@
 //! # Code map
 //!
 //! ```text
+//! config.rs       config.json (K3Config), parsed strictly: a leaf
 //! engine/         EngineBuilder / EngineConfig: the pure memory planner, the expert-source
 //!                 stack, device placement: one load path for run, serve and library users
 //! error.rs        ModelError: a leaf, returned by the blocks, the layer loop and the loaders
@@ -16,11 +17,14 @@
 //!                   the blocks (docs/K3.md §4) and the projection type
 //!   dims.rs state.rs taps.rs next_token.rs
 //!                   sizes, per-sequence state, activation taps, the provisional head
+//!   inventory.rs    every tensor's name, stored shape and dtype: the one table the loader,
+//!                   validation and synthesis read
+//!   spine.rs        what the model takes from storage: the StreamedSpine trait, the
+//!                   resident copy's report
 //!   offload.rs device_experts.rs
 //!                   the spine and the routed experts on a compute device
 //! weights/        storage: what a checkpoint holds and how it reaches memory
-//!   config.rs inventory.rs checkpoint/
-//!                   config.json, the expected tensors, shards and expert files
+//!   checkpoint/     shards, their index and the expert files
 //!   loader.rs       checkpoint → K3Model (spine format, streaming, expert sources)
 //!   spine_int8/ spine_pack/ spine_quality.rs
 //!                   spine conversions (row-int8, DFSP packs) and their checks
@@ -35,11 +39,12 @@
 //! synth/          test-checkpoint synthesis: feature `synth`, off by default
 //! ```
 //!
-//! Dependencies point one way. `error` and `text` are leaves; `model` uses `error`, and the
-//! model struct names the two `weights` types it carries (the spine streamer and the
-//! resident-copy report) while `weights` builds `model` values; `generate` drives a loaded
-//! model. No file imports, directly or through a chain, a file that imports it back
-//! (`tools/check_import_cycles.py` reports file-level cycles for every crate). A parent
+//! Dependencies point one way: `error`, `config` and `text` are leaves; `model` uses `error`
+//! and `config` and nothing of `weights` (a streamed spine reaches it as a
+//! `model::spine::StreamedSpine`); `weights` builds `model` values; `prefix` and `generate`
+//! drive a loaded model; `engine` assembles it all. No file imports, directly or through a
+//! chain, a file that imports it back, and no folder imports a folder that imports it back
+//! (`tools/check_import_cycles.py` reports file- and folder-level cycles for every crate). A parent
 //! module only declares and re-exports its files (or, for `checkpoint/` and `resident`,
 //! holds the type its files add `impl` blocks to); it never imports from them.
 //!
@@ -58,6 +63,7 @@
 //! tests enable it in their `[dev-dependencies]`, `xtask` in its dependencies, so a release
 //! build of the CLI does not contain it.
 
+pub mod config;
 pub mod engine;
 pub mod error;
 pub mod generate;

@@ -1,8 +1,8 @@
 //! A `config.json` with sizes chosen to overflow (`num_hidden_layers` = 2^64 − 1, products of
 //! dimensions past `u64`) is an error naming the field, never a panic or a wrapped size.
 
+use deltafin_k3::config::K3Config;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::weights::config::K3Config;
 use serde_json::Value;
 
 #[test]

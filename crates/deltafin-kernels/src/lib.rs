@@ -33,6 +33,7 @@ pub mod ops;
 pub mod pool;
 mod prepared;
 pub mod probe;
+pub mod reference;
 mod rows;
 mod scalar;
 pub mod settings;

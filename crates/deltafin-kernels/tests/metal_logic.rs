@@ -8,7 +8,7 @@
 //! - the products: a Rust model of the documented reduction order of `matvec.metal` (lane-
 //!   strided chunks, explicit fma, xor butterfly), **bit for bit**, and the scalar CPU
 //!   kernels (`matmul_with(Backend::Scalar, ..)`, f32 activations) within `1e-5 · Σ|w·x|` per value, the CUDA tests' bound;
-//! - KDA and MLA: `deltafin_kernels::cuda::reference` (f32 ports of the model code) within
+//! - KDA and MLA: `deltafin_kernels::reference` (f32 ports of the model code) within
 //!   1e-5 / 2e-5 of the largest output, the CUDA tests' bounds (`exp` differs by a few ulp).
 //!
 //! This tests the kernels' *logic* — indexing, ragged tails, batch splitting, reduction order,

@@ -11,12 +11,13 @@ use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine
 use deltafin_k3::error::ModelError;
 use deltafin_k3::generate::{
     Choose, GenerateError, GenerateEvent, GenerateOptions, Greedy, StopReason, generate_prefilled,
+    stop_ids,
 };
 use deltafin_k3::model::K3Model;
 use deltafin_k3::prefix::{Chunked, PrefillProgress, PrefixCache, message_ends};
 use deltafin_k3::sampling::Sampler;
 use deltafin_k3::text::chat::{ChatError, ChatOptions, ToolChoice, encode_chat};
-use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
+use deltafin_k3::text::tokenizer::{END_OF_MSG, Tokenizer};
 use deltafin_k3::weights::install::{self, Missing};
 use deltafin_k3::weights::spine_int8::SpineFormat;
 use deltafin_spec::select::{Chosen, DraftModels};
@@ -451,11 +452,7 @@ fn run_drafted(
         shutdown,
     } = run;
     let chat = matches!(req.prompt, Prompt::Chat { .. });
-    let stop_ids = if chat {
-        vec![END_OF_MSG]
-    } else {
-        vec![END_OF_MSG, EOS]
-    };
+    let stop_ids = stop_ids(chat);
     // Plain decoding emits until the state holds max_context positions: one token more
     // than the free positions after the prompt.
     let max_new = req
@@ -569,11 +566,7 @@ fn run_plain(
     let chat = matches!(req.prompt, Prompt::Chat { .. });
     let opts = GenerateOptions {
         max_new: Some(req.max_new),
-        stop_ids: if chat {
-            vec![END_OF_MSG]
-        } else {
-            vec![END_OF_MSG, EOS]
-        },
+        stop_ids: stop_ids(chat),
         max_context: engine.max_context,
         top_logits: req.logprobs.map(|k| k.max(1)).unwrap_or(0),
     };

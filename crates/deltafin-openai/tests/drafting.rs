@@ -5,12 +5,12 @@
 mod common;
 
 use common::*;
+use deltafin_k3::config::K3Config;
 use deltafin_k3::prefix::{CacheConfig, PrefixCache};
 use deltafin_k3::synth::{
     QwenSize, SynthDims, SynthSpec, synthesize, synthesize_dspark, synthesize_qwen3,
 };
 use deltafin_k3::text::tokenizer::Tokenizer;
-use deltafin_k3::weights::config::K3Config;
 use deltafin_openai::ServerConfig;
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
 use deltafin_spec::select::{DraftModels, Surfaces};

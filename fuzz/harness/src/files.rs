@@ -1,9 +1,9 @@
 //! Model files: safetensors headers, `config.json`, DFSP spine packs.
 
 use crate::{MAX_INPUT, MAX_PACK_INPUT, capped, le_u64, sha256, with_scratch, write_scratch};
+use deltafin_k3::config::K3Config;
 use deltafin_k3::model::dims::ModelDims;
-use deltafin_k3::weights::config::K3Config;
-use deltafin_k3::weights::inventory::{expert_layout, global_spine, layer_spine, shard_count};
+use deltafin_k3::model::inventory::{expert_layout, global_spine, layer_spine, shard_count};
 use deltafin_k3::weights::spine_pack::{Codec, SUPERBLOCK, SpinePack};
 use deltafin_tensor::{Bytes, DType, SafetensorsFile};
 

@@ -4,10 +4,10 @@
 use super::memory::gb;
 use super::report::{Report, Status};
 use crate::ModelArgs;
+use deltafin_k3::config::{K3Config, REAL_CONFIG_JSON};
+use deltafin_k3::model::inventory::{self, TensorKind};
 use deltafin_k3::text::tokenizer::Tokenizer;
 use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, INDEX_FILE};
-use deltafin_k3::weights::config::{K3Config, REAL_CONFIG_JSON};
-use deltafin_k3::weights::inventory::{self, TensorKind};
 use deltafin_k3::weights::loader::{EngineOptions, dims_from_config};
 use deltafin_tensor::SafetensorsFile;
 use serde_json::{Value, json};

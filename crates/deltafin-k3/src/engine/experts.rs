@@ -4,12 +4,12 @@
 //! fetcher of a stream install), then the route observers (the heat histogram, the router
 //! trace).
 
+use crate::config::K3Config;
 use crate::engine::config::{EngineConfig, Scale4Mode};
 use crate::engine::error::{BoxError, EngineError};
 use crate::engine::progress::{LoadProgress, with_copy_progress};
 use crate::model::moe::ExpertSource;
 use crate::weights::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
-use crate::weights::config::K3Config;
 use crate::weights::loader::{CheckpointExperts, expert_table, streaming_experts};
 use crate::weights::resident::{HugePages, ResidentCopy};
 use deltafin_experts::heat::{HeatDims, HeatRecorder, HeatTable};

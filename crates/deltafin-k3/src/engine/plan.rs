@@ -5,7 +5,7 @@
 //! only the running process and the files know (stored spine bytes, the process RSS, the
 //! expert table) and passes them in.
 
-use crate::weights::config::K3Config;
+use crate::config::K3Config;
 use crate::weights::loader::{EngineOptions, dims_from_config};
 use crate::weights::spine_int8::{SpineFormat, quantized_tensors};
 

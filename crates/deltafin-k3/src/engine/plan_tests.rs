@@ -1,7 +1,7 @@
 use super::*;
+use crate::config::REAL_CONFIG_JSON;
 use crate::engine::CONTEXT_RESERVE_TOKENS;
-use crate::weights::config::REAL_CONFIG_JSON;
-use crate::weights::inventory::{TensorKind, text_inventory};
+use crate::model::inventory::{TensorKind, text_inventory};
 use deltafin_experts::layout::ReadPlan;
 use deltafin_experts::{ExpertLocation, ExpertShape};
 

@@ -4,8 +4,8 @@
 //! hard-codes the released sizes. Every epsilon is a field so that an oracle comparison can switch it
 //! (docs/K3.md §5.1, §5.3).
 
+use crate::config::{K3Config, LayerKind};
 use crate::model::ModelError;
-use crate::weights::config::{K3Config, LayerKind};
 
 /// Which attention block a layer runs (docs/K3.md §1.3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,8 +1,8 @@
 //! How a forward pass runs, besides its math: the entry points of [`K3Model`] and the
 //! `PassHooks` the layer loop (`crate::model`) calls.
 //!
-//! - **Spine streaming** (`crate::weights::spine_stream`): a streamed layer's projections are read
-//!   before the layer runs, the next one's read starting meanwhile.
+//! - **Spine streaming** (a [`crate::model::spine::StreamedSpine`]): a streamed layer's
+//!   projections are read before the layer runs, the next one's read starting meanwhile.
 //! - **PILOT** read hints: a MoE layer's experts are guessed from an earlier input, across
 //!   the dense layer 0 and across the token boundary (the provisional head,
 //!   `crate::model::next_token`), so a streaming source reads them early.
@@ -23,9 +23,9 @@ use crate::model::next_token::ProvisionalHead;
 use crate::model::norm::rms_norm_rows_new;
 use crate::model::profile::PassClock;
 use crate::model::router::RouterWeights;
+use crate::model::spine::SpineLayers;
 use crate::model::state::State;
 use crate::model::taps::Taps;
-use crate::weights::spine_stream::SpinePass;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// What a watched pass ([`K3Model::forward_watched`]) reports and obeys between layers.
@@ -164,7 +164,7 @@ struct Execution<'m, 't, 'w> {
     model: &'m K3Model,
     taps: Option<&'t mut Taps>,
     /// The pass over the streamed layers (spine streaming only); dropped with the pass.
-    spine: Option<SpinePass<'m>>,
+    spine: Option<Box<dyn SpineLayers + 'm>>,
     /// Interrupt and per-layer progress ([`K3Model::forward_watched`]).
     watch: Watch<'w>,
     /// The pass's clock when the model has a layer profile.

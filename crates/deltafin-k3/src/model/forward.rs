@@ -24,6 +24,7 @@ use crate::error::ModelError;
 use crate::model::attn_res::AttnResWeights;
 use crate::model::dims::{AttnKind, CacheDtype, FfnKind, ModelDims};
 use crate::model::finite;
+use crate::model::inventory::{self, StoredShape};
 use crate::model::kda::KdaForm;
 use crate::model::layer::{Attention, Ffn, Layer};
 use crate::model::linear::Linear;
@@ -31,7 +32,6 @@ use crate::model::mla::MlaCache;
 use crate::model::moe::{ExpertSchedule, ExpertSource};
 use crate::model::norm::rms_norm_rows_new;
 use crate::model::state::{LayerState, State};
-use crate::weights::inventory::{self, StoredShape};
 use deltafin_tensor::{Bf16Matrix, DType};
 
 /// Which rows of logits a forward call returns.
@@ -89,13 +89,13 @@ pub struct K3Model {
     pub route_observers: deltafin_experts::RouteObservers,
     /// Spine streaming (`crate::weights::spine_stream`): when set, the layers it streams take their
     /// projections from per-pass reads instead of `layers[l]`'s own (unread) views.
-    pub spine_stream: Option<crate::weights::spine_stream::SpineStreamer>,
+    pub spine_stream: Option<Box<dyn super::spine::StreamedSpine>>,
     /// Routed experts on a device (`crate::model::offload`, `--expert-backend cuda`): when set, the
     /// MoE layers run their expert products there.
     pub device_experts: Option<std::sync::Arc<super::device_experts::DeviceExpertCache>>,
     /// What [`K3Model::copy_spine_to_huge_pages`] copied at load, if it ran
     /// (`crate::weights::resident`).
-    pub resident_copy: Option<crate::weights::resident::ResidentCopy>,
+    pub resident_copy: Option<super::spine::ResidentCopy>,
     /// The provisional next-token rows of `lm_head` (`crate::model::next_token`), built at the first
     /// pass that can use them (an expert source that wants PILOT guesses), and how often
     /// their token was the next pass's first.
@@ -326,7 +326,7 @@ impl K3Model {
     }
 
     /// Check every weight shape against the checkpoint inventory for these dimensions
-    /// (`crate::weights::inventory`) and every block against the layer schedule.
+    /// (`crate::model::inventory`) and every block against the layer schedule.
     pub fn validate(&self) -> Result<(), ModelError> {
         let d = &self.dims;
         d.validate()?;

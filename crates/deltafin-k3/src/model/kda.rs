@@ -627,7 +627,7 @@ mod cuda_reference_parity {
             };
             let o = io.recurrent(&mut s, 1);
             let sl = head * d..(head + 1) * d;
-            let o_ref = deltafin_kernels::cuda::reference::kda_step(
+            let o_ref = deltafin_kernels::reference::kda_step(
                 &mut s_ref,
                 &prep.q[sl.clone()],
                 &prep.k[sl.clone()],

@@ -502,7 +502,7 @@ mod cuda_reference_parity {
             let kv = rng.vec(kvl + dr, 1.0);
             let gate = rng.vec(h * dv, 1.0);
             let o = w.attend(&dims, &q, &kv, &gate, 1, &mut cache);
-            let o_ref = deltafin_kernels::cuda::reference::mla_decode(
+            let o_ref = deltafin_kernels::reference::mla_decode(
                 (h, dn, dr, dv, kvl),
                 n,
                 &q,

@@ -8,9 +8,12 @@
 //!   (gated MLA and its cache), [`router`], [`moe`] (latent MoE and the expert-source
 //!   traits), [`situ`] (SiTU-GLU MLPs), [`norm`] (RMSNorm), [`linear`] (a projection in any
 //!   weight format, on the CPU or a device).
-//! - Support: [`dims`] (every size, from `config.json`), [`state`] (per-sequence KDA state
+//! - Support: [`dims`] (every size, from `config.json`), [`inventory`] (every tensor's name,
+//!   stored shape and dtype: the one table the loader, validation and synthesis read), [`state`] (per-sequence KDA state
 //!   and MLA cache), [`taps`] (activation taps), [`next_token`] (the provisional head),
 //!   [`profile`] (per-layer phase times of every pass, `run --layer-profile`).
+//! - Storage seen from the model: [`spine`] (the trait a streamed spine implements, the
+//!   resident copy's report); the model imports nothing from `crate::weights`.
 //! - On a device: [`offload`] (the spine placed on a [`deltafin_kernels::ProductDevice`]) and
 //!   [`device_experts`] (the device cache of routed experts).
 //!
@@ -22,6 +25,7 @@ pub mod dims;
 mod exec;
 pub(crate) mod finite;
 pub mod forward;
+pub mod inventory;
 pub mod kda;
 pub mod layer;
 pub mod linear;
@@ -34,6 +38,7 @@ pub mod offload;
 pub mod profile;
 pub mod router;
 pub mod situ;
+pub mod spine;
 pub mod state;
 pub mod taps;
 
@@ -41,3 +46,4 @@ pub use crate::error::ModelError;
 pub use exec::Watch;
 pub use forward::{K3Model, LogitRows, Logits};
 pub use layer::{Attention, Ffn, Layer};
+pub use next_token::greedy;

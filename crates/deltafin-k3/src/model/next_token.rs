@@ -28,6 +28,12 @@ use deltafin_tensor::{Bf16Matrix, Bytes, RowInt8Matrix};
 use half::bf16;
 use rayon::prelude::*;
 
+/// Greedy choice: the first index of the maximum (a NaN row yields id 0's position rule of
+/// [`deltafin_kernels::argmax`]).
+pub fn greedy(logits: &[f32]) -> u32 {
+    deltafin_kernels::argmax(logits).unwrap_or(0) as u32
+}
+
 use crate::model::linear::Linear;
 
 /// The share of the vocabulary in the provisional set: `⌈V / 32⌉` rows (5,120 of K3's 163,840:

@@ -130,7 +130,7 @@ impl K3Model {
         let resident = self
             .spine_stream
             .as_ref()
-            .map_or(self.layers.len(), |s| s.split().resident);
+            .map_or(self.layers.len(), |s| s.resident_layers());
         let mut left = budget;
         let mut full = false;
         let mut place =

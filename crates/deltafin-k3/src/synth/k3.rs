@@ -9,9 +9,9 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use super::spec::*;
+use crate::config::{K3Config, REAL_CONFIG_JSON};
+use crate::model::inventory::{self, ExpertPart, TensorKind, TensorSpec};
 use crate::weights::checkpoint::{CONFIG_FILE, INDEX_FILE};
-use crate::weights::config::{K3Config, REAL_CONFIG_JSON};
-use crate::weights::inventory::{self, ExpertPart, TensorKind, TensorSpec};
 
 /// SplitMix64: tiny, fast, and good enough for weights.
 #[derive(Clone, Debug)]
@@ -455,7 +455,7 @@ pub fn edit_rows(
 /// soon as it may: string arguments are empty and calls end at once.
 pub fn answers_end_at_once(dir: &Path) -> Result<(), SynthError> {
     use crate::text::tokenizer::{CLOSE, END_OF_MSG};
-    let p = crate::weights::inventory::PREFIX;
+    let p = crate::model::inventory::PREFIX;
     edit_rows(
         dir,
         &format!("{p}model.embed_tokens.weight"),

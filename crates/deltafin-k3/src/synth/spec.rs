@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use deltafin_tensor::TensorError;
 
-use crate::weights::config::{ConfigError, K3Config, REAL_CONFIG_JSON, VisionConfig};
+use crate::config::{ConfigError, K3Config, REAL_CONFIG_JSON, VisionConfig};
 
 /// The real vocabulary size (163,584 BPE ranks + 256 specials).
 pub const REAL_VOCAB: usize = 163_840;

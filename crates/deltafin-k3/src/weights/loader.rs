@@ -3,6 +3,7 @@
 //! row-int8 files of [`crate::weights::spine_int8`] with [`SpineFormat::Int8`]), widen the small
 //! vectors to f32, and serve routed experts straight from the shard bytes.
 
+use crate::config::{K3Config, LayerKind};
 use crate::model::attn_res::AttnResWeights;
 use crate::model::dims::{CacheDtype, ModelDims};
 use crate::model::kda::KdaWeights;
@@ -13,7 +14,6 @@ use crate::model::router::RouterWeights;
 use crate::model::situ::SituMlp;
 use crate::model::{Attention, Ffn, K3Model, Layer, ModelError};
 use crate::weights::checkpoint::{Checkpoint, CheckpointError, Layout};
-use crate::weights::config::{K3Config, LayerKind};
 use crate::weights::resident::{HugePages, ResidentCopy};
 pub use crate::weights::spine_int8::SpineFormat;
 use crate::weights::spine_int8::{Int8Spine, SpineError, is_quantized};
@@ -110,7 +110,7 @@ impl CheckpointExperts {
         (0..cfg.n_layers())
             .filter(|&l| !cfg.is_dense(l))
             .map(|l| {
-                let one = crate::weights::inventory::expert_layout(cfg, l, 0).total_bytes() as u64;
+                let one = crate::model::inventory::expert_layout(cfg, l, 0).total_bytes() as u64;
                 one * self.num_experts as u64
             })
             .sum()
@@ -229,7 +229,7 @@ struct Names<'a> {
 
 impl Names<'_> {
     fn full(&self, name: &str) -> String {
-        format!("{}{}{name}", crate::weights::inventory::PREFIX, self.prefix)
+        format!("{}{}{name}", crate::model::inventory::PREFIX, self.prefix)
     }
     /// A matrix that is never quantized (the router, the embedding).
     fn mat(&self, name: &str) -> Result<deltafin_tensor::Bf16Matrix, LoadError> {
@@ -241,7 +241,7 @@ impl Names<'_> {
     /// A quantizable projection: row-int8 from the int8 spine when loaded, else bf16.
     fn lin(&self, name: &str) -> Result<Linear, LoadError> {
         let short = format!("{}{name}", self.prefix);
-        let full = format!("{}{short}", crate::weights::inventory::PREFIX);
+        let full = format!("{}{short}", crate::model::inventory::PREFIX);
         if let Some(p) = self.packs {
             return Ok(match p.codec(&full) {
                 Some(Codec::RowI8F16Scale) => Linear::RowInt8(p.row_int8_matrix(&full)?),
@@ -282,7 +282,7 @@ impl Names<'_> {
     /// A zero-padded vector (`A_log`, docs/K3.md §3.2): its first `used` entries, the
     /// padding after them checked to be exactly zero.
     fn unpadded(&self, name: &str, used: usize) -> Result<Vec<f32>, LoadError> {
-        crate::weights::inventory::unpad(self.vec(name)?, used).map_err(|message| {
+        crate::model::inventory::unpad(self.vec(name)?, used).map_err(|message| {
             CheckpointError::Request {
                 name: self.full(name),
                 message,
@@ -620,7 +620,7 @@ pub(crate) fn assemble_model(
     };
     let lm_head = top.lin("lm_head.weight")?;
     let mut model = K3Model::new(dims, embed, layers, norm, output_res, lm_head, experts)?;
-    model.spine_stream = streamer;
+    model.spine_stream = streamer.map(|s| Box::new(s) as _);
     Ok(model)
 }
 
@@ -668,8 +668,8 @@ pub fn open_model(root: &Path, opts: &EngineOptions) -> Result<K3Model, LoadErro
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::REAL_CONFIG_JSON;
     use crate::model::dims::AttnKind;
-    use crate::weights::config::REAL_CONFIG_JSON;
 
     #[test]
     fn touch_pages_reads_every_page_once() {

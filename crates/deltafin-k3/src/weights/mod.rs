@@ -1,8 +1,7 @@
 //! Weights and formats: what a checkpoint holds, how it is read, converted and kept in memory.
 //!
-//! - [`config`]: `config.json` ([`config::K3Config`]).
-//! - [`inventory`]: the expected tensor inventory (names, shapes, dtypes) derived from the
-//!   config; every reader checks against it.
+//! `config.json` is [`crate::config`]; the tensor inventory every reader checks against is
+//! [`crate::model::inventory`].
 //! - [`checkpoint`]: the safetensors shards, their index and the per-expert files.
 //! - [`loader`]: builds a [`crate::model::K3Model`] from a checkpoint (bf16, int8 or packed
 //!   spine; resident or streamed layers; expert sources).
@@ -15,10 +14,8 @@
 //! - [`filelock`]: the advisory lock that serialises conversions of one checkpoint.
 
 pub mod checkpoint;
-pub mod config;
 pub mod filelock;
 pub mod install;
-pub mod inventory;
 pub mod loader;
 pub mod resident;
 pub mod spine_int8;

@@ -20,7 +20,7 @@
 
 mod copy;
 
-use deltafin_tensor::storage::CopyStats;
+pub use crate::model::spine::ResidentCopy;
 
 /// Whether resident spine weights are copied into huge-page memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -65,43 +65,6 @@ fn selected_mode(text: &str) -> Option<String> {
     Some(text[start + 1..end].to_string())
 }
 
-/// What [`K3Model::copy_spine_to_huge_pages`](crate::model::K3Model::copy_spine_to_huge_pages)
-/// copied.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ResidentCopy {
-    /// What was copied (`resident spine`, `routed experts`).
-    pub what: &'static str,
-    /// Matrices copied (projections, routers, `lm_head`).
-    pub matrices: usize,
-    /// Bytes of the one anonymous mapping.
-    pub bytes: u64,
-    /// Whether the system accepted the huge-page advice for it.
-    pub huge_advised: bool,
-    /// How the bytes arrived (read from their files, O_DIRECT or buffered, or copied from
-    /// memory) and how long it took.
-    pub stats: CopyStats,
-}
-
-impl ResidentCopy {
-    /// One line for `--stats` and the startup log.
-    pub fn describe(&self) -> String {
-        let s = &self.stats;
-        format!(
-            "{}: {} matrices, {:.3} GB in anonymous memory ({}): {} ({:.3} GB/s)",
-            self.what,
-            self.matrices,
-            self.bytes as f64 / 1e9,
-            if self.huge_advised {
-                "transparent huge pages advised"
-            } else {
-                "huge-page advice refused: 4 KiB pages"
-            },
-            s.describe(),
-            s.total_bytes() as f64 / 1e9 / s.seconds.max(1e-9)
-        )
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,6 +74,7 @@ mod tests {
     use crate::weights::checkpoint::Checkpoint;
     use crate::weights::loader::{CheckpointExperts, EngineOptions, load_model_with_experts};
     use crate::weights::spine_int8::SpineFormat;
+    use deltafin_tensor::storage::CopyStats;
     use std::sync::Arc;
 
     fn small() -> (tempfile::TempDir, Arc<Checkpoint>) {

@@ -10,8 +10,10 @@
 //! buffer (it also feeds the previous layer's PILOT guess).
 
 use crate::error::ModelError;
+use crate::model::K3Model;
 use crate::model::layer::{Ffn, Layer};
 use crate::model::linear::Linear;
+use crate::model::spine::{SpineLayers, StreamedSpine};
 use crate::weights::checkpoint::{Checkpoint, CheckpointError};
 
 pub use crate::model::layer::linears_mut;
@@ -471,7 +473,7 @@ impl SpineStreamer {
         let mut plans: Vec<Option<LayerPlan>> = vec![None; layers.len()];
         let mut router_pieces: Vec<(usize, Piece, usize, usize)> = Vec::new();
         for (l, layer) in layers.iter_mut().enumerate().skip(resident) {
-            let prefix = format!("{}model.layers.{l}.", crate::weights::inventory::PREFIX);
+            let prefix = format!("{}model.layers.{l}.", crate::model::inventory::PREFIX);
             let mut matrices = Vec::new();
             for (name, m) in linears_mut(layer) {
                 let full = format!("{prefix}{name}");
@@ -653,6 +655,28 @@ impl SpineStreamer {
     }
 }
 
+impl StreamedSpine for SpineStreamer {
+    fn resident_layers(&self) -> usize {
+        self.split.resident
+    }
+
+    fn begin_pass(&self) -> Result<Box<dyn SpineLayers + '_>, ModelError> {
+        Ok(Box::new(SpineStreamer::begin_pass(self)?))
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// The model's spine streamer, when its layers stream (for `--stats` and the startup log).
+pub fn streamer(model: &K3Model) -> Option<&SpineStreamer> {
+    model
+        .spine_stream
+        .as_ref()
+        .and_then(|s| s.as_any().downcast_ref::<SpineStreamer>())
+}
+
 impl Drop for SpineStreamer {
     fn drop(&mut self) {
         if let Ok(mut g) = self.requests.lock() {
@@ -717,6 +741,12 @@ impl SpinePass<'_> {
             self.pending = Some(l + 1);
         }
         build_layer(l, plan, &bytes, resident).map(Some)
+    }
+}
+
+impl SpineLayers for SpinePass<'_> {
+    fn layer(&mut self, l: usize, resident: &Layer) -> Result<Option<Layer>, ModelError> {
+        SpinePass::layer(self, l, resident)
     }
 }
 

@@ -17,7 +17,6 @@
 //! (different lane layouts, fused multiply-add, `expf`): the tests bound the difference.
 
 pub mod nvrtc;
-pub mod reference;
 pub mod sources;
 
 #[cfg(feature = "cuda")]

@@ -3,7 +3,7 @@
 //! and the matmul / KDA / MLA checks, each run through a closure that calls the kernel under
 //! test (a device, or the Metal sources compiled for the host); the device tests run them
 //! through [`GpuDevice`], which both devices have (`device_*`). The KDA and MLA references
-//! (`KdaStep::reference`, `MlaDecode::reference`: `deltafin_kernels::cuda::reference`) are
+//! (`KdaStep::reference`, `MlaDecode::reference`: `deltafin_kernels::reference`) are
 //! line-by-line f32 ports of the recurrent step in `crates/deltafin-k3/src/kda.rs` and of
 //! `MlaWeights::attend` (t = 1) in `mla.rs`.
 // Each test binary uses a part of this module.

@@ -12,10 +12,10 @@ use serde_json::Value;
 
 use super::tests::write_stream_install;
 use super::*;
+use crate::config::LayerKind;
 use crate::model::LogitRows;
+use crate::model::inventory::a_log_stored_len;
 use crate::synth::{SynthDims, SynthSpec, synthesize};
-use crate::weights::config::LayerKind;
-use crate::weights::inventory::a_log_stored_len;
 use crate::weights::loader::{EngineOptions, load_model};
 use crate::weights::spine_int8::SpineFormat;
 use crate::weights::spine_pack::{PackOptions, PackSet, default_pack_dir, pack_spine};

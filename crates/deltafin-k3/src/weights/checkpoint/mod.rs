@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use deltafin_tensor::{Bytes, DType, Mxfp4Matrix, SafetensorsFile, TensorError};
 
-use crate::weights::config::{ConfigError, K3Config};
-use crate::weights::inventory::{self};
+use crate::config::{ConfigError, K3Config};
+use crate::model::inventory::{self};
 
 #[cfg(test)]
 mod a_log_tests;

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use deltafin_tensor::{Bytes, SafetensorsFile, TensorError};
 use serde_json::Value;
 
-use crate::weights::config::K3Config;
-use crate::weights::inventory::{self, PREFIX, TensorSpec};
+use crate::config::K3Config;
+use crate::model::inventory::{self, PREFIX, TensorSpec};
 
 use super::*;
 

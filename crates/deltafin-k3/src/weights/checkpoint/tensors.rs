@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use deltafin_tensor::{Bf16Matrix, Bytes, DType, Mxfp4Matrix, bf16};
 
-use crate::weights::inventory::{self, PREFIX};
+use crate::model::inventory::{self, PREFIX};
 
 use super::open::map_file;
 use super::*;

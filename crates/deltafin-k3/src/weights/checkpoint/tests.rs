@@ -2,9 +2,9 @@ use super::*;
 use std::path::PathBuf;
 
 use crate::model::LogitRows;
+use crate::model::inventory::TensorKind;
+use crate::model::inventory::{self};
 use crate::synth::{SynthDims, SynthSpec, synthesize};
-use crate::weights::inventory::TensorKind;
-use crate::weights::inventory::{self};
 use crate::weights::loader::{EngineOptions, load_model};
 use crate::weights::spine_int8::{ConvertOptions, convert_spine, tensor_dir};
 use std::os::unix::fs::FileExt;

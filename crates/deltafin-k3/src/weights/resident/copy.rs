@@ -82,7 +82,7 @@ impl K3Model {
         let resident_layers = self
             .spine_stream
             .as_ref()
-            .map_or(self.layers.len(), |s| s.split().resident);
+            .map_or(self.layers.len(), |s| s.resident_layers());
         let mut parts: Vec<Bytes> = Vec::new();
         let mut matrices = 0;
         self.for_each_spine_matrix(resident_layers, |slot| {

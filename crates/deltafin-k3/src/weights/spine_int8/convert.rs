@@ -2,9 +2,9 @@
 //! at a time under the conversion lock ([`convert_spine`]).
 
 use super::format::*;
+use crate::model::inventory::TensorSpec;
 use crate::weights::checkpoint::{Checkpoint, CheckpointError};
 use crate::weights::filelock::{FileLock, Refused, lock_in};
-use crate::weights::inventory::TensorSpec;
 use deltafin_tensor::int8::quantize_row;
 use half::f16;
 use rayon::prelude::*;

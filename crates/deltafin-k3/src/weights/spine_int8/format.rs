@@ -1,9 +1,9 @@
 //! The row-int8 spine's files: names, formats, receipts, and the zero-copy loading of a
 //! converted spine ([`Int8Spine`]).
 
+use crate::config::K3Config;
+use crate::model::inventory::{TensorKind, TensorSpec, text_inventory};
 use crate::weights::checkpoint::CheckpointError;
-use crate::weights::config::K3Config;
-use crate::weights::inventory::{TensorKind, TensorSpec, text_inventory};
 use deltafin_tensor::{Bytes, DType, RowInt8Matrix};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;

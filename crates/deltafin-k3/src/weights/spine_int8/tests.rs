@@ -1,12 +1,12 @@
 use super::convert::*;
 use super::format::*;
 use super::verify::*;
+use crate::config::K3Config;
+use crate::config::REAL_CONFIG_JSON;
 use crate::model::LogitRows;
 use crate::model::layer::{Attention, Ffn};
 use crate::model::linear::Linear;
 use crate::weights::checkpoint::Checkpoint;
-use crate::weights::config::K3Config;
-use crate::weights::config::REAL_CONFIG_JSON;
 use crate::weights::loader::{EngineOptions, load_model};
 use deltafin_tensor::RowInt8Matrix;
 use half::f16;

@@ -4,9 +4,9 @@
 use super::format::*;
 use super::read::*;
 use super::write::*;
+use crate::model::inventory::TensorKind;
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::filelock::{FileLock, Refused, lock_in};
-use crate::weights::inventory::TensorKind;
 use crate::weights::spine_int8::{Int8Spine, SpineFormat};
 use deltafin_tensor::{Bf16Matrix, DType, RowInt8Matrix};
 use std::path::{Path, PathBuf};

@@ -2,8 +2,8 @@
 //! (`<pack>.part`, hashed as written, renamed into place).
 
 use super::format::*;
+use crate::model::inventory::{TensorKind, TensorSpec, text_inventory};
 use crate::weights::checkpoint::Checkpoint;
-use crate::weights::inventory::{TensorKind, TensorSpec, text_inventory};
 use crate::weights::spine_int8::{Int8Spine, SpineFormat};
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};

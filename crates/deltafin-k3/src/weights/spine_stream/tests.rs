@@ -62,7 +62,7 @@ fn run(ckpt: &Arc<Checkpoint>, spine: SpineFormat, resident: Option<usize>) -> V
     )
     .unwrap();
     let layers = m.layers.len();
-    match (resident, &m.spine_stream) {
+    match (resident, super::streamer(&m)) {
         (Some(k), Some(s)) => {
             assert!(k < layers);
             assert_eq!(s.split().resident, k);
@@ -83,7 +83,7 @@ fn run(ckpt: &Arc<Checkpoint>, spine: SpineFormat, resident: Option<usize>) -> V
     for t in [5u32, 700, 42] {
         out.extend(m.decode(&mut st, t).unwrap());
     }
-    if let Some(s) = &m.spine_stream {
+    if let Some(s) = super::streamer(&m) {
         let stats = s.stats();
         // One prefill and three decode passes, each reads every streamed layer once.
         assert_eq!(stats.passes, 4);
@@ -140,7 +140,7 @@ fn a_short_read_names_the_file() {
         ckpt.root(),
         &format!(
             "{}model.layers.2.self_attn.o_proj.weight",
-            crate::weights::inventory::PREFIX
+            crate::model::inventory::PREFIX
         ),
     )
     .i8;

@@ -12,8 +12,8 @@
 
 use deltafin_tensor::DType;
 
+use crate::config::K3Config;
 use crate::model::dims::{AttnKind, FfnKind, ModelDims};
-use crate::weights::config::K3Config;
 
 /// Prefix of every text-model tensor name.
 pub const PREFIX: &str = "language_model.";
@@ -559,7 +559,7 @@ pub fn vision_inventory(cfg: &K3Config) -> Vec<TensorSpec> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::weights::config::REAL_CONFIG_JSON;
+    use crate::config::REAL_CONFIG_JSON;
     use std::collections::HashMap;
     use std::io::Read;
 

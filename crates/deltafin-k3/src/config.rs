@@ -756,7 +756,7 @@ fn parse_vision(v: &Obj<'_>) -> Result<VisionConfig, ConfigError> {
 }
 
 /// The real K3 `config.json` (assets/kimi/k3-config.json), embedded for synthesis and tests.
-pub const REAL_CONFIG_JSON: &str = include_str!("../../../../assets/kimi/k3-config.json");
+pub const REAL_CONFIG_JSON: &str = include_str!("../../../assets/kimi/k3-config.json");
 
 #[cfg(test)]
 mod tests;

@@ -176,7 +176,7 @@ fn from_file_names_the_file() {
 fn kda_heads_are_independent_of_the_head_dim() {
     // `A_log` is stored padded to a multiple of 128 entries (docs/K3.md §3.2), not as
     // `[head_dim]`: more heads than the head dim, or far fewer, are valid configs.
-    use crate::weights::inventory::{StoredShape, text_inventory};
+    use crate::model::inventory::{StoredShape, text_inventory};
     for (heads, dim, stored) in [(160usize, 128usize, 256usize), (3, 32, 128)] {
         let c = with(|v| {
             let la = &mut v["text_config"]["linear_attn_config"];

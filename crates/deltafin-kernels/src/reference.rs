@@ -1,4 +1,4 @@
-//! f32 CPU references for the CUDA KDA and MLA kernels: line-by-line ports of the recurrent
+//! f32 CPU references for the GPU (CUDA and Metal) KDA and MLA kernels: line-by-line ports of the recurrent
 //! step in `crates/deltafin-k3/src/model/kda.rs` and of `MlaWeights::attend` (one query token) in
 //! `crates/deltafin-k3/src/model/mla.rs`, on plain slices. Used by the GPU tests and the doctor
 //! canaries. Their `exp`/σ are [`crate::vmath`]'s, as in the model. (The products' reference
