@@ -418,6 +418,51 @@ impl Home {
         Ok(home)
     }
 
+    /// A home that holds nothing yet and is not created on disk (what a placement plan of a
+    /// new home starts from).
+    pub fn empty(dir: &Path, model: &HomeModel) -> Home {
+        Home {
+            dir: dir.to_path_buf(),
+            model: model.clone(),
+            journal: Journal::default(),
+        }
+    }
+
+    /// Whether `dir` holds a home (its `home.json` exists).
+    pub fn exists_at(dir: &Path) -> bool {
+        dir.join(HOME_SUBDIR).join(HOME_FILE).exists()
+    }
+
+    /// Check that this home holds copies of the experts of `table` (the model root's), not
+    /// of another checkpoint with the same `config.json`: the first copy whose source file is
+    /// present is read from the root and its SHA-256 compared with the journaled one; a
+    /// difference is an error naming the home. (Every copy was verified against its source
+    /// when placed; this catches a home used with another model.)
+    pub fn verify_sample(&self, table: &crate::ExpertTable) -> Result<(), ExpertError> {
+        let sample = self.journal.copies.iter().find(|((l, e), _)| {
+            table
+                .get(*l, *e)
+                .ok()
+                .and_then(|loc| table.files.get(loc.file))
+                .is_some_and(|p| p.is_file())
+        });
+        let Some((&(l, e), digest)) = sample else {
+            return Ok(());
+        };
+        let (_, root) = place::read_source(table, l, e)?;
+        if root.sha256 != digest.sha256 {
+            return Err(home_err(
+                &self.dir,
+                format!(
+                    "holds experts of another model: its copy of expert {e} of layer {l} has SHA-256 {}, the model root's {} (a checkpoint with the same config.json but other weights): place them again with `deltafin place-experts`",
+                    hex::encode(digest.sha256),
+                    hex::encode(root.sha256)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Open the home at `dir` for placing copies: create `deltafin-experts/home.json` for
     /// `model` when the directory holds no home yet (written to a temporary name, synced,
     /// renamed), else open it as [`Home::open`] does (a home of another model is refused).
@@ -549,6 +594,12 @@ impl ExpertHomes {
     /// Whether some home holds `(layer, expert)`.
     pub fn holds(&self, layer: usize, expert: usize) -> bool {
         self.holders(layer, expert) != 0
+    }
+
+    /// Check that the homes hold copies of the experts of `table` (the model root's), not of
+    /// another checkpoint with the same `config.json` ([`Home::verify_sample`]).
+    pub fn verify_sample(&self, table: &crate::ExpertTable) -> Result<(), ExpertError> {
+        self.homes.iter().try_for_each(|h| h.verify_sample(table))
     }
 
     /// Copies over all homes.

@@ -279,6 +279,34 @@ fn a_home_of_another_model_or_a_damaged_home_is_refused_naming_it() {
 }
 
 #[test]
+fn homes_of_other_weights_under_the_same_config_are_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let (table, _) = fixture(root.path());
+    let (_t, dirs) = dirs(1);
+    place_all(&table, &dirs, 1);
+    // The same geometry and config digest, other bytes.
+    let other = tempfile::tempdir().unwrap();
+    let (mut table2, _) = fixture(other.path());
+    let p = &table2.files[0];
+    let mut b = std::fs::read(p).unwrap();
+    for x in b.iter_mut().skip(1000).step_by(97) {
+        *x ^= 0x21;
+    }
+    std::fs::write(p, b).unwrap();
+    table2.files[0] = p.clone();
+    let homes = ExpertHomes::open(&dirs, &model()).unwrap();
+    let err = StreamingExperts::with_homes(table2.clone(), opts(&table2, 2), Some(homes))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("another model") && err.contains(&dirs[0].display().to_string()),
+        "{err}"
+    );
+    let homes = ExpertHomes::open(&dirs, &model()).unwrap();
+    assert!(StreamingExperts::with_homes(table.clone(), opts(&table, 2), Some(homes)).is_ok());
+}
+
+#[test]
 fn streaming_from_homes_gives_the_root_bytes_and_spreads_the_reads() {
     let root = tempfile::tempdir().unwrap();
     let (table, want) = fixture(root.path());

@@ -46,6 +46,7 @@ impl HomeReaders {
                 table.layers.len()
             )));
         }
+        homes.verify_sample(table)?;
         let mut files = Vec::with_capacity(homes.homes().len());
         for home in homes.homes() {
             let mut per_layer: Vec<Option<SourceFile>> = (0..m.layers).map(|_| None).collect();
