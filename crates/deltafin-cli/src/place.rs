@@ -1,5 +1,5 @@
 //! `deltafin place-experts`: copy routed experts from the model root into expert homes,
-//! directories on other drives (docs/K3.md §12.10, docs/CLI.md "place-experts").
+//! directories on other drives (docs/K3.md §12.11, docs/CLI.md "place-experts").
 //!
 //! The plan gives every routed expert `--replicas` copies on different homes (with
 //! `--by-heat` the hottest tenth by the learned route histogram one more), each new copy to

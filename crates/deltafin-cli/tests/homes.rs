@@ -1,4 +1,4 @@
-//! Expert homes (docs/K3.md §12.10): `deltafin place-experts` copies the routed experts into
+//! Expert homes (docs/K3.md §12.11): `deltafin place-experts` copies the routed experts into
 //! plain directories standing in for drives, each copy verified, resumably; `run
 //! --expert-homes` under a memory budget reads them and emits the same tokens; a damaged
 //! copy is read elsewhere, a missing home or one of another model is an error naming it.
@@ -163,5 +163,49 @@ fn placed_homes_are_verified_resumable_and_give_the_same_tokens() {
             &[],
         ),
         "--expert-homes",
+    );
+}
+
+#[test]
+fn doctor_probes_each_home_and_fails_a_missing_one() {
+    let root = checkpoint(SynthDims::tiny_streaming(), 5);
+    let root = root.path();
+    let a = tempfile::tempdir().unwrap();
+    let homes = a.path().display().to_string();
+    exits(
+        &deltafin(
+            root,
+            &["place-experts", "--homes", &homes, "--replicas", "1"],
+            &[],
+        ),
+        0,
+    );
+    let o = deltafin(
+        root,
+        &[
+            "doctor",
+            "--memory-budget-gb",
+            "0.2",
+            "--expert-homes",
+            &homes,
+        ],
+        &[],
+    );
+    let (out, _) = stdout_stderr(&o);
+    let line = out
+        .lines()
+        .find(|l| l.contains(&format!("expert home {homes}")))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(line.contains("[ ok ]") && line.contains("GB/s"), "{line}");
+    let gone = a.path().join("unplugged");
+    let o = deltafin(
+        root,
+        &["doctor", "--expert-homes", &gone.display().to_string()],
+        &[],
+    );
+    let out = exits(&o, 1);
+    assert!(
+        out.contains("[FAIL] expert homes") && out.contains("not mounted"),
+        "{out}"
     );
 }

@@ -117,7 +117,7 @@ pub struct ExpertStats {
     pub home_fallbacks: u64,
 }
 
-/// Reads served by one expert home (docs/K3.md §12.10).
+/// Reads served by one expert home (docs/K3.md §12.11).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct HomeReadStats {
     /// The home's directory.

@@ -14,6 +14,7 @@ use std::process::ExitCode;
 
 mod canaries;
 mod disk;
+mod homes;
 mod load;
 mod memory;
 mod model;

@@ -1,5 +1,5 @@
 //! Expert homes: directories on other drives that hold verified copies of routed experts, so
-//! that the reads of one token are spread over several drives (docs/K3.md §12.10).
+//! that the reads of one token are spread over several drives (docs/K3.md §12.11).
 //!
 //! A home is a directory (a drive's mount point, or a folder on it) with one subdirectory,
 //! [`HOME_SUBDIR`]:

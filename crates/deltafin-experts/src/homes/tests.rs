@@ -431,3 +431,39 @@ fn a_damaged_or_lost_copy_falls_back_never_a_wrong_expert() {
             .is_empty()
     );
 }
+
+#[test]
+fn a_failed_copy_is_read_from_the_other_home_before_the_model_root() {
+    let root = tempfile::tempdir().unwrap();
+    let (table, want) = fixture(root.path());
+    let (_t, dirs) = dirs(2);
+    place_all(&table, &dirs, 2);
+    let homes = ExpertHomes::open(&dirs, &model()).unwrap();
+    let f = homes.homes()[0].layer_path(1);
+    let mut b = std::fs::read(&f).unwrap();
+    for e in 0..EXPERTS {
+        b[homes.homes()[0].slot_offset(e) as usize + 100] ^= 1;
+    }
+    std::fs::write(&f, &b).unwrap();
+    let src = StreamingExperts::with_homes(table.clone(), opts(&table, 2), Some(homes)).unwrap();
+    for _ in 0..3 {
+        for (l, e) in all_experts() {
+            assert_eq!(
+                bytes_of(&src.expert(l, e).unwrap()),
+                want[&(l, e)],
+                "({l}, {e})"
+            );
+        }
+    }
+    let st = src.stats().unwrap();
+    // Each damaged copy failed once (then never read again) and moved to home 1.
+    assert!(st.homes[0].failures as usize <= EXPERTS, "{st:?}");
+    assert_eq!(st.homes[0].failures, st.home_fallbacks);
+    assert!(st.home_fallbacks > 0, "{st:?}");
+    // Nothing came from the model root: every byte transferred was a home's.
+    assert_eq!(
+        st.homes.iter().map(|h| h.bytes).sum::<u64>(),
+        st.device_bytes,
+        "{st:?}"
+    );
+}

@@ -176,7 +176,7 @@ pub(super) struct Shared {
     pub(super) opened: AtomicU64,
     /// How the last per-read-opened file was served (when `files` is empty).
     pub(super) last_path: Mutex<Option<(IoPath, Option<String>)>>,
-    /// Expert homes (docs/K3.md §12.10): copies read before the model root's.
+    /// Expert homes (docs/K3.md §12.11): copies read before the model root's.
     pub(super) homes: Option<super::homes::HomeReaders>,
     pub(super) opts: StreamOptions,
     pub(super) buf_cap: u64,
@@ -397,7 +397,27 @@ impl Shared {
     ) -> Result<(ReadFrom, ExpertLocation), ExpertError> {
         let root = self.table.get(layer, expert)?;
         if let Some(h) = &self.homes
-            && let Some(home) = h.choose(st, layer, expert, tried)
+            && h.homes.holders(layer, expert) & !tried != 0
+            && let Some(home) = {
+                let mut outstanding = vec![0u64; h.homes.homes().len()];
+                for p in st.pending.values() {
+                    if let ReadFrom::Home(i) = p.from
+                        && !p.cancelled
+                        && let Some(o) = outstanding.get_mut(i)
+                    {
+                        let left = p.expected.saturating_sub(p.done) as u64;
+                        *o += left * p.plan.buf_len / p.pieces.len().max(1) as u64;
+                    }
+                }
+                h.choose(layer, expert, tried, |i| {
+                    (!st.bad_copies.contains(&(layer, expert, i))).then(|| {
+                        (
+                            outstanding.get(i).copied().unwrap_or(0),
+                            st.home_stats.get(i).map_or(0, |c| c.assigned),
+                        )
+                    })
+                })
+            }
         {
             return Ok((ReadFrom::Home(home), h.location(home, layer, expert)));
         }

@@ -1,8 +1,6 @@
 //! Reads from expert homes: the layer files of every home, open, and the choice of the copy
-//! a read goes to (docs/K3.md §12.10).
+//! a read goes to (docs/K3.md §12.11).
 
-use super::cache::State;
-use super::pieces::ReadFrom;
 use crate::error::ExpertError;
 use crate::homes::ExpertHomes;
 use crate::io::{DirectIo, SourceFile};
@@ -47,6 +45,9 @@ impl HomeReaders {
             )));
         }
         homes.verify_sample(table)?;
+        // Two descriptors per layer file and home (K3: 92 × 2 per home) beside the model
+        // root's: raise the soft limit on open files to the hard one.
+        raise_open_files_limit();
         let mut files = Vec::with_capacity(homes.homes().len());
         for home in homes.homes() {
             let mut per_layer: Vec<Option<SourceFile>> = (0..m.layers).map(|_| None).collect();
@@ -90,39 +91,40 @@ impl HomeReaders {
     }
 
     /// The home a read of `(layer, expert)` goes to: of the homes holding a copy that was not
-    /// tried yet for this read (`tried`, a mask) and not found bad, the one with the fewest
-    /// bytes outstanding (ties: the fewest bytes ever sent to it, then the first). `None`:
-    /// no such home (read from the model root).
+    /// tried yet for this read (`tried`, a mask), the one with the lowest `rank` (bytes
+    /// outstanding, then bytes ever sent to it; `None`: a copy found bad), ties to the first.
+    /// `None`: no such home (read from the model root).
     pub(super) fn choose(
         &self,
-        st: &State,
         layer: usize,
         expert: usize,
         tried: u32,
+        rank: impl Fn(usize) -> Option<(u64, u64)>,
     ) -> Option<usize> {
         let mask = self.homes.holders(layer, expert) & !tried;
-        if mask == 0 {
-            return None;
-        }
-        let mut outstanding = vec![0u64; self.homes.homes().len()];
-        for p in st.pending.values() {
-            if let ReadFrom::Home(h) = p.from
-                && !p.cancelled
-                && let Some(o) = outstanding.get_mut(h)
-            {
-                let left = p.expected.saturating_sub(p.done) as u64;
-                *o += left * p.plan.buf_len / p.pieces.len().max(1) as u64;
-            }
-        }
         (0..self.homes.homes().len())
             .filter(|&h| mask & (1 << h) != 0)
-            .filter(|&h| !st.bad_copies.contains(&(layer, expert, h)))
-            .min_by_key(|&h| {
-                (
-                    outstanding[h],
-                    st.home_stats.get(h).map_or(0, |c| c.assigned),
-                    h,
-                )
-            })
+            .filter_map(|h| rank(h).map(|r| (r, h)))
+            .min()
+            .map(|(_, h)| h)
+    }
+}
+
+/// Raise the soft limit on open files to the hard limit (at most 2^20).
+fn raise_open_files_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct passed; no other memory.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return;
+        }
+        let target = lim.rlim_max.min(1 << 20);
+        if lim.rlim_cur < target {
+            lim.rlim_cur = target;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
     }
 }

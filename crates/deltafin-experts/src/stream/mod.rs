@@ -80,7 +80,7 @@ impl StreamingExperts {
         StreamingExperts::with_homes(table, opts, None)
     }
 
-    /// [`StreamingExperts::new`] with expert homes (docs/K3.md §12.10): an expert a home
+    /// [`StreamingExperts::new`] with expert homes (docs/K3.md §12.11): an expert a home
     /// holds is read from the holding home with the fewest bytes outstanding, each home by
     /// its own `read_threads` I/O threads (a reader queue per drive); a copy whose read fails
     /// is not used again and the read moves to the next copy, then to the model root. The

@@ -90,7 +90,7 @@ pub struct EngineConfig {
     /// Expert streaming under a budget: read threads, O_DIRECT policy, PILOT gate (the
     /// cache size is the plan's, whatever `cache_bytes` says here).
     pub stream: StreamOptions,
-    /// Expert homes (docs/K3.md §12.10): directories on other drives holding verified copies
+    /// Expert homes (docs/K3.md §12.11): directories on other drives holding verified copies
     /// of routed experts, read instead of the model root's files when experts stream.
     pub expert_homes: Vec<std::path::PathBuf>,
     /// At most this many spine layers resident (the rest streamed per pass); `None`: as the

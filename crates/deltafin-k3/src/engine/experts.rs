@@ -10,7 +10,7 @@ use crate::engine::progress::{LoadProgress, with_copy_progress};
 use crate::model::moe::ExpertSource;
 use crate::weights::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
 use crate::weights::config::K3Config;
-use crate::weights::loader::{CheckpointExperts, expert_table, streaming_experts};
+use crate::weights::loader::{CheckpointExperts, expert_table, streaming_experts_with_homes};
 use crate::weights::resident::{HugePages, ResidentCopy};
 use deltafin_experts::heat::{HeatDims, HeatRecorder, HeatTable};
 use deltafin_experts::scale4::{SCALE4_DIR, Scale4Experts, Scale4Layout, Scale4Sidecars};
@@ -288,7 +288,7 @@ pub(crate) fn assemble_expert_stack(
             if let Some(h) = &homes {
                 progress.info(&describe_homes(h));
             }
-            let src = streaming_experts(checkpoint, opts, homes)
+            let src = streaming_experts_with_homes(checkpoint, opts, homes)
                 .map_err(EngineError::context("cannot set up expert streaming"))?;
             src.set_pin_tier(&learned.pin_candidates(), pin)
                 .map_err(EngineError::context("cannot set up the pinned expert tier"))?;

@@ -549,8 +549,16 @@ pub fn convert_to_expert_files(ckpt: &Checkpoint) -> Result<usize, LoadError> {
 }
 
 /// Routed experts streamed from the checkpoint's shards with explicit reads (never through
-/// the shard mmaps) under `stream.cache_bytes`, and from `homes` where they hold copies.
+/// the shard mmaps) under `stream.cache_bytes`.
 pub fn streaming_experts(
+    ckpt: &Checkpoint,
+    stream: StreamOptions,
+) -> Result<StreamingExperts, LoadError> {
+    streaming_experts_with_homes(ckpt, stream, None)
+}
+
+/// [`streaming_experts`], reading from `homes` what they hold copies of (docs/K3.md §12.11).
+pub fn streaming_experts_with_homes(
     ckpt: &Checkpoint,
     stream: StreamOptions,
     homes: Option<ExpertHomes>,
