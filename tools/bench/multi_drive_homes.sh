@@ -4,8 +4,8 @@
 # the drives are independent and far slower than the real disk under them. For each drive
 # count N the experts are placed on N drives (1 copy for N = 1, else 2), the page cache is
 # dropped, and `deltafin run` decodes under a memory budget inside the throttled cgroup.
-# Printed per run: decode token/s, expert bytes read, the homes' bytes, and decode ÷ the I/O
-# bound (N × RATE_MB ÷ expert bytes read per decoded token). Not part of CI: needs root, loop
+# Printed per run: decode token/s, the expert bytes read, the homes' bytes, and the run's I/O
+# bound (its expert bytes ÷ (N × RATE_MB)) against its prefill + decode time. Not part of CI: needs root, loop
 # devices, mkfs.ext4 and /sys/fs/cgroup/blkio.
 #
 #   cargo build --release && cargo xtask synth --preset stream --out /tmp/exp-stream
@@ -40,7 +40,7 @@ command -v mkfs.ext4 >/dev/null || die "mkfs.ext4 is missing"
 # not needed; a home of all experts is at most the model's size on disk.
 MODEL_BYTES=$(du -sb "$MODEL" | cut -f1)
 # Per drive: 1 copy (N = 1) + 1 (N = 2, 2 replicas on 2 drives) + 1/2 (N = 4) + slack.
-FILE_BYTES=$(( MODEL_BYTES * 5 / 2 + (256 << 20) ))
+FILE_BYTES=$(( (MODEL_BYTES * 5 / 2 >> 20 << 20) + (256 << 20) ))
 RATE=$(( RATE_MB * 1000 * 1000 ))
 
 LOOPS=()
@@ -60,7 +60,8 @@ mkdir -p "$WORK" "$CG"
 for i in 0 1 2 3; do
   img="$WORK/drive$i.img"
   truncate -s "$FILE_BYTES" "$img"
-  loop=$(losetup -f --show "$img")
+  # --direct-io=on: the loop device reads its file past the host's page cache.
+  loop=$(losetup -f --show --direct-io=on "$img")
   LOOPS+=("$loop")
   mkfs.ext4 -q -F "$loop"
   mkdir -p "$WORK/d$i"
@@ -83,7 +84,7 @@ homes_of() { # N → comma-separated home directories for N drives
 for n in 1 2 4; do
   replicas=$(( n == 1 ? 1 : 2 ))
   "$BIN" place-experts --model-root "$MODEL" --homes "$(homes_of $n)" --replicas $replicas \
-    | tail -n 1
+    2>/dev/null | tail -n 1
 done
 
 run_once() { # N → one line of results
@@ -98,16 +99,17 @@ run_once() { # N → one line of results
       --prompt "The drives share the reads of every token" --max-new "$TOKENS" --stats \
     2>"$err" >/dev/null; cat "$err")
   rm -f "$err"
-  local decode bytes dev
+  local decode bytes dev prefill generated
   decode=$(grep -o 'decode=[0-9.]* token/s' <<<"$out" | grep -o '[0-9.]*' | head -1)
+  prefill=$(grep -o ' prefill=[0-9.]*s' <<<"$out" | grep -o '[0-9.]*' | head -1)
+  generated=$(grep -o ' generated=[0-9]*' <<<"$out" | head -1 | cut -d= -f2)
   bytes=$(grep -o ' bytes_read=[0-9]*' <<<"$out" | head -1 | cut -d= -f2)
   dev=$(grep -o ' homes=[^ ]*' <<<"$out" | head -1)
-  # I/O bound of the whole run's expert bytes at N × RATE: tokens/s if the drives were busy
-  # all the time reading only what was needed.
-  awk -v n="$n" -v d="$decode" -v b="$bytes" -v r="$RATE" -v t="$TOKENS" 'BEGIN {
-    per = b / (t + 1); bound = n * r / per;
-    printf "homes=%d decode=%.3f token/s expert_bytes=%d per_token=%.0f bound=%.3f token/s ratio=%.3f\n",
-      n, d, b, per, bound, d / bound }'
+  # The I/O bound of the run: its expert bytes at N × RATE, against its prefill + decode time.
+  awk -v n="$n" -v d="$decode" -v p="$prefill" -v g="$generated" -v b="$bytes" -v r="$RATE" 'BEGIN {
+    t = p + g / d; bound = b / (n * r);
+    printf "homes=%d decode=%.3f token/s prefill=%.2f s generated=%d expert_bytes=%.0f run=%.2f s io_bound=%.2f s bound/run=%.3f\n",
+      n, d, p, g, b, t, bound, bound / t }'
   echo "    ${dev# }"
 }
 
