@@ -49,7 +49,9 @@ pub fn engine_config(
         None => StreamOptions::with_cache_bytes(0),
     };
     let states = state_cache_settings(model)?;
+    let expert_homes = resolve_expert_homes(model.expert_homes.as_deref())?;
     Ok(EngineConfig {
+        expert_homes,
         state_cache_ram: if states.enabled { states.ram_bytes } else { 0 },
         memory_budget,
         spine,
@@ -66,6 +68,36 @@ pub fn engine_config(
         huge_pages,
         copy_resident_experts: true,
     })
+}
+
+/// The expert homes from `--expert-homes`, else `K3_EXPERT_HOMES`, else none: a
+/// comma-separated list of directories (an empty value is none; an empty entry in a list is
+/// an error).
+pub fn resolve_expert_homes(flag: Option<&str>) -> Result<Vec<PathBuf>> {
+    let (value, name) = match flag {
+        Some(v) => (Some(v.to_string()), "--expert-homes"),
+        None => (env_var("K3_EXPERT_HOMES")?, "K3_EXPERT_HOMES"),
+    };
+    match value {
+        // Empty: no homes (an arm of `benchmark` can turn them off this way).
+        Some(v) if v.trim().is_empty() => Ok(Vec::new()),
+        None => Ok(Vec::new()),
+        Some(v) => parse_dir_list(&v).map_err(|e| anyhow!("{name}: {e}")),
+    }
+}
+
+/// `DIR[,DIR…]` → the directories; an empty entry is an error.
+pub fn parse_dir_list(v: &str) -> std::result::Result<Vec<PathBuf>, String> {
+    v.split(',')
+        .map(|d| {
+            let d = d.trim();
+            if d.is_empty() {
+                Err(format!("{v:?} has an empty entry (DIR[,DIR…])"))
+            } else {
+                Ok(PathBuf::from(d))
+            }
+        })
+        .collect()
 }
 
 /// The prefix-state cache of a command (`--state-cache`, `K3_STATE_CACHE`,

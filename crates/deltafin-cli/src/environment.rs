@@ -59,6 +59,10 @@ pub const VARIABLES: &[Variable] = &[
         "expert reads: auto/1 (O_DIRECT), 0 (page cache)",
     ),
     v(
+        "K3_EXPERT_HOMES",
+        "as --expert-homes: DIR[,DIR…] of expert copies on other drives",
+    ),
+    v(
         "K3_PILOT_GATE",
         "next-layer expert prefetch: off (ungoverned), measure, on, ranked",
     ),

@@ -20,6 +20,7 @@ mod kernel_env;
 mod npz;
 mod pack;
 mod perplexity;
+mod place;
 mod plot;
 mod prefill_bar;
 mod run;
@@ -98,6 +99,9 @@ enum Command {
     ConvertSpineInt8(convert::ConvertSpineInt8Args),
     /// Build or verify (--verify-only) the DFSP per-layer spine packs.
     PackSpine(pack::PackSpineArgs),
+    /// Copy routed experts into expert homes on other drives, each copy verified
+    /// (docs/CLI.md "place-experts").
+    PlaceExperts(place::PlaceArgs),
 }
 
 /// `--model-root`, the one definition of the flag every command that takes a model root
@@ -161,6 +165,13 @@ pub struct ModelArgs {
     /// (K3_STATE_CACHE_DISK_GB, default 16), which survives restarts and is safe to delete.
     #[arg(long, value_name = "on|off")]
     pub state_cache: Option<String>,
+    /// Expert homes: directories on other drives holding verified copies of routed experts
+    /// (`deltafin place-experts`), comma-separated [env: K3_EXPERT_HOMES]. Under a memory
+    /// budget an expert a home holds is read from the holding drive with the fewest bytes
+    /// outstanding, so the reads of a token are spread over the drives; a missing home or one
+    /// of another model is an error, a copy that fails its checksum is read elsewhere.
+    #[arg(long, value_name = "DIR[,DIR…]")]
+    pub expert_homes: Option<String>,
 }
 
 impl ModelArgs {
@@ -289,6 +300,7 @@ fn main() -> ExitCode {
         Some(Command::ConvertExpertsScale4(args)) => scale4::convert(&args),
         Some(Command::ConvertSpineInt8(args)) => convert::convert_spine_int8(&args),
         Some(Command::PackSpine(args)) => pack::pack_spine_cmd(&args),
+        Some(Command::PlaceExperts(args)) => place::place_experts(&args),
         None => run::run(&cli.run),
     };
     match result {

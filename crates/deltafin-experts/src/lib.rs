@@ -13,11 +13,14 @@
 //!   allows it) by a bounded pool of I/O threads into aligned, reused buffers, an expert cache
 //!   under a byte budget with a decayed-heat policy, and PILOT next-layer prefetch.
 //! - [`scale4`]: lossless 4-bit scale sidecars (`K3SC4V2`) and the source that reads them.
+//! - [`homes`]: expert homes, directories on other drives holding verified copies of
+//!   experts that [`StreamingExperts::with_homes`] reads from (and [`homes::place`] fills).
 //! - [`probe`]: the read-bandwidth probe (same read path) that throughput is reported against.
 
 pub mod buffer;
 pub mod error;
 pub mod heat;
+pub mod homes;
 pub mod io;
 pub mod layout;
 pub mod observe;
@@ -34,11 +37,12 @@ pub mod trace;
 pub(crate) mod test_support;
 
 pub use error::ExpertError;
+pub use homes::{ExpertHomes, HomeModel};
 pub use layout::{ExpertLocation, ExpertShape, ExpertTable};
 pub use observe::{PassRoutes, RouteObserver, RouteObservers};
 pub use source::{
     ExpertSource, ExpertWeights, Layered, PilotGuess, ShapeMismatch, SourceLayer, rank_guesses,
 };
-pub use stats::{ExpertStats, LayerStats, RankStats};
+pub use stats::{ExpertStats, HomeReadStats, LayerStats, RankStats};
 pub use stream::{DirectIo, PilotGate, StreamOptions, StreamingExperts};
 pub use trace::{RouterTrace, TraceMode};

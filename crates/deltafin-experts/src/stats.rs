@@ -111,6 +111,24 @@ pub struct ExpertStats {
     pub pilot_ranks: Vec<RankStats>,
     /// PILOT guesses per rank in passes of several rows (prefill, verification).
     pub pilot_ranks_batch: Vec<RankStats>,
+    /// Per expert home, in the order given (empty without homes).
+    pub homes: Vec<HomeReadStats>,
+    /// Reads moved to another copy or the model root because a home's copy failed.
+    pub home_fallbacks: u64,
+}
+
+/// Reads served by one expert home (docs/K3.md §12.11).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HomeReadStats {
+    /// The home's directory.
+    pub dir: String,
+    /// Copies its journal lists.
+    pub copies: usize,
+    /// Piece reads served, and their bytes.
+    pub reads: u64,
+    pub bytes: u64,
+    /// Copies whose read failed (each then read elsewhere).
+    pub failures: u64,
 }
 
 impl ExpertStats {
@@ -213,6 +231,30 @@ impl ExpertStats {
             self.cache_budget_bytes,
             self.io_path,
             self.read_threads,
+        ) + &self.homes_summary()
+    }
+
+    /// ` homes=DIR:bytes[:failed=N],… home_fallbacks=N` (empty without homes).
+    pub fn homes_summary(&self) -> String {
+        if self.homes.is_empty() {
+            return String::new();
+        }
+        let per: Vec<String> = self
+            .homes
+            .iter()
+            .map(|h| {
+                let failed = if h.failures > 0 {
+                    format!(":failed={}", h.failures)
+                } else {
+                    String::new()
+                };
+                format!("{}:{}{failed}", h.dir, h.bytes)
+            })
+            .collect();
+        format!(
+            " homes={} home_fallbacks={}",
+            per.join(","),
+            self.home_fallbacks
         )
     }
 }

@@ -72,4 +72,8 @@ pub struct BenchmarkArgs {
     /// [default: the runs read K3_MOE].
     #[arg(long, value_name = "BACKEND")]
     pub expert_backend: Option<String>,
+    /// Expert homes passed to every run (`--expert-homes DIR[,DIR…]`) [default: the runs
+    /// read K3_EXPERT_HOMES]; an arm's `K3_EXPERT_HOMES=` compares drive sets.
+    #[arg(long, value_name = "DIR[,DIR…]")]
+    pub expert_homes: Option<String>,
 }

@@ -208,6 +208,9 @@ pub(super) fn run_schedule(
         if let Some(e) = &args.expert_backend {
             child_args.push(format!("--expert-backend={e}"));
         }
+        if let Some(h) = &args.expert_homes {
+            child_args.push(format!("--expert-homes={h}"));
+        }
         let outcome = run_child(runner, &child_args, &arms[arm].env, &run_dir, args.timeout)?;
         let mut rec = RunRecord {
             index: index + 1,

@@ -14,6 +14,7 @@ use std::process::ExitCode;
 
 mod canaries;
 mod disk;
+mod homes;
 mod load;
 mod memory;
 mod model;
@@ -33,7 +34,7 @@ use runtime::runtime_checks;
 #[derive(clap::Args, Debug, Clone)]
 pub struct DoctorArgs {
     /// Check only the host (CPU, kernels, canaries, disk, memory); skip all model data.
-    #[arg(long, conflicts_with_all = ["model_root", "memory_budget_gb", "device", "expert_backend", "spine"])]
+    #[arg(long, conflicts_with_all = ["model_root", "memory_budget_gb", "device", "expert_backend", "spine", "expert_homes"])]
     pub runtime_only: bool,
     /// Print one JSON object (schema deltafin.doctor.v1) instead of text.
     #[arg(long)]

@@ -127,6 +127,7 @@ pub(super) fn model_checks(
     writable_check(r, root);
     if consistent && let Some(ckpt) = &checkpoint {
         super::load::load_checks(r, ckpt, model, available);
+        super::homes::homes_checks(r, ckpt, model);
     }
     largest.map(|(_, p)| p)
 }

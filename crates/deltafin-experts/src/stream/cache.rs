@@ -3,11 +3,11 @@
 
 use super::gate::{Prediction, RankCounter};
 use super::options::{OPEN_FILE_CACHE, StreamOptions};
-use super::pieces::{Filling, Job, Pending, split_regions};
+use super::pieces::{Filling, Job, Pending, ReadFrom, split_regions};
 use crate::buffer::ExpertBuffer;
 use crate::error::ExpertError;
 use crate::io::{IoPath, SourceFile};
-use crate::layout::{ExpertTable, ReadPlan};
+use crate::layout::{ExpertLocation, ExpertTable, ReadPlan};
 use crate::policy::Heat;
 use crate::source::ExpertWeights;
 use crate::stats::LayerStats;
@@ -88,6 +88,12 @@ pub(super) struct State {
     pub(super) pin_slots: usize,
     /// Sticky entries now.
     pub(super) sticky: usize,
+    /// Per expert home: reads, bytes, failures.
+    pub(super) home_stats: Vec<super::homes::HomeCounters>,
+    /// Home copies whose read failed `(layer, expert, home)`: never read again.
+    pub(super) bad_copies: std::collections::HashSet<(usize, usize, usize)>,
+    /// Reads moved to another copy (or the model root) after a home's copy failed.
+    pub(super) home_fallbacks: u64,
 }
 
 impl State {
@@ -170,6 +176,8 @@ pub(super) struct Shared {
     pub(super) opened: AtomicU64,
     /// How the last per-read-opened file was served (when `files` is empty).
     pub(super) last_path: Mutex<Option<(IoPath, Option<String>)>>,
+    /// Expert homes (docs/K3.md §12.11): copies read before the model root's.
+    pub(super) homes: Option<super::homes::HomeReaders>,
     pub(super) opts: StreamOptions,
     pub(super) buf_cap: u64,
     pub(super) window: usize,
@@ -318,13 +326,18 @@ impl Shared {
         if pinned {
             st.pinned += 1;
         }
-        let located = self.table.get(layer, expert).map(|loc| {
-            let plan = ReadPlan::new(loc);
+        let located = self.locate(st, layer, expert, 0).map(|(from, loc)| {
+            let plan = ReadPlan::new(&loc);
             let pieces = split_regions(&plan, st.piece);
-            (loc.file, plan, pieces)
+            (from, loc.file, plan, pieces)
         });
         let slot = match located {
-            Ok((file, plan, pieces)) => {
+            Ok((from, file, plan, pieces)) => {
+                if let ReadFrom::Home(h) = from
+                    && let Some(c) = st.home_stats.get_mut(h)
+                {
+                    c.assigned += plan.buf_len;
+                }
                 let queue = if pilot { &mut st.pilot } else { &mut st.demand };
                 queue.extend((0..pieces.len()).map(|piece| Job {
                     layer,
@@ -337,6 +350,8 @@ impl Shared {
                         fill: Arc::new(Filling::new(buf)),
                         plan,
                         file,
+                        from,
+                        tried: 0,
                         expected: pieces.len(),
                         cancelled: false,
                         pieces,
@@ -369,6 +384,44 @@ impl Shared {
                 pilot_bytes: 0,
             },
         );
+    }
+
+    /// Where a read of `(layer, expert)` goes: the home [`super::homes::HomeReaders::choose`]
+    /// picks among the copies not in `tried`, else the model root's location.
+    pub(super) fn locate(
+        &self,
+        st: &State,
+        layer: usize,
+        expert: usize,
+        tried: u32,
+    ) -> Result<(ReadFrom, ExpertLocation), ExpertError> {
+        let root = self.table.get(layer, expert)?;
+        if let Some(h) = &self.homes
+            && h.homes.holders(layer, expert) & !tried != 0
+            && let Some(home) = {
+                let mut outstanding = vec![0u64; h.homes.homes().len()];
+                for p in st.pending.values() {
+                    if let ReadFrom::Home(i) = p.from
+                        && !p.cancelled
+                        && let Some(o) = outstanding.get_mut(i)
+                    {
+                        let left = p.expected.saturating_sub(p.done) as u64;
+                        *o += left * p.plan.buf_len / p.pieces.len().max(1) as u64;
+                    }
+                }
+                h.choose(layer, expert, tried, |i| {
+                    (!st.bad_copies.contains(&(layer, expert, i))).then(|| {
+                        (
+                            outstanding.get(i).copied().unwrap_or(0),
+                            st.home_stats.get(i).map_or(0, |c| c.assigned),
+                        )
+                    })
+                })
+            }
+        {
+            return Ok((ReadFrom::Home(home), h.location(home, layer, expert)));
+        }
+        Ok((ReadFrom::Root, root.clone()))
     }
 
     /// Expert `expert` of `layer`: from the cache, or read now (the authoritative request:

@@ -36,6 +36,7 @@
 mod cache;
 mod gate;
 mod hints;
+mod homes;
 mod options;
 mod pieces;
 mod read;
@@ -45,12 +46,14 @@ pub use gate::{PILOT_BREAK_EVEN_PRECISION, PILOT_RANK_HALF_LIFE, PilotGate};
 pub use options::{MAX_OPEN_FILES, OPEN_FILE_CACHE, READ_PIECE_BYTES, StreamOptions};
 
 use crate::error::ExpertError;
+use crate::homes::ExpertHomes;
 use crate::io::{IoPath, SourceFile};
 use crate::layout::{ALIGN, ExpertTable};
 use crate::policy::{Heat, default_half_life};
 use crate::source::{ExpertSource, ExpertWeights, PilotGuess};
-use crate::stats::{ExpertStats, LayerStats};
+use crate::stats::{ExpertStats, HomeReadStats, LayerStats};
 use cache::{Shared, State};
+use homes::HomeReaders;
 use read::worker;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -74,6 +77,19 @@ impl std::fmt::Debug for StreamingExperts {
 impl StreamingExperts {
     /// Validate `table`, open its files and start the I/O threads.
     pub fn new(table: ExpertTable, opts: StreamOptions) -> Result<StreamingExperts, ExpertError> {
+        StreamingExperts::with_homes(table, opts, None)
+    }
+
+    /// [`StreamingExperts::new`] with expert homes (docs/K3.md §12.11): an expert a home
+    /// holds is read from the holding home with the fewest bytes outstanding, each home by
+    /// its own `read_threads` I/O threads (a reader queue per drive); a copy whose read fails
+    /// is not used again and the read moves to the next copy, then to the model root. The
+    /// model root's threads read the experts no home holds.
+    pub fn with_homes(
+        table: ExpertTable,
+        opts: StreamOptions,
+        homes: Option<ExpertHomes>,
+    ) -> Result<StreamingExperts, ExpertError> {
         table.validate()?;
         if !(1..=16).contains(&opts.read_threads) {
             return Err(ExpertError::Setup(format!(
@@ -97,7 +113,11 @@ impl StreamingExperts {
                 "ranked PILOT precision must be in [0, 1] and warmup ≥ 1, got {precision} / {warmup}"
             )));
         }
-        let buf_cap = table.max_buffer_bytes();
+        let homes = homes
+            .map(|h| HomeReaders::open(h, &table, opts.direct_io))
+            .transpose()?;
+        let slot_cap = homes.as_ref().map_or(0, |h| h.homes.model().slot_bytes());
+        let buf_cap = table.max_buffer_bytes().max(slot_cap);
         if buf_cap == 0 {
             return Err(ExpertError::Setup("the table holds no experts".into()));
         }
@@ -124,10 +144,16 @@ impl StreamingExperts {
             piece: READ_PIECE_BYTES,
             predictions: (0..n_layers).map(|_| None).collect(),
             layers: vec![LayerStats::default(); n_layers],
+            home_stats: vec![
+                homes::HomeCounters::default();
+                homes.as_ref().map_or(0, |h| h.homes.homes().len())
+            ],
             ..State::default()
         };
+        let drives = 1 + homes.as_ref().map_or(0, |h| h.homes.homes().len());
         let shared = Arc::new(Shared {
             table,
+            homes,
             files,
             recent: Mutex::new(std::collections::VecDeque::new()),
             opened: std::sync::atomic::AtomicU64::new(0),
@@ -140,12 +166,18 @@ impl StreamingExperts {
             loaded: Condvar::new(),
             work: Condvar::new(),
         });
-        let workers = (0..shared.opts.read_threads)
+        let threads = shared.opts.read_threads;
+        let workers = (0..drives * threads)
             .map(|i| {
                 let s = shared.clone();
+                let drive = i / threads;
+                let name = match drive {
+                    0 => format!("deltafin-expert-io-{i}"),
+                    d => format!("deltafin-home{}-io-{}", d - 1, i % threads),
+                };
                 std::thread::Builder::new()
-                    .name(format!("deltafin-expert-io-{i}"))
-                    .spawn(move || worker(&s))
+                    .name(name)
+                    .spawn(move || worker(&s, drive))
                     .map_err(|e| ExpertError::Setup(format!("cannot start an I/O thread: {e}")))
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -341,6 +373,20 @@ impl ExpertSource for StreamingExperts {
             read_threads: s.opts.read_threads,
             pilot_ranks: st.ranks[0].iter().map(|c| c.stats.clone()).collect(),
             pilot_ranks_batch: st.ranks[1].iter().map(|c| c.stats.clone()).collect(),
+            homes: s
+                .homes
+                .iter()
+                .flat_map(|h| h.homes.homes())
+                .zip(&st.home_stats)
+                .map(|(home, c)| HomeReadStats {
+                    dir: home.dir.display().to_string(),
+                    copies: home.journal().copies.len(),
+                    reads: c.reads,
+                    bytes: c.bytes,
+                    failures: c.failures,
+                })
+                .collect(),
+            home_fallbacks: st.home_fallbacks,
         })
     }
 }

@@ -47,11 +47,34 @@ impl Filling {
     }
 }
 
+/// Where a read goes: the model root's files, or an expert home's copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ReadFrom {
+    Root,
+    Home(usize),
+}
+
+impl ReadFrom {
+    /// The reader queue (drive) of this source: 0 for the model root, 1 + h for home h.
+    pub(super) fn drive(self) -> usize {
+        match self {
+            ReadFrom::Root => 0,
+            ReadFrom::Home(h) => 1 + h,
+        }
+    }
+}
+
 /// An expert whose pieces are being read.
 pub(super) struct Pending {
     pub(super) fill: Arc<Filling>,
     pub(super) plan: ReadPlan,
+    /// The table's file index (root reads) or the layer (home reads).
     pub(super) file: usize,
+    /// Where the pieces are read from.
+    pub(super) from: ReadFrom,
+    /// Homes already tried for this read (a failed copy moves the read to the next holder,
+    /// then to the model root).
+    pub(super) tried: u32,
     pub(super) pieces: Vec<Region>,
     pub(super) started: usize,
     pub(super) done: usize,

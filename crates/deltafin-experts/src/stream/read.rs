@@ -1,7 +1,7 @@
 //! The I/O threads: a piece read, the last piece's publication of the expert.
 
-use super::cache::{Shared, Slot};
-use super::pieces::{Filling, Pending};
+use super::cache::{Shared, Slot, State};
+use super::pieces::{Filling, Job, Pending, ReadFrom, split_regions};
 use crate::buffer::ExpertBuffer;
 use crate::error::ExpertError;
 use crate::io::IoPath;
@@ -19,24 +19,44 @@ impl Shared {
         &self,
         layer: usize,
         expert: usize,
-        file: usize,
+        (from, file): (ReadFrom, usize),
         region: &Region,
         fill: &Filling,
     ) -> Result<(IoPath, u64), ExpertError> {
         let opened;
-        let source = match self.files.get(file) {
-            Some(f) => f,
-            None => {
-                opened = self.open_file(file).map_err(|source| ExpertError::Io {
-                    layer,
-                    expert,
-                    path: self.table.files.get(file).cloned().unwrap_or_default(),
-                    offset: 0,
-                    len: 0,
-                    source,
-                })?;
-                &*opened
+        let source = match from {
+            ReadFrom::Home(h) => {
+                let f = self
+                    .homes
+                    .as_ref()
+                    .and_then(|r| r.files.get(h))
+                    .and_then(|l| l.get(file))
+                    .and_then(Option::as_ref);
+                match f {
+                    Some(f) => f,
+                    None => {
+                        return Err(ExpertError::Unavailable {
+                            layer,
+                            expert,
+                            message: format!("internal: expert home {h} has no open layer file"),
+                        });
+                    }
+                }
             }
+            ReadFrom::Root => match self.files.get(file) {
+                Some(f) => f,
+                None => {
+                    opened = self.open_file(file).map_err(|source| ExpertError::Io {
+                        layer,
+                        expert,
+                        path: self.table.files.get(file).cloned().unwrap_or_default(),
+                        offset: 0,
+                        len: 0,
+                        source,
+                    })?;
+                    &*opened
+                }
+            },
         };
         // SAFETY: the pieces of one expert cover disjoint buffer ranges and each piece is
         // read by exactly one job.
@@ -55,7 +75,8 @@ impl Shared {
                 len: region.need_to,
                 source: e,
             })?;
-        if self.files.is_empty()
+        if from == ReadFrom::Root
+            && self.files.is_empty()
             && let Ok(mut g) = self.last_path.lock()
         {
             *g = Some(source.io_path());
@@ -112,19 +133,48 @@ pub(super) fn weights(
     }
 }
 
-pub(super) fn worker(s: &Shared) {
+/// The next job of reader queue `drive` (0: the model root; 1 + h: home h): the first
+/// demand job of that drive, else the first PILOT one. Jobs of reads no longer pending (or
+/// of pieces out of range) are dropped on the way.
+fn next_job(st: &mut State, drive: usize) -> Option<Job> {
+    let State {
+        demand,
+        pilot,
+        pending,
+        ..
+    } = st;
+    for queue in [demand, pilot] {
+        let mut i = 0;
+        while i < queue.len() {
+            let j = &queue[i];
+            match pending.get(&(j.layer, j.expert)) {
+                Some(p) if j.piece >= p.pieces.len() => {
+                    queue.remove(i);
+                }
+                None => {
+                    queue.remove(i);
+                }
+                Some(p) if p.from.drive() == drive => return queue.remove(i),
+                Some(_) => i += 1,
+            }
+        }
+    }
+    None
+}
+
+/// An I/O thread of reader queue `drive`.
+pub(super) fn worker(s: &Shared, drive: usize) {
     loop {
-        let (job, file, region, fill) = {
+        let (job, source, region, fill) = {
             let mut st = s.lock();
             loop {
                 if st.shutdown {
                     return;
                 }
-                let Some(j) = st.demand.pop_front().or_else(|| st.pilot.pop_front()) else {
+                let Some(j) = next_job(&mut st, drive) else {
                     st = s.work.wait(st).unwrap_or_else(|p| p.into_inner());
                     continue;
                 };
-                // Pieces of a cancelled read are skipped.
                 let Some(p) = st.pending.get_mut(&(j.layer, j.expert)) else {
                     continue;
                 };
@@ -132,16 +182,16 @@ pub(super) fn worker(s: &Shared) {
                     continue;
                 };
                 p.started += 1;
-                let (file, fill) = (p.file, p.fill.clone());
+                let (source, fill) = ((p.from, p.file), p.fill.clone());
                 st.in_flight += 1;
                 if st.in_flight == 1 {
                     st.busy_since = Some(Instant::now());
                 }
-                break (j, file, region, fill);
+                break (j, source, region, fill);
             }
         };
         let key = (job.layer, job.expert);
-        let outcome = s.read_piece(job.layer, job.expert, file, &region, &fill);
+        let outcome = s.read_piece(job.layer, job.expert, source, &region, &fill);
         // The last piece to land must find the buffer's only `Arc` in `pending`.
         drop(fill);
         let finished = {
@@ -151,6 +201,12 @@ pub(super) fn worker(s: &Shared) {
                 && let Some(t) = st.busy_since.take()
             {
                 st.busy += t.elapsed();
+            }
+            if let (ReadFrom::Home(h), Ok((_, n))) = (source.0, &outcome)
+                && let Some(c) = st.home_stats.get_mut(h)
+            {
+                c.reads += 1;
+                c.bytes += n;
             }
             let Some(p) = st.pending.get_mut(&key) else {
                 continue;
@@ -206,7 +262,23 @@ pub(super) fn finish(s: &Shared, (layer, expert): (usize, usize), p: Pending) {
         return;
     }
     let buf = Arc::try_unwrap(p.fill).map(Filling::into_inner);
-    let result = match (p.err, buf) {
+    let mut p = Pending {
+        fill: Arc::new(Filling::new(ExpertBuffer::new(0))),
+        ..p
+    };
+    // A home's copy that failed (a read error, a short file, bytes that are not valid MXFP4)
+    // is never used: the read moves to the next copy, then to the model root.
+    let result = match (p.err.take(), buf) {
+        (None, Ok(mut b)) => match check_copy(s, &p, layer, expert, &mut b) {
+            Err(e) => Err((e, Some(b))),
+            Ok(()) => {
+                let buf = Arc::new(b);
+                match weights(&buf, &p.plan, s.table.shape, layer, expert) {
+                    Ok(w) => Ok((w, buf)),
+                    Err(e) => Err((e, Arc::try_unwrap(buf).ok())),
+                }
+            }
+        },
         (Some(e), Ok(b)) => Err((e, Some(b))),
         (Some(e), Err(_)) => Err((e, None)),
         (None, Err(_)) => Err((
@@ -217,13 +289,20 @@ pub(super) fn finish(s: &Shared, (layer, expert): (usize, usize), p: Pending) {
             },
             None,
         )),
-        (None, Ok(b)) => {
-            let buf = Arc::new(b);
-            match weights(&buf, &p.plan, s.table.shape, layer, expert) {
-                Ok(w) => Ok((w, buf)),
-                Err(e) => Err((e, Arc::try_unwrap(buf).ok())),
-            }
-        }
+    };
+    let result = match result {
+        Err((e, Some(b))) => match p.from {
+            ReadFrom::Home(h) => match retry_elsewhere(s, (layer, expert), p, h, e, b) {
+                Ok(()) => return,
+                Err(back) => {
+                    let (back, e, b) = *back;
+                    p = back;
+                    Err((e, Some(b)))
+                }
+            },
+            ReadFrom::Root => Err((e, Some(b))),
+        },
+        other => other,
     };
     let mut st = s.lock();
     st.finishing = st.finishing.saturating_sub(1);
@@ -270,4 +349,124 @@ pub(super) fn finish(s: &Shared, (layer, expert): (usize, usize), p: Pending) {
     }
     drop(st);
     s.loaded.notify_all();
+}
+
+/// Home `h`'s copy of `key` failed with `err`: mark the copy bad and issue the read again, into
+/// the same buffer, from the next home holding a copy or else the model root. Gives `p`, the
+/// error and the buffer back when the read was cancelled meanwhile (nothing to retry).
+fn retry_elsewhere(
+    s: &Shared,
+    key: (usize, usize),
+    mut p: Pending,
+    h: usize,
+    err: ExpertError,
+    buf: ExpertBuffer,
+) -> Result<(), Box<(Pending, ExpertError, ExpertBuffer)>> {
+    let (layer, expert) = key;
+    let mut st = s.lock();
+    if !st.entries.contains_key(&key) {
+        drop(st);
+        return Err(Box::new((p, err, buf)));
+    }
+    let first = st.home_stats.get(h).is_some_and(|c| c.failures == 0);
+    if let Some(c) = st.home_stats.get_mut(h) {
+        c.failures += 1;
+    }
+    st.bad_copies.insert((layer, expert, h));
+    st.home_fallbacks += 1;
+    p.tried |= 1 << h;
+    let (from, loc) = match s.locate(&st, layer, expert, p.tried) {
+        Ok(x) => x,
+        Err(e) => {
+            drop(st);
+            return Err(Box::new((p, e, buf)));
+        }
+    };
+    if first && let Some(r) = &s.homes {
+        let dir = r.homes.homes().get(h).map(|x| x.dir.display().to_string());
+        eprintln!(
+            "deltafin: warning: expert home {}: {err}; this copy is not used again, the expert is read from {}",
+            dir.unwrap_or_default(),
+            match from {
+                ReadFrom::Root => "the model root".to_string(),
+                ReadFrom::Home(o) => format!(
+                    "expert home {}",
+                    r.homes
+                        .homes()
+                        .get(o)
+                        .map(|x| x.dir.display().to_string())
+                        .unwrap_or_default()
+                ),
+            }
+        );
+    }
+    let plan = ReadPlan::new(&loc);
+    let pieces = split_regions(&plan, st.piece);
+    let queue_pilot = p.pilot;
+    let jobs = (0..pieces.len()).map(|piece| Job {
+        layer,
+        expert,
+        piece,
+    });
+    if queue_pilot {
+        st.pilot.extend(jobs);
+    } else {
+        st.demand.extend(jobs);
+    }
+    if let ReadFrom::Home(o) = from
+        && let Some(c) = st.home_stats.get_mut(o)
+    {
+        c.assigned += plan.buf_len;
+    }
+    let pending = Pending {
+        fill: Arc::new(Filling::new(buf)),
+        plan,
+        file: loc.file,
+        from,
+        expected: pieces.len(),
+        pieces,
+        started: 0,
+        done: 0,
+        err: None,
+        ..p
+    };
+    st.pending.insert(key, pending);
+    st.finishing = st.finishing.saturating_sub(1);
+    drop(st);
+    s.work.notify_all();
+    Ok(())
+}
+
+/// A home's copy must hash (CRC-32) to what its journal recorded when placement verified it:
+/// a copy damaged since is an error (and the read moves elsewhere), never a wrong expert.
+fn check_copy(
+    s: &Shared,
+    p: &Pending,
+    layer: usize,
+    expert: usize,
+    buf: &mut ExpertBuffer,
+) -> Result<(), ExpertError> {
+    let ReadFrom::Home(h) = p.from else {
+        return Ok(());
+    };
+    let Some(home) = s.homes.as_ref().and_then(|r| r.homes.homes().get(h)) else {
+        return Ok(());
+    };
+    let want = home.digest(layer, expert).map(|d| d.crc32);
+    let at = p.plan.tensor_at[0] as usize;
+    let n = s.table.shape.expert_bytes() as usize;
+    let got = buf.as_mut_bytes().get(at..at + n).map(crc32fast::hash);
+    if got.is_some() && got == want {
+        return Ok(());
+    }
+    Err(ExpertError::Unavailable {
+        layer,
+        expert,
+        message: format!(
+            "the copy in {} fails its CRC-32 check (read {}, journaled {}): it was damaged after it was placed",
+            home.layer_path(layer).display(),
+            got.map_or("nothing".into(), |c| format!("{c:08x}")),
+            want.map_or("nothing".into(), |c| format!("{c:08x}")),
+        ),
+    })
 }

@@ -90,6 +90,9 @@ pub struct EngineConfig {
     /// Expert streaming under a budget: read threads, O_DIRECT policy, PILOT gate (the
     /// cache size is the plan's, whatever `cache_bytes` says here).
     pub stream: StreamOptions,
+    /// Expert homes (docs/K3.md §12.11): directories on other drives holding verified copies
+    /// of routed experts, read instead of the model root's files when experts stream.
+    pub expert_homes: Vec<std::path::PathBuf>,
     /// At most this many spine layers resident (the rest streamed per pass); `None`: as the
     /// memory budget allows (all of them without a budget).
     pub spine_resident_layers: Option<usize>,
@@ -123,6 +126,7 @@ impl Default for EngineConfig {
             scale4: Scale4Mode::Off,
             context_tokens: None,
             stream: StreamOptions::with_cache_bytes(0),
+            expert_homes: Vec::new(),
             spine_resident_layers: None,
             spine_stream: SpineStreamOptions::default(),
             heat: HeatSettings {

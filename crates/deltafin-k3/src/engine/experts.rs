@@ -10,11 +10,13 @@ use crate::engine::error::{BoxError, EngineError};
 use crate::engine::progress::{LoadProgress, with_copy_progress};
 use crate::model::moe::ExpertSource;
 use crate::weights::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
-use crate::weights::loader::{CheckpointExperts, expert_table, streaming_experts};
+use crate::weights::loader::{CheckpointExperts, expert_table, streaming_experts_with_homes};
 use crate::weights::resident::{HugePages, ResidentCopy};
 use deltafin_experts::heat::{HeatDims, HeatRecorder, HeatTable};
 use deltafin_experts::scale4::{SCALE4_DIR, Scale4Experts, Scale4Layout, Scale4Sidecars};
-use deltafin_experts::{ExpertShape, RouteObservers, RouterTrace, StreamOptions};
+use deltafin_experts::{
+    ExpertHomes, ExpertShape, HomeModel, RouteObservers, RouterTrace, StreamOptions,
+};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -69,6 +71,56 @@ pub fn config_sha256(root: &Path) -> Result<String, EngineError> {
     let bytes =
         std::fs::read(&p).map_err(EngineError::context(format!("cannot read {}", p.display())))?;
     Ok(hex::encode(Sha256::digest(&bytes)))
+}
+
+/// What the copies in an expert home of this checkpoint must be copies of: its
+/// `config.json` digest and expert geometry.
+pub fn home_model(checkpoint: &Checkpoint) -> Result<HomeModel, EngineError> {
+    let cfg = checkpoint.config();
+    Ok(HomeModel {
+        config_sha256: config_sha256(checkpoint.root())?,
+        f: cfg.text.moe_intermediate_size,
+        lr: cfg.text.routed_expert_hidden_size,
+        num_experts: cfg.text.num_experts,
+        layers: cfg.n_layers(),
+    })
+}
+
+/// Open the expert homes `dirs` for `checkpoint` (`None` without any): a home that is
+/// missing, of another model or damaged is an error naming it.
+pub fn open_expert_homes(
+    checkpoint: &Checkpoint,
+    dirs: &[PathBuf],
+) -> Result<Option<ExpertHomes>, EngineError> {
+    if dirs.is_empty() {
+        return Ok(None);
+    }
+    let model = home_model(checkpoint)?;
+    ExpertHomes::open(dirs, &model)
+        .map(Some)
+        .map_err(|e| EngineError::External(Box::new(e)))
+}
+
+/// `expert_homes=N (E routed experts held; DIR: C copies, G GB; …)`.
+pub fn describe_homes(h: &ExpertHomes) -> String {
+    let per: Vec<String> = h
+        .homes()
+        .iter()
+        .map(|x| {
+            format!(
+                "{}: {} copies, {:.3} GB",
+                x.dir.display(),
+                x.journal().copies.len(),
+                x.held_bytes() as f64 / 1e9
+            )
+        })
+        .collect();
+    format!(
+        "expert_homes={} ({} routed experts held; {})",
+        h.homes().len(),
+        h.experts_held(),
+        per.join("; ")
+    )
 }
 
 /// Wrap `experts` per `mode`: with valid sidecars under `root/k3-experts-scale4` the scale
@@ -203,6 +255,11 @@ pub(crate) fn assemble_expert_stack(
                     "K3_EXPERT_PIN_GB has no effect without a memory budget: every expert is resident",
                 );
             }
+            if !config.expert_homes.is_empty() {
+                progress.note(
+                    "expert homes are read only when experts stream (under a memory budget, --memory-budget-gb): every expert is resident, read from the model root",
+                );
+            }
             let resident = CheckpointExperts::new(checkpoint.clone());
             if copy && checkpoint.layout() == Layout::Shards {
                 copy_report = copy_experts_if_they_fit(&resident, progress)?;
@@ -227,7 +284,11 @@ pub(crate) fn assemble_expert_stack(
                 l.prepare(checkpoint, opens_every_file)
                     .map_err(EngineError::External)?;
             }
-            let src = streaming_experts(checkpoint, opts)
+            let homes = open_expert_homes(checkpoint, &config.expert_homes)?;
+            if let Some(h) = &homes {
+                progress.info(&describe_homes(h));
+            }
+            let src = streaming_experts_with_homes(checkpoint, opts, homes)
                 .map_err(EngineError::context("cannot set up expert streaming"))?;
             src.set_pin_tier(&learned.pin_candidates(), pin)
                 .map_err(EngineError::context("cannot set up the pinned expert tier"))?;

@@ -482,7 +482,7 @@ pub(crate) mod tests {
     }
 }
 
-/// The CUDA kernels' CPU reference (`deltafin_kernels::cuda::reference`) is this module's
+/// The CUDA kernels' CPU reference (`deltafin_kernels::reference`) is this module's
 /// absorbed decode, bit for bit.
 #[cfg(test)]
 mod cuda_reference_parity {

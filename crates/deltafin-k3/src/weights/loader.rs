@@ -19,7 +19,9 @@ pub use crate::weights::spine_int8::SpineFormat;
 use crate::weights::spine_int8::{Int8Spine, SpineError, is_quantized};
 use crate::weights::spine_pack::{Codec, PackError, PackSet};
 use crate::weights::spine_stream::{SpineSources, SpineStreamOptions, SpineStreamer};
-use deltafin_experts::{ExpertLocation, ExpertShape, ExpertTable, StreamOptions, StreamingExperts};
+use deltafin_experts::{
+    ExpertHomes, ExpertLocation, ExpertShape, ExpertTable, StreamOptions, StreamingExperts,
+};
 use deltafin_tensor::storage::copy_to_anonymous;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -552,8 +554,17 @@ pub fn streaming_experts(
     ckpt: &Checkpoint,
     stream: StreamOptions,
 ) -> Result<StreamingExperts, LoadError> {
+    streaming_experts_with_homes(ckpt, stream, None)
+}
+
+/// [`streaming_experts`], reading from `homes` what they hold copies of (docs/K3.md §12.11).
+pub fn streaming_experts_with_homes(
+    ckpt: &Checkpoint,
+    stream: StreamOptions,
+    homes: Option<ExpertHomes>,
+) -> Result<StreamingExperts, LoadError> {
     let table = expert_table(ckpt)?;
-    Ok(StreamingExperts::new(table, stream).map_err(ModelError::from)?)
+    Ok(StreamingExperts::with_homes(table, stream, homes).map_err(ModelError::from)?)
 }
 
 /// Assemble the model with routed experts from `experts`. The spine's matrices are views of

@@ -17,7 +17,7 @@
 //! Kernel numerics mirror the CUDA kernels (`crate::cuda`): f32 accumulation, each output's
 //! reduction order fixed by the shape alone (documented per `.metal` file), so results are
 //! independent of the batch width; they differ from the CPU backends in the last bits.
-//! [`crate::cuda::reference`] is the CPU reference for KDA and MLA, [`crate::matmul`] for the
+//! [`crate::reference`] is the CPU reference for KDA and MLA, [`crate::matmul`] for the
 //! products.
 
 pub mod sources;
