@@ -375,7 +375,7 @@ fn messages_as_claude_code_sends_them() {
         e["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("defer_loading"),
+            .contains("\"Nope\" is not one of the request's `tools`"),
         "{e}"
     );
 }
