@@ -91,8 +91,9 @@ pub fn plain_greedy(
     prompt: &[u32],
     max_new: usize,
 ) -> Vec<u32> {
-    use deltafin_k3::generate::{GenerateOptions, generate};
+    use deltafin_k3::generate::GenerateOptions;
     use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS};
+    use deltafin_spec::generate;
     let opts = GenerateOptions {
         max_new: Some(max_new),
         stop_ids: vec![END_OF_MSG, EOS],

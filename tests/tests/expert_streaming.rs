@@ -181,7 +181,7 @@ fn cold_prefill_reads_each_unique_pair_once() {
 #[test]
 fn shard_experts_are_contiguous() {
     let (_dir, ckpt) = checkpoint();
-    let table = deltafin_k3::weights::loader::expert_table(&ckpt).unwrap();
+    let table = deltafin_store::experts::expert_table(&ckpt).unwrap();
     assert!(table.all_contiguous());
     assert_eq!(table.expert_count(), 13 * 32);
     assert_eq!(table.shape.expert_bytes(), 13056);
@@ -192,12 +192,12 @@ fn one_file_per_expert_layout_streams_identically() {
     let (dir, ckpt) = checkpoint();
     let resident = load_model(ckpt.clone(), &EngineOptions::default()).unwrap();
     let want = run(&resident, 24, 6);
-    let n = deltafin_k3::weights::loader::convert_to_expert_files(&ckpt).unwrap();
+    let n = deltafin_store::experts::convert_to_expert_files(&ckpt).unwrap();
     assert_eq!(n, 13 * 32);
     let first = dir.path().join("k3-experts").join("L1-E0.bin");
     assert_eq!(std::fs::metadata(&first).unwrap().len(), 13056);
     let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
-    let table = deltafin_k3::weights::loader::expert_table(&ckpt).unwrap();
+    let table = deltafin_store::experts::expert_table(&ckpt).unwrap();
     assert_eq!(table.files.len(), 13 * 32, "one file per expert");
     let model = streaming(&ckpt, stream_opts(6, PilotGate::Off));
     let got = run(&model, 24, 6);
@@ -207,7 +207,7 @@ fn one_file_per_expert_layout_streams_identically() {
     }
     // A wrong-sized expert file is named.
     std::fs::write(&first, b"short").unwrap();
-    let e = deltafin_k3::weights::loader::expert_table(&ckpt)
+    let e = deltafin_store::experts::expert_table(&ckpt)
         .unwrap_err()
         .to_string();
     assert!(e.contains("L1-E0.bin") && e.contains("5 bytes"), "{e}");

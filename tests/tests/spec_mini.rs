@@ -432,7 +432,7 @@ fn mini_sampled_drafting() {
                 max_context: 4096,
                 top_logits: 0,
             };
-            deltafin_k3::generate::generate_with(
+            deltafin_spec::generate_with(
                 &model,
                 p,
                 &opts,

@@ -7,7 +7,11 @@ A B B A over `--rounds` rounds so drift in machine load hits both engines alike:
 
   decode   short prompt, then `--decode-tokens` greedy tokens one at a time; tokens/s over the
            decode steps (the first step, which includes the prefill, is excluded on both sides)
-  prefill  one prompt of `--prefill-tokens` tokens in one batch; prompt tokens/s
+  prefill  one prompt of each `--prefill-tokens` length (several may be given, e.g.
+           `--prefill-tokens 512 4096 16384`); prompt tokens/s. llama.cpp takes the prompt in
+           one `eval` with `--ubatch`-token micro-batches (its default 512; one n×n batch would
+           need n² attention scores per head); deltafin in one `run` with `--state-cache off`,
+           so no stored prefix state is restored
 
 deltafin runs as `deltafin run --events-jsonl` (times from its `prefill_done` and `decode_step`
 events, i.e. the forward passes, no process start-up); llama.cpp runs in-process through
@@ -46,7 +50,8 @@ def deltafin_run(binary: Path, root: Path, prompt: str, max_new: int, threads: i
         ev = Path(d) / "events.jsonl"
         env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
         cmd = [str(binary), "run", "--model-root", str(root), "--prompt", prompt,
-               "--max-new", str(max_new), "--events-jsonl", str(ev), *extra]
+               "--max-new", str(max_new), "--events-jsonl", str(ev), "--state-cache", "off",
+               *extra]
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         events = [json.loads(line) for line in ev.read_text().splitlines() if line.strip()]
     prefill = [e for e in events if e.get("event") == "prefill_done"]
@@ -67,9 +72,9 @@ class Llama:
     step, the same work as llama.cpp's own decode) while the prefill context computes the
     last row only, as llama.cpp's prompt processing does."""
 
-    def __init__(self, gguf: Path, threads: int, n_ctx: int, logits_all: bool):
+    def __init__(self, gguf: Path, threads: int, n_ctx: int, logits_all: bool, ubatch: int):
         from llama_cpp import Llama as L
-        self.llm = L(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+        self.llm = L(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, ubatch),
                      logits_all=logits_all, n_threads=threads, n_threads_batch=threads,
                      flash_attn=False, seed=0, verbose=False)
 
@@ -108,7 +113,9 @@ def main() -> None:
     ap.add_argument("--llama-src", type=Path, required=True, help="vendored llama.cpp (for gguf-py)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--prefill-tokens", type=int, nargs="+", default=[512],
+                    help="prompt lengths to prefill (each measured in every round)")
+    ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp micro-batch (n_ubatch)")
     ap.add_argument("--rounds", type=int, default=2, help="A B B A rounds")
     ap.add_argument("--deltafin-arg", action="append", default=[],
                     help="extra argument for `deltafin run` (repeatable), e.g. --spine=bf16")
@@ -121,23 +128,26 @@ def main() -> None:
         print(f"converting {args.model_root} -> {gguf} (bf16 spine, MXFP4 experts)", flush=True)
         conv.convert(args.model_root, gguf, "bf16", experts_f32=False, llama_src=args.llama_src)
 
-    n_ctx = max(1024, args.prefill_tokens + 64)
-    llama = Llama(gguf, args.threads, n_ctx, logits_all=False)
-    llama_dec = Llama(gguf, args.threads, n_ctx, logits_all=True)
-    # A prompt of exactly --prefill-tokens llama tokens, rebuilt as text both engines encode.
-    text = PARAGRAPH
-    while len(llama.tokens(text)) < args.prefill_tokens + 8:
-        text += PARAGRAPH
-    words = text.split(" ")
-    while len(llama.tokens(" ".join(words))) > args.prefill_tokens:
-        words.pop()
-    long_prompt = " ".join(words)
-    long_ids = llama.tokens(long_prompt)
+    n_ctx = max(1024, max(args.prefill_tokens) + 64)
+    llama = Llama(gguf, args.threads, n_ctx, logits_all=False, ubatch=args.ubatch)
+    llama_dec = Llama(gguf, args.threads, 1024, logits_all=True, ubatch=args.ubatch)
+    # Prompts of exactly each --prefill-tokens llama tokens, rebuilt as text both engines encode.
+    prompts = {}
+    for n in args.prefill_tokens:
+        text = PARAGRAPH
+        while len(llama.tokens(text)) < n + 8:
+            text += PARAGRAPH
+        words = text.split(" ")
+        while len(llama.tokens(" ".join(words))) > n:
+            words.pop()
+        prompts[n] = " ".join(words)
     short_ids = llama.tokens(DECODE_PROMPT)
 
-    rec = {"threads": args.threads, "decode_tokens": args.decode_tokens,
-           "prefill_tokens": len(long_ids), "rounds": []}
-    ours_dec, theirs_dec, ours_pre, theirs_pre = [], [], [], []
+    rec = {"threads": args.threads, "decode_tokens": args.decode_tokens, "ubatch": args.ubatch,
+           "prefill_tokens": [len(llama.tokens(p)) for p in prompts.values()], "rounds": []}
+    ours_dec, theirs_dec = [], []
+    ours_pre = {n: [] for n in prompts}
+    theirs_pre = {n: [] for n in prompts}
     ids_match = True
     for r in range(args.rounds):
         order = ["deltafin", "llama", "llama", "deltafin"]
@@ -145,43 +155,51 @@ def main() -> None:
             if who == "deltafin":
                 d = deltafin_run(args.deltafin, args.model_root, DECODE_PROMPT, args.decode_tokens,
                                  args.threads, args.deltafin_arg)
-                p = deltafin_run(args.deltafin, args.model_root, long_prompt, 1, args.threads,
-                                 args.deltafin_arg)
-                if p["prompt_tokens"] != len(long_ids):
-                    raise SystemExit(f"prompt token counts differ: deltafin {p['prompt_tokens']}, "
-                                     f"llama.cpp {len(long_ids)}")
                 ours_dec.append(len(d["decode_s"]) / sum(d["decode_s"]))
-                ours_pre.append(p["prompt_tokens"] / p["prefill_s"])
                 ours_ids = d["ids"]
+                for n, prompt in prompts.items():
+                    ids = llama.tokens(prompt)
+                    p = deltafin_run(args.deltafin, args.model_root, prompt, 1, args.threads,
+                                     args.deltafin_arg)
+                    if p["prompt_tokens"] != len(ids):
+                        raise SystemExit(f"prompt token counts differ: deltafin "
+                                         f"{p['prompt_tokens']}, llama.cpp {len(ids)}")
+                    ours_pre[n].append(p["prompt_tokens"] / p["prefill_s"])
             else:
                 d = llama_dec.decode(short_ids, args.decode_tokens)
                 theirs_dec.append(len(d["decode_s"]) / sum(d["decode_s"]))
-                pre = llama.prefill(long_ids)
-                theirs_pre.append(len(long_ids) / pre)
                 theirs_ids = d["ids"]
+                for n, prompt in prompts.items():
+                    ids = llama.tokens(prompt)
+                    theirs_pre[n].append(len(ids) / llama.prefill(ids))
+            print(f"round {r + 1} {who}: load {os.getloadavg()[0]:.2f}", flush=True)
         if ours_ids != theirs_ids:
             ids_match = False
             div = next((i for i, (a, b) in enumerate(zip(ours_ids, theirs_ids)) if a != b),
                        min(len(ours_ids), len(theirs_ids)))
             rec["first_divergence"] = {"step": div, "deltafin": ours_ids[div:div + 4],
                                        "llama": theirs_ids[div:div + 4]}
-        rec["rounds"].append({"deltafin_decode_tps": ours_dec[-2:], "llama_decode_tps": theirs_dec[-2:],
-                              "deltafin_prefill_tps": ours_pre[-2:], "llama_prefill_tps": theirs_pre[-2:]})
+        rec["rounds"].append({
+            "deltafin_decode_tps": ours_dec[-2:], "llama_decode_tps": theirs_dec[-2:],
+            "deltafin_prefill_tps": {str(n): v[-2:] for n, v in ours_pre.items()},
+            "llama_prefill_tps": {str(n): v[-2:] for n, v in theirs_pre.items()},
+            "load": os.getloadavg()[0]})
     med = statistics.median
     rec.update({
         "deltafin_decode_tps": med(ours_dec), "llama_decode_tps": med(theirs_dec),
         "decode_ratio": med(ours_dec) / med(theirs_dec),
-        "deltafin_prefill_tps": med(ours_pre), "llama_prefill_tps": med(theirs_pre),
-        "prefill_ratio": med(ours_pre) / med(theirs_pre),
+        "prefill": {str(n): {"deltafin_tps": med(ours_pre[n]), "llama_tps": med(theirs_pre[n]),
+                             "ratio": med(ours_pre[n]) / med(theirs_pre[n])} for n in prompts},
         "greedy_ids_match": ids_match,
     })
-    print(f"threads={args.threads} decode_tokens={args.decode_tokens} prefill_tokens={len(long_ids)} "
-          f"rounds={args.rounds} (A B B A)")
-    print(f"{'':10} {'deltafin':>12} {'llama.cpp':>12} {'ratio':>8}")
-    print(f"{'decode':10} {rec['deltafin_decode_tps']:>10.2f}/s {rec['llama_decode_tps']:>10.2f}/s "
+    print(f"threads={args.threads} decode_tokens={args.decode_tokens} "
+          f"prefill_tokens={rec['prefill_tokens']} rounds={args.rounds} (A B B A)")
+    print(f"{'':16} {'deltafin':>12} {'llama.cpp':>12} {'ratio':>8}")
+    print(f"{'decode':16} {rec['deltafin_decode_tps']:>10.2f}/s {rec['llama_decode_tps']:>10.2f}/s "
           f"{rec['decode_ratio']:>7.2f}x")
-    print(f"{'prefill':10} {rec['deltafin_prefill_tps']:>10.1f}/s {rec['llama_prefill_tps']:>10.1f}/s "
-          f"{rec['prefill_ratio']:>7.2f}x")
+    for n, v in rec["prefill"].items():
+        print(f"{'prefill ' + n:16} {v['deltafin_tps']:>10.1f}/s {v['llama_tps']:>10.1f}/s "
+              f"{v['ratio']:>7.2f}x")
     print(f"greedy ids identical on the decode prompt: {ids_match}"
           + ("" if ids_match else f" (first divergence: {rec['first_divergence']})"))
     if args.json:

@@ -1,18 +1,22 @@
 //! `cargo xtask`: developer tasks (checkpoint synthesis, conversions).
 //!
-//! - `cargo xtask synth --preset tiny|mini|stream [--ram-gb N] [--seed N] --out DIR [dims]`
+//! - `cargo xtask synth --preset tiny|mini|stream|real-experts [--ram-gb N] [--seed N] --out DIR [dims]`
 //! - `cargo xtask synth-layout --out DIR`: the real release layout at full scale (96 sparse
 //!   shards, 1.42 TiB of tensors left as holes; docs/PERFORMANCE.md, "Full-scale layout")
 //! - `cargo xtask synth-dspark --target DIR --out DIR [--seed N]`
 //! - `cargo xtask synth-qwen3 --size 0.6b|1.7b --out DIR [--seed N] [--tokenizer-from K3_DIR]`
 //! - `cargo xtask spine-quality --model-root DIR [--convert] [--json]`: the int8-vs-bf16
 //!   quality report (docs/NUMERICS.md)
+//! - `cargo xtask batch-bench --model-root DIR [--spines int8,bf16] [--streams 1,2,4,8]
+//!   [--budget-gb N]`: several sequences decoding together against one (docs/PERFORMANCE.md)
 
 // No unsafe code: this crate needs none (docs/ARCHITECTURE.md "Invariants").
 #![forbid(unsafe_code)]
 
+mod batch_bench;
 mod kernel_env;
 mod layout;
+mod peak_probe;
 mod resident_bench;
 mod stream_bench;
 
@@ -38,6 +42,9 @@ enum Preset {
     Mini,
     /// Routed experts exceed `--ram-gb` (streaming benchmarks).
     Stream,
+    /// Real expert geometry: hidden 7168, 896 experts of 17,547,264 B top-16 in one MoE
+    /// layer (15.7 GB; `--experts`, `--layers` scale it), small vocabulary.
+    RealExperts,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -111,6 +118,13 @@ enum Cmd {
     /// every weight resident, per spine; bytes per token from the loaded weights, effective
     /// GB/s and the ratio to the probe per round (not in CI).
     ResidentBench(resident_bench::Args),
+    /// Peak-arithmetic probe: f32 FMA and int8 dot-product rates of this CPU with the
+    /// kernels' instructions, and the spine products' in-cache rate as a fraction of them.
+    PeakProbe(peak_probe::Args),
+    /// Several sequences decoding together against one alone: aggregate and per-stream
+    /// token/s with 1, 2, 4, 8 streams (A B B A), per spine, resident or under a memory
+    /// budget with the expert bytes read per token (not in CI).
+    BatchBench(batch_bench::Args),
     /// Write `k3-experts/L{layer}-E{expert}.bin` (one raw expert per file) from the shards;
     /// the streaming loader then reads experts from those files.
     ConvertExperts {
@@ -277,10 +291,12 @@ fn main() -> Result<()> {
         }
         Cmd::StreamBench(args) => stream_bench::run(&args)?,
         Cmd::ResidentBench(args) => resident_bench::run(&args)?,
+        Cmd::PeakProbe(args) => peak_probe::run(&args)?,
+        Cmd::BatchBench(args) => batch_bench::run(&args)?,
         Cmd::ConvertExperts { model_root } => {
             let ckpt = deltafin_k3::weights::checkpoint::Checkpoint::open(&model_root)
                 .with_context(|| format!("opening {}", model_root.display()))?;
-            let n = deltafin_k3::weights::loader::convert_to_expert_files(&ckpt)?;
+            let n = deltafin_store::experts::convert_to_expert_files(&ckpt)?;
             println!(
                 "wrote {n} expert files under {}",
                 model_root
@@ -335,6 +351,7 @@ fn main() -> Result<()> {
                 Preset::Tiny => SynthDims::tiny(),
                 Preset::Mini => SynthDims::mini(),
                 Preset::Stream => SynthDims::stream(ram_bytes.unwrap_or(0)),
+                Preset::RealExperts => SynthDims::real_experts(),
             };
             for (v, slot) in [
                 (hidden, &mut d.hidden),

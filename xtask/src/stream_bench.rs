@@ -22,9 +22,7 @@ use anyhow::{Context, Result, bail};
 use deltafin_experts::probe::{ProbeOptions, probe};
 use deltafin_experts::{DirectIo, ExpertStats, PilotGate, StreamOptions};
 use deltafin_k3::weights::checkpoint::Checkpoint;
-use deltafin_k3::weights::loader::{
-    EngineOptions, expert_table, load_model_with_experts, streaming_experts,
-};
+use deltafin_k3::weights::loader::{EngineOptions, load_model_with_experts, streaming_experts};
 use deltafin_k3::weights::spine_int8::SpineFormat;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -44,8 +42,9 @@ pub struct Args {
     /// Greedy decode steps.
     #[arg(long, default_value_t = 32)]
     tokens: usize,
-    /// I/O threads for the probe and the stream.
-    #[arg(long, default_value_t = 4)]
+    /// I/O threads for the probe and the stream (reads in flight; default the expert
+    /// reader's `auto` depth).
+    #[arg(long, default_value_t = deltafin_experts::stream::DEFAULT_READ_DEPTH)]
     threads: usize,
     /// PILOT gate: off (prefetch), measure (no prefetch), on (per-layer recall gate), ranked
     /// (per-rank precision gate).
@@ -146,7 +145,7 @@ pub fn run(args: &Args) -> Result<()> {
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load average at start: {}", load.trim());
     let ckpt = Arc::new(Checkpoint::open(&args.model_root).context("opening the checkpoint")?);
-    let table = expert_table(&ckpt)?;
+    let table = deltafin_store::experts::expert_table(&ckpt)?;
     let eb = table.shape.expert_bytes();
     let expert_total = eb * table.expert_count() as u64;
     let cache = (args.cache_gb * 1e9) as u64;

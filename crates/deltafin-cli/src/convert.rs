@@ -5,9 +5,9 @@ use crate::RootArg;
 use crate::session::{check_root, progress_bar, sequential_gbps};
 use anyhow::{Result, bail};
 use clap::Args;
-use deltafin_k3::weights::checkpoint::Checkpoint;
-use deltafin_k3::weights::install;
-use deltafin_k3::weights::spine_int8::{
+use deltafin_store::checkpoint::Checkpoint;
+use deltafin_store::install;
+use deltafin_store::spine_int8::{
     ConvertOptions, ConvertProgress, DEFAULT_CHECKPOINT_ROWS, INT8_DIR, MAX_CHECKPOINT_ROWS,
     convert_spine, verify_spine,
 };

@@ -204,7 +204,8 @@ pub fn device_reserve() -> Result<u64> {
     }
 }
 
-/// Streaming options from `K3_EXPERT_READ_THREADS` (1…16, default min(CPUs, 4)),
+/// Streaming options from `K3_EXPERT_READ_THREADS` (reads in flight per drive: `auto` or
+/// 1…16, default `auto` = [`deltafin_experts::stream::DEFAULT_READ_DEPTH`], measured),
 /// `K3_EXPERT_STREAM_NOCACHE` (`auto`/`1`: O_DIRECT where allowed, `0`: page cache),
 /// `K3_PILOT_GATE` (`off`, `measure`, `on`, `ranked`), `K3_PILOT_GATE_THRESHOLD` ([0, 1),
 /// 0.10), `K3_PILOT_GATE_WARMUP` (1…100000, 16), `K3_PILOT_RANK_PRECISION` ([0, 1], 0.5: the
@@ -212,7 +213,9 @@ pub fn device_reserve() -> Result<u64> {
 /// cache size is the memory plan's.
 pub fn stream_options_from_env() -> Result<StreamOptions> {
     let base = StreamOptions::with_cache_bytes(0);
-    let read_threads = read_threads_env("K3_EXPERT_READ_THREADS", base.read_threads)?;
+    let read_threads = env_choice("K3_EXPERT_READ_THREADS", base.read_threads, |v| {
+        parse_read_depth(v)
+    })?;
     let direct_io = direct_io_env("K3_EXPERT_STREAM_NOCACHE")?;
     let threshold = env_choice("K3_PILOT_GATE_THRESHOLD", 0.10, |v| {
         v.parse::<f64>()
@@ -255,6 +258,18 @@ pub fn stream_options_from_env() -> Result<StreamOptions> {
         direct_io,
         pilot,
     })
+}
+
+/// An expert read depth per drive: `auto` (the measured default) or an integer 1…16.
+pub fn parse_read_depth(v: &str) -> std::result::Result<usize, String> {
+    use deltafin_experts::stream::{DEFAULT_READ_DEPTH, MAX_READ_DEPTH};
+    if v == "auto" {
+        return Ok(DEFAULT_READ_DEPTH);
+    }
+    v.parse::<usize>()
+        .ok()
+        .filter(|n| (1..=MAX_READ_DEPTH).contains(n))
+        .ok_or_else(|| format!("{v:?} is not auto or an integer in 1…{MAX_READ_DEPTH}"))
 }
 
 /// Reader threads from the variable `name` (an integer 1…16), else `default`.
@@ -393,5 +408,21 @@ pub fn resolve_router_trace(
             path: root.join(p),
             mode: m.flatten().unwrap_or(TraceMode::Buffered),
         })),
+    }
+}
+
+#[cfg(test)]
+mod read_depth_tests {
+    use super::parse_read_depth;
+    use deltafin_experts::stream::DEFAULT_READ_DEPTH;
+
+    #[test]
+    fn read_depth_is_auto_or_one_to_sixteen() {
+        assert_eq!(parse_read_depth("auto"), Ok(DEFAULT_READ_DEPTH));
+        assert_eq!(parse_read_depth("1"), Ok(1));
+        assert_eq!(parse_read_depth("16"), Ok(16));
+        for bad in ["0", "17", "", "eight", "-1", "Auto"] {
+            assert!(parse_read_depth(bad).is_err(), "{bad:?}");
+        }
     }
 }

@@ -118,6 +118,10 @@ pub const VARIABLES: &[Variable] = &[
     ),
     v("K3_SERVER_QUEUE", "as serve --queue: 0…64 (8)"),
     v(
+        "K3_SERVER_PARALLEL",
+        "as serve --parallel: 1…16 (the memory plan's count)",
+    ),
+    v(
         "K3_RESPONSE_STORE_GB",
         "as serve --response-store-gb: stored Responses (1; 0: none)",
     ),
@@ -162,6 +166,14 @@ pub const VARIABLES: &[Variable] = &[
         "the Hugging Face hub (https://huggingface.co)",
     ),
     v("HF_TOKEN", "a Hugging Face token for downloads"),
+    v(
+        "HF_HUB_CACHE",
+        "the Hugging Face cache `setup --from-hf-cache` reads without DIR",
+    ),
+    v(
+        "HF_HOME",
+        "Hugging Face's home: its hub/ is the cache when HF_HUB_CACHE is unset",
+    ),
     v(
         "DELTAFIN_MANIFESTS",
         "a directory of pinned source manifests instead of the built-in ones",

@@ -13,7 +13,7 @@
 
 use anyhow::{Context, Result, anyhow, bail};
 use deltafin_experts::layout::ExpertShape;
-use deltafin_k3::weights::loader::expert_file_name;
+use deltafin_store::checkpoint::expert_file_name;
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};

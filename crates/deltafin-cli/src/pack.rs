@@ -7,8 +7,8 @@ use crate::convert::{LazyBar, print_disk_share};
 use crate::session::check_root;
 use anyhow::Result;
 use clap::Args;
-use deltafin_k3::weights::install;
-use deltafin_k3::weights::spine_pack::{
+use deltafin_store::install;
+use deltafin_store::spine_pack::{
     DEFAULT_CHUNK, PackOptions, PackProgress, default_pack_dir, pack_spine, verify_packs,
 };
 use std::path::PathBuf;

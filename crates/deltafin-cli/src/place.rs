@@ -19,9 +19,9 @@ use deltafin_experts::homes::place::{
     check_home, copies_wanted, free_bytes, place_copy, plan, read_source,
 };
 use deltafin_experts::homes::{Home, HomeModel, MAX_HOMES};
-use deltafin_k3::engine::experts::{heat_dims, home_model};
-use deltafin_k3::weights::checkpoint::Checkpoint;
-use deltafin_k3::weights::loader::expert_table;
+use deltafin_store::checkpoint::Checkpoint;
+use deltafin_store::experts::expert_table;
+use deltafin_store::experts::{heat_dims, home_model};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;

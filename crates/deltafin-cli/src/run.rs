@@ -8,17 +8,14 @@ use crate::prefill_bar::PrefillBar;
 use crate::session;
 use anyhow::{Context, Result, anyhow, bail};
 use deltafin_k3::engine::{EngineConfig, LoadedEngine};
-use deltafin_k3::generate::{
-    Choose, GenerateEvent, GenerateOptions, Greedy, LogitSummary, StopReason, generate_prefilled,
-    stop_ids,
-};
-use deltafin_k3::prefix::{Chunked, PrefillProgress, message_ends};
+use deltafin_k3::generate::{Choose, Greedy, LogitSummary, StopReason};
+use deltafin_k3::prefix::PrefillProgress;
 use deltafin_k3::sampling::{Sampler, Sampling, fresh_seed};
 use deltafin_k3::text::chat::{self, ChatMessage, ReasoningEffort, Thinking};
-use deltafin_k3::text::tokenizer::{END_OF_MSG, StreamDecoder};
+use deltafin_k3::text::tokenizer::StreamDecoder;
 use deltafin_spec::dspark::{DraftMode, SpecConfig};
-use deltafin_spec::select::{Chosen, DraftModels, Surfaces};
-use deltafin_spec::{Committed, WallClock, generate_with_prefill};
+use deltafin_spec::select::{DraftModels, Surfaces};
+use deltafin_spec::{Event, Generation, PolicyMode, PolicyReport};
 use serde_json::{Value, json};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -248,12 +245,6 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
         );
     }
     let top_n = args.top_logits.map(usize::from).unwrap_or(0);
-    let opts = GenerateOptions {
-        max_new: args.max_new,
-        stop_ids: stop_ids(args.chat),
-        max_context,
-        top_logits: top_n,
-    };
     let surface = if args.chat { "chat" } else { "raw" };
     let effort_text = if args.chat {
         format!("{thinking} ({thinking_source})")
@@ -281,211 +272,257 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     // `--state-cache`), stopped by Ctrl-C, shown by a progress bar on a terminal.
     let mut bar = PrefillBar::new();
     let mut show = |p: PrefillProgress| bar.update(p);
-    let mut prefiller = Chunked::new(cache.as_ref());
-    if args.chat {
-        prefiller.marks = message_ends(&prompt_ids, END_OF_MSG);
-    }
-    prefiller.interrupt = Some(&interrupt);
-    prefiller.progress = Some(&mut show);
-    if let Some(chosen) = chosen {
-        return run_speculative(
-            &mut prefiller,
-            args,
-            &model,
-            &tokenizer,
-            &prompt_ids,
-            &opts,
-            chosen,
-            events.as_mut(),
-            &interrupt,
-            started,
-            spine.as_str(),
-            sampling,
-        );
-    }
-    let config = json!({
-        "surface": surface,
-        "model_root": root.display().to_string(),
-        "reasoning_effort": if args.chat { json!(thinking.to_string()) } else { Value::Null },
-        "thinking": if args.chat { json!(thinking.is_on()) } else { Value::Null },
-        "max_new": args.max_new,
-        "top_logits": top_n,
-        "sampling": sampling_json(sampling.as_ref()),
-        "spine": spine.as_str(),
-        "backend": session::backend_description(),
+    // The drafter, if any: its name and policy mode for the events and the summary line.
+    let mut chosen = chosen;
+    let drafting = chosen.as_ref().map(|c| {
+        let mode = match c.policy.report().mode {
+            PolicyMode::On => "on",
+            PolicyMode::Auto => "auto",
+            PolicyMode::Fixed => "fixed",
+        };
+        (c.name, mode)
     });
+    let config = match drafting {
+        None => json!({
+            "surface": surface,
+            "model_root": root.display().to_string(),
+            "reasoning_effort": if args.chat { json!(thinking.to_string()) } else { Value::Null },
+            "thinking": if args.chat { json!(thinking.is_on()) } else { Value::Null },
+            "max_new": args.max_new,
+            "top_logits": top_n,
+            "sampling": sampling_json(sampling.as_ref()),
+            "spine": spine.as_str(),
+            "backend": session::backend_description(),
+        }),
+        Some((name, mode)) => json!({
+            "surface": surface,
+            "drafter": name,
+            "draft_mode": mode,
+            "spine": spine.as_str(),
+            "sampling": sampling_json(sampling.as_ref()),
+            "backend": session::backend_description(),
+        }),
+    };
 
     let stdout = std::io::stdout();
     let live_stats = args.stats && stdout.is_terminal();
     let mut out = stdout;
     let mut decoder = StreamDecoder::new();
     let mut text = String::new();
-    let mut emitted: Vec<u32> = Vec::new();
+    let mut step = 0usize;
+    let (mut proposed, mut accepted, mut emitted, mut drafting_passes) = (0, 0, 0, 0);
+    let mut last_policy: Option<PolicyReport> = None;
+    let mut prefill_ns = 0u64;
     let gen_start = Instant::now();
     let mut sink_error: Option<anyhow::Error> = None;
+    let mut sampler = sampling.map(Sampler);
+    let rule: &mut (dyn Choose + Send) = match sampler.as_mut() {
+        Some(s) => s,
+        None => &mut Greedy,
+    };
 
     // Run the whole generation on a pool worker: the kernels' parallel loops then start by
     // work-stealing from this thread instead of waking the pool from outside for every
     // matrix product.
     let result = deltafin_kernels::pool::run_warm(|| {
-        let mut sampler = sampling.map(Sampler);
-        let rule: &mut dyn Choose = match sampler.as_mut() {
-            Some(s) => s,
-            None => &mut Greedy,
-        };
-        generate_prefilled(
-            &model,
-            &prompt_ids,
-            &mut prefiller,
-            &opts,
-            rule,
-            &interrupt,
-            |ev| {
-                let r: Result<()> = (|| {
-                    match ev {
-                        GenerateEvent::Prefilled { duration, summary } => {
-                            if let Some(w) = events.as_mut() {
-                                let mut start = json!({
-                                    "prompt": args.prompt,
-                                    "chat": args.chat,
-                                    "max_new": args.max_new,
-                                    "input_token_ids": prompt_ids,
-                                    "prompt_token_ids": prompt_ids,
-                                    "config": config,
-                                });
-                                add_summary(
-                                    &mut start,
-                                    summary,
-                                    "last_prompt_top_logits",
-                                    "last_prompt_logsumexp",
-                                );
-                                w.emit("run_start", start)?;
-                                w.emit(
-                            "prefill_done",
-                            json!({"duration_ns": duration.as_nanos() as u64, "prompt_tokens": prompt_ids.len()}),
-                        )?;
-                            }
-                        }
-                        GenerateEvent::Token {
-                            step,
-                            id,
-                            duration,
-                            summary,
-                            ..
-                        } => {
-                            emitted.push(id);
-                            let piece = decoder
-                                .push(&tokenizer, id)
-                                .map_err(|e| anyhow!("cannot decode token {id}: {e}"))?;
-                            text.push_str(&piece);
-                            if args.stats {
-                                let elapsed = gen_start.elapsed().as_secs_f64();
-                                let n = emitted.len();
-                                let line = format!(
-                                    "[stats] generated={n} elapsed={elapsed:.2}s speed={:.3} token/s ({:.3} s/token)",
-                                    n as f64 / elapsed.max(1e-9),
-                                    elapsed / n as f64
-                                );
-                                write_stats_line(&mut out, live_stats, &line)?;
-                            } else {
-                                write!(out, "{piece}")?;
-                            }
-                            out.flush()?;
-                            if let Some(w) = events.as_mut() {
-                                let mut step_ev = json!({
-                                    "step": step,
-                                    "duration_ns": duration.as_nanos() as u64,
-                                    "token_id": id,
-                                    "text": piece,
-                                    "emitted_token_ids": [id],
-                                    "proposal_candidate_count": 0,
-                                    "proposed_token_count": 0,
-                                    "accepted_token_count": 0,
-                                    "proposal_memory_rejected": false,
-                                });
-                                add_summary(&mut step_ev, summary, "top_logits", "logsumexp");
-                                w.emit("decode_step", step_ev)?;
-                            }
+        let mut generation = Generation::new(&model, &prompt_ids)
+            .chat(args.chat)
+            .max_new(args.max_new)
+            .max_context(max_context)
+            .top_logits(top_n)
+            .rule(rule)
+            .prefix_cache(cache.as_ref())
+            .progress(&mut show)
+            .interrupt(&interrupt);
+        if let Some(c) = chosen.as_mut() {
+            generation = generation.drafter(c.drafter.as_mut(), &mut c.policy);
+        }
+        generation.run(|ev| {
+            let r: Result<()> = (|| {
+                match ev {
+                    Event::Prefilled {
+                        duration, summary, ..
+                    } => {
+                        prefill_ns = duration.as_nanos() as u64;
+                        if let Some(w) = events.as_mut() {
+                            let mut start = json!({
+                                "prompt": args.prompt,
+                                "chat": args.chat,
+                                "max_new": args.max_new,
+                                "input_token_ids": prompt_ids,
+                                "prompt_token_ids": prompt_ids,
+                                "config": config,
+                            });
+                            add_summary(
+                                &mut start,
+                                summary,
+                                "last_prompt_top_logits",
+                                "last_prompt_logsumexp",
+                            );
+                            w.emit("run_start", start)?;
+                            w.emit(
+                                "prefill_done",
+                                json!({"duration_ns": prefill_ns, "prompt_tokens": prompt_ids.len()}),
+                            )?;
                         }
                     }
-                    Ok(())
-                })();
-                r.map_err(|e| {
-                    let msg = crate::errtext::describe(&e);
-                    sink_error = Some(e);
-                    msg
-                })
-            },
-        )
+                    Event::Committed(c) => {
+                        let mut piece = String::new();
+                        for &id in c.ids {
+                            piece.push_str(
+                                &decoder
+                                    .push(&tokenizer, id)
+                                    .map_err(|e| anyhow!("cannot decode token {id}: {e}"))?,
+                            );
+                        }
+                        text.push_str(&piece);
+                        proposed += c.proposed;
+                        accepted += c.accepted;
+                        drafting_passes += usize::from(c.proposed > 0);
+                        emitted += c.ids.len();
+                        last_policy = Some(c.policy);
+                        if args.stats {
+                            let elapsed = gen_start.elapsed().as_secs_f64();
+                            let mut line = format!(
+                                "[stats] generated={emitted} elapsed={elapsed:.2}s speed={:.3} token/s ({:.3} s/token)",
+                                emitted as f64 / elapsed.max(1e-9),
+                                elapsed / emitted.max(1) as f64,
+                            );
+                            if let Some((_, mode)) = drafting {
+                                let p = &c.policy;
+                                line += &format!(
+                                    " drafts={accepted}/{proposed} mean_accepted={:.2} verify_passes={step} policy={mode}:{} width={} speedup={}",
+                                    accepted as f64 / drafting_passes.max(1) as f64,
+                                    p.state.as_str(),
+                                    p.width,
+                                    percent(p.speedup),
+                                );
+                            }
+                            write_stats_line(&mut out, live_stats, &line)?;
+                        } else {
+                            write!(out, "{piece}")?;
+                        }
+                        out.flush()?;
+                        if let Some(w) = events.as_mut() {
+                            let mut step_ev = json!({
+                                "step": step,
+                                "duration_ns": c.duration.as_nanos() as u64,
+                                "token_id": c.ids.first(),
+                                "text": piece,
+                                "emitted_token_ids": c.ids,
+                                "proposal_candidate_count": usize::from(c.proposed > 0),
+                                "proposed_token_count": c.proposed,
+                                "accepted_token_count": c.accepted,
+                                "proposal_memory_rejected": false,
+                            });
+                            if drafting.is_some() {
+                                step_ev["draft_policy"] = json!(c.policy.state.as_str());
+                            }
+                            add_summary(&mut step_ev, c.summary, "top_logits", "logsumexp");
+                            w.emit("decode_step", step_ev)?;
+                        }
+                        step += 1;
+                    }
+                }
+                Ok(())
+            })();
+            r.map_err(|e| {
+                let msg = crate::errtext::describe(&e);
+                sink_error = Some(e);
+                msg
+            })
+        })
     });
-    report_reuse(prefiller.reused, prompt_ids.len());
 
-    let outcome = match result {
-        Ok(o) => o,
+    let finished = match result {
+        Ok(f) => f,
         Err(e) => {
             let err = sink_error.take().unwrap_or_else(|| anyhow!(e));
             if let Some(w) = events.as_mut() {
-                emit_run_error(
-                    w,
-                    emitted.is_empty(),
-                    &crate::errtext::describe(&err),
-                    started,
-                );
+                emit_run_error(w, step == 0, &crate::errtext::describe(&err), started);
             }
             return Err(err);
         }
     };
+    report_reuse(finished.reused, prompt_ids.len());
     finish_output(decoder, &mut text, &mut out, args.stats, live_stats)?;
-    let completion: Vec<u32> = match outcome.stop {
-        StopReason::Eos => outcome.ids[..outcome.ids.len().saturating_sub(1)].to_vec(),
-        _ => outcome.ids.clone(),
-    };
-    let decode_steps = outcome.ids.len().saturating_sub(1);
-    let decode_seconds = (outcome.total_duration - outcome.prefill_duration).as_secs_f64();
-    eprintln!(
-        "[deltafin] stop={} generated={} prefill={:.3}s ({:.1} token/s) decode={:.3} token/s",
-        outcome.stop.as_str(),
-        outcome.ids.len(),
-        outcome.prefill_duration.as_secs_f64(),
-        prompt_ids.len() as f64 / outcome.prefill_duration.as_secs_f64().max(1e-9),
-        if decode_steps > 0 {
-            decode_steps as f64 / decode_seconds.max(1e-9)
-        } else {
-            0.0
+    let ids = &finished.ids;
+    let decode_steps = ids.len().saturating_sub(1);
+    let decode_seconds = (finished.total_duration - finished.prefill_duration).as_secs_f64();
+    let decode_speed = decode_steps as f64 / decode_seconds.max(1e-9);
+    let drafter_json = match (drafting, last_policy) {
+        (Some((name, mode)), Some(p)) => {
+            let passes = step.saturating_sub(1);
+            eprintln!(
+                "[deltafin] stop={} generated={} drafter={name} ({mode}) drafts accepted {accepted}/{proposed} ({:.1}%) mean accepted length {:.2} in {passes} verify passes ({drafting_passes} with drafts, {:.2} tokens per pass) policy={} width={} speedup vs plain step {} (plain step {}, marginal cost per verified token {}) switched_off={}{}",
+                finished.stop.as_str(),
+                ids.len(),
+                100.0 * accepted as f64 / proposed.max(1) as f64,
+                accepted as f64 / drafting_passes.max(1) as f64,
+                decode_steps as f64 / passes.max(1) as f64,
+                p.state.as_str(),
+                p.width,
+                percent(p.speedup),
+                p.plain_seconds.map_or("n/a".into(), |t| format!("{t:.4}s")),
+                p.marginal.map_or("n/a".into(), |m| format!("{m:.2}")),
+                p.switched_off,
+                if passes > 0 {
+                    format!(" decode={decode_speed:.3} token/s")
+                } else {
+                    String::new()
+                },
+            );
+            json!({"name": name, "mode": mode, "proposed": proposed, "accepted": accepted,
+                   "verify_passes": passes, "drafting_passes": drafting_passes,
+                   "policy": p.state.as_str(), "width": p.width,
+                   "speedup": p.speedup, "switched_off": p.switched_off})
         }
-    );
+        _ => {
+            eprintln!(
+                "[deltafin] stop={} generated={} prefill={:.3}s ({:.1} token/s) decode={:.3} token/s",
+                finished.stop.as_str(),
+                ids.len(),
+                finished.prefill_duration.as_secs_f64(),
+                prompt_ids.len() as f64 / finished.prefill_duration.as_secs_f64().max(1e-9),
+                if decode_steps > 0 { decode_speed } else { 0.0 }
+            );
+            Value::Null
+        }
+    };
     if args.stats {
         session::report_expert_stats(&model);
     }
     if let Some(w) = events.as_mut() {
+        let mut runtime = json!({
+            "backend": session::backend_description(),
+            "load_seconds": load_seconds,
+            "prefill_ns": finished.prefill_duration.as_nanos() as u64,
+            "generated_tokens": ids.len(),
+        });
+        if !drafter_json.is_null() {
+            runtime["drafter"] = drafter_json;
+        }
         w.emit(
             "run_end",
             json!({
-                "status": if outcome.stop == StopReason::Interrupted { "interrupted" } else { "ok" },
+                "status": if finished.stop == StopReason::Interrupted { "interrupted" } else { "ok" },
                 "duration_ns": started.elapsed().as_nanos() as u64,
                 "prompt_token_ids": prompt_ids,
-                "emitted_token_ids": outcome.ids,
-                "completion_token_ids": completion,
-                "stop_reason": outcome.stop.as_str(),
+                "emitted_token_ids": ids,
+                "completion_token_ids": finished.completion(),
+                "stop_reason": finished.stop.as_str(),
                 "completion_text": text,
-                "runtime": {
-                    "backend": session::backend_description(),
-                    "load_seconds": load_seconds,
-                    "prefill_ns": outcome.prefill_duration.as_nanos() as u64,
-                    "generated_tokens": outcome.ids.len(),
-                },
+                "runtime": runtime,
             }),
         )?;
     }
-    Ok(if outcome.stop == StopReason::Interrupted {
+    Ok(if finished.stop == StopReason::Interrupted {
         ExitCode::from(130)
     } else {
         ExitCode::SUCCESS
     })
 }
 
-/// Percent text of a speed-up (`+12.3%`), or `n/a`.
-/// The header line's sampling field.
 /// Say how much of the prompt a stored prefix state saved (nothing when none was used).
 fn report_reuse(reused: usize, prompt_tokens: usize) {
     if reused > 0 {
@@ -495,6 +532,7 @@ fn report_reuse(reused: usize, prompt_tokens: usize) {
     }
 }
 
+/// The header line's sampling field.
 fn sampling_text(s: Option<&Sampling>) -> String {
     match s {
         None => "sampling=greedy".into(),
@@ -513,242 +551,9 @@ fn sampling_json(s: Option<&Sampling>) -> Value {
     })
 }
 
+/// Percent text of a speed-up (`+12.3%`), or `n/a`.
 fn percent(x: Option<f64>) -> String {
     x.map_or("n/a".into(), |s| format!("{:+.1}%", 100.0 * s))
-}
-
-/// `deltafin run` with a drafter (DSpark or Qwen, under its `auto`/`on` policy): K3 verifies
-/// every draft, so the ids equal plain greedy decoding; each committed step writes one
-/// `decode_step` with the proposal counts and the policy state.
-#[allow(clippy::too_many_arguments)]
-fn run_speculative(
-    prefiller: &mut Chunked<'_>,
-    args: &RunArgs,
-    model: &deltafin_k3::model::K3Model,
-    tokenizer: &deltafin_k3::text::tokenizer::Tokenizer,
-    prompt_ids: &[u32],
-    opts: &GenerateOptions,
-    chosen: Chosen,
-    mut events: Option<&mut EventWriter>,
-    interrupt: &std::sync::atomic::AtomicBool,
-    started: Instant,
-    spine: &str,
-    sampling: Option<Sampling>,
-) -> Result<ExitCode> {
-    let Chosen {
-        name,
-        mut drafter,
-        mut policy,
-    } = chosen;
-    if prompt_ids.len() >= opts.max_context {
-        bail!(
-            "prompt of {} tokens does not fit the context of {} positions",
-            prompt_ids.len(),
-            opts.max_context
-        );
-    }
-    let room = opts.max_context - prompt_ids.len();
-    let max_new = opts.max_new.unwrap_or(room).min(room);
-    let initial = policy.report();
-    let mode = match initial.mode {
-        deltafin_spec::PolicyMode::On => "on",
-        deltafin_spec::PolicyMode::Auto => "auto",
-        deltafin_spec::PolicyMode::Fixed => "fixed",
-    };
-    if let Some(w) = events.as_deref_mut() {
-        w.emit(
-            "run_start",
-            json!({
-                "prompt": args.prompt,
-                "chat": args.chat,
-                "max_new": args.max_new,
-                "input_token_ids": prompt_ids,
-                "prompt_token_ids": prompt_ids,
-                "config": {"surface": if args.chat { "chat" } else { "raw" }, "drafter": name,
-                           "draft_mode": mode, "spine": spine,
-                           "sampling": sampling_json(sampling.as_ref()),
-                           "backend": session::backend_description()},
-            }),
-        )?;
-    }
-    let stdout = std::io::stdout();
-    let live_stats = args.stats && stdout.is_terminal();
-    let mut out = stdout;
-    let mut decoder = StreamDecoder::new();
-    let mut text = String::new();
-    let mut step = 0usize;
-    let (mut proposed, mut accepted, mut emitted, mut drafting) = (0usize, 0usize, 0usize, 0usize);
-    let mut last_policy = initial;
-    let mut prefill_ns = 0u64;
-    let gen_start = Instant::now();
-    let clock = WallClock::new();
-    let mut sampler = sampling.map(Sampler);
-    let rule: &mut (dyn Choose + Send) = match sampler.as_mut() {
-        Some(s) => s,
-        None => &mut Greedy,
-    };
-    let result = deltafin_kernels::pool::run_warm(|| {
-        generate_with_prefill(
-            model,
-            prompt_ids,
-            prefiller,
-            max_new,
-            &opts.stop_ids,
-            drafter.as_mut(),
-            rule,
-            &mut policy,
-            &clock,
-            interrupt,
-            |c: &Committed<'_>| {
-                let r: Result<()> = (|| {
-                    let mut piece = String::new();
-                    for &id in c.ids {
-                        piece.push_str(
-                            &decoder
-                                .push(tokenizer, id)
-                                .map_err(|e| anyhow!("cannot decode token {id}: {e}"))?,
-                        );
-                    }
-                    text.push_str(&piece);
-                    proposed += c.proposed;
-                    accepted += c.accepted;
-                    drafting += usize::from(c.proposed > 0);
-                    emitted += c.ids.len();
-                    last_policy = c.policy;
-                    if args.stats {
-                        let elapsed = gen_start.elapsed().as_secs_f64();
-                        let p = &c.policy;
-                        let line = format!(
-                            "[stats] generated={emitted} elapsed={elapsed:.2}s speed={:.3} token/s ({:.3} s/token) drafts={accepted}/{proposed} mean_accepted={:.2} verify_passes={} policy={mode}:{} width={} speedup={}",
-                            emitted as f64 / elapsed.max(1e-9),
-                            elapsed / emitted.max(1) as f64,
-                            accepted as f64 / drafting.max(1) as f64,
-                            step,
-                            p.state.as_str(),
-                            p.width,
-                            percent(p.speedup),
-                        );
-                        write_stats_line(&mut out, live_stats, &line)?;
-                    } else {
-                        write!(out, "{piece}")?;
-                    }
-                    out.flush()?;
-                    if let Some(w) = events.as_deref_mut() {
-                        if step == 0 {
-                            prefill_ns = c.duration.as_nanos() as u64;
-                            w.emit(
-                                "prefill_done",
-                                json!({"duration_ns": prefill_ns, "prompt_tokens": prompt_ids.len()}),
-                            )?;
-                        }
-                        w.emit(
-                            "decode_step",
-                            json!({
-                                "step": step,
-                                "duration_ns": c.duration.as_nanos() as u64,
-                                "token_id": c.ids.first(),
-                                "text": piece,
-                                "emitted_token_ids": c.ids,
-                                "proposal_candidate_count": usize::from(c.proposed > 0),
-                                "proposed_token_count": c.proposed,
-                                "accepted_token_count": c.accepted,
-                                "proposal_memory_rejected": false,
-                                "draft_policy": c.policy.state.as_str(),
-                            }),
-                        )?;
-                    }
-                    step += 1;
-                    Ok(())
-                })();
-                r.map_err(|e| crate::errtext::describe(&e))
-            },
-        )
-    });
-    report_reuse(prefiller.reused, prompt_ids.len());
-    let (ids, _stats) = match result {
-        Ok(v) => v,
-        Err(e) => {
-            if let Some(w) = events.as_deref_mut() {
-                emit_run_error(w, step == 0, &e.to_string(), started);
-            }
-            bail!("{e}");
-        }
-    };
-    finish_output(decoder, &mut text, &mut out, args.stats, live_stats)?;
-    let stop = if ids.last().is_some_and(|t| opts.stop_ids.contains(t)) {
-        StopReason::Eos
-    } else if ids.len() >= max_new {
-        if max_new == room && opts.max_new.is_none_or(|m| m > room) {
-            StopReason::ContextFull
-        } else {
-            StopReason::MaxNew
-        }
-    } else {
-        StopReason::Interrupted
-    };
-    let completion: Vec<u32> = match stop {
-        StopReason::Eos => ids[..ids.len() - 1].to_vec(),
-        _ => ids.clone(),
-    };
-    let passes = step.saturating_sub(1);
-    let decode_s = gen_start.elapsed().as_secs_f64() - prefill_ns as f64 * 1e-9;
-    eprintln!(
-        "[deltafin] stop={} generated={} drafter={name} ({mode}) drafts accepted {accepted}/{proposed} ({:.1}%) mean accepted length {:.2} in {passes} verify passes ({drafting} with drafts, {:.2} tokens per pass) policy={} width={} speedup vs plain step {} (plain step {}, marginal cost per verified token {}) switched_off={}{}",
-        stop.as_str(),
-        ids.len(),
-        100.0 * accepted as f64 / proposed.max(1) as f64,
-        accepted as f64 / drafting.max(1) as f64,
-        ids.len().saturating_sub(1) as f64 / passes.max(1) as f64,
-        last_policy.state.as_str(),
-        last_policy.width,
-        percent(last_policy.speedup),
-        last_policy
-            .plain_seconds
-            .map_or("n/a".into(), |t| format!("{t:.4}s")),
-        last_policy
-            .marginal
-            .map_or("n/a".into(), |m| format!("{m:.2}")),
-        last_policy.switched_off,
-        if passes > 0 {
-            format!(
-                " decode={:.3} token/s",
-                ids.len().saturating_sub(1) as f64 / decode_s.max(1e-9)
-            )
-        } else {
-            String::new()
-        },
-    );
-    if args.stats {
-        session::report_expert_stats(model);
-    }
-    if let Some(w) = events {
-        w.emit(
-            "run_end",
-            json!({
-                "status": if stop == StopReason::Interrupted { "interrupted" } else { "ok" },
-                "duration_ns": started.elapsed().as_nanos() as u64,
-                "prompt_token_ids": prompt_ids,
-                "emitted_token_ids": ids,
-                "completion_token_ids": completion,
-                "stop_reason": stop.as_str(),
-                "completion_text": text,
-                "runtime": {
-                    "backend": session::backend_description(),
-                    "prefill_ns": prefill_ns,
-                    "generated_tokens": ids.len(),
-                    "drafter": {"name": name, "mode": mode, "proposed": proposed, "accepted": accepted,
-                                "verify_passes": passes, "drafting_passes": drafting,
-                                "policy": last_policy.state.as_str(), "width": last_policy.width,
-                                "speedup": last_policy.speedup, "switched_off": last_policy.switched_off},
-                },
-            }),
-        )?;
-    }
-    Ok(if stop == StopReason::Interrupted {
-        ExitCode::from(130)
-    } else {
-        ExitCode::SUCCESS
-    })
 }
 
 /// The `run_error` event of a generation that failed (in the prefill when `in_prefill`);

@@ -15,9 +15,10 @@ use deltafin_experts::DirectIo;
 use deltafin_experts::probe::{ProbeOptions, probe};
 use deltafin_experts::scale4::{self, MANIFEST_FILE, RawSource, SCALE4_DIR, Scale4Manifest};
 use deltafin_fetch::progress::stderr_bar;
-use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint};
-use deltafin_k3::weights::install;
-use deltafin_k3::weights::loader::{EXPERT_DIR, expert_table};
+use deltafin_store::checkpoint::EXPERT_DIR;
+use deltafin_store::checkpoint::{CONFIG_FILE, Checkpoint};
+use deltafin_store::experts::expert_table;
+use deltafin_store::install;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -58,14 +59,14 @@ pub struct ConvertReport {
     pub probe: Option<(PathBuf, u64, f64)>,
 }
 
-use deltafin_k3::engine::experts::scale4_layout as layout_of;
-use deltafin_k3::weights::filelock::Refused;
+use deltafin_store::experts::scale4_layout as layout_of;
+use deltafin_store::filelock::Refused;
 
 /// The converter's lock file in the output directory.
 const LOCK_FILE: &str = ".convert.lock";
 
 fn config_sha256(root: &Path) -> Result<String> {
-    Ok(deltafin_k3::engine::experts::config_sha256(root)?)
+    Ok(deltafin_store::experts::config_sha256(root)?)
 }
 
 /// `deltafin convert-experts-scale4`.
@@ -140,7 +141,7 @@ pub fn convert_with(args: &Scale4Args, stop_after: Option<usize>) -> Result<Conv
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     // One converter per output directory, as the other converters: a second one would
     // remove the first one's `.part` files under it.
-    let _lock = deltafin_k3::weights::filelock::lock_in(&out, LOCK_FILE).map_err(|r| match r {
+    let _lock = deltafin_store::filelock::lock_in(&out, LOCK_FILE).map_err(|r| match r {
         Refused::Held(path) => anyhow!(
             "{} is held by another convert-experts-scale4 (one converter per output directory); wait for it to finish",
             path.display()

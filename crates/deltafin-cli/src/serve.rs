@@ -28,11 +28,16 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_TOKENS as u64,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub max_tokens: u64,
-    /// Requests allowed to wait for the single generation slot, 0…64 (0: a concurrent
-    /// request gets 429 at once) [env: K3_SERVER_QUEUE; default: 8, so that an agent's side
-    /// requests (a title beside the turn) wait instead of failing].
+    /// Requests allowed to wait beyond the generations running together, 0…64 (0: a
+    /// request beyond them gets 429 at once) [env: K3_SERVER_QUEUE; default: 8, so that an
+    /// agent's side requests wait instead of failing].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(0..=MAX_QUEUE as u64))]
     pub queue: Option<u64>,
+    /// Generations that run together, 1…16: their decode steps share each pass, and each
+    /// answer is bit-identical to the same request alone [env: K3_SERVER_PARALLEL; default:
+    /// as many as the memory plan's state reserve holds, at least 2 where two fit, at most 4].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=deltafin_openai::sharing::MAX_PARALLEL as u64))]
+    pub parallel: Option<u64>,
     /// JSON body limit in bytes, 1…1073741824.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_REQUEST_BYTES as u64,
           value_parser = clap::value_parser!(u64).range(1..=MAX_REQUEST_BYTES_LIMIT as u64))]
@@ -196,6 +201,27 @@ fn resolve_queue(flag: Option<u64>) -> Result<(usize, &'static str)> {
     })
 }
 
+/// `--parallel`, else `K3_SERVER_PARALLEL` (strict: an integer 1…16), else `None` (the
+/// memory plan decides, `deltafin_openai::sharing`).
+fn resolve_parallel(flag: Option<u64>) -> Result<Option<(usize, &'static str)>> {
+    let max = deltafin_openai::sharing::MAX_PARALLEL;
+    let env = crate::env::env_var("K3_SERVER_PARALLEL")?;
+    let from_env = env
+        .as_deref()
+        .map(|v| match v.parse::<usize>() {
+            Ok(n) if (1..=max).contains(&n) => Ok(n),
+            _ => Err(anyhow!(
+                "environment variable K3_SERVER_PARALLEL: {v:?} is not an integer in 1..={max}"
+            )),
+        })
+        .transpose()?;
+    Ok(match (flag, from_env) {
+        (Some(n), _) => Some((n as usize, "flag")),
+        (None, Some(n)) => Some((n, "env")),
+        (None, None) => None,
+    })
+}
+
 /// The chat default when a request names no effort: `K3_REASONING_EFFORT` (the server's
 /// spellings, `none` included), else thinking at `max`.
 fn resolve_thinking() -> Result<(Thinking, &'static str)> {
@@ -277,6 +303,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
     let root = std::fs::canonicalize(&root).unwrap_or(root);
     deltafin_k3::engine::check_spine(&root, spine)?;
     let (queue, queue_source) = resolve_queue(args.queue)?;
+    let parallel = resolve_parallel(args.parallel)?;
     let (thinking, thinking_source) = resolve_thinking()?;
     let spec = crate::env::spec_config()?;
     let states = crate::engine_config::state_cache_settings(&args.model)?;
@@ -341,7 +368,17 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode> {
                 deltafin_openai::log_line!("[deltafin serve] {}", session::describe_state_cache(c, &s, &states));
             }
             let engine = deltafin_openai::Engine::from_loaded(s, Some(drafts))
-                .with_memo(memo.0, memo.1);
+                .with_memo(memo.0, memo.1)
+                .with_parallel(parallel);
+            let sharing = &engine.sharing;
+            deltafin_openai::log_line!(
+                "[deltafin serve] parallel={} ({}): state reserve {:.3} GB, {:.3} GB for a full {}-position context",
+                sharing.parallel,
+                sharing.source,
+                sharing.reserve_bytes as f64 / 1e9,
+                sharing.state_bytes(engine.max_context, 0) as f64 / 1e9,
+                engine.max_context
+            );
             Ok(match cache {
                 Some(c) => engine.with_state_cache(c),
                 None => engine,

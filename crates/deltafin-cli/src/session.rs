@@ -60,7 +60,7 @@ impl ExpertLayer for HubLayer {
     ) -> std::result::Result<(), deltafin_k3::engine::BoxError> {
         // A table of few files opens every file up front: fetch the missing ones first.
         if opens_every_file {
-            for (l, e) in deltafin_k3::weights::loader::stream_install_missing_experts(checkpoint) {
+            for (l, e) in deltafin_store::experts::stream_install_missing_experts(checkpoint) {
                 deltafin_fetch::expert::ExpertFetch::fetch_expert(&self.remote, l, e).map_err(
                     |err| {
                         anyhow::Error::new(err)

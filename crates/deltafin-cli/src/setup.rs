@@ -5,6 +5,7 @@ use crate::RootArg;
 use anyhow::{Context, Result, bail};
 use clap::{ArgGroup, Args};
 use deltafin_fetch::check::{CheckReport, check_k3, check_k3_meta, check_repo};
+use deltafin_fetch::hf_cache::{HfCache, default_hub_dir};
 use deltafin_fetch::hub::HubClient;
 use deltafin_fetch::inventory::Inventory;
 use deltafin_fetch::layers::{format_layers, parse_layers};
@@ -16,6 +17,7 @@ use deltafin_fetch::setup::{
 use deltafin_fetch::transfer::{TransferOptions, parse_workers};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 /// `deltafin setup`.
 #[derive(Args, Debug, Clone)]
@@ -38,6 +40,13 @@ pub struct SetupArgs {
     /// Parallel transfers, 1…16.
     #[arg(long, value_name = "N", default_value = "8", value_parser = parse_workers)]
     pub workers: usize,
+    /// Use the files an earlier `hf download` (huggingface_hub) left in a Hugging Face
+    /// cache: DIR is the hub cache (default `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+    /// `~/.cache/huggingface/hub`), one repository's `models--…` directory or its snapshot of
+    /// the pinned revision. Each cached file is verified against the pins (and its blob's
+    /// SHA-256 name), then hard-linked (copied across filesystems); the rest is fetched.
+    #[arg(long, value_name = "DIR", num_args = 0..=1)]
+    pub from_hf_cache: Option<Option<PathBuf>>,
     /// Allow a plain http:// hub endpoint or redirect (a mirror you trust); downloads use
     /// https:// only otherwise [env: DELTAFIN_INSECURE_HTTP=1].
     #[arg(long)]
@@ -116,6 +125,13 @@ pub struct FetchWeightsArgs {
     /// Parallel transfers, 1…16.
     #[arg(long, value_name = "N", default_value = "8", value_parser = parse_workers)]
     pub workers: usize,
+    /// Use the files an earlier `hf download` (huggingface_hub) left in a Hugging Face
+    /// cache: DIR is the hub cache (default `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+    /// `~/.cache/huggingface/hub`), one repository's `models--…` directory or its snapshot of
+    /// the pinned revision. Each cached file is verified against the pins (and its blob's
+    /// SHA-256 name), then hard-linked (copied across filesystems); the rest is fetched.
+    #[arg(long, value_name = "DIR", num_args = 0..=1)]
+    pub from_hf_cache: Option<Option<PathBuf>>,
     /// Allow a plain http:// hub endpoint or redirect (a mirror you trust); downloads use
     /// https:// only otherwise [env: DELTAFIN_INSECURE_HTTP=1].
     #[arg(long)]
@@ -147,6 +163,48 @@ fn setup_with<'a>(
             workers,
             ..TransferOptions::default()
         },
+        hf_cache: None,
+    }
+}
+
+/// The Hugging Face cache of `--from-hf-cache [DIR]` (no DIR: the default cache), with a
+/// line per pinned repository saying what it holds.
+fn hf_cache(dir: Option<&Option<PathBuf>>, ms: &Manifests) -> Result<Option<Arc<HfCache>>> {
+    let Some(dir) = dir else { return Ok(None) };
+    let dir = match dir {
+        Some(d) => d.clone(),
+        None => default_hub_dir().context(
+            "--from-hf-cache without DIR: none of HF_HUB_CACHE, HF_HOME and HOME is set; give the cache directory",
+        )?,
+    };
+    let cache = HfCache::open(&dir, ms)?;
+    let lines = cache.describe(ms);
+    if lines.is_empty() {
+        println!(
+            "hf cache: {} holds no snapshot of a pinned revision; everything is fetched",
+            cache.hub_dir().display()
+        );
+    }
+    for l in lines {
+        println!("{l}");
+    }
+    Ok(Some(Arc::new(cache)))
+}
+
+/// What a run took from the Hugging Face cache, and the cached files it could not verify.
+fn cache_summary(cache: Option<&Arc<HfCache>>) {
+    let Some(c) = cache else { return };
+    let u = c.used();
+    println!(
+        "hf cache: {} files hard-linked, {} copied, {} in all (not downloaded)",
+        u.linked,
+        u.copied,
+        size_text(u.bytes)
+    );
+    for f in c.unverifiable() {
+        println!(
+            "hf cache: {f}: neither pinned nor named by its SHA-256 in the cache, so fetched from the hub instead"
+        );
     }
 }
 
@@ -189,6 +247,11 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
         (_, true) => Some(Mode::Stream),
         _ => None,
     };
+    if a.check && a.from_hf_cache.is_some() {
+        bail!(
+            "setup: --from-hf-cache installs from the cache; --check only audits the model root (give one of them)"
+        );
+    }
     if a.check {
         let mode = flag.or_else(|| recorded_mode(&root)).unwrap_or(Mode::Full);
         println!("checking a {} install at {}", mode.as_str(), root.display());
@@ -200,9 +263,13 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
     // The disk the whole plan needs (weights, drafters, the int8 spine converted last)
     // against the free space, before anything is written.
     let free = deltafin_fetch::disk::free_bytes(&root)?;
-    let choice = choose_mode(&root, &ms, a.include_qwen, flag, free);
+    let cache = hf_cache(a.from_hf_cache.as_ref(), &ms)?;
+    let choice = choose_mode(&root, &ms, a.include_qwen, flag, free, cache.as_deref());
     let plan = plan_setup(&root, &ms, choice.mode, a.include_qwen);
-    let disk = DiskCheck::new(&root, &ms, &plan, a.include_qwen, free);
+    let linked = cache
+        .as_ref()
+        .map_or(0, |c| c.linkable_bytes(&root, &ms, &plan));
+    let disk = DiskCheck::new(&root, &ms, &plan, a.include_qwen, free).with_linked(linked);
     if a.dry_run {
         print!("{}", fsetup::render_plan(&root, &plan, &choice, &disk));
         return Ok(if disk.fits() {
@@ -217,8 +284,9 @@ pub fn setup(a: &SetupArgs) -> Result<ExitCode> {
     let _lock = install_lock(&root, "deltafin setup")?;
     println!("mode: {} ({})", choice.mode.as_str(), choice.reason);
     let c = client(a.insecure_http)?;
-    let s = setup_with(root.clone(), &ms, &c, a.workers);
+    let s = setup_with(root.clone(), &ms, &c, a.workers).with_hf_cache(cache.clone());
     s.run(choice.mode, a.include_qwen, &mut log)?;
+    cache_summary(cache.as_ref());
     // The last step of a one-shot setup (docs/SETUP.md): the int8 spine that `run`
     // and `serve` use by default. Resumable: an interrupted setup rerun continues it.
     println!(
@@ -364,8 +432,10 @@ pub fn fetch_weights(a: &FetchWeightsArgs) -> Result<ExitCode> {
     };
     let c = client(a.insecure_http)?;
     let _lock = install_lock(&root, "deltafin fetch-weights")?;
-    let s = setup_with(root.clone(), &ms, &c, a.workers);
+    let cache = hf_cache(a.from_hf_cache.as_ref(), &ms)?;
+    let s = setup_with(root.clone(), &ms, &c, a.workers).with_hf_cache(cache.clone());
     s.weights(&inv, &sel, &mut log)?;
+    cache_summary(cache.as_ref());
     if sel == Selection::Shards {
         let r = check_k3(&root, m, Mode::Full);
         return Ok(report("fetch-weights", &r));

@@ -21,10 +21,10 @@ use deltafin_experts::rank::{
 };
 use deltafin_fetch::expert::{ExpertFetch, RemoteExperts};
 use deltafin_fetch::transfer::parse_workers;
-use deltafin_k3::config::K3Config;
-use deltafin_k3::weights::checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE};
-use deltafin_k3::weights::install;
-use deltafin_k3::weights::loader::{EXPERT_DIR, expert_file_name};
+use deltafin_store::checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE};
+use deltafin_store::checkpoint::{EXPERT_DIR, expert_file_name};
+use deltafin_store::config::K3Config;
+use deltafin_store::install;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -305,7 +305,7 @@ pub fn warm_expert_cache(a: &WarmArgs) -> Result<ExitCode> {
         );
     }
     let cfg = K3Config::from_file(&cfg_path).map_err(|e| anyhow!("{e}"))?;
-    let dims = deltafin_k3::engine::experts::heat_dims(&cfg);
+    let dims = deltafin_store::experts::heat_dims(&cfg);
     let shape = ExpertShape {
         f: cfg.text.moe_intermediate_size,
         lr: cfg.text.routed_expert_hidden_size,

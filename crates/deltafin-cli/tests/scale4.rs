@@ -7,7 +7,7 @@ mod common;
 use common::{checkpoint, jsonl, text};
 
 use deltafin_k3::synth::SynthDims;
-use deltafin_k3::weights::loader::convert_to_expert_files;
+use deltafin_store::experts::convert_to_expert_files;
 use serde_json::Value;
 use std::path::Path;
 use std::process::Output;

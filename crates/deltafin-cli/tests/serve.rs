@@ -133,7 +133,7 @@ fn run_steps(events: &[Value]) -> Vec<(u32, f64)> {
 
 #[test]
 fn serve_gives_the_same_tokens_as_run_and_exits_0_on_sigterm() {
-    let (mut child, addr, lines) = spawn_serve(&["--queue", "2"]);
+    let (mut child, addr, lines) = spawn_serve(&["--queue", "2", "--parallel", "3"]);
     let echo = lines
         .iter()
         .find(|l| l.contains("surface=server"))
@@ -149,6 +149,8 @@ fn serve_gives_the_same_tokens_as_run_and_exits_0_on_sigterm() {
     }
     assert_eq!(get(addr, "/v1/models").status, 200);
     ready(addr);
+    let status = get(addr, "/v1/status").json();
+    assert_eq!(status["sequences"]["parallel"], 3, "{status}");
     let tok = deltafin_k3::text::tokenizer::Tokenizer::from_dir(model_root()).unwrap();
 
     // Raw completion.
@@ -376,6 +378,10 @@ fn strict_flags_and_environment() {
         assert!(err.contains(want), "{args:?} {env:?}: {err}");
     };
     bad(&["--queue", "65"], &[], "--queue");
+    bad(&["--parallel", "0"], &[], "--parallel");
+    bad(&["--parallel", "17"], &[], "--parallel");
+    bad(&[], &[("K3_SERVER_PARALLEL", "0")], "K3_SERVER_PARALLEL");
+    bad(&[], &[("K3_SERVER_PARALLEL", "two")], "K3_SERVER_PARALLEL");
     bad(&[], &[("K3_SERVER_QUEUE", "abc")], "K3_SERVER_QUEUE");
     bad(&[], &[("K3_SERVER_QUEUE", "65")], "K3_SERVER_QUEUE");
     bad(&["--host", "a/b"], &[], "--host");

@@ -674,3 +674,67 @@ fn installers_and_expert_fetches_take_the_install_lock() {
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(ids.len(), 6);
 }
+
+/// `setup --from-hf-cache` (docs/SETUP.md "Existing downloads"): the whole release in a fake
+/// Hugging Face cache (the default location under `HF_HOME`) installs without a K3 request,
+/// hard-linked and verified, the int8 spine converted, `--check` clean; a damaged blob is
+/// refused by name.
+#[test]
+fn setup_from_hf_cache_links_verified_files() {
+    let e = env();
+    let hf_home = e.tmp.path().join("hf");
+    e.src.hf_cache(&hf_home.join("hub"), &[]).unwrap();
+    let plan = e
+        .cmd(&["setup", "--dry-run", "--full", "--from-hf-cache"])
+        .env("HF_HOME", &hf_home)
+        .output()
+        .unwrap();
+    assert!(plan.status.success(), "{}", text(&plan));
+    assert!(
+        text(&plan).contains("hard-linked from the Hugging Face cache"),
+        "{}",
+        text(&plan)
+    );
+    let o = e
+        .cmd(&["setup", "--full", "--from-hf-cache"])
+        .env("HF_HOME", &hf_home)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("hard-linked"), "{}", text(&o));
+    assert!(
+        e.hub.requests().iter().all(|r| !r.contains("/cdn/")),
+        "{:?}",
+        e.hub.requests()
+    );
+    let c = e.run(&["setup", "--check"]);
+    assert!(c.status.success(), "{}", text(&c));
+
+    // A damaged blob in a fresh install: refused, naming the file.
+    let shard = &e.src.manifests.k3.shards[0].file;
+    let snap = hf_home
+        .join("hub/models--synth--Kimi-K3/snapshots")
+        .join(deltafin_fetch::synth_source::K3_COMMIT);
+    let blob = std::fs::canonicalize(snap.join(shard)).unwrap();
+    std::fs::remove_dir_all(e.root()).unwrap();
+    let mut b = std::fs::read(&blob).unwrap();
+    let n = b.len();
+    b[n - 1] ^= 1;
+    std::fs::write(&blob, b).unwrap();
+    let o = e
+        .cmd(&[
+            "setup",
+            "--full",
+            "--from-hf-cache",
+            hf_home.join("hub").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains(shard.as_str()) && text(&o).contains("Hugging Face cache"),
+        "{}",
+        text(&o)
+    );
+    assert!(!e.root().join(shard).exists());
+}

@@ -4,11 +4,12 @@
 mod common;
 
 use common::{deltafin_bf16, exits, ids, jsonl, shared_checkpoint};
-use deltafin_k3::generate::{GenerateOptions, generate};
+use deltafin_k3::generate::GenerateOptions;
 use deltafin_k3::synth::SynthDims;
 use deltafin_k3::text::chat::{ChatMessage, ReasoningEffort, Thinking, encode_chat};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, Tokenizer};
 use deltafin_k3::weights::loader::{EngineOptions, open_model};
+use deltafin_spec::generate;
 use std::path::Path;
 use std::process::Output;
 use std::sync::OnceLock;

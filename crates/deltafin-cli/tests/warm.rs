@@ -188,7 +188,7 @@ fn full_install_writes_missing_expert_files_from_the_shards() {
     assert!(!root.join("k3-experts").exists());
     // A per-expert layout with two best-ranked files missing gets them back from the shards.
     let ck = Checkpoint::open(&root).unwrap();
-    deltafin_k3::weights::loader::convert_to_expert_files(&ck).unwrap();
+    deltafin_store::experts::convert_to_expert_files(&ck).unwrap();
     let dir: PathBuf = root.join("k3-experts");
     let want = std::fs::read(dir.join("L2-E7.bin")).unwrap();
     std::fs::remove_file(dir.join("L2-E7.bin")).unwrap();
@@ -303,7 +303,7 @@ fn convert_npz_migrates_a_legacy_cache_to_identical_raw_files() {
     deltafin_k3::synth::synthesize(&root, &deltafin_k3::synth::SynthSpec::new(small_dims(), 4))
         .unwrap();
     let ck = Checkpoint::open(&root).unwrap();
-    deltafin_k3::weights::loader::convert_to_expert_files(&ck).unwrap();
+    deltafin_store::experts::convert_to_expert_files(&ck).unwrap();
     let dir = root.join("k3-experts");
     let legacy = root.join("k3-cache");
     std::fs::create_dir_all(&legacy).unwrap();
@@ -392,7 +392,7 @@ fn convert_npz_migrates_a_legacy_cache_to_identical_raw_files() {
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(std::fs::read(dir.join("L4-E9.bin")).unwrap(), raw);
     Checkpoint::open(&root).unwrap();
-    deltafin_k3::weights::loader::expert_table(&Checkpoint::open(&root).unwrap()).unwrap();
+    deltafin_store::experts::expert_table(&Checkpoint::open(&root).unwrap()).unwrap();
     let o = run(&["--convert-npz"]);
     assert!(
         o.status.success() && text(&o).contains("no legacy NPZ"),

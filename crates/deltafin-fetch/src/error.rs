@@ -55,6 +55,10 @@ pub enum FetchError {
     /// Another deltafin holds the install lock (the message names it and the lock file).
     #[error("{0}")]
     Busy(String),
+    /// A file of the Hugging Face cache given to `setup --from-hf-cache` fails its pins, or
+    /// the cache directory is not usable (the message names the file).
+    #[error("{0}")]
+    Cache(String),
     /// Another transfer failed and this one was stopped (its `.part` file is kept).
     #[error("stopped after another transfer failed")]
     Stopped,

@@ -11,6 +11,8 @@
 //! - [`lock`]: the install lock of a model root (installers hold it whole, expert fetches
 //!   one byte each).
 //! - [`expert`]: on-demand fetch of one routed expert's exact byte range (stream installs).
+//! - [`hf_cache`]: files already in a Hugging Face hub cache (`hf download`), verified
+//!   against the pins and hard-linked (or copied) instead of fetched again.
 //! - [`receipts`]: the SHA-256 recorded for each weight file fetched without a pinned
 //!   digest, re-checked by `setup --check`.
 //! - [`progress`]: progress bars on stderr (transfers, and the CLI's conversions).
@@ -25,6 +27,7 @@ pub mod check;
 pub mod disk;
 pub mod error;
 pub mod expert;
+pub mod hf_cache;
 pub mod hub;
 pub mod inventory;
 pub mod layers;

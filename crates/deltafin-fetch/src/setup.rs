@@ -25,6 +25,9 @@ pub struct Setup<'a> {
     pub manifests: &'a Manifests,
     pub client: &'a HubClient,
     pub transfer: TransferOptions,
+    /// The Hugging Face cache to install from (`setup --from-hf-cache`): set with
+    /// [`Setup::with_hf_cache`], which also hands it to the transfers.
+    pub hf_cache: Option<std::sync::Arc<crate::hf_cache::HfCache>>,
 }
 
 /// How the mode was chosen.
@@ -36,13 +39,15 @@ pub struct ModeChoice {
 }
 
 /// Pick full or stream: a flag wins; otherwise full when the full plan's peak additional
-/// disk use plus [`FULL_HEADROOM`] fits in the `free` bytes at the model root.
+/// disk use plus [`FULL_HEADROOM`] fits in the `free` bytes at the model root. `cache`: a
+/// Hugging Face cache whose hard-linked files take no new disk.
 pub fn choose_mode(
     root: &Path,
     ms: &Manifests,
     include_qwen: bool,
     flag: Option<Mode>,
     free: u64,
+    cache: Option<&crate::hf_cache::HfCache>,
 ) -> ModeChoice {
     if let Some(m) = flag {
         return ModeChoice {
@@ -50,19 +55,29 @@ pub fn choose_mode(
             reason: format!("--{} given", m.as_str()),
         };
     }
-    let need = plan_setup(root, ms, Mode::Full, include_qwen).peak_additional_bytes();
+    let plan = plan_setup(root, ms, Mode::Full, include_qwen);
+    let linked = cache.map_or(0, |c| c.linkable_bytes(root, ms, &plan));
+    let need = plan.peak_additional_bytes().saturating_sub(linked);
     let want = need.saturating_add(FULL_HEADROOM);
     let (free_t, need_t, room_t) = (size_text(free), size_text(need), size_text(FULL_HEADROOM));
+    let linked_t = if linked > 0 {
+        format!(
+            " ({} hard-linked from the Hugging Face cache not counted)",
+            size_text(linked)
+        )
+    } else {
+        String::new()
+    };
     if want <= free {
         ModeChoice {
             mode: Mode::Full,
-            reason: format!("free {free_t} ≥ full need {need_t} + {room_t} headroom"),
+            reason: format!("free {free_t} ≥ full need {need_t}{linked_t} + {room_t} headroom"),
         }
     } else {
         ModeChoice {
             mode: Mode::Stream,
             reason: format!(
-                "free {free_t} < full need {need_t} + {room_t} headroom (full-mode shortfall {})",
+                "free {free_t} < full need {need_t}{linked_t} + {room_t} headroom (full-mode shortfall {})",
                 size_text(want - free)
             ),
         }
@@ -84,6 +99,9 @@ pub struct DiskCheck {
     pub convert_exact: bool,
     /// For a full plan: the peak additional disk use of a stream install instead.
     pub stream_need: Option<u64>,
+    /// Bytes of `download` that a Hugging Face cache on the same filesystem hard-links
+    /// (`setup --from-hf-cache`): no new disk.
+    pub linked: u64,
 }
 
 impl DiskCheck {
@@ -98,12 +116,19 @@ impl DiskCheck {
             convert_exact: plan.convert_exact(),
             stream_need: (plan.mode == Mode::Full)
                 .then(|| plan_setup(root, ms, Mode::Stream, include_qwen).peak_additional_bytes()),
+            linked: 0,
         }
+    }
+
+    /// The same check with `linked` bytes of the download hard-linked from a cache.
+    pub fn with_linked(mut self, linked: u64) -> Self {
+        self.linked = linked.min(self.download);
+        self
     }
 
     /// The peak additional disk use.
     pub fn need(&self) -> u64 {
-        self.download.saturating_add(self.convert)
+        (self.download - self.linked).saturating_add(self.convert)
     }
 
     /// Whether the plan fits the free space.
@@ -126,13 +151,21 @@ impl DiskCheck {
             None => "free space or choose another --model-root".into(),
         };
         format!(
-            "not enough disk at {}: a {} setup needs {}{} more ({}{} to download + {}{} for the row-int8 spine), only {} are free; {hint}",
+            "not enough disk at {}: a {} setup needs {}{} more ({}{} to download{} + {}{} for the row-int8 spine), only {} are free; {hint}",
             root.display(),
             self.mode.as_str(),
             approx(self.download_exact && self.convert_exact),
             size_text(self.need()),
             approx(self.download_exact),
             size_text(self.download),
+            if self.linked > 0 {
+                format!(
+                    ", of which {} hard-linked from the Hugging Face cache",
+                    size_text(self.linked)
+                )
+            } else {
+                String::new()
+            },
             approx(self.convert_exact),
             size_text(self.convert),
             size_text(self.free),
@@ -157,6 +190,15 @@ pub fn record_mode(root: &Path, mode: Mode) -> Result<(), FetchError> {
     )
 }
 
+/// `, N from the Hugging Face cache` when a run installed files from it.
+fn from_cache(r: &TransferReport) -> String {
+    if r.from_cache > 0 {
+        format!(", {} from the Hugging Face cache", r.from_cache)
+    } else {
+        String::new()
+    }
+}
+
 /// One whole-file job per pinned file of `repo@revision`, each installed under `dir`.
 fn pinned_jobs(repo: &str, revision: &str, files: &[PinnedFile], dir: &Path) -> Vec<Job> {
     files
@@ -174,6 +216,18 @@ fn pinned_jobs(repo: &str, revision: &str, files: &[PinnedFile], dir: &Path) -> 
 }
 
 impl Setup<'_> {
+    /// Install from `cache` where it holds the pinned files (crate::hf_cache).
+    pub fn with_hf_cache(
+        mut self,
+        cache: Option<std::sync::Arc<crate::hf_cache::HfCache>>,
+    ) -> Self {
+        self.transfer.local = cache
+            .clone()
+            .map(|c| c as std::sync::Arc<dyn crate::transfer::LocalSource>);
+        self.hf_cache = cache;
+        self
+    }
+
     /// `setup-k3 --meta-only`: the pinned metadata files at the model root, then the
     /// inventory from the shard headers (skipped when the local one matches its pin).
     pub fn k3_meta(&self, log: &mut dyn FnMut(&str)) -> Result<Inventory, FetchError> {
@@ -181,10 +235,11 @@ impl Setup<'_> {
         let jobs = pinned_jobs(&m.repo, &m.revision, &m.metadata, &self.root);
         let r = run_jobs(self.client, &jobs, &self.transfer)?;
         log(&format!(
-            "k3 metadata: {} files ({} fetched, {} already complete) from {}@{}",
+            "k3 metadata: {} files ({} fetched, {} already complete{}) from {}@{}",
             jobs.len(),
             r.fetched,
             r.skipped,
+            from_cache(&r),
             m.repo,
             m.revision
         ));
@@ -192,12 +247,50 @@ impl Setup<'_> {
             log("k3 inventory: present and matches its pin");
             return Ok(inv);
         }
-        let inv = Inventory::fetch(self.client, m, self.transfer.workers)?;
-        let p = inv.store(&self.root, &m.inventory)?;
+        let (inv, whence) = match &self.hf_cache {
+            Some(cache) => {
+                // Headers of the shards in the cache are read there; the others are fetched.
+                let mut headers = Vec::with_capacity(m.shards.len());
+                let mut local = 0usize;
+                for s in &m.shards {
+                    headers.push(match cache.shard_header(self.manifests, &s.file) {
+                        Some(h) => {
+                            local += 1;
+                            h?
+                        }
+                        None => crate::inventory::fetch_header(
+                            self.client,
+                            &m.repo,
+                            &m.revision,
+                            &s.file,
+                        )?,
+                    });
+                }
+                let snap = cache.snapshot_dir(&m.repo, &m.revision);
+                let inv = Inventory::from_headers(m, &headers)
+                    .and_then(|inv| inv.store(&self.root, &m.inventory).map(|_| inv))
+                    .map_err(|e| {
+                        FetchError::Cache(format!(
+                            "the shard headers ({local} of {} from the Hugging Face cache {}) do not give the pinned inventory: {e}",
+                            m.shards.len(),
+                            snap.display()
+                        ))
+                    })?;
+                (
+                    inv,
+                    format!("{local} cached and {} fetched", m.shards.len() - local),
+                )
+            }
+            None => {
+                let inv = Inventory::fetch(self.client, m, self.transfer.workers)?;
+                inv.store(&self.root, &m.inventory)?;
+                (inv, format!("{} fetched", m.shards.len()))
+            }
+        };
+        let p = self.root.join(crate::inventory::INVENTORY_PATH);
         log(&format!(
-            "k3 inventory: {} records from {} shard headers, sha256 {} (pinned) → {}",
+            "k3 inventory: {} records from the shard headers ({whence}), sha256 {} (pinned) → {}",
             inv.records().len(),
-            m.shards.len(),
             m.inventory.sha256,
             p.display()
         ));
@@ -214,12 +307,13 @@ impl Setup<'_> {
         let jobs = pinned_jobs(&m.repo, &m.revision, &m.files, dir);
         let r = run_jobs(self.client, &jobs, &self.transfer)?;
         log(&format!(
-            "{}@{}: {} files ({} fetched, {} already complete) in {}",
+            "{}@{}: {} files ({} fetched, {} already complete{}) in {}",
             m.repo,
             m.revision,
             jobs.len(),
             r.fetched,
             r.skipped,
+            from_cache(&r),
             dir.display()
         ));
         Ok(r)
@@ -261,10 +355,11 @@ impl Setup<'_> {
         };
         let r = run_jobs(self.client, &jobs, &opts)?;
         log(&format!(
-            "weights: {} fetched ({} received), {} already complete",
+            "weights: {} fetched ({} received), {} already complete{}",
             r.fetched,
             size_text(r.bytes),
-            r.skipped
+            r.skipped,
+            from_cache(&r)
         ));
         Ok(r)
     }
@@ -286,7 +381,12 @@ impl Setup<'_> {
         // includes the int8 spine that `deltafin setup` converts after the weights.
         let plan = plan_setup(&self.root, self.manifests, mode, include_qwen);
         let free = free_bytes(&self.root)?;
-        let disk = DiskCheck::new(&self.root, self.manifests, &plan, include_qwen, free);
+        let linked = self
+            .hf_cache
+            .as_ref()
+            .map_or(0, |c| c.linkable_bytes(&self.root, self.manifests, &plan));
+        let disk = DiskCheck::new(&self.root, self.manifests, &plan, include_qwen, free)
+            .with_linked(linked);
         if !disk.fits() {
             return Err(FetchError::Disk(disk.refusal(&self.root)));
         }
@@ -341,10 +441,16 @@ pub fn render_plan(root: &Path, plan: &Plan, choice: &ModeChoice, disk: &DiskChe
         approx(int8_exact),
         size_text(plan.convert_bytes())
     ));
+    if disk.linked > 0 {
+        s.push_str(&format!(
+            "hard-linked from the Hugging Face cache: {} of the download (no new disk)\n",
+            size_text(disk.linked)
+        ));
+    }
     s.push_str(&format!(
         "peak additional disk: {}{}\nfree disk: {}\n",
         approx(plan.exact()),
-        size_text(plan.peak_additional_bytes()),
+        size_text(disk.need()),
         size_text(disk.free)
     ));
     if disk.fits() {

@@ -166,19 +166,64 @@ impl SynthSource {
         })
     }
 
+    /// The pinned commit of `repo`.
+    fn commit_of(&self, repo: &str) -> &'static str {
+        if repo == self.manifests.k3.repo {
+            K3_COMMIT
+        } else if repo == self.manifests.dspark.repo {
+            DSPARK_COMMIT
+        } else {
+            QWEN_COMMIT
+        }
+    }
+
+    /// Lay the files of `repos` (all served repositories when empty) out under `hub` as
+    /// `huggingface_hub` does: `models--owner--name/blobs/<sha256>` holding the bytes,
+    /// `snapshots/<pinned commit>/<file>` a relative symlink to its blob and `refs/main`
+    /// naming the commit. Returns the snapshot directory of each repository written.
+    pub fn hf_cache(&self, hub: &Path, repos: &[&str]) -> Result<Vec<PathBuf>, FetchError> {
+        let mut snaps: Vec<PathBuf> = Vec::new();
+        for (repo, file, path) in &self.files {
+            if !repos.is_empty() && !repos.contains(&repo.as_str()) {
+                continue;
+            }
+            let commit = self.commit_of(repo);
+            let repo_dir = hub.join(crate::hf_cache::repo_dir_name(repo));
+            let blobs = repo_dir.join("blobs");
+            let snap = repo_dir.join("snapshots").join(commit);
+            let refs = repo_dir.join("refs");
+            for d in [&blobs, &snap, &refs] {
+                std::fs::create_dir_all(d).map_err(FetchError::io(d))?;
+            }
+            crate::inventory::write_atomic(&refs.join("main"), commit.as_bytes())?;
+            let sha = sha256_file(path)?;
+            let blob = blobs.join(&sha);
+            if !blob.exists() {
+                std::fs::copy(path, &blob).map_err(FetchError::io(&blob))?;
+            }
+            let link = snap.join(file);
+            let depth = Path::new(file).components().count();
+            let mut target = PathBuf::new();
+            for _ in 0..depth + 1 {
+                target.push("..");
+            }
+            target.push("blobs");
+            target.push(&sha);
+            if let Some(d) = link.parent() {
+                std::fs::create_dir_all(d).map_err(FetchError::io(d))?;
+            }
+            std::os::unix::fs::symlink(&target, &link).map_err(FetchError::io(&link))?;
+            if !snaps.contains(&snap) {
+                snaps.push(snap);
+            }
+        }
+        Ok(snaps)
+    }
+
     /// Register every file on `hub`.
     pub fn serve(&self, hub: &MockHub) -> Result<(), FetchError> {
-        let commit = |repo: &str| {
-            if repo == self.manifests.k3.repo {
-                K3_COMMIT
-            } else if repo == self.manifests.dspark.repo {
-                DSPARK_COMMIT
-            } else {
-                QWEN_COMMIT
-            }
-        };
         for (repo, file, path) in &self.files {
-            hub.add_file(repo, commit(repo), file, path)
+            hub.add_file(repo, self.commit_of(repo), file, path)
                 .map_err(FetchError::io(path))?;
         }
         Ok(())

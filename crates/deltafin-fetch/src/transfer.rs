@@ -64,6 +64,14 @@ pub struct Job {
     pub sha256: Option<String>,
 }
 
+/// Files available locally that a job may be installed from instead of the hub.
+pub trait LocalSource: Send + Sync + std::fmt::Debug {
+    /// Install `job` from the local copy: `Ok(true)` when `job.dest` is now complete and
+    /// verified (with its receipt under `receipts` when the job pins no digest), `Ok(false)`
+    /// when the hub must be asked, an error when the local copy fails its pins.
+    fn install(&self, job: &Job, receipts: Option<&Path>) -> Result<bool, FetchError>;
+}
+
 /// Bounded retry with exponential backoff.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RetryPolicy {
@@ -98,6 +106,9 @@ pub struct TransferOptions {
     /// The model root whose fetch receipts (`crate::receipts`) record the SHA-256 of every
     /// file fetched without a pinned digest; `None` records nothing.
     pub receipts: Option<PathBuf>,
+    /// A local copy of the pinned files (a Hugging Face cache: `crate::hf_cache`) whose
+    /// verified files are linked or copied instead of fetched; `None` fetches everything.
+    pub local: Option<std::sync::Arc<dyn LocalSource>>,
 }
 
 impl Default for TransferOptions {
@@ -108,6 +119,7 @@ impl Default for TransferOptions {
             progress: true,
             checkpoint_bytes: CHECKPOINT_BYTES,
             receipts: None,
+            local: None,
         }
     }
 }
@@ -220,6 +232,8 @@ pub struct TransferReport {
     pub skipped: usize,
     /// Bytes received over the network.
     pub bytes: u64,
+    /// Files installed from a local copy (`TransferOptions::local`: the Hugging Face cache).
+    pub from_cache: usize,
 }
 
 /// Parse a `--workers` value strictly: an integer 1…16.
@@ -278,6 +292,7 @@ pub fn run_jobs(
                             let mut r = report.lock().unwrap_or_else(|p| p.into_inner());
                             match outcome {
                                 Outcome::Skipped => r.skipped += 1,
+                                Outcome::FromCache => r.from_cache += 1,
                                 Outcome::Fetched(n) => {
                                     r.fetched += 1;
                                     r.bytes += n;
@@ -307,6 +322,7 @@ pub fn run_jobs(
 
 enum Outcome {
     Skipped,
+    FromCache,
     Fetched(u64),
 }
 
@@ -348,6 +364,12 @@ fn run_job(
     if is_complete(&job.dest, job.size) {
         bar.inc(job.size);
         return Ok(Outcome::Skipped);
+    }
+    if let Some(local) = &opts.local
+        && local.install(job, opts.receipts.as_deref())?
+    {
+        bar.inc(job.size);
+        return Ok(Outcome::FromCache);
     }
     let dir = job.dest.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(FetchError::io(dir))?;

@@ -58,6 +58,7 @@ fn setup<'a>(e: &'a Env, ms: &'a Manifests) -> Setup<'a> {
         manifests: ms,
         client: &e.client,
         transfer: fast(),
+        hf_cache: None,
     }
 }
 
@@ -398,6 +399,7 @@ fn power_loss_before_a_resume_never_publishes_a_corrupt_file() {
         progress: false,
         checkpoint_bytes: 256 * 1024,
         receipts: None,
+        local: None,
     };
     type Damage = fn(&Path, u64);
     let damages: [(&str, Damage); 5] = [
@@ -455,4 +457,191 @@ fn power_loss_before_a_resume_never_publishes_a_corrupt_file() {
         );
         assert!(!part.exists() && !resume_path(&dest).exists(), "{what}");
     }
+}
+
+/// Existing downloads (docs/SETUP.md): the K3 repository in a fake Hugging Face cache
+/// (snapshot symlinks to blobs named by their SHA-256), the shards unpinned as in the real
+/// release. Cached files are hard-linked, verified and given receipts; only what the cache
+/// lacks is fetched.
+#[test]
+fn hf_cache_full_install_links_cached_files_and_fetches_only_the_rest() {
+    use deltafin_fetch::hf_cache::HfCache;
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::Arc;
+    let e = env();
+    let mut ms = e.src.manifests.clone();
+    for s in &mut ms.k3.shards {
+        s.sha256 = None;
+    }
+    let hub_dir = e._tmp.path().join("hf/hub");
+    let snaps = e.src.hf_cache(&hub_dir, &[ms.k3.repo.as_str()]).unwrap();
+    assert_eq!(snaps.len(), 1);
+    // One shard the user never downloaded.
+    let missing = ms.k3.shards[1].file.clone();
+    std::fs::remove_file(snaps[0].join(&missing)).unwrap();
+    let cache = Arc::new(HfCache::open(&hub_dir, &ms).unwrap());
+    let s = setup(&e, &ms).with_hf_cache(Some(cache.clone()));
+    let mut lines = Vec::new();
+    s.run(Mode::Full, false, &mut |l| lines.push(l.to_string()))
+        .unwrap();
+    for sh in &ms.k3.shards {
+        same(&e.root.join(&sh.file), &e.src.k3_dir.join(&sh.file));
+    }
+    // Hard links into the cache's blobs, not copies.
+    let shard0 = &ms.k3.shards[0].file;
+    let blob = std::fs::canonicalize(snaps[0].join(shard0)).unwrap();
+    assert_eq!(
+        std::fs::metadata(e.root.join(shard0)).unwrap().ino(),
+        std::fs::metadata(&blob).unwrap().ino()
+    );
+    // The hub was asked for the missing shard (its header, then its bytes) and DSpark only:
+    // no K3 metadata, no other shard or shard header.
+    let reqs = e.hub.requests();
+    let k3_reqs: Vec<&String> = reqs.iter().filter(|r| r.contains("Kimi-K3")).collect();
+    assert!(!k3_reqs.is_empty());
+    assert!(k3_reqs.iter().all(|r| r.contains(&missing)), "{k3_reqs:?}");
+    assert!(reqs.iter().any(|r| r.contains("DSpark")));
+    let used = cache.used();
+    let k3_files = ms.k3.metadata.len() + ms.k3.shards.len() - 1;
+    assert_eq!(used.linked, k3_files, "{used:?}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("from the Hugging Face cache")),
+        "{lines:?}"
+    );
+    // Unpinned shards from the cache got receipts: the check verifies them.
+    let r = check_setup(&e.root, &ms, Mode::Full, false);
+    assert!(r.is_ok(), "{:?}", r.problems);
+    // A rerun fetches nothing.
+    e.hub.clear_log();
+    setup(&e, &ms).run(Mode::Full, false, &mut |_| {}).unwrap();
+    assert!(
+        e.hub.requests().iter().all(|r| !r.contains("/cdn/")),
+        "{:?}",
+        e.hub.requests()
+    );
+}
+
+/// A cached file whose bytes do not match (a damaged blob; a pinned file that differs) is
+/// refused with an error naming it, and nothing is installed from it.
+#[test]
+fn hf_cache_mismatching_files_are_refused_by_name() {
+    use deltafin_fetch::hf_cache::HfCache;
+    use std::sync::Arc;
+    let e = env();
+    let mut ms = e.src.manifests.clone();
+    for s in &mut ms.k3.shards {
+        s.sha256 = None;
+    }
+    let hub_dir = e._tmp.path().join("hf/hub");
+    let snaps = e.src.hf_cache(&hub_dir, &[]).unwrap();
+    assert_eq!(snaps.len(), 4, "K3, DSpark and the two Qwen repositories");
+    let k3_snap = snaps
+        .iter()
+        .find(|p| p.to_string_lossy().contains("Kimi-K3"))
+        .unwrap()
+        .clone();
+    // A flipped byte in an (unpinned) shard's blob: it no longer hashes to its blob name.
+    let bad = ms.k3.shards[2].file.clone();
+    let blob = std::fs::canonicalize(k3_snap.join(&bad)).unwrap();
+    let mut b = std::fs::read(&blob).unwrap();
+    let n = b.len();
+    b[n - 3] ^= 0x40;
+    std::fs::write(&blob, b).unwrap();
+    let run = |ms: &Manifests| {
+        let mut s =
+            setup(&e, ms).with_hf_cache(Some(Arc::new(HfCache::open(&hub_dir, ms).unwrap())));
+        s.transfer.workers = 1;
+        s.run(Mode::Full, false, &mut |_| {})
+    };
+    let err = run(&ms).unwrap_err();
+    assert!(matches!(err, FetchError::Cache(_)), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains(&bad) && msg.contains("blob name"), "{msg}");
+    assert!(!e.root.join(&bad).exists());
+    assert!(!e.root.join(format!("{bad}.part")).exists());
+    // The hub was never asked for it either.
+    assert!(e.hub.requests().iter().all(|r| !r.contains(&bad)));
+
+    // A pinned file whose cached bytes differ from the pin (here: the pin changed).
+    let mut ms2 = e.src.manifests.clone();
+    let cfg = ms2
+        .dspark
+        .files
+        .iter_mut()
+        .find(|f| f.path == "config.json")
+        .unwrap();
+    cfg.sha256 = Some("0".repeat(64));
+    std::fs::write(&blob, std::fs::read(e.src.k3_dir.join(&bad)).unwrap()).unwrap();
+    std::fs::remove_dir_all(e.root.join(&ms2.dspark.install_dir)).unwrap();
+    let err = run(&ms2).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("config.json") && msg.contains("K3-DSpark") && msg.contains("pinned"),
+        "{msg}"
+    );
+}
+
+/// A stream install copies the spine tensors' byte ranges out of the cached shards: no
+/// shard byte is requested from the hub.
+#[test]
+fn hf_cache_stream_install_copies_ranges_from_cached_shards() {
+    use deltafin_fetch::hf_cache::HfCache;
+    use std::sync::Arc;
+    let e = env();
+    let ms = &e.src.manifests;
+    let hub_dir = e._tmp.path().join("hf/hub");
+    e.src.hf_cache(&hub_dir, &[ms.k3.repo.as_str()]).unwrap();
+    let s = setup(&e, ms).with_hf_cache(Some(Arc::new(HfCache::open(&hub_dir, ms).unwrap())));
+    s.run(Mode::Stream, false, &mut |_| {}).unwrap();
+    let inv = Inventory::load(&e.root, &ms.k3.inventory).unwrap();
+    for r in inv.records().iter().filter(|r| !r.is_expert()) {
+        let src = std::fs::read(e.src.k3_dir.join(&r.shard)).unwrap();
+        let (a, b) = r.file_range();
+        let got = std::fs::read(e.root.join(SPINE_DIR).join(&r.name)).unwrap();
+        assert!(got == src[a as usize..b as usize], "{}", r.name);
+    }
+    assert!(
+        e.hub.requests().iter().all(|r| !r.contains("Kimi-K3")),
+        "{:?}",
+        e.hub.requests()
+    );
+    let r = check_k3(&e.root, &ms.k3, Mode::Stream);
+    assert!(r.is_ok(), "{:?}", r.problems);
+}
+
+/// The directory given may be the hub cache, a repository's directory or a snapshot; a
+/// snapshot of another revision, or of a repository that is not pinned, is refused.
+#[test]
+fn hf_cache_directory_forms_and_wrong_revisions() {
+    use deltafin_fetch::hf_cache::HfCache;
+    let e = env();
+    let ms = &e.src.manifests;
+    let hub_dir = e._tmp.path().join("hf/hub");
+    let snaps = e.src.hf_cache(&hub_dir, &[ms.k3.repo.as_str()]).unwrap();
+    let repo_dir = snaps[0].parent().unwrap().parent().unwrap().to_path_buf();
+    for d in [&hub_dir, &repo_dir, &snaps[0]] {
+        let c = HfCache::open(d, ms).unwrap();
+        assert_eq!(c.hub_dir(), hub_dir.as_path(), "{}", d.display());
+        assert!(
+            c.lookup(&ms.k3.repo, &ms.k3.revision, "config.json")
+                .is_some()
+        );
+    }
+    let other = repo_dir.join("snapshots").join("9".repeat(40));
+    std::fs::create_dir_all(&other).unwrap();
+    let err = HfCache::open(&other, ms).unwrap_err().to_string();
+    assert!(
+        err.contains(&ms.k3.revision) && err.contains("pinned revision"),
+        "{err}"
+    );
+    let stranger = hub_dir.join("models--someone--else");
+    std::fs::create_dir_all(&stranger).unwrap();
+    let err = HfCache::open(&stranger, ms).unwrap_err().to_string();
+    assert!(err.contains("none of the pinned repositories"), "{err}");
+    let err = HfCache::open(&hub_dir.join("nope"), ms)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("nope"), "{err}");
 }

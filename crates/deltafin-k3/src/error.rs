@@ -4,7 +4,7 @@
 //! it depends on nothing else in the crate.
 
 /// Errors of model construction and of the forward pass. Each names what is wrong.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum ModelError {
     /// Inconsistent dimensions.
     #[error("model dimensions: {0}")]
@@ -71,5 +71,11 @@ impl From<deltafin_experts::ExpertError> for ModelError {
             },
             None => ModelError::Dims(e.to_string()),
         }
+    }
+}
+
+impl From<deltafin_store::dims::DimsError> for ModelError {
+    fn from(e: deltafin_store::dims::DimsError) -> ModelError {
+        ModelError::Dims(e.0)
     }
 }

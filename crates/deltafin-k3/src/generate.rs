@@ -1,21 +1,23 @@
-//! Generation and teacher-forced scoring over a [`K3Model`].
+//! The vocabulary of generation, and teacher-forced scoring over a [`K3Model`].
 //!
 //! Every emitted token is chosen from K3's own logits by a [`Choose`] rule. The default,
 //! [`Greedy`], takes the first index of the maximum logit (torch `argmax`), so every emitted
 //! token is exactly defined by the model's logits; a constrained rule (structured output,
 //! `deltafin-openai`) takes the maximum over the tokens its grammar allows, still K3's choice.
-//! The prompt is prefilled by a [`Prefiller`] (one batched pass, or aligned passes resumed
-//! from a stored prefix state: [`crate::prefix`]); each later token is one decode step. Logit
-//! summaries (top-N and log-sum-exp) are the engine's own final logits after `lm_head`,
-//! unscaled.
+//! [`stop_ids`] is the one rule for the ids that end a generation. Logit summaries (top-N and
+//! log-sum-exp) are the engine's own final logits after `lm_head`, unscaled.
+//!
+//! The generation loop itself is `deltafin_spec::generation::Generation`, the one driver
+//! every front end and library user runs (plain or drafted); this module holds the types it
+//! shares with them ([`GenerateOptions`], [`GenerateEvent`], [`GenerateOutcome`],
+//! [`StopReason`], [`GenerateError`]).
 
 use crate::error::ModelError;
 pub use crate::model::greedy;
 use crate::model::{K3Model, LogitRows};
-use crate::prefix::{OnePass, Prefilled, Prefiller};
 use crate::text::tokenizer::{END_OF_MSG, EOS};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Why generation stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +33,7 @@ pub enum StopReason {
 }
 
 impl StopReason {
+    /// The reason's name in run events and logs.
     pub fn as_str(self) -> &'static str {
         match self {
             StopReason::Eos => "eos",
@@ -52,7 +55,7 @@ pub fn stop_ids(chat: bool) -> Vec<u32> {
     }
 }
 
-/// Settings of one greedy generation.
+/// Settings of one generation in the options form (`deltafin_spec::generate`).
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
     /// Stop after this many generated tokens (`None`: until a stop id or the context is full).
@@ -179,125 +182,9 @@ pub enum GenerateError {
     /// The token rule failed (e.g. a grammar that allows no token).
     #[error("{0}")]
     Choose(String),
-}
-
-/// Greedy generation from `prompt` on a fresh state. `on_event` sees every event; an error
-/// it returns aborts generation. `interrupt` is checked between tokens.
-pub fn generate(
-    model: &K3Model,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-    interrupt: &AtomicBool,
-    on_event: impl FnMut(GenerateEvent<'_>) -> Result<(), String>,
-) -> Result<GenerateOutcome, GenerateError> {
-    generate_with(model, prompt, opts, &mut Greedy, interrupt, on_event)
-}
-
-/// [`generate`] with the tokens chosen by `rule` instead of plain argmax.
-pub fn generate_with(
-    model: &K3Model,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-    rule: &mut dyn Choose,
-    interrupt: &AtomicBool,
-    on_event: impl FnMut(GenerateEvent<'_>) -> Result<(), String>,
-) -> Result<GenerateOutcome, GenerateError> {
-    generate_prefilled(model, prompt, &mut OnePass, opts, rule, interrupt, on_event)
-}
-
-/// [`generate_with`] with the prompt turned into a state by `prefiller` (a cached,
-/// cancellable prefill: [`crate::prefix::Chunked`]). A prefill stopped by its interrupt
-/// ends the generation with [`StopReason::Interrupted`] and no ids.
-pub fn generate_prefilled(
-    model: &K3Model,
-    prompt: &[u32],
-    prefiller: &mut dyn Prefiller,
-    opts: &GenerateOptions,
-    rule: &mut dyn Choose,
-    interrupt: &AtomicBool,
-    mut on_event: impl FnMut(GenerateEvent<'_>) -> Result<(), String>,
-) -> Result<GenerateOutcome, GenerateError> {
-    if prompt.len() > opts.max_context {
-        return Err(GenerateError::PromptTooLong {
-            prompt: prompt.len(),
-            max_context: opts.max_context,
-        });
-    }
-    let start = Instant::now();
-    let t0 = Instant::now();
-    let Some(Prefilled {
-        mut state,
-        mut logits,
-        ..
-    }) = prefiller.prefill(model, prompt, None)?
-    else {
-        return Ok(GenerateOutcome {
-            ids: Vec::new(),
-            stop: StopReason::Interrupted,
-            prefill_duration: t0.elapsed(),
-            total_duration: start.elapsed(),
-        });
-    };
-    let prefill_duration = t0.elapsed();
-    let summarize = |l: &[f32]| (opts.top_logits > 0).then(|| LogitSummary::of(l, opts.top_logits));
-    let mut summary = summarize(&logits);
-    on_event(GenerateEvent::Prefilled {
-        duration: prefill_duration,
-        summary: summary.as_ref(),
-    })
-    .map_err(GenerateError::Sink)?;
-
-    let mut ids = Vec::new();
-    let mut duration = prefill_duration;
-    let stop = loop {
-        if opts.max_new.is_some_and(|m| ids.len() >= m) {
-            break StopReason::MaxNew;
-        }
-        if interrupt.load(Ordering::Relaxed) {
-            break StopReason::Interrupted;
-        }
-        let id = rule
-            .choose(ids.len(), &logits)
-            .map_err(GenerateError::Choose)?;
-        let logit = logits.get(id as usize).copied().ok_or_else(|| {
-            GenerateError::Choose(format!(
-                "token {id} is outside the vocabulary of {}",
-                logits.len()
-            ))
-        })?;
-        rule.accept(id).map_err(GenerateError::Choose)?;
-        ids.push(id);
-        on_event(GenerateEvent::Token {
-            step: ids.len() - 1,
-            id,
-            logit,
-            duration,
-            summary: summary.as_ref(),
-        })
-        .map_err(GenerateError::Sink)?;
-        if opts.stop_ids.contains(&id) {
-            break StopReason::Eos;
-        }
-        if opts.max_new.is_some_and(|m| ids.len() >= m) {
-            break StopReason::MaxNew;
-        }
-        if state.len() >= opts.max_context {
-            break StopReason::ContextFull;
-        }
-        if interrupt.load(Ordering::Relaxed) {
-            break StopReason::Interrupted;
-        }
-        let t = Instant::now();
-        logits = model.decode(&mut state, id)?;
-        duration = t.elapsed();
-        summary = summarize(&logits);
-    };
-    Ok(GenerateOutcome {
-        ids,
-        stop,
-        prefill_duration,
-        total_duration: start.elapsed(),
-    })
+    /// A restored state does not hold the ids it was given with.
+    #[error("the restored state holds {positions} positions but {ids} ids were given")]
+    Restored { positions: usize, ids: usize },
 }
 
 /// Result of teacher-forced scoring.

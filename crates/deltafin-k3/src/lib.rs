@@ -5,7 +5,7 @@
 //! # Code map
 //!
 //! ```text
-//! config.rs       config.json (K3Config), parsed strictly: a leaf
+//! config          config.json (K3Config): re-exported from deltafin-store
 //! engine/         EngineBuilder / EngineConfig: the pure memory planner, the expert-source
 //!                 stack, device placement: one load path for run, serve and library users
 //! error.rs        ModelError: a leaf, returned by the blocks, the layer loop and the loaders
@@ -15,23 +15,23 @@
 //!   layer.rs        one layer's weights (Layer, Attention, Ffn) and its projection order
 //!   attn_res.rs kda.rs mla.rs router.rs moe.rs situ.rs norm.rs linear.rs
 //!                   the blocks (docs/K3.md §4) and the projection type
-//!   dims.rs state.rs taps.rs next_token.rs
-//!                   sizes, per-sequence state, activation taps, the provisional head
-//!   inventory.rs    every tensor's name, stored shape and dtype: the one table the loader,
-//!                   validation and synthesis read
+//!   state.rs taps.rs next_token.rs
+//!                   per-sequence state, activation taps, the provisional head
+//!   dims inventory  sizes, and every tensor's name, stored shape and dtype (the one table
+//!                   the loader, validation and synthesis read): re-exported from
+//!                   deltafin-store
 //!   spine.rs        what the model takes from storage: the StreamedSpine trait, the
 //!                   resident copy's report
 //!   offload.rs device_experts.rs
 //!                   the spine and the routed experts on a compute device
-//! weights/        storage: what a checkpoint holds and how it reaches memory
-//!   checkpoint/     shards, their index and the expert files
+//! weights/        the model built from storage (deltafin-store: checkpoint, spine_int8,
+//!                 spine_pack, filelock, re-exported here under their old paths)
 //!   loader.rs       checkpoint → K3Model (spine format, streaming, expert sources)
-//!   spine_int8/ spine_pack/ spine_quality.rs
-//!                   spine conversions (row-int8, DFSP packs) and their checks
+//!   spine_quality.rs
+//!                   the agreement check of an int8 spine against bf16
 //!   spine_stream.rs resident.rs
 //!                   layers read per pass; the resident spine copied to huge pages
-//!   install.rs filelock.rs
-//!                   install directories; the lock around conversions
+//!   install.rs      an install (checkpoint + tokenizer) opened as a model
 //! text/           tokenizer.rs (tiktoken-style BPE), chat/ (the XTML template)
 //! prefix/         conversation state: aligned, cancellable prefill; prefix states in RAM
 //!                 and on disk
@@ -39,14 +39,14 @@
 //! synth/          test-checkpoint synthesis: feature `synth`, off by default
 //! ```
 //!
-//! Dependencies point one way: `error`, `config` and `text` are leaves; `model` uses `error`
-//! and `config` and nothing of `weights` (a streamed spine reaches it as a
-//! `model::spine::StreamedSpine`); `weights` builds `model` values; `prefix` and `generate`
+//! Storage (no model math) is the crate below, `deltafin-store`. Dependencies point one way:
+//! `error` and `text` are leaves; `model` uses `error` and the store's `config`, `dims` and
+//! `inventory`, and nothing of `weights` or of the store's files (a streamed spine reaches it
+//! as a `model::spine::StreamedSpine`); `weights` builds `model` values; `prefix` and `generate`
 //! drive a loaded model; `engine` assembles it all. No file imports, directly or through a
 //! chain, a file that imports it back, and no folder imports a folder that imports it back
 //! (`tools/check_import_cycles.py` reports file- and folder-level cycles for every crate). A parent
-//! module only declares and re-exports its files (or, for `checkpoint/` and `resident`,
-//! holds the type its files add `impl` blocks to); it never imports from them.
+//! module only declares and re-exports its files; it never imports from them.
 //!
 //! `generate` sits at the top rather than in `model/`: it is not part of the forward pass
 //! but a user of it (prompt → tokens through [`model::K3Model`]), like any program that
@@ -63,7 +63,7 @@
 //! tests enable it in their `[dev-dependencies]`, `xtask` in its dependencies, so a release
 //! build of the CLI does not contain it.
 
-pub mod config;
+pub use deltafin_store::config;
 pub mod engine;
 pub mod error;
 pub mod generate;

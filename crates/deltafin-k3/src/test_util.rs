@@ -154,16 +154,16 @@ pub fn rel_l2_32(a: &[f32], b: &[f32]) -> f64 {
 pub fn small_checkpoint(
     seed: u64,
     int8: bool,
-) -> (tempfile::TempDir, crate::weights::checkpoint::Checkpoint) {
+) -> (tempfile::TempDir, deltafin_store::checkpoint::Checkpoint) {
     let dir = tempfile::tempdir().unwrap();
     let dims = crate::synth::SynthDims {
         vocab: 1024,
         ..crate::synth::SynthDims::tiny()
     };
     crate::synth::synthesize(dir.path(), &crate::synth::SynthSpec::new(dims, seed)).unwrap();
-    let ckpt = crate::weights::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let ckpt = deltafin_store::checkpoint::Checkpoint::open(dir.path()).unwrap();
     if int8 {
-        crate::weights::spine_int8::convert_spine(&ckpt, &Default::default(), &mut |_| {}).unwrap();
+        deltafin_store::spine_int8::convert_spine(&ckpt, &Default::default(), &mut |_| {}).unwrap();
     }
     (dir, ckpt)
 }

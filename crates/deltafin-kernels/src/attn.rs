@@ -38,7 +38,8 @@ crate::simd::simd_versions! {
     /// One query position over the first `n` cached rows for `heads` heads: `q_lat` holds
     /// `heads` rows of `kvl`, `q_tail` `heads` rows of `dr`; `latent` / `tail` hold at least `n`
     /// rows of `kvl` / `dr`. Writes the probabilities to `p` (`heads` rows of `n`) and the
-    /// contexts to `ctx` (`heads` rows of `kvl`).
+    /// contexts to `ctx` (`heads` rows of `kvl`). The same values as
+    /// [`causal_latent_attention`] with one query.
     ///
     /// # Panics
     /// If a length disagrees with `heads`, `n` or the row widths.
@@ -47,8 +48,29 @@ crate::simd::simd_versions! {
         = latent_attention_body;
 }
 
-/// [`latent_attention`]: the checks, then the operations (compiled once per backend, the same
-/// operations on each).
+crate::simd::simd_versions! {
+    /// `queries` consecutive query positions, causally: query `i` (`0..queries`) attends to
+    /// the first `n0 + i` cached rows. `q_lat` / `q_tail` / `ctx` hold `queries × heads` rows
+    /// (query-major) of `kvl` / `dr` / `kvl`; `p` holds as many rows of `n0 + queries − 1`
+    /// (the probabilities of query `i` fill the first `n0 + i` of its rows, the rest is left
+    /// as it was).
+    ///
+    /// Blocked for long prompts: cached rows are widened in tiles of [`KEY_TILE`], once per
+    /// block of queries, and each tile serves every (query, head) row of the block from the
+    /// cache. Every (query, head) value is computed by the operations of the one-query form
+    /// in the same order (each dot product in 16 lane sums and the fixed pairwise reduction,
+    /// [`softmax_inplace`], each context element summed over the cached rows in order), so a
+    /// query's bits do not depend on the block it is in, on the head grouping, or on the
+    /// backend.
+    ///
+    /// # Panics
+    /// If a length disagrees with `queries`, `heads`, `n0` or the row widths, or `n0` is 0.
+    pub fn causal_latent_attention<E: CacheValue>(q_lat: &[f32], q_tail: &[f32],
+        latent: &[E], tail: &[E], heads: usize, queries: usize, n0: usize, scale: f32,
+        p: &mut [f32], ctx: &mut [f32]) = causal_latent_attention_body;
+}
+
+/// [`latent_attention`]: one query of [`causal_latent_attention_body`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn latent_attention_body<E: CacheValue>(
@@ -62,35 +84,90 @@ fn latent_attention_body<E: CacheValue>(
     p: &mut [f32],
     ctx: &mut [f32],
 ) {
-    assert!(heads > 0, "latent_attention: no heads");
-    let (kvl, dr) = (q_lat.len() / heads, q_tail.len() / heads);
-    assert_eq!(q_lat.len(), heads * kvl, "latent_attention: q_lat length");
-    assert_eq!(q_tail.len(), heads * dr, "latent_attention: q_tail length");
-    assert!(latent.len() >= n * kvl, "latent_attention: latent rows");
-    assert!(tail.len() >= n * dr, "latent_attention: tail rows");
-    assert_eq!(p.len(), heads * n, "latent_attention: probability length");
-    assert_eq!(ctx.len(), heads * kvl, "latent_attention: context length");
-    let mut cw = vec![0f32; kvl];
-    let mut tw = vec![0f32; dr];
-    for s in 0..n {
-        widen_row(&latent[s * kvl..(s + 1) * kvl], &mut cw);
-        widen_row(&tail[s * dr..(s + 1) * dr], &mut tw);
-        for hh in 0..heads {
-            let a = dot(&q_lat[hh * kvl..(hh + 1) * kvl], &cw);
-            let b = dot(&q_tail[hh * dr..(hh + 1) * dr], &tw);
-            p[hh * n + s] = (a + b) * scale;
+    assert!(n > 0, "latent_attention: no cached rows");
+    causal_latent_attention_body(q_lat, q_tail, latent, tail, heads, 1, n, scale, p, ctx);
+}
+
+/// Cached rows widened per tile.
+const KEY_TILE: usize = 16;
+
+/// [`causal_latent_attention`]: the checks, then the operations (compiled once per backend,
+/// the same operations on each).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn causal_latent_attention_body<E: CacheValue>(
+    q_lat: &[f32],
+    q_tail: &[f32],
+    latent: &[E],
+    tail: &[E],
+    heads: usize,
+    queries: usize,
+    n0: usize,
+    scale: f32,
+    p: &mut [f32],
+    ctx: &mut [f32],
+) {
+    assert!(
+        heads > 0 && queries > 0,
+        "latent_attention: no heads or queries"
+    );
+    assert!(n0 > 0, "latent_attention: no cached rows");
+    let rows = heads * queries;
+    let (kvl, dr) = (q_lat.len() / rows, q_tail.len() / rows);
+    let stride = n0 + queries - 1;
+    assert_eq!(q_lat.len(), rows * kvl, "latent_attention: q_lat length");
+    assert_eq!(q_tail.len(), rows * dr, "latent_attention: q_tail length");
+    assert!(
+        latent.len() >= stride * kvl,
+        "latent_attention: latent rows"
+    );
+    assert!(tail.len() >= stride * dr, "latent_attention: tail rows");
+    assert_eq!(
+        p.len(),
+        rows * stride,
+        "latent_attention: probability length"
+    );
+    assert_eq!(ctx.len(), rows * kvl, "latent_attention: context length");
+    // Keys seen by row r (query r / heads).
+    let len = |r: usize| n0 + r / heads;
+    let mut cw = vec![0f32; KEY_TILE * kvl];
+    let mut tw = vec![0f32; KEY_TILE * dr];
+
+    // Scores, one tile of cached rows at a time (widened once for every row of the block).
+    for s0 in (0..stride).step_by(KEY_TILE) {
+        let s1 = (s0 + KEY_TILE).min(stride);
+        widen_row(&latent[s0 * kvl..s1 * kvl], &mut cw[..(s1 - s0) * kvl]);
+        widen_row(&tail[s0 * dr..s1 * dr], &mut tw[..(s1 - s0) * dr]);
+        for r in 0..rows {
+            let e = s1.min(len(r));
+            let (ql, qt) = (
+                &q_lat[r * kvl..(r + 1) * kvl],
+                &q_tail[r * dr..(r + 1) * dr],
+            );
+            for s in s0..e {
+                let k = s - s0;
+                let a = dot(ql, &cw[k * kvl..(k + 1) * kvl]);
+                let b = dot(qt, &tw[k * dr..(k + 1) * dr]);
+                p[r * stride + s] = (a + b) * scale;
+            }
         }
     }
-    for ph in p.chunks_exact_mut(n) {
-        softmax_inplace(ph);
+    for r in 0..rows {
+        softmax_inplace(&mut p[r * stride..r * stride + len(r)]);
     }
+    // Contexts: ctx_r = Σ_s p_r(s) ĉ(s), s in order.
     ctx.fill(0.0);
-    for s in 0..n {
-        widen_row(&latent[s * kvl..(s + 1) * kvl], &mut cw);
-        for (hh, ch) in ctx.chunks_exact_mut(kvl).enumerate() {
-            let ps = p[hh * n + s];
-            for (a, &b) in ch.iter_mut().zip(&cw) {
-                *a += ps * b;
+    for s0 in (0..stride).step_by(KEY_TILE) {
+        let s1 = (s0 + KEY_TILE).min(stride);
+        widen_row(&latent[s0 * kvl..s1 * kvl], &mut cw[..(s1 - s0) * kvl]);
+        for (r, ch) in ctx.chunks_exact_mut(kvl).enumerate() {
+            let e = s1.min(len(r));
+            for s in s0..e {
+                let ps = p[r * stride + s];
+                let k = s - s0;
+                for (a, &b) in ch.iter_mut().zip(&cw[k * kvl..(k + 1) * kvl]) {
+                    *a += ps * b;
+                }
             }
         }
     }
@@ -236,6 +313,96 @@ mod tests {
             );
             assert_eq!(&c1[..], &ctx[hh * kvl..(hh + 1) * kvl]);
             assert_eq!(&p1[..], &p[hh * n..(hh + 1) * n]);
+        }
+    }
+
+    /// The one-query form, written out plainly: each score a 16-lane dot product, the
+    /// softmax of `ops::softmax_inplace`, each context element summed over the rows in order.
+    fn one_query(
+        q_lat: &[f32],
+        q_tail: &[f32],
+        latent: &[bf16],
+        tail: &[bf16],
+        n: usize,
+        scale: f32,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (kvl, dr) = (q_lat.len(), q_tail.len());
+        let w = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+        let mut p: Vec<f32> = (0..n)
+            .map(|s| {
+                let a = portable_dot(q_lat, &w(&latent[s * kvl..(s + 1) * kvl]), |v| v);
+                let b = portable_dot(q_tail, &w(&tail[s * dr..(s + 1) * dr]), |v| v);
+                (a + b) * scale
+            })
+            .collect();
+        crate::ops::softmax_inplace(&mut p);
+        let mut ctx = vec![0f32; kvl];
+        for (s, &ps) in p.iter().enumerate() {
+            for (a, b) in ctx.iter_mut().zip(w(&latent[s * kvl..(s + 1) * kvl])) {
+                *a += ps * b;
+            }
+        }
+        (p, ctx)
+    }
+
+    #[test]
+    fn causal_blocks_give_every_query_the_one_query_bits() {
+        let v = |i: usize| ((i * 37 % 101) as f32 / 50.0 - 1.0) * 0.9;
+        // (heads, kvl, dr, n0, queries): widths on and off the 16-lane and 32-column steps,
+        // blocks shorter and longer than a key tile, one head and several.
+        for &(heads, kvl, dr, n0, queries) in &[
+            (8, 256, 32, 1, 40),
+            (8, 64, 16, 37, 9),
+            (3, 40, 8, 5, 21),
+            (1, 17, 3, 1, 1),
+            (5, 33, 7, 16, 17),
+            (2, 96, 32, 100, 3),
+        ] {
+            let rows = heads * queries;
+            let total = n0 + queries - 1;
+            let q_lat: Vec<f32> = (0..rows * kvl).map(|i| v(i * 3 + 1)).collect();
+            let q_tail: Vec<f32> = (0..rows * dr).map(|i| v(i + 7)).collect();
+            let latent: Vec<bf16> = (0..total * kvl).map(|i| bf16::from_f32(v(i + 3))).collect();
+            let tail: Vec<bf16> = (0..total * dr)
+                .map(|i| bf16::from_f32(v(i * 5 + 11)))
+                .collect();
+            let scale = 0.37;
+            let mut p = vec![0f32; rows * total];
+            let mut ctx = vec![0f32; rows * kvl];
+            causal_latent_attention(
+                &q_lat, &q_tail, &latent, &tail, heads, queries, n0, scale, &mut p, &mut ctx,
+            );
+            for r in 0..rows {
+                let n = n0 + r / heads;
+                let (pw, cw) = one_query(
+                    &q_lat[r * kvl..(r + 1) * kvl],
+                    &q_tail[r * dr..(r + 1) * dr],
+                    &latent,
+                    &tail,
+                    n,
+                    scale,
+                );
+                let case = (heads, kvl, dr, n0, queries, r);
+                assert_eq!(&p[r * total..r * total + n], &pw[..], "{case:?}");
+                assert_eq!(&ctx[r * kvl..(r + 1) * kvl], &cw[..], "{case:?}");
+            }
+            // One query of the block alone, through the one-query entry.
+            let i = queries - 1;
+            let n = n0 + i;
+            let mut p1 = vec![0f32; heads * n];
+            let mut c1 = vec![0f32; heads * kvl];
+            latent_attention(
+                &q_lat[i * heads * kvl..],
+                &q_tail[i * heads * dr..],
+                &latent,
+                &tail,
+                heads,
+                n,
+                scale,
+                &mut p1,
+                &mut c1,
+            );
+            assert_eq!(&c1[..], &ctx[i * heads * kvl..]);
         }
     }
 

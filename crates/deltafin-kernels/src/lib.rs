@@ -30,6 +30,7 @@ pub mod mxfp4_q8x3;
 mod neon;
 pub mod offload;
 pub mod ops;
+pub mod peak;
 pub mod pool;
 mod prepared;
 pub mod probe;
@@ -63,7 +64,8 @@ mod weights;
 mod x86;
 
 pub use attn::{
-    CacheValue, axpy_bf16_f32, axpy_i8_f32, dot_bf16_f32, dot_i8_f32, latent_attention,
+    CacheValue, axpy_bf16_f32, axpy_i8_f32, causal_latent_attention, dot_bf16_f32, dot_i8_f32,
+    latent_attention,
 };
 pub use dispatch::{Backend, BackendError};
 pub use kda_chunk::{KdaRows, kda_chunked, reduce_lanes};

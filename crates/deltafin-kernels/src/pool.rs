@@ -13,7 +13,10 @@
 //! yields its CPU to any other runnable thread (`sched_yield`) instead of parking; after
 //! 20 ms without work (a generation blocked on a slow client) it naps 200 µs at a time. Products
 //! therefore start on both cores within a fraction of a microsecond. The loops end when the
-//! closure returns (or unwinds).
+//! closure returns (or unwinds). A loop's end is not waited for: [`run_warm`] returns when its
+//! closure does, and a loop a busy worker only gets to later ends at once. (Ending a loop
+//! after a 20 ms stall instead of napping cost decode 10%: a stall during a long prefill left
+//! the whole decode without its loops.)
 //!
 //! Scheduling only: which thread runs a row range never changes a value (see the products'
 //! determinism contract in `matvec`), so results are bit-identical with and without it.
@@ -21,8 +24,21 @@
 //! The kernel setting `pool_spin` (default on; binaries read it from `DELTAFIN_POOL_SPIN`)
 //! switches it; off runs the closure on a pool worker exactly like `rayon::scope` with
 //! nothing else.
+//!
+//! **One warm session at a time.** A keep-warm loop is a job that only ends when its closure
+//! returns, and a worker that waits (a join, an MoE slot) runs its pending jobs on top of
+//! what it was doing. With two sessions at once (two engines in one process, two servers in
+//! one test binary), each worker could end up running the *other* session's loop on top of
+//! its own closure: each loop then waits for a closure buried under the other — a deadlock
+//! (seen with two test servers on two cores). So at most one session in the process keeps
+//! the pool warm; a [`run_warm`] that starts while another runs calls its closure directly
+//! on the calling thread (its parallel loops still use the pool, as any caller's do), and
+//! one nested inside a session does the same. (A loop can still sit on top of another
+//! engine's job on a worker; that job then waits until the session ends, which only happens
+//! with two engines in one process.)
 
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Idle rounds a keep-warm loop spins (`pause`, ≈ 2 ms in all) before it starts yielding its
@@ -35,27 +51,57 @@ const NAP_AFTER: std::time::Duration = std::time::Duration::from_millis(20);
 const NAP: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Run `f` on a worker of the current rayon pool; with `spin`, the pool's other workers run
-/// keep-warm loops until `f` returns. Returns `f`'s value; a panic in `f` is re-raised after
-/// the loops have stopped.
+/// keep-warm loops until `f` returns — unless another warm session runs in the process (or
+/// this call is nested in one): then `f` runs directly on the calling thread. Returns `f`'s
+/// value; a panic in `f` is re-raised after the loops have stopped.
 pub fn run_warm_with<R: Send>(spin: bool, f: impl FnOnce() -> R + Send) -> R {
-    let stop = AtomicBool::new(false);
-    let stop = &stop;
-    let result = rayon::scope(|scope| {
-        if spin && rayon::current_num_threads() > 1 {
+    if !spin {
+        return rayon::scope(|_| f());
+    }
+    // Another session (or this one, nested) keeps the pool warm: run `f` here.
+    let Some(_session) = Session::take() else {
+        return f();
+    };
+    rayon::scope(|_| {
+        let stop = Arc::new(AtomicBool::new(false));
+        if rayon::current_num_threads() > 1 {
             let me = rayon::current_thread_index();
-            scope.spawn_broadcast(move |_, ctx| {
+            let loops_stop = Arc::clone(&stop);
+            // Not scoped: returning does not wait for a worker that is busy elsewhere (or
+            // blocked) to take its loop; a loop that starts after `stop` ends at once.
+            rayon::spawn_broadcast(move |ctx| {
                 if Some(ctx.index()) != me {
-                    keep_warm(stop);
+                    keep_warm(&loops_stop);
                 }
             });
         }
         let r = catch_unwind(AssertUnwindSafe(f));
         stop.store(true, Ordering::Release);
-        r
-    });
-    match result {
-        Ok(r) => r,
-        Err(panic) => resume_unwind(panic),
+        match r {
+            Ok(r) => r,
+            Err(panic) => resume_unwind(panic),
+        }
+    })
+}
+
+/// Whether a warm session runs in this process (see the module documentation).
+static WARM_SESSION: AtomicBool = AtomicBool::new(false);
+
+/// The process's one warm session, held until dropped (on a panic too).
+struct Session;
+
+impl Session {
+    fn take() -> Option<Session> {
+        WARM_SESSION
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+            .then_some(Session)
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        WARM_SESSION.store(false, Ordering::Release);
     }
 }
 
@@ -158,12 +204,12 @@ mod tests {
     fn a_stalled_generation_does_not_keep_a_core_busy() {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
-            .thread_name(|i| format!("warmnap-{i}"))
+            .thread_name(|i| format!("warmstall-{i}"))
             .build()
             .unwrap();
         let ticks = |pool: &rayon::ThreadPool| {
             pool.broadcast(|_| ());
-            cpu_ticks_of("warmnap-0") + cpu_ticks_of("warmnap-1")
+            cpu_ticks_of("warmstall-0") + cpu_ticks_of("warmstall-1")
         };
         let before = ticks(&pool);
         // The generation thread blocks for 1 s (as on a slow client); the other worker spins
@@ -179,6 +225,45 @@ mod tests {
             used <= 30,
             "keep-warm loop used {used} ticks of CPU in a 1 s stall"
         );
+    }
+
+    /// Two warm sessions at once on one pool: the second must not wait for a keep-warm loop
+    /// of its own that the first session's (blocked) closure keeps from running. Before one
+    /// session per process, this deadlocked: the second session's loop was queued for the
+    /// worker that runs the first session's closure, and the first waits for the second.
+    #[test]
+    fn a_second_session_during_a_blocked_first_one_finishes() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<u64>();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|sc| {
+            let pool = &pool;
+            sc.spawn(move || {
+                pool.install(move || {
+                    run_warm_with(true, move || {
+                        // The first session's closure blocks its worker until the second
+                        // session has finished (or the test gives up).
+                        let _ = go_rx.recv_timeout(std::time::Duration::from_secs(20));
+                    })
+                })
+            });
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            sc.spawn(move || {
+                let sum: u64 =
+                    pool.install(|| run_warm_with(true, || (0..10_000u64).into_par_iter().sum()));
+                let _ = done_tx.send(sum);
+            });
+            let got = done_rx.recv_timeout(std::time::Duration::from_secs(10));
+            let _ = go_tx.send(());
+            assert_eq!(
+                got.ok(),
+                Some(49_995_000),
+                "the second warm session did not finish while the first was blocked"
+            );
+        });
     }
 
     #[test]

@@ -14,6 +14,12 @@ use crate::weights::Raw;
 
 /// Activation rows processed together against one weight row (the row is read once per tile).
 pub(crate) const BATCH_TILE: usize = 4;
+/// [`BATCH_TILE`] of the AVX2 f32 and bf16 row dot products: their four accumulators per
+/// activation row fill the 16 registers at two rows (at four rows the accumulators spill to
+/// the stack). The row-int8 and MXFP4 AVX2 dot products keep four rows (two or three
+/// accumulators per row fit, and the weight decoding is shared by more rows).
+#[cfg(target_arch = "x86_64")]
+pub(crate) const AVX2_BATCH_TILE: usize = 2;
 /// Activation rows of the bf16 register tiles on AVX-512 (2 weight rows × 6 activation rows:
 /// 24 accumulators; the ragged rest of a batch takes the 2 × 1…4 tiles). Against 2 × 4 the
 /// weight widening (a shift and a mask per weight row and 32-column group) and the final
@@ -57,6 +63,18 @@ pub(crate) trait Dot {
 /// # Safety
 /// As [`crate::prepared::Kernel::rows`], with `D` the entry's dot product.
 pub(crate) unsafe fn rows_dot<D: Dot>(p: &Prepared<'_>, r0: usize, r1: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { rows_dot_n::<D, BATCH_TILE>(p, r0, r1) }
+}
+
+/// [`rows_dot`] with `NB` activation rows per weight-row call: the AVX2 f32 and bf16 entries
+/// take [`AVX2_BATCH_TILE`], whose accumulators fit the 16 vector registers. Each `(r, b)` value
+/// is the same dot call whatever `NB` (a dot product's activation rows have their own
+/// accumulators).
+///
+/// # Safety
+/// As [`rows_dot`].
+pub(crate) unsafe fn rows_dot_n<D: Dot, const NB: usize>(p: &Prepared<'_>, r0: usize, r1: usize) {
     let (w, n) = (p.w, p.n);
     let raw = p.raw;
     let x = |b: usize| p.x(b);
@@ -66,17 +84,17 @@ pub(crate) unsafe fn rows_dot<D: Dot>(p: &Prepared<'_>, r0: usize, r1: usize) {
     while rb < r1 {
         let re = (rb + block).min(r1);
         let mut b = 0;
-        while b + BATCH_TILE <= n {
-            let tile = [x(b), x(b + 1), x(b + 2), x(b + 3)];
+        while b + NB <= n {
+            let tile: [&[f32]; NB] = std::array::from_fn(|i| x(b + i));
             for r in rb..re {
                 // SAFETY: forwarded from the caller.
-                let v = unsafe { D::dot::<BATCH_TILE>(raw, r, tile) };
+                let v = unsafe { D::dot::<NB>(raw, r, tile) };
                 for (i, &vi) in v.iter().enumerate() {
                     // SAFETY: the caller owns row r; b + i < n.
                     unsafe { p.apply(b + i, r, vi) };
                 }
             }
-            b += BATCH_TILE;
+            b += NB;
         }
         while b < n {
             for r in rb..re {

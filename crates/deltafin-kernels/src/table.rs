@@ -248,7 +248,7 @@ static SCALAR: Isa = {
 mod x86 {
     use super::*;
     use crate::layout::pair_groups;
-    use crate::rows::rows_tiled;
+    use crate::rows::{AVX2_BATCH_TILE, rows_dot_n, rows_tiled};
     use crate::tiled::{Bf16Tiles, Mxfp4Q8x3Tiles, RowInt8Q16Tiles};
     use crate::x86::{avx2, avx512, avx512_q8x3};
 
@@ -317,12 +317,17 @@ mod x86 {
     pub(super) static AVX2: Isa = simd_isa(
         Backend::Avx2,
         [
-            ("f32/f32/avx2", Layout::Plain, plain, rows_dot::<Avx2F32>),
+            (
+                "f32/f32/avx2",
+                Layout::Plain,
+                plain,
+                rows_dot_n::<Avx2F32, AVX2_BATCH_TILE>,
+            ),
             (
                 "bf16/f32/avx2",
                 Layout::Bf16Pairs16,
                 bf16_pairs::<16>,
-                rows_dot::<Avx2Bf16>,
+                rows_dot_n::<Avx2Bf16, AVX2_BATCH_TILE>,
             ),
             (
                 "row-int8/q16/avx2",

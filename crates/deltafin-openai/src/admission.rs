@@ -138,17 +138,25 @@ pub(crate) async fn generate(
     // The body is read and the request validated before it takes a place: a slow or
     // malformed request never keeps a valid one out.
     let (Prepared { req, front, prompt }, hold) = prepare(&state, &engine, api, req).await?;
-    // A place: at most one generation plus `queue` waiters.
-    let Some(ticket) = state.try_reserve() else {
+    // A place: at most `parallel` generations plus `queue` waiters.
+    let sharing = &engine.sharing;
+    let Some(ticket) = state.try_reserve(sharing.parallel) else {
         state.stats.busy_rejections.fetch_add(1, Ordering::Relaxed);
         return Err(ApiError::busy());
     };
     drop(hold);
-    // Wait for the slot in arrival order; a client that leaves drops this future.
-    let Some(permit) = unless_gone(&conn, state.slot.clone().acquire_owned()).await else {
+    // Wait for a slot, then for the state the request's context can reach, in arrival
+    // order (crate::sharing); a client that leaves drops this future.
+    let Some(permit) = unless_gone(&conn, sharing.slots.clone().acquire_owned()).await else {
         return Ok(abandoned());
     };
     let permit = permit.map_err(|_| ApiError::shutting_down())?;
+    let units = sharing.units_for(prompt.len(), req.max_new);
+    let room = sharing.reserve.clone().acquire_many_owned(units);
+    let Some(room) = unless_gone(&conn, room).await else {
+        return Ok(abandoned());
+    };
+    let room = room.map_err(|_| ApiError::shutting_down())?;
     if state.shutdown.load(Ordering::SeqCst) {
         return Err(ApiError::shutting_down());
     }
@@ -164,11 +172,12 @@ pub(crate) async fn generate(
     let gen_for_worker = req.clone();
     tokio::task::spawn_blocking(move || {
         let slot_permit = permit;
+        let state_room = room;
         let reservation = ticket;
         let st = worker_state;
         st.stats.generations_started.fetch_add(1, Ordering::SeqCst);
         if let Ok(mut cur) = st.current.lock() {
-            *cur = Some(interrupt.clone());
+            cur.push(interrupt.clone());
         }
         if st.shutdown.load(Ordering::SeqCst) {
             interrupt.store(true, Ordering::SeqCst);
@@ -193,9 +202,10 @@ pub(crate) async fn generate(
         );
         st.metrics.prefill_progress(0, 0, 0);
         if let Ok(mut cur) = st.current.lock() {
-            *cur = None;
+            cur.retain(|f| !Arc::ptr_eq(f, &interrupt));
         }
         // Free the slot before the answer is complete on the client's side.
+        drop(state_room);
         drop(slot_permit);
         drop(reservation);
         let counter = match &ending {

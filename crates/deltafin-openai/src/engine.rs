@@ -7,21 +7,19 @@ use crate::memo::{self, MemoEntry, ResponseMemo};
 pub use crate::outcome::{FinishReason, Usage};
 use crate::output::{Assembler, Delta, EarlyEnd, TokenLogprob};
 use crate::request::{ChatControls, GenRequest, Prompt, ToolMode};
+use crate::sharing::Sharing;
 use deltafin_k3::engine::{EngineBuilder, EngineConfig, EngineError, LoadedEngine, MemoryPlan};
 use deltafin_k3::error::ModelError;
-use deltafin_k3::generate::{
-    Choose, GenerateError, GenerateEvent, GenerateOptions, Greedy, StopReason, generate_prefilled,
-    stop_ids,
-};
+use deltafin_k3::generate::{Choose, GenerateError, Greedy, StopReason};
 use deltafin_k3::model::K3Model;
-use deltafin_k3::prefix::{Chunked, PrefillProgress, PrefixCache, message_ends};
+use deltafin_k3::prefix::{PrefillProgress, PrefixCache};
 use deltafin_k3::sampling::Sampler;
 use deltafin_k3::text::chat::{ChatError, ChatOptions, ToolChoice, encode_chat};
-use deltafin_k3::text::tokenizer::{END_OF_MSG, Tokenizer};
+use deltafin_k3::text::tokenizer::Tokenizer;
 use deltafin_k3::weights::install::{self, Missing};
 use deltafin_k3::weights::spine_int8::SpineFormat;
 use deltafin_spec::select::{Chosen, DraftModels};
-use deltafin_spec::{Committed, WallClock, generate_with_prefill};
+use deltafin_spec::{Event, Generation};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -89,6 +87,9 @@ pub struct Engine {
     pub spine: SpineFormat,
     /// Where the products run (`device=cpu`, `device=cuda:0 …`).
     pub device_line: String,
+    /// How many generations run together and the state each reserves
+    /// ([`crate::sharing`]).
+    pub sharing: Sharing,
     /// The grammar engine over the tokenizer, built on the first constrained request.
     grammars: OnceLock<Result<Grammars, String>>,
 }
@@ -128,8 +129,13 @@ impl Engine {
     /// The engine over a model loaded by [`EngineBuilder`], with `drafts` (`None`: plain
     /// greedy decoding only).
     pub fn from_loaded(loaded: LoadedEngine, drafts: Option<DraftModels>) -> Engine {
+        let max_context = loaded.admitted_context();
+        // One generation at a time until [`Engine::with_parallel`] (`deltafin serve` calls it).
+        let one = Some((1, "one at a time"));
+        let sharing = Sharing::new(&loaded.model, loaded.plan.as_ref(), max_context, one);
         Engine {
-            max_context: loaded.admitted_context(),
+            max_context,
+            sharing,
             plan: loaded.plan,
             spine: loaded.spine,
             device_line: loaded.device_line,
@@ -140,6 +146,13 @@ impl Engine {
             memo: ResponseMemo::new(memo::DEFAULT_ENTRIES, memo::DEFAULT_BYTES),
             grammars: OnceLock::new(),
         }
+    }
+
+    /// This engine running `parallel` generations together (`None`: as many as the memory
+    /// plan admits; [`crate::sharing`]), `source` naming where the count came from.
+    pub fn with_parallel(mut self, parallel: Option<(usize, &'static str)>) -> Engine {
+        self.sharing = Sharing::new(&self.model, self.plan.as_ref(), self.max_context, parallel);
+        self
     }
 
     /// This engine with prefix states kept in `cache`.
@@ -398,25 +411,17 @@ fn generate_answer(
         (None, Some(s)) => s,
         (None, None) => &mut Greedy,
     };
-    if let (Some(drafts), None) = (&engine.drafts, req.logprobs) {
-        match drafts.choose(&engine.model, &engine.tokenizer, chat) {
-            Ok(Some(chosen)) => {
-                let run = Run {
-                    engine,
-                    req,
-                    prompt,
-                    interrupt,
-                    shutdown,
-                };
-                return run_drafted(run, chosen, rule, send);
-            }
-            Ok(None) => {}
+    // Drafts only without `logprobs` (a drafted step reports no per-token distribution).
+    let chosen = match (&engine.drafts, req.logprobs) {
+        (Some(drafts), None) => match drafts.choose(&engine.model, &engine.tokenizer, chat) {
+            Ok(chosen) => chosen,
             Err(e) => {
                 let failed = Ending::Event(GenEvent::Failed(ApiError::server(e)));
                 return (failed, Timing::default());
             }
-        }
-    }
+        },
+        _ => None,
+    };
     let run = Run {
         engine,
         req,
@@ -424,7 +429,7 @@ fn generate_answer(
         interrupt,
         shutdown,
     };
-    run_plain(run, rule, send)
+    run_model(run, chosen, rule, send)
 }
 
 /// The fixed inputs of one generation.
@@ -436,11 +441,12 @@ struct Run<'a> {
     shutdown: &'a AtomicBool,
 }
 
-/// [`run_generation`] with a drafter: the same deltas, finish reason and usage as plain
-/// greedy decoding (ids after a stop sequence are verified but never released or counted).
-fn run_drafted(
+/// [`run_generation`] through the generation driver, drafted by `chosen` or plain: the same
+/// deltas, finish reason and usage either way (ids after a stop sequence are verified but
+/// never released or counted).
+fn run_model(
     run: Run<'_>,
-    chosen: Chosen,
+    mut chosen: Option<Chosen>,
     rule: &mut (dyn Choose + Send),
     send: &(dyn Fn(GenEvent) -> bool + Sync),
 ) -> (Ending, Timing) {
@@ -452,151 +458,42 @@ fn run_drafted(
         shutdown,
     } = run;
     let chat = matches!(req.prompt, Prompt::Chat { .. });
-    let stop_ids = stop_ids(chat);
-    // Plain decoding emits until the state holds max_context positions: one token more
-    // than the free positions after the prompt.
-    let max_new = req
-        .max_new
-        .min((engine.max_context + 1).saturating_sub(prompt.len()));
-    let Chosen {
-        name,
-        mut drafter,
-        mut policy,
-    } = chosen;
     let mut asm = Assembler::for_request(&engine.tokenizer, req);
     let mut client_gone = false;
     let mut counted = 0usize;
-    let mut prefill: Option<Duration> = None;
-    let started = Instant::now();
     let mut sink_error: Option<ApiError> = None;
-    let clock = WallClock::new();
     let mut progress = progress_reporter(send, interrupt);
-    let mut prefiller = prefiller(engine, prompt, chat, interrupt, &mut progress);
-    let result = deltafin_kernels::pool::run_warm(|| {
-        generate_with_prefill(
-            &engine.model,
-            prompt,
-            &mut prefiller,
-            max_new,
-            &stop_ids,
-            drafter.as_mut(),
-            rule,
-            &mut policy,
-            &clock,
-            interrupt,
-            |c: &Committed<'_>| {
-                prefill.get_or_insert(c.duration);
-                for &id in c.ids {
-                    if asm.early_end().is_some() {
-                        break;
-                    }
-                    counted += 1;
-                    let delta = asm.push(id, None).map_err(|e| {
-                        sink_error =
-                            Some(ApiError::server(format!("cannot decode token {id}: {e}")));
-                        e.to_string()
-                    })?;
-                    if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
-                        client_gone = true;
-                        interrupt.store(true, Ordering::Relaxed);
-                        break;
-                    }
-                }
-                if asm.early_end().is_some() {
-                    interrupt.store(true, Ordering::Relaxed);
-                }
-                Ok(())
-            },
-        )
-    });
-    // The next request with this drafter starts from this one's measurements (the plain
-    // baseline is measured once per server, not once per request).
-    if let Some(drafts) = &engine.drafts {
-        drafts.remember(name, &policy);
-    }
-    let reused = prefiller.reused;
-    let ids = match result {
-        Ok((ids, _)) => ids,
-        Err(e) => {
-            let model = match &e {
-                deltafin_spec::SpecError::Model(m) => Some(m),
-                _ => None,
-            };
-            return generation_failed(sink_error, &e, model);
+    let batcher = engine.sharing.batcher.as_ref();
+    let mut generate = || {
+        let mut generation = Generation::new(&engine.model, prompt)
+            .chat(chat)
+            .max_new(Some(req.max_new))
+            .max_context(engine.max_context)
+            .top_logits(req.logprobs.map(|k| k.max(1)).unwrap_or(0))
+            .rule(rule)
+            .prefix_cache(engine.prefix.as_ref())
+            .progress(&mut progress)
+            .interrupt(interrupt);
+        if let Some(c) = chosen.as_mut() {
+            generation = generation.drafter(c.drafter.as_mut(), &mut c.policy);
         }
-    };
-    let prefill = prefill.unwrap_or_default();
-    let timing = Timing {
-        from_memo: false,
-        reused,
-        prefill,
-        decode: started.elapsed().saturating_sub(prefill),
-        decode_tokens: ids.len().saturating_sub(1),
-        numerical_failure: false,
-    };
-    let eos = ids
-        .get(counted.wrapping_sub(1))
-        .is_some_and(|t| stop_ids.contains(t));
-    let finish = match finish_reason(&asm, eos) {
-        Some(finish) => finish,
-        None if ids.len() >= max_new => FinishReason::Length,
-        None => return (interrupted(client_gone, shutdown), timing),
-    };
-    let completion_tokens = if eos {
-        counted.saturating_sub(1)
-    } else {
-        counted
-    };
-    let ending = done(asm, finish, prompt.len(), completion_tokens, send);
-    (ending, timing)
-}
-
-fn run_plain(
-    run: Run<'_>,
-    rule: &mut (dyn Choose + Send),
-    send: &(dyn Fn(GenEvent) -> bool + Sync),
-) -> (Ending, Timing) {
-    let Run {
-        engine,
-        req,
-        prompt,
-        interrupt,
-        shutdown,
-    } = run;
-    let chat = matches!(req.prompt, Prompt::Chat { .. });
-    let opts = GenerateOptions {
-        max_new: Some(req.max_new),
-        stop_ids: stop_ids(chat),
-        max_context: engine.max_context,
-        top_logits: req.logprobs.map(|k| k.max(1)).unwrap_or(0),
-    };
-    let tok = &engine.tokenizer;
-    let mut asm = Assembler::for_request(tok, req);
-    let mut client_gone = false;
-    let mut sink_error: Option<ApiError> = None;
-    // On a rayon worker, as `deltafin run` does: the kernels' parallel loops then start by
-    // work-stealing instead of waking the pool from outside for every product.
-    let mut progress = progress_reporter(send, interrupt);
-    let mut prefiller = prefiller(engine, prompt, chat, interrupt, &mut progress);
-    let result = deltafin_kernels::pool::run_warm(|| {
-        generate_prefilled(
-            &engine.model,
-            prompt,
-            &mut prefiller,
-            &opts,
-            rule,
-            interrupt,
-            |ev| {
-                let GenerateEvent::Token {
-                    id, logit, summary, ..
-                } = ev
-                else {
-                    return Ok(());
-                };
+        if let Some(b) = batcher {
+            generation = generation.batcher(b);
+        }
+        generation.run(|ev| {
+            let Event::Committed(c) = ev else {
+                return Ok(());
+            };
+            for (i, &id) in c.ids.iter().enumerate() {
+                if asm.early_end().is_some() {
+                    break;
+                }
+                counted += 1;
                 // K3's unfiltered log-softmax of the emitted token (under a grammar it need not
-                // be the top one) and of the top alternatives.
-                let lp = match (req.logprobs, summary) {
-                    (Some(k), Some(s)) => Some(TokenLogprob {
+                // be the top one) and of the top alternatives: the step's last token, the one
+                // K3 chose from `summary`'s row (a plain step has only that one).
+                let lp = match (req.logprobs, c.summary, c.logit) {
+                    (Some(k), Some(s), Some(logit)) if i + 1 == c.ids.len() => Some(TokenLogprob {
                         id,
                         logprob: f64::from(logit) - s.logsumexp,
                         top: s
@@ -615,18 +512,30 @@ fn run_plain(
                 if !delta.is_empty() && !send(GenEvent::Delta(delta)) {
                     client_gone = true;
                     interrupt.store(true, Ordering::Relaxed);
+                    break;
                 }
-                if asm.early_end().is_some() {
-                    // Ends generation before the next forward pass.
-                    interrupt.store(true, Ordering::Relaxed);
-                }
-                Ok(())
-            },
-        )
-    });
-    let reused = prefiller.reused;
-    let outcome = match result {
-        Ok(o) => o,
+            }
+            if asm.early_end().is_some() {
+                // Ends generation before the next forward pass.
+                interrupt.store(true, Ordering::Relaxed);
+            }
+            Ok(())
+        })
+    };
+    let result = match batcher {
+        // Shared: this thread waits for its turns; the passes run on the kernels' pool.
+        Some(_) => generate(),
+        // Alone, on a rayon worker as `deltafin run` does: the kernels' parallel loops then
+        // start by work-stealing instead of waking the pool from outside for every product.
+        None => deltafin_kernels::pool::run_warm(generate),
+    };
+    // The next request with this drafter starts from this one's measurements (the plain
+    // baseline is measured once per server, not once per request).
+    if let (Some(drafts), Some(c)) = (&engine.drafts, &chosen) {
+        drafts.remember(c.name, &c.policy);
+    }
+    let finished = match result {
+        Ok(finished) => finished,
         Err(e) => {
             let model = match &e {
                 GenerateError::Model(m) => Some(m),
@@ -637,47 +546,28 @@ fn run_plain(
     };
     let timing = Timing {
         from_memo: false,
-        reused,
-        prefill: outcome.prefill_duration,
-        decode: outcome
+        reused: finished.reused,
+        prefill: finished.prefill_duration,
+        decode: finished
             .total_duration
-            .saturating_sub(outcome.prefill_duration),
-        decode_tokens: outcome.ids.len().saturating_sub(1),
+            .saturating_sub(finished.prefill_duration),
+        decode_tokens: finished.ids.len().saturating_sub(1),
         numerical_failure: false,
     };
-    let finish = match (
-        finish_reason(&asm, outcome.stop == StopReason::Eos),
-        outcome.stop,
-    ) {
+    // The stop id ended the answer only when it was released (not after a stop sequence).
+    let eos = finished.stop == StopReason::Eos && counted == finished.ids.len();
+    let finish = match (finish_reason(&asm, eos), finished.stop) {
         (Some(finish), _) => finish,
         (None, StopReason::MaxNew | StopReason::ContextFull) => FinishReason::Length,
         (None, _) => return (interrupted(client_gone, shutdown), timing),
     };
-    let completion_tokens = match outcome.stop {
-        StopReason::Eos => outcome.ids.len().saturating_sub(1),
-        _ => outcome.ids.len(),
+    let completion_tokens = if eos {
+        counted.saturating_sub(1)
+    } else {
+        counted
     };
     let ending = done(asm, finish, prompt.len(), completion_tokens, send);
     (ending, timing)
-}
-
-/// The prefill of one generation: aligned passes over the engine's prefix cache, stopped by
-/// `interrupt`, with snapshots at the chat's message ends (the position after each
-/// end-of-message token).
-fn prefiller<'a>(
-    engine: &'a Engine,
-    prompt: &[u32],
-    chat: bool,
-    interrupt: &'a AtomicBool,
-    progress: &'a mut (dyn FnMut(PrefillProgress) + Send),
-) -> Chunked<'a> {
-    let mut p = Chunked::new(engine.prefix.as_ref());
-    if chat {
-        p.marks = message_ends(prompt, END_OF_MSG);
-    }
-    p.interrupt = Some(interrupt);
-    p.progress = Some(progress);
-    p
 }
 
 /// Prefill progress as [`GenEvent::Prefill`], at most every [`PREFILL_REPORT_EVERY`] and

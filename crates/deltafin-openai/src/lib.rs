@@ -35,6 +35,7 @@ pub mod responses;
 mod routes;
 pub mod seal;
 pub mod server;
+pub mod sharing;
 mod state;
 pub mod status;
 pub mod strict;

@@ -200,6 +200,71 @@ pub struct Snapshot {
     pub connections_refused: u64,
     /// Bytes of request bodies being read and validated.
     pub body_bytes_held: usize,
+    /// How generations share the engine, once it is loaded.
+    pub sequences: Option<SequencesNow>,
+}
+
+/// The generations sharing the engine ([`crate::sharing`]) at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SequencesNow {
+    /// Generations that may run together (`--parallel`).
+    pub parallel: usize,
+    /// Generations running.
+    pub active: usize,
+    /// The state reserve, and the part running generations hold.
+    pub reserve_bytes: u64,
+    pub reserved_bytes: u64,
+    /// The batcher's counters (all zero when one generation runs at a time).
+    pub batch: deltafin_spec::BatchStats,
+}
+
+/// The generations sharing the engine: how many may and do run, the state they reserve, and
+/// how their decode steps were batched (per-sequence speeds: each finished generation's
+/// `deltafin_last_decode_tokens_per_second`; aggregate: `deltafin_decode_tokens_total` over
+/// time).
+fn render_sequences(e: &mut Exposition, q: &SequencesNow) {
+    e.one(
+        "deltafin_parallel_sequences",
+        "gauge",
+        "Generations that may run together (--parallel, else the memory plan's count).",
+        q.parallel as f64,
+    );
+    e.one(
+        "deltafin_active_sequences",
+        "gauge",
+        "Generations running now.",
+        q.active as f64,
+    );
+    e.one(
+        "deltafin_state_reserve_bytes",
+        "gauge",
+        "The state reserve generations take their KDA states and MLA caches from.",
+        q.reserve_bytes as f64,
+    );
+    e.one(
+        "deltafin_state_reserved_bytes",
+        "gauge",
+        "Of the state reserve, bytes the running generations hold.",
+        q.reserved_bytes as f64,
+    );
+    e.one(
+        "deltafin_batched_decode_passes_total",
+        "counter",
+        "Decode passes run for several generations at once (one pass per step of all of them).",
+        q.batch.batches as f64,
+    );
+    e.one(
+        "deltafin_batched_decode_steps_total",
+        "counter",
+        "Decode steps run in those passes (over the passes: the mean batch size).",
+        q.batch.batched_steps as f64,
+    );
+    e.one(
+        "deltafin_largest_decode_batch",
+        "gauge",
+        "The most generations one decode pass has run.",
+        q.batch.largest as f64,
+    );
 }
 
 /// Writes families and samples in the text format.
@@ -379,6 +444,9 @@ impl Metrics {
             "Bytes of request bodies being read and validated (at most 4 x --max-request-bytes).",
             s.body_bytes_held as f64,
         );
+        if let Some(q) = s.sequences {
+            render_sequences(&mut e, &q);
+        }
         self.render_experts(&mut e, s);
         self.render_state(&mut e, s);
         e.0

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 
 pub use crate::ops::{BODY_DEADLINE, BODY_IDLE_TIMEOUT};
 /// Default time a request head may take to arrive, and an idle keep-alive connection may
@@ -130,9 +130,8 @@ impl Server {
                 started: Instant::now(),
                 metrics: Arc::new(Metrics::default()),
                 engine: rx,
-                slot: Arc::new(Semaphore::new(1)),
                 shutdown: AtomicBool::new(false),
-                current: Mutex::new(None),
+                current: Mutex::new(Vec::new()),
                 stats: Arc::new(ServerStats::default()),
                 seq: AtomicU64::new(0),
                 loopback,
@@ -176,7 +175,7 @@ impl Server {
                 }
             };
             tokio::select! {
-                _ = shutdown => crate::log_line!("[deltafin serve] shutting down: no new connections, cancelling the running generation"),
+                _ = shutdown => crate::log_line!("[deltafin serve] shutting down: no new connections, cancelling the running generations"),
                 _ = load_failed => {}
             }
             signal_state.begin_shutdown();

@@ -1,4 +1,4 @@
-//! What every request handler shares: the engine's state, the slot and queue, counters,
+//! What every request handler shares: the engine's state, the queue, counters,
 //! the reasoning sealer and the response store ([`AppState`]). The listener that owns it is
 //! [`crate::server`].
 
@@ -11,7 +11,7 @@ use crate::ops::BodyBudget;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 
 /// Where the model is.
 #[derive(Clone)]
@@ -32,7 +32,7 @@ pub struct ServerStats {
     pub generations_cancelled: AtomicU64,
     /// Requests answered 429.
     pub busy_rejections: AtomicU64,
-    /// Live reservations: the running generation plus queued requests.
+    /// Live reservations: the running generations plus queued requests.
     pub reserved: AtomicUsize,
 }
 
@@ -42,9 +42,9 @@ pub(crate) struct AppState {
     pub(crate) started: Instant,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) engine: watch::Receiver<EngineState>,
-    pub(crate) slot: Arc<Semaphore>,
     pub(crate) shutdown: AtomicBool,
-    pub(crate) current: Mutex<Option<Arc<AtomicBool>>>,
+    /// The interrupt flags of the running generations.
+    pub(crate) current: Mutex<Vec<Arc<AtomicBool>>>,
     pub(crate) stats: Arc<ServerStats>,
     pub(crate) seq: AtomicU64,
     /// Whether the listener is on a loopback address (the `Host` check applies).
@@ -59,7 +59,7 @@ pub(crate) struct AppState {
     pub(crate) store: Option<Arc<crate::responses::store::Store>>,
 }
 
-/// A reservation of the slot or a queue place, held from when the request is validated
+/// A reservation of a generation slot or a queue place, held from when the request is validated
 /// until its generation has stopped.
 pub(crate) struct Ticket(Arc<ServerStats>);
 
@@ -77,8 +77,9 @@ pub(crate) fn unix_now() -> u64 {
 }
 
 impl AppState {
-    pub(crate) fn try_reserve(&self) -> Option<Ticket> {
-        let cap = 1 + self.cfg.queue;
+    /// A place among the `parallel` running generations and the `--queue` waiters.
+    pub(crate) fn try_reserve(&self, parallel: usize) -> Option<Ticket> {
+        let cap = parallel + self.cfg.queue;
         self.stats
             .reserved
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
@@ -138,15 +139,25 @@ impl AppState {
             connections_open: self.conns.open.load(Ordering::SeqCst),
             connections_refused: self.conns.refused.load(Ordering::Relaxed),
             body_bytes_held: self.bodies.held(),
+            sequences: engine.as_ref().map(|e| {
+                let sh = &e.sharing;
+                crate::metrics::SequencesNow {
+                    parallel: sh.parallel,
+                    active: sh.running(),
+                    reserve_bytes: sh.reserve_bytes,
+                    reserved_bytes: sh.reserved_bytes(),
+                    batch: sh.batcher.as_ref().map(|b| b.stats()).unwrap_or_default(),
+                }
+            }),
         }
     }
 
     pub(crate) fn begin_shutdown(&self) {
         self.shutdown.store(true, Ordering::SeqCst);
-        if let Ok(cur) = self.current.lock()
-            && let Some(flag) = cur.as_ref()
-        {
-            flag.store(true, Ordering::SeqCst);
+        if let Ok(cur) = self.current.lock() {
+            for flag in cur.iter() {
+                flag.store(true, Ordering::SeqCst);
+            }
         }
     }
 }

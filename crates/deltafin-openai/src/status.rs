@@ -116,6 +116,15 @@ pub fn status_json(
             "queue_depth": snap.queue_depth,
             "queue_capacity": snap.queue_capacity,
         },
+        "sequences": snap.sequences.map(|q| json!({
+            "parallel": q.parallel,
+            "active": q.active,
+            "state_reserve_bytes": q.reserve_bytes,
+            "state_reserved_bytes": q.reserved_bytes,
+            "decode_batches": q.batch.batches,
+            "batched_decode_steps": q.batch.batched_steps,
+            "largest_decode_batch": q.batch.largest,
+        })),
         "prefill": prefill,
         "last_generation": {
             "prefill_tokens_per_second": counters.last_prefill_tokens_per_second,

@@ -7,11 +7,12 @@
 mod common;
 
 use common::*;
-use deltafin_k3::generate::{GenerateEvent, GenerateOptions, generate};
+use deltafin_k3::generate::{GenerateEvent, GenerateOptions};
 use deltafin_k3::text::chat::{ChatMessage, ChatOptions, Content, ReasoningEffort, encode_chat};
 use deltafin_k3::text::tokenizer::END_OF_MSG;
 use deltafin_openai::output::{Assembler, Delta};
 use deltafin_openai::{MODEL_ID, ServerConfig};
+use deltafin_spec::generate;
 use serde_json::{Value, json};
 use std::sync::OnceLock;
 use std::sync::atomic::AtomicBool;

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use deltafin_k3::generate::{GenerateEvent, GenerateOptions, generate};
+use deltafin_k3::generate::{GenerateEvent, GenerateOptions};
 use deltafin_k3::text::chat::{
     ChatMessage, ChatOptions, Content, ReasoningEffort, ToolCall, encode_chat,
 };
@@ -15,6 +15,7 @@ use deltafin_openai::MODEL_ID;
 use deltafin_openai::ServerConfig;
 use deltafin_openai::messages::wire::signature;
 use deltafin_openai::output::{Assembler, Delta};
+use deltafin_spec::generate;
 use serde_json::{Value, json};
 use std::sync::OnceLock;
 use std::sync::atomic::AtomicBool;

@@ -7,10 +7,11 @@ mod common;
 
 use common::*;
 use deltafin_k3::engine::EngineConfig;
-use deltafin_k3::generate::{GenerateOptions, generate};
+use deltafin_k3::generate::GenerateOptions;
 use deltafin_k3::text::chat::{ChatMessage, Thinking, encode_chat};
 use deltafin_k3::text::tokenizer::END_OF_MSG;
 use deltafin_openai::{Engine, MODEL_ID, Server, ServerConfig};
+use deltafin_spec::generate;
 use serde_json::json;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::OnceLock;

@@ -4,10 +4,11 @@
 mod common;
 
 use common::*;
-use deltafin_k3::generate::{GenerateEvent, GenerateOptions, LogitSummary, generate};
+use deltafin_k3::generate::{GenerateEvent, GenerateOptions, LogitSummary};
 use deltafin_k3::text::chat::{ChatMessage, ChatOptions, ReasoningEffort, encode_chat};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS};
 use deltafin_openai::{MODEL_ID, ServerConfig};
+use deltafin_spec::generate;
 use serde_json::{Value, json};
 use std::sync::OnceLock;
 use std::sync::atomic::AtomicBool;

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use deltafin_k3::generate::{GenerateEvent, GenerateOptions, generate};
+use deltafin_k3::generate::{GenerateEvent, GenerateOptions};
 use deltafin_k3::text::chat::{
     ChatMessage, ChatOptions, ReasoningEffort, ToolCall, ToolChoice, encode_chat,
 };
@@ -15,6 +15,7 @@ use deltafin_openai::ServerConfig;
 use deltafin_openai::output::{Assembler, Delta, EarlyEnd};
 use deltafin_openai::request::{ChatControls, ToolMode};
 use deltafin_openai::response::chat_message;
+use deltafin_spec::generate;
 use serde_json::{Value, json};
 use std::sync::OnceLock;
 use std::sync::atomic::AtomicBool;

@@ -3,7 +3,8 @@
 //! Drafters (DSpark for chat, Qwen3 0.6B/1.7B for raw completion) propose tokens; K3
 //! verifies each proposal in one pass and only its own greedy choices are ever emitted.
 //!
-//! The verification core ([`verify`], [`generate_speculative`]) is exact by construction:
+//! Every generation, drafted or not, runs through one driver, [`generation::Generation`].
+//! The verification core ([`verify`], used by the driver's drafted steps) is exact by construction:
 //! the verify pass ([`K3Model::forward_exact`]) produces, for every row, the bit-identical
 //! logits that one-token decode would, and the state is rolled back exactly (KDA states
 //! restored, MLA caches truncated) to the accepted length. The emitted sequence therefore
@@ -12,24 +13,27 @@
 // No unsafe code: this crate needs none (docs/ARCHITECTURE.md "Invariants").
 #![forbid(unsafe_code)]
 
-use deltafin_k3::generate::{Choose, Greedy};
+use deltafin_k3::generate::{Choose, GenerateError, Greedy, LogitSummary};
 use deltafin_k3::model::state::State;
 use deltafin_k3::model::taps::Taps;
-use deltafin_k3::model::{K3Model, LogitRows, ModelError};
-use deltafin_k3::prefix::{OnePass, Prefilled, Prefiller};
-use std::sync::atomic::{AtomicBool, Ordering};
+use deltafin_k3::model::{K3Model, LogitRows};
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
+pub mod batch;
 pub mod dense;
 pub mod dspark;
 pub mod escalate;
 mod fields;
+pub mod generation;
 pub mod policy;
 pub mod qwen3;
 pub mod select;
 mod tensors;
 pub mod uag;
 
+pub use batch::{BatchStats, Batcher};
+pub use generation::{Event, Finished, Generation, Sequence, generate, generate_with};
 pub use policy::{Clock, PolicyMode, PolicyReport, PolicyState, SpecPolicy, WallClock};
 
 /// Anything that proposes the next tokens.
@@ -111,7 +115,7 @@ pub fn verify(
     rows: &mut RuleRows<'_>,
     taps: Option<&mut Taps>,
 ) -> Result<Verified, SpecError> {
-    verify_impl::<String>(model, state, pending, drafts, rows, taps).map_err(Failure::into_spec)
+    verify_rows(model, state, pending, drafts, rows, taps)
 }
 
 /// The token rule as verification drives it: `rule` chooses the token of generated position
@@ -127,14 +131,14 @@ pub struct RuleRows<'r> {
     pub stop_ids: &'r [u32],
 }
 
-fn verify_impl<E>(
+fn verify_rows(
     model: &K3Model,
     state: &mut State,
     pending: u32,
     drafts: &[u32],
     rows: &mut RuleRows<'_>,
     mut taps: Option<&mut Taps>,
-) -> Result<Verified, Failure<E>> {
+) -> Result<Verified, GenerateError> {
     let saved = (!drafts.is_empty()).then(|| state.checkpoint());
     let mut tape = Vec::with_capacity(drafts.len() + 1);
     tape.push(pending);
@@ -149,11 +153,11 @@ fn verify_impl<E>(
         let choice = rows
             .rule
             .choose(rows.step + accepted, logits.row(accepted))
-            .map_err(Failure::Choose)?;
+            .map_err(GenerateError::Choose)?;
         if drafts.get(accepted) != Some(&choice) {
             break choice;
         }
-        rows.rule.accept(choice).map_err(Failure::Choose)?;
+        rows.rule.accept(choice).map_err(GenerateError::Choose)?;
         accepted += 1;
         if rows.stop_ids.contains(&choice) {
             break choice;
@@ -217,57 +221,35 @@ impl SpecStats {
     }
 }
 
-/// What one step of speculative generation committed, reported as it happens: the first
-/// step is the prefill (K3's first token), every later step one draft + verify pass.
+/// What one step of a generation committed, reported as it happens: the first step is K3's
+/// token after the prompt, every later step one decode or one draft + verify pass.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Committed<'a> {
+    /// Generated position of `ids[0]` (0: the first generated token).
+    pub first: usize,
     /// Tokens this step emitted, in order (accepted drafts, then K3's own token).
     pub ids: &'a [u32],
     /// Drafts proposed in this step (0 for the prefill).
     pub proposed: usize,
     /// Drafts K3 accepted in this step.
     pub accepted: usize,
-    /// Wall time of the step (prefill, or proposal + verify), on the run's clock.
+    /// Wall time of the step (the prefill for the first, else the decode or the proposal +
+    /// verify pass), on the run's clock.
     pub duration: Duration,
-    /// The drafting policy after this step.
+    /// K3's logit for the step's last id when K3 chose it from its own row (with
+    /// `summary`'s log-sum-exp it gives the token's logprob); `None` when the step ended on
+    /// an accepted draft that is a stop id.
+    pub logit: Option<f32>,
+    /// The largest logits and log-sum-exp of the row the last id was chosen from, when the
+    /// generation asks for them ([`generation::Generation::top_logits`]).
+    pub summary: Option<&'a LogitSummary>,
+    /// The drafting policy after this step (plain decoding: a fixed width of 0).
     pub policy: PolicyReport,
 }
 
-/// An error of streaming speculative generation.
-#[derive(Debug, thiserror::Error)]
-pub enum SpecError {
-    /// The model failed.
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    /// The callback asked to stop.
-    #[error("{0}")]
-    Sink(String),
-    /// The token rule failed (e.g. a grammar that allows no token).
-    #[error("{0}")]
-    Choose(String),
-}
-
-enum Failure<E> {
-    Model(ModelError),
-    Sink(E),
-    Choose(String),
-}
-
-impl<E: Into<String>> Failure<E> {
-    fn into_spec(self) -> SpecError {
-        match self {
-            Failure::Model(e) => SpecError::Model(e),
-            Failure::Sink(e) => SpecError::Sink(e.into()),
-            Failure::Choose(e) => SpecError::Choose(e),
-        }
-    }
-}
-
-impl<E> From<ModelError> for Failure<E> {
-    fn from(e: ModelError) -> Self {
-        Failure::Model(e)
-    }
-}
+/// An error of speculative generation: the driver's ([`GenerateError`]: the model failed,
+/// the callback asked to stop, or the token rule failed).
+pub type SpecError = GenerateError;
 
 /// Greedy generation of up to `max_new` tokens after `prompt`, with drafts from `drafter`
 /// verified by K3 (`width` drafts at most per pass, always). Stops after a token in
@@ -324,7 +306,8 @@ pub fn generate_speculative_streaming(
 /// Speculative generation under a drafting `policy` ([`policy`]: when to draft, how many
 /// drafts to verify), timed by `clock`, with every token chosen by `rule`; every step is
 /// reported to `on_commit`. The ids equal plain decoding with the same rule
-/// ([`deltafin_k3::generate::generate_with`]) exactly, whatever the policy and the drafter do.
+/// ([`generate_with`]) exactly, whatever the policy and the drafter do. A thin wrapper over
+/// [`Generation`] with no context bound.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_with_policy(
     model: &K3Model,
@@ -338,196 +321,19 @@ pub fn generate_with_policy(
     interrupt: &AtomicBool,
     on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
 ) -> Result<(Vec<u32>, SpecStats), SpecError> {
-    generate_with_prefill(
-        model,
-        prompt,
-        &mut OnePass,
-        max_new,
-        stop_ids,
-        drafter,
-        rule,
-        policy,
-        clock,
-        interrupt,
-        on_commit,
-    )
-}
-
-/// [`generate_with_policy`] with the prompt turned into a state by `prefiller` (a cached,
-/// cancellable prefill: [`deltafin_k3::prefix::Chunked`]); the drafter observes every
-/// prompt position's taps, a restored prefix's included. A prefill stopped by its
-/// interrupt returns no ids.
-#[allow(clippy::too_many_arguments)]
-pub fn generate_with_prefill(
-    model: &K3Model,
-    prompt: &[u32],
-    prefiller: &mut dyn Prefiller,
-    max_new: usize,
-    stop_ids: &[u32],
-    drafter: &mut dyn Drafter,
-    rule: &mut dyn Choose,
-    policy: &mut SpecPolicy,
-    clock: &dyn Clock,
-    interrupt: &AtomicBool,
-    on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
-) -> Result<(Vec<u32>, SpecStats), SpecError> {
-    let session = Session {
-        model,
-        prompt,
-        max_new,
-        stop_ids,
-        clock,
-        interrupt,
-    };
-    run(session, prefiller, drafter, rule, policy, on_commit).map_err(Failure::into_spec)
-}
-
-/// The fixed inputs of one speculative run.
-struct Session<'a> {
-    model: &'a K3Model,
-    prompt: &'a [u32],
-    max_new: usize,
-    stop_ids: &'a [u32],
-    clock: &'a dyn Clock,
-    interrupt: &'a AtomicBool,
-}
-
-fn run(
-    session: Session<'_>,
-    prefiller: &mut dyn Prefiller,
-    drafter: &mut dyn Drafter,
-    rule: &mut dyn Choose,
-    policy: &mut SpecPolicy,
-    mut on_commit: impl FnMut(&Committed<'_>) -> Result<(), String>,
-) -> Result<(Vec<u32>, SpecStats), Failure<String>> {
-    let Session {
-        model,
-        prompt,
-        max_new,
-        stop_ids,
-        clock,
-        interrupt,
-    } = session;
-    let mut stats = SpecStats::default();
-    let mut out = Vec::new();
-    if max_new == 0 {
-        return Ok((out, stats));
-    }
-    let started = clock.now();
-    // Drafters that read K3's hidden states get the taps of every committed position.
-    let mut taps = match drafter.tap_layers() {
-        [] => None,
-        ids => Some(model.taps(ids)?),
-    };
-    let Some(Prefilled {
-        mut state, logits, ..
-    }) = prefiller.prefill(model, prompt, taps.as_mut())?
-    else {
-        return Ok((out, stats));
-    };
-    if let Some(t) = taps.as_mut() {
-        drafter.observe(0, t);
-        t.clear();
-    }
-    let mut pending = rule.choose(0, &logits).map_err(Failure::Choose)?;
-    rule.accept(pending).map_err(Failure::Choose)?;
-    out.push(pending);
-    let mut history: Vec<u32> = prompt.to_vec();
-    history.push(pending);
-    on_commit(&Committed {
-        ids: &out,
-        proposed: 0,
-        accepted: 0,
-        duration: clock.now().saturating_sub(started),
-        policy: policy.report(),
-    })
-    .map_err(Failure::Sink)?;
-    while out.len() < max_new && !stop_ids.contains(&pending) && !interrupt.load(Ordering::Relaxed)
-    {
-        let step = clock.now();
-        let room = max_new - out.len();
-        // Never propose past the token budget: at most room − 1 drafts, K3 adds one more.
-        let ask = policy.ask().min(room - 1);
-        let mut drafts = if ask > 0 {
-            drafter.propose(&history, ask)
-        } else {
-            Vec::new()
-        };
-        drafts.truncate(ask);
-        let draft_s = if ask > 0 {
-            clock.now().saturating_sub(step).as_secs_f64()
-        } else {
-            0.0
-        };
-        let keep = policy.cut(drafter.confidence(), drafts.len(), draft_s);
-        drafts.truncate(keep);
-        let position = state.position;
-        let mut rows = RuleRows {
-            rule: &mut *rule,
-            step: out.len(),
-            stop_ids,
-        };
-        let v = verify_impl(
-            model,
-            &mut state,
-            pending,
-            &drafts,
-            &mut rows,
-            taps.as_mut(),
-        )?;
-        if let Some(t) = taps.as_mut() {
-            drafter.observe(position, t);
-            t.clear();
-        }
-        stats.verify_passes += 1;
-        stats.proposed += drafts.len();
-        stats.accepted += v.accepted;
-        stats.drafting_passes += usize::from(!drafts.is_empty());
-        let first = out.len();
-        let mut stopped = false;
-        for &d in &drafts[..v.accepted] {
-            out.push(d);
-            history.push(d);
-            if stop_ids.contains(&d) {
-                stopped = true;
-                break;
-            }
-        }
-        if !stopped {
-            pending = v.next;
-            rule.accept(pending).map_err(Failure::Choose)?;
-            out.push(pending);
-            history.push(pending);
-        }
-        let duration = clock.now().saturating_sub(step);
-        if ask > 0 {
-            drafter.feedback(&StepFeedback {
-                proposed: drafts.len(),
-                accepted: v.accepted,
-                emitted: out.len() - first,
-                seconds: duration.as_secs_f64(),
-            });
-        }
-        policy.record(
-            drafts.len(),
-            v.accepted,
-            out.len() - first,
-            duration.as_secs_f64(),
-            draft_s,
-        );
-        on_commit(&Committed {
-            ids: &out[first..],
-            proposed: drafts.len(),
-            accepted: v.accepted,
-            duration,
-            policy: policy.report(),
-        })
-        .map_err(Failure::Sink)?;
-        if stopped {
-            break;
-        }
-    }
-    Ok((out, stats))
+    let mut on_commit = on_commit;
+    let done = Generation::new(model, prompt)
+        .stop_ids(stop_ids.to_vec())
+        .max_new(Some(max_new))
+        .rule(rule)
+        .drafter(drafter, policy)
+        .clock(clock)
+        .interrupt(interrupt)
+        .run(|ev| match ev {
+            Event::Prefilled { .. } => Ok(()),
+            Event::Committed(c) => on_commit(&c),
+        })?;
+    Ok((done.ids, done.stats))
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use deltafin_k3::generate::{GenerateOptions, generate};
+use deltafin_k3::generate::GenerateOptions;
 use deltafin_k3::synth::{
     SynthDims, SynthSpec, dspark_config, scaled_config, synthesize, synthesize_dspark,
     synthesize_dspark_from_config,
@@ -14,7 +14,7 @@ use deltafin_k3::synth::{
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS};
 use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use deltafin_spec::dspark::{DsparkDrafter, DsparkModel, expected_tensors};
-use deltafin_spec::generate_speculative;
+use deltafin_spec::{generate, generate_speculative};
 use deltafin_tensor::SafetensorsFile;
 
 #[test]

@@ -2,13 +2,13 @@
 //! and sampling use): the ids equal plain decoding with the same rule for every drafter, and a
 //! draft the rule would not choose is rejected.
 
+mod common;
+
 use std::sync::atomic::AtomicBool;
 
-use deltafin_k3::generate::{Choose, GenerateOptions, Greedy, generate_with, greedy};
+use deltafin_k3::generate::{Choose, GenerateOptions, Greedy, greedy};
 use deltafin_k3::model::K3Model;
-use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_k3::weights::loader::{EngineOptions, open_model};
-use deltafin_spec::{Drafter, SpecPolicy, WallClock, generate_with_policy};
+use deltafin_spec::{Drafter, SpecPolicy, WallClock, generate_with, generate_with_policy};
 
 /// Forbids, at step `s`, every id with `(id + s)` even and the id accepted just before: a rule
 /// that depends on the step and on the history, as a grammar or a seeded sampler does.
@@ -54,15 +54,7 @@ impl Drafter for Replay {
 }
 
 fn model() -> (tempfile::TempDir, K3Model) {
-    let dir = tempfile::tempdir().unwrap();
-    let dims = SynthDims {
-        vocab: 1024,
-        layers: 4,
-        ..SynthDims::tiny()
-    };
-    synthesize(dir.path(), &SynthSpec::new(dims, 7)).unwrap();
-    let m = open_model(dir.path(), &EngineOptions::default()).unwrap();
-    (dir, m)
+    common::small_model(7)
 }
 
 fn plain(model: &K3Model, prompt: &[u32], n: usize, rule: &mut dyn Choose) -> Vec<u32> {

@@ -7,12 +7,12 @@
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
 
-use deltafin_k3::generate::{Choose, GenerateOptions, generate_with};
+use deltafin_k3::generate::{Choose, GenerateOptions};
 use deltafin_k3::model::K3Model;
 use deltafin_k3::sampling::{Sampler, Sampling};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use deltafin_k3::weights::loader::{EngineOptions, open_model};
-use deltafin_spec::{Drafter, SpecPolicy, WallClock, generate_with_policy};
+use deltafin_spec::{Drafter, SpecPolicy, WallClock, generate_with, generate_with_policy};
 
 const PROMPT: [u32; 3] = [17, 400, 9];
 const SEEDS: u64 = 20_000;

@@ -6,7 +6,7 @@ use super::report::{Report, Status};
 use crate::ModelArgs;
 use deltafin_k3::engine::experts::open_expert_homes;
 use deltafin_k3::weights::checkpoint::Checkpoint;
-use deltafin_k3::weights::loader::expert_table;
+use deltafin_store::experts::expert_table;
 use serde_json::json;
 
 /// One check per home: it opens for this model (or a `fail` naming what is wrong) and its

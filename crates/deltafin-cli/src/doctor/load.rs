@@ -197,8 +197,8 @@ fn scale4_check(r: &mut Report, ckpt: &Checkpoint, mode: Scale4Mode) {
     if mode == Scale4Mode::Auto && !dir.exists() {
         return;
     }
-    let (layout, moe) = deltafin_k3::engine::experts::scale4_layout(ckpt.config());
-    let opened = deltafin_k3::engine::experts::config_sha256(root)
+    let (layout, moe) = deltafin_store::experts::scale4_layout(ckpt.config());
+    let opened = deltafin_store::experts::config_sha256(root)
         .map_err(|e| e.to_string())
         .and_then(|sha| Scale4Sidecars::open(&dir, layout, &moe, &sha).map_err(|e| e.to_string()));
     let var = if mode == Scale4Mode::Require {

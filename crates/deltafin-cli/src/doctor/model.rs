@@ -136,7 +136,7 @@ pub(super) fn model_checks(
 /// stream install).
 fn checkpoint_ok(r: &mut Report, ckpt: &Checkpoint) -> Option<(u64, PathBuf)> {
     if ckpt.layout() == deltafin_k3::weights::checkpoint::Layout::StreamInstall {
-        let missing = deltafin_k3::weights::loader::stream_install_missing_experts(ckpt).len();
+        let missing = deltafin_store::experts::stream_install_missing_experts(ckpt).len();
         r.add(
             "checkpoint",
             Status::Ok,

@@ -15,7 +15,7 @@ use deltafin_k3::engine::{EngineBuilder, EngineConfig};
 use deltafin_k3::error::ModelError;
 use deltafin_k3::generate::greedy;
 use deltafin_k3::weights::checkpoint::{Checkpoint, Layout};
-use deltafin_k3::weights::loader::expert_table;
+use deltafin_store::experts::expert_table;
 use std::path::Path;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -4,11 +4,12 @@
 // Each test binary uses a part of this module.
 #![allow(dead_code)]
 
-use deltafin_k3::generate::{GenerateOptions, generate};
+use deltafin_k3::generate::GenerateOptions;
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
 use deltafin_k3::text::tokenizer::{END_OF_MSG, EOS, Tokenizer};
 use deltafin_k3::weights::loader::{EngineOptions, open_model};
 use deltafin_k3::weights::spine_int8::SpineFormat;
+use deltafin_spec::generate;
 use serde_json::Value;
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};

@@ -43,7 +43,10 @@ mod read;
 
 pub use crate::io::DirectIo;
 pub use gate::{PILOT_BREAK_EVEN_PRECISION, PILOT_RANK_HALF_LIFE, PilotGate};
-pub use options::{MAX_OPEN_FILES, OPEN_FILE_CACHE, READ_PIECE_BYTES, StreamOptions};
+pub use options::{
+    DEFAULT_READ_DEPTH, MAX_OPEN_FILES, MAX_READ_DEPTH, OPEN_FILE_CACHE, READ_PIECE_BYTES,
+    StreamOptions,
+};
 
 use crate::error::ExpertError;
 use crate::homes::ExpertHomes;
@@ -91,9 +94,9 @@ impl StreamingExperts {
         homes: Option<ExpertHomes>,
     ) -> Result<StreamingExperts, ExpertError> {
         table.validate()?;
-        if !(1..=16).contains(&opts.read_threads) {
+        if !(1..=MAX_READ_DEPTH).contains(&opts.read_threads) {
             return Err(ExpertError::Setup(format!(
-                "read threads must be 1…16, got {}",
+                "read threads (reads in flight per drive) must be 1…{MAX_READ_DEPTH}, got {}",
                 opts.read_threads
             )));
         }

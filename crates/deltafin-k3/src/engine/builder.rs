@@ -18,13 +18,11 @@ use crate::engine::plan::{ExpertSizes, MemoryPlan, PlanInputs, PlanRequest, plan
 use crate::engine::progress::{LoadProgress, Silent, with_copy_progress};
 use crate::model::K3Model;
 use crate::text::tokenizer::Tokenizer;
-use crate::weights::checkpoint::{Checkpoint, Layout};
 use crate::weights::install;
-use crate::weights::loader::{
-    EngineOptions, assemble_model, expert_table, touch_embedding_in_background,
-};
+use crate::weights::loader::{EngineOptions, assemble_model, touch_embedding_in_background};
 use crate::weights::resident::{HugePages, ResidentCopy};
-use crate::weights::spine_int8::{SpineError, SpineFormat, int8_spine_present, tensor_dir};
+use deltafin_store::checkpoint::{Checkpoint, Layout};
+use deltafin_store::spine_int8::{SpineError, SpineFormat, int8_spine_present, tensor_dir};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -271,7 +269,7 @@ impl EngineBuilder {
                 layers,
             });
         }
-        let table = expert_table(checkpoint)
+        let table = deltafin_store::experts::expert_table(checkpoint)
             .map_err(EngineError::context("cannot locate the routed experts"))?;
         let experts = ExpertSizes {
             expert_bytes: table.shape.expert_bytes(),
@@ -403,7 +401,7 @@ impl EngineBuilder {
         progress.info(&format!(
             "layout={} ({} routed experts missing locally{})",
             checkpoint.layout().as_str(),
-            crate::weights::loader::stream_install_missing_experts(&checkpoint).len(),
+            deltafin_store::experts::stream_install_missing_experts(&checkpoint).len(),
             match checkpoint.layout() {
                 Layout::Shards => "",
                 Layout::StreamInstall => ", fetched on demand from the hub",

@@ -3,9 +3,9 @@
 
 use crate::engine::placement::{DeviceRequest, ExpertBackendRequest};
 use crate::weights::resident::HugePages;
-use crate::weights::spine_int8::SpineFormat;
 use crate::weights::spine_stream::SpineStreamOptions;
 use deltafin_experts::{StreamOptions, TraceMode};
+use deltafin_store::spine_int8::SpineFormat;
 use std::path::PathBuf;
 
 pub use crate::engine::plan::CONTEXT_RESERVE_TOKENS;

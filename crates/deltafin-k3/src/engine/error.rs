@@ -5,7 +5,7 @@
 use crate::engine::plan::PlanError;
 use crate::weights::install::{InstallError, Missing};
 use crate::weights::loader::LoadError;
-use crate::weights::spine_int8::SpineError;
+use deltafin_store::spine_int8::SpineError;
 use std::path::PathBuf;
 
 /// A boxed error from outside the engine (an injected expert layer's, an I/O error).
@@ -44,6 +44,12 @@ pub enum EngineError {
     /// The model cannot be assembled.
     #[error(transparent)]
     Load(#[from] LoadError),
+    /// The checkpoint's files cannot be read (its `config.json`, an expert file).
+    #[error(transparent)]
+    Checkpoint(#[from] deltafin_store::CheckpointError),
+    /// The routed experts' table cannot be built.
+    #[error(transparent)]
+    Experts(#[from] deltafin_store::experts::ExpertsError),
     /// More resident spine layers were asked for than the model has.
     #[error("{requested} resident spine layers asked for, but the model has {layers}")]
     ResidentLayers {

@@ -4,20 +4,18 @@
 //! fetcher of a stream install), then the route observers (the heat histogram, the router
 //! trace).
 
-use crate::config::K3Config;
 use crate::engine::config::{EngineConfig, Scale4Mode};
 use crate::engine::error::{BoxError, EngineError};
 use crate::engine::progress::{LoadProgress, with_copy_progress};
 use crate::model::moe::ExpertSource;
-use crate::weights::checkpoint::{CONFIG_FILE, Checkpoint, Layout};
-use crate::weights::loader::{CheckpointExperts, expert_table, streaming_experts_with_homes};
+use crate::weights::loader::{CheckpointExperts, streaming_experts_with_homes};
 use crate::weights::resident::{HugePages, ResidentCopy};
-use deltafin_experts::heat::{HeatDims, HeatRecorder, HeatTable};
-use deltafin_experts::scale4::{SCALE4_DIR, Scale4Experts, Scale4Layout, Scale4Sidecars};
-use deltafin_experts::{
-    ExpertHomes, ExpertShape, HomeModel, RouteObservers, RouterTrace, StreamOptions,
-};
-use sha2::{Digest, Sha256};
+use deltafin_experts::heat::{HeatRecorder, HeatTable};
+use deltafin_experts::scale4::{SCALE4_DIR, Scale4Experts, Scale4Sidecars};
+use deltafin_experts::{ExpertHomes, RouteObservers, RouterTrace, StreamOptions};
+use deltafin_store::checkpoint::{Checkpoint, Layout};
+use deltafin_store::config::K3Config;
+use deltafin_store::experts::{config_sha256, expert_table, heat_dims, home_model, scale4_layout};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -41,50 +39,6 @@ pub trait ExpertLayer: Send {
 /// Makes the caller's [`ExpertLayer`] for an opened checkpoint (`None`: no layer).
 pub type ExpertLayerFactory =
     Box<dyn FnOnce(&Checkpoint) -> Result<Option<Box<dyn ExpertLayer>>, BoxError> + Send>;
-
-/// The histogram's shape for a config: MoE layers 1…L−1, E experts, top-k.
-pub fn heat_dims(cfg: &K3Config) -> HeatDims {
-    HeatDims {
-        layers: cfg.n_layers().saturating_sub(1),
-        experts: cfg.text.num_experts,
-        top_k: cfg.text.num_experts_per_token,
-    }
-}
-
-/// The scale4 format layout and MoE layer mask of `cfg`.
-pub fn scale4_layout(cfg: &K3Config) -> (Scale4Layout, Vec<bool>) {
-    let layout = Scale4Layout {
-        shape: ExpertShape {
-            f: cfg.text.moe_intermediate_size,
-            lr: cfg.text.routed_expert_hidden_size,
-        },
-        num_experts: cfg.text.num_experts,
-    };
-    let moe = (0..cfg.n_layers()).map(|l| !cfg.is_dense(l)).collect();
-    (layout, moe)
-}
-
-/// SHA-256 (hex) of `root/config.json`: the scale4 sidecars name the config they were
-/// converted for.
-pub fn config_sha256(root: &Path) -> Result<String, EngineError> {
-    let p = root.join(CONFIG_FILE);
-    let bytes =
-        std::fs::read(&p).map_err(EngineError::context(format!("cannot read {}", p.display())))?;
-    Ok(hex::encode(Sha256::digest(&bytes)))
-}
-
-/// What the copies in an expert home of this checkpoint must be copies of: its
-/// `config.json` digest and expert geometry.
-pub fn home_model(checkpoint: &Checkpoint) -> Result<HomeModel, EngineError> {
-    let cfg = checkpoint.config();
-    Ok(HomeModel {
-        config_sha256: config_sha256(checkpoint.root())?,
-        f: cfg.text.moe_intermediate_size,
-        lr: cfg.text.routed_expert_hidden_size,
-        num_experts: cfg.text.num_experts,
-        layers: cfg.n_layers(),
-    })
-}
 
 /// Open the expert homes `dirs` for `checkpoint` (`None` without any): a home that is
 /// missing, of another model or damaged is an error naming it.
@@ -141,10 +95,12 @@ pub fn wrap_scale4(
     let root = checkpoint.root();
     let dir = root.join(SCALE4_DIR);
     let (layout, moe) = scale4_layout(checkpoint.config());
-    let opened = config_sha256(root).and_then(|sha| {
-        Scale4Sidecars::open(&dir, layout, &moe, &sha)
-            .map_err(|e| EngineError::External(Box::new(e)))
-    });
+    let opened = config_sha256(root)
+        .map_err(EngineError::from)
+        .and_then(|sha| {
+            Scale4Sidecars::open(&dir, layout, &moe, &sha)
+                .map_err(|e| EngineError::External(Box::new(e)))
+        });
     match (opened, mode) {
         (Ok(sidecars), Scale4Mode::Require) => {
             Ok((Box::new(Scale4Experts::new(experts, sidecars)), true))

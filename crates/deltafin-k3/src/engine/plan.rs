@@ -5,9 +5,9 @@
 //! only the running process and the files know (stored spine bytes, the process RSS, the
 //! expert table) and passes them in.
 
-use crate::config::K3Config;
 use crate::weights::loader::{EngineOptions, dims_from_config};
-use crate::weights::spine_int8::{SpineFormat, quantized_tensors};
+use deltafin_store::config::K3Config;
+use deltafin_store::spine_int8::{SpineFormat, quantized_tensors};
 
 /// Tokens of KV/state reserved inside a memory budget (capped by the model context) when the
 /// caller does not know how long its context can grow (a server, an open-ended run).

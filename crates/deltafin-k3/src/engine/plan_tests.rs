@@ -1,9 +1,9 @@
 use super::*;
-use crate::config::REAL_CONFIG_JSON;
 use crate::engine::CONTEXT_RESERVE_TOKENS;
-use crate::model::inventory::{TensorKind, text_inventory};
 use deltafin_experts::layout::ReadPlan;
 use deltafin_experts::{ExpertLocation, ExpertShape};
+use deltafin_store::config::REAL_CONFIG_JSON;
+use deltafin_store::inventory::{TensorKind, text_inventory};
 
 const GB: u64 = 1_000_000_000;
 

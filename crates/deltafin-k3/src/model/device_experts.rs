@@ -25,7 +25,7 @@ use deltafin_experts::ExpertWeights;
 use deltafin_kernels::{DeviceWeights, ProductDevice, Weights, situ_glu};
 
 use crate::error::ModelError;
-use crate::model::dims::ModelDims;
+use deltafin_store::dims::ModelDims;
 
 /// One routed expert on the device: `w1`, `w3` `[F, Lr]`, `w2` `[Lr, F]`.
 #[derive(Debug)]

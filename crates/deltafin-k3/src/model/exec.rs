@@ -15,7 +15,7 @@
 //! None of it changes a value: the logits are the loop's whatever the hooks do.
 
 use crate::error::ModelError;
-use crate::model::forward::{K3Model, LogitRows, Logits, PassHooks};
+use crate::model::forward::{K3Model, LogitRows, Logits, PassHooks, Segment};
 use crate::model::kda::KdaForm;
 use crate::model::layer::{Attention, Ffn, Layer};
 use crate::model::moe_schedule::{ExpertSchedule, predict_across_dense};
@@ -110,6 +110,28 @@ impl K3Model {
             clock: None,
         };
         self.run_layers(state, tokens, want, KdaForm::Chunked, &mut hooks)
+    }
+
+    /// Several sequences in one pass: each [`Segment`]'s tokens are appended to its own
+    /// state, and its requested logit rows come back in order. Every weight matrix and every
+    /// routed expert is read once for all rows (the experts' reads are the union of the
+    /// segments' routes); attention runs per sequence on its own cache. A segment's logits
+    /// and final state are bit-identical to running it alone ([`Self::forward`] for
+    /// [`KdaForm::Chunked`], [`Self::forward_exact`] for [`KdaForm::Recurrent`]), whatever
+    /// else is in the batch.
+    ///
+    /// Input errors (an empty batch or segment, a token out of range, a mismatched state)
+    /// are reported before any state changes; on a later error every segment's state is
+    /// partially advanced and must be discarded.
+    pub fn forward_batch(&self, segments: &mut [Segment<'_>]) -> Result<Vec<Logits>, ModelError> {
+        let mut hooks = Execution {
+            model: self,
+            taps: None,
+            spine: None,
+            watch: Watch::default(),
+            clock: None,
+        };
+        self.run_segments(segments, &mut hooks)
     }
 
     /// Process a prompt; returns the logits of its last position.

@@ -20,11 +20,11 @@
 //! its true, negligible value.
 
 use crate::error::ModelError;
-use crate::model::dims::ModelDims;
 use crate::model::linear::{Linear, apply_group};
 use deltafin_kernels::{
     KdaRows, kda_chunked, kda_delta_step, l2_normalize, sigmoid_inplace, silu_inplace,
 };
+use deltafin_store::dims::ModelDims;
 use rayon::prelude::*;
 
 /// Which evaluation of the delta rule a KDA layer runs its rows with.

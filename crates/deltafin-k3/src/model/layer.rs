@@ -10,6 +10,7 @@ use crate::model::linear::Linear;
 use crate::model::mla::MlaWeights;
 use crate::model::moe::MoeWeights;
 use crate::model::situ::{DenseMlp, SituMlp};
+use deltafin_store::inventory::name;
 
 /// The attention block of a layer.
 #[derive(Clone, Debug)]
@@ -56,80 +57,42 @@ pub struct Layer {
 pub fn linears_mut(layer: &mut Layer) -> Vec<(&'static str, &mut Linear)> {
     let mut out: Vec<(&'static str, &mut Linear)> = Vec::new();
     match &mut layer.attn {
-        Attention::Kda(KdaWeights {
-            q_proj,
-            k_proj,
-            v_proj,
-            f_a_proj,
-            f_b_proj,
-            b_proj,
-            g_proj,
-            o_proj,
-            ..
-        }) => {
-            out.push(("self_attn.q_proj.weight", q_proj));
-            out.push(("self_attn.k_proj.weight", k_proj));
-            out.push(("self_attn.v_proj.weight", v_proj));
-            out.push(("self_attn.f_a_proj.weight", f_a_proj));
-            out.push(("self_attn.f_b_proj.weight", f_b_proj));
-            out.push(("self_attn.b_proj.weight", b_proj));
-            out.push(("self_attn.g_proj.weight", g_proj));
-            out.push(("self_attn.o_proj.weight", o_proj));
+        Attention::Kda(k) => {
+            use name::kda::*;
+            out.push((Q_PROJ, &mut k.q_proj));
+            out.push((K_PROJ, &mut k.k_proj));
+            out.push((V_PROJ, &mut k.v_proj));
+            out.push((F_A_PROJ, &mut k.f_a_proj));
+            out.push((F_B_PROJ, &mut k.f_b_proj));
+            out.push((B_PROJ, &mut k.b_proj));
+            out.push((G_PROJ, &mut k.g_proj));
+            out.push((O_PROJ, &mut k.o_proj));
         }
-        Attention::Mla(MlaWeights {
-            q_a_proj,
-            q_b_proj,
-            kv_a_proj,
-            kv_b_proj,
-            g_proj,
-            o_proj,
-            ..
-        }) => {
-            out.push(("self_attn.q_a_proj.weight", q_a_proj));
-            out.push(("self_attn.q_b_proj.weight", q_b_proj));
-            out.push(("self_attn.kv_a_proj_with_mqa.weight", kv_a_proj));
-            out.push(("self_attn.kv_b_proj.weight", kv_b_proj));
-            out.push(("self_attn.g_proj.weight", g_proj));
-            out.push(("self_attn.o_proj.weight", o_proj));
+        Attention::Mla(m) => {
+            use name::mla::*;
+            out.push((Q_A_PROJ, &mut m.q_a_proj));
+            out.push((Q_B_PROJ, &mut m.q_b_proj));
+            out.push((KV_A_PROJ, &mut m.kv_a_proj));
+            out.push((KV_B_PROJ, &mut m.kv_b_proj));
+            out.push((G_PROJ, &mut m.g_proj));
+            out.push((O_PROJ, &mut m.o_proj));
         }
     }
     fn situ<'a>(
-        base: &[&'static str; 3],
+        names: [&'static str; 3],
         m: &'a mut SituMlp,
         out: &mut Vec<(&'static str, &'a mut Linear)>,
     ) {
-        out.push((base[0], &mut m.gate_proj));
-        out.push((base[1], &mut m.up_proj));
-        out.push((base[2], &mut m.down_proj));
+        out.push((names[0], &mut m.gate_proj));
+        out.push((names[1], &mut m.up_proj));
+        out.push((names[2], &mut m.down_proj));
     }
     match &mut layer.ffn {
-        Ffn::Dense(m) => situ(
-            &[
-                "mlp.gate_proj.weight",
-                "mlp.up_proj.weight",
-                "mlp.down_proj.weight",
-            ],
-            m,
-            &mut out,
-        ),
+        Ffn::Dense(m) => situ(name::DENSE, m, &mut out),
         Ffn::Moe(m) => {
-            out.push((
-                "block_sparse_moe.routed_expert_down_proj.weight",
-                &mut m.latent_down,
-            ));
-            out.push((
-                "block_sparse_moe.routed_expert_up_proj.weight",
-                &mut m.latent_up,
-            ));
-            situ(
-                &[
-                    "block_sparse_moe.shared_experts.gate_proj.weight",
-                    "block_sparse_moe.shared_experts.up_proj.weight",
-                    "block_sparse_moe.shared_experts.down_proj.weight",
-                ],
-                &mut m.shared,
-                &mut out,
-            );
+            out.push((name::moe::LATENT_DOWN, &mut m.latent_down));
+            out.push((name::moe::LATENT_UP, &mut m.latent_up));
+            situ(name::moe::SHARED, &mut m.shared, &mut out);
         }
     }
     out

@@ -12,14 +12,20 @@
 //! cached per token, stored as bf16 (576 values = 1,152 B per token per layer for K3).
 
 use crate::error::ModelError;
-use crate::model::dims::{CacheDtype, ModelDims};
 use crate::model::linear::{Linear, apply_group};
 use crate::model::norm::rms_norm_rows;
 use deltafin_kernels::{
-    CacheValue, axpy_bf16_f32, axpy_i8_f32, dot_bf16_f32, dot_i8_f32, latent_attention, sigmoid,
+    CacheValue, axpy_bf16_f32, axpy_i8_f32, causal_latent_attention, dot_bf16_f32, dot_i8_f32,
+    sigmoid,
 };
+use deltafin_store::dims::{CacheDtype, ModelDims};
 use deltafin_tensor::bf16;
 use rayon::prelude::*;
+
+/// (token, head) rows of one prefill attention task: with `mini`'s 8 heads, 8 tokens.
+const ATTN_BLOCK_ROWS: usize = 64;
+/// Bytes of one prefill attention task's probabilities (rows × cached tokens × 4).
+const ATTN_BLOCK_BYTES: usize = 4 << 20;
 
 /// Weights of one gated MLA layer (`model.layers.N.self_attn.*`).
 #[derive(Clone, Debug)]
@@ -214,33 +220,44 @@ impl MlaWeights {
         let kvb = KvbRows::new(&self.kv_b_proj, kvl);
         let cache_ref = &*cache;
 
-        // One task per (new token, group of heads): each cached row is read once per task
-        // for all its heads. Short inputs (decode) split the heads so both workers run; a
-        // head's values do not depend on its group (`latent_attention`).
-        let groups = (2 * rayon::current_num_threads())
-            .div_ceil(t)
-            .clamp(1, h.max(1));
+        // One task per (block of new tokens, group of heads). Short inputs (decode) split the
+        // heads so both workers run; long ones (prefill) give each task a block of tokens and
+        // all heads, so each cached row is read once per block rather than once per token. A
+        // head's values depend neither on its group nor on its block
+        // (`causal_latent_attention`).
+        let threads = rayon::current_num_threads();
+        let groups = (2 * threads).div_ceil(t).clamp(1, h.max(1));
         // Heads per task: a divisor of H, so no task straddles two tokens.
         let per = (h.div_ceil(groups)..=h)
             .find(|&p| p > 0 && h % p == 0)
             .unwrap_or(h)
             .max(1);
+        // Tokens per task (all heads only): up to ATTN_BLOCK_ROWS (token, head) rows, the
+        // probabilities under ATTN_BLOCK_BYTES, and at least four tasks per worker.
+        let block = if per == h && t > 1 {
+            let by_rows = (ATTN_BLOCK_ROWS / h.max(1)).max(1);
+            let by_bytes = (ATTN_BLOCK_BYTES / (4 * h.max(1) * total)).max(1);
+            let by_tasks = t.div_ceil(4 * threads).max(1);
+            by_rows.min(by_bytes).min(by_tasks)
+        } else {
+            1
+        };
         let mut o = vec![0f32; t * h * dv];
-        o.par_chunks_mut(per * dv)
+        o.par_chunks_mut(block * per * dv)
             .enumerate()
             .for_each(|(idx, og)| {
                 let tasks = h / per;
-                let (ti, h0) = (idx / tasks, (idx % tasks) * per);
-                let hn = og.len() / dv;
-                // q_lat = B_h^Kᵀ qn per head of the group, and the heads' rope tails.
-                let mut q_lat = vec![0f32; hn * kvl];
-                let mut q_tail = vec![0f32; hn * dr];
-                for (j, (ql, qtl)) in q_lat
+                let (t0, h0) = ((idx / tasks) * block, (idx % tasks) * per);
+                let tb = og.len() / (per * dv);
+                // q_lat = B_h^Kᵀ qn per (token, head) of the task, and the heads' rope tails.
+                let mut q_lat = vec![0f32; tb * per * kvl];
+                let mut q_tail = vec![0f32; tb * per * dr];
+                for (r, (ql, qtl)) in q_lat
                     .chunks_exact_mut(kvl)
                     .zip(q_tail.chunks_exact_mut(dr))
                     .enumerate()
                 {
-                    let hh = h0 + j;
+                    let (ti, hh) = (t0 + r / per, h0 + r % per);
                     let qh = &q[ti * h * dq + hh * dq..ti * h * dq + (hh + 1) * dq];
                     let (qn, qt) = qh.split_at(dn);
                     let rows = hh * (dn + dv);
@@ -249,27 +266,28 @@ impl MlaWeights {
                     }
                     qtl.copy_from_slice(qt);
                 }
-                let n = base + ti + 1;
-                let mut p = vec![0f32; hn * n];
-                let mut ctx = vec![0f32; hn * kvl];
-                latent_attention(
+                let n0 = base + t0 + 1;
+                let mut p = vec![0f32; tb * per * (n0 + tb - 1)];
+                let mut ctx = vec![0f32; tb * per * kvl];
+                causal_latent_attention(
                     &q_lat,
                     &q_tail,
                     &cache_ref.latent,
                     &cache_ref.tail,
-                    hn,
-                    n,
+                    per,
+                    tb,
+                    n0,
                     scale,
                     &mut p,
                     &mut ctx,
                 );
                 // o_h = B_h^V ctx_h, gated.
-                for (j, (oh, ctx)) in og
+                for (r, (oh, ctx)) in og
                     .chunks_exact_mut(dv)
                     .zip(ctx.chunks_exact(kvl))
                     .enumerate()
                 {
-                    let hh = h0 + j;
+                    let (ti, hh) = (t0 + r / per, h0 + r % per);
                     let rows = hh * (dn + dv);
                     let g = &gate[ti * h * dv + hh * dv..ti * h * dv + (hh + 1) * dv];
                     for (j, oj) in oh.iter_mut().enumerate() {
@@ -468,6 +486,34 @@ pub(crate) mod tests {
         assert_eq!(c2, cache, "cache contents must not depend on batching");
         let e = rel_l2_32(&out, &step);
         assert!(e < 1e-6, "prefill vs stepwise: {e}");
+    }
+
+    /// Prefill attention runs in blocks of tokens (`causal_latent_attention`); every row must
+    /// keep the bits of one-token decode, whatever the block size or the resume point.
+    #[test]
+    fn prefill_blocks_give_the_stepwise_bits() {
+        let t = 150;
+        let (dims, w, y) = setup(77, t);
+        let dm = dims.hidden_size;
+        let mut c1 = MlaCache::new(&dims);
+        let step = stepwise(&w, &dims, &y, 0..t, &mut c1);
+        for split in [0usize, 1, 64, 97] {
+            let mut c2 = MlaCache::new(&dims);
+            let mut out = Vec::new();
+            if split > 0 {
+                out = w.forward(&dims, &y[..split * dm], split, &mut c2).unwrap();
+            }
+            out.extend(
+                w.forward(&dims, &y[split * dm..], t - split, &mut c2)
+                    .unwrap(),
+            );
+            assert_eq!(c2, c1, "split {split}");
+            let same = out
+                .iter()
+                .zip(&step)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "split {split}: prefill rows differ from decode");
+        }
     }
 
     #[test]

@@ -8,8 +8,9 @@
 //!   (gated MLA and its cache), [`router`], [`moe`] (latent MoE and the expert-source
 //!   traits), [`situ`] (SiTU-GLU MLPs), [`norm`] (RMSNorm), [`linear`] (a projection in any
 //!   weight format, on the CPU or a device).
-//! - Support: [`dims`] (every size, from `config.json`), [`inventory`] (every tensor's name,
-//!   stored shape and dtype: the one table the loader, validation and synthesis read), [`state`] (per-sequence KDA state
+//! - Support: [`dims`] (every size, from `config.json`) and [`inventory`] (every tensor's name,
+//!   stored shape and dtype: the one table the loader, validation and synthesis read), both
+//!   re-exported from `deltafin-store` where they are defined; [`state`] (per-sequence KDA state
 //!   and MLA cache), [`taps`] (activation taps), [`next_token`] (the provisional head),
 //!   [`profile`] (per-layer phase times of every pass, `run --layer-profile`).
 //! - Storage seen from the model: [`spine`] (the trait a streamed spine implements, the
@@ -21,11 +22,9 @@
 
 pub mod attn_res;
 pub mod device_experts;
-pub mod dims;
 mod exec;
 pub(crate) mod finite;
 pub mod forward;
-pub mod inventory;
 pub mod kda;
 pub mod layer;
 pub mod linear;
@@ -43,7 +42,9 @@ pub mod state;
 pub mod taps;
 
 pub use crate::error::ModelError;
+pub use deltafin_store::{dims, inventory};
 pub use exec::Watch;
-pub use forward::{K3Model, LogitRows, Logits};
+pub use forward::{K3Model, LogitRows, Logits, Segment};
+pub use kda::KdaForm;
 pub use layer::{Attention, Ffn, Layer};
 pub use next_token::greedy;

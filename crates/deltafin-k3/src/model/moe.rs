@@ -13,7 +13,6 @@
 //! is the [`ExpertSchedule`]'s business (`crate::moe_schedule`); this module is the math.
 
 use crate::model::ModelError;
-use crate::model::dims::ModelDims;
 use crate::model::finite;
 use crate::model::linear::{Linear, apply_group};
 pub use crate::model::moe_schedule::{ExpertSchedule, validate_expert};
@@ -23,6 +22,7 @@ use deltafin_kernels::{
     GroupProduct, Weights, matmul, matmul_group, matmul_group_serial, matmul_serial,
     rms_norm_inplace, situ_glu,
 };
+use deltafin_store::dims::ModelDims;
 use deltafin_tensor::Mxfp4Matrix;
 
 pub use deltafin_experts::{ExpertError, ExpertSource, ExpertWeights};
@@ -264,7 +264,7 @@ pub(crate) mod tests {
         InMemoryExperts {
             layers: (0..layers)
                 .map(|l| {
-                    if dims.ffn_kind(l) == crate::model::dims::FfnKind::Dense {
+                    if dims.ffn_kind(l) == deltafin_store::dims::FfnKind::Dense {
                         return Vec::new();
                     }
                     (0..dims.num_experts)

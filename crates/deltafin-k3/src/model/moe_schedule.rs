@@ -12,9 +12,9 @@
 
 use crate::model::ModelError;
 use crate::model::device_experts::DeviceExpertCache;
-use crate::model::dims::ModelDims;
 use crate::model::router::{Route, RouterWeights};
 use deltafin_experts::{ExpertSource, ExpertWeights, PassRoutes, RouteObservers, rank_guesses};
+use deltafin_store::dims::ModelDims;
 use std::collections::BTreeMap;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 

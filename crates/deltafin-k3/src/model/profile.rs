@@ -144,12 +144,12 @@ mod tests {
                 assert_eq!((layer, layers, rows), (l, n, t.len()));
                 let kinds = (
                     match plain.dims.attn_kind(l) {
-                        crate::model::dims::AttnKind::Kda => "kda",
-                        crate::model::dims::AttnKind::Mla => "mla",
+                        deltafin_store::dims::AttnKind::Kda => "kda",
+                        deltafin_store::dims::AttnKind::Mla => "mla",
                     },
                     match plain.dims.ffn_kind(l) {
-                        crate::model::dims::FfnKind::Dense => "dense",
-                        crate::model::dims::FfnKind::Moe => "moe",
+                        deltafin_store::dims::FfnKind::Dense => "dense",
+                        deltafin_store::dims::FfnKind::Moe => "moe",
                     },
                 );
                 assert_eq!((attn, ffn), kinds, "layer {l}");

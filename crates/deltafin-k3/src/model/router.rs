@@ -9,8 +9,8 @@
 //! Deterministic order (it fixes the MoE summation order): descending `s + b`, ties to the
 //! lower expert id. The sum in the renormalisation runs in that order too.
 
-use crate::model::dims::ModelDims;
 use deltafin_kernels::{matmul_bf16, sigmoid};
+use deltafin_store::dims::ModelDims;
 use deltafin_tensor::Bf16Matrix;
 
 /// Router weights of one MoE layer.

@@ -2,9 +2,9 @@
 //! of every MoE layer (§4.6) share this form: `down · SiTU(gate·y, up·y)`.
 
 use crate::error::ModelError;
-use crate::model::dims::ModelDims;
 use crate::model::linear::{Linear, apply_group};
 use deltafin_kernels::situ_glu;
+use deltafin_store::dims::ModelDims;
 
 /// A SiTU-GLU MLP (bf16 or row-int8 weights, [`Linear`]): `gate_proj`, `up_proj` `[F, D]`, `down_proj` `[D, F]`.
 #[derive(Clone, Debug)]

@@ -2,9 +2,9 @@
 //! MLA latent caches, and the number of positions processed.
 
 use crate::error::ModelError;
-use crate::model::dims::{AttnKind, ModelDims};
 use crate::model::kda::KdaState;
 use crate::model::mla::MlaCache;
+use deltafin_store::dims::{AttnKind, ModelDims};
 
 /// The state one layer carries between calls.
 #[derive(Clone, Debug, PartialEq)]

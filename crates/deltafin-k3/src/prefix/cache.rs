@@ -8,9 +8,9 @@
 //! collision cannot hand out a wrong state.
 
 use crate::model::K3Model;
-use crate::model::dims::ModelDims;
 use crate::prefix::disk::DiskTier;
 use crate::prefix::snapshot::{Key, Snapshot, shaped_for};
+use deltafin_store::dims::ModelDims;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::PathBuf;

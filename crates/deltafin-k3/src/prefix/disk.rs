@@ -17,12 +17,12 @@
 //! file's length before anything is allocated; the checksum, the tag, the ids and every
 //! size must agree, or the file is reported, removed and never used.
 
-use crate::model::dims::{AttnKind, CacheDtype, ModelDims};
 use crate::model::kda::KdaState;
 use crate::model::mla::{CacheRows, MlaCache};
 use crate::model::state::{LayerState, State};
 use crate::model::taps::Taps;
 use crate::prefix::snapshot::{Key, Snapshot, shaped_for};
+use deltafin_store::dims::{AttnKind, CacheDtype, ModelDims};
 use deltafin_tensor::bf16;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

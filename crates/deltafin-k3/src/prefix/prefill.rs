@@ -62,7 +62,7 @@ pub trait Prefiller {
 }
 
 /// The whole prompt in one pass on a fresh state, no cache: what
-/// [`crate::generate::generate_with`] does.
+/// a plain `deltafin_spec::generation::Generation` does.
 pub struct OnePass;
 
 impl Prefiller for OnePass {

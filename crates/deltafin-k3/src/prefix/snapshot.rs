@@ -1,9 +1,9 @@
 //! [`Snapshot`]: what a prefix state holds, its cache [`Key`], and the shape check both
 //! tiers apply before handing a state to a model.
 
-use crate::model::dims::{AttnKind, ModelDims};
 use crate::model::state::{LayerState, State};
 use crate::model::taps::Taps;
+use deltafin_store::dims::{AttnKind, ModelDims};
 
 /// A stored prefix state: the state after the prefix and, when the run that stored it
 /// collected them, the prefix's taps.

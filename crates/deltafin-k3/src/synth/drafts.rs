@@ -8,8 +8,8 @@ use serde_json::Value;
 
 use super::k3::*;
 use super::spec::*;
-use crate::config::K3Config;
-use crate::model::inventory::{StoredShape, TensorKind, TensorSpec};
+use deltafin_store::config::K3Config;
+use deltafin_store::inventory::{StoredShape, TensorKind, TensorSpec};
 
 pub(super) fn bf16_spec(name: String, shape: Vec<usize>) -> TensorSpec {
     TensorSpec {

@@ -9,9 +9,9 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use super::spec::*;
-use crate::config::{K3Config, REAL_CONFIG_JSON};
-use crate::model::inventory::{self, ExpertPart, TensorKind, TensorSpec};
-use crate::weights::checkpoint::{CONFIG_FILE, INDEX_FILE};
+use deltafin_store::checkpoint::{CONFIG_FILE, INDEX_FILE};
+use deltafin_store::config::{K3Config, REAL_CONFIG_JSON};
+use deltafin_store::inventory::{self, ExpertPart, TensorKind, TensorSpec};
 
 /// SplitMix64: tiny, fast, and good enough for weights.
 #[derive(Clone, Debug)]
@@ -121,10 +121,10 @@ pub(super) fn init_for(cfg: &K3Config, spec: &TensorSpec) -> Init {
     if spec.shape.len() == 1 {
         return Init::Ones; // every other 1-D tensor is a norm weight
     }
-    if name.ends_with("embed_tokens.weight") {
+    if name.ends_with(inventory::EMBED) {
         return Init::Std(1.0);
     }
-    if name.ends_with("lm_head.weight") {
+    if name.ends_with(inventory::LM_HEAD) {
         return Init::HeavyRows {
             std: 4.0 / d.sqrt(),
             cols: spec.shape[1],
@@ -455,15 +455,16 @@ pub fn edit_rows(
 /// soon as it may: string arguments are empty and calls end at once.
 pub fn answers_end_at_once(dir: &Path) -> Result<(), SynthError> {
     use crate::text::tokenizer::{CLOSE, END_OF_MSG};
-    let p = crate::model::inventory::PREFIX;
+    let p = deltafin_store::inventory::PREFIX;
     edit_rows(
         dir,
-        &format!("{p}model.embed_tokens.weight"),
+        &format!("{p}{}", deltafin_store::inventory::EMBED),
         &mut |_, row| {
             row[0] = 100.0;
         },
     )?;
-    edit_rows(dir, &format!("{p}lm_head.weight"), &mut |r, row| {
+    let lm_head = format!("{p}{}", deltafin_store::inventory::LM_HEAD);
+    edit_rows(dir, &lm_head, &mut |r, row| {
         row[0] = match u32::try_from(r) {
             Ok(END_OF_MSG) => 12.0,
             Ok(CLOSE) => 10.0,

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use deltafin_tensor::TensorError;
 
-use crate::config::{ConfigError, K3Config, REAL_CONFIG_JSON, VisionConfig};
+use deltafin_store::config::{ConfigError, K3Config, REAL_CONFIG_JSON, VisionConfig};
 
 /// The real vocabulary size (163,584 BPE ranks + 256 specials).
 pub const REAL_VOCAB: usize = 163_840;
@@ -132,6 +132,36 @@ impl SynthDims {
         d.latent = 1024;
         d.moe_inter = 1024;
         d.with_experts_exceeding(ram_bytes)
+    }
+
+    /// Real expert geometry (issue 44, docs/PERFORMANCE.md "Real-size experts"): K3's hidden
+    /// size 7168, 896 routed experts per MoE layer of the real shape (latent 3584 ×
+    /// `moe_intermediate_size` 3072: 17,547,264 B each, random non-sparse bytes), top-16, in
+    /// one MoE layer (2 layers: the dense layer 0 and layer 1): 15.7 GB of experts. The rest of
+    /// the spine is kept small (vocabulary 2048, KDA 8×128, MLA 8 heads, dense width 2048) so
+    /// that the experts dominate; `--layers`/`--experts` scale it.
+    pub fn real_experts() -> SynthDims {
+        SynthDims {
+            hidden: 7168,
+            layers: 2,
+            vocab: 2048,
+            dense_inter: 2048,
+            kda_heads: 8,
+            kda_head_dim: 128,
+            conv_kernel: 4,
+            mla_heads: 8,
+            q_lora: 1536,
+            kv_lora: 512,
+            qk_nope: 128,
+            qk_rope: 64,
+            v_head: 128,
+            experts: 896,
+            top_k: 16,
+            shared_experts: 2,
+            latent: 3584,
+            moe_inter: 3072,
+            attn_res_block: 12,
+        }
     }
 
     /// Set the expert count (a multiple of 8, at least `top_k`) so that the routed-expert

@@ -51,3 +51,11 @@ fn small_vocab_shifts_special_ids() {
     assert_eq!(c.eos_token_id, 1024 - 256 + 2);
     assert_eq!(c.pad_token_id, 1023);
 }
+
+#[test]
+fn real_experts_preset_has_the_real_expert_geometry() {
+    let d = SynthDims::real_experts();
+    assert_eq!(d.expert_bytes(), 17_547_264);
+    assert_eq!((d.hidden, d.experts, d.top_k), (7168, 896, 16));
+    assert_eq!(d.layers - 1, 1, "one MoE layer");
+}

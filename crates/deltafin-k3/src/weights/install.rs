@@ -1,44 +1,15 @@
 //! Opening an install for inference: whether a model root holds one, its checkpoint and
-//! tokenizer, and the tokenizer/`config.json` vocabulary match. The part of loading shared by
+//! tokenizer, and the tokenizer/`config.json` vocabulary match (what needs no tokenizer,
+//! `missing`, `writable` and the checkpoint's opening, is `deltafin_store::install`). The part of loading shared by
 //! the `deltafin` commands and the `deltafin-openai` server; each adds its own experts,
 //! options and wording around it.
 
 use crate::model::K3Model;
 use crate::text::tokenizer::{Tokenizer, TokenizerError};
-use crate::weights::checkpoint::{CONFIG_FILE, Checkpoint, CheckpointError, Layout};
+use deltafin_store::checkpoint::{Checkpoint, CheckpointError};
+pub use deltafin_store::install::{Missing, missing, writable};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-/// What a model root lacks to be an install.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Missing {
-    /// No `config.json`.
-    Config,
-    /// A config but neither the shard index nor a stream install's spine directory.
-    Layout,
-}
-
-impl std::fmt::Display for Missing {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Missing::Config => write!(f, "{CONFIG_FILE} is missing"),
-            Missing::Layout => f.write_str(
-                "it has neither model.safetensors.index.json (shards) nor k3-resident/tensors/ (stream install)",
-            ),
-        }
-    }
-}
-
-/// What `root` lacks to be an install (`None`: it has a config and a [`Layout`]).
-pub fn missing(root: &Path) -> Option<Missing> {
-    if !root.join(CONFIG_FILE).is_file() {
-        Some(Missing::Config)
-    } else if Layout::detect(root).is_none() {
-        Some(Missing::Layout)
-    } else {
-        None
-    }
-}
 
 /// Why an install could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -73,9 +44,9 @@ pub enum InstallError {
 
 /// Open the checkpoint of the install at `root`.
 pub fn open_checkpoint(root: &Path) -> Result<Checkpoint, InstallError> {
-    Checkpoint::open(root).map_err(|source| InstallError::Checkpoint {
-        root: root.to_path_buf(),
-        source,
+    deltafin_store::install::open_checkpoint(root).map_err(|e| InstallError::Checkpoint {
+        root: e.root,
+        source: e.source,
     })
 }
 
@@ -100,39 +71,10 @@ pub fn check_vocab(tokenizer: &Tokenizer, model: &K3Model) -> Result<(), Install
     Ok(())
 }
 
-/// `Ok` when this process may create files in the directory `dir` (`access(2)` with
-/// `W_OK`): a read-only file system (`EROFS`) or missing permission is the error. What
-/// deltafin keeps under `k3-meta/` (prefix states, expert heat, traces) needs it.
-pub fn writable(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: access(2) reads the NUL-terminated path and nothing else.
-    if unsafe { libc::access(c.as_ptr(), libc::W_OK) } == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn missing_names_what_a_root_lacks() {
-        let dir = tempfile::tempdir().unwrap();
-        assert_eq!(missing(dir.path()), Some(Missing::Config));
-        std::fs::write(dir.path().join(CONFIG_FILE), "{}").unwrap();
-        assert_eq!(missing(dir.path()), Some(Missing::Layout));
-        std::fs::write(
-            dir.path().join(crate::weights::checkpoint::INDEX_FILE),
-            "{}",
-        )
-        .unwrap();
-        assert_eq!(missing(dir.path()), None);
-        assert_eq!(Missing::Config.to_string(), "config.json is missing");
-    }
+    use deltafin_store::checkpoint::CONFIG_FILE;
 
     #[test]
     fn open_names_the_failing_part() {

@@ -1,11 +1,9 @@
 //! Build a [`K3Model`] from a validated [`Checkpoint`]: map `config.json` onto
 //! [`ModelDims`], take zero-copy views of the spine (the shards' bf16 matrices, or the
-//! row-int8 files of [`crate::weights::spine_int8`] with [`SpineFormat::Int8`]), widen the small
+//! row-int8 files of [`deltafin_store::spine_int8`] with [`SpineFormat::Int8`]), widen the small
 //! vectors to f32, and serve routed experts straight from the shard bytes.
 
-use crate::config::{K3Config, LayerKind};
 use crate::model::attn_res::AttnResWeights;
-use crate::model::dims::{CacheDtype, ModelDims};
 use crate::model::kda::KdaWeights;
 use crate::model::linear::Linear;
 use crate::model::mla::MlaWeights;
@@ -13,15 +11,17 @@ use crate::model::moe::{ExpertError, ExpertSource, ExpertWeights, MoeWeights};
 use crate::model::router::RouterWeights;
 use crate::model::situ::SituMlp;
 use crate::model::{Attention, Ffn, K3Model, Layer, ModelError};
-use crate::weights::checkpoint::{Checkpoint, CheckpointError, Layout};
 use crate::weights::resident::{HugePages, ResidentCopy};
-pub use crate::weights::spine_int8::SpineFormat;
-use crate::weights::spine_int8::{Int8Spine, SpineError, is_quantized};
-use crate::weights::spine_pack::{Codec, PackError, PackSet};
-use crate::weights::spine_stream::{SpineSources, SpineStreamOptions, SpineStreamer};
-use deltafin_experts::{
-    ExpertHomes, ExpertLocation, ExpertShape, ExpertTable, StreamOptions, StreamingExperts,
-};
+use crate::weights::spine_stream::{SpineStreamOptions, SpineStreamer};
+use deltafin_experts::{ExpertHomes, StreamOptions, StreamingExperts};
+use deltafin_store::checkpoint::{Checkpoint, CheckpointError};
+use deltafin_store::config::{K3Config, LayerKind};
+use deltafin_store::dims::{CacheDtype, ModelDims};
+use deltafin_store::inventory::{self, name};
+pub use deltafin_store::spine_int8::SpineFormat;
+use deltafin_store::spine_int8::{Int8Spine, SpineError, is_quantized};
+use deltafin_store::spine_pack::{Codec, PackError, PackSet};
+use deltafin_store::spine_reader::SpineLocator;
 use deltafin_tensor::storage::copy_to_anonymous;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -37,6 +37,8 @@ pub enum LoadError {
     Spine(#[from] SpineError),
     #[error(transparent)]
     Pack(#[from] PackError),
+    #[error(transparent)]
+    Experts(#[from] deltafin_store::experts::ExpertsError),
 }
 
 /// Engine choices that are not part of `config.json`.
@@ -112,7 +114,7 @@ impl CheckpointExperts {
         (0..cfg.n_layers())
             .filter(|&l| !cfg.is_dense(l))
             .map(|l| {
-                let one = crate::model::inventory::expert_layout(cfg, l, 0).total_bytes() as u64;
+                let one = inventory::expert_layout(cfg, l, 0).total_bytes() as u64;
                 one * self.num_experts as u64
             })
             .sum()
@@ -231,7 +233,7 @@ struct Names<'a> {
 
 impl Names<'_> {
     fn full(&self, name: &str) -> String {
-        format!("{}{}{name}", crate::model::inventory::PREFIX, self.prefix)
+        format!("{}{}{name}", inventory::PREFIX, self.prefix)
     }
     /// A matrix that is never quantized (the router, the embedding).
     fn mat(&self, name: &str) -> Result<deltafin_tensor::Bf16Matrix, LoadError> {
@@ -243,7 +245,7 @@ impl Names<'_> {
     /// A quantizable projection: row-int8 from the int8 spine when loaded, else bf16.
     fn lin(&self, name: &str) -> Result<Linear, LoadError> {
         let short = format!("{}{name}", self.prefix);
-        let full = format!("{}{short}", crate::model::inventory::PREFIX);
+        let full = format!("{}{short}", inventory::PREFIX);
         if let Some(p) = self.packs {
             return Ok(match p.codec(&full) {
                 Some(Codec::RowI8F16Scale) => Linear::RowInt8(p.row_int8_matrix(&full)?),
@@ -284,7 +286,7 @@ impl Names<'_> {
     /// A zero-padded vector (`A_log`, docs/K3.md §3.2): its first `used` entries, the
     /// padding after them checked to be exactly zero.
     fn unpadded(&self, name: &str, used: usize) -> Result<Vec<f32>, LoadError> {
-        crate::model::inventory::unpad(self.vec(name)?, used).map_err(|message| {
+        inventory::unpad(self.vec(name)?, used).map_err(|message| {
             CheckpointError::Request {
                 name: self.full(name),
                 message,
@@ -292,17 +294,17 @@ impl Names<'_> {
             .into()
         })
     }
-    fn attn_res(&self, which: &str) -> Result<AttnResWeights, LoadError> {
+    fn attn_res(&self, norm: &str, proj: &str) -> Result<AttnResWeights, LoadError> {
         Ok(AttnResWeights {
-            norm: self.vec(&format!("{which}_norm.weight"))?,
-            proj: self.vec(&format!("{which}_proj.weight"))?,
+            norm: self.vec(norm)?,
+            proj: self.vec(proj)?,
         })
     }
-    fn situ(&self, base: &str) -> Result<SituMlp, LoadError> {
+    fn situ(&self, [gate, up, down]: [&str; 3]) -> Result<SituMlp, LoadError> {
         Ok(SituMlp {
-            gate_proj: self.lin(&format!("{base}.gate_proj.weight"))?,
-            up_proj: self.lin(&format!("{base}.up_proj.weight"))?,
-            down_proj: self.lin(&format!("{base}.down_proj.weight"))?,
+            gate_proj: self.lin(gate)?,
+            up_proj: self.lin(up)?,
+            down_proj: self.lin(down)?,
         })
     }
 }
@@ -321,52 +323,59 @@ fn load_layer(
         prefix: format!("model.layers.{l}."),
     };
     let attn = match cfg.layer_kind(l) {
-        LayerKind::Kda => Attention::Kda(KdaWeights {
-            q_proj: n.lin("self_attn.q_proj.weight")?,
-            k_proj: n.lin("self_attn.k_proj.weight")?,
-            v_proj: n.lin("self_attn.v_proj.weight")?,
-            q_conv: n.vec("self_attn.q_conv1d.weight")?,
-            k_conv: n.vec("self_attn.k_conv1d.weight")?,
-            v_conv: n.vec("self_attn.v_conv1d.weight")?,
-            f_a_proj: n.lin("self_attn.f_a_proj.weight")?,
-            f_b_proj: n.lin("self_attn.f_b_proj.weight")?,
-            b_proj: n.lin("self_attn.b_proj.weight")?,
-            a_log: n.unpadded("self_attn.A_log", cfg.text.linear_attn.num_heads)?,
-            dt_bias: n.vec("self_attn.dt_bias")?,
-            g_proj: n.lin("self_attn.g_proj.weight")?,
-            o_norm: n.vec("self_attn.o_norm.weight")?,
-            o_proj: n.lin("self_attn.o_proj.weight")?,
-        }),
-        LayerKind::Mla => Attention::Mla(MlaWeights {
-            q_a_proj: n.lin("self_attn.q_a_proj.weight")?,
-            q_a_layernorm: n.vec("self_attn.q_a_layernorm.weight")?,
-            q_b_proj: n.lin("self_attn.q_b_proj.weight")?,
-            kv_a_proj: n.lin("self_attn.kv_a_proj_with_mqa.weight")?,
-            kv_a_layernorm: n.vec("self_attn.kv_a_layernorm.weight")?,
-            kv_b_proj: n.lin("self_attn.kv_b_proj.weight")?,
-            g_proj: n.lin("self_attn.g_proj.weight")?,
-            o_proj: n.lin("self_attn.o_proj.weight")?,
-        }),
+        LayerKind::Kda => {
+            use name::kda::*;
+            Attention::Kda(KdaWeights {
+                q_proj: n.lin(Q_PROJ)?,
+                k_proj: n.lin(K_PROJ)?,
+                v_proj: n.lin(V_PROJ)?,
+                q_conv: n.vec(Q_CONV)?,
+                k_conv: n.vec(K_CONV)?,
+                v_conv: n.vec(V_CONV)?,
+                f_a_proj: n.lin(F_A_PROJ)?,
+                f_b_proj: n.lin(F_B_PROJ)?,
+                b_proj: n.lin(B_PROJ)?,
+                a_log: n.unpadded(A_LOG, cfg.text.linear_attn.num_heads)?,
+                dt_bias: n.vec(DT_BIAS)?,
+                g_proj: n.lin(G_PROJ)?,
+                o_norm: n.vec(O_NORM)?,
+                o_proj: n.lin(O_PROJ)?,
+            })
+        }
+        LayerKind::Mla => {
+            use name::mla::*;
+            Attention::Mla(MlaWeights {
+                q_a_proj: n.lin(Q_A_PROJ)?,
+                q_a_layernorm: n.vec(Q_A_NORM)?,
+                q_b_proj: n.lin(Q_B_PROJ)?,
+                kv_a_proj: n.lin(KV_A_PROJ)?,
+                kv_a_layernorm: n.vec(KV_A_NORM)?,
+                kv_b_proj: n.lin(KV_B_PROJ)?,
+                g_proj: n.lin(G_PROJ)?,
+                o_proj: n.lin(O_PROJ)?,
+            })
+        }
     };
     let ffn = if cfg.is_dense(l) {
-        Ffn::Dense(n.situ("mlp")?)
+        Ffn::Dense(n.situ(name::DENSE)?)
     } else {
+        use name::moe::*;
         Ffn::Moe(MoeWeights {
             router: RouterWeights {
-                weight: n.mat("block_sparse_moe.gate.weight")?,
-                bias: n.vec("block_sparse_moe.gate.e_score_correction_bias")?,
+                weight: n.mat(ROUTER)?,
+                bias: n.vec(ROUTER_BIAS)?,
             },
-            latent_down: n.lin("block_sparse_moe.routed_expert_down_proj.weight")?,
-            latent_up: n.lin("block_sparse_moe.routed_expert_up_proj.weight")?,
-            latent_norm: n.vec("block_sparse_moe.routed_expert_norm.weight")?,
-            shared: n.situ("block_sparse_moe.shared_experts")?,
+            latent_down: n.lin(LATENT_DOWN)?,
+            latent_up: n.lin(LATENT_UP)?,
+            latent_norm: n.vec(LATENT_NORM)?,
+            shared: n.situ(SHARED)?,
         })
     };
     Ok(Layer {
-        attn_res: n.attn_res("self_attention_res")?,
-        mlp_res: n.attn_res("mlp_res")?,
-        input_layernorm: n.vec("input_layernorm.weight")?,
-        post_attention_layernorm: n.vec("post_attention_layernorm.weight")?,
+        attn_res: n.attn_res(name::ATTN_RES_NORM, name::ATTN_RES_PROJ)?,
+        mlp_res: n.attn_res(name::MLP_RES_NORM, name::MLP_RES_PROJ)?,
+        input_layernorm: n.vec(name::INPUT_NORM)?,
+        post_attention_layernorm: n.vec(name::POST_ATTENTION_NORM)?,
         attn,
         ffn,
     })
@@ -378,175 +387,7 @@ pub fn load_model(ckpt: Arc<Checkpoint>, opts: &EngineOptions) -> Result<K3Model
     load_model_with_experts(ckpt, opts, experts)
 }
 
-pub use crate::weights::checkpoint::{EXPERT_DIR, expert_file_name};
-
-/// Every MoE layer's expert byte ranges. With a `k3-experts/` directory under the model root
-/// an expert is its own file there (a present one must have exactly the expert's size); the
-/// ranges of the others come from the shards via [`Checkpoint::expert_span`] (one table
-/// entry per distinct shard; an expert spanning shards is an error). In a stream install
-/// ([`Layout::StreamInstall`]) every expert is its own file too, but a file may be absent
-/// (fetched on demand, see [`stream_install_missing_experts`]); a present one must have the
-/// expert's exact size.
-pub fn expert_table(ckpt: &Checkpoint) -> Result<ExpertTable, LoadError> {
-    let cfg = ckpt.config();
-    let shape = ExpertShape {
-        f: cfg.text.moe_intermediate_size,
-        lr: cfg.text.routed_expert_hidden_size,
-    };
-    let dir = ckpt.root().join(EXPERT_DIR);
-    let stream_install = ckpt.layout() == Layout::StreamInstall;
-    let per_file = dir.is_dir() || stream_install;
-    let mut files: Vec<std::path::PathBuf> = Vec::new();
-    let mut layers = Vec::with_capacity(cfg.n_layers());
-    for l in 0..cfg.n_layers() {
-        if cfg.is_dense(l) {
-            layers.push(None);
-            continue;
-        }
-        let mut locs = Vec::with_capacity(cfg.text.num_experts);
-        for e in 0..cfg.text.num_experts {
-            if per_file {
-                let path = dir.join(expert_file_name(l, e));
-                let len = match std::fs::metadata(&path) {
-                    Ok(m) => Some(m.len()),
-                    Err(err) if err.kind() == std::io::ErrorKind::NotFound && stream_install => {
-                        None
-                    }
-                    // A full install reads an expert `k3-experts/` lacks (it holds only the
-                    // experts `warm-expert-cache --fetch` made local) from its shard.
-                    Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
-                        locs.push(shard_location(ckpt, l, e, &mut files)?);
-                        continue;
-                    }
-                    Err(err) => {
-                        return Err(CheckpointError::File {
-                            path: path.clone(),
-                            message: format!("expert file of layer {l} expert {e}: {err}"),
-                        }
-                        .into());
-                    }
-                };
-                if let Some(len) = len
-                    && len != shape.expert_bytes()
-                {
-                    return Err(CheckpointError::File {
-                        path,
-                        message: format!(
-                            "is {len} bytes, an expert of this config is {}",
-                            shape.expert_bytes()
-                        ),
-                    }
-                    .into());
-                }
-                let mut ranges = [(0u64, 0u64); 6];
-                let mut at = 0;
-                for (r, len) in ranges.iter_mut().zip(shape.tensor_bytes()) {
-                    *r = (at, len);
-                    at += len;
-                }
-                files.push(path);
-                locs.push(ExpertLocation {
-                    file: files.len() - 1,
-                    ranges,
-                });
-                continue;
-            }
-            locs.push(shard_location(ckpt, l, e, &mut files)?);
-        }
-        layers.push(Some(locs));
-    }
-    let table = ExpertTable {
-        files,
-        shape,
-        layers,
-    };
-    table.validate().map_err(ModelError::from)?;
-    Ok(table)
-}
-
-/// Where expert `e` of layer `l` lies in its shard, adding the shard to `files` (once).
-fn shard_location(
-    ckpt: &Checkpoint,
-    l: usize,
-    e: usize,
-    files: &mut Vec<std::path::PathBuf>,
-) -> Result<ExpertLocation, LoadError> {
-    let span = ckpt.expert_span(l, e)?;
-    let file = match files.iter().position(|p| *p == span.shard_path) {
-        Some(i) => i,
-        None => {
-            files.push(span.shard_path.clone());
-            files.len() - 1
-        }
-    };
-    Ok(ExpertLocation {
-        file,
-        ranges: span.ranges,
-    })
-}
-
-/// The `(layer, expert)` pairs of a stream install whose `k3-experts/` file does not exist
-/// yet (empty for the shard layout).
-pub fn stream_install_missing_experts(ckpt: &Checkpoint) -> Vec<(usize, usize)> {
-    let cfg = ckpt.config();
-    if ckpt.layout() != Layout::StreamInstall {
-        return Vec::new();
-    }
-    (0..cfg.n_layers())
-        .filter(|&l| !cfg.is_dense(l))
-        .flat_map(|l| (0..cfg.text.num_experts).map(move |e| (l, e)))
-        .filter(|&(l, e)| !ckpt.expert_file(l, e).is_file())
-        .collect()
-}
-
-/// Write `k3-experts/L{l}-E{e}.bin` for every routed expert from the shards (positional
-/// reads of each expert's ranges; each file written to `.tmp` and renamed). Returns the
-/// number of files written. Afterwards [`expert_table`] uses the per-expert layout.
-pub fn convert_to_expert_files(ckpt: &Checkpoint) -> Result<usize, LoadError> {
-    use std::os::unix::fs::FileExt;
-    if ckpt.layout() == Layout::StreamInstall {
-        return Err(CheckpointError::File {
-            path: ckpt.root().join(EXPERT_DIR),
-            message: "this stream install already keeps one file per expert".into(),
-        }
-        .into());
-    }
-    let cfg = ckpt.config();
-    let dir = ckpt.root().join(EXPERT_DIR);
-    let io = |path: &Path, err: std::io::Error| CheckpointError::File {
-        path: path.to_path_buf(),
-        message: err.to_string(),
-    };
-    let staging = ckpt.root().join(format!("{EXPERT_DIR}.tmp"));
-    std::fs::create_dir_all(&staging).map_err(|e| io(&staging, e))?;
-    let mut n = 0;
-    let mut open: Option<(std::path::PathBuf, std::fs::File)> = None;
-    for l in (0..cfg.n_layers()).filter(|&l| !cfg.is_dense(l)) {
-        for e in 0..cfg.text.num_experts {
-            let span = ckpt.expert_span(l, e)?;
-            if open.as_ref().is_none_or(|(p, _)| *p != span.shard_path) {
-                let f = std::fs::File::open(&span.shard_path)
-                    .map_err(|err| io(&span.shard_path, err))?;
-                open = Some((span.shard_path.clone(), f));
-            }
-            let Some((_, f)) = open.as_ref() else {
-                continue;
-            };
-            let mut bytes = Vec::with_capacity(span.total_bytes() as usize);
-            for &(off, len) in &span.ranges {
-                let at = bytes.len();
-                bytes.resize(at + len as usize, 0);
-                f.read_exact_at(&mut bytes[at..], off)
-                    .map_err(|err| io(&span.shard_path, err))?;
-            }
-            let path = staging.join(expert_file_name(l, e));
-            std::fs::write(&path, &bytes).map_err(|err| io(&path, err))?;
-            n += 1;
-        }
-    }
-    std::fs::rename(&staging, &dir).map_err(|e| io(&dir, e))?;
-    Ok(n)
-}
+pub use deltafin_store::checkpoint::{EXPERT_DIR, expert_file_name};
 
 /// Routed experts streamed from the checkpoint's shards with explicit reads (never through
 /// the shard mmaps) under `stream.cache_bytes`.
@@ -563,7 +404,7 @@ pub fn streaming_experts_with_homes(
     stream: StreamOptions,
     homes: Option<ExpertHomes>,
 ) -> Result<StreamingExperts, LoadError> {
-    let table = expert_table(ckpt)?;
+    let table = deltafin_store::experts::expert_table(ckpt)?;
     Ok(StreamingExperts::with_homes(table, stream, homes).map_err(ModelError::from)?)
 }
 
@@ -605,7 +446,7 @@ pub(crate) fn assemble_model(
         .collect::<Result<Vec<_>, _>>()?;
     let streamer = match opts.spine_resident_layers {
         Some(k) if k < layers.len() => {
-            let src = SpineSources {
+            let src = SpineLocator {
                 ckpt: &ckpt,
                 int8_root: int8.as_ref().map(|_| ckpt.root()),
                 packs: packs.as_ref(),
@@ -614,22 +455,16 @@ pub(crate) fn assemble_model(
         }
         _ => None,
     };
-    let g = Names {
-        ckpt: &ckpt,
-        int8: int8.as_ref(),
-        packs: packs.as_ref(),
-        prefix: "model.".into(),
-    };
-    let embed = g.mat("embed_tokens.weight")?;
-    let norm = g.vec("norm.weight")?;
-    let output_res = g.attn_res("output_attn_res")?;
     let top = Names {
         ckpt: &ckpt,
         int8: int8.as_ref(),
         packs: packs.as_ref(),
         prefix: String::new(),
     };
-    let lm_head = top.lin("lm_head.weight")?;
+    let embed = top.mat(inventory::EMBED)?;
+    let norm = top.vec(inventory::FINAL_NORM)?;
+    let output_res = top.attn_res(inventory::OUTPUT_RES_NORM, inventory::OUTPUT_RES_PROJ)?;
+    let lm_head = top.lin(inventory::LM_HEAD)?;
     let mut model = K3Model::new(dims, embed, layers, norm, output_res, lm_head, experts)?;
     model.spine_stream = streamer.map(|s| Box::new(s) as _);
     Ok(model)
@@ -679,8 +514,8 @@ pub fn open_model(root: &Path, opts: &EngineOptions) -> Result<K3Model, LoadErro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::REAL_CONFIG_JSON;
-    use crate::model::dims::AttnKind;
+    use deltafin_store::config::REAL_CONFIG_JSON;
+    use deltafin_store::dims::AttnKind;
 
     #[test]
     fn touch_pages_reads_every_page_once() {

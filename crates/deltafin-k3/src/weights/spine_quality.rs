@@ -10,9 +10,9 @@
 use crate::error::ModelError;
 use crate::generate::greedy;
 use crate::model::LogitRows;
-use crate::weights::checkpoint::Checkpoint;
 use crate::weights::loader::{EngineOptions, LoadError, SpineFormat, load_model};
-use crate::weights::spine_int8::{TensorFiles, quantized_tensors};
+use deltafin_store::checkpoint::Checkpoint;
+use deltafin_store::spine_int8::{TensorFiles, quantized_tensors};
 use std::sync::Arc;
 
 /// The measured report.
@@ -72,7 +72,7 @@ pub fn quality_report(
         let files = TensorFiles::new(ckpt.root(), &spec.name);
         let text = std::fs::read_to_string(&files.receipt)
             .map_err(|e| QualityError::Input(format!("{}: {e}", files.receipt.display())))?;
-        let receipt: crate::weights::spine_int8::Receipt = serde_json::from_str(&text)
+        let receipt: deltafin_store::spine_int8::Receipt = serde_json::from_str(&text)
             .map_err(|e| QualityError::Input(format!("{}: {e}", files.receipt.display())))?;
         sum += receipt.weight_rel_rms;
         r.tensors += 1;
@@ -136,7 +136,7 @@ pub fn quality_report(
 mod tests {
     use super::*;
     use crate::synth::{SynthDims, SynthSpec, synthesize};
-    use crate::weights::spine_int8::{ConvertOptions, convert_spine};
+    use deltafin_store::spine_int8::{ConvertOptions, convert_spine};
 
     #[test]
     fn tiny_quality_report_within_loose_bounds() {

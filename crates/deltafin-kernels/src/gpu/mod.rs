@@ -19,6 +19,8 @@ mod tests;
 
 pub use canaries::canaries;
 pub use device::{DeviceMatrix, Element, GpuBackend, GpuDevice};
+// Used by the CUDA and Metal devices only (features `cuda`, `metal`).
+#[allow(unused_imports)]
 pub(crate) use shapes::index;
 pub use shapes::{KdaStep, MlaDecode, MlaShape, ShapeError};
 pub(crate) use sources::kernel_sources;

@@ -168,6 +168,16 @@ impl Drop for TestServer {
             let _ = s.send(());
         }
         if let Some(t) = self.thread.take() {
+            // A server that does not stop is a hang (a generation stuck on the model): end
+            // the test binary with a message instead of waiting for CI's time limit.
+            let t0 = Instant::now();
+            while !t.is_finished() {
+                if t0.elapsed() > Duration::from_secs(120) {
+                    eprintln!("test server did not stop within 120 s of shutdown: aborting");
+                    std::process::abort();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let _ = t.join();
         }
     }

@@ -1,45 +1,12 @@
 use super::*;
-
-#[test]
-fn reads_are_aligned_merged_and_split() {
-    let pieces = vec![
-        Piece {
-            file: 0,
-            offset: 100,
-            len: 5000,
-        },
-        Piece {
-            file: 0,
-            offset: 5100,
-            len: 10,
-        },
-        Piece {
-            file: 1,
-            offset: 8192,
-            len: 9 << 20,
-        },
-    ];
-    let (regions, at, buf_len) = plan_reads(&pieces);
-    // File 0: one merged region [0, 8192); file 1: 9 MiB split into 4 MiB reads.
-    assert_eq!(regions[0].1.file_offset, 0);
-    assert_eq!(regions[0].1.len, 8192);
-    assert_eq!(regions[0].1.need_to, 5110);
-    assert_eq!(at[0], 100);
-    assert_eq!(at[1], 5100);
-    assert_eq!(at[2], 8192);
-    assert_eq!(regions.len(), 1 + 3);
-    assert!(regions.iter().all(|(_, r)| r.file_offset % ALIGN == 0
-        && r.buf_offset % ALIGN == 0
-        && r.len % ALIGN == 0));
-    assert_eq!(buf_len, 8192 + (9 << 20));
-    assert_eq!(regions[3].1.need_to, 1 << 20);
-}
-
 use crate::model::LogitRows;
-use crate::weights::checkpoint::Checkpoint;
 use crate::weights::loader::{EngineOptions, load_model};
-use crate::weights::spine_int8::SpineFormat;
-use crate::weights::spine_pack::{PackOptions, default_pack_dir, pack_spine};
+use deltafin_experts::stream::DirectIo;
+use deltafin_store::checkpoint::Checkpoint;
+use deltafin_store::spine_int8::SpineFormat;
+use deltafin_store::spine_int8::TensorFiles;
+use deltafin_store::spine_pack::{PackOptions, default_pack_dir, pack_spine};
+use std::sync::Arc;
 
 fn small() -> (tempfile::TempDir, Arc<Checkpoint>) {
     let (dir, ckpt) = crate::test_util::small_checkpoint(7, true);
@@ -140,7 +107,7 @@ fn a_short_read_names_the_file() {
         ckpt.root(),
         &format!(
             "{}model.layers.2.self_attn.o_proj.weight",
-            crate::model::inventory::PREFIX
+            deltafin_store::inventory::PREFIX
         ),
     )
     .i8;

@@ -1,0 +1,19 @@
+//! What the driver's tests share: a small synthesized K3 (1,024-token vocabulary, 4 layers).
+
+use deltafin_k3::model::K3Model;
+use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
+use deltafin_k3::weights::loader::{EngineOptions, open_model};
+
+/// The tiny checkpoint with a 1,024-token vocabulary and 4 layers, synthesized from `seed`,
+/// and its directory (kept alive with the model).
+pub fn small_model(seed: u64) -> (tempfile::TempDir, K3Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let dims = SynthDims {
+        vocab: 1024,
+        layers: 4,
+        ..SynthDims::tiny()
+    };
+    synthesize(dir.path(), &SynthSpec::new(dims, seed)).unwrap();
+    let m = open_model(dir.path(), &EngineOptions::default()).unwrap();
+    (dir, m)
+}
