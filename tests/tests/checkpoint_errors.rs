@@ -18,6 +18,7 @@ fn pristine() -> &'static Path {
         let mut dims = SynthDims::tiny();
         dims.vocab = 1024;
         synthesize(dir.path(), &SynthSpec::new(dims, 7)).unwrap();
+        deltafin_k3::synth::remove_at_exit(dir.path());
         dir
     })
     .path()

@@ -77,6 +77,7 @@ fn checkpoint() -> &'static Path {
     CELL.get_or_init(|| {
         let d = tempfile::tempdir().unwrap();
         synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), 7)).unwrap();
+        deltafin_k3::synth::remove_at_exit(d.path());
         answers_end_at_once(d.path()).unwrap();
         d
     })

@@ -40,6 +40,7 @@ fn good_root() -> &'static Path {
     DIR.get_or_init(|| {
         let d = tempfile::tempdir().unwrap();
         synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), 5)).unwrap();
+        deltafin_k3::synth::remove_at_exit(d.path());
         let root = d.path().to_str().unwrap();
         let o = deltafin(&["convert-spine-int8", "--model-root", root], &[]);
         assert_eq!(o.status.code(), Some(0), "{}", text(&o));

@@ -17,6 +17,7 @@ fn model_root() -> &'static Path {
     DIR.get_or_init(|| {
         let d = tempfile::tempdir().unwrap();
         synthesize(d.path(), &SynthSpec::new(SynthDims::tiny(), 13)).unwrap();
+        deltafin_k3::synth::remove_at_exit(d.path());
         d
     })
     .path()

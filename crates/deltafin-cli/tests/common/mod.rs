@@ -53,7 +53,13 @@ pub fn shared_checkpoint(
     dims: SynthDims,
     seed: u64,
 ) -> &'static Path {
-    cell.get_or_init(|| checkpoint(dims, seed)).path()
+    cell.get_or_init(|| {
+        let d = checkpoint(dims, seed);
+        // A static is never dropped: remove the checkpoint when the binary exits.
+        deltafin_k3::synth::remove_at_exit(d.path());
+        d
+    })
+    .path()
 }
 
 /// Runs the `deltafin` binary with `args`: the variables `unset` are taken out of the

@@ -30,12 +30,14 @@
 //!
 //! Values are drawn uniformly with the stated std (a uniform on `±√3·std`).
 
+mod cleanup;
 mod drafts;
 mod k3;
 mod spec;
 #[cfg(test)]
 mod tests;
 
+pub use cleanup::remove_at_exit;
 pub use drafts::*;
 pub use k3::*;
 pub use spec::*;
