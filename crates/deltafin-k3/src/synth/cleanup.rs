@@ -44,7 +44,7 @@ mod tests {
                 "--ignored",
                 "--nocapture",
             ])
-            .env("DELTAFIN_CLEANUP_DIR", &target)
+            .env("SYNTH_CLEANUP_TEST_DIR", &target)
             .output()
             .unwrap();
         assert!(out.status.success(), "{out:?}");
@@ -55,11 +55,11 @@ mod tests {
         assert!(!target.exists(), "{} was left behind", target.display());
     }
 
-    /// Creates `$DELTAFIN_CLEANUP_DIR` and registers it.
+    /// Creates `$SYNTH_CLEANUP_TEST_DIR` and registers it.
     #[test]
     #[ignore = "a helper: run in a child process by a_registered_directory_is_removed_when_the_process_exits"]
     fn helper_registers_a_directory() {
-        let d = std::path::PathBuf::from(std::env::var_os("DELTAFIN_CLEANUP_DIR").unwrap());
+        let d = std::path::PathBuf::from(std::env::var_os("SYNTH_CLEANUP_TEST_DIR").unwrap());
         std::fs::create_dir_all(d.join("sub")).unwrap();
         std::fs::write(d.join("sub/f"), b"x").unwrap();
         super::remove_at_exit(&d);
