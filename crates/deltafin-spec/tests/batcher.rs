@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::Replay;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -13,7 +15,7 @@ use deltafin_k3::generate::StopReason;
 use deltafin_k3::model::K3Model;
 use deltafin_k3::sampling::{Sampler, Sampling};
 use deltafin_k3::synth::{SynthDims, SynthSpec, synthesize};
-use deltafin_spec::{Batcher, Drafter, Event, Generation, SpecPolicy};
+use deltafin_spec::{Batcher, Event, Generation, SpecPolicy};
 
 fn model() -> (tempfile::TempDir, K3Model) {
     common::small_model(5)
@@ -46,25 +48,6 @@ struct Job {
     delay_ms: u64,
 }
 
-/// Proposes the continuation of a known run, off by one from position `wrong_from` on.
-struct Replay {
-    run: Vec<u32>,
-    wrong_from: usize,
-}
-
-impl Drafter for Replay {
-    fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
-        let wrong_from = self.wrong_from;
-        self.run
-            .iter()
-            .enumerate()
-            .skip(history.len())
-            .take(max)
-            .map(|(i, &t)| if i >= wrong_from { t ^ 1 } else { t })
-            .collect()
-    }
-}
-
 fn run(m: &K3Model, job: &Job, batcher: Option<&Batcher>) -> Record {
     let mut sampler = job
         .seed
@@ -72,6 +55,7 @@ fn run(m: &K3Model, job: &Job, batcher: Option<&Batcher>) -> Record {
     let mut replay = job.draft.as_ref().map(|run| Replay {
         run: run.clone(),
         wrong_from: job.prompt.len() + 6,
+        asked: 0,
     });
     let mut policy = SpecPolicy::fixed(3);
     let interrupt = AtomicBool::new(false);

@@ -4,34 +4,14 @@
 
 mod common;
 
+use common::Replay;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use deltafin_k3::generate::{GenerateError, StopReason, stop_ids};
 use deltafin_k3::model::K3Model;
 use deltafin_k3::prefix::{OnePass, Prefiller};
-use deltafin_spec::{Drafter, Event, Finished, Generation, SpecPolicy};
-
-/// Proposes the continuation of a known run, wrong from position `wrong_from` on (the drafts
-/// there are off by one): agreeing, then disagreeing.
-struct Replay {
-    run: Vec<u32>,
-    wrong_from: usize,
-    asked: usize,
-}
-
-impl Drafter for Replay {
-    fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
-        self.asked += 1;
-        let wrong_from = self.wrong_from;
-        self.run
-            .iter()
-            .enumerate()
-            .skip(history.len())
-            .take(max)
-            .map(|(i, &t)| if i >= wrong_from { t ^ 1 } else { t })
-            .collect()
-    }
-}
+use deltafin_spec::{Event, Finished, Generation, SpecPolicy};
 
 fn model() -> (tempfile::TempDir, K3Model) {
     common::small_model(11)

@@ -17,3 +17,26 @@ pub fn small_model(seed: u64) -> (tempfile::TempDir, K3Model) {
     let m = open_model(dir.path(), &EngineOptions::default()).unwrap();
     (dir, m)
 }
+
+/// A drafter that proposes the continuation of a known run, off by one from position
+/// `wrong_from` on (agreeing, then disagreeing), counting how often it was asked.
+#[allow(dead_code)] // Not every test binary that shares this module drafts.
+pub struct Replay {
+    pub run: Vec<u32>,
+    pub wrong_from: usize,
+    pub asked: usize,
+}
+
+impl deltafin_spec::Drafter for Replay {
+    fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
+        self.asked += 1;
+        let wrong_from = self.wrong_from;
+        self.run
+            .iter()
+            .enumerate()
+            .skip(history.len())
+            .take(max)
+            .map(|(i, &t)| if i >= wrong_from { t ^ 1 } else { t })
+            .collect()
+    }
+}
