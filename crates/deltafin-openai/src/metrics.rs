@@ -265,6 +265,24 @@ fn render_sequences(e: &mut Exposition, q: &SequencesNow) {
         "The most generations one decode pass has run.",
         q.batch.largest as f64,
     );
+    e.one(
+        "deltafin_queued_decode_steps",
+        "gauge",
+        "Decode steps waiting for the next batched pass now.",
+        q.batch.queued_steps as f64,
+    );
+    e.one(
+        "deltafin_waiting_exclusive_turns",
+        "gauge",
+        "Prefills and drafted verifications waiting for their turn on the model now.",
+        q.batch.waiting_turns as f64,
+    );
+    e.one(
+        "deltafin_running_pass_seconds",
+        "gauge",
+        "How long the pass on the model now (a decode batch or a turn) has run; 0 when free.",
+        q.batch.running_for.as_secs_f64(),
+    );
 }
 
 /// Writes families and samples in the text format.

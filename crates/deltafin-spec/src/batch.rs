@@ -62,12 +62,21 @@ pub struct BatchStats {
     pub largest: usize,
     /// Exclusive turns taken (a prefill takes one per layer).
     pub exclusive_turns: u64,
+    /// Decode steps waiting for a batch now.
+    pub queued_steps: usize,
+    /// Exclusive turns waiting now.
+    pub waiting_turns: usize,
+    /// How long the pass on the model now (a decode batch or an exclusive turn) has run;
+    /// zero when the model is free. A figure that keeps growing is a stuck pass.
+    pub running_for: Duration,
 }
 
 #[derive(Default)]
 struct Inner {
     /// A pass (batch or exclusive turn) is running.
     busy: bool,
+    /// Since when (set and cleared with `busy`).
+    busy_since: Option<Instant>,
     /// The last pass was an exclusive turn (the next one goes to a waiting decode batch).
     last_exclusive: bool,
     /// How long the last decode batch took.
@@ -98,6 +107,11 @@ struct Job {
 }
 
 impl Inner {
+    fn set_busy(&mut self, busy: bool) {
+        self.busy = busy;
+        self.busy_since = busy.then(Instant::now);
+    }
+
     fn ticket(&mut self) -> u64 {
         self.next_ticket += 1;
         self.next_ticket
@@ -159,6 +173,9 @@ impl Batcher {
         let g = self.lock();
         BatchStats {
             members: g.members,
+            queued_steps: g.queued.len(),
+            waiting_turns: g.exclusive.len(),
+            running_for: g.busy_since.map_or(Duration::ZERO, |t| t.elapsed()),
             ..g.stats
         }
     }
@@ -208,7 +225,7 @@ impl Batcher {
             if g.batch_due(now) {
                 let jobs = std::mem::take(&mut g.queued);
                 g.oldest = None;
-                g.busy = true;
+                g.set_busy(true);
                 drop(g);
                 // Released even if the pass panics: the waiters then get an error.
                 let mut lead = Lead {
@@ -259,7 +276,7 @@ impl Batcher {
         loop {
             if g.turn_due(ticket) {
                 g.exclusive.retain(|&(_, t)| t != ticket);
-                g.busy = true;
+                g.set_busy(true);
                 g.stats.exclusive_turns += 1;
                 return g;
             }
@@ -280,7 +297,7 @@ struct Lead<'b> {
 impl Drop for Lead<'_> {
     fn drop(&mut self) {
         let mut g = self.batcher.lock();
-        g.busy = false;
+        g.set_busy(false);
         g.last_exclusive = false;
         match self.results.take() {
             Some(results) => {
@@ -309,7 +326,7 @@ struct Release<'b> {
 impl Drop for Release<'_> {
     fn drop(&mut self) {
         let mut g = self.batcher.lock();
-        g.busy = false;
+        g.set_busy(false);
         g.last_exclusive = true;
         g.exclusive_members = g.exclusive_members.saturating_sub(1);
         self.batcher.changed.notify_all();
@@ -361,7 +378,7 @@ impl Turn<'_> {
         if !shorter && !decodes_due {
             return;
         }
-        g.busy = false;
+        g.set_busy(false);
         g.last_exclusive = true;
         let ticket = g.ticket();
         g.exclusive.push((self.work, ticket));
@@ -408,5 +425,48 @@ fn run_batch(model: &K3Model, mut jobs: Vec<Job>) -> Vec<(u64, StepResult)> {
             .into_iter()
             .map(|j| (j.ticket, Err(e.clone())))
             .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    /// The stats show a pass on the model and the turns waiting for it, and clear when it ends.
+    #[test]
+    fn stats_show_the_running_pass_and_the_waiting_turns() {
+        let b = Batcher::new();
+        assert_eq!(b.stats().running_for, Duration::ZERO);
+        let (started, wait_started) = mpsc::channel();
+        let (release, wait_release) = mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let b = &b;
+            s.spawn(move || {
+                b.exclusive(10, |_| {
+                    started.send(()).unwrap();
+                    wait_release.recv().unwrap();
+                })
+            });
+            wait_started.recv().unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(b.stats().running_for >= Duration::from_millis(20));
+            s.spawn(move || b.exclusive(5, |_| ()));
+            let t = Instant::now();
+            while b.stats().waiting_turns == 0 {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "the turn never queued"
+                );
+                std::thread::yield_now();
+            }
+            assert_eq!(b.stats().queued_steps, 0);
+            release.send(()).unwrap();
+        });
+        let st = b.stats();
+        assert_eq!(
+            (st.running_for, st.waiting_turns, st.exclusive_turns),
+            (Duration::ZERO, 0, 2)
+        );
     }
 }

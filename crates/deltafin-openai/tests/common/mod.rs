@@ -333,10 +333,48 @@ pub fn read_all(s: &mut TcpStream) -> Resp {
             Ok(0) => break,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
             Err(e) if !buf.is_empty() && e.kind() == std::io::ErrorKind::ConnectionReset => break,
-            Err(e) => panic!("read failed: {e}"),
+            Err(e) => panic!(
+                "read failed: {e}; the server's sequences now:\n{}",
+                sequences_now(s.peer_addr().ok())
+            ),
         }
     }
     parse_response(&buf)
+}
+
+/// The server's `/metrics` lines about its generations and batched passes (what a stalled
+/// request waits for), read on a fresh connection with a short timeout.
+fn sequences_now(addr: Option<SocketAddr>) -> String {
+    let Some(addr) = addr else {
+        return "(no peer address)".into();
+    };
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+        return "(cannot connect)".into();
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let req = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    if s.write_all(req).is_err() {
+        return "(cannot send)".into();
+    }
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf)
+        .lines()
+        .filter(|l| {
+            !l.starts_with('#')
+                && [
+                    "sequences",
+                    "decode",
+                    "turns",
+                    "pass",
+                    "generation",
+                    "queue",
+                ]
+                .iter()
+                .any(|k| l.contains(k))
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// A request as a client on this machine sends it: `Host: 127.0.0.1`, a JSON body (unless
