@@ -13,6 +13,10 @@ A B B A over `--rounds` rounds so drift in machine load hits both engines alike:
            need n² attention scores per head); deltafin in one `run` with `--state-cache off`,
            so no stored prefix state is restored
 
+deltafin is measured with each spine of `--spines` (default bf16, the format llama.cpp reads;
+`--spines bf16 int8` adds the default row-int8 spine, which needs `convert-spine-int8` first),
+every spine in each deltafin turn of every round.
+
 deltafin runs as `deltafin run --events-jsonl` (times from its `prefill_done` and `decode_step`
 events, i.e. the forward passes, no process start-up); llama.cpp runs in-process through
 llama-cpp-python (`Llama.eval` timed with perf_counter). Both engines must produce the same
@@ -66,6 +70,21 @@ def deltafin_run(binary: Path, root: Path, prompt: str, max_new: int, threads: i
     }
 
 
+def cpu_flags() -> str:
+    """The CPU's model name and the SIMD features the kernels choose between."""
+    name, flags = "?", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name == "?":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    want = ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni"]
+    return f"{name}; " + " ".join(f for f in want if f in flags)
+
+
 class Llama:
     """One llama.cpp context. llama-cpp-python 0.3.36 fills `scores` only with
     `logits_all=True`, so the decode context keeps every row's logits (one row per decode
@@ -117,6 +136,8 @@ def main() -> None:
                     help="prompt lengths to prefill (each measured in every round)")
     ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp micro-batch (n_ubatch)")
     ap.add_argument("--rounds", type=int, default=2, help="A B B A rounds")
+    ap.add_argument("--spines", nargs="+", default=["bf16"], choices=["bf16", "int8"],
+                    help="deltafin spine formats to measure (each in every deltafin turn)")
     ap.add_argument("--deltafin-arg", action="append", default=[],
                     help="extra argument for `deltafin run` (repeatable), e.g. --spine=bf16")
     ap.add_argument("--json", type=Path)
@@ -145,26 +166,31 @@ def main() -> None:
 
     rec = {"threads": args.threads, "decode_tokens": args.decode_tokens, "ubatch": args.ubatch,
            "prefill_tokens": [len(llama.tokens(p)) for p in prompts.values()], "rounds": []}
-    ours_dec, theirs_dec = [], []
-    ours_pre = {n: [] for n in prompts}
+    spines = args.spines
+    ours_dec = {sp: [] for sp in spines}
+    theirs_dec = []
+    ours_pre = {sp: {n: [] for n in prompts} for sp in spines}
     theirs_pre = {n: [] for n in prompts}
-    ids_match = True
+    ids_match = {sp: True for sp in spines}
+    ours_ids = {}
     for r in range(args.rounds):
         order = ["deltafin", "llama", "llama", "deltafin"]
         for who in order:
             if who == "deltafin":
-                d = deltafin_run(args.deltafin, args.model_root, DECODE_PROMPT, args.decode_tokens,
-                                 args.threads, args.deltafin_arg)
-                ours_dec.append(len(d["decode_s"]) / sum(d["decode_s"]))
-                ours_ids = d["ids"]
-                for n, prompt in prompts.items():
-                    ids = llama.tokens(prompt)
-                    p = deltafin_run(args.deltafin, args.model_root, prompt, 1, args.threads,
-                                     args.deltafin_arg)
-                    if p["prompt_tokens"] != len(ids):
-                        raise SystemExit(f"prompt token counts differ: deltafin "
-                                         f"{p['prompt_tokens']}, llama.cpp {len(ids)}")
-                    ours_pre[n].append(p["prompt_tokens"] / p["prefill_s"])
+                for sp in spines:
+                    extra = [f"--spine={sp}", *args.deltafin_arg]
+                    d = deltafin_run(args.deltafin, args.model_root, DECODE_PROMPT,
+                                     args.decode_tokens, args.threads, extra)
+                    ours_dec[sp].append(len(d["decode_s"]) / sum(d["decode_s"]))
+                    ours_ids[sp] = d["ids"]
+                    for n, prompt in prompts.items():
+                        ids = llama.tokens(prompt)
+                        p = deltafin_run(args.deltafin, args.model_root, prompt, 1, args.threads,
+                                         extra)
+                        if p["prompt_tokens"] != len(ids):
+                            raise SystemExit(f"prompt token counts differ: deltafin "
+                                             f"{p['prompt_tokens']}, llama.cpp {len(ids)}")
+                        ours_pre[sp][n].append(p["prompt_tokens"] / p["prefill_s"])
             else:
                 d = llama_dec.decode(short_ids, args.decode_tokens)
                 theirs_dec.append(len(d["decode_s"]) / sum(d["decode_s"]))
@@ -173,35 +199,46 @@ def main() -> None:
                     ids = llama.tokens(prompt)
                     theirs_pre[n].append(len(ids) / llama.prefill(ids))
             print(f"round {r + 1} {who}: load {os.getloadavg()[0]:.2f}", flush=True)
-        if ours_ids != theirs_ids:
-            ids_match = False
-            div = next((i for i, (a, b) in enumerate(zip(ours_ids, theirs_ids)) if a != b),
-                       min(len(ours_ids), len(theirs_ids)))
-            rec["first_divergence"] = {"step": div, "deltafin": ours_ids[div:div + 4],
-                                       "llama": theirs_ids[div:div + 4]}
+        for sp in spines:
+            if ours_ids[sp] != theirs_ids:
+                ids_match[sp] = False
+                a, b = ours_ids[sp], theirs_ids
+                div = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                rec.setdefault("first_divergence", {})[sp] = {
+                    "step": div, "deltafin": a[div:div + 4], "llama": b[div:div + 4]}
         rec["rounds"].append({
-            "deltafin_decode_tps": ours_dec[-2:], "llama_decode_tps": theirs_dec[-2:],
-            "deltafin_prefill_tps": {str(n): v[-2:] for n, v in ours_pre.items()},
+            "deltafin_decode_tps": {sp: v[-2:] for sp, v in ours_dec.items()},
+            "llama_decode_tps": theirs_dec[-2:],
+            "deltafin_prefill_tps": {sp: {str(n): v[-2:] for n, v in per.items()}
+                                     for sp, per in ours_pre.items()},
             "llama_prefill_tps": {str(n): v[-2:] for n, v in theirs_pre.items()},
             "load": os.getloadavg()[0]})
     med = statistics.median
     rec.update({
-        "deltafin_decode_tps": med(ours_dec), "llama_decode_tps": med(theirs_dec),
-        "decode_ratio": med(ours_dec) / med(theirs_dec),
-        "prefill": {str(n): {"deltafin_tps": med(ours_pre[n]), "llama_tps": med(theirs_pre[n]),
-                             "ratio": med(ours_pre[n]) / med(theirs_pre[n])} for n in prompts},
-        "greedy_ids_match": ids_match,
+        "cpu_flags": cpu_flags(),
+        "llama_decode_tps": med(theirs_dec),
+        "spines": {sp: {
+            "decode_tps": med(ours_dec[sp]),
+            "decode_ratio": med(ours_dec[sp]) / med(theirs_dec),
+            "prefill": {str(n): {"deltafin_tps": med(ours_pre[sp][n]),
+                                 "llama_tps": med(theirs_pre[n]),
+                                 "ratio": med(ours_pre[sp][n]) / med(theirs_pre[n])}
+                        for n in prompts},
+            "greedy_ids_match": ids_match[sp]} for sp in spines},
     })
     print(f"threads={args.threads} decode_tokens={args.decode_tokens} "
-          f"prefill_tokens={rec['prefill_tokens']} rounds={args.rounds} (A B B A)")
-    print(f"{'':16} {'deltafin':>12} {'llama.cpp':>12} {'ratio':>8}")
-    print(f"{'decode':16} {rec['deltafin_decode_tps']:>10.2f}/s {rec['llama_decode_tps']:>10.2f}/s "
-          f"{rec['decode_ratio']:>7.2f}x")
-    for n, v in rec["prefill"].items():
-        print(f"{'prefill ' + n:16} {v['deltafin_tps']:>10.1f}/s {v['llama_tps']:>10.1f}/s "
-              f"{v['ratio']:>7.2f}x")
-    print(f"greedy ids identical on the decode prompt: {ids_match}"
-          + ("" if ids_match else f" (first divergence: {rec['first_divergence']})"))
+          f"prefill_tokens={rec['prefill_tokens']} rounds={args.rounds} (A B B A); "
+          f"CPU: {rec['cpu_flags']}")
+    print(f"{'':22} {'deltafin':>12} {'llama.cpp':>12} {'ratio':>8}")
+    for sp, v in rec["spines"].items():
+        print(f"{'decode, ' + sp + ' spine':22} {v['decode_tps']:>10.2f}/s "
+              f"{rec['llama_decode_tps']:>10.2f}/s {v['decode_ratio']:>7.2f}x")
+        for n, p in v["prefill"].items():
+            print(f"{'prefill ' + n + ', ' + sp:22} {p['deltafin_tps']:>10.1f}/s "
+                  f"{p['llama_tps']:>10.1f}/s {p['ratio']:>7.2f}x")
+        print(f"greedy ids identical on the decode prompt ({sp} spine): {v['greedy_ids_match']}")
+    if "first_divergence" in rec:
+        print(f"first divergence: {rec['first_divergence']}")
     if args.json:
         args.json.write_text(json.dumps(rec, indent=1) + "\n")
 
