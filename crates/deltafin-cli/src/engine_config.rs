@@ -60,6 +60,8 @@ pub fn engine_config(
         device_reserve,
         scale4,
         context_tokens,
+        // One generation; `serve` sets its own count.
+        sequences: 1,
         stream,
         spine_resident_layers,
         spine_stream,

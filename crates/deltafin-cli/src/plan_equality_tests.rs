@@ -57,7 +57,16 @@ fn run_serve_and_the_library_plan_alike() {
     let root = d.path();
     let run = run_config(root, &[]);
     let serve = serve_config(root);
-    assert_eq!(run, serve);
+    // The server reserves KDA states for two generations (`serve::DEFAULT_SEQUENCES`);
+    // everything else is configured alike.
+    assert_eq!((run.sequences, serve.sequences), (1, 2));
+    assert_eq!(
+        run,
+        EngineConfig {
+            sequences: 1,
+            ..serve.clone()
+        }
+    );
     let run_plan = plan(crate::session::builder(root, &run));
     let serve_plan = plan(crate::session::builder(root, &serve));
     let library_plan = plan(
@@ -65,8 +74,27 @@ fn run_serve_and_the_library_plan_alike() {
             .memory_budget(Some(110_000_000))
             .spine(SpineFormat::Bf16),
     );
-    assert_eq!(run_plan, serve_plan);
+    let library_serve_plan = plan(
+        EngineBuilder::new(root)
+            .memory_budget(Some(110_000_000))
+            .spine(SpineFormat::Bf16)
+            .sequences(2),
+    );
     assert_eq!(run_plan, library_plan);
+    assert_eq!(serve_plan, library_serve_plan);
+    // The second generation's KDA state comes out of the expert cache.
+    let kda = serve_plan.state - run_plan.state;
+    assert_eq!(serve_plan.sequences, 2);
+    assert!(kda > 0);
+    assert_eq!(
+        serve_plan,
+        MemoryPlan {
+            state: run_plan.state + kda,
+            sequences: 2,
+            cache: run_plan.cache - kda,
+            ..run_plan.clone()
+        }
+    );
     // The budget makes the experts stream: the cache holds some of them, not all.
     assert_eq!(run_plan.budget, 110_000_000);
     assert!(run_plan.cache < run_plan.expert_bytes * run_plan.experts as u64);

@@ -270,16 +270,31 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
+/// Generations a server's memory plan reserves KDA states for: `--parallel`
+/// (`K3_SERVER_PARALLEL`), else [`DEFAULT_SEQUENCES`].
+fn planned_sequences(parallel: Option<(usize, &'static str)>) -> usize {
+    parallel.map_or(DEFAULT_SEQUENCES, |(n, _)| n)
+}
+
+/// Without `--parallel`, a memory budget reserves KDA states for two generations where the
+/// expert cache can spare the second (an agent's title or sub-agent request then runs beside
+/// its main turn instead of waiting for it); the default `--parallel` follows from the
+/// plan's reserve (`deltafin_openai::sharing`).
+pub const DEFAULT_SEQUENCES: usize = 2;
+
 /// The engine configuration `deltafin serve` loads with: the model flags and their
-/// variables (as `run`), and the router trace. A server does not know how long its
-/// contexts grow: the memory budget reserves state for `CONTEXT_RESERVE_TOKENS`.
+/// variables (as `run`), the router trace, and the generations to reserve state for. A
+/// server does not know how long its contexts grow: the memory budget reserves state for
+/// `CONTEXT_RESERVE_TOKENS` positions, shared by its generations.
 pub fn engine_config(args: &ServeArgs) -> Result<EngineConfig> {
     let router_trace = crate::engine_config::resolve_router_trace(
         args.router_trace.as_deref(),
         args.router_trace_mode.as_deref(),
         &args.model.root(),
     )?;
-    crate::engine_config::engine_config(&args.model, router_trace, None)
+    let mut config = crate::engine_config::engine_config(&args.model, router_trace, None)?;
+    config.sequences = planned_sequences(resolve_parallel(args.parallel)?);
+    Ok(config)
 }
 
 /// Runs the server until SIGINT, SIGTERM or SIGHUP.

@@ -404,7 +404,7 @@ fn serve_plan_line(root: &str, args: &[&str]) -> String {
     found.unwrap_or_else(|| panic!("serve printed no memory plan: {seen:?}"))
 }
 
-/// The token count of `run`'s memory-plan line: `… + state X GB (N tokens) + …`.
+/// The token count of `run`'s memory-plan line: `… + state X GB (N tokens, 1 sequence) + …`.
 fn planned_tokens(stderr: &str) -> u64 {
     let line = stderr
         .lines()

@@ -498,7 +498,7 @@ fn pinned_tier_fills_from_the_heat_file_and_tokens_match_the_resident_run() {
 #[test]
 fn the_budget_reserves_state_for_the_context_a_run_can_reach() {
     let tokens_reserved = |err: &str| -> usize {
-        let at = err.find(" tokens) + runtime").expect(err);
+        let at = err.find(" tokens, 1 sequence) + runtime").expect(err);
         let open = err[..at].rfind('(').expect(err);
         err[open + 1..at].parse().expect(err)
     };

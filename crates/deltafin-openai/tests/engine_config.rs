@@ -42,6 +42,28 @@ fn a_budgeted_engine_streams_and_answers_as_the_resident_one() {
 }
 
 #[test]
+fn a_budget_reserving_two_sequences_lets_two_generations_run_by_default() {
+    let root = model_root().to_path_buf();
+    let with = |sequences: usize| {
+        let config = EngineConfig {
+            memory_budget: Some(2_000_000_000),
+            sequences,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::load_with(&root, &config)
+            .unwrap()
+            .with_parallel(None);
+        let plan = engine.plan.clone().unwrap();
+        (plan.sequences, engine.sharing.parallel, plan.state)
+    };
+    let (one_planned, one_parallel, one_state) = with(1);
+    let (two_planned, two_parallel, two_state) = with(2);
+    assert_eq!((one_planned, one_parallel), (1, 1));
+    assert_eq!((two_planned, two_parallel), (2, 2));
+    assert!(two_state > one_state);
+}
+
+#[test]
 fn load_errors_keep_their_words() {
     let d = tempfile::tempdir().unwrap();
     let e = Engine::load(d.path()).err().unwrap();

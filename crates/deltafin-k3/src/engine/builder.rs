@@ -188,6 +188,13 @@ impl EngineBuilder {
         self
     }
 
+    /// Generations that will run together (a budget reserves a KDA state for each, as far as
+    /// the expert cache can spare them; [`EngineConfig::sequences`]).
+    pub fn sequences(mut self, n: usize) -> EngineBuilder {
+        self.config.sequences = n.max(1);
+        self
+    }
+
     /// An expert layer over the engine's source, made once the checkpoint is open.
     pub fn expert_layer(mut self, factory: ExpertLayerFactory) -> EngineBuilder {
         self.layer = Some(factory);
@@ -308,6 +315,7 @@ impl EngineBuilder {
                 resident_layers_cap: self.config.spine_resident_layers,
                 spine_copied: huge_pages.copies(),
                 state_cache: self.config.state_cache_ram,
+                sequences: self.config.sequences,
             },
         ))
     }

@@ -87,6 +87,10 @@ pub struct EngineConfig {
     /// budget then reserves state for that many tokens instead of
     /// [`CONTEXT_RESERVE_TOKENS`].
     pub context_tokens: Option<usize>,
+    /// Generations that will run together (a server's `--parallel`; 1 for one run): under a
+    /// memory budget the plan reserves a KDA state for each, as far as the expert cache can
+    /// spare them ([`crate::engine::MemoryPlan::sequences`]).
+    pub sequences: usize,
     /// Expert streaming under a budget: read threads, O_DIRECT policy, PILOT gate (the
     /// cache size is the plan's, whatever `cache_bytes` says here).
     pub stream: StreamOptions,
@@ -125,6 +129,7 @@ impl Default for EngineConfig {
             device_reserve: (DEVICE_RESERVE_GB * 1e9) as u64,
             scale4: Scale4Mode::Off,
             context_tokens: None,
+            sequences: 1,
             stream: StreamOptions::with_cache_bytes(0),
             expert_homes: Vec::new(),
             spine_resident_layers: None,

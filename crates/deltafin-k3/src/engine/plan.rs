@@ -32,6 +32,10 @@ pub struct PlanInputs {
     pub mla_cache_per_token: u64,
     /// Tokens of context to reserve state for (already capped by the model's context).
     pub context_tokens: usize,
+    /// Generations that may run together (a server's `--parallel`; 1 for one run): the
+    /// plan reserves a KDA state for each that the expert cache can spare, beyond the first
+    /// ([`MemoryPlan::sequences`]); they share the MLA cache of `context_tokens`.
+    pub sequences: usize,
     /// Process memory after loading (code, libraries, tokenizer, allocator).
     pub runtime: u64,
     /// Activation scratch and the one expert buffer that may be multiplied while evicted.
@@ -64,9 +68,14 @@ pub struct MemoryPlan {
     pub spine: u64,
     /// Whether the resident spine is copied into huge-page memory.
     pub spine_copied: bool,
-    /// KDA state plus the MLA cache for `context_tokens`.
+    /// A KDA state per sequence plus the MLA cache for `context_tokens`.
     pub state: u64,
     pub context_tokens: usize,
+    /// Sequences whose KDA states `state` holds: the ones asked for
+    /// ([`PlanInputs::sequences`]) as far as the expert cache can spare their states beyond
+    /// its minimum, at least 1. Their contexts together share the `context_tokens`
+    /// positions.
+    pub sequences: usize,
     /// Process memory after loading (RSS: code, libraries, tokenizer, allocator).
     pub runtime: u64,
     /// Activation scratch and the one expert that may be multiplied while evicted.
@@ -174,11 +183,17 @@ pub fn plan_memory(i: &PlanInputs) -> Result<MemoryPlan, PlanError> {
     };
     let (spine, spine_streamed, spine_buffers) = with_resident(resident_layers);
     let reserved = spine + spine_buffers + state + i.runtime + i.scratch;
-    let room = i.budget.saturating_sub(reserved);
+    let mut room = i.budget.saturating_sub(reserved);
+    let keep = min_cache.max(i.pin + i.expert_buffer);
+    // More sequences: a KDA state each, from the expert cache, as far as it stays above its
+    // minimum (never making a plan fail, nor streaming a spine layer).
+    let more = (i.sequences.max(1) - 1)
+        .min(usize::try_from(room.saturating_sub(keep) / i.kda_state.max(1)).unwrap_or(usize::MAX));
+    let state = state + more as u64 * i.kda_state;
+    room -= more as u64 * i.kda_state;
     // The prefix-state RAM tier: what was asked, at most an eighth of the budget, and never
     // the expert cache's minimum (nor the pinned tier and one unpinned buffer). It never
     // makes a plan fail: a small budget just holds fewer prefix states in RAM.
-    let keep = min_cache.max(i.pin + i.expert_buffer);
     let state_cache = i
         .state_cache
         .min(i.budget / STATE_CACHE_SHARE)
@@ -197,6 +212,7 @@ pub fn plan_memory(i: &PlanInputs) -> Result<MemoryPlan, PlanError> {
         spine_copied: i.spine_copied,
         state,
         context_tokens: i.context_tokens,
+        sequences: 1 + more,
         runtime: i.runtime,
         scratch: i.scratch,
         state_cache,
@@ -316,6 +332,8 @@ pub struct PlanRequest {
     pub spine_copied: bool,
     /// Bytes for the RAM tier of the prefix-state cache.
     pub state_cache: u64,
+    /// Generations that may run together ([`PlanInputs::sequences`]).
+    pub sequences: usize,
 }
 
 impl PlanInputs {
@@ -341,6 +359,7 @@ impl PlanInputs {
             kda_state: dims.kda_state_bytes() as u64,
             mla_cache_per_token: dims.mla_cache_bytes_per_token() as u64,
             context_tokens,
+            sequences: req.sequences.max(1),
             runtime: req.runtime,
             scratch: scratch_bytes(cfg, format, experts.buffer_bytes),
             state_cache: req.state_cache,
@@ -365,7 +384,7 @@ impl MemoryPlan {
     /// and `pilot`: the expert source's read path, its reader threads and the PILOT gate).
     pub fn describe(&self, io: &str, threads: usize, pilot: &str) -> String {
         format!(
-            "memory budget {:.3} GB = spine {:.3} GB ({}) + state {:.3} GB ({} tokens) + runtime {:.3} GB + scratch {:.3} GB + prefix states {:.3} GB + expert cache {:.3} GB ({} of {} experts, {:.1}%; pinned tier {:.3} GB of it); experts stream from the shards ({}; {}), io={io} read_threads={threads} pilot_gate={pilot}",
+            "memory budget {:.3} GB = spine {:.3} GB ({}) + state {:.3} GB ({} tokens, {} sequence{}) + runtime {:.3} GB + scratch {:.3} GB + prefix states {:.3} GB + expert cache {:.3} GB ({} of {} experts, {:.1}%; pinned tier {:.3} GB of it); experts stream from the shards ({}; {}), io={io} read_threads={threads} pilot_gate={pilot}",
             gb(self.budget),
             gb(self.spine),
             if self.spine_resident_layers >= self.spine_layers {
@@ -386,6 +405,8 @@ impl MemoryPlan {
             },
             gb(self.state),
             self.context_tokens,
+            self.sequences,
+            if self.sequences == 1 { "" } else { "s" },
             gb(self.runtime),
             gb(self.scratch),
             gb(self.state_cache),

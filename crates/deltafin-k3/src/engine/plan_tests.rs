@@ -57,6 +57,7 @@ fn real_inputs(budget_gb: u64, format: SpineFormat) -> PlanInputs {
             resident_layers_cap: None,
             spine_copied: true,
             state_cache: 0,
+            sequences: 1,
         },
     )
 }
@@ -111,6 +112,7 @@ fn real_k3_sizes_feed_the_planner() {
         resident_layers_cap: None,
         spine_copied: false,
         state_cache: 0,
+        sequences: 1,
     };
     long.context_tokens = PlanInputs::for_model(
         &cfg,
@@ -237,6 +239,7 @@ fn small_sizes_by_hand() {
         kda_state: 10,
         mla_cache_per_token: 0,
         context_tokens: 0,
+        sequences: 1,
         runtime: 0,
         scratch: 0,
         expert_bytes: 8,
@@ -280,6 +283,31 @@ fn small_sizes_by_hand() {
         p.describe("x", 1, "off")
             .contains("(10 of 10 experts, 100.0%;")
     );
+    // Three sequences: two more KDA states (10 B each) from the expert cache.
+    let three = plan_memory(&PlanInputs {
+        sequences: 3,
+        ..i.clone()
+    })
+    .unwrap();
+    assert_eq!((three.sequences, three.state, three.cache), (3, 30, 720));
+    assert!(three.describe("x", 1, "off").contains("3 sequences"));
+    assert!(p.describe("x", 1, "off").contains("(0 tokens, 1 sequence)"));
+    // Only as many as the cache can spare above its minimum (one buffer): 268 + 15 B holds
+    // one more state, not two, and the plan never fails for them.
+    let spare = plan_memory(&PlanInputs {
+        sequences: 3,
+        budget: 268 + 15,
+        ..i.clone()
+    })
+    .unwrap();
+    assert_eq!((spare.sequences, spare.state, spare.cache), (2, 20, 13));
+    let none = plan_memory(&PlanInputs {
+        sequences: 3,
+        budget: 268,
+        ..i.clone()
+    })
+    .unwrap();
+    assert_eq!((none.sequences, none.state, none.cache), (1, 10, 8));
     // 300 B: the whole spine (250) + state (10) + one buffer (8) fits.
     let p = plan_memory(&PlanInputs {
         budget: 268,
@@ -326,4 +354,25 @@ fn the_longest_admitted_context_is_the_last_that_plans() {
         max_context_tokens(&real_inputs(2, SpineFormat::Int8), limit),
         None
     );
+}
+
+#[test]
+fn a_server_on_real_k3_reserves_a_second_kda_state_where_the_cache_spares_it() {
+    for budget_gb in [64, 512] {
+        let one = real_inputs(budget_gb, SpineFormat::Int8);
+        let p1 = plan_memory(&one).unwrap();
+        let p2 = plan_memory(&PlanInputs {
+            sequences: 2,
+            ..one.clone()
+        })
+        .unwrap();
+        assert_eq!((p1.sequences, p2.sequences), (1, 2));
+        assert_eq!(p2.state, p1.state + one.kda_state);
+        assert_eq!(
+            p2.cache + p2.state_cache,
+            p1.cache + p1.state_cache - one.kda_state
+        );
+        assert_eq!(p2.spine_resident_layers, p1.spine_resident_layers);
+        check_split(&p2, &one);
+    }
 }
