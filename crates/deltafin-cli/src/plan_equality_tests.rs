@@ -57,8 +57,8 @@ fn run_serve_and_the_library_plan_alike() {
     let root = d.path();
     let run = run_config(root, &[]);
     let serve = serve_config(root);
-    // The server reserves KDA states for two generations (`serve::DEFAULT_SEQUENCES`);
-    // everything else is configured alike.
+    // The server reserves state for two generations (`serve::DEFAULT_SEQUENCES`); everything
+    // else is configured alike.
     assert_eq!((run.sequences, serve.sequences), (1, 2));
     assert_eq!(
         run,
@@ -82,19 +82,21 @@ fn run_serve_and_the_library_plan_alike() {
     );
     assert_eq!(run_plan, library_plan);
     assert_eq!(serve_plan, library_serve_plan);
-    // The second generation's KDA state comes out of the expert cache.
-    let kda = serve_plan.state - run_plan.state;
+    // The second generation's state (a KDA state and a side context) comes out of the
+    // expert cache.
+    let second = serve_plan.state - run_plan.state;
     assert_eq!(serve_plan.sequences, 2);
-    assert!(kda > 0);
+    assert!(second > 0);
     assert_eq!(
         serve_plan,
         MemoryPlan {
-            state: run_plan.state + kda,
+            state: run_plan.state + second,
             sequences: 2,
-            cache: run_plan.cache - kda,
+            cache: run_plan.cache - second,
             ..run_plan.clone()
         }
     );
+
     // The budget makes the experts stream: the cache holds some of them, not all.
     assert_eq!(run_plan.budget, 110_000_000);
     assert!(run_plan.cache < run_plan.expert_bytes * run_plan.experts as u64);

@@ -270,16 +270,16 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
-/// Generations a server's memory plan reserves KDA states for: `--parallel`
+/// Generations a server's memory plan reserves state for: `--parallel`
 /// (`K3_SERVER_PARALLEL`), else [`DEFAULT_SEQUENCES`].
 fn planned_sequences(parallel: Option<(usize, &'static str)>) -> usize {
     parallel.map_or(DEFAULT_SEQUENCES, |(n, _)| n)
 }
 
-/// Without `--parallel`, a memory budget reserves KDA states for two generations where the
-/// expert cache can spare the second (an agent's title or sub-agent request then runs beside
-/// its main turn instead of waiting for it); the default `--parallel` follows from the
-/// plan's reserve (`deltafin_openai::sharing`).
+/// Without `--parallel`, a memory budget reserves state for two generations where the expert
+/// cache can spare the second's (a KDA state and a side context: an agent's title or
+/// sub-agent request then runs beside its main turn instead of waiting for it); the default
+/// `--parallel` follows from the plan's reserve (`deltafin_openai::sharing`).
 pub const DEFAULT_SEQUENCES: usize = 2;
 
 /// The engine configuration `deltafin serve` loads with: the model flags and their

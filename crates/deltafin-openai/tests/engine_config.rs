@@ -42,7 +42,7 @@ fn a_budgeted_engine_streams_and_answers_as_the_resident_one() {
 }
 
 #[test]
-fn a_budget_reserving_two_sequences_lets_two_generations_run_by_default() {
+fn a_budget_reserving_two_sequences_runs_a_side_request_beside_a_whole_context() {
     let root = model_root().to_path_buf();
     let with = |sequences: usize| {
         let config = EngineConfig {
@@ -54,13 +54,13 @@ fn a_budget_reserving_two_sequences_lets_two_generations_run_by_default() {
             .unwrap()
             .with_parallel(None);
         let plan = engine.plan.clone().unwrap();
-        (plan.sequences, engine.sharing.parallel, plan.state)
+        let s = &engine.sharing;
+        // A main turn holding the whole admitted context, and a short side request.
+        let main_and_side = s.state_bytes(engine.max_context, 0) + s.state_bytes(600, 400);
+        (plan.sequences, s.parallel, s.reserve_bytes >= main_and_side)
     };
-    let (one_planned, one_parallel, one_state) = with(1);
-    let (two_planned, two_parallel, two_state) = with(2);
-    assert_eq!((one_planned, one_parallel), (1, 1));
-    assert_eq!((two_planned, two_parallel), (2, 2));
-    assert!(two_state > one_state);
+    assert_eq!(with(1), (1, 1, false));
+    assert_eq!(with(2), (2, 2, true));
 }
 
 #[test]

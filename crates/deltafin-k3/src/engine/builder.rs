@@ -188,8 +188,8 @@ impl EngineBuilder {
         self
     }
 
-    /// Generations that will run together (a budget reserves a KDA state for each, as far as
-    /// the expert cache can spare them; [`EngineConfig::sequences`]).
+    /// Generations that will run together (a budget reserves state for each, as far as the
+    /// expert cache can spare it; [`EngineConfig::sequences`]).
     pub fn sequences(mut self, n: usize) -> EngineBuilder {
         self.config.sequences = n.max(1);
         self

@@ -88,7 +88,8 @@ pub struct EngineConfig {
     /// [`CONTEXT_RESERVE_TOKENS`].
     pub context_tokens: Option<usize>,
     /// Generations that will run together (a server's `--parallel`; 1 for one run): under a
-    /// memory budget the plan reserves a KDA state for each, as far as the expert cache can
+    /// memory budget the plan reserves, for each beyond the first, a KDA state and
+    /// [`crate::engine::plan::SIDE_CONTEXT_TOKENS`] positions, as far as the expert cache can
     /// spare them ([`crate::engine::MemoryPlan::sequences`]).
     pub sequences: usize,
     /// Expert streaming under a budget: read threads, O_DIRECT policy, PILOT gate (the

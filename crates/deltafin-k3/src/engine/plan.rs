@@ -13,6 +13,11 @@ use deltafin_store::spine_int8::{SpineFormat, quantized_tensors};
 /// caller does not know how long its context can grow (a server, an open-ended run).
 pub const CONTEXT_RESERVE_TOKENS: usize = 32_768;
 
+/// Positions of MLA cache the plan reserves, beside a KDA state, for each generation that
+/// runs beside the first ([`PlanInputs::sequences`]): room for a side request (a title, a
+/// summary, a sub-agent's short turn) while a main turn holds the whole reserved context.
+pub const SIDE_CONTEXT_TOKENS: usize = 8_192;
+
 /// Everything [`plan_memory`] needs, in bytes unless said otherwise.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanInputs {
@@ -32,9 +37,9 @@ pub struct PlanInputs {
     pub mla_cache_per_token: u64,
     /// Tokens of context to reserve state for (already capped by the model's context).
     pub context_tokens: usize,
-    /// Generations that may run together (a server's `--parallel`; 1 for one run): the
-    /// plan reserves a KDA state for each that the expert cache can spare, beyond the first
-    /// ([`MemoryPlan::sequences`]); they share the MLA cache of `context_tokens`.
+    /// Generations that may run together (a server's `--parallel`; 1 for one run): beyond
+    /// the first, the plan reserves a KDA state and [`SIDE_CONTEXT_TOKENS`] positions of MLA
+    /// cache for each that the expert cache can spare ([`MemoryPlan::sequences`]).
     pub sequences: usize,
     /// Process memory after loading (code, libraries, tokenizer, allocator).
     pub runtime: u64,
@@ -68,13 +73,14 @@ pub struct MemoryPlan {
     pub spine: u64,
     /// Whether the resident spine is copied into huge-page memory.
     pub spine_copied: bool,
-    /// A KDA state per sequence plus the MLA cache for `context_tokens`.
+    /// A KDA state per sequence plus the MLA cache for `context_tokens` and, for each
+    /// sequence beyond the first, [`SIDE_CONTEXT_TOKENS`] more (at most `context_tokens`).
     pub state: u64,
     pub context_tokens: usize,
-    /// Sequences whose KDA states `state` holds: the ones asked for
-    /// ([`PlanInputs::sequences`]) as far as the expert cache can spare their states beyond
-    /// its minimum, at least 1. Their contexts together share the `context_tokens`
-    /// positions.
+    /// Sequences `state` is reserved for: the ones asked for ([`PlanInputs::sequences`]) as
+    /// far as the expert cache can spare their states beyond its minimum, at least 1. Their
+    /// contexts together share the reserved positions (admission counts each request's
+    /// prompt and `max_tokens`).
     pub sequences: usize,
     /// Process memory after loading (RSS: code, libraries, tokenizer, allocator).
     pub runtime: u64,
@@ -185,12 +191,14 @@ pub fn plan_memory(i: &PlanInputs) -> Result<MemoryPlan, PlanError> {
     let reserved = spine + spine_buffers + state + i.runtime + i.scratch;
     let mut room = i.budget.saturating_sub(reserved);
     let keep = min_cache.max(i.pin + i.expert_buffer);
-    // More sequences: a KDA state each, from the expert cache, as far as it stays above its
-    // minimum (never making a plan fail, nor streaming a spine layer).
+    // More sequences: a KDA state and a side context each, from the expert cache, as far as
+    // it stays above its minimum (never making a plan fail, nor streaming a spine layer).
+    let side =
+        i.kda_state + SIDE_CONTEXT_TOKENS.min(i.context_tokens) as u64 * i.mla_cache_per_token;
     let more = (i.sequences.max(1) - 1)
-        .min(usize::try_from(room.saturating_sub(keep) / i.kda_state.max(1)).unwrap_or(usize::MAX));
-    let state = state + more as u64 * i.kda_state;
-    room -= more as u64 * i.kda_state;
+        .min(usize::try_from(room.saturating_sub(keep) / side.max(1)).unwrap_or(usize::MAX));
+    let state = state + more as u64 * side;
+    room -= more as u64 * side;
     // The prefix-state RAM tier: what was asked, at most an eighth of the budget, and never
     // the expert cache's minimum (nor the pinned tier and one unpinned buffer). It never
     // makes a plan fail: a small budget just holds fewer prefix states in RAM.
