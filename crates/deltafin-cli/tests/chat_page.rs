@@ -298,7 +298,11 @@ impl Drop for Driver {
 // The server process.
 
 fn spawn_server(bench: &Path) -> ServeProcess {
+    // One generation at a time (a budget's plan would admit two): the page's slot, queue and
+    // refusal are what this test drives.
     serve_process([
+        "--parallel",
+        "1",
         "--queue",
         "1",
         "--api-key",
