@@ -704,7 +704,10 @@ fn chat_page_in_headless_chromium() {
     assert_eq!(problems, json!([[], []]));
 
     // Reload: the conversation is still there (and the key: no dialog). A stored answer's
-    // markdown is rendered and sanitized.
+    // markdown is rendered and sanitized. The page saves its conversations a second after a
+    // change (`persistSoon` in app.js): let a pending save land first, or it overwrites the
+    // list edited here behind the page's back.
+    std::thread::sleep(Duration::from_millis(1500));
     d.js(
         r#"const cs = JSON.parse(localStorage.getItem('deltafin.conversations.v1'));
            cs.push({id: 'md', title: 'Markdown', created: 0, messages: [
