@@ -167,6 +167,17 @@ def main() -> None:
     rec = {"threads": args.threads, "decode_tokens": args.decode_tokens, "ubatch": args.ubatch,
            "prefill_tokens": [len(llama.tokens(p)) for p in prompts.values()], "rounds": []}
     spines = args.spines
+    # A spine named through --deltafin-arg (the older spelling) selects that one spine.
+    rest = []
+    it = iter(args.deltafin_arg)
+    for a in it:
+        if a.startswith("--spine="):
+            spines = [a.split("=", 1)[1]]
+        elif a == "--spine":
+            spines = [next(it, "bf16")]
+        else:
+            rest.append(a)
+    args.deltafin_arg = rest
     ours_dec = {sp: [] for sp in spines}
     theirs_dec = []
     ours_pre = {sp: {n: [] for n in prompts} for sp in spines}
